@@ -1,0 +1,152 @@
+"""The `WeightStore` protocol: versioned weights, shard checkpoints, membership and leases.
+
+Weights are immutable, content-addressed safetensors blobs. Publishing a version is two steps:
+blobs are written first with a short "pending" expiry, then one atomic compare-and-set commits
+the manifest, makes the blobs permanent and bumps the version. A crash between blob writes leaves
+only expiring orphans; a reader never sees a manifest that names a missing blob; of two racing
+aggregators exactly one commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+Weights = Mapping[str, torch.Tensor]
+
+# Part names of design §6.
+CLIENT_PART = "client"
+AUX_PART = "aux"
+SERVER_PART = "server"
+PARTS = (CLIENT_PART, AUX_PART, SERVER_PART)
+GLOBAL_OWNER = "global"
+
+# Version number when nothing has been published yet; the first publication creates version 1.
+NO_VERSION = 0
+
+
+@dataclass(frozen=True, order=True)
+class BlobRef:
+    """Which weights a blob holds: `part` (client/aux/server) owned by `owner` (global, a client
+    id or a shard id)."""
+
+    part: str
+    owner: str = GLOBAL_OWNER
+
+    @property
+    def name(self) -> str:
+        return f"{self.part}:{self.owner}"
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    ref: BlobRef
+    sha256: str
+    nbytes: int
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    entries: Mapping[BlobRef, ManifestEntry]
+    created_at: float = 0.0
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A shard replica and how many server updates it has applied.
+
+    `meta` holds small msgpack-able bookkeeping (e.g. the last applied seq per client), so a
+    resuming worker can apply each redelivered batch exactly once on top of it.
+    """
+
+    shard: int
+    applied: int
+    weights: Weights
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    saved_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Member:
+    member_id: str
+    expires_at: float
+    info: Mapping[str, str] = field(default_factory=dict)
+
+
+class WeightStore(Protocol):
+    """Implemented by the Redis store and the in-memory store (the embedded default)."""
+
+    # --- versions -----------------------------------------------------------------------------
+    def current_version(self, job: str) -> int:
+        """The newest committed version, or `NO_VERSION`."""
+        ...
+
+    def publish_version(
+        self,
+        job: str,
+        expected_current: int,
+        blobs: Mapping[BlobRef, Weights],
+        *,
+        samples: Mapping[BlobRef, int] | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> int:
+        """Write the blobs, then atomically commit version `expected_current + 1`.
+
+        Raises `VersionConflictError` if the current version is no longer `expected_current`
+        (another aggregator won). Applies retention after a successful commit.
+        """
+        ...
+
+    def manifest(self, job: str, version: int) -> Manifest:
+        """The manifest of `version`; `VersionNotFoundError` if absent or expired by retention."""
+        ...
+
+    def read_blob(self, job: str, version: int, ref: BlobRef) -> dict[str, torch.Tensor]:
+        """One blob of a version, verified against its manifest sha256."""
+        ...
+
+    def versions(self, job: str) -> list[int]:
+        """Versions still retained, oldest first."""
+        ...
+
+    # --- shard checkpoints --------------------------------------------------------------------
+    def save_checkpoint(self, job: str, checkpoint: Checkpoint) -> None:
+        """Atomically replace the shard's checkpoint."""
+        ...
+
+    def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None: ...
+
+    # --- membership (liveness by expiry) ------------------------------------------------------
+    def heartbeat(
+        self, job: str, member_id: str, ttl_s: float, info: Mapping[str, str] | None = None
+    ) -> None: ...
+
+    def remove_member(self, job: str, member_id: str) -> None: ...
+
+    def live_members(self, job: str) -> dict[str, Member]:
+        """Members whose last heartbeat has not yet expired (expired ones are pruned)."""
+        ...
+
+    # --- leases (e.g. a worker's claim on a shard) --------------------------------------------
+    def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:
+        """Take or renew lease `name` for `owner`; False if someone else holds it."""
+        ...
+
+    def release_lease(self, job: str, name: str, owner: str) -> None:
+        """Release the lease if `owner` still holds it."""
+        ...
+
+    def lease_owner(self, job: str, name: str) -> str | None: ...
+
+    # --- operations ---------------------------------------------------------------------------
+    def delete_job(self, job: str) -> None:
+        """Remove every key of a job (tests and operators)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,96 @@
+"""Exchange and queue names of design §4, built in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.transport import QueueSpec
+
+SMASHED_EXCHANGE = "splitmq.smashed"
+CONTROL_EXCHANGE = "splitmq.control"
+REPLIES_EXCHANGE = "splitmq.replies"
+EVENTS_EXCHANGE = "splitmq.events"
+DEAD_EXCHANGE = "splitmq.dead"
+
+# (name, type); every broker declares all of them before any queue.
+EXCHANGES: tuple[tuple[str, str], ...] = (
+    (SMASHED_EXCHANGE, "direct"),
+    (CONTROL_EXCHANGE, "direct"),
+    (REPLIES_EXCHANGE, "direct"),
+    (EVENTS_EXCHANGE, "fanout"),
+    (DEAD_EXCHANGE, "direct"),
+)
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds on a shard queue: a full queue refuses publishes (back-pressure)."""
+
+    max_length: int = 10_000
+    max_length_bytes: int = 1 << 30
+
+
+def shard_queue_name(job: str, shard: int) -> str:
+    return f"{job}.smashed.{shard}"
+
+
+def shard_routing_key(job: str, shard: int) -> str:
+    return f"{job}.{shard}"
+
+
+def control_queue_name(job: str) -> str:
+    return f"{job}.control"
+
+
+def dead_queue_name(job: str) -> str:
+    return f"{job}.dead"
+
+
+def reply_queue_name(job: str, client: str) -> str:
+    return f"{job}.reply.{client}"
+
+
+def reply_routing_key(job: str, client: str) -> str:
+    return f"{job}.{client}"
+
+
+def shard_queue(job: str, shard: int, limits: QueueLimits | None = None) -> QueueSpec:
+    limits = limits or QueueLimits()
+    return QueueSpec(
+        name=shard_queue_name(job, shard),
+        exchange=SMASHED_EXCHANGE,
+        routing_key=shard_routing_key(job, shard),
+        single_active_consumer=True,
+        max_length=limits.max_length,
+        max_length_bytes=limits.max_length_bytes,
+        dead_letter_routing_key=job,
+    )
+
+
+def control_queue(job: str) -> QueueSpec:
+    return QueueSpec(
+        name=control_queue_name(job),
+        exchange=CONTROL_EXCHANGE,
+        routing_key=job,
+        dead_letter_routing_key=job,
+    )
+
+
+def dead_queue(job: str) -> QueueSpec:
+    return QueueSpec(name=dead_queue_name(job), exchange=DEAD_EXCHANGE, routing_key=job)
+
+
+def reply_queue(job: str, client: str) -> QueueSpec:
+    return QueueSpec(
+        name=reply_queue_name(job, client),
+        exchange=REPLIES_EXCHANGE,
+        routing_key=reply_routing_key(job, client),
+        dead_letter_routing_key=job,
+    )
+
+
+def job_queues(job: str, shards: int, limits: QueueLimits | None = None) -> list[QueueSpec]:
+    """The server-side queues of a job: dead letters first, so rejected messages have a home."""
+    specs = [dead_queue(job), control_queue(job)]
+    specs.extend(shard_queue(job, s, limits) for s in range(shards))
+    return specs

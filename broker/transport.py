@@ -1,0 +1,113 @@
+"""The `Broker` protocol: how every role moves bytes between processes.
+
+A `Broker` instance belongs to one thread (pika is not thread-safe). Consumption is pull-style:
+`subscribe` to queues, then `get` deliveries; this lets a worker drain several queued messages of
+a shard into one batch without callbacks, and lets tests step a consumer deterministically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+HeaderValue = str | int | float | bool | bytes
+Headers = Mapping[str, HeaderValue]
+
+# Header names SplitMQ sets on dead-lettered messages.
+REASON_HEADER = "x-splitmq-reason"
+SOURCE_QUEUE_HEADER = "x-splitmq-queue"
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """A queue and its binding. Declaring it is idempotent; brokers re-declare on reconnect."""
+
+    name: str
+    exchange: str
+    routing_key: str
+    durable: bool = True
+    single_active_consumer: bool = False
+    max_length: int | None = None
+    max_length_bytes: int | None = None
+    # Where rejected messages go: routing key on the dead-letter exchange (None: not dead-lettered).
+    dead_letter_routing_key: str | None = None
+    exclusive: bool = False
+    auto_delete: bool = False
+
+
+@dataclass
+class Delivery:
+    """One received message. `tag` is opaque to callers; ack/nack go through the broker."""
+
+    body: bytes
+    queue: str
+    routing_key: str
+    tag: int
+    redelivered: bool = False
+    headers: Headers = field(default_factory=dict)
+    message_id: str | None = None
+    user_id: str | None = None
+    # Which connection this came on; an ack on a lost connection is meaningless.
+    generation: int = 0
+
+
+class Broker(Protocol):
+    """Publish with confirm, consume with manual ack/nack, dead-letter with a reason, close."""
+
+    def declare(self, queues: Sequence[QueueSpec]) -> None:
+        """Declare SplitMQ's exchanges and the given queues with their bindings (idempotent)."""
+        ...
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        user_id: str | None = None,
+    ) -> None:
+        """Publish persistently and mandatorily; return once the broker has confirmed it.
+
+        Raises `BackPressureError` (queue full, nothing enqueued), `UnroutableError`,
+        `MessageTooLargeError` or `BrokerUnavailableError`.
+        """
+        ...
+
+    def subscribe(self, queue: str, *, prefetch: int) -> None:
+        """Start receiving from `queue`, with at most `prefetch` unacknowledged deliveries."""
+        ...
+
+    def unsubscribe(self, queue: str) -> None:
+        """Stop receiving from `queue`; deliveries not yet acked are returned to the queue."""
+        ...
+
+    def get(self, timeout: float) -> Delivery | None:
+        """The next delivery from any subscribed queue, waiting at most `timeout` seconds."""
+        ...
+
+    def ack(self, delivery: Delivery) -> None:
+        """Acknowledge; raises `StaleDeliveryError` if its connection has been lost meanwhile."""
+        ...
+
+    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
+        """Reject; with `requeue=False` the queue's dead-letter routing applies (no reason)."""
+        ...
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Move a delivery to its queue's dead-letter queue with `reason` in a header."""
+        ...
+
+    def queue_depth(self, queue: str) -> int:
+        """Messages ready in `queue` (not counting unacknowledged ones)."""
+        ...
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete a queue and its messages (operators and tests)."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection; unacked deliveries return to their queues."""
+        ...
