@@ -11,12 +11,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-HeaderValue = str | int | float | bool | bytes
+# No float: pika cannot encode floats in an AMQP field table, so a float header would work with
+# the in-memory broker and fail on RabbitMQ. Integers must fit in 64 signed bits.
+HeaderValue = str | int | bool | bytes
 Headers = Mapping[str, HeaderValue]
 
 # Header names SplitMQ sets on dead-lettered messages.
 REASON_HEADER = "x-splitmq-reason"
 SOURCE_QUEUE_HEADER = "x-splitmq-queue"
+# The original AMQP user_id of a dead-lettered message: the copy cannot keep the property because
+# RabbitMQ only accepts a user_id equal to the publishing connection's user.
+USER_HEADER = "x-splitmq-user"
+
+# RabbitMQ 3.x's default max_message_size (4.x: 16 MiB); brokers refuse larger bodies up front.
+DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,19 @@ class Delivery:
     user_id: str | None = None
     # Which connection this came on; an ack on a lost connection is meaningless.
     generation: int = 0
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What `splitmq doctor` reports about a broker: who answers and whether it works for us."""
+
+    product: str
+    version: str
+    can_declare: bool
+    can_publish: bool
+    max_message_bytes: int
+    # Why a check failed ("" when both passed).
+    detail: str = ""
 
 
 class Broker(Protocol):

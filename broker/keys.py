@@ -1,0 +1,102 @@
+"""Every Redis key name of design §6, built in one place.
+
+The in-memory store uses the same names for its blobs, so both stores report identical keys.
+Job names are restricted to a glob-free alphabet without ':' because `delete_job` removes
+`splitmq:<job>:*` with SCAN MATCH: a job "a" must never match the keys of a job "a:b", and a job
+name must never be read as a pattern.
+"""
+
+from __future__ import annotations
+
+import re
+
+from broker.store import BlobRef
+
+ROOT = "splitmq"
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+# Length of the sha256 prefix that makes blob keys content-addressed.
+SHA_PREFIX_LEN = 16
+
+
+def validate_job(job: str) -> str:
+    if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
+        raise ValueError(
+            f"invalid job name {job!r}: use 1-128 characters of [A-Za-z0-9_.-], "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def validate_ref(ref: BlobRef) -> BlobRef:
+    # ':' would make "<part>:<owner>" ambiguous in blob keys and manifest fields.
+    for what, value in (("part", ref.part), ("owner", ref.owner)):
+        if not isinstance(value, str) or not value or ":" in value:
+            raise ValueError(f"invalid blob {what} {value!r}: must be non-empty without ':'")
+    return ref
+
+
+def validate_name(what: str, value: str) -> str:
+    """Member ids and lease names: any non-empty string (they are never parsed back)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"invalid {what} {value!r}: must be a non-empty string")
+    return value
+
+
+def job_prefix(job: str) -> str:
+    return f"{ROOT}:{validate_job(job)}:"
+
+
+def job_pattern(job: str) -> str:
+    """SCAN MATCH pattern of every key of `job` (safe: job names hold no glob characters)."""
+    return job_prefix(job) + "*"
+
+
+def version_key(job: str) -> str:
+    return job_prefix(job) + "version"
+
+
+def versions_key(job: str) -> str:
+    """Sorted set of retained versions (member and score: the version number)."""
+    return job_prefix(job) + "versions"
+
+
+def manifest_key(job: str, version: int) -> str:
+    return job_prefix(job) + f"manifest:{int(version)}"
+
+
+def blob_key(job: str, ref: BlobRef, version: int, sha256: str) -> str:
+    """`splitmq:<job>:w:<part>:<owner>:<v>:<sha16>`.
+
+    The sha suffix (beyond design §6) makes keys content-addressed: two aggregators racing for
+    the same version write different keys, so the loser can never overwrite the winner's blob.
+    """
+    validate_ref(ref)
+    return job_prefix(job) + f"w:{ref.part}:{ref.owner}:{int(version)}:{sha256[:SHA_PREFIX_LEN]}"
+
+
+def blob_pattern(job: str) -> str:
+    return job_prefix(job) + "w:*"
+
+
+def checkpoint_key(job: str, shard: int) -> str:
+    return job_prefix(job) + f"ckpt:{int(shard)}"
+
+
+def members_key(job: str) -> str:
+    """Sorted set: member id -> expiry (server epoch seconds)."""
+    return job_prefix(job) + "members"
+
+
+def members_info_key(job: str) -> str:
+    """Hash: member id -> JSON object of the member's info."""
+    return job_prefix(job) + "members:info"
+
+
+def lease_key(job: str, name: str) -> str:
+    return job_prefix(job) + f"lease:{validate_name('lease name', name)}"
+
+
+def probe_key(token: str) -> str:
+    """Scratch key for `splitmq doctor`; '_' cannot start a job name, so it never collides."""
+    return f"{ROOT}:_probe:{token}"

@@ -1,0 +1,135 @@
+"""The embedded `Broker`: RabbitMQ's semantics inside one process, no server needed.
+
+Each thread opens its own `InMemoryBroker` handle over one shared `InMemoryHub`, as it would open
+its own RabbitMQ connection; the hub holds the queues. Everything the contract suite checks on
+RabbitMQ holds here too (confirms are implicit: `publish` returns once the message is enqueued).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from broker.errors import BrokerError, MessageTooLargeError
+from broker.headers import outgoing_headers
+from broker.memory_hub import InMemoryHub
+from broker.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Broker,
+    Delivery,
+    Headers,
+    QueueSpec,
+    ServerInfo,
+)
+
+__all__ = ["InMemoryBroker", "InMemoryHub"]
+
+
+class InMemoryBroker:
+    """One handle (like one connection) on an `InMemoryHub`; implements `broker.transport.Broker`.
+
+    `user` plays the authenticated AMQP user: when set, a publish whose `user_id` differs is
+    refused as RabbitMQ would. `hub=None` gives the handle a private hub.
+    """
+
+    def __init__(
+        self,
+        hub: InMemoryHub | None = None,
+        *,
+        user: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self._hub = hub if hub is not None else InMemoryHub()
+        self._session = self._hub.open_session()
+        self._user = user
+        self._max_message_bytes = max_message_bytes
+
+    @property
+    def hub(self) -> InMemoryHub:
+        return self._hub
+
+    def declare(self, queues: Sequence[QueueSpec]) -> None:
+        self._hub.declare(self._session, queues)
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        user_id: str | None = None,
+    ) -> None:
+        if not isinstance(body, bytes):
+            # The queue keeps a reference: a mutable buffer could change after the publish.
+            raise TypeError(f"body must be bytes, not {type(body).__name__}")
+        if len(body) > self._max_message_bytes:
+            raise MessageTooLargeError(
+                f"body of {len(body)} bytes exceeds the broker's maximum message size of "
+                f"{self._max_message_bytes} bytes (exchange {exchange!r}, key {routing_key!r})"
+            )
+        if user_id is not None and self._user is not None and user_id != self._user:
+            raise BrokerError(
+                f"user_id {user_id!r} differs from this connection's user {self._user!r}"
+            )
+        self._hub.publish(
+            self._session,
+            exchange,
+            routing_key,
+            body,
+            outgoing_headers(headers) or {},
+            message_id,
+            user_id,
+        )
+
+    def subscribe(self, queue: str, *, prefetch: int) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self._hub.subscribe(self._session, queue, prefetch)
+
+    def unsubscribe(self, queue: str) -> None:
+        self._hub.unsubscribe(self._session, queue)
+
+    def get(self, timeout: float) -> Delivery | None:
+        return self._hub.next_delivery(self._session, timeout)
+
+    def ack(self, delivery: Delivery) -> None:
+        self._hub.ack(self._session, delivery)
+
+    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
+        self._hub.nack(self._session, delivery, requeue)
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self._hub.dead_letter(self._session, delivery, reason)
+
+    def queue_depth(self, queue: str) -> int:
+        return self._hub.queue_depth(self._session, queue)
+
+    def delete_queue(self, queue: str) -> None:
+        self._hub.delete_queue(self._session, queue)
+
+    def close(self) -> None:
+        self._hub.close(self._session)
+
+    def server_info(self) -> ServerInfo:
+        """Always healthy: the broker lives in this process."""
+        return ServerInfo(
+            product="SplitMQ in-memory broker",
+            version="1",
+            can_declare=True,
+            can_publish=True,
+            max_message_bytes=self._max_message_bytes,
+        )
+
+    def __enter__(self) -> InMemoryBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if TYPE_CHECKING:  # mypy proves the class satisfies the protocol
+
+    def _conforms(broker: InMemoryBroker) -> Broker:
+        return broker

@@ -1,0 +1,308 @@
+"""`InMemoryWeightStore`: the embedded default, a faithful single-process stand-in for Redis.
+
+It keeps the same bytes Redis would (safetensors blobs, msgpack metadata) under the same key
+names, so validation, copying and integrity checks behave identically. Expiry is driven by an
+injected clock, which lets tests expire heartbeats, leases and pending blobs without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from broker import keys
+from broker.errors import StoreError, VersionConflictError, VersionNotFoundError
+from broker.store import NO_VERSION, BlobRef, Checkpoint, Manifest, Member
+from broker.store_codec import (
+    PreparedBlob,
+    decode_meta,
+    encode_info,
+    encode_meta,
+)
+from broker.store_publish import PublishingStore
+from broker.weights import decode_verified, encode_weights, sha256_hex
+
+DEFAULT_KEEP_VERSIONS = 5
+DEFAULT_PENDING_TTL_S = 600.0
+
+
+@dataclass
+class _Blob:
+    data: bytes
+    expires_at: float | None  # None once committed
+
+
+@dataclass(frozen=True)
+class _Version:
+    manifest: Manifest
+    blob_keys: Mapping[BlobRef, str]
+    commit_id: str
+
+
+@dataclass(frozen=True)
+class _StoredCheckpoint:
+    applied: int
+    weights: bytes
+    sha256: str
+    meta: bytes
+    saved_at: float
+
+
+@dataclass(frozen=True)
+class _Lease:
+    owner: str
+    expires_at: float
+
+
+@dataclass
+class _JobState:
+    version: int = NO_VERSION
+    versions: dict[int, _Version] = field(default_factory=dict)
+    blobs: dict[str, _Blob] = field(default_factory=dict)
+    checkpoints: dict[int, _StoredCheckpoint] = field(default_factory=dict)
+    members: dict[str, Member] = field(default_factory=dict)
+    leases: dict[str, _Lease] = field(default_factory=dict)
+
+    def sweep(self, now: float) -> None:
+        """Forget everything whose expiry has passed (Redis does this by itself)."""
+        for key in [k for k, b in self.blobs.items() if _expired(b.expires_at, now)]:
+            del self.blobs[key]
+        for name in [n for n, m in self.members.items() if _expired(m.expires_at, now)]:
+            del self.members[name]
+        for name in [n for n, lease in self.leases.items() if _expired(lease.expires_at, now)]:
+            del self.leases[name]
+
+
+def _expired(expires_at: float | None, now: float) -> bool:
+    return expires_at is not None and expires_at <= now
+
+
+def _positive_ttl(ttl_s: float) -> float:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl must be positive, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+class InMemoryWeightStore(PublishingStore):
+    """Thread-safe; one lock guards all state, and serialisation happens outside it."""
+
+    def __init__(
+        self,
+        *,
+        keep_versions: int = DEFAULT_KEEP_VERSIONS,
+        pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self._keep_versions = keep_versions
+        self._pending_ttl_s = _positive_ttl(pending_ttl_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _JobState] = {}
+
+    def _state(self, job: str, *, create: bool = False) -> _JobState:
+        """The job's state swept of expired entries (an empty one, unstored, for an unknown job
+        unless `create`); call with the lock held."""
+        state = self._jobs.get(keys.validate_job(job))
+        if state is None:
+            state = _JobState()
+            if create:
+                self._jobs[job] = state
+        state.sweep(self._clock())
+        return state
+
+    # --- versions -----------------------------------------------------------------------------
+    def current_version(self, job: str) -> int:
+        with self._lock:
+            return self._state(job).version
+
+    def _write_pending(self, job: str, blobs: Sequence[PreparedBlob]) -> list[str]:
+        created = []
+        with self._lock:
+            state = self._state(job, create=True)
+            expires_at = self._clock() + self._pending_ttl_s
+            for blob in blobs:
+                if blob.key not in state.blobs:
+                    state.blobs[blob.key] = _Blob(blob.data, expires_at)
+                    created.append(blob.key)
+        return created
+
+    def _commit(
+        self,
+        job: str,
+        expected: int,
+        blobs: Sequence[PreparedBlob],
+        commit_id: str,
+        meta: Mapping[str, str],
+    ) -> None:
+        version = expected + 1
+        with self._lock:
+            state = self._state(job, create=True)
+            if state.version != expected:
+                mine = state.versions.get(version)
+                if state.version == version and mine is not None and mine.commit_id == commit_id:
+                    return
+                raise VersionConflictError(expected, state.version)
+            missing = [b.key for b in blobs if b.key not in state.blobs]
+            if missing:
+                raise StoreError(
+                    f"torn write: blob {missing[0]} is missing at commit time; "
+                    f"version {expected} stays current"
+                )
+            for blob in blobs:
+                state.blobs[blob.key].expires_at = None
+            manifest = Manifest(
+                version=version,
+                entries={b.entry.ref: b.entry for b in blobs},
+                created_at=self._clock(),
+                meta=dict(meta),
+            )
+            blob_keys = {b.entry.ref: b.key for b in blobs}
+            state.versions[version] = _Version(manifest, blob_keys, commit_id)
+            state.version = version
+
+    def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:
+        with self._lock:
+            state = self._state(job)
+            for key in blob_keys:
+                blob = state.blobs.get(key)
+                if blob is not None and blob.expires_at is not None:
+                    del state.blobs[key]
+
+    def _apply_retention(self, job: str) -> None:
+        with self._lock:
+            state = self._state(job)
+            for version in sorted(state.versions)[: -self._keep_versions]:
+                dropped = state.versions.pop(version)
+                for key in dropped.blob_keys.values():
+                    state.blobs.pop(key, None)
+
+    def manifest(self, job: str, version: int) -> Manifest:
+        with self._lock:
+            record = self._state(job).versions.get(version)
+        if record is None:
+            raise VersionNotFoundError(f"job {job}: version {version} is not retained")
+        m = record.manifest
+        # A copy: callers must not be able to edit the stored manifest through its dicts.
+        return Manifest(m.version, dict(m.entries), m.created_at, dict(m.meta))
+
+    def read_blob(self, job: str, version: int, ref: BlobRef) -> dict[str, torch.Tensor]:
+        with self._lock:
+            state = self._state(job)
+            record = state.versions.get(version)
+            if record is None:
+                raise VersionNotFoundError(f"job {job}: version {version} is not retained")
+            key = record.blob_keys.get(ref)
+            if key is None:
+                raise StoreError(f"job {job}: version {version} has no blob {ref.name}")
+            blob = state.blobs.get(key)
+            if blob is None:
+                raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
+            data = blob.data
+        entry = record.manifest.entries[ref]
+        return decode_verified(data, entry.sha256, entry.nbytes, key)
+
+    def versions(self, job: str) -> list[int]:
+        with self._lock:
+            return sorted(self._state(job).versions)
+
+    def blob_keys(self, job: str) -> dict[str, float | None]:
+        """Every blob key of the job -> seconds until it expires (None: committed)."""
+        with self._lock:
+            now = self._clock()
+            return {
+                key: None if b.expires_at is None else b.expires_at - now
+                for key, b in self._state(job).blobs.items()
+            }
+
+    # --- shard checkpoints --------------------------------------------------------------------
+    def save_checkpoint(self, job: str, checkpoint: Checkpoint) -> None:
+        keys.validate_job(job)
+        data = encode_weights(checkpoint.weights)
+        stored = _StoredCheckpoint(
+            applied=int(checkpoint.applied),
+            weights=data,
+            sha256=sha256_hex(data),
+            meta=encode_meta(checkpoint.meta),
+            saved_at=self._clock(),
+        )
+        with self._lock:
+            self._state(job, create=True).checkpoints[int(checkpoint.shard)] = stored
+
+    def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
+        with self._lock:
+            stored = self._state(job).checkpoints.get(int(shard))
+        if stored is None:
+            return None
+        what = f"checkpoint {keys.checkpoint_key(job, shard)}"
+        weights = decode_verified(stored.weights, stored.sha256, len(stored.weights), what)
+        return Checkpoint(
+            shard=int(shard),
+            applied=stored.applied,
+            weights=weights,
+            meta=decode_meta(stored.meta),
+            saved_at=stored.saved_at,
+        )
+
+    # --- membership ---------------------------------------------------------------------------
+    def heartbeat(
+        self, job: str, member_id: str, ttl_s: float, info: Mapping[str, str] | None = None
+    ) -> None:
+        keys.validate_name("member id", member_id)
+        ttl = _positive_ttl(ttl_s)
+        if info is not None:
+            encode_info(info)  # same validation as Redis
+        with self._lock:
+            state = self._state(job, create=True)
+            previous = state.members.get(member_id)
+            kept = previous.info if previous is not None else {}
+            state.members[member_id] = Member(
+                member_id, self._clock() + ttl, dict(info) if info is not None else kept
+            )
+
+    def remove_member(self, job: str, member_id: str) -> None:
+        with self._lock:
+            self._state(job).members.pop(member_id, None)
+
+    def live_members(self, job: str) -> dict[str, Member]:
+        with self._lock:
+            return dict(self._state(job).members)
+
+    # --- leases -------------------------------------------------------------------------------
+    def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:
+        keys.validate_name("lease name", name)
+        keys.validate_name("lease owner", owner)
+        ttl = _positive_ttl(ttl_s)
+        with self._lock:
+            state = self._state(job, create=True)
+            lease = state.leases.get(name)
+            if lease is not None and lease.owner != owner:
+                return False
+            state.leases[name] = _Lease(owner, self._clock() + ttl)
+            return True
+
+    def release_lease(self, job: str, name: str, owner: str) -> None:
+        with self._lock:
+            state = self._state(job)
+            lease = state.leases.get(name)
+            if lease is not None and lease.owner == owner:
+                del state.leases[name]
+
+    def lease_owner(self, job: str, name: str) -> str | None:
+        with self._lock:
+            lease = self._state(job).leases.get(name)
+        return None if lease is None else lease.owner
+
+    # --- operations ---------------------------------------------------------------------------
+    def delete_job(self, job: str) -> None:
+        keys.validate_job(job)
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def close(self) -> None:
+        """Nothing to release; kept for the protocol."""

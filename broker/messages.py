@@ -1,0 +1,254 @@
+"""The message types of design §5.
+
+Each message is a frozen dataclass whose field annotations are its wire schema (see
+`broker.schema`): the base type picks how a field travels, `Annotated` markers add checks.
+Every message carries `job`, `client`, `message_id` and `version`, the weights version the
+sender computed with (not the wire schema version, which the codec carries as `v`).
+
+Messages holding tensors compare by identity (`eq=False`): tensor `==` is elementwise, so the
+generated `__eq__` would raise instead of answering.
+"""
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Annotated, get_args
+
+import torch
+
+from broker.schema import (
+    Finite,
+    MessageSchema,
+    NonEmpty,
+    NonNegative,
+    OneOf,
+    TensorRule,
+    build_schema,
+)
+
+
+def new_message_id() -> str:
+    """A fresh random message id (uuid4 hex)."""
+    return uuid.uuid4().hex
+
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+LABEL_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8})
+MASK_DTYPES = frozenset({torch.bool, torch.uint8})
+# Weight dicts may hold integer buffers (BatchNorm's num_batches_tracked) and quantised tensors.
+WEIGHT_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+
+ConfigValue = str | int | float | bool
+JobName = Annotated[str, NonEmpty()]
+ClientId = str
+MessageId = Annotated[str, NonEmpty()]
+Count = Annotated[int, NonNegative()]
+Activations = Annotated[torch.Tensor, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
+Labels = Annotated[torch.Tensor, TensorRule(LABEL_DTYPES, rank=1)]
+Gradient = Annotated[torch.Tensor | None, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
+Logits = Annotated[torch.Tensor, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
+Weights = Annotated[Mapping[str, torch.Tensor], TensorRule(WEIGHT_DTYPES, finite=True)]
+Masks = Annotated[Mapping[str, torch.Tensor], TensorRule(MASK_DTYPES)]
+Config = Mapping[str, ConfigValue]
+Metrics = Mapping[str, float]
+Info = Mapping[str, str]
+
+REPLY_STATUSES = frozenset({"ok", "stale", "rejected"})
+
+
+# --- messages -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A client asks to take part in a job."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    samples: Count
+    capability: Count = 0
+    info: Info = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Welcome:
+    """The coordinator admits a client: its shard, cut and starting weights."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    shard: Count
+    cut: str
+    round: Count
+    client_weights: Weights
+    aux_weights: Weights
+    config: Config
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    role: Annotated[str, NonEmpty()] = "client"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SmashedBatch:
+    """Cut-layer activations of one minibatch and its labels; `seq` rises per client."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    seq: Count
+    shard: Count
+    round: Count
+    step: Count
+    activations: Activations
+    labels: Labels
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GradientReply:
+    """The worker's answer to SmashedBatch `seq`: dL/dz (same shape as its activations)."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    seq: Count
+    status: Annotated[str, OneOf(REPLY_STATUSES)]
+    loss: Annotated[float, Finite()]
+    correct: Count
+    samples: Count
+    grad: Gradient
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WeightsUpdate:
+    """A client's weights after its local round; `version` is the base version it started from."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    round: Count
+    samples: Count
+    client_weights: Weights
+    aux_weights: Weights
+    masks: Masks = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WeightsAssignment:
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    round: Count
+    participate: bool
+    client_weights: Weights
+    aux_weights: Weights
+    config: Config
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferRequest:
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    seq: Count
+    activations: Activations
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferReply:
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    seq: Count
+    logits: Logits
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """An error travelling as a reply (errors never cross processes as exceptions)."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    code: Annotated[str, NonEmpty()]
+    reason: str
+    ref_message_id: str = ""
+
+
+Message = (
+    Join
+    | Welcome
+    | Leave
+    | Heartbeat
+    | SmashedBatch
+    | GradientReply
+    | WeightsUpdate
+    | WeightsAssignment
+    | InferRequest
+    | InferReply
+    | Error
+)
+MESSAGE_TYPES: tuple[type[Message], ...] = get_args(Message)
+
+
+def consistency_error(message: Message) -> str | None:
+    """Cross-field checks the per-field schema cannot express; the reason, or None."""
+    if isinstance(message, SmashedBatch):
+        rows = message.activations.shape[0]
+        if message.labels.shape != (rows,):
+            return (
+                f"SmashedBatch.labels: shape {list(message.labels.shape)} does not match "
+                f"{rows} activation rows"
+            )
+    return None
+
+
+# --- schema -------------------------------------------------------------------------------------
+
+SCHEMAS: Mapping[str, MessageSchema] = MappingProxyType(
+    {cls.__name__: build_schema(cls) for cls in MESSAGE_TYPES}
+)
+SCHEMAS_BY_CLASS: Mapping[type[Message], MessageSchema] = MappingProxyType(
+    {schema.cls: schema for schema in SCHEMAS.values()}
+)

@@ -1,0 +1,363 @@
+"""The RabbitMQ `Broker`: pika's BlockingConnection, one instance per thread.
+
+Publishes are persistent, mandatory and confirmed; consumption is pull-style over a local buffer
+that `get` fills by pumping the connection. A lost connection is reopened on the next operation
+(see `broker.rabbitmq_channels`): topology and subscriptions come back, a publish cut off before
+its confirm is sent again (at-least-once), and deliveries from the lost connection become stale:
+acking one raises `StaleDeliveryError`, since RabbitMQ has already requeued it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pika
+import pika.exceptions
+
+from broker.errors import (
+    BackPressureError,
+    BrokerError,
+    MessageTooLargeError,
+    StaleDeliveryError,
+    UnroutableError,
+)
+from broker.headers import outgoing_headers
+from broker.rabbitmq_channels import ChannelKeeper, queue_arguments
+from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
+from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, EXCHANGES
+from broker.transport import (
+    REASON_HEADER,
+    SOURCE_QUEUE_HEADER,
+    USER_HEADER,
+    Broker,
+    Delivery,
+    Headers,
+    HeaderValue,
+    QueueSpec,
+    ServerInfo,
+)
+
+__all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
+
+_PERSISTENT = 2
+
+
+class RabbitMQBroker:
+    """`broker.transport.Broker` over one RabbitMQ connection. Not thread-safe: one per thread.
+
+    Connects in the constructor (retrying as for any outage). `get` is also how the handle
+    services heartbeats, so a consumer should call it (`get(0)` will do) at least every
+    `options.heartbeat` seconds.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: RabbitMQOptions | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._options = options or RabbitMQOptions()
+        self._name = (
+            self._options.connection_name or f"splitmq-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self._clock = clock
+        self._buffer: deque[Delivery] = deque()  # received, not yet handed out by get()
+        self._unacked: dict[int, str] = {}  # handed out, not yet settled: tag -> queue
+        self._returned: set[int] = set()  # tags given back by unsubscribe
+        self._keeper = ChannelKeeper(
+            connection_parameters(url, self._options, self._name),
+            self._options,
+            on_delivery=self._buffer.append,
+            on_void=self._void,
+            clock=clock,
+            sleep=sleep,
+            rng=rng or random.Random(),
+        )
+        self._keeper.call(self._keeper.publisher, "connect")
+
+    @property
+    def connection_name(self) -> str:
+        """The ``connection_name`` client property, to find this connection in rabbitmqctl."""
+        return self._name
+
+    @property
+    def connects(self) -> int:
+        """How many connections this handle has opened (1 + reconnects)."""
+        return self._keeper.connects
+
+    @property
+    def generation(self) -> int:
+        """The generation new deliveries carry; it changes when older ones become stale."""
+        return self._keeper.generation
+
+    # -- Broker protocol ----------------------------------------------------------------------
+
+    def declare(self, queues: Sequence[QueueSpec]) -> None:
+        keeper = self._keeper
+        names = ", ".join(spec.name for spec in queues) or "exchanges"
+        keeper.call(lambda: keeper.declare_on(keeper.publisher(), queues), f"declare {names}")
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        user_id: str | None = None,
+    ) -> None:
+        if not isinstance(body, bytes):
+            # pika 1.4 turns any non-bytes body into bytes with str.encode, so a memoryview
+            # would fail deep inside it; and it copies bodies into frames anyway.
+            raise TypeError(f"body must be bytes, not {type(body).__name__}")
+        if len(body) > self._options.max_message_bytes:
+            raise MessageTooLargeError(
+                f"body of {len(body)} bytes exceeds RabbitMQ's max_message_size of "
+                f"{self._options.max_message_bytes} bytes (exchange {exchange!r}, "
+                f"key {routing_key!r}); split the payload or raise the server limit"
+            )
+        if user_id is not None and user_id != self._keeper.user:
+            # RabbitMQ would close the channel with PRECONDITION_FAILED; refuse up front.
+            raise BrokerError(
+                f"user_id {user_id!r} differs from this connection's user {self._keeper.user!r}"
+            )
+        properties = pika.BasicProperties(
+            delivery_mode=_PERSISTENT,
+            headers=outgoing_headers(headers),
+            message_id=message_id,
+            user_id=user_id,
+        )
+        keeper = self._keeper
+        keeper.call(
+            lambda: self._publish(keeper.publisher(), exchange, routing_key, body, properties),
+            f"publish to {exchange!r} with key {routing_key!r}",
+        )
+
+    def subscribe(self, queue: str, *, prefetch: int) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        if not self._keeper.subscribed(queue):
+            self._keeper.call(
+                lambda: self._keeper.subscribe(queue, prefetch), f"subscribe to {queue!r}"
+            )
+
+    def unsubscribe(self, queue: str) -> None:
+        if self._keeper.subscribed(queue):
+            self._keeper.call(lambda: self._unsubscribe(queue), f"unsubscribe from {queue!r}")
+
+    def get(self, timeout: float) -> Delivery | None:
+        if not self._buffer:
+            deadline = self._clock() + timeout
+            while True:
+                remaining = max(0.0, deadline - self._clock())
+                self._keeper.call(functools.partial(self._keeper.pump, remaining), "receive")
+                if self._buffer or remaining <= 0.0:
+                    break
+            if not self._buffer:
+                return None
+        delivery = self._buffer.popleft()
+        self._unacked[delivery.tag] = delivery.queue
+        return delivery
+
+    def ack(self, delivery: Delivery) -> None:
+        channel = self._outstanding(delivery)
+        try:
+            channel.basic_ack(delivery.tag)
+        except PIKA_ERRORS as exc:
+            raise self._keeper.settle_failure(exc, delivery, "ack") from exc
+        del self._unacked[delivery.tag]
+
+    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
+        channel = self._outstanding(delivery)
+        try:
+            channel.basic_nack(delivery.tag, requeue=requeue)
+        except PIKA_ERRORS as exc:
+            raise self._keeper.settle_failure(exc, delivery, "nack") from exc
+        del self._unacked[delivery.tag]
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        spec = self._keeper.specs.get(delivery.queue)
+        if spec is None or spec.dead_letter_routing_key is None:
+            raise BrokerError(
+                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
+                "declare its QueueSpec (with dead_letter_routing_key) here first"
+            )
+        channel = self._outstanding(delivery)
+        headers: dict[str, HeaderValue] = dict(delivery.headers)
+        headers[REASON_HEADER] = reason
+        headers[SOURCE_QUEUE_HEADER] = delivery.queue
+        if delivery.user_id is not None:
+            headers[USER_HEADER] = delivery.user_id
+        properties = pika.BasicProperties(
+            delivery_mode=_PERSISTENT, headers=headers, message_id=delivery.message_id
+        )
+        try:
+            publisher = self._keeper.publisher()
+            if delivery.generation != self._keeper.generation:
+                # Reopening the publisher reconnected: the original is requeued already, and a
+                # copy now would be a second one when it is dead-lettered again.
+                raise self._stale(delivery, "was lost with its connection before dead-lettering")
+            # Confirmed copy first, then the ack: a crash in between duplicates, never loses.
+            self._publish(
+                publisher, DEAD_EXCHANGE, spec.dead_letter_routing_key, delivery.body, properties
+            )
+            channel.basic_ack(delivery.tag)
+        except PIKA_ERRORS as exc:
+            raise self._keeper.settle_failure(exc, delivery, "dead-letter") from exc
+        del self._unacked[delivery.tag]
+
+    def queue_depth(self, queue: str) -> int:
+        def depth() -> int:
+            ok = self._keeper.publisher().queue_declare(queue, passive=True)
+            return int(ok.method.message_count)
+
+        return self._keeper.call(depth, f"queue depth of {queue!r}")
+
+    def delete_queue(self, queue: str) -> None:
+        self.unsubscribe(queue)
+        self._keeper.forget(queue)
+        self._keeper.call(
+            lambda: self._keeper.publisher().queue_delete(queue), f"delete queue {queue!r}"
+        )
+
+    def close(self) -> None:
+        if not self._keeper.closed:
+            self._keeper.close()
+
+    # -- extras -------------------------------------------------------------------------------
+
+    def server_info(self) -> ServerInfo:
+        """Who answers, and whether this handle can declare a queue and publish a message to it.
+
+        Probes with an exclusive, auto-deleted queue it removes again; raises
+        `BrokerUnavailableError` when RabbitMQ cannot be reached at all.
+        """
+        properties = self._keeper.server_properties()
+        probe = QueueSpec(
+            name=f"splitmq.probe.{uuid.uuid4().hex[:12]}",
+            exchange=CONTROL_EXCHANGE,
+            routing_key=f"splitmq.probe.{uuid.uuid4().hex[:12]}",
+            durable=False,
+            exclusive=True,
+            auto_delete=True,
+        )
+        can_declare = can_publish = False
+        detail = ""
+        try:
+            self.declare([probe])
+            can_declare = True
+            self.publish(CONTROL_EXCHANGE, probe.routing_key, b"splitmq doctor")
+            can_publish = True
+        except BrokerError as exc:
+            detail = str(exc)
+        finally:
+            if can_declare:
+                self.delete_queue(probe.name)
+        return ServerInfo(
+            product=_text(properties.get("product")),
+            version=_text(properties.get("version")),
+            can_declare=can_declare,
+            can_publish=can_publish,
+            max_message_bytes=self._options.max_message_bytes,
+            detail=detail,
+        )
+
+    def __enter__(self) -> RabbitMQBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _publish(
+        self, channel: Any, exchange: str, routing_key: str, body: bytes, properties: Any
+    ) -> None:
+        try:
+            channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
+        except pika.exceptions.NackError as exc:
+            raise BackPressureError(
+                f"RabbitMQ refused the message for exchange {exchange!r} key {routing_key!r}: "
+                f"queue {self._bound_queues(exchange, routing_key)} is full (reject-publish); "
+                "nothing was enqueued, retry later"
+            ) from exc
+        except pika.exceptions.UnroutableError as exc:
+            raise UnroutableError(
+                f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
+            ) from exc
+
+    def _bound_queues(self, exchange: str, routing_key: str) -> str:
+        fanout = dict(EXCHANGES).get(exchange) == "fanout"
+        names = [
+            repr(spec.name)
+            for spec in self._keeper.specs.values()
+            if spec.exchange == exchange and (fanout or spec.routing_key == routing_key)
+        ]
+        return ", ".join(names) or "(not declared on this handle)"
+
+    def _unsubscribe(self, queue: str) -> None:
+        if not self._keeper.cancel(queue):
+            return  # the channel was replaced meanwhile: nothing of this queue is outstanding
+        channel = self._keeper.consumer()
+        # basic.cancel leaves delivered messages unacked; give them back, as the protocol says.
+        for delivery in [d for d in self._buffer if d.queue == queue]:
+            channel.basic_nack(delivery.tag, requeue=True)
+        self._buffer = deque(d for d in self._buffer if d.queue != queue)
+        for tag, source in list(self._unacked.items()):
+            if source == queue:
+                channel.basic_nack(tag, requeue=True)
+                del self._unacked[tag]
+                self._returned.add(tag)
+
+    def _void(self) -> None:
+        """The consumer channel went: RabbitMQ requeued everything delivered on it."""
+        self._buffer.clear()
+        self._unacked.clear()
+        self._returned.clear()
+
+    def _outstanding(self, delivery: Delivery) -> Any:
+        """The consumer channel, if `delivery` can still be settled on it."""
+        if self._keeper.closed:
+            raise BrokerError("this broker handle is closed")
+        channel = self._keeper.live_consumer_channel(delivery.generation)
+        if channel is None:
+            raise self._stale(delivery, "arrived on a channel that has since been lost")
+        if delivery.tag not in self._unacked:
+            if delivery.tag in self._returned:
+                self._returned.discard(delivery.tag)
+                raise self._stale(delivery, "was returned to its queue by unsubscribe")
+            raise BrokerError(
+                f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this "
+                "handle (already acked/nacked, or received on another handle)"
+            )
+        return channel
+
+    @staticmethod
+    def _stale(delivery: Delivery, why: str) -> StaleDeliveryError:
+        return StaleDeliveryError(
+            f"delivery {delivery.tag} from {delivery.queue!r} {why}; "
+            "RabbitMQ will redeliver the message"
+        )
+
+
+if TYPE_CHECKING:  # mypy proves the class satisfies the protocol
+
+    def _conforms(broker: RabbitMQBroker) -> Broker:
+        return broker
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return "unknown" if value is None else str(value)

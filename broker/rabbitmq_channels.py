@@ -1,0 +1,308 @@
+"""One RabbitMQ connection and its two channels, kept alive for a `RabbitMQBroker`.
+
+The *publisher* channel (confirms on) carries declarations, publishes, queue depth and deletion;
+the *consumer* channel carries subscriptions and acks. A channel error (a bug, or a conflicting
+declaration) closes only the channel it happened on, so a bad publish does not return the
+consumer's unacknowledged messages; a closed channel is reopened on next use, once, never in a
+loop. A lost connection is reopened by `call` with capped, jittered backoff; every new channel
+gets back what this handle declared and subscribed to.
+
+Whenever the consumer channel goes, everything delivered on it is void (RabbitMQ requeues it):
+the generation is bumped and `on_void` tells the owner to drop its buffered and unacked state.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import pika
+import pika.exceptions
+
+from broker.errors import BrokerError, StaleDeliveryError
+from broker.headers import incoming_headers
+from broker.rabbitmq_connection import (
+    PIKA_ERRORS,
+    Outage,
+    RabbitMQOptions,
+    describe,
+    is_auth_failure,
+)
+from broker.topology import DEAD_EXCHANGE, EXCHANGES
+from broker.transport import Delivery, QueueSpec
+
+T = TypeVar("T")
+
+
+def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
+    """The x-arguments that give a declared queue the behaviour its spec asks for."""
+    args: dict[str, Any] = {}
+    if spec.single_active_consumer:
+        args["x-single-active-consumer"] = True
+    if spec.max_length is not None:
+        args["x-max-length"] = spec.max_length
+    if spec.max_length_bytes is not None:
+        args["x-max-length-bytes"] = spec.max_length_bytes
+    if spec.max_length is not None or spec.max_length_bytes is not None:
+        # Refuse new messages (a nack to the publisher) rather than drop the oldest.
+        args["x-overflow"] = "reject-publish"
+    if spec.dead_letter_routing_key is not None:
+        args["x-dead-letter-exchange"] = DEAD_EXCHANGE
+        args["x-dead-letter-routing-key"] = spec.dead_letter_routing_key
+    return args
+
+
+class ChannelKeeper:
+    """The connection, its publisher and consumer channels, and what to restore on them."""
+
+    def __init__(
+        self,
+        params: pika.URLParameters,
+        options: RabbitMQOptions,
+        *,
+        on_delivery: Callable[[Delivery], None],
+        on_void: Callable[[], None],
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        rng: random.Random,
+    ) -> None:
+        self._params = params
+        self._options = options
+        self._on_delivery = on_delivery
+        self._on_void = on_void
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng
+        self._connection: Any = None  # pika.BlockingConnection
+        self._publisher_channel: Any = None  # pika BlockingChannel with confirms
+        self._consumer_channel: Any = None
+        self.connects = 0
+        self.generation = 0  # carried by deliveries; bumped when older ones become void
+        self.closed = False
+        self._exchanges_declared = False
+        self._specs: dict[str, QueueSpec] = {}
+        self._prefetch: dict[str, int] = {}  # subscriptions to restore
+        self._consumer_tags: dict[str, str] = {}  # queue -> tag on the current consumer channel
+
+    @property
+    def specs(self) -> Mapping[str, QueueSpec]:
+        """The queues declared through this handle, by name."""
+        return self._specs
+
+    @property
+    def user(self) -> str:
+        name: str = self._params.credentials.username
+        return name
+
+    def server_properties(self) -> Mapping[str, object]:
+        self.call(self.publisher, "connect")
+        # pika keeps the server's Connection.Start properties on the underlying connection only.
+        properties = getattr(self._connection._impl, "server_properties", None)
+        return properties if isinstance(properties, dict) else {}
+
+    def subscribed(self, queue: str) -> bool:
+        return queue in self._prefetch
+
+    def live_consumer_channel(self, generation: int) -> Any:
+        """The consumer channel, if deliveries of `generation` can still be settled on it."""
+        if generation != self.generation or self._consumer_channel is None:
+            return None
+        return self._consumer_channel
+
+    # -- running operations -------------------------------------------------------------------
+
+    def call(self, op: Callable[[], T], what: str) -> T:
+        """Run `op`, reconnecting on connection loss; map every pika error to ours."""
+        outage: Outage | None = None
+        while True:
+            try:
+                return op()
+            except PIKA_ERRORS as exc:
+                if not self._connection_lost(exc):
+                    raise self.channel_failure(exc, what) from exc
+                self._drop_connection()
+                if is_auth_failure(exc):
+                    raise BrokerError(
+                        f"{what}: RabbitMQ refused user {self.user!r}: {describe(exc)}"
+                    ) from exc
+                if outage is None:
+                    outage = Outage(
+                        self._options, clock=self._clock, sleep=self._sleep, rng=self._rng
+                    )
+                outage.wait_or_give_up(exc, what)
+
+    def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
+        if self._publisher_channel is not None and not self._publisher_channel.is_open:
+            self._publisher_channel = None
+        if self._consumer_channel is not None and not self._consumer_channel.is_open:
+            self._void_consumer()
+        return BrokerError(f"{what} failed: {describe(exc)}")
+
+    def settle_failure(self, exc: BaseException, delivery: Delivery, what: str) -> BrokerError:
+        """Map a failed ack/nack/dead-letter: stale if its channel went, else a channel error."""
+        if self._connection_lost(exc):
+            self._drop_connection()
+        elif self._consumer_channel is None or not self._consumer_channel.is_open:
+            self._void_consumer()
+        else:
+            return self.channel_failure(exc, what)
+        return StaleDeliveryError(
+            f"{what} of delivery {delivery.tag} from {delivery.queue!r} failed: the channel "
+            f"was lost ({describe(exc)}); RabbitMQ will redeliver the message"
+        )
+
+    # -- channels -------------------------------------------------------------------------
+
+    def publisher(self) -> Any:
+        connection = self._ensure_connection()
+        channel = self._publisher_channel
+        if channel is None or not channel.is_open:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            self._publisher_channel = channel
+            if self._exchanges_declared:
+                self._declare_exchanges(channel)
+                self.declare_on(channel, list(self._specs.values()))
+        return channel
+
+    def consumer(self) -> Any:
+        # Topology first: a re-subscription after a reconnect needs its queue to exist again.
+        self.publisher()
+        channel = self._consumer_channel
+        if channel is None or not channel.is_open:
+            self._void_consumer()
+            channel = self._connection.channel()
+            channel.add_on_cancel_callback(self._on_cancelled)
+            self._consumer_channel = channel
+            for queue, prefetch in list(self._prefetch.items()):
+                try:
+                    self._consume(channel, queue, prefetch)
+                except pika.exceptions.ChannelClosedByBroker:
+                    del self._prefetch[queue]  # gone for good (deleted elsewhere): stop restoring
+                    raise
+        return channel
+
+    def pump(self, time_limit: float) -> None:
+        """Process I/O (deliveries, heartbeats) for at most `time_limit` seconds."""
+        self.consumer()
+        self._connection.process_data_events(time_limit=time_limit)
+
+    def close(self) -> None:
+        self.closed = True
+        self._drop_connection()
+
+    # -- topology and subscriptions -------------------------------------------------------
+
+    def declare_on(self, channel: Any, specs: Sequence[QueueSpec]) -> None:
+        # Exchanges once per channel: `publisher` re-declares them on every new channel.
+        if not self._exchanges_declared:
+            self._declare_exchanges(channel)
+        for spec in specs:
+            channel.queue_declare(
+                spec.name,
+                durable=spec.durable,
+                exclusive=spec.exclusive,
+                auto_delete=spec.auto_delete,
+                arguments=queue_arguments(spec) or None,
+            )
+            channel.queue_bind(spec.name, spec.exchange, routing_key=spec.routing_key)
+            self._specs[spec.name] = spec
+
+    def forget(self, queue: str) -> None:
+        self._specs.pop(queue, None)
+
+    def subscribe(self, queue: str, prefetch: int) -> None:
+        # Check on the publisher channel first: a basic.consume on a missing queue would
+        # close the consumer channel and void the other subscriptions' deliveries.
+        self.publisher().queue_declare(queue, passive=True)
+        self._consume(self.consumer(), queue, prefetch)
+        self._prefetch[queue] = prefetch
+
+    def cancel(self, queue: str) -> bool:
+        """Stop consuming `queue`; True if a consumer on the current channel was cancelled."""
+        self._prefetch.pop(queue, None)
+        channel = self.consumer()
+        tag = self._consumer_tags.pop(queue, None)
+        if tag is None:
+            return False
+        # pika requeues the deliveries that had not yet reached our callback.
+        channel.basic_cancel(tag)
+        return True
+
+    def _declare_exchanges(self, channel: Any) -> None:
+        for name, kind in EXCHANGES:
+            channel.exchange_declare(name, kind, durable=True)
+        self._exchanges_declared = True
+
+    def _consume(self, channel: Any, queue: str, prefetch: int) -> None:
+        # Per-consumer prefetch (global_qos=False): applies to the consumer created next.
+        channel.basic_qos(prefetch_count=prefetch)
+        on_message = functools.partial(self._on_message, self.generation, queue)
+        self._consumer_tags[queue] = channel.basic_consume(queue, on_message, auto_ack=False)
+
+    def _on_message(
+        self,
+        generation: int,
+        queue: str,
+        _channel: Any,
+        method: Any,
+        properties: Any,
+        body: bytes,
+    ) -> None:
+        if generation != self.generation:
+            return  # from a channel already given up; RabbitMQ has requeued it
+        self._on_delivery(
+            Delivery(
+                body=body,
+                queue=queue,
+                routing_key=method.routing_key,
+                tag=method.delivery_tag,
+                redelivered=bool(method.redelivered),
+                headers=incoming_headers(properties.headers),
+                message_id=properties.message_id,
+                user_id=properties.user_id,
+                generation=generation,
+            )
+        )
+
+    def _on_cancelled(self, method_frame: Any) -> None:
+        # RabbitMQ cancelled a consumer (its queue was deleted): do not restore it later.
+        tag = method_frame.method.consumer_tag
+        for queue, known in list(self._consumer_tags.items()):
+            if known == tag:
+                del self._consumer_tags[queue]
+                self._prefetch.pop(queue, None)
+
+    # -- connection -----------------------------------------------------------------------
+
+    def _ensure_connection(self) -> Any:
+        if self.closed:
+            raise BrokerError("this broker handle is closed")
+        if self._connection is None or not self._connection.is_open:
+            self._drop_connection()
+            self._connection = pika.BlockingConnection(self._params)
+            self.connects += 1
+        return self._connection
+
+    def _connection_lost(self, exc: BaseException) -> bool:
+        if isinstance(exc, pika.exceptions.AMQPConnectionError):
+            return True
+        return self._connection is None or not self._connection.is_open
+
+    def _drop_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        self._publisher_channel = None
+        self._void_consumer()
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+            except PIKA_ERRORS:
+                pass  # abandoning it anyway; RabbitMQ requeues what it had delivered
+
+    def _void_consumer(self) -> None:
+        self._consumer_channel = None
+        self._consumer_tags.clear()
+        self.generation += 1
+        self._on_void()

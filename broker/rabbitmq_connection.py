@@ -1,0 +1,134 @@
+"""Connecting to RabbitMQ: settings, connection parameters, backoff, and error classification.
+
+Only connection-level failures are retried, with capped exponential backoff and jitter, for at
+most `give_up_after` seconds per outage. Authentication failures and channel errors are not:
+retrying a wrong password or a conflicting declaration only hides the bug.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import pika
+import pika.exceptions
+
+from broker.errors import BrokerUnavailableError
+from broker.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+# Failures of the credentials or vhost: a reconnect cannot fix them.
+_AUTH_FAILURES = (
+    pika.exceptions.AuthenticationError,
+    pika.exceptions.ProbableAuthenticationError,
+    pika.exceptions.ProbableAccessDeniedError,
+)
+
+
+# Everything pika raises on purpose; the last two are not AMQPErrors but are usage faults we
+# still report as our BrokerError rather than leak.
+PIKA_ERRORS = (
+    pika.exceptions.AMQPError,
+    pika.exceptions.ChannelError,
+    pika.exceptions.ReentrancyError,
+)
+
+
+@dataclass(frozen=True)
+class RabbitMQOptions:
+    """Connection settings; they override the same settings given in the URL's query string."""
+
+    # Seconds between heartbeats (0 disables). A handle services heartbeats whenever it is
+    # called, so a consumer should call `get` at least this often.
+    heartbeat: int = 30
+    # Tear the connection down if RabbitMQ blocks our publishes (memory/disk alarm) this long.
+    blocked_connection_timeout: float = 120.0
+    socket_timeout: float = 10.0
+    # Connection attempts per outage (None: as many as fit in `give_up_after`).
+    connection_attempts: int | None = None
+    reconnect_initial_delay: float = 0.2
+    reconnect_max_delay: float = 5.0
+    # Seconds of continuous unreachability before an operation raises BrokerUnavailableError.
+    give_up_after: float = 60.0
+    # The server's max_message_size; larger bodies are refused before they are sent, because
+    # RabbitMQ answers an oversize publish by closing the channel.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Shown by `rabbitmqctl list_connections client_properties` (default: splitmq-<pid>-<random>).
+    connection_name: str | None = None
+
+
+def connection_parameters(
+    url: str, options: RabbitMQOptions, connection_name: str
+) -> pika.URLParameters:
+    """pika parameters for an ``amqp://`` or ``amqps://`` URL (amqps verifies the server)."""
+    scheme = urlparse(url).scheme
+    if scheme not in ("amqp", "amqps"):
+        raise ValueError(f"RabbitMQ URL must start with amqp:// or amqps://, got {scheme!r}")
+    params = pika.URLParameters(url)
+    params.heartbeat = options.heartbeat
+    params.blocked_connection_timeout = options.blocked_connection_timeout
+    params.socket_timeout = options.socket_timeout
+    # One attempt per connect: our own loop retries, with backoff and a total deadline.
+    params.connection_attempts = 1
+    params.client_properties = {"connection_name": connection_name}
+    return params
+
+
+def is_auth_failure(exc: BaseException) -> bool:
+    return isinstance(exc, _AUTH_FAILURES)
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line account of a pika exception, with the broker's reply code and text if any."""
+    if isinstance(exc, pika.exceptions.ConnectionClosed | pika.exceptions.ChannelClosed):
+        return f"{type(exc).__name__} ({exc.reply_code}: {exc.reply_text})"
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial: float
+    cap: float
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Exponential in `attempt`, capped, with "equal jitter": between half and all of it."""
+        # Bound the exponent: the cap is reached long before 2**32 anyway.
+        base = min(self.cap, self.initial * 2.0 ** min(attempt, 32))
+        return base / 2 + rng.random() * base / 2
+
+
+class Outage:
+    """One period of unreachability: counts attempts, sleeps between them, gives up in time."""
+
+    def __init__(
+        self,
+        options: RabbitMQOptions,
+        *,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        rng: random.Random,
+    ) -> None:
+        self._options = options
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng
+        self._backoff = Backoff(options.reconnect_initial_delay, options.reconnect_max_delay)
+        self._started = clock()
+        self.attempts = 0
+
+    def wait_or_give_up(self, exc: BaseException, what: str) -> None:
+        """Sleep before the next attempt, or raise `BrokerUnavailableError` if none is left."""
+        self.attempts += 1
+        elapsed = self._clock() - self._started
+        delay = self._backoff.delay(self.attempts - 1, self._rng)
+        limit = self._options.connection_attempts
+        if (limit is not None and self.attempts >= limit) or (
+            elapsed + delay > self._options.give_up_after
+        ):
+            raise BrokerUnavailableError(
+                f"{what}: RabbitMQ unreachable after {self.attempts} attempt(s) in "
+                f"{elapsed:.1f}s: {describe(exc)}"
+            ) from exc
+        self._sleep(delay)

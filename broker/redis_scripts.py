@@ -1,0 +1,161 @@
+"""Lua scripts of the Redis weight store: each one is a step that must be atomic.
+
+Scripts run EVALSHA first and fall back to EVAL when the server lost its script cache (redis-py's
+`Script` does that). Timestamps come from the server's TIME so every process agrees on expiry,
+whatever its own clock says. Every key a script touches is passed in KEYS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+from redis.commands.core import Script
+
+# Shared Lua fragment: the server time as "seconds.micros", exact in a string.
+_NOW = """
+local t = redis.call('TIME')
+local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+"""
+
+# KEYS[1] version, KEYS[2] versions zset, KEYS[3] manifest of the new version, KEYS[4..] blobs.
+# ARGV[1] expected version, ARGV[2] commit id, ARGV[3] meta JSON, ARGV[4..] pairs of manifest
+# field and entry JSON. Returns {'ok', created_at} | {'conflict', current} | {'missing', key}.
+PUBLISH = (
+    """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local expected = tonumber(ARGV[1])
+local version = tostring(expected + 1)
+if current ~= expected then
+  -- A retry of a commit whose reply was lost finds its own manifest: report success again.
+  if tostring(current) == version and redis.call('HGET', KEYS[3], 'commit_id') == ARGV[2] then
+    return {'ok', redis.call('HGET', KEYS[3], 'created_at')}
+  end
+  return {'conflict', tostring(current)}
+end
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    return {'missing', KEYS[i]}
+  end
+end
+for i = 4, #KEYS do
+  redis.call('PERSIST', KEYS[i])
+end
+"""
+    + _NOW
+    + """
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'version', version, 'created_at', now, 'commit_id', ARGV[2],
+           'meta', ARGV[3])
+for i = 4, #ARGV, 2 do
+  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+end
+redis.call('ZADD', KEYS[2], version, version)
+redis.call('SET', KEYS[1], version)
+return {'ok', now}
+"""
+)
+
+# KEYS: blobs. Deletes those still carrying a pending expiry; a committed blob has none.
+DISCARD_PENDING = """
+local n = 0
+for i = 1, #KEYS do
+  if redis.call('PTTL', KEYS[i]) > 0 then
+    redis.call('DEL', KEYS[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
+# KEYS[1] checkpoint hash; ARGV[1] weights, ARGV[2] sha256, ARGV[3] applied, ARGV[4] meta.
+SAVE_CHECKPOINT = (
+    _NOW
+    + """
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'weights', ARGV[1], 'sha256', ARGV[2], 'applied', ARGV[3],
+           'meta', ARGV[4], 'saved_at', now)
+return now
+"""
+)
+
+# KEYS[1] members zset (member -> expiry), KEYS[2] info hash; ARGV[1] member, ARGV[2] ttl in ms,
+# ARGV[3] info JSON or '' to keep the member's previous info. Returns the new expiry.
+HEARTBEAT = """
+local t = redis.call('TIME')
+local expires = string.format('%.6f',
+  tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]) / 1000)
+redis.call('ZADD', KEYS[1], expires, ARGV[1])
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+elseif redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
+  redis.call('HSET', KEYS[2], ARGV[1], '{}')
+end
+return expires
+"""
+
+# KEYS[1] members zset, KEYS[2] info hash. Prunes expired members, returns a flat list of
+# member, expiry, info JSON.
+LIVE_MEMBERS = """
+local t = redis.call('TIME')
+local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for _, member in ipairs(expired) do
+  redis.call('HDEL', KEYS[2], member)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local live = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local out = {}
+for i = 1, #live, 2 do
+  out[#out + 1] = live[i]
+  out[#out + 1] = live[i + 1]
+  out[#out + 1] = redis.call('HGET', KEYS[2], live[i]) or '{}'
+end
+return out
+"""
+
+# KEYS[1] lease; ARGV[1] owner, ARGV[2] ttl in ms. 1 if taken or renewed, 0 if held by another.
+ACQUIRE_LEASE = """
+local owner = redis.call('GET', KEYS[1])
+if owner == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if owner == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] lease; ARGV[1] owner. Compare-and-delete.
+RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Scripts:
+    publish: Script
+    discard_pending: Script
+    save_checkpoint: Script
+    heartbeat: Script
+    live_members: Script
+    acquire_lease: Script
+    release_lease: Script
+
+
+def register(client: redis.Redis) -> Scripts:
+    """Bind the scripts to `client` (no server round trip until first use)."""
+    return Scripts(
+        publish=client.register_script(PUBLISH),
+        discard_pending=client.register_script(DISCARD_PENDING),
+        save_checkpoint=client.register_script(SAVE_CHECKPOINT),
+        heartbeat=client.register_script(HEARTBEAT),
+        live_members=client.register_script(LIVE_MEMBERS),
+        acquire_lease=client.register_script(ACQUIRE_LEASE),
+        release_lease=client.register_script(RELEASE_LEASE),
+    )

@@ -1,0 +1,210 @@
+"""Tensors on the wire: the dtype whitelist, the `{dtype, shape, data}` header map, zero-copy
+views into a received body and a cheap finite check.
+
+A tensor's bytes never pass through msgpack (which copies bin payloads on pack and unpack): the
+header map's `data` is an ext value naming `(offset, nbytes)` in the body's data section, and
+`codec` lays the raw bytes out there. Everything is little-endian, as on every host we target.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import msgpack
+import numpy as np
+import torch
+
+from broker.errors import DecodeError
+
+# msgpack ext type code of a tensor's `data` reference; the payload is `_REF` (offset, nbytes).
+TENSOR_EXT_CODE = 1
+_REF = struct.Struct("<QQ")
+_HEADER_KEYS = frozenset({"dtype", "shape", "data"})
+
+
+@dataclass(frozen=True, slots=True)
+class WireDtype:
+    """A whitelisted dtype: its wire name, torch dtype and the numpy dtype its bytes ride in."""
+
+    name: str
+    torch_dtype: torch.dtype
+    # numpy has no bfloat16, so it rides as int16; bool rides as uint8 so it can be checked for
+    # bytes other than 0/1 before torch sees it.
+    carrier: np.dtype[np.generic]
+    itemsize: int
+
+    @property
+    def is_float(self) -> bool:
+        return self.torch_dtype.is_floating_point
+
+
+def _wire(name: str, torch_dtype: torch.dtype, carrier: str) -> WireDtype:
+    return WireDtype(name, torch_dtype, np.dtype(carrier), torch_dtype.itemsize)
+
+
+WIRE_DTYPES: Mapping[str, WireDtype] = MappingProxyType(
+    {
+        d.name: d
+        for d in (
+            _wire("float64", torch.float64, "<f8"),
+            _wire("float32", torch.float32, "<f4"),
+            _wire("float16", torch.float16, "<f2"),
+            _wire("bfloat16", torch.bfloat16, "<i2"),
+            _wire("int64", torch.int64, "<i8"),
+            _wire("int32", torch.int32, "<i4"),
+            _wire("int16", torch.int16, "<i2"),
+            _wire("int8", torch.int8, "i1"),
+            _wire("uint8", torch.uint8, "u1"),
+            _wire("bool", torch.bool, "u1"),
+        )
+    }
+)
+_BY_TORCH: Mapping[torch.dtype, WireDtype] = MappingProxyType(
+    {d.torch_dtype: d for d in WIRE_DTYPES.values()}
+)
+
+
+def wire_dtype(dtype: torch.dtype) -> WireDtype | None:
+    """The whitelisted wire dtype of a torch dtype, or None if it may not travel."""
+    return _BY_TORCH.get(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """A tensor as the header describes it, checked for consistency but not yet materialised."""
+
+    path: str
+    dtype: WireDtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+def tensor_header(
+    dtype: WireDtype, shape: tuple[int, ...], offset: int, nbytes: int
+) -> dict[str, object]:
+    """The header map of one tensor whose bytes lie at `offset` of the data section."""
+    return {
+        "dtype": dtype.name,
+        "shape": list(shape),
+        "data": msgpack.ExtType(TENSOR_EXT_CODE, _REF.pack(offset, nbytes)),
+    }
+
+
+def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) -> TensorSlot:
+    """Check one decoded header map; raises `DecodeError` naming `path` on any inconsistency.
+
+    Only Python integers are involved, so a shape claiming 10^12 elements costs nothing.
+    """
+    if not isinstance(obj, dict):
+        raise DecodeError(f"{path}: expected a tensor map, got {type(obj).__name__}")
+    if obj.keys() != _HEADER_KEYS:
+        found = sorted(str(k) for k in obj)
+        raise DecodeError(f"{path}: tensor map needs keys ['data', 'dtype', 'shape'], has {found}")
+    name = obj["dtype"]
+    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise DecodeError(f"{path}: dtype {name!r} is not allowed (allowed: {sorted(WIRE_DTYPES)})")
+    shape = _parse_shape(obj["shape"], path, max_rank=max_rank, max_dim=max_dim)
+    offset, nbytes = _parse_ref(obj["data"], path)
+    needed = math.prod(shape) * dtype.itemsize
+    if needed != nbytes:
+        raise DecodeError(f"{path}: shape {list(shape)} needs {needed} bytes, data has {nbytes}")
+    return TensorSlot(path, dtype, shape, offset, nbytes)
+
+
+def _parse_shape(obj: object, path: str, *, max_rank: int, max_dim: int) -> tuple[int, ...]:
+    if not isinstance(obj, list):
+        raise DecodeError(f"{path}: shape must be a list, got {type(obj).__name__}")
+    if len(obj) > max_rank:
+        raise DecodeError(f"{path}: rank {len(obj)} exceeds the limit of {max_rank}")
+    for dim in obj:
+        # bool is an int subclass; a shape of [True] is garbage, not [1].
+        if type(dim) is not int:
+            raise DecodeError(f"{path}: shape {obj!r} holds a non-integer dimension")
+        if dim < 0 or dim > max_dim:
+            raise DecodeError(f"{path}: dimension {dim} of shape {obj!r} is out of [0, {max_dim}]")
+    return tuple(obj)
+
+
+def _parse_ref(obj: object, path: str) -> tuple[int, int]:
+    if not isinstance(obj, msgpack.ExtType) or obj.code != TENSOR_EXT_CODE:
+        raise DecodeError(f"{path}: data must be a tensor reference, msgpack ext {TENSOR_EXT_CODE}")
+    if len(obj.data) != _REF.size:
+        raise DecodeError(
+            f"{path}: tensor reference has {len(obj.data)} bytes, expected {_REF.size}"
+        )
+    offset, nbytes = _REF.unpack(obj.data)
+    return int(offset), int(nbytes)
+
+
+def to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached, CPU, contiguous tensor (the input itself when it already is one)."""
+    return tensor.detach().cpu().contiguous()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a `to_wire` tensor, sharing its memory."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().reshape(-1).view(np.uint8).data
+
+
+def copy_into(buffer: bytearray, start: int, tensor: torch.Tensor) -> None:
+    """Copy `tensor` (any device, any strides) into `buffer[start:]` in one pass."""
+    if tensor.numel() == 0:
+        return
+    dst = torch.frombuffer(buffer, dtype=torch.uint8, count=tensor.nbytes, offset=start)
+    # One torch copy handles strides, devices and bfloat16 and runs on torch's thread pool.
+    dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+
+
+@contextmanager
+def sharing_read_only() -> Iterator[None]:
+    """Silence torch's warning about tensors over non-writable memory, and only that one.
+
+    Decoded tensors are views of an immutable body on purpose; enter this once around all the
+    `view_from` calls of a body (entering it costs more than a view). Like every use of
+    `warnings.catch_warnings`, it is not thread-safe with respect to other warning filters.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="The given NumPy array is not writable", category=UserWarning
+        )
+        yield
+
+
+def view_from(body: memoryview, start: int, slot: TensorSlot) -> torch.Tensor:
+    """A zero-copy tensor over `body[start + slot.offset:]`; checks bool bytes are 0 or 1.
+
+    Call inside `sharing_read_only()` when `body` is read-only. torch cannot mark a tensor
+    read-only: callers that modify decoded tensors in place must clone them first.
+    """
+    count = slot.nbytes // slot.dtype.itemsize
+    array = np.frombuffer(body, dtype=slot.dtype.carrier, count=count, offset=start + slot.offset)
+    tensor = torch.from_numpy(array.reshape(slot.shape))
+    if slot.dtype.torch_dtype == torch.bool:
+        if count and int(tensor.max()) > 1:
+            raise DecodeError(f"{slot.path}: bool tensor holds bytes other than 0 and 1")
+        return tensor.view(torch.bool)
+    if tensor.dtype != slot.dtype.torch_dtype:
+        return tensor.view(slot.dtype.torch_dtype)
+    return tensor
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True unless a floating-point tensor holds NaN or ±inf.
+
+    One `aminmax` pass (NaN propagates to both results, an infinity is an extreme) with no
+    temporary; `isfinite(t).all()` allocates a bool tensor and is ~10x slower on CPU.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.detach())
+    return math.isfinite(float(low)) and math.isfinite(float(high))

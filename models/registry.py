@@ -1,0 +1,79 @@
+"""Build a model by name: a built-in one, or `"package.module:factory"` for your own."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from models.cnn5 import cnn5
+from models.custom import load_factory
+from models.errors import ModelSpecError
+from models.heads import HeadFactory, default_head, pooled_head
+from models.lenet5 import lenet5
+from models.resnet18 import resnet18
+from models.split import SplitNet
+from models.vgg_small import vgg_small
+
+Builder = Callable[..., SplitNet]
+
+BUILTIN_MODELS: Mapping[str, Builder] = MappingProxyType(
+    {"cnn5": cnn5, "lenet5": lenet5, "vgg_small": vgg_small, "resnet18": resnet18}
+)
+MODEL_NAMES: tuple[str, ...] = tuple(sorted(BUILTIN_MODELS))
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int = 10,
+    in_channels: int | None = None,
+    input_size: int | None = None,
+    head_pool: int | None = None,
+    head_factory: HeadFactory | None = None,
+    **options: Any,
+) -> SplitNet:
+    """Build model `name` (one of `MODEL_NAMES`, or a `"package.module:factory"` spec).
+
+    `in_channels` and `input_size` (square inputs) default to the built-in model's own
+    (1x28x28 for cnn5, 3x32x32 for the others); a custom factory needs both. `head_pool` sets
+    the auxiliary heads' pooled size (see `models.heads`); `head_factory` replaces the default
+    head altogether. Other options go to the builder or factory as keywords.
+    """
+    head_factory = _head_factory(head_pool, head_factory)
+    if ":" in name:
+        if in_channels is None or input_size is None:
+            raise ModelSpecError(f"custom model {name!r} needs in_channels and input_size")
+        return load_factory(
+            name,
+            input_shape=(in_channels, input_size, input_size),
+            num_classes=num_classes,
+            head_factory=head_factory,
+            **options,
+        )
+    builder = BUILTIN_MODELS.get(name)
+    if builder is None:
+        raise ModelSpecError(
+            f"unknown model {name!r}; built-in models are {MODEL_NAMES}, "
+            "or give a 'package.module:factory' spec"
+        )
+    kwargs: dict[str, Any] = {**options, "num_classes": num_classes, "head_factory": head_factory}
+    if in_channels is not None:
+        kwargs["in_channels"] = in_channels
+    if input_size is not None:
+        kwargs["input_size"] = input_size
+    accepted = inspect.signature(builder).parameters
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        allowed = sorted(set(accepted) - {"head_factory"})
+        raise ModelSpecError(f"model {name!r} has no options {unknown}; it accepts {allowed}")
+    return builder(**kwargs)
+
+
+def _head_factory(head_pool: int | None, head_factory: HeadFactory | None) -> HeadFactory:
+    if head_pool is not None and head_factory is not None:
+        raise ModelSpecError("give head_pool or head_factory, not both")
+    if head_factory is not None:
+        return head_factory
+    return default_head if head_pool is None else pooled_head(head_pool)

@@ -1,0 +1,175 @@
+"""`SplitNet`: a network as an ordered chain of named blocks, cut points and auxiliary heads.
+
+A cut is named after the block it follows: cutting at `layer2` gives the client every block up
+to and including `layer2` and the server every block after it. The full model's state-dict
+names are the one naming scheme everything else uses (`blocks.<i>.<...>` for block `i`,
+`heads.<cut>.<...>` for the head of a cut), so a client's, a shard's and the aggregate's
+tensors line up by name whatever the cut, which is what heterogeneous averaging needs.
+
+Depth levels (FedSplitX) count cuts from 1: level m is `cuts[m - 1]`, and a client at level m
+holds the blocks up to that cut and the heads of the first m cuts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from models.errors import ModelSpecError
+from models.heads import HeadFactory, default_head
+from models.shapes import Shape, infer_shapes
+
+# Names become ModuleDict keys and parts of state-dict names: no dots, no clash with the
+# attributes of ModuleDict itself ("keys", "update", "train"...).
+_NAME = re.compile(r"[A-Za-z0-9_]+\Z")
+_RESERVED = frozenset(dir(nn.ModuleDict()))
+
+
+def check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name) or name in _RESERVED:
+        raise ModelSpecError(
+            f"{what} name {name!r} is not usable: it must be made of ASCII letters, digits "
+            "and underscores, and not be an nn.ModuleDict attribute"
+        )
+
+
+class SplitNet(nn.Module):
+    """A chain of named blocks; `forward` applies them in order and returns the logits.
+
+    `cuts` are block names (default: every block but the last), in block order; the last block
+    cannot be a cut because the server would have nothing to run. One head per cut is built
+    by `head_factory(cut_shape, num_classes)`; shapes come from a dummy forward of a zero batch
+    in eval mode at construction (no state changes), which also checks that the chain ends in
+    `(num_classes,)`. Heads are created on the default device: build on the CPU, then `.to()`.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[tuple[str, nn.Module]],
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        cuts: Sequence[str] | None = None,
+        head_factory: HeadFactory = default_head,
+    ) -> None:
+        super().__init__()
+        names = tuple(name for name, _ in blocks)
+        _check_blocks(blocks, names)
+        if num_classes < 1:
+            raise ModelSpecError(f"num_classes must be >= 1, got {num_classes}")
+        cut_names = names[:-1] if cuts is None else tuple(cuts)
+        _check_cuts(cut_names, names)
+
+        self.block_names: tuple[str, ...] = names
+        self.cuts: tuple[str, ...] = cut_names
+        self.input_shape: Shape = tuple(int(d) for d in input_shape)
+        self.num_classes = num_classes
+        self.blocks = nn.ModuleList(module for _, module in blocks)
+
+        self._shapes: tuple[Shape, ...] = tuple(infer_shapes(list(self.blocks), self.input_shape))
+        if self._shapes[-1] != (num_classes,):
+            raise ModelSpecError(
+                f"the last block {names[-1]!r} outputs shape {self._shapes[-1]} per sample, "
+                f"expected ({num_classes},) for num_classes={num_classes}"
+            )
+        self.heads = nn.ModuleDict(
+            {cut: head_factory(self.cut_shape(cut), num_classes) for cut in self.cuts}
+        )
+
+    # --- structure ----------------------------------------------------------------------------
+    def cut_index(self, cut: str) -> int:
+        """Index of the block the cut follows: the client runs blocks `[0, cut_index]`."""
+        if cut not in self.cuts:
+            raise ModelSpecError(f"unknown cut {cut!r}; this model's cuts are {self.cuts}")
+        return self.block_names.index(cut)
+
+    def cut_at_level(self, level: int) -> str:
+        """The cut of FedSplitX depth level `level` (1-based)."""
+        if not 1 <= level <= len(self.cuts):
+            raise ModelSpecError(f"level must be in 1..{len(self.cuts)}, got {level}")
+        return self.cuts[level - 1]
+
+    def level_of(self, cut: str) -> int:
+        """The FedSplitX depth level (1-based) of `cut`."""
+        self.cut_index(cut)
+        return self.cuts.index(cut) + 1
+
+    def cuts_upto(self, cut: str) -> tuple[str, ...]:
+        """The cuts at or before `cut`: the heads a client at that cut holds (FedSplitX)."""
+        return self.cuts[: self.level_of(cut)]
+
+    def cuts_after(self, cut: str) -> tuple[str, ...]:
+        """The cuts after `cut`: the heads the server side trains (FedSplitX)."""
+        return self.cuts[self.level_of(cut) :]
+
+    def cut_shape(self, cut: str) -> Shape:
+        """The activation shape at `cut`, without the batch dimension."""
+        return self._shapes[self.cut_index(cut)]
+
+    def block_shape(self, index: int) -> Shape:
+        """The output shape of block `index`, without the batch dimension."""
+        return self._shapes[index]
+
+    # --- views sharing this model's modules ---------------------------------------------------
+    def block_range(self, start: int, stop: int) -> nn.Sequential:
+        """Blocks `[start:stop]` as a Sequential whose child names are the block indices, so its
+        state-dict names are the full model's without the `blocks.` prefix."""
+        if not 0 <= start < stop <= len(self.blocks):
+            raise ModelSpecError(
+                f"block range [{start}:{stop}] is empty or outside 0..{len(self.blocks)}"
+            )
+        return nn.Sequential(OrderedDict((str(i), self.blocks[i]) for i in range(start, stop)))
+
+    def client_blocks(self, cut: str) -> nn.Sequential:
+        return self.block_range(0, self.cut_index(cut) + 1)
+
+    def server_blocks(self, cut: str) -> nn.Sequential:
+        return self.block_range(self.cut_index(cut) + 1, len(self.blocks))
+
+    def head(self, cut: str) -> nn.Module:
+        self.cut_index(cut)
+        return self.heads[cut]
+
+    # --- forward ------------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def forward_all(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The logits and every head's logits on its cut activation, in one pass."""
+        cut_at = {self.block_names.index(cut): cut for cut in self.cuts}
+        aux: dict[str, Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i in cut_at:
+                aux[cut_at[i]] = self.heads[cut_at[i]](x)
+        return x, aux
+
+
+def _check_blocks(blocks: Sequence[tuple[str, nn.Module]], names: tuple[str, ...]) -> None:
+    if len(blocks) < 2:
+        raise ModelSpecError(f"a split model needs at least 2 blocks, got {len(blocks)}")
+    for name, module in blocks:
+        check_name(name, "block")
+        if not isinstance(module, nn.Module):
+            raise ModelSpecError(f"block {name!r} is a {type(module).__name__}, not an nn.Module")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ModelSpecError(f"duplicate block names: {duplicates}")
+
+
+def _check_cuts(cuts: tuple[str, ...], names: tuple[str, ...]) -> None:
+    if not cuts:
+        raise ModelSpecError("a split model needs at least one cut")
+    for cut in cuts:
+        if cut not in names:
+            raise ModelSpecError(f"cut {cut!r} is not a block name; blocks are {names}")
+        if cut == names[-1]:
+            raise ModelSpecError(f"cannot cut after the last block {cut!r}: no server side left")
+    indices = [names.index(cut) for cut in cuts]
+    if indices != sorted(set(indices)):
+        raise ModelSpecError(f"cuts must be distinct and in block order, got {cuts}")

@@ -1,0 +1,1 @@
+"""The `splitmq` console command."""

@@ -1,0 +1,59 @@
+"""`splitmq`: one console command, one subcommand per role."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from services.cli.doctor_cmd import doctor
+from services.config.loading import ConfigError, load_settings
+from services.config.root import Settings
+
+
+class Context:
+    """What every subcommand receives: the config path and the settings loaded from it."""
+
+    def __init__(self, config: Path | None) -> None:
+        self.config = config
+
+    def settings(self) -> Settings:
+        try:
+            return load_settings(self.config, os.environ)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "-c",
+    "--config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="SPLITMQ_CONFIG",
+    help="TOML configuration file (environment variables SPLITMQ_* override it).",
+)
+@click.version_option(package_name="splitmq")
+@click.pass_context
+def cli(ctx: click.Context, config: Path | None) -> None:
+    """SplitMQ: asynchronous split learning over RabbitMQ and Redis.
+
+    \b
+    Roles (each a separate process in a deployment):
+      coordinator  membership, shard assignment, the round clock
+      aggregator   combines client and shard weights into version v+1
+      worker       trains the server-side layers on smashed data
+      client       an edge client: local layers, publishes smashed data
+    """
+    ctx.obj = Context(config)
+
+
+cli.add_command(doctor)
+
+
+def main() -> None:
+    cli(prog_name="splitmq")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Typed settings, loaded from a TOML file and overridden from the environment."""

@@ -1,0 +1,134 @@
+"""What a training job is: model, data, algorithm, clients, rounds, workers, evaluation.
+
+One TOML file holds these sections beside `[broker]` and `[store]` (see `settings.py`); the
+same file drives `splitmq run` (embedded), `splitmq up` (local processes) and every role of a
+deployment, so all processes of a job agree on it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.config.settings import _Section
+
+AlgorithmName = Literal["fedavg", "sfl_v1", "sfl_v2", "sfl", "minibatch_sfl"]
+PartitionKind = Literal["iid", "dirichlet", "shards", "label_ratio"]
+WireDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class JobSection(_Section):
+    name: str = Field(default="splitmq", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    seed: int = 0
+    rounds: int = Field(default=5, ge=1)
+
+
+class ModelSection(_Section):
+    # A built-in name (cnn5, lenet5, vgg_small, resnet18) or "package.module:factory".
+    name: str = "cnn5"
+    # Cut point name (e.g. "block1", "layer1"); ignored by FedAvg.
+    cut: str = "block1"
+    num_classes: int = Field(default=10, ge=2)
+
+
+class DataSection(_Section):
+    dataset: str = "fashion_mnist_sample"
+    # Where full datasets live; empty: $SPLITMQ_DATA_DIR, else only the shipped sample.
+    dir: str = ""
+    partition: PartitionKind = "iid"
+    alpha: float = Field(default=0.5, gt=0)
+    shards_per_client: int = Field(default=2, ge=1)
+    shard_size: int = Field(default=250, ge=1)
+    ratio: float = Field(default=0.0, ge=0, le=1)
+    # Cap on the test samples used per evaluation (0: the whole test set).
+    eval_samples: int = Field(default=0, ge=0)
+
+
+class AlgorithmSection(_Section):
+    name: AlgorithmName = "sfl_v2"
+    # S, the number of server replicas; sfl_v2 and minibatch_sfl force 1, sfl_v1 forces one per
+    # client; "sfl" uses this value (the middle ground).
+    shards: int = Field(default=1, ge=1)
+    local_epochs: int = Field(default=1, ge=1)
+    batch_size: int = Field(default=64, ge=1)
+    lr: float = Field(default=0.01, gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    server_lr: float = Field(default=0.0, ge=0)  # 0: same as lr
+    # Cap on local steps per round (0: whole local epochs) — keeps demo rounds short.
+    max_steps_per_round: int = Field(default=0, ge=0)
+    smashed_dtype: WireDtype = "float32"
+
+    @property
+    def effective_server_lr(self) -> float:
+        return self.server_lr or self.lr
+
+
+class ClientsSection(_Section):
+    count: int = Field(default=4, ge=1)
+    # Fraction of live members sampled into each round.
+    fraction: float = Field(default=1.0, gt=0, le=1)
+    # Round 1 starts when this many clients have joined (or start_timeout_s passed with >= 1).
+    min_to_start: int = Field(default=1, ge=1)
+    start_timeout_s: float = Field(default=60.0, gt=0)
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    # A member whose heartbeats stop is dropped after this long.
+    heartbeat_ttl_s: float = Field(default=10.0, gt=0)
+    # How long a client waits for one gradient before republishing the batch.
+    reply_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class RoundsSection(_Section):
+    # A round closes when every participant reported, or at the deadline with a quorum.
+    deadline_s: float = Field(default=120.0, gt=0)
+    quorum: float = Field(default=0.5, gt=0, le=1)
+    # How long the aggregator waits for shard replicas after signalling the end of a round.
+    replica_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class WorkersSection(_Section):
+    count: int = Field(default=1, ge=1)
+    checkpoint_every_steps: int = Field(default=50, ge=1)
+    checkpoint_every_s: float = Field(default=10.0, gt=0)
+    # SFL variants: fold up to this many queued messages of a shard into one forward/backward
+    # (1 = strictly sequential, the papers' semantics). MiniBatch-SFL always batches per step.
+    batch_messages: int = Field(default=1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lease_ttl_s: float = Field(default=10.0, gt=0)
+    # MiniBatch-SFL: how long a step waits for missing participants before going on without them.
+    step_barrier_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class ReportSection(_Section):
+    dir: str = "runs"
+    plots: bool = True
+
+
+class JobConfig(_Section):
+    job: JobSection = JobSection()
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    clients: ClientsSection = ClientsSection()
+    rounds: RoundsSection = RoundsSection()
+    workers: WorkersSection = WorkersSection()
+    report: ReportSection = ReportSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobConfig:
+        if self.clients.min_to_start > self.clients.count:
+            raise ValueError(
+                f"clients.min_to_start ({self.clients.min_to_start}) exceeds clients.count "
+                f"({self.clients.count})"
+            )
+        return self
+
+    @property
+    def shards(self) -> int:
+        """S after the algorithm's rule (design §1)."""
+        name = self.algorithm.name
+        if name in ("sfl_v2", "minibatch_sfl", "fedavg"):
+            return 1
+        if name == "sfl_v1":
+            return self.clients.count
+        return self.algorithm.shards

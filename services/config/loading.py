@@ -1,0 +1,110 @@
+"""TOML file + environment → `Settings`.
+
+Precedence: environment over file over defaults. Environment names are ``SPLITMQ_`` followed by
+the dotted path with ``__`` between levels (``SPLITMQ_BROKER__KIND=rabbitmq``), plus short
+aliases for the settings people change most (``SPLITMQ_AMQP_URL``, ``SPLITMQ_REDIS_URL``...).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from services.config.root import Settings
+
+ENV_PREFIX = "SPLITMQ_"
+ENV_ALIASES: dict[str, tuple[str, ...]] = {
+    "SPLITMQ_AMQP_URL": ("broker", "amqp_url"),
+    "SPLITMQ_REDIS_URL": ("store", "redis_url"),
+    "SPLITMQ_BROKER": ("broker", "kind"),
+    "SPLITMQ_STORE": ("store", "kind"),
+    "SPLITMQ_LOG_LEVEL": ("log_level",),
+}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration file or variable is unreadable or invalid; the message says where."""
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
+    """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored)."""
+    current: type[BaseModel] | None = model
+    for i, part in enumerate(path):
+        if current is None or part not in current.model_fields:
+            return False
+        annotation = current.model_fields[part].annotation
+        is_last = i == len(path) - 1
+        if is_last:
+            return True
+        current = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+    return False
+
+
+def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
+    """Nested dict of the overrides that `env` holds for `model`."""
+    out: dict[str, Any] = {}
+    for key, value in sorted(env.items()):
+        if key in ENV_ALIASES:
+            path = ENV_ALIASES[key]
+        elif key.startswith(ENV_PREFIX):
+            path = tuple(key[len(ENV_PREFIX) :].lower().split("__"))
+        else:
+            continue
+        if not _known_path(model, path):
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_model(
+    model: type[M], path: Path | None, env: Mapping[str, str], *, source: str = ""
+) -> M:
+    """Build `model` from an optional TOML file and the environment."""
+    data = read_toml(path) if path is not None else {}
+    data = deep_merge(data, env_overrides(model, env))
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        where = source or (str(path) if path else "environment")
+        lines = [f"invalid configuration ({where}):"]
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
+    return load_model(Settings, path, env)

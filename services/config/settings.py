@@ -1,0 +1,57 @@
+"""Connection settings for the broker and the store.
+
+Every role gets a `Settings` object passed in; nothing reads the environment except
+`load_settings`, which is called once at the edge (the CLI).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TLSSettings(_Section):
+    """Client-side TLS. Use amqps:// or rediss:// URLs together with these files."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify_hostname: bool = True
+
+
+class BrokerSettings(_Section):
+    kind: Literal["memory", "rabbitmq"] = "memory"
+    amqp_url: str = DEFAULT_AMQP_URL
+    # RabbitMQ 3.x accepts 128 MiB by default, 4.x only 16 MiB: set this to the server's limit.
+    max_message_bytes: int = Field(default=128 * 1024 * 1024, gt=0)
+    heartbeat_s: int = Field(default=60, ge=0)
+    blocked_connection_timeout_s: float = Field(default=300.0, gt=0)
+    reconnect_max_backoff_s: float = Field(default=10.0, gt=0)
+    reconnect_give_up_s: float = Field(default=300.0, gt=0)
+    shard_queue_max_length: int = Field(default=10_000, gt=0)
+    shard_queue_max_bytes: int = Field(default=1 << 30, gt=0)
+    tls: TLSSettings = TLSSettings()
+
+
+class StoreSettings(_Section):
+    kind: Literal["memory", "redis"] = "memory"
+    redis_url: str = DEFAULT_REDIS_URL
+    keep_versions: int = Field(default=5, ge=1)
+    socket_timeout_s: float = Field(default=30.0, gt=0)
+    tls: TLSSettings = TLSSettings()
+
+
+class ConnectionSettings(_Section):
+    """Where the broker and the store are."""
+
+    broker: BrokerSettings = BrokerSettings()
+    store: StoreSettings = StoreSettings()
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -1,0 +1,105 @@
+"""Per-client minibatches over tensors already in memory.
+
+A client's data is an index array into the preloaded dataset tensors, so a batch is one
+``index_select``: no copies of the client's data, no DataLoader worker processes. The shuffle
+order of an epoch depends only on ``(seed, client, epoch)``, so a client restarted at epoch e
+replays exactly the batches it would have seen, whichever process runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+
+class Batch(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def epoch_order(n: int, *, seed: int, client: int, epoch: int) -> npt.NDArray[np.int64]:
+    """The permutation of ``range(n)`` used by ``client`` in ``epoch``.
+
+    ``SeedSequence`` mixes the three integers, so neighbouring clients or epochs get
+    unrelated streams (``seed + client`` would make client 1 of seed 0 equal client 0 of seed 1).
+    """
+    if min(seed, client, epoch) < 0:
+        raise ValueError(f"seed, client and epoch must be >= 0, got {(seed, client, epoch)}")
+    rng = np.random.default_rng(np.random.SeedSequence([seed, client, epoch]))
+    return rng.permutation(n).astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class ClientBatches:
+    """Shuffled minibatches of one client's partition of ``(x, y)``.
+
+    ``indices`` selects the client's samples from ``x``/``y`` (any shape [N, ...] / [N]).
+    Batches live on the device of ``x``; ``y`` must be on the same device.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    indices: torch.Tensor
+    batch_size: int
+    seed: int
+    client: int
+    shuffle: bool = True
+    drop_last: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        indices: npt.ArrayLike,
+        *,
+        batch_size: int,
+        seed: int,
+        client: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> ClientBatches:
+        """Validate the inputs and build the iterator; ``indices`` may be numpy or a list."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"x has {x.shape[0]} samples but y has {y.shape[0]}")
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        if idx.ndim != 1:
+            raise ValueError(f"indices must be 1-D, got shape {tuple(idx.shape)}")
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= x.shape[0]):
+            raise ValueError(f"indices out of range for {x.shape[0]} samples")
+        return cls(
+            x=x,
+            y=y,
+            indices=idx.to(x.device),
+            batch_size=batch_size,
+            seed=seed,
+            client=client,
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.indices.shape[0])
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n, b = self.num_samples, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """The batches of ``epoch``, in that epoch's seeded order."""
+        order = self.indices
+        if self.shuffle:
+            perm = epoch_order(self.num_samples, seed=self.seed, client=self.client, epoch=epoch)
+            order = order[torch.from_numpy(perm).to(order.device)]
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            yield Batch(self.x.index_select(0, chunk), self.y.index_select(0, chunk))

@@ -1,0 +1,98 @@
+"""Reader for the IDX format of the original MNIST / Fashion-MNIST releases.
+
+Layout: two zero bytes, a type code, the number of dimensions ``nd``, then ``nd`` big-endian
+uint32 sizes, then the data in row-major order. Files may be gzip-compressed (detected by the
+gzip magic, not by the name). Every header field is checked against the file length so a
+truncated or foreign file fails with a message saying which field is wrong, instead of a
+reshape error deep inside numpy.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from services.data.errors import DataFormatError
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_MAX_DIMS = 8
+
+# IDX type code -> big-endian numpy dtype.
+_IDX_DTYPES: dict[int, str] = {
+    0x08: "u1",
+    0x09: "i1",
+    0x0B: ">i2",
+    0x0C: ">i4",
+    0x0D: ">f4",
+    0x0E: ">f8",
+}
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataFormatError(path, f"cannot read file: {exc.strerror or exc}") from exc
+    if raw[:2] != _GZIP_MAGIC:
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataFormatError(path, f"corrupt gzip stream: {exc}") from exc
+
+
+def parse_idx(data: bytes, source: object = "<bytes>") -> npt.NDArray[np.generic]:
+    """Decode one IDX payload (already decompressed); ``source`` only names it in errors."""
+    if len(data) < 4:
+        raise DataFormatError(source, f"too short for an IDX header ({len(data)} bytes)")
+    zero, code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0:
+        raise DataFormatError(
+            source, f"bad IDX magic 0x{data[:4].hex()}: the first two bytes must be zero"
+        )
+    if code not in _IDX_DTYPES:
+        raise DataFormatError(source, f"unknown IDX type code 0x{code:02x}")
+    if not 1 <= ndim <= _MAX_DIMS:
+        raise DataFormatError(source, f"IDX header declares {ndim} dimensions (1..{_MAX_DIMS})")
+    header_len = 4 + 4 * ndim
+    if len(data) < header_len:
+        raise DataFormatError(source, f"truncated IDX header: {ndim} dims need {header_len} bytes")
+    shape = struct.unpack(f">{ndim}I", data[4:header_len])
+    dtype = np.dtype(_IDX_DTYPES[code])
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    actual = len(data) - header_len
+    if actual != expected:
+        raise DataFormatError(
+            source,
+            f"IDX header declares shape {shape} of {dtype} ({expected} bytes) "
+            f"but the file holds {actual} data bytes",
+        )
+    # astype copies into a writable, native-endian array (torch.from_numpy needs both).
+    array = np.frombuffer(data, dtype=dtype, offset=header_len).reshape(shape)
+    return array.astype(dtype.newbyteorder("="))
+
+
+def read_idx(path: str | Path) -> npt.NDArray[np.generic]:
+    """Read an IDX file (raw or gzip) into a native-endian numpy array."""
+    path = Path(path)
+    return parse_idx(_read_bytes(path), path)
+
+
+def read_idx_pair(
+    images: str | Path, labels: str | Path
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """Read an images/labels pair and check they fit together: uint8 [N,H,W] and uint8 [N]."""
+    x = read_idx(images)
+    y = read_idx(labels)
+    if x.dtype != np.uint8 or x.ndim != 3:
+        raise DataFormatError(images, f"expected uint8 images [N,H,W], got {x.dtype} {x.shape}")
+    if y.dtype != np.uint8 or y.ndim != 1:
+        raise DataFormatError(labels, f"expected uint8 labels [N], got {y.dtype} {y.shape}")
+    if len(x) != len(y):
+        raise DataFormatError(labels, f"{len(y)} labels for {len(x)} images in {images}")
+    return x.astype(np.uint8, copy=False), y.astype(np.uint8, copy=False)

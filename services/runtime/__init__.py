@@ -1,0 +1,1 @@
+"""Wiring: broker/store factories, the embedded runner and local-process launcher."""

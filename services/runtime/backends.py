@@ -1,0 +1,65 @@
+"""Open the configured broker and store: real servers, or the embedded in-process ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from broker.memory_broker import InMemoryBroker
+from broker.memory_hub import InMemoryHub
+from broker.memory_store import InMemoryWeightStore
+from broker.rabbitmq import RabbitMQBroker
+from broker.rabbitmq_connection import RabbitMQOptions
+from broker.redis_store import RedisStoreOptions, RedisWeightStore
+from broker.store import WeightStore
+from broker.transport import Broker
+from services.config.settings import BrokerSettings, StoreSettings
+
+
+@dataclass
+class Embedded:
+    """The in-process hub and store that every role of an embedded run shares."""
+
+    hub: InMemoryHub = field(default_factory=InMemoryHub)
+    store: InMemoryWeightStore = field(default_factory=InMemoryWeightStore)
+
+
+@dataclass(frozen=True)
+class Backends:
+    """How a role opens its connections; each thread opens its own broker handle."""
+
+    broker_settings: BrokerSettings
+    store_settings: StoreSettings
+    embedded: Embedded | None = None
+
+    def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
+        """A new handle; `give_up_after` shortens the reconnect budget (probes, health checks)."""
+        settings = self.broker_settings
+        if settings.kind == "memory":
+            hub = self._embedded().hub
+            return InMemoryBroker(hub, max_message_bytes=settings.max_message_bytes)
+        options = RabbitMQOptions(
+            heartbeat=settings.heartbeat_s,
+            blocked_connection_timeout=settings.blocked_connection_timeout_s,
+            reconnect_max_delay=settings.reconnect_max_backoff_s,
+            give_up_after=give_up_after or settings.reconnect_give_up_s,
+            max_message_bytes=settings.max_message_bytes,
+            connection_name=name or None,
+        )
+        return RabbitMQBroker(settings.amqp_url, options)
+
+    def open_store(self) -> WeightStore:
+        settings = self.store_settings
+        if settings.kind == "memory":
+            return self._embedded().store
+        options = RedisStoreOptions(
+            socket_timeout_s=settings.socket_timeout_s, keep_versions=settings.keep_versions
+        )
+        return RedisWeightStore(settings.redis_url, options)
+
+    def _embedded(self) -> Embedded:
+        if self.embedded is None:
+            raise ValueError(
+                "the in-memory broker/store only exist inside one process: use `splitmq run`, "
+                "or configure kind = \"rabbitmq\" / \"redis\" for separate processes"
+            )
+        return self.embedded

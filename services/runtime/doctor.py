@@ -1,0 +1,124 @@
+"""`splitmq doctor`: is the configured broker and store usable, and if not, what to do."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlparse, urlunparse
+
+import torch
+
+from broker.errors import SplitMQError
+from broker.memory_store import InMemoryWeightStore
+from broker.redis_store import RedisWeightStore
+from broker.transport import ServerInfo
+from services.config.root import Settings
+from services.data.errors import DataError
+from services.data.loaders import resolve_data_dir
+from services.data.registry import get_spec
+from services.runtime.backends import Backends, Embedded
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    hint: str = ""
+    warning: bool = False  # ok, but worth a look
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for printing."""
+    parts = urlparse(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunparse(parts._replace(netloc=netloc))
+
+
+def check_broker(backends: Backends) -> Check:
+    settings = backends.broker_settings
+    where = redact(settings.amqp_url) if settings.kind == "rabbitmq" else "in this process"
+    try:
+        broker = backends.open_broker("splitmq-doctor", give_up_after=5.0)
+    except SplitMQError as exc:
+        return Check(
+            "broker",
+            False,
+            f"cannot reach RabbitMQ at {where}: {exc}",
+            "start it (`rabbitmq-server -detached`) or set SPLITMQ_AMQP_URL",
+        )
+    try:
+        server_info: Callable[[], ServerInfo] | None = getattr(broker, "server_info", None)
+        if server_info is None:
+            return Check("broker", True, f"{type(broker).__name__} {where}")
+        info = server_info()
+    except SplitMQError as exc:
+        return Check("broker", False, f"{where}: {exc}")
+    finally:
+        broker.close()
+    detail = (
+        f"{info.product} {info.version} {where}; declare "
+        f"{'ok' if info.can_declare else 'REFUSED'}, publish "
+        f"{'ok' if info.can_publish else 'REFUSED'}, max message "
+        f"{info.max_message_bytes / 2**20:.0f} MiB"
+    )
+    ok = info.can_declare and info.can_publish
+    hint = ""
+    if not ok:
+        hint = info.detail or "grant the user configure/write/read permissions on the vhost"
+    return Check("broker", ok, detail, hint)
+
+
+def check_store(backends: Backends) -> Check:
+    settings = backends.store_settings
+    if settings.kind == "memory":
+        store = backends.open_store()
+        ok = isinstance(store, InMemoryWeightStore)
+        return Check("store", ok, "in-memory weight store in this process")
+    where = redact(settings.redis_url)
+    try:
+        store = backends.open_store()
+        assert isinstance(store, RedisWeightStore)
+        info = store.server_info()
+    except SplitMQError as exc:
+        return Check(
+            "store",
+            False,
+            f"cannot use Redis at {where}: {exc}",
+            "start it (`redis-server --daemonize yes`) or set SPLITMQ_REDIS_URL",
+        )
+    finally:
+        if "store" in locals():
+            store.close()
+    ok = info.can_write and info.can_read
+    detail = (
+        f"Redis {info.version} at {where}; write {'ok' if info.can_write else 'REFUSED'}, "
+        f"read {'ok' if info.can_read else 'REFUSED'}, AOF {'on' if info.aof_enabled else 'off'}"
+    )
+    return Check(
+        "store", ok, detail, "; ".join(info.problems), warning=ok and bool(info.problems)
+    )
+
+
+def check_data(settings: Settings, env: Mapping[str, str]) -> Check:
+    try:
+        spec = get_spec(settings.data.dataset)
+        path = resolve_data_dir(spec, settings.data.dir or None, env)
+    except DataError as exc:
+        return Check("data", False, str(exc), "set [data] dir or SPLITMQ_DATA_DIR")
+    return Check("data", True, f"{spec.name} in {path}")
+
+
+def check_torch() -> Check:
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else "CPU only"
+    return Check("torch", True, f"torch {torch.__version__}, {device}")
+
+
+def run_checks(settings: Settings, env: Mapping[str, str] | None = None) -> list[Check]:
+    env = os.environ if env is None else env
+    backends = Backends(settings.broker, settings.store, Embedded())
+    return [check_torch(), check_broker(backends), check_store(backends), check_data(settings, env)]

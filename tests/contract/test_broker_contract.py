@@ -1,0 +1,511 @@
+"""One contract for every `Broker`: the in-memory broker and RabbitMQ must behave alike.
+
+Each test runs twice, once per implementation. The RabbitMQ run needs a real server
+(`amqp_url` skips locally, fails under CI=true); queue names come from the `job` fixture so
+parallel runs on one server never meet, and every queue a test declares is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from broker.errors import (
+    BackPressureError,
+    BrokerError,
+    MessageTooLargeError,
+    StaleDeliveryError,
+    UnroutableError,
+)
+from broker.memory_broker import InMemoryBroker, InMemoryHub
+from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    EVENTS_EXCHANGE,
+    SMASHED_EXCHANGE,
+    control_queue,
+    dead_queue,
+)
+from broker.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    REASON_HEADER,
+    SOURCE_QUEUE_HEADER,
+    USER_HEADER,
+    Broker,
+    Delivery,
+    HeaderValue,
+    QueueSpec,
+)
+
+USER = "guest"  # RabbitMQ checks user_id against the connection's user: the test server's
+WAIT = 5.0  # for a delivery that must come
+QUIET = 0.3  # for one that must not (a broker breaking the rule would deliver well within it)
+
+
+class BrokerFactory:
+    """Opens handles on one broker (as separate threads or processes would) and cleans up."""
+
+    def __init__(self, job: str, opener: Callable[[int, int], Broker]) -> None:
+        self.job = job
+        self._opener = opener
+        self._handles: list[Broker] = []
+        self._queues: list[str] = []
+
+    def __call__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Broker:
+        handle = self._opener(len(self._handles), max_message_bytes)
+        self._handles.append(handle)
+        return handle
+
+    def spec(self, suffix: str, exchange: str = CONTROL_EXCHANGE, **options: Any) -> QueueSpec:
+        """A queue of this test, bound with its own name as routing key; deleted at teardown."""
+        name = f"{self.job}.{suffix}"
+        return self.track(QueueSpec(name=name, exchange=exchange, routing_key=name, **options))
+
+    def track(self, spec: QueueSpec) -> QueueSpec:
+        self._queues.append(spec.name)
+        return spec
+
+    def teardown(self) -> None:
+        for handle in self._handles:
+            handle.close()
+        if self._queues:
+            cleaner = self._opener(len(self._handles), DEFAULT_MAX_MESSAGE_BYTES)
+            for name in self._queues:
+                cleaner.delete_queue(name)
+            cleaner.close()
+
+
+@pytest.fixture(params=["memory", "rabbitmq"])
+def broker_factory(request: pytest.FixtureRequest, job: str) -> Iterator[BrokerFactory]:
+    if request.param == "memory":
+        hub = InMemoryHub()
+
+        def opener(index: int, max_message_bytes: int) -> Broker:
+            return InMemoryBroker(hub, user=USER, max_message_bytes=max_message_bytes)
+
+    else:
+        url = request.getfixturevalue("amqp_url")
+
+        def opener(index: int, max_message_bytes: int) -> Broker:
+            options = RabbitMQOptions(
+                give_up_after=5.0,
+                max_message_bytes=max_message_bytes,
+                connection_name=f"{job}-{index}",
+            )
+            return RabbitMQBroker(url, options)
+
+    factory = BrokerFactory(job, opener)
+    yield factory
+    factory.teardown()
+
+
+def receive(broker: Broker, count: int = 1) -> list[Delivery]:
+    deliveries: list[Delivery] = []
+    for _ in range(count):
+        delivery = broker.get(WAIT)
+        assert delivery is not None, f"expected {count} deliveries, got {len(deliveries)}"
+        deliveries.append(delivery)
+    return deliveries
+
+
+def test_round_trip_carries_body_headers_and_ids(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    headers: dict[str, HeaderValue] = {
+        "kind": "smashed",
+        "seq": 7,
+        "big": 1 << 40,
+        "final": True,
+        "raw": b"\x00\x01",
+    }
+    body = bytes(range(256)) * 4
+
+    broker.publish(
+        CONTROL_EXCHANGE, spec.routing_key, body, headers=headers, message_id="m-1", user_id=USER
+    )
+    assert broker.queue_depth(spec.name) == 1
+    broker.subscribe(spec.name, prefetch=1)
+    (delivery,) = receive(broker)
+
+    assert delivery.body == body
+    assert dict(delivery.headers) == headers
+    assert (delivery.message_id, delivery.user_id) == ("m-1", USER)
+    assert (delivery.queue, delivery.routing_key) == (spec.name, spec.routing_key)
+    assert not delivery.redelivered
+    broker.ack(delivery)
+    broker.close()
+
+    # Acked means gone: a fresh consumer finds nothing.
+    later = broker_factory()
+    later.subscribe(spec.name, prefetch=1)
+    assert later.get(QUIET) is None
+    assert later.queue_depth(spec.name) == 0
+
+
+def test_publishing_as_another_user_is_refused(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+
+    with pytest.raises(BrokerError, match="user_id"):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"forged", user_id="mallory")
+
+    assert broker.queue_depth(spec.name) == 0
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"honest", user_id=USER)
+    assert broker.queue_depth(spec.name) == 1
+
+
+def test_unacked_message_survives_a_consumer_that_dies(broker_factory: BrokerFactory) -> None:
+    publisher = broker_factory()
+    spec = broker_factory.spec("work")
+    publisher.declare([spec])
+    publisher.publish(CONTROL_EXCHANGE, spec.routing_key, b"precious", message_id="p-1")
+
+    doomed = broker_factory()
+    doomed.subscribe(spec.name, prefetch=1)
+    (first,) = receive(doomed)
+    assert not first.redelivered
+    doomed.close()  # no ack: as if the worker was killed mid-batch
+
+    survivor = broker_factory()
+    survivor.subscribe(spec.name, prefetch=1)
+    (again,) = receive(survivor)
+    assert (again.body, again.message_id, again.redelivered) == (b"precious", "p-1", True)
+    survivor.ack(again)
+
+
+def test_nack_with_requeue_redelivers(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"retry me")
+    broker.subscribe(spec.name, prefetch=1)
+
+    (first,) = receive(broker)
+    broker.nack(first, requeue=True)
+    (second,) = receive(broker)
+
+    assert (second.body, second.redelivered) == (b"retry me", True)
+    broker.ack(second)
+    assert broker.get(QUIET) is None
+
+
+def test_rejected_body_is_dead_lettered_with_reason_and_consumer_goes_on(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    bodies = [b"good-1", b"\xc1 not msgpack", b"good-2"]
+    for index, body in enumerate(bodies):
+        consumer.publish(
+            CONTROL_EXCHANGE,
+            control.routing_key,
+            body,
+            headers={"trace": f"t{index}"},
+            message_id=f"m{index}",
+            user_id=USER,
+        )
+    consumer.subscribe(control.name, prefetch=2)
+
+    handled = []
+    for _ in bodies:
+        (delivery,) = receive(consumer)
+        if delivery.body.startswith(b"good"):
+            handled.append(delivery.body)
+            consumer.ack(delivery)
+        else:
+            consumer.dead_letter(delivery, "DecodeError: byte 0xc1 is not valid msgpack")
+
+    assert handled == [b"good-1", b"good-2"]
+    assert consumer.queue_depth(control.name) == 0
+    operator = broker_factory()
+    operator.subscribe(dead.name, prefetch=5)
+    (letter,) = receive(operator)
+    assert letter.body == b"\xc1 not msgpack"
+    assert letter.headers[REASON_HEADER] == "DecodeError: byte 0xc1 is not valid msgpack"
+    assert letter.headers[SOURCE_QUEUE_HEADER] == control.name
+    assert letter.headers["trace"] == "t1"
+    assert letter.headers[USER_HEADER] == USER
+    assert letter.message_id == "m1"
+    operator.ack(letter)
+    assert operator.get(QUIET) is None
+
+
+def test_nack_without_requeue_follows_the_queue_dead_letter_routing(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    broker = broker_factory()
+    broker.declare([dead, control])
+    broker.publish(CONTROL_EXCHANGE, control.routing_key, b"unwanted", message_id="u-1")
+    broker.subscribe(control.name, prefetch=1)
+
+    (delivery,) = receive(broker)
+    broker.nack(delivery, requeue=False)
+    broker.subscribe(dead.name, prefetch=1)
+    (letter,) = receive(broker)
+
+    assert (letter.body, letter.message_id, letter.queue) == (b"unwanted", "u-1", dead.name)
+    assert letter.headers["x-first-death-reason"] == "rejected"
+    assert letter.headers["x-first-death-queue"] == control.name
+    assert REASON_HEADER not in letter.headers
+    broker.ack(letter)
+
+
+def test_dead_letter_needs_the_queue_declared_on_the_handle(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    broker_factory().declare([dead, control])
+    broker = broker_factory()
+    broker.subscribe(control.name, prefetch=1)
+    broker.publish(CONTROL_EXCHANGE, control.routing_key, b"x")
+    (delivery,) = receive(broker)
+
+    with pytest.raises(BrokerError, match="dead-letter routing"):
+        broker.dead_letter(delivery, "bad")
+
+    broker.ack(delivery)  # still outstanding: nothing was lost or settled by the refusal
+    assert broker.queue_depth(dead.name) == 0
+
+
+def test_full_queue_pushes_back_until_drained(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("bounded", max_length=3)
+    broker.declare([spec])
+    for index in range(3):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, f"m{index}".encode())
+
+    with pytest.raises(BackPressureError, match=spec.name):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"m3")
+    assert broker.queue_depth(spec.name) == 3
+
+    broker.subscribe(spec.name, prefetch=3)
+    drained = receive(broker, 3)
+    for delivery in drained:
+        broker.ack(delivery)
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"m4")
+    (after,) = receive(broker)
+
+    assert [d.body for d in drained] == [b"m0", b"m1", b"m2"]
+    assert after.body == b"m4"  # m3 was refused, not queued
+    broker.ack(after)
+
+
+def test_byte_bound_pushes_back(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("bytes", max_length_bytes=100)
+    broker.declare([spec])
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"a" * 60)
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"b" * 40)  # exactly at the bound
+
+    with pytest.raises(BackPressureError):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"c")
+    assert broker.queue_depth(spec.name) == 2
+
+
+def test_unroutable_mandatory_publish_is_refused(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work", exchange=SMASHED_EXCHANGE)
+    broker.declare([spec])
+
+    with pytest.raises(UnroutableError):
+        broker.publish(SMASHED_EXCHANGE, f"{broker_factory.job}.nowhere", b"lost?")
+
+    broker.publish(SMASHED_EXCHANGE, spec.routing_key, b"found")
+    assert broker.queue_depth(spec.name) == 1
+
+
+def test_unknown_exchange_is_a_broker_error_and_the_handle_survives(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"before")
+    broker.subscribe(spec.name, prefetch=1)
+    (held,) = receive(broker)
+
+    with pytest.raises(BrokerError, match="no exchange"):
+        broker.publish(f"{broker_factory.job}.no-such-exchange", "key", b"x")
+
+    broker.ack(held)  # the failed publish did not void deliveries in hand
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"after")
+    (after,) = receive(broker)
+    assert after.body == b"after"
+    broker.ack(after)
+
+
+def test_redeclaring_with_other_arguments_is_a_broker_error(
+    broker_factory: BrokerFactory,
+) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work", max_length=5)
+    broker.declare([spec])
+    clash = QueueSpec(spec.name, spec.exchange, spec.routing_key, max_length=6)
+
+    with pytest.raises(BrokerError, match="inequivalent"):
+        broker_factory().declare([clash])
+
+    broker.declare([spec])  # the original declaration still stands
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"ok")
+    assert broker.queue_depth(spec.name) == 1
+
+
+@pytest.mark.parametrize("leave", ["close", "unsubscribe"])
+def test_single_active_consumer_fails_over(broker_factory: BrokerFactory, leave: str) -> None:
+    spec = broker_factory.spec("shard", single_active_consumer=True)
+    first, second = broker_factory(), broker_factory()
+    first.declare([spec])
+    for index in range(4):
+        first.publish(CONTROL_EXCHANGE, spec.routing_key, f"m{index}".encode())
+    first.subscribe(spec.name, prefetch=2)
+    m0, m1 = receive(first, 2)
+    second.subscribe(spec.name, prefetch=2)
+
+    assert second.get(QUIET) is None  # standby while the first consumer is active
+    first.ack(m0)
+    if leave == "close":
+        first.close()
+    else:
+        first.unsubscribe(spec.name)
+
+    taken_over = receive(second, 2)
+    second.ack(taken_over[0])
+    taken_over += receive(second, 1)
+    for delivery in taken_over[1:]:
+        second.ack(delivery)
+    assert second.get(QUIET) is None
+
+    # RabbitMQ activates the standby before it requeues the old consumer's unacked messages,
+    # so the order across a failover is not guaranteed; the set and the flag are.
+    by_body = {d.body: d for d in taken_over}
+    assert sorted(by_body) == [b"m1", b"m2", b"m3"]
+    assert by_body[b"m1"].redelivered  # it was in the first consumer's hands
+    assert (m0.body, m1.body) == (b"m0", b"m1")
+
+
+def test_competing_consumers_share_a_plain_queue(broker_factory: BrokerFactory) -> None:
+    spec = broker_factory.spec("work")
+    one, two = broker_factory(), broker_factory()
+    one.declare([spec])
+    for index in range(4):
+        one.publish(CONTROL_EXCHANGE, spec.routing_key, f"m{index}".encode())
+    one.subscribe(spec.name, prefetch=1)
+    two.subscribe(spec.name, prefetch=1)
+
+    (a,) = receive(one)
+    (b,) = receive(two)
+
+    assert a.body != b.body
+    one.ack(a)
+    two.ack(b)
+
+
+def test_prefetch_bounds_unacknowledged_deliveries(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    for index in range(5):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, f"m{index}".encode())
+    broker.subscribe(spec.name, prefetch=2)
+
+    held = receive(broker, 2)
+    assert broker.get(QUIET) is None  # a third would exceed the prefetch
+    broker.ack(held[0])
+    (third,) = receive(broker)
+    assert broker.get(QUIET) is None
+
+    assert [d.body for d in [*held, third]] == [b"m0", b"m1", b"m2"]
+    for delivery in (held[1], third):
+        broker.ack(delivery)
+
+
+def test_fanout_event_reaches_every_subscriber(broker_factory: BrokerFactory) -> None:
+    left = broker_factory.spec("events.left", exchange=EVENTS_EXCHANGE)
+    right = broker_factory.spec("events.right", exchange=EVENTS_EXCHANGE)
+    alice, bob = broker_factory(), broker_factory()
+    alice.declare([left])
+    bob.declare([right])
+    alice.subscribe(left.name, prefetch=1)
+    bob.subscribe(right.name, prefetch=1)
+    event = f"{broker_factory.job}: version 3 published".encode()
+
+    alice.publish(EVENTS_EXCHANGE, "", event)
+
+    for broker in (alice, bob):
+        (delivery,) = receive(broker)
+        assert delivery.body == event
+        broker.ack(delivery)
+
+
+def test_oversize_body_is_refused_before_sending(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory(max_message_bytes=1024)
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+
+    with pytest.raises(MessageTooLargeError, match="1025 bytes"):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"x" * 1025)
+
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"x" * 1024)
+    assert broker.queue_depth(spec.name) == 1
+
+
+@pytest.mark.parametrize("body", [bytearray(b"abc"), memoryview(b"abc")])
+def test_only_bytes_bodies_are_accepted(broker_factory: BrokerFactory, body: Any) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+
+    with pytest.raises(TypeError, match="body must be bytes"):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, body)
+
+    assert broker.queue_depth(spec.name) == 0
+
+
+def test_settling_twice_or_after_unsubscribe(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"once")
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"returned")
+    broker.subscribe(spec.name, prefetch=2)
+    once, returned = receive(broker, 2)
+
+    broker.ack(once)
+    with pytest.raises(BrokerError, match="not outstanding") as excinfo:
+        broker.ack(once)
+    assert not isinstance(excinfo.value, StaleDeliveryError)
+
+    broker.unsubscribe(spec.name)
+    with pytest.raises(StaleDeliveryError):
+        broker.ack(returned)
+    other = broker_factory()
+    other.subscribe(spec.name, prefetch=1)
+    (again,) = receive(other)
+    assert (again.body, again.redelivered) == (b"returned", True)
+    other.ack(again)
+
+
+def test_missing_queues(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    missing = f"{broker_factory.job}.never-declared"
+
+    with pytest.raises(BrokerError, match="no queue"):
+        broker.queue_depth(missing)
+    with pytest.raises(BrokerError, match="no queue"):
+        broker.subscribe(missing, prefetch=1)
+    broker.delete_queue(missing)  # idempotent
+
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    broker.delete_queue(spec.name)
+    with pytest.raises(BrokerError):
+        broker.queue_depth(spec.name)

@@ -1,0 +1,611 @@
+"""One contract every `WeightStore` must honour, run against the in-memory and the Redis store.
+
+Expiry is exercised with a fake clock for the in-memory store and with short real TTLs (about a
+second) for Redis. Crashes are injected by subclassing the store's publish steps, which is where
+a real crash would interrupt it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from broker import keys
+from broker.errors import (
+    DecodeError,
+    EncodeError,
+    StoreError,
+    StoreUnavailableError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
+from broker.memory_store import InMemoryWeightStore
+from broker.redis_store import RedisStoreOptions, RedisWeightStore
+from broker.store import NO_VERSION, BlobRef, Checkpoint, WeightStore
+from broker.weights import sha256_hex
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVER = BlobRef("server")
+CLIENT = BlobRef("client")
+AUX_C1 = BlobRef("aux", "c1")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Harness:
+    """How the suite drives one implementation."""
+
+    kind: str
+    new_store: Callable[..., Any]  # new_store(cls=None, keep_versions=5, pending_ttl_s=600.0)
+    base_cls: type
+    wait: Callable[[float], None]  # let `seconds` pass for expiry purposes
+    corrupt: Callable[[Any, str, str], None]  # corrupt(store, job, blob_key) behind its back
+    raw_blob: Callable[[Any, str, str], bytes]  # raw_blob(store, job, blob_key): stored bytes
+    now: Callable[[], float]  # the store's notion of "now"
+    stores: list[Any] = field(default_factory=list)
+
+
+def _memory_harness() -> Harness:
+    clock = FakeClock()
+
+    def new_store(cls: type | None = None, **opts: Any) -> InMemoryWeightStore:
+        store: InMemoryWeightStore = (cls or InMemoryWeightStore)(clock=clock, **opts)
+        return store
+
+    def corrupt(store: InMemoryWeightStore, job: str, key: str) -> None:
+        blob = store._jobs[job].blobs[key]
+        data = bytearray(blob.data)
+        data[-1] ^= 0xFF
+        blob.data = bytes(data)
+
+    def raw_blob(store: InMemoryWeightStore, job: str, key: str) -> bytes:
+        return store._jobs[job].blobs[key].data
+
+    return Harness(
+        "memory", new_store, InMemoryWeightStore, clock.advance, corrupt, raw_blob, clock
+    )
+
+
+def _redis_harness(url: str) -> Harness:
+    raw = redis.Redis.from_url(url)
+
+    def new_store(cls: type | None = None, **opts: Any) -> RedisWeightStore:
+        store: RedisWeightStore = (cls or RedisWeightStore)(url, RedisStoreOptions(**opts))
+        return store
+
+    def corrupt(store: RedisWeightStore, job: str, key: str) -> None:
+        data = raw.get(key)
+        assert isinstance(data, bytes)
+        # Flip the last byte (tensor data, not the header) and keep the key's TTL state.
+        raw.setrange(key, len(data) - 1, bytes([data[-1] ^ 0xFF]))
+
+    def raw_blob(store: RedisWeightStore, job: str, key: str) -> bytes:
+        data = raw.get(key)
+        assert isinstance(data, bytes)
+        return data
+
+    def now() -> float:
+        seconds, micros = raw.time()
+        return seconds + micros / 1e6
+
+    harness = Harness("redis", new_store, RedisWeightStore, time.sleep, corrupt, raw_blob, now)
+    harness.stores.append(raw)  # closed at teardown like the stores
+    return harness
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def harness(request: pytest.FixtureRequest, job: str) -> Iterator[Harness]:
+    if request.param == "memory":
+        h = _memory_harness()
+    else:
+        h = _redis_harness(request.getfixturevalue("redis_url"))
+    original = h.new_store
+
+    def tracked(cls: type | None = None, **opts: Any) -> Any:
+        store = original(cls, **opts)
+        h.stores.append(store)
+        return store
+
+    h.new_store = tracked
+    yield h
+    for store in h.stores:
+        if isinstance(store, (InMemoryWeightStore, RedisWeightStore)):
+            store.delete_job(job)
+            store.delete_job(job + "x")
+        store.close()
+
+
+@pytest.fixture
+def store(harness: Harness) -> WeightStore:
+    s: WeightStore = harness.new_store()
+    return s
+
+
+def _weights(seed: int) -> dict[BlobRef, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        SERVER: {
+            "fc.weight": torch.randn(16, 8, generator=g),
+            "fc.bias": torch.randn(16, generator=g),
+            "bn.num_batches_tracked": torch.tensor(seed, dtype=torch.int64),
+        },
+        CLIENT: {"conv.weight": torch.randn(4, 3, 3, 3, generator=g).to(torch.bfloat16)},
+        AUX_C1: {"head.weight": torch.randn(10, 4, generator=g)},
+    }
+
+
+def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(actual) == set(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert actual[name].shape == tensor.shape, name
+        assert torch.equal(actual[name], tensor), name
+
+
+def _referenced_keys(store: Any, job: str) -> set[str]:
+    """Blob keys named by the retained manifests (recomputed from the public manifest)."""
+    found = set()
+    for version in store.versions(job):
+        for ref, entry in store.manifest(job, version).entries.items():
+            found.add(keys.blob_key(job, ref, version, entry.sha256))
+    return found
+
+
+def _assert_no_unreferenced_permanent_blob(store: Any, job: str) -> None:
+    referenced = _referenced_keys(store, job)
+    present = store.blob_keys(job)
+    assert referenced <= set(present), "a manifest names a missing blob"
+    for key, ttl in present.items():
+        if key not in referenced:
+            assert ttl is not None and ttl > 0, f"orphan {key} never expires"
+
+
+# --- versions ---------------------------------------------------------------------------------
+
+
+def test_empty_job_has_no_version(store: Any, job: str) -> None:
+    assert store.current_version(job) == NO_VERSION
+    assert store.versions(job) == []
+    with pytest.raises(VersionNotFoundError):
+        store.manifest(job, 1)
+    with pytest.raises(VersionNotFoundError):
+        store.read_blob(job, 1, SERVER)
+
+
+def test_publish_read_round_trip(harness: Harness, store: Any, job: str) -> None:
+    blobs = _weights(1)
+    before = harness.now()
+    version = store.publish_version(
+        job, NO_VERSION, blobs, samples={SERVER: 120, AUX_C1: 7}, meta={"round": "1"}
+    )
+    assert version == 1
+    assert store.current_version(job) == 1
+    assert store.versions(job) == [1]
+    for ref, weights in blobs.items():
+        _assert_same(store.read_blob(job, 1, ref), weights)
+
+    manifest = store.manifest(job, 1)
+    assert manifest.version == 1
+    assert set(manifest.entries) == set(blobs)
+    assert manifest.meta == {"round": "1"}
+    assert before <= manifest.created_at <= harness.now()
+    assert {ref: e.samples for ref, e in manifest.entries.items()} == {
+        SERVER: 120,
+        CLIENT: 0,
+        AUX_C1: 7,
+    }
+    present = store.blob_keys(job)
+    for ref, entry in manifest.entries.items():
+        assert entry.ref == ref
+        key = keys.blob_key(job, ref, 1, entry.sha256)
+        assert present[key] is None, "committed blobs must not expire"
+        data = harness.raw_blob(store, job, key)
+        assert (sha256_hex(data), len(data)) == (entry.sha256, entry.nbytes)
+    assert len(present) == len(blobs)
+
+
+def test_blob_not_in_version_is_an_error(store: Any, job: str) -> None:
+    store.publish_version(job, NO_VERSION, {SERVER: _weights(1)[SERVER]})
+    with pytest.raises(StoreError) as info:
+        store.read_blob(job, 1, CLIENT)
+    assert not isinstance(info.value, VersionNotFoundError)
+
+
+def test_stale_expected_version_conflicts(store: Any, job: str) -> None:
+    store.publish_version(job, NO_VERSION, _weights(1))
+    with pytest.raises(VersionConflictError) as info:
+        store.publish_version(job, NO_VERSION, _weights(2))
+    assert (info.value.expected, info.value.actual) == (NO_VERSION, 1)
+    assert store.current_version(job) == 1
+    _assert_same(store.read_blob(job, 1, SERVER), _weights(1)[SERVER])
+    # The loser's blobs are discarded at once (only version 1's blobs remain).
+    assert set(store.blob_keys(job)) == _referenced_keys(store, job)
+    assert store.publish_version(job, 1, _weights(2)) == 2
+
+
+def test_loser_with_identical_content_leaves_winner_intact(store: Any, job: str) -> None:
+    """Identical blobs of the same version share a key: the loser must neither re-arm the
+    pending expiry of the winner's committed blob nor delete it while cleaning up."""
+    store.publish_version(job, NO_VERSION, _weights(1), meta={"by": "winner"})
+    with pytest.raises(VersionConflictError):
+        store.publish_version(job, NO_VERSION, _weights(1), meta={"by": "loser"})
+    assert store.manifest(job, 1).meta == {"by": "winner"}
+    assert all(ttl is None for ttl in store.blob_keys(job).values())
+    assert set(store.blob_keys(job)) == _referenced_keys(store, job)
+    for ref, weights in _weights(1).items():
+        _assert_same(store.read_blob(job, 1, ref), weights)
+
+
+def test_racing_threads_exactly_one_wins(harness: Harness, store: Any, job: str) -> None:
+    racers = 4
+    barrier = threading.Barrier(racers)
+    outcomes: dict[int, object] = {}
+
+    def race(i: int) -> None:
+        blobs = _weights(100 + i)
+        barrier.wait()
+        try:
+            outcomes[i] = store.publish_version(job, NO_VERSION, blobs)
+        except VersionConflictError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [i for i, o in outcomes.items() if o == 1]
+    losers = [o for o in outcomes.values() if isinstance(o, VersionConflictError)]
+    assert len(outcomes) == racers
+    assert len(winners) == 1
+    assert len(losers) == racers - 1
+    assert all(exc.actual == 1 for exc in losers)
+    assert store.current_version(job) == 1
+    for ref, weights in _weights(100 + winners[0]).items():
+        _assert_same(store.read_blob(job, 1, ref), weights)
+    _assert_no_unreferenced_permanent_blob(store, job)
+
+
+def test_retried_commit_is_idempotent(harness: Harness, job: str) -> None:
+    """A commit whose reply was lost and is sent again must not report a conflict."""
+
+    class RetryingStore(harness.base_cls):  # type: ignore[name-defined,misc]
+        def _commit(self, *args: Any) -> None:
+            super()._commit(*args)
+            super()._commit(*args)
+
+    store = harness.new_store(RetryingStore)
+    assert store.publish_version(job, NO_VERSION, _weights(1)) == 1
+    assert store.current_version(job) == 1
+    assert store.versions(job) == [1]
+    _assert_same(store.read_blob(job, 1, SERVER), _weights(1)[SERVER])
+
+
+def test_crash_between_blob_writes_leaves_previous_version(harness: Harness, job: str) -> None:
+    class CrashAfterFirstBlob(harness.base_cls):  # type: ignore[name-defined,misc]
+        crash = False
+
+        def _write_pending(self, job: str, blobs: Any) -> list[str]:
+            if not self.crash:
+                created: list[str] = super()._write_pending(job, blobs)
+                return created
+            super()._write_pending(job, blobs[:1])
+            raise RuntimeError("simulated crash between blob writes")
+
+    pending_ttl = 1.5
+    store = harness.new_store(CrashAfterFirstBlob, pending_ttl_s=pending_ttl)
+    store.publish_version(job, NO_VERSION, _weights(1))
+    store.crash = True
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        store.publish_version(job, 1, _weights(2))
+    store.crash = False
+
+    referenced = _referenced_keys(store, job)
+    orphans = {k: ttl for k, ttl in store.blob_keys(job).items() if k not in referenced}
+    assert len(orphans) == 1, "exactly the one blob written before the crash is left over"
+    assert all(ttl is not None and 0 < ttl <= pending_ttl for ttl in orphans.values())
+    assert store.current_version(job) == 1
+    assert store.versions(job) == [1]
+    with pytest.raises(VersionNotFoundError):
+        store.manifest(job, 2)
+    for ref, weights in _weights(1).items():
+        _assert_same(store.read_blob(job, 1, ref), weights)
+
+    harness.wait(pending_ttl + 0.3)
+    assert set(store.blob_keys(job)) == referenced, "the orphan expired"
+    assert store.publish_version(job, 1, _weights(2)) == 2
+
+
+def test_manifest_naming_missing_blob_cannot_commit(harness: Harness, job: str) -> None:
+    class LosesFirstBlob(harness.base_cls):  # type: ignore[name-defined,misc]
+        """Writes every blob but the first, as if it had expired or been lost before commit."""
+
+        def _write_pending(self, job: str, blobs: Any) -> list[str]:
+            created: list[str] = super()._write_pending(job, blobs[1:])
+            return created
+
+    store = harness.new_store(LosesFirstBlob)
+    with pytest.raises(StoreError, match="torn write") as info:
+        store.publish_version(job, NO_VERSION, _weights(1))
+    assert not isinstance(info.value, VersionConflictError)
+    assert store.current_version(job) == NO_VERSION
+    assert store.versions(job) == []
+    with pytest.raises(VersionNotFoundError):
+        store.manifest(job, 1)
+    # The failed publisher removed the blobs it did write.
+    assert store.blob_keys(job) == {}
+
+
+def test_retention_keeps_last_versions(harness: Harness, job: str) -> None:
+    store = harness.new_store(keep_versions=3)
+    for v in range(5):
+        assert store.publish_version(job, v, _weights(v)) == v + 1
+    assert store.versions(job) == [3, 4, 5]
+    assert store.current_version(job) == 5
+    for old in (1, 2):
+        with pytest.raises(VersionNotFoundError):
+            store.manifest(job, old)
+        with pytest.raises(VersionNotFoundError):
+            store.read_blob(job, old, SERVER)
+    for kept in (3, 4, 5):
+        _assert_same(store.read_blob(job, kept, AUX_C1), _weights(kept - 1)[AUX_C1])
+    # Old blobs are deleted, not just unlisted.
+    assert set(store.blob_keys(job)) == _referenced_keys(store, job)
+    assert len(store.blob_keys(job)) == 3 * len(_weights(0))
+
+
+def test_corrupt_blob_is_detected_on_read(harness: Harness, store: Any, job: str) -> None:
+    store.publish_version(job, NO_VERSION, _weights(1))
+    entry = store.manifest(job, 1).entries[SERVER]
+    key = keys.blob_key(job, SERVER, 1, entry.sha256)
+    harness.corrupt(store, job, key)
+    with pytest.raises(DecodeError, match="sha256"):
+        store.read_blob(job, 1, SERVER)
+    _assert_same(store.read_blob(job, 1, CLIENT), _weights(1)[CLIENT])
+
+
+def test_invalid_weights_publish_nothing(store: Any, job: str) -> None:
+    bad = {SERVER: {"w": torch.tensor([1.0, float("nan")])}, CLIENT: _weights(1)[CLIENT]}
+    with pytest.raises(EncodeError, match="non-finite"):
+        store.publish_version(job, NO_VERSION, bad)
+    with pytest.raises(ValueError, match="samples"):
+        store.publish_version(job, NO_VERSION, {SERVER: _weights(1)[SERVER]}, samples={CLIENT: 3})
+    with pytest.raises(ValueError, match="job name"):
+        store.publish_version("bad:job", NO_VERSION, _weights(1))
+    assert store.current_version(job) == NO_VERSION
+    assert store.blob_keys(job) == {}
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_overwrite(harness: Harness, store: Any, job: str) -> None:
+    assert store.load_checkpoint(job, 0) is None
+    first = Checkpoint(0, 3, _weights(1)[SERVER], {"last_seq": {"c1": 7, "c2": 2}, "tag": b"\x00"})
+    other = Checkpoint(1, 9, _weights(2)[SERVER], {"note": "shard one"})
+    store.save_checkpoint(job, first)
+    store.save_checkpoint(job, other)
+
+    loaded = store.load_checkpoint(job, 0)
+    assert loaded is not None
+    assert (loaded.shard, loaded.applied) == (0, 3)
+    assert dict(loaded.meta) == {"last_seq": {"c1": 7, "c2": 2}, "tag": b"\x00"}
+    _assert_same(dict(loaded.weights), dict(first.weights))
+    assert 0 < loaded.saved_at <= harness.now()
+
+    replacement = Checkpoint(0, 5, _weights(3)[SERVER], {"last_seq": {"c1": 9}})
+    store.save_checkpoint(job, replacement)
+    loaded = store.load_checkpoint(job, 0)
+    assert loaded is not None
+    assert loaded.applied == 5
+    assert dict(loaded.meta) == {"last_seq": {"c1": 9}}
+    _assert_same(dict(loaded.weights), dict(replacement.weights))
+
+    untouched = store.load_checkpoint(job, 1)
+    assert untouched is not None
+    assert (untouched.applied, dict(untouched.meta)) == (9, {"note": "shard one"})
+    _assert_same(dict(untouched.weights), dict(other.weights))
+
+
+# --- membership -------------------------------------------------------------------------------
+
+
+def test_heartbeat_expiry_and_remove(harness: Harness, store: Any, job: str) -> None:
+    before = harness.now()
+    store.heartbeat(job, "worker-a", 1.0, {"role": "worker", "host": "h1"})
+    store.heartbeat(job, "client-b", 60.0, {"role": "client"})
+    live = store.live_members(job)
+    assert set(live) == {"worker-a", "client-b"}
+    assert dict(live["worker-a"].info) == {"role": "worker", "host": "h1"}
+    assert before + 1.0 <= live["worker-a"].expires_at <= harness.now() + 1.0
+    assert live["client-b"].expires_at > live["worker-a"].expires_at
+
+    # A heartbeat without info keeps the info registered earlier.
+    store.heartbeat(job, "client-b", 60.0)
+    assert dict(store.live_members(job)["client-b"].info) == {"role": "client"}
+
+    harness.wait(1.3)
+    assert set(store.live_members(job)) == {"client-b"}
+    store.heartbeat(job, "worker-a", 30.0)
+    assert dict(store.live_members(job)["worker-a"].info) == {}, "expired info was pruned"
+
+    store.remove_member(job, "client-b")
+    assert set(store.live_members(job)) == {"worker-a"}
+    store.remove_member(job, "never-joined")
+    assert set(store.live_members(job)) == {"worker-a"}
+
+
+# --- leases -----------------------------------------------------------------------------------
+
+
+def test_leases_are_exclusive_and_expire(harness: Harness, store: Any, job: str) -> None:
+    assert store.lease_owner(job, "shard-0") is None
+    assert store.acquire_lease(job, "shard-0", "w1", 30.0)
+    assert not store.acquire_lease(job, "shard-0", "w2", 30.0)
+    assert store.acquire_lease(job, "shard-0", "w1", 30.0), "the owner renews"
+    assert store.acquire_lease(job, "shard-1", "w2", 30.0), "leases are independent"
+    assert store.lease_owner(job, "shard-0") == "w1"
+
+    store.release_lease(job, "shard-0", "w2")
+    assert store.lease_owner(job, "shard-0") == "w1", "only the owner releases"
+    store.release_lease(job, "shard-0", "w1")
+    assert store.lease_owner(job, "shard-0") is None
+    assert store.acquire_lease(job, "shard-0", "w2", 1.0)
+
+    harness.wait(1.3)
+    assert store.lease_owner(job, "shard-0") is None, "the lease expired"
+    assert store.acquire_lease(job, "shard-0", "w1", 30.0)
+    assert store.lease_owner(job, "shard-0") == "w1"
+    assert store.lease_owner(job, "shard-1") == "w2"
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) -> None:
+    neighbour = job + "x"  # shares the prefix as a string; must survive
+    for name in (job, neighbour):
+        store.publish_version(name, NO_VERSION, _weights(1))
+        store.save_checkpoint(name, Checkpoint(0, 1, _weights(1)[SERVER]))
+        store.heartbeat(name, "m", 60.0)
+        assert store.acquire_lease(name, "shard-0", "w", 60.0)
+
+    store.delete_job(job)
+    assert store.current_version(job) == NO_VERSION
+    assert store.versions(job) == []
+    assert store.blob_keys(job) == {}
+    assert store.load_checkpoint(job, 0) is None
+    assert store.live_members(job) == {}
+    assert store.lease_owner(job, "shard-0") is None
+    assert store.publish_version(job, NO_VERSION, _weights(2)) == 1, "the job starts afresh"
+
+    assert store.current_version(neighbour) == 1
+    _assert_same(store.read_blob(neighbour, 1, SERVER), _weights(1)[SERVER])
+    assert store.load_checkpoint(neighbour, 0) is not None
+    assert set(store.live_members(neighbour)) == {"m"}
+    assert store.lease_owner(neighbour, "shard-0") == "w"
+
+
+# --- Redis only: what a single process cannot show -----------------------------------------
+
+_RACER = r"""
+import json, sys
+import torch
+from broker.errors import VersionConflictError
+from broker.redis_store import RedisWeightStore
+from broker.store import BlobRef
+
+url, job, tag = sys.argv[1], sys.argv[2], float(sys.argv[3])
+store = RedisWeightStore(url)
+blobs = {BlobRef("server"): {"w": torch.full((512, 512), tag)}}
+store.current_version(job)  # connected before the start signal
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    print(json.dumps({"won": store.publish_version(job, 0, blobs)}), flush=True)
+except VersionConflictError as exc:
+    print(json.dumps({"lost": exc.actual}), flush=True)
+finally:
+    store.close()
+"""
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_racing_processes_exactly_one_wins(redis_url: str, job: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, redis_url, job, str(tag)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+        for tag in (1.0, 2.0)
+    ]
+    store = RedisWeightStore(redis_url)
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+
+        assert sorted(results, key=str) == [{"lost": 1}, {"won": 1}]
+        winner_tag = (1.0, 2.0)[results.index({"won": 1})]
+        assert store.current_version(job) == 1
+        blob = store.read_blob(job, 1, BlobRef("server"))
+        assert torch.equal(blob["w"], torch.full((512, 512), winner_tag))
+        _assert_no_unreferenced_permanent_blob(store, job)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        store.delete_job(job)
+        store.close()
+
+
+@pytest.mark.redis
+def test_redis_server_info(redis_url: str) -> None:
+    store = RedisWeightStore(redis_url)
+    try:
+        info = store.server_info()
+        assert info.can_write and info.can_read and info.healthy
+        assert info.version.split(".")[0].isdigit()
+        assert info.aof_enabled == ("AOF is off" not in " ".join(info.problems))
+        assert not any(k.startswith(b"splitmq:_probe:") for k in _scan_probe_keys(redis_url))
+    finally:
+        store.close()
+
+
+def _scan_probe_keys(url: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return list(client.scan_iter(match="splitmq:_probe:*"))
+    finally:
+        client.close()
+
+
+def test_redis_unreachable_is_store_unavailable() -> None:
+    # Port 1 on localhost refuses connections at once.
+    store = RedisWeightStore(
+        "redis://127.0.0.1:1/0", RedisStoreOptions(socket_connect_timeout_s=1.0, retries=0)
+    )
+    try:
+        with pytest.raises(StoreUnavailableError):
+            store.current_version("anyjob")
+    finally:
+        store.close()
+
+
+def test_rejects_non_redis_url() -> None:
+    with pytest.raises(ValueError, match="redis"):
+        RedisWeightStore("http://127.0.0.1:6379/0")

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.config.loading import ConfigError, load_settings
+
+
+def test_defaults_are_the_embedded_broker_and_store() -> None:
+    settings = load_settings(None, {})
+    assert settings.broker.kind == "memory"
+    assert settings.store.kind == "memory"
+
+
+def test_toml_file_then_environment_override(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[broker]\nkind = "rabbitmq"\namqp_url = "amqp://a:b@h:1/%2F"\n'
+        '[store]\nkind = "redis"\nkeep_versions = 3\n'
+    )
+    settings = load_settings(path, {})
+    assert settings.broker.amqp_url == "amqp://a:b@h:1/%2F"
+    assert settings.store.keep_versions == 3
+
+    env = {
+        "SPLITMQ_AMQP_URL": "amqp://x:y@z:2/%2F",
+        "SPLITMQ_STORE__KEEP_VERSIONS": "7",
+        "SPLITMQ_BROKER__TLS__CA_FILE": "/ca.pem",
+        "SPLITMQ_TEST_DATA_DIR": "/ignored/unrelated/variable",
+        "HOME": "/root",
+    }
+    settings = load_settings(path, env)
+    assert settings.broker.amqp_url == "amqp://x:y@z:2/%2F"
+    assert settings.broker.kind == "rabbitmq"
+    assert settings.store.keep_versions == 7
+    assert settings.broker.tls.ca_file == "/ca.pem"
+
+
+def test_invalid_values_name_the_setting(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[store]\nkeep_versions = 0\n[broker]\nkind = "kafka"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {})
+    text = str(info.value)
+    assert "store.keep_versions" in text
+    assert "broker.kind" in text
+
+
+def test_unknown_keys_in_the_file_are_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[broker]\namqp_ulr = 'typo'\n")
+    with pytest.raises(ConfigError, match="amqp_ulr"):
+        load_settings(path, {})
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "nope.toml", {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[broker\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(bad, {})

@@ -1,0 +1,1 @@
+"""The worker pool: processes that hold shard replicas of the server-side model."""
