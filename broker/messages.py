@@ -135,6 +135,8 @@ class SmashedBatch:
     step: Count
     activations: Activations
     labels: Labels
+    # Steps this client takes in the round (MiniBatch-SFL's barrier stops expecting it after).
+    steps: Count = 0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -216,6 +218,47 @@ class Error:
     ref_message_id: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class RoundStart:
+    """Aggregator → shard queue, ahead of a round's batches: who takes part, with |D_k|.
+
+    Queue order puts it before every SmashedBatch of the round, so a worker knows the cohort
+    of MiniBatch-SFL's step barrier without a side channel. `client` is empty.
+    """
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    round: Count
+    shard: Count
+    participants: Config
+
+
+@dataclass(frozen=True, slots=True)
+class RoundEnd:
+    """Aggregator → shard queue, behind all of a round's batches: hand in the replica."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    round: Count
+    shard: Count
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Fanout notice (version published, round opened/closed, member joined/left...)."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    kind: Annotated[str, NonEmpty()]
+    data: Config
+
+
 Message = (
     Join
     | Welcome
@@ -228,6 +271,9 @@ Message = (
     | InferRequest
     | InferReply
     | Error
+    | RoundStart
+    | RoundEnd
+    | Event
 )
 MESSAGE_TYPES: tuple[type[Message], ...] = get_args(Message)
 

@@ -313,7 +313,9 @@ class RabbitMQBroker:
         # basic.cancel leaves delivered messages unacked; give them back, as the protocol says.
         for delivery in [d for d in self._buffer if d.queue == queue]:
             channel.basic_nack(delivery.tag, requeue=True)
-        self._buffer = deque(d for d in self._buffer if d.queue != queue)
+        kept = [d for d in self._buffer if d.queue != queue]
+        self._buffer.clear()  # in place: the channel keeper appends to this very deque
+        self._buffer.extend(kept)
         for tag, source in list(self._unacked.items()):
             if source == queue:
                 channel.basic_nack(tag, requeue=True)

@@ -494,6 +494,27 @@ def test_settling_twice_or_after_unsubscribe(broker_factory: BrokerFactory) -> N
     other.ack(again)
 
 
+def test_unsubscribing_one_queue_leaves_the_others_flowing(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    left, right = broker_factory.spec("left"), broker_factory.spec("right")
+    broker.declare([left, right])
+    broker.subscribe(left.name, prefetch=2)
+    broker.subscribe(right.name, prefetch=2)
+    broker.publish(CONTROL_EXCHANGE, left.routing_key, b"left-1")
+    (held,) = receive(broker)
+
+    broker.unsubscribe(left.name)
+    broker.publish(CONTROL_EXCHANGE, left.routing_key, b"left-2")
+    broker.publish(CONTROL_EXCHANGE, right.routing_key, b"right-1")
+
+    (delivery,) = receive(broker)
+    assert delivery.body == b"right-1"
+    broker.ack(delivery)
+    assert broker.get(QUIET) is None
+    assert held.body == b"left-1"
+    assert broker.queue_depth(left.name) == 2  # the returned one and the new one
+
+
 def test_missing_queues(broker_factory: BrokerFactory) -> None:
     broker = broker_factory()
     missing = f"{broker_factory.job}.never-declared"

@@ -1,0 +1,1 @@
+"""Run reports: metric records, the run directory (JSON/CSV/PNG) and the summary table."""
