@@ -117,14 +117,17 @@ def main() -> None:
     print(
         f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} "
-        f"threads, python {platform.python_version()}, median of {args.reps}\n"
+        f"threads, python {platform.python_version()}, median of {args.reps}, load average "
+        f"{os.getloadavg()[0]:.2f} (machine shared)\n"
     )
     sizes = list(SHAPES)
     print("| case | " + " | ".join(f"{s} GB/s (ms)" for s in sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
     for case in dict.fromkeys(row.case for row in rows):
         cells = [
-            f"{r.gbps:.2f} ({r.seconds * 1e3:.2f})" for s in sizes for r in rows
+            f"{r.gbps:.2f} ({r.seconds * 1e3:.2f})"
+            for s in sizes
+            for r in rows
             if r.case == case and r.size == s
         ]
         print(f"| {case} | " + " | ".join(cells) + " |")

@@ -15,62 +15,48 @@ touching tensor bytes, then returns zero-copy views into the body.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 import torch
 
 from broker.errors import DecodeError, EncodeError
+from broker.fields import HeaderReader, HeaderWriter
 from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
-from broker.schema import (
-    MAP_VALUE_KINDS,
-    FieldSpec,
-    Kind,
-    MessageSchema,
-    TensorRule,
-    map_reason,
-    scalar_reason,
-    tensor_reason,
-)
+from broker.schema import CodecLimits, FieldSpec, MessageSchema, TensorRule
 from broker.tensors import (
+    ALIGN,
     TensorSlot,
+    align,
     all_finite,
     byte_view,
     copy_into,
-    parse_tensor_header,
     sharing_read_only,
-    tensor_header,
     to_wire,
     view_from,
-    wire_dtype,
 )
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "MAGIC",
+    "SCHEMA_VERSION",
+    "UNEXPECTED",
+    "CodecLimits",
+    "decode",
+    "encode",
+    "encode_into",
+    "message_type_name",
+]
 
 MAGIC = b"SMQ\x01"
 SCHEMA_VERSION = 1
-ALIGN = 64
 _PREFIX = struct.Struct("<4sI")
 _ZEROS = bytes(ALIGN)
 _RESERVED = frozenset({"v", "type"})
 # Reason prefix when decode meets an exception it did not anticipate: still a DecodeError for
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
 UNEXPECTED = "unexpected decoder failure: "
-
-
-@dataclass(frozen=True, slots=True)
-class CodecLimits:
-    """Bounds that keep a hostile body cheap. Encode obeys them too, so what it produces decodes
-    under the same limits."""
-
-    max_body_bytes: int = 256 * 2**20
-    max_header_bytes: int = 4 * 2**20
-    max_tensors: int = 4096
-    max_string_len: int = 64 * 2**10  # bytes of UTF-8, keys included
-    max_dict_entries: int = 4096
-    max_rank: int = 8
-
-
 DEFAULT_LIMITS = CodecLimits()
 
 
@@ -136,90 +122,6 @@ def decode(body: bytes | bytearray | memoryview, limits: CodecLimits | None = No
         raise DecodeError(f"{UNEXPECTED}{type(exc).__name__}: {exc}") from exc
 
 
-# --- field walking, shared by both directions ---------------------------------------------------
-
-
-@dataclass
-class _Walker:
-    """Checks field values against a schema. Encoding is lenient about Python types (an int
-    may fill a float, an IntEnum an int, any Mapping a map); decoding accepts exact types only.
-    bool never passes as an int either way."""
-
-    limits: CodecLimits
-    encoding: bool
-    tensor_count: int = 0
-
-    def fail(self, reason: str) -> Exception:
-        return EncodeError(reason) if self.encoding else DecodeError(reason)
-
-    def value(self, spec: FieldSpec, value: object, path: str) -> object:
-        if spec.tensor is not None and not (spec.kind is Kind.OPTIONAL_TENSOR and value is None):
-            if spec.kind is not Kind.TENSOR_MAP:
-                return self.tensor(value, spec.tensor, path)
-            rule = spec.tensor
-            return {k: self.tensor(v, rule, f"{path}[{k!r}]") for k, v in self.map(value, path)}
-        if spec.kind is Kind.OPTIONAL_TENSOR:
-            return None
-        if spec.kind in MAP_VALUE_KINDS:
-            kinds = MAP_VALUE_KINDS[spec.kind]
-            items = self.map(value, path)
-            return {k: self.scalar(kinds, None, v, f"{path}[{k!r}]") for k, v in items}
-        return self.scalar((spec.kind,), spec, value, path)
-
-    def map(self, value: object, path: str) -> list[tuple[str, object]]:
-        if not isinstance(value, Mapping if self.encoding else dict):
-            raise self.fail(f"{path}: expected a map, got {type(value).__name__}")
-        items = list(value.items())
-        limits = self.limits
-        reason = map_reason(
-            [k for k, _ in items], path, limits.max_dict_entries, limits.max_string_len
-        )
-        if reason is not None:
-            raise self.fail(reason)
-        return items
-
-    def scalar(
-        self, kinds: tuple[Kind, ...], spec: FieldSpec | None, value: object, path: str
-    ) -> object:
-        """`value` as the first of `kinds` it fits, checked against `spec`'s markers."""
-        for kind in kinds:
-            converted = self.convert(kind, value)
-            if converted is not None:
-                reason = scalar_reason(kind, spec, converted, path, self.limits.max_string_len)
-                if reason is not None:
-                    raise self.fail(reason)
-                return converted
-        expected = " or ".join(k.value for k in kinds)
-        raise self.fail(f"{path}: expected {expected}, got {type(value).__name__}")
-
-    def convert(self, kind: Kind, value: object) -> object | None:
-        if not self.encoding:
-            return value if type(value) is _EXACT_TYPES[kind] else None
-        if isinstance(value, bool) != (kind is Kind.BOOL):
-            return None
-        if kind is Kind.FLOAT and isinstance(value, int | float):
-            return float(value)
-        wanted = _EXACT_TYPES[kind]
-        # Normalise subclasses (IntEnum, str enums) to the plain type msgpack writes.
-        return wanted(value) if isinstance(value, wanted) else None
-
-    def count_tensor(self, path: str) -> None:
-        self.tensor_count += 1
-        if self.tensor_count > self.limits.max_tensors:
-            raise self.fail(f"{path}: more than {self.limits.max_tensors} tensors")
-
-    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
-        raise NotImplementedError
-
-
-_EXACT_TYPES: Mapping[Kind, type] = {
-    Kind.BOOL: bool,
-    Kind.INT: int,
-    Kind.FLOAT: float,
-    Kind.STR: str,
-}
-
-
 # --- encoding -----------------------------------------------------------------------------------
 
 
@@ -240,7 +142,7 @@ def _schema_of_message(message: object) -> MessageSchema:
 
 def _plan(message: Message, limits: CodecLimits) -> _Plan:
     schema = _schema_of_message(message)
-    writer = _Writer(limits, encoding=True)
+    writer = HeaderWriter(limits, encoding=True)
     header: dict[str, object] = {"v": SCHEMA_VERSION, "type": schema.name}
     for spec in schema.fields:
         path = f"{schema.name}.{spec.name}"
@@ -254,42 +156,13 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
             f"{schema.name}: header of {len(packed)} bytes exceeds {limits.max_header_bytes}"
         )
     prefix = _PREFIX.pack(MAGIC, len(packed)) + packed
-    data_start = _align(len(prefix))
+    data_start = align(len(prefix))
     size = data_start + writer.cursor if writer.cursor else len(prefix)
     if size > limits.max_body_bytes:
         raise EncodeError(
             f"{schema.name}: body of {size} bytes exceeds the limit of {limits.max_body_bytes}"
         )
     return _Plan(prefix, data_start, size, writer.tensors)
-
-
-@dataclass
-class _Writer(_Walker):
-    cursor: int = 0
-    tensors: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-
-    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
-        if not isinstance(value, torch.Tensor):
-            raise EncodeError(f"{path}: expected a tensor, got {type(value).__name__}")
-        dtype = wire_dtype(value.dtype)
-        if dtype is None or value.layout != torch.strided:
-            raise EncodeError(f"{path}: a {value.layout} {value.dtype} tensor cannot travel")
-        shape = tuple(value.shape)
-        reason = _rank_reason(shape, path, self.limits) or tensor_reason(
-            rule, value.dtype, shape, path
-        )
-        if reason is not None:
-            raise EncodeError(reason)
-        if rule.finite and not all_finite(value):
-            raise EncodeError(f"{path}: holds NaN or infinite values")
-        self.count_tensor(path)
-        nbytes = value.numel() * dtype.itemsize
-        offset = 0
-        if nbytes:
-            offset = _align(self.cursor)
-            self.cursor = offset + nbytes
-            self.tensors.append((offset, value))
-        return tensor_header(dtype, shape, offset, nbytes)
 
 
 # --- decoding -----------------------------------------------------------------------------------
@@ -299,8 +172,8 @@ def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Messag
     view = _byte_view(body)
     header, header_end = _read_header(view, limits)
     schema = _schema_of_header(header)
-    reader = _Reader(limits, encoding=False)
-    raw = reader.fields(schema, header)
+    reader = HeaderReader(limits, encoding=False)
+    raw = reader.fields(schema, header, reserved=_RESERVED)
     data_start = _check_layout(reader.slots, header_end, len(view))
     with sharing_read_only() if reader.slots and view.readonly else nullcontext():
         values = {
@@ -371,42 +244,10 @@ def _schema_of_header(header: dict[object, object]) -> MessageSchema:
     return schema
 
 
-@dataclass
-class _Reader(_Walker):
-    """Tensors become `TensorSlot`s here; `_materialise` turns them into views later."""
-
-    slots: list[TensorSlot] = field(default_factory=list)
-
-    def fields(self, schema: MessageSchema, header: dict[object, object]) -> dict[str, object]:
-        names = {spec.name for spec in schema.fields}
-        for spec in schema.fields:
-            if spec.name not in header:
-                raise DecodeError(f"{schema.name}: missing field {spec.name!r}")
-        unknown = sorted(repr(k) for k in header if k not in names and k not in _RESERVED)
-        if unknown:
-            raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
-        return {
-            spec.name: self.value(spec, header[spec.name], f"{schema.name}.{spec.name}")
-            for spec in schema.fields
-        }
-
-    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
-        limits = self.limits
-        slot = parse_tensor_header(
-            value, path, max_rank=limits.max_rank, max_dim=limits.max_body_bytes
-        )
-        reason = tensor_reason(rule, slot.dtype.torch_dtype, slot.shape, path)
-        if reason is not None:
-            raise DecodeError(reason)
-        self.count_tensor(path)
-        self.slots.append(slot)
-        return slot
-
-
 def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> int:
     """Check tensor data is packed in order at 64-byte boundaries inside the body with nothing
     after it; return where the data section starts."""
-    data_start = _align(header_end)
+    data_start = align(header_end)
     cursor = 0
     previous: TensorSlot | None = None
     for slot in sorted((s for s in slots if s.nbytes), key=lambda s: s.offset):
@@ -415,8 +256,8 @@ def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> i
             raise DecodeError(f"{span} is not {ALIGN}-byte aligned")
         if previous is not None and slot.offset < cursor:
             raise DecodeError(f"{span} overlaps {previous.path}")
-        if slot.offset != _align(cursor):
-            raise DecodeError(f"{span} leaves a gap: expected offset {_align(cursor)}")
+        if slot.offset != align(cursor):
+            raise DecodeError(f"{span} leaves a gap: expected offset {align(cursor)}")
         if data_start + slot.offset + slot.nbytes > body_size:
             available = max(0, body_size - data_start)
             raise DecodeError(f"{span} lies outside the {available}-byte data section")
@@ -446,15 +287,3 @@ def _tensor_view(slot: TensorSlot, rule: TensorRule, body: memoryview, start: in
     if rule.finite and not all_finite(tensor):
         raise DecodeError(f"{slot.path}: holds NaN or infinite values")
     return tensor
-
-
-def _rank_reason(shape: tuple[int, ...], path: str, limits: CodecLimits) -> str | None:
-    if len(shape) > limits.max_rank:
-        return f"{path}: rank {len(shape)} exceeds the limit of {limits.max_rank}"
-    if any(dim > limits.max_body_bytes for dim in shape):
-        return f"{path}: shape {list(shape)} has a dimension beyond {limits.max_body_bytes}"
-    return None
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN

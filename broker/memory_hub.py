@@ -58,7 +58,6 @@ class _Queue:
     ready_bytes: int = 0
     unacked: int = 0
     consumers: list[_Consumer] = field(default_factory=list)
-    had_consumer: bool = False
     next_consumer: int = 0
 
 
@@ -250,7 +249,6 @@ class InMemoryHub:
             consumer = _Consumer(session, queue, prefetch)
             session.consumers[name] = consumer
             queue.consumers.append(consumer)
-            queue.had_consumer = True
             self._dispatch(queue)
 
     def unsubscribe(self, session: Session, name: str) -> None:
@@ -302,30 +300,29 @@ class InMemoryHub:
             pending = self._take(session, delivery)
             message = pending.message
             queue = pending.consumer.queue
-            if requeue and self._queues.get(queue.spec.name) is queue:
-                message.redelivered = True
+            live = self._queues.get(queue.spec.name) is queue  # else it died with its queue
+            if live and requeue:
                 self._requeue(queue, [message])
-            elif not requeue and queue.spec.dead_letter_routing_key is not None:
-                self._server_dead_letter(queue, message)
+            elif live and (key := queue.spec.dead_letter_routing_key) is not None:
+                self._server_dead_letter(queue, message, key)
             self._settle(pending)
 
-    def _server_dead_letter(self, queue: _Queue, message: _Message) -> None:
+    def _server_dead_letter(self, queue: _Queue, message: _Message, routing_key: str) -> None:
         """RabbitMQ's x-dead-letter routing: best effort; an unroutable copy is dropped."""
         headers: dict[str, HeaderValue] = dict(message.headers)
         headers.setdefault("x-first-death-reason", "rejected")
         headers.setdefault("x-first-death-queue", queue.spec.name)
         headers.setdefault("x-first-death-exchange", message.exchange)
-        assert queue.spec.dead_letter_routing_key is not None
         try:
             self._route(
                 DEAD_EXCHANGE,
-                queue.spec.dead_letter_routing_key,
+                routing_key,
                 message.body,
                 headers,
                 message.message_id,
                 message.user_id,
             )
-        except (UnroutableError, BrokerError):
+        except BrokerError:
             pass  # RabbitMQ drops a dead letter it cannot route; so do we, to stay comparable
 
     def dead_letter(self, session: Session, delivery: Delivery, reason: str) -> None:

@@ -59,6 +59,19 @@ class TensorRule:
     min_rank: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class CodecLimits:
+    """Bounds that keep a hostile body cheap. The codec's encoder obeys them too, so what it
+    produces decodes under the same limits."""
+
+    max_body_bytes: int = 256 * 2**20
+    max_header_bytes: int = 4 * 2**20
+    max_tensors: int = 4096
+    max_string_len: int = 64 * 2**10  # bytes of UTF-8, keys included
+    max_dict_entries: int = 4096
+    max_rank: int = 8
+
+
 class Kind(Enum):
     """How a field travels; the value names it in error messages."""
 

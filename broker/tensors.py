@@ -22,6 +22,9 @@ import torch
 
 from broker.errors import DecodeError
 
+# Tensor data starts at multiples of this from the start of the data section, so a receiver may
+# read any dtype (and SIMD loads) aligned when the body itself is 64-byte aligned.
+ALIGN = 64
 # msgpack ext type code of a tensor's `data` reference; the payload is `_REF` (offset, nbytes).
 TENSOR_EXT_CODE = 1
 _REF = struct.Struct("<QQ")
@@ -38,10 +41,6 @@ class WireDtype:
     # bytes other than 0/1 before torch sees it.
     carrier: np.dtype[np.generic]
     itemsize: int
-
-    @property
-    def is_float(self) -> bool:
-        return self.torch_dtype.is_floating_point
 
 
 def _wire(name: str, torch_dtype: torch.dtype, carrier: str) -> WireDtype:
@@ -68,6 +67,11 @@ WIRE_DTYPES: Mapping[str, WireDtype] = MappingProxyType(
 _BY_TORCH: Mapping[torch.dtype, WireDtype] = MappingProxyType(
     {d.torch_dtype: d for d in WIRE_DTYPES.values()}
 )
+
+
+def align(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
 
 
 def wire_dtype(dtype: torch.dtype) -> WireDtype | None:

@@ -42,6 +42,18 @@ def control_queue_name(job: str) -> str:
     return f"{job}.control"
 
 
+def updates_queue_name(job: str) -> str:
+    return f"{job}.updates"
+
+
+def updates_routing_key(job: str) -> str:
+    return f"{job}.updates"
+
+
+def events_queue_name(job: str, subscriber: str) -> str:
+    return f"{job}.events.{subscriber}"
+
+
 def dead_queue_name(job: str) -> str:
     return f"{job}.dead"
 
@@ -76,6 +88,30 @@ def control_queue(job: str) -> QueueSpec:
     )
 
 
+def updates_queue(job: str) -> QueueSpec:
+    """WeightsUpdates, apart from `<job>.control` so the coordinator and the aggregator can be
+    separate processes (two consumers of one queue would get each other's messages)."""
+    return QueueSpec(
+        name=updates_queue_name(job),
+        exchange=CONTROL_EXCHANGE,
+        routing_key=updates_routing_key(job),
+        dead_letter_routing_key=job,
+    )
+
+
+def events_queue(job: str, subscriber: str) -> QueueSpec:
+    """One subscriber's private view of the fanout: gone when its connection closes. The
+    fanout carries every job's events; subscribers filter on `Event.job`."""
+    return QueueSpec(
+        name=events_queue_name(job, subscriber),
+        exchange=EVENTS_EXCHANGE,
+        routing_key="",
+        durable=False,
+        exclusive=True,
+        auto_delete=True,
+    )
+
+
 def dead_queue(job: str) -> QueueSpec:
     return QueueSpec(name=dead_queue_name(job), exchange=DEAD_EXCHANGE, routing_key=job)
 
@@ -91,6 +127,6 @@ def reply_queue(job: str, client: str) -> QueueSpec:
 
 def job_queues(job: str, shards: int, limits: QueueLimits | None = None) -> list[QueueSpec]:
     """The server-side queues of a job: dead letters first, so rejected messages have a home."""
-    specs = [dead_queue(job), control_queue(job)]
+    specs = [dead_queue(job), control_queue(job), updates_queue(job)]
     specs.extend(shard_queue(job, s, limits) for s in range(shards))
     return specs

@@ -8,6 +8,9 @@ from pathlib import Path
 import click
 
 from services.cli.doctor_cmd import doctor
+from services.cli.role_cmds import aggregator, client, coordinator, worker
+from services.cli.run_cmd import run
+from services.cli.up_cmd import up
 from services.config.loading import ConfigError, load_settings
 from services.config.root import Settings
 
@@ -39,16 +42,17 @@ def cli(ctx: click.Context, config: Path | None) -> None:
     """SplitMQ: asynchronous split learning over RabbitMQ and Redis.
 
     \b
-    Roles (each a separate process in a deployment):
-      coordinator  membership, shard assignment, the round clock
-      aggregator   combines client and shard weights into version v+1
-      worker       trains the server-side layers on smashed data
-      client       an edge client: local layers, publishes smashed data
+    Try it:   splitmq run examples/quickstart.toml
+    Services: splitmq up examples/service.toml   (needs RabbitMQ and Redis)
+
+    Each command takes the job's TOML file as CONFIG (or SPLITMQ_CONFIG); SPLITMQ_*
+    environment variables override it.
     """
     ctx.obj = Context(config)
 
 
-cli.add_command(doctor)
+for command in (run, up, coordinator, aggregator, worker, client, doctor):
+    cli.add_command(command)
 
 
 def main() -> None:

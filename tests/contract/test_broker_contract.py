@@ -77,7 +77,7 @@ class BrokerFactory:
             cleaner.close()
 
 
-@pytest.fixture(params=["memory", "rabbitmq"])
+@pytest.fixture(params=["memory", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
 def broker_factory(request: pytest.FixtureRequest, job: str) -> Iterator[BrokerFactory]:
     if request.param == "memory":
         hub = InMemoryHub()
@@ -530,3 +530,21 @@ def test_missing_queues(broker_factory: BrokerFactory) -> None:
     broker.delete_queue(spec.name)
     with pytest.raises(BrokerError):
         broker.queue_depth(spec.name)
+
+
+def test_closed_handle_refuses_work(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    spec = broker_factory.spec("work")
+    broker.declare([spec])
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"x")
+    broker.subscribe(spec.name, prefetch=1)
+    (held,) = receive(broker)
+    broker.close()
+
+    with pytest.raises(BrokerError, match="closed"):
+        broker.get(0)
+    with pytest.raises(BrokerError, match="closed"):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"y")
+    with pytest.raises(BrokerError, match="closed"):
+        broker.ack(held)
+    broker.close()  # idempotent

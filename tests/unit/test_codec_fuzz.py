@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.codec import ALIGN, MAGIC, UNEXPECTED, decode, encode
+from broker.codec import MAGIC, UNEXPECTED, decode, encode
 from broker.errors import DecodeError
 from broker.messages import (
     MESSAGE_TYPES,
@@ -30,7 +30,7 @@ from broker.messages import (
     SmashedBatch,
     WeightsUpdate,
 )
-from broker.tensors import WIRE_DTYPES
+from broker.tensors import ALIGN, WIRE_DTYPES
 
 FUZZ = settings(
     max_examples=400,

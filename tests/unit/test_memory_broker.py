@@ -117,18 +117,6 @@ def test_fanout_with_one_full_queue_delivers_to_the_others_and_pushes_back() -> 
     assert (broker.queue_depth(roomy.name), broker.queue_depth(tight.name)) == (2, 1)
 
 
-def test_closed_handle_refuses_work() -> None:
-    broker = InMemoryBroker()
-    broker.declare([spec("work")])
-    broker.close()
-
-    with pytest.raises(BrokerError, match="closed"):
-        broker.get(0)
-    with pytest.raises(BrokerError, match="closed"):
-        broker.publish(CONTROL_EXCHANGE, "work", b"x")
-    broker.close()  # idempotent
-
-
 def test_prefetch_must_be_positive() -> None:
     broker = InMemoryBroker()
     broker.declare([spec("work")])

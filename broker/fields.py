@@ -1,0 +1,191 @@
+"""Check message field values against their schema, in both directions.
+
+`HeaderWriter` turns a message's fields into header values, laying its tensors out in the data
+section; it is lenient about Python types (an int may fill a float field, an IntEnum an int,
+any Mapping a map). `HeaderReader` checks decoded header values, accepting exact types only,
+and describes tensors as `TensorSlot`s for the codec to lay over the body. bool never passes as
+an int either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from broker.errors import DecodeError, EncodeError
+from broker.schema import (
+    MAP_VALUE_KINDS,
+    CodecLimits,
+    FieldSpec,
+    Kind,
+    MessageSchema,
+    TensorRule,
+    map_reason,
+    scalar_reason,
+    tensor_reason,
+)
+from broker.tensors import (
+    TensorSlot,
+    align,
+    all_finite,
+    parse_tensor_header,
+    tensor_header,
+    wire_dtype,
+)
+
+
+@dataclass
+class _Walker:
+    """What both directions share: scalar, map and limit checks."""
+
+    limits: CodecLimits
+    encoding: bool
+    tensor_count: int = 0
+
+    def fail(self, reason: str) -> Exception:
+        return EncodeError(reason) if self.encoding else DecodeError(reason)
+
+    def value(self, spec: FieldSpec, value: object, path: str) -> object:
+        if spec.tensor is not None and not (spec.kind is Kind.OPTIONAL_TENSOR and value is None):
+            if spec.kind is not Kind.TENSOR_MAP:
+                return self.tensor(value, spec.tensor, path)
+            rule = spec.tensor
+            return {k: self.tensor(v, rule, f"{path}[{k!r}]") for k, v in self.map(value, path)}
+        if spec.kind is Kind.OPTIONAL_TENSOR:
+            return None
+        if spec.kind in MAP_VALUE_KINDS:
+            kinds = MAP_VALUE_KINDS[spec.kind]
+            items = self.map(value, path)
+            return {k: self.scalar(kinds, None, v, f"{path}[{k!r}]") for k, v in items}
+        return self.scalar((spec.kind,), spec, value, path)
+
+    def map(self, value: object, path: str) -> list[tuple[str, object]]:
+        if not isinstance(value, Mapping if self.encoding else dict):
+            raise self.fail(f"{path}: expected a map, got {type(value).__name__}")
+        items = list(value.items())
+        limits = self.limits
+        reason = map_reason(
+            [k for k, _ in items], path, limits.max_dict_entries, limits.max_string_len
+        )
+        if reason is not None:
+            raise self.fail(reason)
+        return items
+
+    def scalar(
+        self, kinds: tuple[Kind, ...], spec: FieldSpec | None, value: object, path: str
+    ) -> object:
+        """`value` as the first of `kinds` it fits, checked against `spec`'s markers."""
+        for kind in kinds:
+            converted = self.convert(kind, value)
+            if converted is not None:
+                reason = scalar_reason(kind, spec, converted, path, self.limits.max_string_len)
+                if reason is not None:
+                    raise self.fail(reason)
+                return converted
+        expected = " or ".join(k.value for k in kinds)
+        raise self.fail(f"{path}: expected {expected}, got {type(value).__name__}")
+
+    def convert(self, kind: Kind, value: object) -> object | None:
+        if not self.encoding:
+            return value if type(value) is _EXACT_TYPES[kind] else None
+        if isinstance(value, bool) != (kind is Kind.BOOL):
+            return None
+        if kind is Kind.FLOAT and isinstance(value, int | float):
+            return float(value)
+        wanted = _EXACT_TYPES[kind]
+        # Normalise subclasses (IntEnum, str enums) to the plain type msgpack writes.
+        return wanted(value) if isinstance(value, wanted) else None
+
+    def count_tensor(self, path: str) -> None:
+        self.tensor_count += 1
+        if self.tensor_count > self.limits.max_tensors:
+            raise self.fail(f"{path}: more than {self.limits.max_tensors} tensors")
+
+    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        raise NotImplementedError  # each direction handles tensors its own way
+
+
+_EXACT_TYPES: Mapping[Kind, type] = {
+    Kind.BOOL: bool,
+    Kind.INT: int,
+    Kind.FLOAT: float,
+    Kind.STR: str,
+}
+
+
+@dataclass
+class HeaderWriter(_Walker):
+    """Also lays out tensors: `tensors` lists (offset in the data section, tensor) for every
+    non-empty one, each at the next `ALIGN` boundary; `cursor` is where the data ends."""
+
+    cursor: int = 0
+    tensors: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        if not isinstance(value, torch.Tensor):
+            raise EncodeError(f"{path}: expected a tensor, got {type(value).__name__}")
+        dtype = wire_dtype(value.dtype)
+        if dtype is None or value.layout != torch.strided:
+            raise EncodeError(f"{path}: a {value.layout} {value.dtype} tensor cannot travel")
+        shape = tuple(value.shape)
+        reason = _rank_reason(shape, path, self.limits) or tensor_reason(
+            rule, value.dtype, shape, path
+        )
+        if reason is not None:
+            raise EncodeError(reason)
+        if rule.finite and not all_finite(value):
+            raise EncodeError(f"{path}: holds NaN or infinite values")
+        self.count_tensor(path)
+        nbytes = value.numel() * dtype.itemsize
+        offset = 0
+        if nbytes:
+            offset = align(self.cursor)
+            self.cursor = offset + nbytes
+            self.tensors.append((offset, value))
+        return tensor_header(dtype, shape, offset, nbytes)
+
+
+@dataclass
+class HeaderReader(_Walker):
+    """Tensors become `TensorSlot`s (collected in `slots`); the codec checks their layout and
+    only then turns them into views of the body."""
+
+    slots: list[TensorSlot] = field(default_factory=list)
+
+    def fields(
+        self, schema: MessageSchema, header: dict[object, object], reserved: frozenset[str]
+    ) -> dict[str, object]:
+        """Raw field values; `reserved` names header keys that are not fields (`v`, `type`)."""
+        names = {spec.name for spec in schema.fields}
+        for spec in schema.fields:
+            if spec.name not in header:
+                raise DecodeError(f"{schema.name}: missing field {spec.name!r}")
+        unknown = sorted(repr(k) for k in header if k not in names and k not in reserved)
+        if unknown:
+            raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
+        return {
+            spec.name: self.value(spec, header[spec.name], f"{schema.name}.{spec.name}")
+            for spec in schema.fields
+        }
+
+    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        limits = self.limits
+        slot = parse_tensor_header(
+            value, path, max_rank=limits.max_rank, max_dim=limits.max_body_bytes
+        )
+        reason = tensor_reason(rule, slot.dtype.torch_dtype, slot.shape, path)
+        if reason is not None:
+            raise DecodeError(reason)
+        self.count_tensor(path)
+        self.slots.append(slot)
+        return slot
+
+
+def _rank_reason(shape: tuple[int, ...], path: str, limits: CodecLimits) -> str | None:
+    if len(shape) > limits.max_rank:
+        return f"{path}: rank {len(shape)} exceeds the limit of {limits.max_rank}"
+    if any(dim > limits.max_body_bytes for dim in shape):
+        return f"{path}: shape {list(shape)} has a dimension beyond {limits.max_body_bytes}"
+    return None

@@ -1,0 +1,113 @@
+"""The aggregator role: version 1 at start-up, then the sync round clock until `job.rounds`
+versions are trained (architecture steps 1, 3, 6, 7 and "Evaluation").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from broker.store import WeightStore
+from broker.topology import QueueLimits, job_queues, updates_queue_name
+from services.aggregator.bootstrap import ensure_initial_version
+from services.aggregator.evaluation import Evaluator
+from services.aggregator.inbox import InboxStats, UpdateInbox
+from services.aggregator.rounds import RoundDriver, RoundStats
+from services.algorithms.base import Strategy
+from services.algorithms.registry import build_strategy
+from services.config.root import Settings
+from services.coordinator.outbox import Outbox
+from services.report.records import MetricsSink, VersionRecord
+from services.runtime.backends import Backends
+
+# Held (unacked) updates count against the prefetch: leave room for a whole cohort plus the
+# late and malformed ones that arrive meanwhile.
+_PREFETCH_SLACK = 16
+
+
+class Aggregator:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        *,
+        sink: MetricsSink,
+        evaluator: Evaluator | None = None,
+        strategy: Strategy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+        poll_s: float = 0.1,
+    ) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._sink = sink
+        self._evaluator = evaluator
+        self._strategy = strategy or build_strategy(settings.algorithm.name)
+        self._clock = clock
+        self._log = logger or logging.getLogger("splitmq.aggregator")
+        self._poll_s = poll_s
+        self.round_stats = RoundStats()
+        self.inbox_stats = InboxStats()
+
+    @property
+    def job(self) -> str:
+        return self._settings.job.name
+
+    def run(self, stop: threading.Event) -> list[VersionRecord]:
+        """Run the job's rounds; the records of the versions this aggregator published.
+
+        Returns early when `stop` is set (the sink is told "stopped"); a failure of the broker
+        or the store propagates after the sink is told "failed: ...".
+        """
+        broker = self._backends.open_broker("aggregator")
+        store = self._backends.open_store()
+        try:
+            limits = QueueLimits(
+                self._settings.broker.shard_queue_max_length,
+                self._settings.broker.shard_queue_max_bytes,
+            )
+            broker.declare(job_queues(self.job, self._settings.shards, limits))
+            prefetch = self._settings.clients.count + _PREFETCH_SLACK
+            broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
+            outbox = Outbox(broker, self.job, self._log)
+            inbox = UpdateInbox(broker, outbox, self.job, self._log, self.inbox_stats)
+            driver = RoundDriver(
+                self._settings,
+                store,
+                outbox,
+                inbox,
+                self._strategy,
+                sink=self._sink,
+                evaluator=self._evaluator,
+                clock=self._clock,
+                stop=stop,
+                logger=self._log,
+                poll_s=self._poll_s,
+            )
+            driver.stats = self.round_stats
+            records, status = self._rounds(store, driver, stop)
+        except Exception as exc:
+            self._sink.finish(f"failed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            broker.close()
+            store.close()
+        self._sink.finish(status)
+        return records
+
+    def _rounds(
+        self, store: WeightStore, driver: RoundDriver, stop: threading.Event
+    ) -> tuple[list[VersionRecord], str]:
+        records: list[VersionRecord] = []
+        ensure_initial_version(store, self._settings, self._strategy, self._log)
+        while not stop.is_set():
+            version = store.current_version(self.job)
+            if version - 1 >= self._settings.job.rounds:
+                driver.finish(version)
+                return records, "finished"
+            record = driver.run_round(version)
+            if record is not None:
+                records.append(record)
+        return records, "stopped"

@@ -1,0 +1,167 @@
+"""Which WeightsUpdates a round takes: the verdict on each one (pure, no broker).
+
+An `OpenRound` accepts one update per cohort member, for its round and version, with the
+tensor names and shapes of the version's blobs; a `ClosedGate` stands in between rounds,
+when every update is either late (its round is over) or premature.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from broker.messages import WeightsUpdate
+from services.aggregator.cohort import quorum_size
+from services.algorithms.base import ClientUpdate
+from services.coordinator.membership import MemberInfo
+
+
+class Verdict(enum.Enum):
+    ACCEPT = "accept"
+    DUPLICATE = "duplicate"  # a second update of one client for one round: ignored
+    LATE = "late"  # valid but its round has closed: answered with round_closed
+    REJECT = "reject"  # dead-lettered with the reason
+
+
+@dataclass(frozen=True)
+class Offer:
+    verdict: Verdict
+    reason: str = ""
+
+
+class Decision(enum.Enum):
+    WAIT = "wait"
+    CLOSE = "close"
+    REOPEN = "reopen"  # nothing arrived: sample a new cohort for the same round
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+Reference = Mapping[str, TensorSpec]
+
+
+def reference_of(state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state.items()}
+
+
+def weights_problem(
+    weights: Mapping[str, torch.Tensor], reference: Reference, what: str, *, subset: bool
+) -> str | None:
+    """Why `weights` do not fit `reference` (None when they do). `subset` allows missing names
+    (aux heads: a client holds only the heads it trains)."""
+    unknown = sorted(set(weights) - set(reference))
+    missing = [] if subset else sorted(set(reference) - set(weights))
+    if unknown or missing:
+        return f"{what}: unknown tensors {unknown[:3]}, missing tensors {missing[:3]}"
+    for name, tensor in weights.items():
+        spec = reference[name]
+        if tuple(tensor.shape) != spec.shape:
+            return f"{what}.{name}: shape {list(tensor.shape)}, expected {list(spec.shape)}"
+        if tensor.is_floating_point() != spec.dtype.is_floating_point:
+            return f"{what}.{name}: dtype {tensor.dtype}, expected {spec.dtype}"
+    return None
+
+
+class Gate(Protocol):
+    def offer(self, update: WeightsUpdate) -> Offer: ...
+
+
+@dataclass(frozen=True)
+class ClosedGate:
+    """Between rounds: updates of round <= `last` are late, later ones premature."""
+
+    last: int
+
+    def offer(self, update: WeightsUpdate) -> Offer:
+        if update.round <= self.last:
+            return Offer(Verdict.LATE, f"round {update.round} is closed")
+        return Offer(Verdict.REJECT, f"round {update.round} is not open")
+
+
+def _cast(state: Mapping[str, torch.Tensor], reference: Reference) -> dict[str, torch.Tensor]:
+    """Copies in the version's dtypes (a client may send float16; the decoded tensors are views
+    of the message body)."""
+    return {n: t.to(dtype=reference[n].dtype, copy=True) for n, t in state.items()}
+
+
+@dataclass
+class OpenRound:
+    round: int
+    version: int
+    cohort: Mapping[str, MemberInfo]
+    opened_at: float
+    deadline_s: float
+    quorum: float
+    client_ref: Reference
+    aux_ref: Reference
+    # Members of earlier, abandoned attempts at this round: their updates are late.
+    earlier: frozenset[str] = frozenset()
+    updates: dict[str, ClientUpdate] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)  # expired members no longer waited for
+
+    def offer(self, update: WeightsUpdate) -> Offer:
+        if update.round < self.round:
+            return Offer(Verdict.LATE, f"round {update.round} is closed")
+        if update.round > self.round:
+            return Offer(Verdict.REJECT, f"round {update.round} is not open (open: {self.round})")
+        if update.client in self.updates:
+            return Offer(Verdict.DUPLICATE)
+        if update.client not in self.cohort:
+            if update.client in self.earlier:
+                return Offer(Verdict.LATE, f"round {self.round} was reopened without you")
+            return Offer(Verdict.REJECT, f"client {update.client!r} is not in round {self.round}")
+        problem = self._problem(update)
+        if problem is not None:
+            return Offer(Verdict.REJECT, problem)
+        self.updates[update.client] = ClientUpdate(
+            client=update.client,
+            samples=update.samples,
+            base_version=update.version,
+            client_weights=_cast(update.client_weights, self.client_ref),
+            aux_weights=_cast(update.aux_weights, self.aux_ref),
+            masks={n: m.clone() for n, m in update.masks.items()},
+            metrics=dict(update.metrics),
+        )
+        return Offer(Verdict.ACCEPT)
+
+    def _problem(self, update: WeightsUpdate) -> str | None:
+        if update.version != self.version:
+            return (
+                f"update based on version {update.version}; "
+                f"round {self.round} trains version {self.version}"
+            )
+        if update.samples < 1:
+            return "an update must report at least one training sample"
+        return weights_problem(
+            update.client_weights, self.client_ref, "client_weights", subset=False
+        ) or weights_problem(update.aux_weights, self.aux_ref, "aux_weights", subset=True)
+
+    def waiting(self) -> set[str]:
+        """Cohort members whose update has not arrived and who are still live."""
+        return set(self.cohort) - set(self.updates) - self.dropped
+
+    def drop(self, live: Mapping[str, object]) -> list[str]:
+        """Stop waiting for members that are no longer `live`; the ones dropped now."""
+        gone = sorted(c for c in self.waiting() if c not in live)
+        self.dropped.update(gone)
+        return gone
+
+    def decide(self, now: float) -> Decision:
+        received = len(self.updates)
+        if not self.waiting():
+            return Decision.CLOSE if received else Decision.REOPEN
+        elapsed = now - self.opened_at
+        if elapsed >= self.deadline_s and received >= quorum_size(len(self.cohort), self.quorum):
+            return Decision.CLOSE
+        if elapsed >= 2 * self.deadline_s:
+            # Below quorum even at twice the deadline: better a smaller round than a stall.
+            return Decision.CLOSE if received else Decision.REOPEN
+        return Decision.WAIT

@@ -1,0 +1,104 @@
+"""The aggregator's side of `<job>.updates`: decode, check, hand to the round, ack.
+
+Accepted updates stay unacknowledged until the version they go into is published, so an
+aggregator that dies mid-round loses no update: the broker hands them to its successor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from broker.codec import decode
+from broker.errors import DecodeError, StaleDeliveryError
+from broker.messages import WeightsUpdate
+from broker.topology import updates_queue_name
+from broker.transport import Broker, Delivery
+from services.aggregator.gate import Gate, Verdict
+from services.coordinator.outbox import Outbox
+
+
+@dataclass
+class InboxStats:
+    accepted: int = 0
+    duplicates: int = 0
+    late: int = 0
+    dead_lettered: int = 0
+    accepted_bytes: int = 0
+
+
+@dataclass
+class UpdateInbox:
+    broker: Broker
+    outbox: Outbox
+    job: str
+    logger: logging.Logger
+    stats: InboxStats = field(default_factory=InboxStats)
+    held: list[Delivery] = field(default_factory=list)
+
+    def poll(self, timeout: float, gate: Gate, version: int) -> bool:
+        """Handle at most one delivery (waiting up to `timeout`); whether there was one.
+        `version` is the current version, quoted in round_closed errors."""
+        delivery = self.broker.get(timeout)
+        if delivery is None:
+            return False
+        try:
+            message = decode(delivery.body)
+        except DecodeError as exc:
+            self._dead_letter(delivery, f"undecodable: {exc.reason}")
+            return True
+        if not isinstance(message, WeightsUpdate):
+            reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
+            self._dead_letter(delivery, reason)
+            return True
+        if message.job != self.job:
+            self._dead_letter(delivery, f"update for job {message.job!r}")
+            return True
+        if delivery.user_id and delivery.user_id != message.client:
+            self._dead_letter(
+                delivery, f"client {message.client!r} is not AMQP user {delivery.user_id!r}"
+            )
+            return True
+        offer = gate.offer(message)
+        if offer.verdict is Verdict.ACCEPT:
+            self.stats.accepted += 1
+            self.stats.accepted_bytes += len(delivery.body)
+            self.held.append(delivery)
+        elif offer.verdict is Verdict.DUPLICATE:
+            self.stats.duplicates += 1
+            self._ack(delivery)
+        elif offer.verdict is Verdict.LATE:
+            self.stats.late += 1
+            self.logger.info(
+                "job %s: late update from %s for round %d", self.job, message.client, message.round
+            )
+            self._ack(delivery)
+            self.outbox.error(
+                message.client, version, "round_closed", offer.reason, message.message_id
+            )
+        else:
+            self._dead_letter(delivery, offer.reason)
+        return True
+
+    def drain(self, gate: Gate, version: int) -> None:
+        """Handle every delivery already waiting, without blocking."""
+        while self.poll(0.0, gate, version):
+            pass
+
+    def release(self) -> None:
+        """Ack the held updates: their round is published (or settled otherwise)."""
+        held, self.held = self.held, []
+        for delivery in held:
+            self._ack(delivery)
+
+    def _ack(self, delivery: Delivery) -> None:
+        try:
+            self.broker.ack(delivery)
+        except StaleDeliveryError:
+            # The connection dropped meanwhile: the broker redelivers it, and it will be late.
+            self.logger.info("job %s: ack of an update on a lost connection", self.job)
+
+    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self.stats.dead_lettered += 1
+        self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
+        self.broker.dead_letter(delivery, reason)

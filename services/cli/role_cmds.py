@@ -1,0 +1,185 @@
+"""`splitmq coordinator|aggregator|worker|client CONFIG`: one role as its own process.
+
+These are what compose services and `splitmq up` start. Each needs the real broker and store
+(the in-memory ones live inside one process), stops gracefully on SIGTERM / Ctrl-C, and exits
+non-zero with the traceback in its log when the role dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from services.cli.common import (
+    config_argument,
+    default_member_id,
+    load,
+    log_options,
+    pick_log_level,
+    stop_on_signals,
+)
+from services.config.root import Settings
+from services.report.filesink import FileSink
+from services.report.rundir import command_line
+from services.report.sinks import EchoSink, TeeSink
+from services.report.summary import banner
+from services.runtime.backends import Backends
+from services.runtime.logs import ContextValue, configured_logging
+from services.runtime.roles import build_aggregator, build_client, build_coordinator, build_worker
+from services.runtime.supervise import Role, RoleKind
+
+RoleFactory = Callable[[Settings, Backends], Role]
+
+
+def _require_services(settings: Settings, kind: RoleKind) -> None:
+    if settings.broker.kind == "rabbitmq" and settings.store.kind == "redis":
+        return
+    raise click.ClickException(
+        f"`splitmq {kind}` runs as its own process, so it needs a shared broker and store: "
+        f'set broker.kind = "rabbitmq" and store.kind = "redis" in the config (or '
+        f"SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis); got broker.kind = "
+        f"{settings.broker.kind!r}, store.kind = {settings.store.kind!r}. `splitmq run` "
+        f"runs every role in one process with the in-memory ones."
+    )
+
+
+def _serve(
+    settings: Settings,
+    kind: RoleKind,
+    factory: RoleFactory,
+    *,
+    log_json: bool,
+    level: str | None,
+    context: dict[str, ContextValue],
+) -> bool:
+    """Run one role until it ends or a signal stops it; True if stopped by a signal."""
+    _require_services(settings, kind)
+    ctx: dict[str, ContextValue] = {"role": kind, "job": settings.job.name, **context}
+    with configured_logging(pick_log_level(settings, level), json_lines=log_json, context=ctx):
+        log = logging.getLogger(f"splitmq.{kind}")
+        stop = threading.Event()
+        backends = Backends(settings.broker, settings.store)
+        with stop_on_signals(stop):
+            try:
+                factory(settings, backends).run(stop)
+            except Exception:
+                log.exception("%s of job %s died", kind, settings.job.name)
+                raise click.exceptions.Exit(1) from None
+        if stop.is_set():
+            log.info("%s of job %s stopped", kind, settings.job.name)
+        return stop.is_set()
+
+
+@click.command()
+@config_argument
+@log_options
+def coordinator(config: Path | None, log_json: bool, log_level: str | None) -> None:
+    """Run the coordinator (membership, shard assignment).
+
+    It admits clients (Join → Welcome with shard, cut and weights), tracks heartbeats and
+    drops members whose heartbeats stop.
+    """
+    _, settings = load(config)
+    _serve(
+        settings, "coordinator", build_coordinator, log_json=log_json, level=log_level, context={}
+    )
+
+
+@click.command()
+@config_argument
+@click.option("--id", "worker_id", default=None, help="Worker id (default: hostname-pid).")
+@log_options
+def worker(
+    config: Path | None, worker_id: str | None, log_json: bool, log_level: str | None
+) -> None:
+    """Run a worker (trains the server-side layers).
+
+    It leases shards, consumes their smashed data, steps the shard replica and replies with
+    gradients; uses CUDA when present. Scale out by starting more.
+    """
+    _, settings = load(config)
+    wid = worker_id or default_member_id("worker-")
+
+    def factory(s: Settings, b: Backends) -> Role:
+        return build_worker(s, b, worker_id=wid)
+
+    _serve(settings, "worker", factory, log_json=log_json, level=log_level, context={"worker": wid})
+
+
+@click.command()
+@config_argument
+@click.option("--id", "client_id", default=None, help="Client id (default: hostname-pid).")
+@click.option(
+    "--partition",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Which data partition this simulated client trains on (default: the coordinator's).",
+)
+@log_options
+def client(
+    config: Path | None,
+    client_id: str | None,
+    partition: int | None,
+    log_json: bool,
+    log_level: str | None,
+) -> None:
+    """Run one edge client (simulated, on its data partition).
+
+    It trains the client-side layers, publishes smashed data to its shard, applies the
+    returned gradients and uploads its weights at the end of each round.
+    """
+    _, settings = load(config)
+    cid = client_id or default_member_id("client-")
+
+    def factory(s: Settings, b: Backends) -> Role:
+        return build_client(s, b, client_id=cid, partition=partition)
+
+    _serve(settings, "client", factory, log_json=log_json, level=log_level, context={"client": cid})
+
+
+@click.command()
+@config_argument
+@click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where run directories go (default: report.dir from the config).",
+)
+# `splitmq up` names the exact run directory so it can print the summary afterwards.
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), hidden=True)
+@log_options
+def aggregator(
+    config: Path | None,
+    report_dir: Path | None,
+    run_dir: Path | None,
+    log_json: bool,
+    log_level: str | None,
+) -> None:
+    """Run the aggregator (rounds, version v+1, report).
+
+    It opens and closes rounds, aggregates client updates and shard replicas into version
+    v+1, evaluates it and writes the run directory.
+    """
+    _, settings = load(config)
+    _require_services(settings, "aggregator")
+    files = FileSink.create(settings, command=command_line(), base_dir=report_dir, run_dir=run_dir)
+    click.echo(banner(files.info))
+    click.echo(f"run directory: {files.run_dir}")
+    sink = TeeSink([files, EchoSink(click.echo, rounds=settings.job.rounds)])
+
+    def factory(s: Settings, b: Backends) -> Role:
+        return build_aggregator(s, b, sink=sink)
+
+    try:
+        stopped = _serve(
+            settings, "aggregator", factory, log_json=log_json, level=log_level, context={}
+        )
+    except click.exceptions.Exit:
+        files.finish("failed: aggregator died (see its log)")
+        raise
+    files.finish("stopped" if stopped else "finished")
+    click.echo(files.summary, nl=False)

@@ -1,0 +1,60 @@
+"""`splitmq run CONFIG`: the whole job in this process, on the in-memory broker and store."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import click
+
+from services.cli.common import config_argument, load, log_options, pick_log_level, stop_on_signals
+from services.data.errors import DataError
+from services.report.filesink import FileSink
+from services.report.rundir import command_line
+from services.report.sinks import EchoSink, TeeSink
+from services.report.summary import banner
+from services.runtime.embedded import embedded_settings, load_job_dataset, run_embedded
+from services.runtime.logs import configured_logging
+
+
+@click.command()
+@config_argument
+@click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where run directories go (default: report.dir from the config).",
+)
+@log_options
+def run(
+    config: Path | None, report_dir: Path | None, log_json: bool, log_level: str | None
+) -> None:
+    """Run a whole job in this process (no servers needed).
+
+    Every role runs on a thread over the in-memory broker and store; prints one line per
+    round and a summary, and writes the run directory.
+    """
+    _, settings = load(config)
+    settings, _ = embedded_settings(settings)
+    # Progress lines say what happens; role logs below WARNING would drown them.
+    level = pick_log_level(settings, log_level, default="WARNING")
+    with configured_logging(level, json_lines=log_json, context={"job": settings.job.name}):
+        try:
+            dataset = load_job_dataset(settings)
+        except DataError as exc:
+            raise click.ClickException(str(exc)) from None
+        sink = FileSink.create(settings, command=command_line(), base_dir=report_dir)
+        click.echo(banner(sink.info))
+        click.echo(f"run directory: {sink.run_dir}")
+        echo = EchoSink(click.echo, rounds=settings.job.rounds)
+        stop = threading.Event()
+        with stop_on_signals(stop):
+            outcome = run_embedded(settings, sink=TeeSink([sink, echo]), stop=stop, dataset=dataset)
+    click.echo("")
+    click.echo(sink.summary, nl=False)
+    if outcome.traceback:
+        click.echo(f"\n{outcome.failed_role} failed:\n{outcome.traceback}", err=True)
+    if outcome.stuck:
+        click.echo(f"roles that did not stop in time: {', '.join(outcome.stuck)}", err=True)
+    if outcome.exit_code:
+        raise click.exceptions.Exit(outcome.exit_code)

@@ -1,0 +1,119 @@
+"""`splitmq up CONFIG`: every role as a local process over RabbitMQ and Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from services.cli.common import config_argument, load, stop_on_signals
+from services.config.loading import ConfigError, load_settings
+from services.config.root import Settings
+from services.report.rundir import METRICS_JSON, SUMMARY_FILE, RunInfo, create_run_dir
+from services.report.summary import summary_text
+from services.report.tables import record_from_dict
+from services.runtime.processes import (
+    LocalProcesses,
+    child_env,
+    child_specs,
+    clear_job,
+    preflight,
+)
+
+
+@click.command()
+@config_argument
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker processes.")
+@click.option("--clients", type=click.IntRange(min=1), default=None, help="Client processes.")
+@click.option(
+    "--fresh/--no-fresh",
+    default=True,
+    show_default=True,
+    help="Delete the job's queues and store keys before starting (a stale run of the same "
+    "job name would otherwise feed old messages and versions into this one).",
+)
+@click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where run directories go (default: report.dir from the config).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Give up after this many seconds (0: wait for the job to finish).",
+)
+@click.option("--log-json", is_flag=True, help="Children log JSON lines.")
+def up(
+    config: Path | None,
+    workers: int | None,
+    clients: int | None,
+    fresh: bool,
+    report_dir: Path | None,
+    timeout: float,
+    log_json: bool,
+) -> None:
+    """Run every role as a local process (RabbitMQ + Redis).
+
+    Starts the aggregator, the coordinator, the workers and the clients, prefixes their
+    output with their names, waits for the job to finish, stops them and prints the summary.
+    """
+    path, file_settings = load(config)
+    n_workers = workers or file_settings.workers.count
+    n_clients = clients or file_settings.clients.count
+    env = child_env(os.environ, workers=n_workers, clients=n_clients)
+    try:
+        # The children's exact view (counts and kinds overridden), checked before any starts.
+        settings = load_settings(path, env)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    problems = preflight(settings)
+    if problems:
+        raise click.ClickException(
+            "splitmq up needs RabbitMQ and Redis:\n  " + "\n  ".join(problems)
+        )
+    specs = child_specs(n_workers, n_clients, _run_dir(settings, report_dir))
+    if fresh:
+        clear_job(settings, [s.name for s in specs if s.role == "client"])
+    run_dir = Path(specs[0].args[1])
+    click.echo(
+        f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
+        f"{n_clients} client(s); run directory {run_dir}"
+    )
+    procs = LocalProcesses(
+        path, specs, env, echo=click.echo, extra_args=("--log-json",) if log_json else ()
+    )
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        procs.start()
+        result = procs.wait(stop, timeout)
+    click.echo("")
+    click.echo(_summary(run_dir), nl=False)
+    if result.status != "finished":
+        click.echo(f"splitmq up: {result.status}", err=True)
+    if result.exit_code:
+        raise click.exceptions.Exit(result.exit_code)
+
+
+def _run_dir(settings: Settings, report_dir: Path | None) -> Path:
+    base = report_dir or Path(settings.report.dir)
+    return create_run_dir(base, settings.job.name, datetime.now())
+
+
+def _summary(run_dir: Path) -> str:
+    """summary.txt when the aggregator wrote it, else one rebuilt from metrics.json."""
+    summary = run_dir / SUMMARY_FILE
+    if summary.is_file():
+        return summary.read_text(encoding="utf-8")
+    metrics = run_dir / METRICS_JSON
+    if not metrics.is_file():
+        return f"no report in {run_dir} (the aggregator did not start)\n"
+    doc = json.loads(metrics.read_text(encoding="utf-8"))
+    info = RunInfo(**doc["run"])
+    records = [record_from_dict(r) for r in doc["records"]]
+    return summary_text(info, records, run_dir)

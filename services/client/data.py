@@ -1,0 +1,112 @@
+"""A simulated client's data: the job's dataset, its partition, and each round's batches.
+
+Every process computes the same partition (same labels, kind, parameters and `job.seed`), so
+a client only needs its index. One `JobData` loads the dataset and partitions it once; the
+embedded runner hands the same instance to all its clients instead of loading N copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from services.config.root import Settings
+from services.data.batches import Batch, ClientBatches
+from services.data.loaders import Dataset, load_dataset
+from services.data.partition import PartitionSpec, client_classes, local_test_indices, partition
+
+Indices = npt.NDArray[np.int64]
+
+
+class JobData:
+    """The dataset and its partition among `clients.count` clients, loaded on first use."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        dataset: Dataset | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._dataset = dataset
+        self._env = env
+        self._parts: list[Indices] | None = None
+        self._lock = threading.Lock()  # clients of one process share an instance
+
+    @property
+    def dataset(self) -> Dataset:
+        with self._lock:
+            if self._dataset is None:
+                data = self._settings.data
+                self._dataset = load_dataset(data.dataset, data.dir or None, env=self._env)
+            return self._dataset
+
+    @property
+    def clients(self) -> int:
+        return self._settings.clients.count
+
+    def indices(self, index: int) -> Indices:
+        """Training-set indices of client partition `index`."""
+        if not 0 <= index < self.clients:
+            raise ValueError(f"partition index {index} outside 0..{self.clients - 1}")
+        labels = self.dataset.train.y.numpy()
+        with self._lock:
+            if self._parts is None:
+                d = self._settings.data
+                spec = PartitionSpec(
+                    kind=d.partition,
+                    n_clients=self.clients,
+                    seed=self._settings.job.seed,
+                    alpha=d.alpha,
+                    shards_per_client=d.shards_per_client,
+                    shard_size=d.shard_size,
+                    ratio=d.ratio,
+                )
+                self._parts = partition(labels, spec)
+            return self._parts[index]
+
+    def classes(self, index: int) -> list[int]:
+        return [int(c) for c in client_classes(self.dataset.train.y.numpy(), self.indices(index))]
+
+    def local_test(self, index: int) -> Indices:
+        """The personalised test set: test samples of the client's classes (capped)."""
+        train_y = self.dataset.train.y.numpy()[self.indices(index)]
+        picked = local_test_indices(self.dataset.test.y.numpy(), train_y)
+        cap = self._settings.data.eval_samples
+        return picked[:cap] if cap else picked
+
+
+def round_batches(
+    batches: ClientBatches, *, local_epochs: int, max_steps: int, round_index: int
+) -> tuple[Iterator[Batch], int]:
+    """The batches of one round and how many there are.
+
+    Epochs are numbered across rounds (`round * local_epochs + e`) so each round gets fresh
+    shuffles that any process can replay; `max_steps` caps the round (0: no cap).
+    """
+    total = len(batches) * local_epochs
+    steps = min(total, max_steps) if max_steps else total
+    first = round_index * local_epochs
+    epochs = (batches.epoch(first + e) for e in range(local_epochs))
+    return itertools.islice(itertools.chain.from_iterable(epochs), steps), steps
+
+
+def client_batches(data: JobData, index: int, *, batch_size: int, seed: int) -> ClientBatches:
+    train = data.dataset.train
+    indices = data.indices(index)
+    # BatchNorm cannot train on a batch of one sample; drop such a trailing batch.
+    drop_last = len(indices) > batch_size and len(indices) % batch_size == 1
+    return ClientBatches.create(
+        train.x,
+        train.y,
+        indices,
+        batch_size=batch_size,
+        seed=seed,
+        client=index,
+        drop_last=drop_last,
+    )

@@ -1,0 +1,118 @@
+"""The training parameters a client uses: its settings, overridden by what the service sends.
+
+Welcome and WeightsAssignment carry a `config` map (architecture step 2): an edge client's own
+file may be stale or partial, the service's word is the one every participant shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from broker.messages import ConfigValue
+from services.algorithms.base import Hyper
+from services.algorithms.registry import STRATEGIES
+from services.config.root import Settings
+
+WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    algorithm: str
+    batch_size: int
+    lr: float
+    momentum: float
+    server_lr: float
+    local_epochs: int
+    max_steps: int  # 0: whole local epochs
+    smashed_dtype: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RoundPlan:
+        a = settings.algorithm
+        return cls(
+            algorithm=a.name,
+            batch_size=a.batch_size,
+            lr=a.lr,
+            momentum=a.momentum,
+            server_lr=a.server_lr,
+            local_epochs=a.local_epochs,
+            max_steps=a.max_steps_per_round,
+            smashed_dtype=a.smashed_dtype,
+        )
+
+    def updated(self, config: Mapping[str, ConfigValue]) -> RoundPlan:
+        """This plan with the known keys of `config` applied; raises `ValueError` on a bad one.
+
+        Unknown keys (partition, finished, ...) are other parts' business and ignored.
+        """
+        changes: dict[str, Any] = {}
+        if "algorithm" in config:
+            name = config["algorithm"]
+            if not isinstance(name, str) or name not in STRATEGIES:
+                raise ValueError(f"config.algorithm: unknown algorithm {name!r}")
+            changes["algorithm"] = name
+        for key, field_name, minimum in (
+            ("batch_size", "batch_size", 1),
+            ("local_epochs", "local_epochs", 1),
+            ("max_steps_per_round", "max_steps", 0),
+        ):
+            if key in config:
+                changes[field_name] = _int(config, key, minimum)
+        for key in ("lr", "momentum", "server_lr"):
+            if key in config:
+                changes[key] = _float(config, key)
+        if "smashed_dtype" in config:
+            dtype = config["smashed_dtype"]
+            if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+                raise ValueError(
+                    f"config.smashed_dtype: {dtype!r} is not one of {list(WIRE_DTYPES)}"
+                )
+            changes["smashed_dtype"] = dtype
+        plan = replace(self, **changes)
+        if plan.lr <= 0 or not 0 <= plan.momentum < 1 or plan.server_lr < 0:
+            raise ValueError(
+                f"config: need lr > 0, 0 <= momentum < 1, server_lr >= 0; got lr={plan.lr}, "
+                f"momentum={plan.momentum}, server_lr={plan.server_lr}"
+            )
+        return plan
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return WIRE_DTYPES[self.smashed_dtype]
+
+    def hyper(self) -> Hyper:
+        return Hyper(
+            lr=self.lr,
+            momentum=self.momentum,
+            server_lr=self.server_lr,
+            local_epochs=self.local_epochs,
+            max_steps=self.max_steps,
+        )
+
+
+def config_int(config: Mapping[str, ConfigValue], key: str) -> int | None:
+    """An optional non-negative integer entry (partition, shard); `ValueError` if malformed."""
+    return _int(config, key, 0) if key in config else None
+
+
+def _int(config: Mapping[str, ConfigValue], key: str, minimum: int) -> int:
+    value = config[key]
+    # bool is an int subclass; True is not a batch size.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"config.{key}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(config: Mapping[str, ConfigValue], key: str) -> float:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"config.{key}: expected a number, got {value!r}")
+    return float(value)

@@ -1,0 +1,26 @@
+"""What a client did, for logs, tests and the embedded runner's summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ClientStats:
+    """Counters of one client's run; `run` returns them (only the client's thread writes)."""
+
+    rounds: int = 0  # rounds whose WeightsUpdate was published
+    rounds_aborted: int = 0
+    batches_sent: int = 0  # distinct SmashedBatches (republishes not counted)
+    republished: int = 0  # SmashedBatches sent again after reply_timeout_s
+    replies_received: int = 0  # GradientReplies applied or tallied
+    duplicates_dropped: int = 0  # GradientReplies for a seq no longer awaited
+    backpressure_retries: int = 0
+    unroutable_retries: int = 0
+    errors_received: int = 0  # Error replies (round_closed...)
+    dead_lettered: int = 0  # deliveries on the reply queue that failed validation
+    heartbeats_sent: int = 0
+    joins_sent: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    finished: bool = False  # the job told this client it is over

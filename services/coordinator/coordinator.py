@@ -1,0 +1,197 @@
+"""The coordinator role: membership of one job (Join / Leave / Heartbeat / expiry).
+
+It consumes `<job>.control`, records each client in the store with its assignment (shard,
+cut, data partition) and answers a Join with a Welcome carrying the current version's weights.
+Membership lives in the store only, so a restarted coordinator, or the aggregator reading
+cohorts, sees the same members; liveness is the store's heartbeat expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from broker.codec import decode
+from broker.errors import DecodeError
+from broker.messages import Heartbeat, Join, Leave, Message
+from broker.store import WeightStore
+from broker.topology import QueueLimits, control_queue_name, job_queues
+from broker.transport import Broker, Delivery
+from services.config.root import Settings
+from services.coordinator.joining import JoinDesk
+from services.coordinator.membership import client_members, member_id
+from services.coordinator.outbox import Outbox
+from services.runtime.backends import Backends
+
+_PREFETCH = 32
+
+
+@dataclass
+class CoordinatorStats:
+    """Counters of one run (only the coordinator's thread writes them)."""
+
+    joined: int = 0
+    rejoined: int = 0
+    refused: int = 0  # joins answered with an Error (job full)
+    left: int = 0
+    expired: int = 0
+    heartbeats: int = 0
+    unknown_heartbeats: int = 0
+    dead_lettered: int = 0
+
+
+class Coordinator:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        logger: logging.Logger | None = None,
+        poll_s: float = 0.2,
+    ) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._log = logger or logging.getLogger("splitmq.coordinator")
+        self._poll_s = poll_s
+        self.stats = CoordinatorStats()
+        # Clients seen live at the last sweep, to announce the ones whose heartbeats stopped.
+        self._known: set[str] = set()
+
+    @property
+    def job(self) -> str:
+        return self._settings.job.name
+
+    def run(self, stop: threading.Event) -> CoordinatorStats:
+        """Serve until `stop` is set; returns the counters."""
+        broker = self._backends.open_broker("coordinator")
+        store = self._backends.open_store()
+        try:
+            limits = QueueLimits(
+                self._settings.broker.shard_queue_max_length,
+                self._settings.broker.shard_queue_max_bytes,
+            )
+            broker.declare(job_queues(self.job, self._settings.shards, limits))
+            if not self._await_version(store, stop):
+                return self.stats
+            broker.subscribe(control_queue_name(self.job), prefetch=_PREFETCH)
+            self._log.info("job %s: coordinator serving %s", self.job, control_queue_name(self.job))
+            self._serve(broker, store, stop)
+        finally:
+            broker.close()
+            store.close()
+        return self.stats
+
+    def _await_version(self, store: WeightStore, stop: threading.Event) -> bool:
+        """Joins wait in the queue until the aggregator has published version 1."""
+        while store.current_version(self.job) < 1:
+            if stop.wait(self._poll_s):
+                return False
+        return True
+
+    def _serve(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
+        outbox = Outbox(broker, self.job, self._log)
+        desk = JoinDesk(self._settings, store, outbox, self._wall_clock, self._log)
+        self._known = set(client_members(store, self.job))
+        next_sweep = self._clock()
+        while not stop.is_set():
+            delivery = broker.get(self._poll_s)
+            if delivery is not None:
+                self._handle(broker, store, outbox, desk, delivery)
+            if self._clock() >= next_sweep:
+                self._sweep(store, outbox)
+                next_sweep = self._clock() + self._settings.clients.heartbeat_s
+
+    def _handle(
+        self, broker: Broker, store: WeightStore, outbox: Outbox, desk: JoinDesk, delivery: Delivery
+    ) -> None:
+        try:
+            message = decode(delivery.body)
+        except DecodeError as exc:
+            self._dead_letter(broker, delivery, f"undecodable: {exc.reason}")
+            return
+        reason = self._misaddressed(message, delivery)
+        if reason is not None:
+            self._dead_letter(broker, delivery, reason)
+            return
+        if isinstance(message, Join):
+            outcome = desk.join(message)
+            if outcome.unreachable:
+                self._dead_letter(broker, delivery, f"client {message.client} has no reply queue")
+                return
+            if outcome.new or outcome.rejoined:
+                self._known.add(message.client)
+            self.stats.joined += outcome.new
+            self.stats.rejoined += outcome.rejoined
+            self.stats.refused += outcome.refused
+        elif isinstance(message, Heartbeat):
+            self._heartbeat(store, outbox, message)
+        elif isinstance(message, Leave):
+            self._leave(store, outbox, message)
+        broker.ack(delivery)
+
+    def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:
+        if not isinstance(message, Join | Heartbeat | Leave):
+            return f"{type(message).__name__} does not belong on {control_queue_name(self.job)}"
+        if message.job != self.job:
+            return f"message for job {message.job!r} on job {self.job!r}'s control queue"
+        if not message.client:
+            return f"{type(message).__name__} without a client id"
+        # Design §3: in a secured deployment the broker vouches for user_id; the client field
+        # must not claim someone else's identity.
+        if delivery.user_id and delivery.user_id != message.client:
+            return f"client {message.client!r} does not match the AMQP user {delivery.user_id!r}"
+        if isinstance(message, Heartbeat) and message.role != "client":
+            return f"heartbeat of role {message.role!r}: only clients are members"
+        return None
+
+    def _heartbeat(self, store: WeightStore, outbox: Outbox, message: Heartbeat) -> None:
+        mid = member_id(message.client)
+        if mid not in store.live_members(self.job):
+            self.stats.unknown_heartbeats += 1
+            version = store.current_version(self.job)
+            outbox.error(
+                message.client,
+                version,
+                "unknown_member",
+                "unknown member, join first",
+                message.message_id,
+            )
+            return
+        self.stats.heartbeats += 1
+        store.heartbeat(self.job, mid, self._settings.clients.heartbeat_ttl_s)
+
+    def _leave(self, store: WeightStore, outbox: Outbox, message: Leave) -> None:
+        mid = member_id(message.client)
+        if mid not in store.live_members(self.job):
+            self._log.info("job %s: leave from unknown client %s", self.job, message.client)
+            return
+        store.remove_member(self.job, mid)
+        self._known.discard(message.client)
+        self.stats.left += 1
+        version = store.current_version(self.job)
+        self._log.info("job %s: client %s left (%s)", self.job, message.client, message.reason)
+        outbox.event("member_left", version, {"reason": message.reason or "leave"}, message.client)
+
+    def _sweep(self, store: WeightStore, outbox: Outbox) -> None:
+        """Announce members whose heartbeats stopped (the store already dropped them)."""
+        live = set(client_members(store, self.job))
+        expired = self._known - live
+        if expired:
+            version = store.current_version(self.job)
+            for client in sorted(expired):
+                self.stats.expired += 1
+                self._log.info("job %s: client %s expired", self.job, client)
+                outbox.event("member_left", version, {"reason": "expired"}, client)
+        self._known = live
+
+    def _dead_letter(self, broker: Broker, delivery: Delivery, reason: str) -> None:
+        self.stats.dead_lettered += 1
+        self._log.warning("job %s: dead-lettering a control message: %s", self.job, reason)
+        broker.dead_letter(delivery, reason)

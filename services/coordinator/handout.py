@@ -1,0 +1,79 @@
+"""What a client receives with a Welcome or a WeightsAssignment: its weights and its config.
+
+Clients never read the store (design §3), so the coordinator and the aggregator copy the
+client-side blobs of a version into the message: the client's personal blob when the
+algorithm keeps one (`client/<id>`, `aux/<id>`), else the global one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from broker.messages import ConfigValue
+from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, WeightStore
+from services.config.root import Settings
+
+Tensors = dict[str, torch.Tensor]
+
+
+def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
+    """The algorithm parameters a client trains with (all roles read the same job file, but a
+    client may run from a different one: the service's values win)."""
+    algo = settings.algorithm
+    return {
+        "algorithm": algo.name,
+        "batch_size": algo.batch_size,
+        "lr": algo.lr,
+        "momentum": algo.momentum,
+        "server_lr": algo.effective_server_lr,
+        "local_epochs": algo.local_epochs,
+        "max_steps_per_round": algo.max_steps_per_round,
+        "smashed_dtype": algo.smashed_dtype,
+        "partition": partition,
+        "shards": settings.shards,
+    }
+
+
+def pick_ref(manifest: Manifest, part: str, client: str | None) -> BlobRef | None:
+    """`<part>/<client>` if the version holds it, else `<part>/global`, else None."""
+    candidates = [BlobRef(part)] if client is None else [BlobRef(part, client), BlobRef(part)]
+    return next((ref for ref in candidates if ref in manifest.entries), None)
+
+
+@dataclass
+class WeightsCache:
+    """The client-side blobs of one version, read from the store once per blob."""
+
+    store: WeightStore
+    job: str
+    version: int
+    _manifest: Manifest | None = None
+    _shared: dict[BlobRef, Tensors] = field(default_factory=dict)
+
+    def for_client(self, client: str) -> tuple[Tensors, Tensors]:
+        """(client weights, aux weights) for `client`; aux is empty when the version has none."""
+        return self._pair(client)
+
+    def global_weights(self) -> tuple[Tensors, Tensors]:
+        """(client weights, aux weights) shared by the clients without personal ones."""
+        return self._pair(None)
+
+    def _pair(self, client: str | None) -> tuple[Tensors, Tensors]:
+        if self._manifest is None:
+            self._manifest = self.store.manifest(self.job, self.version)
+        out: list[Tensors] = []
+        for part in (CLIENT_PART, AUX_PART):
+            ref = pick_ref(self._manifest, part, client)
+            out.append({} if ref is None else self._read(ref))
+        return out[0], out[1]
+
+    def _read(self, ref: BlobRef) -> Tensors:
+        blob = self._shared.get(ref)
+        if blob is None:
+            blob = self.store.read_blob(self.job, self.version, ref)
+            # A personal blob goes to one client; only the global ones are worth keeping.
+            if ref.owner == GLOBAL_OWNER:
+                self._shared[ref] = blob
+        return blob

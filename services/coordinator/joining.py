@@ -1,0 +1,152 @@
+"""Admitting a client: assignment, the member record, the Welcome.
+
+A re-Join of a live member (a client that restarted, or whose Welcome was lost) gets the same
+assignment again, so joining is idempotent; a Join when every data partition is taken is
+refused with an Error reply, not dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from broker.errors import UnroutableError
+from broker.messages import Join, Welcome, new_message_id
+from broker.store import WeightStore
+from services.config.root import Settings
+from services.coordinator.assignment import choose_partition, choose_shard
+from services.coordinator.handout import WeightsCache, client_config
+from services.coordinator.membership import MemberInfo, client_members, member_id, parse_classes
+from services.coordinator.outbox import Outbox
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    new: bool = False
+    rejoined: bool = False
+    refused: bool = False
+    unreachable: bool = False  # no reply queue: the join was undone
+
+
+def requested_index(join: Join) -> int | None:
+    """The partition index the client asks for (`info["index"]`), if it is an integer."""
+    text = join.info.get("index", "").strip()
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+def reported_classes(join: Join) -> tuple[int, ...] | None:
+    """The classes of the client's training data (`info["classes"]`), None if absent or bad."""
+    text = join.info.get("classes")
+    if text is None:
+        return None
+    try:
+        return parse_classes(text)
+    except ValueError:
+        return None
+
+
+class JoinDesk:
+    def __init__(
+        self,
+        settings: Settings,
+        store: WeightStore,
+        outbox: Outbox,
+        wall_clock: Callable[[], float],
+        logger: logging.Logger,
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._outbox = outbox
+        self._wall_clock = wall_clock
+        self._log = logger
+        self._job = settings.job.name
+        self._weights: WeightsCache | None = None
+
+    def join(self, message: Join) -> JoinOutcome:
+        members = client_members(self._store, self._job)
+        version = self._store.current_version(self._job)
+        existing = members.get(message.client)
+        if existing is not None:
+            classes = reported_classes(message)
+            info = replace(
+                existing,
+                samples=message.samples,
+                classes=existing.classes if classes is None else classes,
+            )
+        else:
+            assigned = self._assign(message, members)
+            if assigned is None:
+                self._refuse(message, version, len(members))
+                return JoinOutcome(refused=True)
+            info = assigned
+        ttl = self._settings.clients.heartbeat_ttl_s
+        self._store.heartbeat(self._job, member_id(message.client), ttl, info.to_info())
+        try:
+            self._welcome(message, info, version)
+        except UnroutableError:
+            if existing is None:
+                self._store.remove_member(self._job, member_id(message.client))
+            return JoinOutcome(unreachable=True)
+        if existing is not None:
+            self._log.info("job %s: client %s re-joined", self._job, message.client)
+            return JoinOutcome(rejoined=True)
+        self._log.info(
+            "job %s: client %s joined: shard %d, partition %d, %d samples",
+            self._job,
+            message.client,
+            info.shard,
+            info.partition,
+            info.samples,
+        )
+        data = {"shard": info.shard, "partition": info.partition, "samples": info.samples}
+        self._outbox.event("member_joined", version, data, message.client)
+        return JoinOutcome(new=True)
+
+    def _assign(self, message: Join, members: dict[str, MemberInfo]) -> MemberInfo | None:
+        count = self._settings.clients.count
+        partition = choose_partition(
+            requested_index(message), {m.partition for m in members.values()}, count
+        )
+        if partition is None:
+            return None
+        loads = Counter(m.shard for m in members.values())
+        shard = choose_shard(self._settings.shards, count, partition, loads)
+        return MemberInfo(
+            client=message.client,
+            shard=shard,
+            cut=self._settings.model.cut,
+            samples=message.samples,
+            partition=partition,
+            classes=reported_classes(message) or (),
+            joined_at=self._wall_clock(),
+        )
+
+    def _refuse(self, message: Join, version: int, live: int) -> None:
+        self._log.warning("job %s: refusing client %s: job full", self._job, message.client)
+        count = self._settings.clients.count
+        reason = f"job full: all {count} client slots are taken ({live} live)"
+        self._outbox.error(message.client, version, "job_full", reason, message.message_id)
+
+    def _welcome(self, message: Join, info: MemberInfo, version: int) -> None:
+        if self._weights is None or self._weights.version != version:
+            self._weights = WeightsCache(self._store, self._job, version)
+        client_weights, aux_weights = self._weights.for_client(message.client)
+        welcome = Welcome(
+            job=self._job,
+            client=message.client,
+            message_id=new_message_id(),
+            version=version,
+            shard=info.shard,
+            cut=info.cut,
+            # Version v closed rounds 0..v-2; the next one to open is v-1.
+            round=max(0, version - 1),
+            client_weights=client_weights,
+            aux_weights=aux_weights,
+            config=client_config(self._settings, info.partition),
+        )
+        self._outbox.reply(message.client, welcome)

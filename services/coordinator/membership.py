@@ -1,0 +1,85 @@
+"""A client member as the store keeps it: `client:<id>` with its assignment in the info map.
+
+The coordinator writes these records and the aggregator reads them (cohorts, shards, the
+classes behind personalised accuracy), so both go through this one module. Store info values
+are strings; `classes` is a comma-separated list of class indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.store import Member, WeightStore
+
+MEMBER_PREFIX = "client:"
+
+
+def member_id(client: str) -> str:
+    return f"{MEMBER_PREFIX}{client}"
+
+
+def parse_classes(text: str) -> tuple[int, ...]:
+    """`"0,3,7"` → (0, 3, 7); raises ValueError on anything else."""
+    text = text.strip()
+    if not text:
+        return ()
+    classes = sorted({int(part) for part in text.split(",")})
+    if classes[0] < 0:
+        raise ValueError(f"negative class index in {text!r}")
+    return tuple(classes)
+
+
+def format_classes(classes: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in classes)
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One live client: where it was assigned and what it holds."""
+
+    client: str
+    shard: int
+    cut: str
+    samples: int
+    partition: int
+    classes: tuple[int, ...] = ()
+    joined_at: float = 0.0
+
+    def to_info(self) -> dict[str, str]:
+        return {
+            "shard": str(self.shard),
+            "cut": self.cut,
+            "samples": str(self.samples),
+            "partition": str(self.partition),
+            "classes": format_classes(self.classes),
+            "joined_at": f"{self.joined_at:.3f}",
+        }
+
+    @classmethod
+    def from_member(cls, member: Member) -> MemberInfo | None:
+        """None for a member that is not a client, or whose info is not ours (never raises)."""
+        if not member.member_id.startswith(MEMBER_PREFIX):
+            return None
+        info = member.info
+        try:
+            return cls(
+                client=member.member_id[len(MEMBER_PREFIX) :],
+                shard=int(info["shard"]),
+                cut=info["cut"],
+                samples=int(info["samples"]),
+                partition=int(info["partition"]),
+                classes=parse_classes(info.get("classes", "")),
+                joined_at=float(info.get("joined_at", "0")),
+            )
+        except (KeyError, ValueError):
+            return None
+
+
+def client_members(store: WeightStore, job: str) -> dict[str, MemberInfo]:
+    """Live clients by id (members with unreadable info are left out)."""
+    out: dict[str, MemberInfo] = {}
+    for member in store.live_members(job).values():
+        info = MemberInfo.from_member(member)
+        if info is not None:
+            out[info.client] = info
+    return out

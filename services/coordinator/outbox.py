@@ -1,0 +1,86 @@
+"""What the coordinator and the aggregator send: replies to clients, shard markers, events.
+
+One `Outbox` wraps one broker handle (so it belongs to the thread that opened the handle) and
+knows the job's routing keys; callers deal in messages, not exchanges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+
+from broker.codec import encode
+from broker.errors import BackPressureError, UnroutableError
+from broker.messages import ConfigValue, Error, Event, Message, new_message_id
+from broker.topology import (
+    EVENTS_EXCHANGE,
+    REPLIES_EXCHANGE,
+    SMASHED_EXCHANGE,
+    reply_routing_key,
+    shard_routing_key,
+)
+from broker.transport import Broker
+
+# Back-pressure on a shard queue clears as its worker drains it; retry at this pace.
+_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class Outbox:
+    def __init__(self, broker: Broker, job: str, logger: logging.Logger) -> None:
+        self._broker = broker
+        self._job = job
+        self._log = logger
+
+    def reply(self, client: str, message: Message) -> int:
+        """Send to `client`'s reply queue; the encoded size. Raises `UnroutableError` when the
+        client has no reply queue (it never declared one, or it is gone)."""
+        body = encode(message)
+        self._broker.publish(
+            REPLIES_EXCHANGE,
+            reply_routing_key(self._job, client),
+            body,
+            message_id=message.message_id,
+        )
+        return len(body)
+
+    def error(self, client: str, version: int, code: str, reason: str, ref: str = "") -> None:
+        """Best effort: an error for a client that cannot be reached is only logged."""
+        message = Error(self._job, client, new_message_id(), version, code, reason, ref)
+        try:
+            self.reply(client, message)
+        except UnroutableError:
+            self._log.warning(
+                "job %s: cannot send error %r to client %s: no reply queue", self._job, code, client
+            )
+
+    def to_shard(self, shard: int, message: Message, stop: threading.Event) -> bool:
+        """Publish on a shard queue, waiting out back-pressure; False if `stop` came first."""
+        body = encode(message)
+        attempt = 0
+        while True:
+            try:
+                self._broker.publish(
+                    SMASHED_EXCHANGE,
+                    shard_routing_key(self._job, shard),
+                    body,
+                    message_id=message.message_id,
+                )
+                return True
+            except BackPressureError:
+                delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
+                attempt += 1
+                self._log.info("job %s: shard %d queue is full; retrying", self._job, shard)
+                if stop.wait(delay):
+                    return False
+
+    def event(
+        self, kind: str, version: int, data: Mapping[str, ConfigValue], client: str = ""
+    ) -> None:
+        """Fanout notice; nobody listening is normal, so an unroutable event is dropped."""
+        message = Event(self._job, client, new_message_id(), version, kind, dict(data))
+        try:
+            body = encode(message)
+            self._broker.publish(EVENTS_EXCHANGE, "", body, message_id=message.message_id)
+        except UnroutableError:
+            self._log.debug("job %s: event %s has no subscriber", self._job, kind)

@@ -1,0 +1,121 @@
+"""`FileSink`: a MetricsSink that keeps the run directory current as records arrive.
+
+metrics.json and metrics.csv are rewritten atomically on every record, so a run that crashes
+or is killed still leaves every version it published on disk. `finish` adds the end time and
+status, the plots and summary.txt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from services.config.root import Settings
+from services.report.plots import write_plots
+from services.report.records import VersionRecord
+from services.report.rundir import (
+    METRICS_CSV,
+    METRICS_JSON,
+    SUMMARY_FILE,
+    RunInfo,
+    create_run_dir,
+    write_atomic,
+    write_config,
+)
+from services.report.summary import summary_text
+from services.report.tables import metrics_csv, metrics_json
+
+
+class FileSink:
+    def __init__(
+        self,
+        run_dir: Path,
+        info: RunInfo,
+        *,
+        plots: bool = True,
+        now: Callable[[], datetime] = datetime.now,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self._info = info
+        self._plots = plots
+        self._now = now
+        self._clock = clock
+        self._started = clock()
+        self._log = logger or logging.getLogger("splitmq.report")
+        self._lock = threading.Lock()
+        self._records: list[VersionRecord] = []
+        self._summary = ""
+        self._finished = False
+        self._write_metrics()
+
+    @classmethod
+    def create(
+        cls,
+        settings: Settings,
+        *,
+        command: str,
+        base_dir: Path | None = None,
+        run_dir: Path | None = None,
+        now: Callable[[], datetime] = datetime.now,
+    ) -> FileSink:
+        """A fresh run directory under `base_dir` (default `report.dir`), or exactly `run_dir`."""
+        started = now()
+        if run_dir is None:
+            base = base_dir or Path(settings.report.dir)
+            run_dir = create_run_dir(base, settings.job.name, started)
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(run_dir, settings)
+        info = RunInfo.for_settings(settings, command, started)
+        return cls(run_dir, info, plots=settings.report.plots, now=now)
+
+    @property
+    def info(self) -> RunInfo:
+        return self._info
+
+    @property
+    def records(self) -> list[VersionRecord]:
+        with self._lock:
+            return list(self._records)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def summary(self) -> str:
+        """summary.txt's text once finished, else ""."""
+        return self._summary
+
+    def record(self, record: VersionRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+            self._write_metrics()
+
+    def finish(self, status: str) -> None:
+        """Close the report; only the first call counts (the job's own status wins)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._info = self._info.ended(status, self._now())
+            self._write_metrics()
+            if self._plots:
+                try:
+                    write_plots(self.run_dir, self._records)
+                except (OSError, ValueError, RuntimeError) as exc:
+                    # The metrics are the record of the run; a plot failure must not lose them.
+                    self._log.warning("could not write plots to %s: %s", self.run_dir, exc)
+            wall_s = self._clock() - self._started
+            self._summary = summary_text(self._info, self._records, self.run_dir, wall_s)
+            write_atomic(self.run_dir / SUMMARY_FILE, self._summary)
+
+    def _write_metrics(self) -> None:
+        write_atomic(self.run_dir / METRICS_JSON, metrics_json(self._info.to_dict(), self._records))
+        write_atomic(self.run_dir / METRICS_CSV, metrics_csv(self._records))

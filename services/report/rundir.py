@@ -1,0 +1,109 @@
+"""The run directory: `<report.dir>/<job>-<YYYYmmdd-HHMMSS>/` and what describes the run."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.config.root import Settings
+from services.report.tomlwrite import dumps, redact
+
+CONFIG_FILE = "config.toml"
+METRICS_JSON = "metrics.json"
+METRICS_CSV = "metrics.csv"
+SUMMARY_FILE = "summary.txt"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Who ran what, where and how it ended; stored beside the records in metrics.json."""
+
+    job: str
+    command: str
+    started_at: str  # ISO 8601, local time with offset
+    host: str
+    python: str
+    torch: str
+    algorithm: str = ""
+    model: str = ""
+    cut: str = ""
+    dataset: str = ""
+    clients: int = 0
+    shards: int = 0
+    rounds: int = 0
+    ended_at: str = ""
+    status: str = "running"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def for_settings(cls, settings: Settings, command: str, started: datetime) -> RunInfo:
+        return cls(
+            job=settings.job.name,
+            command=command,
+            started_at=started.astimezone().isoformat(timespec="seconds"),
+            host=socket.gethostname(),
+            python=platform.python_version(),
+            torch=str(torch.__version__),
+            algorithm=settings.algorithm.name,
+            model=settings.model.name,
+            cut=settings.model.cut,
+            dataset=settings.data.dataset,
+            clients=settings.clients.count,
+            shards=settings.shards,
+            rounds=settings.job.rounds,
+        )
+
+    def ended(self, status: str, at: datetime) -> RunInfo:
+        return replace(self, status=status, ended_at=at.astimezone().isoformat(timespec="seconds"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed (program name shortened to `splitmq`)."""
+    args = list(sys.argv if argv is None else argv)
+    if args:
+        args[0] = "splitmq"
+    return " ".join(args)
+
+
+def create_run_dir(base: Path, job: str, started: datetime) -> Path:
+    """A new, empty directory for this run; a numeric suffix keeps same-second runs apart."""
+    stamp = started.strftime("%Y%m%d-%H%M%S")
+    base.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        name = f"{job}-{stamp}" if n == 1 else f"{job}-{stamp}-{n}"
+        path = base / name
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"too many runs of {job!r} at {stamp} in {base}")
+
+
+def write_config(run_dir: Path, settings: Settings) -> Path:
+    """The effective settings (file + environment + defaults), passwords masked."""
+    header = (
+        "# Effective settings of this run (file, environment and defaults merged);\n"
+        "# secrets are masked, so restore them before reusing this file.\n"
+    )
+    text = header + dumps(redact(settings.model_dump(mode="json")))
+    return write_atomic(run_dir / CONFIG_FILE, text)
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Replace `path` in one step, so a crash never leaves a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

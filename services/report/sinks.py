@@ -1,0 +1,41 @@
+"""Small MetricsSinks that compose: print a progress line, fan out to several sinks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from services.report.records import MetricsSink, VersionRecord
+from services.report.summary import progress_line
+
+
+class EchoSink:
+    """Prints one progress line per published version, and the job's end once."""
+
+    def __init__(self, echo: Callable[[str], None], rounds: int = 0) -> None:
+        self._echo = echo
+        self._rounds = rounds
+        self._finished = False
+
+    def record(self, record: VersionRecord) -> None:
+        self._echo(progress_line(record, self._rounds))
+
+    def finish(self, status: str) -> None:
+        # The aggregator reports its own end, then the runner reports the run's: say it once.
+        if not self._finished:
+            self._finished = True
+            self._echo(f"job {status}")
+
+
+class TeeSink:
+    """Hands every record and the finish to each sink, in order."""
+
+    def __init__(self, sinks: Sequence[MetricsSink]) -> None:
+        self._sinks = tuple(sinks)
+
+    def record(self, record: VersionRecord) -> None:
+        for sink in self._sinks:
+            sink.record(record)
+
+    def finish(self, status: str) -> None:
+        for sink in self._sinks:
+            sink.finish(status)

@@ -1,0 +1,138 @@
+"""The human-readable views of a run: banner, one progress line per version, summary table.
+
+Rounds are numbered from 1 here ("round 1/3"), as people count; metrics.json and metrics.csv
+keep the protocol's numbering, which starts at 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.report.records import VersionRecord
+from services.report.rundir import RunInfo
+
+# More rows than this and the table shows the first and last few, to stay on one screen.
+_MAX_ROWS = 12
+_HEAD_ROWS = 4
+
+
+def pct(value: float) -> str:
+    return "   n/a" if not math.isfinite(value) else f"{100.0 * value:5.1f}%"
+
+
+def num(value: float, digits: int = 3) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    raise AssertionError("unreachable")
+
+
+def banner(info: RunInfo) -> str:
+    cut = "no split" if info.algorithm == "fedavg" else f"cut {info.cut}"
+    return (
+        f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
+        f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"
+    )
+
+
+def progress_line(record: VersionRecord, rounds: int = 0) -> str:
+    of = f"/{rounds}" if rounds else ""
+    return (
+        f"round {record.round + 1}{of}  v{record.version}  global {pct(record.global_accuracy)}  "
+        f"personal {pct(record.personal_accuracy)}  loss {num(record.train_loss)}  "
+        f"{record.samples_per_s:,.0f} samples/s  {record.elapsed_s:.1f}s"
+    )
+
+
+@dataclass(frozen=True)
+class Totals:
+    final_global: float
+    best_global: float
+    best_global_round: int
+    final_personal: float
+    best_personal: float
+    total_s: float
+    median_samples_per_s: float
+    samples: int
+    bytes_up: int
+    bytes_down: int
+
+    @classmethod
+    def of(cls, records: Sequence[VersionRecord]) -> Totals | None:
+        if not records:
+            return None
+        best = max(records, key=lambda r: _finite_or(r.global_accuracy, -1.0))
+        personal = [r.personal_accuracy for r in records if math.isfinite(r.personal_accuracy)]
+        return cls(
+            final_global=records[-1].global_accuracy,
+            best_global=best.global_accuracy,
+            best_global_round=best.round + 1,
+            final_personal=records[-1].personal_accuracy,
+            best_personal=max(personal) if personal else math.nan,
+            total_s=max(r.elapsed_s for r in records),
+            median_samples_per_s=statistics.median(r.samples_per_s for r in records),
+            samples=sum(r.samples for r in records),
+            bytes_up=sum(r.bytes_up for r in records),
+            bytes_down=sum(r.bytes_down for r in records),
+        )
+
+
+def _finite_or(value: float, default: float) -> float:
+    return value if math.isfinite(value) else default
+
+
+def _table(records: Sequence[VersionRecord]) -> list[str]:
+    lines = ["  round  version  global acc  personal acc  train loss  samples/s  elapsed"]
+    shown: list[VersionRecord | None] = list(records)
+    if len(records) > _MAX_ROWS:
+        tail = _MAX_ROWS - _HEAD_ROWS - 1
+        shown = [*records[:_HEAD_ROWS], None, *records[-tail:]]
+    for r in shown:
+        if r is None:
+            lines.append("  ...")
+            continue
+        lines.append(
+            f"  {r.round + 1:>5}  {r.version:>7}  {pct(r.global_accuracy):>10}  "
+            f"{pct(r.personal_accuracy):>12}  {num(r.train_loss):>10}  "
+            f"{r.samples_per_s:>9,.0f}  {r.elapsed_s:>6.1f}s"
+        )
+    return lines
+
+
+def summary_text(
+    info: RunInfo,
+    records: Sequence[VersionRecord],
+    run_dir: Path | None = None,
+    wall_s: float | None = None,
+) -> str:
+    """The one-screen summary printed at the end of a run and stored as summary.txt."""
+    lines = [banner(info), f"status: {info.status}", ""]
+    totals = Totals.of(records)
+    if totals is None:
+        lines.append("no version was published")
+    else:
+        lines.extend(_table(records))
+        total_s = wall_s if wall_s is not None else totals.total_s
+        lines += [
+            "",
+            f"  final global accuracy    {pct(totals.final_global).strip()}"
+            f"   (best {pct(totals.best_global).strip()} in round {totals.best_global_round})",
+            f"  final personal accuracy  {pct(totals.final_personal).strip()}"
+            f"   (best {pct(totals.best_personal).strip()})",
+            f"  total time               {total_s:.1f} s",
+            f"  samples/s (median)       {totals.median_samples_per_s:,.0f}"
+            f"   ({totals.samples:,} samples trained)",
+            f"  bytes up / down          {size(totals.bytes_up)} / {size(totals.bytes_down)}",
+        ]
+    if run_dir is not None:
+        lines.append(f"  run directory            {run_dir}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,75 @@
+"""`splitmq run`: every role of a job on threads of one process, over the in-memory broker/store.
+
+One `Embedded` hub and store is shared by all roles; each role opens its own broker handle on
+its own thread, exactly as it would against RabbitMQ, so the embedded run exercises the same
+code paths as a deployment. The dataset is loaded once and shared by the clients and the
+aggregator (read-only tensors).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from services.config.root import Settings
+from services.data.loaders import Dataset, load_dataset
+from services.report.records import MetricsSink
+from services.runtime.backends import Backends, Embedded
+from services.runtime.roles import embedded_roles
+from services.runtime.supervise import Outcome, RoleSpec, Supervisor
+
+RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[RoleSpec]]
+
+
+def embedded_settings(settings: Settings) -> tuple[Settings, list[str]]:
+    """`settings` with broker and store forced to the in-memory kinds, and what was changed."""
+    changed: list[str] = []
+    broker, store = settings.broker, settings.store
+    if broker.kind != "memory":
+        changed.append(f"broker.kind {broker.kind!r} -> 'memory'")
+        broker = broker.model_copy(update={"kind": "memory"})
+    if store.kind != "memory":
+        changed.append(f"store.kind {store.kind!r} -> 'memory'")
+        store = store.model_copy(update={"kind": "memory"})
+    if not changed:
+        return settings, changed
+    return settings.model_copy(update={"broker": broker, "store": store}), changed
+
+
+def load_job_dataset(settings: Settings) -> Dataset:
+    return load_dataset(settings.data.dataset, settings.data.dir or None)
+
+
+def run_embedded(
+    settings: Settings,
+    *,
+    sink: MetricsSink,
+    stop: threading.Event,
+    dataset: Dataset | None = None,
+    build_roles: RoleBuilder = embedded_roles,
+    client_grace_s: float = 10.0,
+    join_timeout_s: float = 30.0,
+    logger: logging.Logger | None = None,
+) -> Outcome:
+    """Run the job to its end (or until `stop`/Ctrl-C/a role failure) and say how it ended.
+
+    `sink` gets every VersionRecord; its `finish` is called with the outcome's status (the
+    aggregator may have called it already, with its own status, which then stands).
+    """
+    log = logger or logging.getLogger("splitmq.runtime")
+    settings, changed = embedded_settings(settings)
+    if changed:
+        log.warning(
+            "splitmq run is single-process: using the in-memory broker and store (%s); "
+            "use `splitmq up` for RabbitMQ and Redis",
+            ", ".join(changed),
+        )
+    backends = Backends(settings.broker, settings.store, Embedded())
+    data = dataset if dataset is not None else load_job_dataset(settings)
+    roles = build_roles(settings, backends, sink, data)
+    outcome = Supervisor(
+        roles, stop, client_grace_s=client_grace_s, join_timeout_s=join_timeout_s, logger=log
+    ).run()
+    sink.finish(outcome.status)
+    return outcome

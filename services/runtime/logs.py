@@ -1,0 +1,107 @@
+"""Logging for the `splitmq` processes: readable lines by default, JSON lines on request.
+
+Roles log through `logging.getLogger("splitmq.<role>")` and may pass context as `extra=`
+(job, client, shard, version, round...); the JSON formatter lifts those into fields, and a
+`ContextFilter` stamps process-wide ones (role, job) on every record. Configuration happens
+only at the process edge (the CLI), inside `configured_logging`, which undoes itself on exit so
+repeated in-process invocations (tests) do not stack handlers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import TextIO
+
+CONTEXT_FIELDS = ("role", "job", "client", "worker", "shard", "version", "round", "seq")
+HUMAN_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+HUMAN_DATEFMT = "%H:%M:%S"
+# Chatty third-party loggers, kept at WARNING whatever our level is.
+QUIET_LOGGERS = ("pika", "urllib3", "matplotlib", "PIL")
+
+ContextValue = str | int | float
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, context fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj: dict[str, object] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value is not None and value != "":
+                obj[name] = value
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            obj["exc"] = record.exc_text
+        if record.stack_info:
+            obj["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(obj, default=str, ensure_ascii=False)
+
+
+class ContextFilter(logging.Filter):
+    """Adds default context fields to records that do not carry them already."""
+
+    def __init__(self, fields: Mapping[str, ContextValue]) -> None:
+        super().__init__()
+        self._fields = dict(fields)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in self._fields.items():
+            if getattr(record, key, None) is None:
+                setattr(record, key, value)
+        return True
+
+
+def make_handler(
+    *,
+    json_lines: bool = False,
+    stream: TextIO | None = None,
+    context: Mapping[str, ContextValue] | None = None,
+) -> logging.Handler:
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
+    if context:
+        handler.addFilter(ContextFilter(context))
+    return handler
+
+
+@contextmanager
+def configured_logging(
+    level: str = "INFO",
+    *,
+    json_lines: bool = False,
+    stream: TextIO | None = None,
+    context: Mapping[str, ContextValue] | None = None,
+) -> Iterator[logging.Handler]:
+    """Route all logging to one handler at `level` for the duration of the block."""
+    root = logging.getLogger()
+    handler = make_handler(json_lines=json_lines, stream=stream, context=context)
+    saved_level = root.level
+    quiet = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    saved_quiet = [q.level for q in quiet]
+    root.addHandler(handler)
+    root.setLevel(level)
+    for q in quiet:
+        q.setLevel(max(logging.WARNING, root.level))
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved_level)
+        for q, saved in zip(quiet, saved_quiet, strict=True):
+            q.setLevel(saved)
+        handler.flush()

@@ -1,0 +1,232 @@
+"""`splitmq up`: the roles of one job as local OS processes over RabbitMQ and Redis.
+
+Each child is `python -m services.cli.main <role> CONFIG ...` in its own session (so a Ctrl-C
+reaches only `up`, which then stops the children in order), with its output prefixed by its
+name. The job is over when the aggregator exits; the others then get SIGTERM, and SIGKILL
+after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import services
+from broker.topology import QueueLimits, job_queues, reply_queue_name
+from services.config.root import Settings
+from services.runtime.backends import Backends
+from services.runtime.doctor import check_broker, check_store
+
+Echo = Callable[[str], None]
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str  # "worker-1": the output prefix
+    role: str  # the CLI subcommand
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    process: subprocess.Popen[str]
+    pump: threading.Thread
+    returncode: int | None = None
+
+
+@dataclass(frozen=True)
+class UpResult:
+    status: str  # "finished", "stopped", "timeout", "failed: ..."
+    exit_codes: Mapping[str, int | None] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        if self.status == "finished":
+            return 0
+        return 130 if self.status == "stopped" else 1
+
+
+def child_specs(workers: int, clients: int, run_dir: Path) -> list[ChildSpec]:
+    """Aggregator first (it seeds version 1), then coordinator, workers, clients."""
+    specs = [
+        ChildSpec("aggregator", "aggregator", ("--run-dir", str(run_dir))),
+        ChildSpec("coordinator", "coordinator"),
+    ]
+    specs += [ChildSpec(f"worker-{i}", "worker", ("--id", f"worker-{i}")) for i in range(workers)]
+    specs += [
+        ChildSpec(f"client-{i}", "client", ("--id", f"client-{i}", "--partition", str(i)))
+        for i in range(clients)
+    ]
+    return specs
+
+
+def child_env(base: Mapping[str, str], *, workers: int, clients: int) -> dict[str, str]:
+    """The children's environment: real broker/store, the counts `up` was given, unbuffered."""
+    env = dict(base)
+    env["SPLITMQ_BROKER"] = "rabbitmq"
+    env["SPLITMQ_STORE"] = "redis"
+    env["SPLITMQ_WORKERS__COUNT"] = str(workers)
+    env["SPLITMQ_CLIENTS__COUNT"] = str(clients)
+    env["PYTHONUNBUFFERED"] = "1"
+    # Children import the same code as this process, installed or run from a checkout.
+    root = str(Path(services.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def preflight(settings: Settings) -> list[str]:
+    """What is missing for `up`, in plain words (empty: RabbitMQ and Redis both answer)."""
+    backends = Backends(settings.broker, settings.store)
+    problems = []
+    for check in (check_broker(backends), check_store(backends)):
+        if not check.ok:
+            problems.append(check.detail + (f" ({check.hint})" if check.hint else ""))
+    return problems
+
+
+def clear_job(settings: Settings, client_ids: Sequence[str]) -> None:
+    """Delete the job's queues and store keys, so a stale earlier run cannot leak into this one."""
+    job = settings.job.name
+    limits = QueueLimits(
+        settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
+    )
+    backends = Backends(settings.broker, settings.store)
+    broker = backends.open_broker("splitmq-up", give_up_after=10.0)
+    try:
+        names = [q.name for q in job_queues(job, settings.shards, limits)]
+        names += [reply_queue_name(job, c) for c in client_ids]
+        for name in names:
+            broker.delete_queue(name)
+    finally:
+        broker.close()
+    store = backends.open_store()
+    try:
+        store.delete_job(job)
+    finally:
+        store.close()
+
+
+class LocalProcesses:
+    """Starts, watches and stops the children of one `splitmq up`."""
+
+    def __init__(
+        self,
+        config: Path,
+        specs: Sequence[ChildSpec],
+        env: Mapping[str, str],
+        *,
+        echo: Echo,
+        extra_args: Sequence[str] = (),
+        python: str = sys.executable,
+        client_grace_s: float = 15.0,
+        stop_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._specs = list(specs)
+        self._env = dict(env)
+        self._echo = echo
+        self._extra = tuple(extra_args)
+        self._python = python
+        self._client_grace_s = client_grace_s
+        self._stop_grace_s = stop_grace_s
+        self._clock = clock
+        self._children: list[Child] = []
+        self._echo_lock = threading.Lock()
+        self._width = max((len(s.name) for s in specs), default=0)
+
+    def start(self) -> None:
+        for spec in self._specs:
+            argv = [self._python, "-m", "services.cli.main", spec.role, str(self._config)]
+            argv += [*spec.args, *self._extra]
+            process = subprocess.Popen(
+                argv,
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+            )
+            assert process.stdout is not None
+            pump = threading.Thread(
+                target=self._pump, args=(spec.name, process.stdout), daemon=True
+            )
+            pump.start()
+            self._children.append(Child(spec, process, pump))
+
+    def wait(self, stop: threading.Event, timeout_s: float = 0.0) -> UpResult:
+        """Until the aggregator exits (then stop the rest), a child fails, `stop`, or timeout."""
+        deadline = self._clock() + timeout_s if timeout_s > 0 else None
+        status = self._watch(stop, deadline)
+        self.stop()
+        codes = {c.spec.name: c.process.returncode for c in self._children}
+        return UpResult(status, codes)
+
+    def _watch(self, stop: threading.Event, deadline: float | None) -> str:
+        finished_at: float | None = None
+        try:
+            while True:
+                if stop.wait(_POLL_S):
+                    return "stopped"
+                for child in self._children:
+                    code = child.process.poll()
+                    if code is not None and code != 0:
+                        return f"failed: {child.spec.name} exited with code {code}"
+                aggregator = self._child("aggregator")
+                if aggregator.process.poll() == 0:
+                    finished_at = finished_at if finished_at is not None else self._clock()
+                    clients = [c for c in self._children if c.spec.role == "client"]
+                    idle = all(c.process.poll() is not None for c in clients)
+                    if idle or self._clock() - finished_at > self._client_grace_s:
+                        return "finished"
+                if deadline is not None and self._clock() > deadline:
+                    return "timeout"
+        except KeyboardInterrupt:
+            return "stopped"
+
+    def stop(self) -> None:
+        """SIGTERM every child still running, SIGKILL those still there after the grace."""
+        running = [c for c in self._children if c.process.poll() is None]
+        for child in running:
+            _signal(child.process, signal.SIGTERM)
+        deadline = self._clock() + self._stop_grace_s
+        for child in running:
+            try:
+                child.process.wait(max(0.1, deadline - self._clock()))
+            except subprocess.TimeoutExpired:
+                self._say("up", f"{child.spec.name} ignored SIGTERM; killing it")
+                _signal(child.process, signal.SIGKILL)
+                child.process.wait()
+        for child in self._children:
+            child.pump.join(5.0)
+
+    def _child(self, name: str) -> Child:
+        return next(c for c in self._children if c.spec.name == name)
+
+    def _pump(self, name: str, stream: IO[str]) -> None:
+        for line in stream:
+            self._say(name, line.rstrip("\n"))
+        stream.close()
+
+    def _say(self, name: str, line: str) -> None:
+        with self._echo_lock:
+            self._echo(f"{name:<{self._width}} | {line}")
+
+
+def _signal(process: subprocess.Popen[str], signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except (ProcessLookupError, OSError):
+        pass  # it exited meanwhile

@@ -1,0 +1,83 @@
+"""Build the role objects of a job: one place that knows each role's constructor.
+
+Imports happen inside the builders so a process imports only the role it runs (a `splitmq
+client` has no use for the worker or the aggregator code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.client.data import JobData
+from services.config.root import Settings
+from services.data.loaders import Dataset, load_dataset
+from services.report.records import MetricsSink
+from services.runtime.backends import Backends
+from services.runtime.supervise import Role, RoleSpec
+
+
+def build_coordinator(settings: Settings, backends: Backends) -> Role:
+    from services.coordinator.coordinator import Coordinator
+
+    return Coordinator(settings, backends)
+
+
+def build_aggregator(
+    settings: Settings, backends: Backends, *, sink: MetricsSink, dataset: Dataset | None = None
+) -> Role:
+    """The aggregator with an evaluator on the job's test split (loaded unless given)."""
+    from services.aggregator.aggregator import Aggregator
+    from services.aggregator.bootstrap import build_evaluator
+
+    data = (
+        dataset
+        if dataset is not None
+        else load_dataset(settings.data.dataset, settings.data.dir or None)
+    )
+    evaluator = build_evaluator(settings, data.test)
+    return Aggregator(settings, backends, sink=sink, evaluator=evaluator)
+
+
+def build_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
+    from workers.worker import Worker
+
+    return Worker(settings, backends, worker_id=worker_id)
+
+
+def build_client(
+    settings: Settings,
+    backends: Backends,
+    *,
+    client_id: str,
+    partition: int | None = None,
+    dataset: Dataset | JobData | None = None,
+) -> Role:
+    from services.client.client import Client
+
+    return Client(settings, backends, client_id=client_id, partition=partition, dataset=dataset)
+
+
+def embedded_roles(
+    settings: Settings, backends: Backends, sink: MetricsSink, dataset: Dataset
+) -> Sequence[RoleSpec]:
+    """Every role of the job, in start order: the aggregator seeds version 1 first."""
+    aggregator = build_aggregator(settings, backends, sink=sink, dataset=dataset)
+    roles = [
+        RoleSpec("aggregator", "aggregator", aggregator),
+        RoleSpec("coordinator", "coordinator", build_coordinator(settings, backends)),
+    ]
+    roles += [
+        RoleSpec(f"worker-{i}", "worker", build_worker(settings, backends, worker_id=f"worker-{i}"))
+        for i in range(settings.workers.count)
+    ]
+    # One JobData: the clients share the loaded tensors and a single partitioning pass.
+    shared = JobData(settings, dataset)
+    roles += [
+        RoleSpec(
+            f"client-{i}",
+            "client",
+            build_client(settings, backends, client_id=f"client-{i}", partition=i, dataset=shared),
+        )
+        for i in range(settings.clients.count)
+    ]
+    return roles

@@ -1,0 +1,150 @@
+"""Run role objects on threads and watch them: the job ends, a role dies, or someone says stop.
+
+The job is over when the aggregator's `run` returns (it returns once the last round closed);
+clients then get a short grace period to take their final assignment and leave, and everything
+else is stopped through the shared event. A role that raises stops the whole run: an
+embedded run with a dead worker or coordinator would otherwise just hang until a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+RoleKind = Literal["coordinator", "aggregator", "worker", "client"]
+
+_POLL_S = 0.25
+
+
+class Role(Protocol):
+    def run(self, stop: threading.Event) -> object: ...
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    name: str  # e.g. "worker-0"; also the thread name
+    kind: RoleKind
+    role: Role
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # "finished", "stopped", "interrupted", "failed: <role>: <error>"
+    failed_role: str = ""
+    traceback: str = ""
+    aggregator_result: object = None
+    stuck: tuple[str, ...] = ()  # roles that did not stop within the join timeout
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished"
+
+    @property
+    def exit_code(self) -> int:
+        if self.ok:
+            return 0
+        return 130 if self.status in ("stopped", "interrupted") else 1
+
+
+class _RoleThread:
+    def __init__(self, spec: RoleSpec, stop: threading.Event, changed: threading.Event) -> None:
+        self.spec = spec
+        self._stop = stop
+        self._changed = changed
+        self.done = False
+        self.result: object = None
+        self.error: BaseException | None = None
+        self.traceback = ""
+        # Daemon: a role that ignores the stop event must not keep the process alive forever.
+        self.thread = threading.Thread(target=self._main, name=spec.name, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self.result = self.spec.role.run(self._stop)
+        except BaseException as exc:  # reported to the supervisor, not lost
+            self.error = exc
+            self.traceback = traceback.format_exc()
+        finally:
+            self.done = True
+            self._changed.set()
+
+
+class Supervisor:
+    """Starts the roles in the given order and returns an `Outcome` once the run is over."""
+
+    def __init__(
+        self,
+        roles: Sequence[RoleSpec],
+        stop: threading.Event,
+        *,
+        client_grace_s: float = 10.0,
+        join_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if sum(1 for r in roles if r.kind == "aggregator") != 1:
+            raise ValueError("a run needs exactly one aggregator")
+        self._stop = stop
+        self._changed = threading.Event()
+        self._threads = [_RoleThread(spec, stop, self._changed) for spec in roles]
+        self._client_grace_s = client_grace_s
+        self._join_timeout_s = join_timeout_s
+        self._clock = clock
+        self._log = logger or logging.getLogger("splitmq.runtime")
+
+    def run(self) -> Outcome:
+        for t in self._threads:
+            t.thread.start()
+        failed: _RoleThread | None = None
+        try:
+            status, failed = self._watch()
+        except KeyboardInterrupt:
+            status = "interrupted"
+            self._log.warning("interrupted: stopping all roles")
+        self._stop.set()
+        stuck = self._join()
+        aggregator = next(t for t in self._threads if t.spec.kind == "aggregator")
+        return Outcome(
+            status=status,
+            failed_role=failed.spec.name if failed else "",
+            traceback=failed.traceback if failed else "",
+            aggregator_result=aggregator.result,
+            stuck=stuck,
+        )
+
+    def _watch(self) -> tuple[str, _RoleThread | None]:
+        finished_at: float | None = None
+        while True:
+            self._changed.wait(_POLL_S)
+            self._changed.clear()
+            failed = next((t for t in self._threads if t.error is not None), None)
+            if failed is not None:
+                self._log.error("%s died: %r; stopping the run", failed.spec.name, failed.error)
+                return f"failed: {failed.spec.name}: {failed.error!r}", failed
+            if self._stop.is_set():
+                return "stopped", None
+            if not any(t.done for t in self._threads if t.spec.kind == "aggregator"):
+                continue
+            if finished_at is None:
+                finished_at = self._clock()
+            clients = [t for t in self._threads if t.spec.kind == "client"]
+            if all(t.done for t in clients) or self._clock() - finished_at > self._client_grace_s:
+                return "finished", None
+
+    def _join(self) -> tuple[str, ...]:
+        deadline = self._clock() + self._join_timeout_s
+        stuck: list[str] = []
+        for t in self._threads:
+            t.thread.join(max(0.0, deadline - self._clock()))
+            if t.thread.is_alive():
+                stuck.append(t.spec.name)
+            elif t.error is not None and t.traceback:
+                self._log.debug("%s ended with %r during shutdown", t.spec.name, t.error)
+        if stuck:
+            self._log.warning("roles still running after stop: %s", ", ".join(stuck))
+        return tuple(stuck)

@@ -1,0 +1,389 @@
+"""Scripted stand-ins for the coordinator, aggregator and worker a client talks to, and the
+in-process reference loops the client's results are compared with.
+
+No tests here: the client's unit tests (in-memory hub) and its RabbitMQ test share these.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from broker.codec import decode, encode
+from broker.messages import (
+    GradientReply,
+    Heartbeat,
+    Join,
+    Leave,
+    Message,
+    RoundStart,
+    SmashedBatch,
+    WeightsAssignment,
+    WeightsUpdate,
+    Welcome,
+    new_message_id,
+)
+from broker.store import AUX_PART, CLIENT_PART, BlobRef
+from broker.topology import (
+    REPLIES_EXCHANGE,
+    SMASHED_EXCHANGE,
+    QueueLimits,
+    control_queue,
+    dead_queue,
+    reply_queue_name,
+    reply_routing_key,
+    shard_queue,
+    shard_routing_key,
+    updates_queue,
+)
+from broker.transport import Broker, QueueSpec
+from models.split import SplitNet
+from models.state import client_state
+from services.algorithms.base import Hyper
+from services.algorithms.fedavg import full_state
+from services.algorithms.registry import build_strategy
+from services.algorithms.server_math import sequential_step
+from services.client.client import build_client_model
+from services.config.root import Settings
+from services.data.batches import ClientBatches
+from services.data.loaders import Dataset
+from services.data.partition import PartitionSpec, partition
+from services.runtime.backends import Backends
+
+Tensors = dict[str, torch.Tensor]
+
+
+def make_settings(job: str, **sections: dict[str, Any]) -> Settings:
+    """Small, fast job settings: cnn5 cut after block1, 120-sample partitions, short rounds."""
+    base: dict[str, dict[str, Any]] = {
+        "job": {"name": job, "seed": 7},
+        "model": {"name": "cnn5", "cut": "block1"},
+        "data": {"dataset": "fashion_mnist_sample", "partition": "iid"},
+        "algorithm": {
+            "name": "sfl_v2",
+            "batch_size": 32,
+            "lr": 0.05,
+            "momentum": 0.5,
+            "local_epochs": 2,
+            "max_steps_per_round": 6,
+        },
+        "clients": {"count": 50, "heartbeat_s": 0.05, "reply_timeout_s": 10.0},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return Settings.model_validate(base)
+
+
+def seeded_model(settings: Settings) -> SplitNet:
+    """The job's model with the seeded initial weights (what the aggregator publishes as v1)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.job.seed)
+        return build_client_model(settings)
+
+
+def hyper(settings: Settings) -> Hyper:
+    a = settings.algorithm
+    return Hyper(lr=a.lr, momentum=a.momentum, server_lr=a.server_lr)
+
+
+def partition_indices(settings: Settings, dataset: Dataset, index: int) -> Any:
+    spec = PartitionSpec("iid", settings.clients.count, seed=settings.job.seed)
+    return partition(dataset.train.y.numpy(), spec)[index]
+
+
+def round_batches(
+    settings: Settings, dataset: Dataset, index: int, round_index: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches the client should train on in `round_index`: epochs numbered across rounds,
+    capped at max_steps_per_round."""
+    a = settings.algorithm
+    batches = ClientBatches.create(
+        dataset.train.x,
+        dataset.train.y,
+        partition_indices(settings, dataset, index),
+        batch_size=a.batch_size,
+        seed=settings.job.seed,
+        client=index,
+    )
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for e in range(a.local_epochs):
+        out.extend(batches.epoch(round_index * a.local_epochs + e))
+    return out[: a.max_steps_per_round or None]
+
+
+def reference_split(settings: Settings, dataset: Dataset, index: int, rounds: int) -> list[Tensors]:
+    """Plain SFL written out by hand: the client-side state after each round."""
+    model = seeded_model(settings)
+    cut = settings.model.cut
+    body = model.client_blocks(cut)
+    server = copy.deepcopy(model.server_blocks(cut))
+    h = hyper(settings)
+    server_opt = h.server_optimizer(server.parameters())
+    out = []
+    for r in range(rounds):
+        client_opt = torch.optim.SGD(body.parameters(), lr=h.lr, momentum=h.momentum)
+        for x, y in round_batches(settings, dataset, index, r):
+            z = body(x)
+            grad = sequential_step(server, server_opt, z.detach(), y).grads[0]
+            client_opt.zero_grad()
+            z.backward(grad)
+            client_opt.step()
+        out.append({k: v.clone() for k, v in client_state(model, cut).items()})
+    return out
+
+
+def reference_fedavg(settings: Settings, dataset: Dataset, index: int) -> Tensors:
+    """One FedAvg round written out by hand: the whole model trained locally."""
+    model = seeded_model(settings)
+    h = hyper(settings)
+    opt = torch.optim.SGD(
+        [p for n, p in model.named_parameters() if n.startswith("blocks.")],
+        lr=h.lr,
+        momentum=h.momentum,
+    )
+    model.train()
+    for x, y in round_batches(settings, dataset, index, 0):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return full_state(model)
+
+
+def max_diff(a: Tensors, b: Tensors) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+@dataclass
+class PeerScript:
+    """How the fake service side behaves."""
+
+    rounds: int = 1
+    welcome_partition: int | None = None  # Welcome.config["partition"]
+    ignore_joins: int = 0  # the first N Joins go unanswered
+    assign: bool = True  # send round assignments after the Welcome
+    finish_at_once: bool = False  # answer the Welcome with the job-finished assignment
+    duplicate_replies: bool = False  # each GradientReply again, with a bogus gradient
+    ignore_first_batch: bool = False  # no reply to the first SmashedBatch delivery
+    reject_batches: bool = False  # GradientReply status "rejected", then finish the job
+    shard_max_length: int | None = None
+    filler: bool = False  # a RoundStart on the shard queue ahead of the round
+    worker_gate: threading.Event | None = None  # the worker consumes only once this is set
+    before_welcome: list[tuple[bytes, str]] = field(default_factory=list)  # (body, routing key)
+
+
+@dataclass
+class PeerLog:
+    joins: list[Join] = field(default_factory=list)
+    heartbeats: int = 0
+    leaves: list[Leave] = field(default_factory=list)
+    updates: list[WeightsUpdate] = field(default_factory=list)
+    batches: list[tuple[int, str]] = field(default_factory=list)  # (seq, message_id) delivered
+    welcomes: int = 0
+    failure: BaseException | None = None
+
+
+class ScriptedPeers(threading.Thread):
+    """Coordinator, aggregator and worker of one job with one shard, as one scripted thread.
+
+    Runs until the client's Leave arrives, or until `halt` is set and its queues are idle;
+    `log` records what it saw.
+    """
+
+    def __init__(
+        self, settings: Settings, backends: Backends, script: PeerScript, halt: threading.Event
+    ) -> None:
+        super().__init__(name="scripted-peers", daemon=True)
+        self.settings = settings
+        self.backends = backends
+        self.script = script
+        self.halt = halt
+        self.log = PeerLog()
+        self.ready = threading.Event()
+        self.job = settings.job.name
+        self.cut = settings.model.cut
+        model = seeded_model(settings)
+        strategy = build_strategy(settings.algorithm.name)
+        initial = strategy.initial_weights(model, self.cut)
+        self.client_weights: Tensors = dict(initial[BlobRef(CLIENT_PART)])
+        self.aux_weights: Tensors = dict(initial.get(BlobRef(AUX_PART), {}))
+        self.server = copy.deepcopy(model.server_blocks(self.cut))
+        self.server_opt = hyper(settings).server_optimizer(self.server.parameters())
+        self.version = 1
+        self.round = 0
+        limits = QueueLimits(max_length=script.shard_max_length or QueueLimits().max_length)
+        self.queues: list[QueueSpec] = [
+            dead_queue(self.job),
+            control_queue(self.job),
+            updates_queue(self.job),
+            shard_queue(self.job, 0, limits),
+        ]
+
+    def run(self) -> None:
+        try:
+            broker = self.backends.open_broker("scripted-peers")
+            try:
+                self._serve(broker)
+            finally:
+                broker.close()
+        except BaseException as exc:  # surfaced by the test through log.failure
+            self.log.failure = exc
+            self.ready.set()
+
+    def finish(self, timeout: float = 10.0) -> PeerLog:
+        self.join(timeout)
+        assert not self.is_alive(), "scripted peers did not finish"
+        if self.log.failure is not None:
+            raise self.log.failure
+        return self.log
+
+    # --- loop ---------------------------------------------------------------------------------
+
+    def _serve(self, broker: Broker) -> None:
+        broker.declare(self.queues)
+        if self.script.filler:
+            filler = RoundStart(self.job, "", new_message_id(), 1, 0, 0, {"c": 1})
+            broker.publish(SMASHED_EXCHANGE, shard_routing_key(self.job, 0), encode(filler))
+        for name in (self.queues[1].name, self.queues[2].name):
+            broker.subscribe(name, prefetch=8)
+        self.ready.set()
+        worker_on = False
+        handlers: dict[str, Callable[[Broker, Message], None]] = {
+            self.queues[1].name: self._control,
+            self.queues[2].name: self._update,
+            self.queues[3].name: self._smashed,
+        }
+        while not self.log.leaves:
+            gate = self.script.worker_gate
+            if not worker_on and (gate is None or gate.is_set()):
+                broker.subscribe(self.queues[3].name, prefetch=1)
+                worker_on = True
+            delivery = broker.get(0.02)
+            if delivery is None:
+                if self.halt.is_set():
+                    return
+                continue
+            handlers[delivery.queue](broker, decode(delivery.body))
+            broker.ack(delivery)
+
+    def _reply(self, broker: Broker, client: str, message: Message) -> None:
+        broker.publish(REPLIES_EXCHANGE, reply_routing_key(self.job, client), encode(message))
+
+    # --- coordinator ----------------------------------------------------------------------------
+
+    def _control(self, broker: Broker, message: Message) -> None:
+        if isinstance(message, Heartbeat):
+            self.log.heartbeats += 1
+        elif isinstance(message, Leave):
+            self.log.leaves.append(message)
+        elif isinstance(message, Join):
+            self.log.joins.append(message)
+            if len(self.log.joins) <= self.script.ignore_joins:
+                return
+            first = self.log.welcomes == 0
+            if first:
+                for body, key in self.script.before_welcome:
+                    broker.publish(REPLIES_EXCHANGE, key, body)
+            self._reply(broker, message.client, self._welcome(message.client))
+            self.log.welcomes += 1
+            if first and self.script.finish_at_once:
+                self._reply(broker, message.client, self._finished(message.client))
+            elif first and self.script.assign:
+                self._reply(broker, message.client, self._assignment(message.client))
+
+    def _welcome(self, client: str) -> Welcome:
+        config: dict[str, str | int | float | bool] = {"algorithm": self.settings.algorithm.name}
+        if self.script.welcome_partition is not None:
+            config["partition"] = self.script.welcome_partition
+        return Welcome(
+            self.job, client, new_message_id(), self.version, 0, self.cut, 0,
+            self.client_weights, self.aux_weights, config,
+        )  # fmt: skip
+
+    def _assignment(self, client: str) -> WeightsAssignment:
+        return WeightsAssignment(
+            self.job, client, new_message_id(), self.version, self.round, True,
+            self.client_weights, self.aux_weights, {},
+        )  # fmt: skip
+
+    def _finished(self, client: str) -> WeightsAssignment:
+        return WeightsAssignment(
+            self.job, client, new_message_id(), self.version, self.round, False, {}, {},
+            {"finished": True},
+        )  # fmt: skip
+
+    # --- aggregator -----------------------------------------------------------------------------
+
+    def _update(self, broker: Broker, message: Message) -> None:
+        assert isinstance(message, WeightsUpdate)
+        self.log.updates.append(message)
+        if len(self.log.updates) < self.script.rounds:
+            # One client: the next version's client side is its own update.
+            self.client_weights = {k: v.clone() for k, v in message.client_weights.items()}
+            self.version += 1
+            self.round += 1
+            self._reply(broker, message.client, self._assignment(message.client))
+        else:
+            self._reply(broker, message.client, self._finished(message.client))
+
+    # --- worker ---------------------------------------------------------------------------------
+
+    def _smashed(self, broker: Broker, message: Message) -> None:
+        if not isinstance(message, SmashedBatch):
+            return  # the filler RoundStart
+        self.log.batches.append((message.seq, message.message_id))
+        if self.script.ignore_first_batch and len(self.log.batches) == 1:
+            return
+        if self.script.reject_batches:
+            reply = GradientReply(
+                self.job, message.client, new_message_id(), self.version, message.seq,
+                "rejected", 0.0, 0, 0, None, "scripted rejection",
+            )  # fmt: skip
+            self._reply(broker, message.client, reply)
+            self._reply(broker, message.client, self._finished(message.client))
+            return
+        result = sequential_step(self.server, self.server_opt, message.activations, message.labels)
+        grad = result.grads[0]
+        reply = GradientReply(
+            self.job, message.client, new_message_id(), self.version, message.seq, "ok",
+            result.losses[0], result.correct[0], int(message.labels.shape[0]), grad,
+        )  # fmt: skip
+        self._reply(broker, message.client, reply)
+        if self.script.duplicate_replies:
+            bogus = GradientReply(
+                self.job, message.client, new_message_id(), self.version, message.seq, "ok",
+                9.0, 0, int(message.labels.shape[0]), grad * 1000.0 + 1.0,
+            )  # fmt: skip
+            self._reply(broker, message.client, bogus)
+
+
+def peer_queue_names(job: str, client: str) -> list[str]:
+    """Every queue a client test creates, for teardown."""
+    return [
+        dead_queue(job).name,
+        control_queue(job).name,
+        updates_queue(job).name,
+        shard_queue(job, 0).name,
+        reply_queue_name(job, client),
+    ]
+
+
+__all__ = [
+    "PeerLog",
+    "PeerScript",
+    "ScriptedPeers",
+    "make_settings",
+    "max_diff",
+    "peer_queue_names",
+    "reference_fedavg",
+    "reference_split",
+    "round_batches",
+    "seeded_model",
+]

@@ -1,0 +1,391 @@
+"""compose/: the files are parsed and checked against the real CLI and config loader.
+
+No Docker needed. The point: renaming a CLI command or option, or breaking the job config the
+containers mount, fails here instead of in a crash-looping container.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import click
+import pytest
+import yaml
+
+from services.cli.main import cli
+from services.config.loading import load_settings
+from services.config.root import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "compose"
+BASE_FILE = COMPOSE_DIR / "docker-compose.yml"
+GPU_FILE = COMPOSE_DIR / "docker-compose.gpu.yml"
+DOCKERFILE = COMPOSE_DIR / "Dockerfile"
+JOB_TOML = COMPOSE_DIR / "job.toml"
+RABBITMQ_CONF = COMPOSE_DIR / "rabbitmq.conf"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+ROLES = ("coordinator", "aggregator", "worker", "client")
+SCALED = ("worker", "client")
+CONTAINER_CONFIG = "/etc/splitmq/job.toml"
+
+# ${NAME}, ${NAME:-default}, ${NAME-default}; $$ is a literal $ (compose interpolation).
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Compose's variable substitution for the forms these files use."""
+
+    def sub(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, default = match.group(1), match.group(2), match.group(3)
+        if op == ":-":
+            return env.get(name) or default
+        if op == "-":
+            return env.get(name, default)
+        if name not in env:
+            raise AssertionError(f"${{{name}}} has no default and is not set")
+        return env[name]
+
+    return _VAR.sub(sub, value)
+
+
+def resolve(node: Any, env: Mapping[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [resolve(item, env) for item in node]
+    if isinstance(node, dict):
+        return {key: resolve(value, env) for key, value in node.items()}
+    return node
+
+
+def load_compose(path: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict), f"{path} is not a YAML mapping"
+    resolved = resolve(data, env or {})
+    assert isinstance(resolved, dict)
+    return resolved
+
+
+def environment(service: Mapping[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):  # the ["KEY=value", ...] form
+        return dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+@dataclass(frozen=True)
+class Mounts:
+    """A service's volumes as container path → host path (named volumes → a scratch dir)."""
+
+    paths: dict[str, Path]
+
+    @classmethod
+    def of(cls, service: Mapping[str, Any], scratch: Path) -> Mounts:
+        paths: dict[str, Path] = {}
+        for spec in service.get("volumes", []):
+            assert isinstance(spec, str), f"use the short volume syntax: {spec!r}"
+            source, target = spec.split(":")[:2]
+            if source.startswith((".", "/")):
+                paths[target] = (COMPOSE_DIR / source).resolve()
+            else:  # a named volume: exists and is empty when the container starts
+                host = scratch / source
+                host.mkdir(exist_ok=True)
+                paths[target] = host
+        return cls(paths)
+
+    def host(self, container_path: str) -> Path | None:
+        for target, host in self.paths.items():
+            if container_path == target:
+                return host
+            if container_path.startswith(target.rstrip("/") + "/"):
+                return host / container_path[len(target.rstrip("/")) + 1 :]
+        return None
+
+    def translate(self, argv: list[str]) -> list[str]:
+        out = []
+        for arg in argv:
+            host = self.host(arg) if arg.startswith("/") else None
+            out.append(str(host) if host is not None else arg)
+        return out
+
+
+def parse_cli(argv: list[str]) -> tuple[str, click.Context]:
+    """Parse `splitmq ARGV` exactly as the console script would, without running anything.
+
+    Returns the leaf command's name and context; raises click.UsageError (NoSuchCommand,
+    NoSuchOption, BadParameter, MissingParameter...) when the CLI does not accept `argv`.
+    """
+    ctx = click.Context(cli, info_name="splitmq", resilient_parsing=False)
+    rest = click.Command.parse_args(cli, ctx, list(argv))  # the group's own options only
+    assert rest, f"no subcommand in {argv!r}"
+    name, cmd, args = cli.resolve_command(ctx, rest)
+    assert name is not None and cmd is not None
+    while True:
+        sub = cmd.make_context(name, list(args), parent=ctx, resilient_parsing=False)
+        if not isinstance(cmd, click.Group):
+            return name, sub
+        assert sub.args, f"{name} needs a subcommand in {argv!r}"
+        ctx = sub
+        name_or_none, next_cmd, args = cmd.resolve_command(ctx, sub.args)
+        assert name_or_none is not None and next_cmd is not None
+        name, cmd = name_or_none, next_cmd
+
+
+def _our_image(service: Mapping[str, Any]) -> bool:
+    build = service.get("build")
+    return isinstance(build, dict) and str(build.get("dockerfile", "")).endswith("Dockerfile")
+
+
+def role_services(compose: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, service in compose["services"].items():
+        if _our_image(service):
+            yield name, service
+
+
+def healthcheck_argv(service: Mapping[str, Any]) -> list[str]:
+    test = service["healthcheck"]["test"]
+    assert isinstance(test, list) and test[0] == "CMD", f"exec-form healthcheck: {test!r}"
+    return list(test[1:])
+
+
+def service_settings(service: Mapping[str, Any]) -> Settings:
+    """The settings a role container sees: the mounted job.toml plus the compose environment."""
+    return load_settings(JOB_TOML, environment(service))
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load_compose(BASE_FILE)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict[str, Any]:
+    return load_compose(GPU_FILE)
+
+
+def test_required_services_are_defined(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"rabbitmq", "redis", *ROLES} <= set(services)
+    assert {name for name, _ in role_services(compose)} == set(ROLES)
+    # One image for every role: the same tag and the same build.
+    images = {service["image"] for _, service in role_services(compose)}
+    builds = {repr(service["build"]) for _, service in role_services(compose)}
+    assert len(images) == 1 and len(builds) == 1
+    build = next(iter(role_services(compose)))[1]["build"]
+    assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_command_is_accepted_by_the_cli(
+    compose: dict[str, Any], role: str, tmp_path: Path
+) -> None:
+    service = compose["services"][role]
+    argv = service["command"]
+    assert isinstance(argv, list) and argv[0] == role, f"{role}: command {argv!r}"
+    mounts = Mounts.of(service, tmp_path)
+    name, ctx = parse_cli(mounts.translate(argv))
+    assert name == role
+    # The CONFIG argument names the mounted compose/job.toml, not a path left unmounted.
+    assert CONTAINER_CONFIG in argv
+    assert mounts.host(CONTAINER_CONFIG) == JOB_TOML.resolve()
+    config_values = [
+        Path(value).resolve()
+        for value in ctx.params.values()
+        if isinstance(value, str | Path) and str(value).endswith(".toml")
+    ]
+    assert config_values == [JOB_TOML.resolve()]
+    # Every other absolute path in the command lives on a mount (a report dir on a volume).
+    for arg in argv:
+        if arg.startswith("/"):
+            assert mounts.host(arg) is not None, f"{role}: {arg} is not on a volume"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_healthcheck_is_accepted_by_the_cli(
+    compose: dict[str, Any], role: str, tmp_path: Path
+) -> None:
+    service = compose["services"][role]
+    argv = healthcheck_argv(service)
+    assert argv[0] == "splitmq"
+    name, _ = parse_cli(Mounts.of(service, tmp_path).translate(argv[1:]))
+    assert name in cli.commands
+
+
+def test_a_renamed_command_or_option_is_caught(tmp_path: Path) -> None:
+    """The checker itself: it must reject what the real CLI would reject."""
+    mounts = Mounts({CONTAINER_CONFIG: JOB_TOML.resolve()})
+    with pytest.raises(click.UsageError):
+        parse_cli(mounts.translate(["coordinatorr", CONTAINER_CONFIG]))
+    with pytest.raises(click.UsageError):
+        parse_cli(mounts.translate(["worker", CONTAINER_CONFIG, "--no-such-option"]))
+    with pytest.raises(click.UsageError):
+        parse_cli(["--config", str(tmp_path / "missing.toml"), "doctor"])
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_settings_use_the_compose_services(compose: dict[str, Any], role: str) -> None:
+    service = compose["services"][role]
+    settings = service_settings(service)
+    assert settings.broker.kind == "rabbitmq"
+    assert settings.store.kind == "redis"
+    amqp = urlparse(settings.broker.amqp_url)
+    redis = urlparse(settings.store.redis_url)
+    assert (amqp.scheme, amqp.hostname, amqp.port) == ("amqp", "rabbitmq", 5672)
+    assert (redis.scheme, redis.hostname, redis.port) == ("redis", "redis", 6379)
+    # The broker's credentials are the ones the rabbitmq service creates.
+    rabbit_env = environment(compose["services"]["rabbitmq"])
+    assert amqp.username == rabbit_env["RABBITMQ_DEFAULT_USER"]
+    assert amqp.password == rabbit_env["RABBITMQ_DEFAULT_PASS"]
+    assert settings.clients.count == settings.clients.min_to_start == 4
+
+
+def test_job_toml_alone_names_rabbitmq_and_redis() -> None:
+    settings = load_settings(JOB_TOML, {})
+    assert settings.broker.kind == "rabbitmq"
+    assert urlparse(settings.broker.amqp_url).hostname == "rabbitmq"
+    assert settings.store.kind == "redis"
+    assert urlparse(settings.store.redis_url).hostname == "redis"
+
+
+def test_client_count_follows_the_environment(compose: dict[str, Any]) -> None:
+    scaled = load_compose(BASE_FILE, {"SPLITMQ_CLIENTS": "7"})
+    client = scaled["services"]["client"]
+    assert int(client["deploy"]["replicas"]) == 7
+    settings = service_settings(client)
+    assert settings.clients.count == settings.clients.min_to_start == 7
+    default = compose["services"]["client"]
+    assert int(default["deploy"]["replicas"]) == service_settings(default).clients.count
+
+
+def test_broker_message_limit_matches_the_job() -> None:
+    conf: dict[str, str] = {}
+    for line in RABBITMQ_CONF.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            conf[key.strip()] = value.strip()
+    assert int(conf["max_message_size"]) == 134217728
+    assert load_settings(JOB_TOML, {}).broker.max_message_bytes == int(conf["max_message_size"])
+
+
+@pytest.mark.parametrize("role", SCALED)
+def test_scaled_roles_can_scale(compose: dict[str, Any], role: str) -> None:
+    service = compose["services"][role]
+    assert "container_name" not in service
+    # A fixed hostname would also give every replica the same default member id.
+    assert "hostname" not in service
+    for port in service.get("ports", []):
+        assert ":" not in str(port), f"{role} publishes a fixed host port: {port!r}"
+    assert "--id" not in service["command"]
+
+
+def test_startup_order_waits_for_healthy_services(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, service in role_services(compose):
+        depends = service["depends_on"]
+        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
+        assert "rabbitmq" in depends, name
+        for target, spec in depends.items():
+            assert spec["condition"] == "service_healthy", (name, target)
+            assert "healthcheck" in services[target], f"{name} waits on {target}: no healthcheck"
+    for name in ("coordinator", "aggregator", "worker"):
+        assert "redis" in services[name]["depends_on"], name
+
+
+def test_restart_policies(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["rabbitmq"]["restart"] == services["redis"]["restart"] == "unless-stopped"
+    for name, service in role_services(compose):
+        assert service["restart"] in ("on-failure", "unless-stopped"), name
+
+
+def test_infrastructure_services(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    rabbitmq, redis = services["rabbitmq"], services["redis"]
+    assert re.fullmatch(r"rabbitmq:3(\.\d+)*-management", rabbitmq["image"])
+    assert rabbitmq["healthcheck"]["test"] == ["CMD", "rabbitmq-diagnostics", "-q", "ping"]
+    conf_mounts = [v for v in rabbitmq["volumes"] if v.startswith("./rabbitmq.conf:")]
+    assert len(conf_mounts) == 1
+    assert conf_mounts[0].split(":")[1].startswith("/etc/rabbitmq/")
+
+    assert re.fullmatch(r"redis:7(\.\d+)*", redis["image"])
+    command = redis["command"]
+    command = command.split() if isinstance(command, str) else command
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(v.split(":")[0] in compose["volumes"] for v in redis["volumes"])
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # Redis is internal (design §3): never published on the host.
+    assert "ports" not in redis
+
+
+def test_gpu_override_reserves_an_nvidia_device_for_the_worker(
+    compose: dict[str, Any], gpu: dict[str, Any]
+) -> None:
+    assert set(gpu["services"]) <= set(compose["services"])
+    worker = gpu["services"]["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    # Compose merges environment maps key by key: base environment plus the override.
+    merged = {**environment(compose["services"]["worker"]), **environment(worker)}
+    settings = load_settings(JOB_TOML, merged)
+    assert settings.workers.device == "cuda"
+    assert settings.broker.kind == "rabbitmq"
+    # A CUDA build under its own tag: the CPU image of the other roles is not overwritten.
+    assert "cu" in urlparse(worker["build"]["args"]["TORCH_INDEX_URL"]).path
+    assert worker["image"] != compose["services"]["worker"]["image"]
+    for name in gpu["services"]:
+        assert "deploy" not in gpu["services"][name] or name == "worker"
+
+
+def test_dockerfile() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    instructions = [line for line in lines if not line.startswith("#")]
+    first_from = next(i for i, line in enumerate(instructions) if line.startswith("FROM "))
+    assert "ARG BASE_IMAGE=python:3.11-slim" in instructions[:first_from]
+    froms = [line for line in instructions if line.startswith("FROM ")]
+    assert froms[0].startswith("FROM ${BASE_IMAGE}")
+    assert len(froms) >= 3, "multi-stage: interpreter, builder, runtime"
+    final = instructions[instructions.index(froms[-1]) :]
+    assert not any(line.startswith("RUN pip") for line in final), "no building in the final stage"
+    assert any("COPY --from=builder" in line for line in final)
+    users = [line.split()[1] for line in final if line.startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert 'ENTRYPOINT ["splitmq"]' in final
+    # torch pinned, from the CPU index unless a build arg says otherwise.
+    assert re.search(r'"torch==2\.13\.0"', text)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in instructions
+    assert re.search(r'--index-url "\$\{TORCH_INDEX_URL\}"', text)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "torch==2.13.0" in pyproject["project"]["dependencies"]
+
+
+def test_dockerignore_keeps_what_the_build_needs() -> None:
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ".git" in patterns and ".venv" in patterns
+    needed = ["pyproject.toml", "broker", "services", "workers", "models"]
+    needed += [str(p.relative_to(ROOT)) for p in (ROOT / "services/data/sample").glob("*.npz")]
+    for path in needed:
+        prefixes = [str(Path(*Path(path).parts[: i + 1])) for i in range(len(Path(path).parts))]
+        for pattern in patterns:
+            for candidate in prefixes:
+                assert not _dockerignore_match(pattern, candidate), (pattern, path)
+
+
+def _dockerignore_match(pattern: str, path: str) -> bool:
+    """Docker's rule: patterns are anchored at the root; `**` spans directories."""
+    regex = re.escape(pattern.lstrip("/")).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+    regex = regex.replace(r"\?", "[^/]").replace(r"\[", "[").replace(r"\]", "]")
+    return re.fullmatch(regex, path) is not None

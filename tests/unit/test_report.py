@@ -1,0 +1,216 @@
+"""The run directory: metrics JSON/CSV, plots, summary and config, on synthetic records."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import tomllib
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from services.config.root import Settings
+from services.report.filesink import FileSink
+from services.report.records import VersionRecord
+from services.report.rundir import RunInfo, create_run_dir
+from services.report.sinks import EchoSink, TeeSink
+from services.report.summary import Totals, progress_line, summary_text
+from services.report.tables import record_from_dict
+from services.report.tomlwrite import _dumps, redact, redact_url
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_record(version: int, *, acc: float, personal: float = math.nan) -> VersionRecord:
+    rnd = version - 1
+    return VersionRecord(
+        version=version,
+        round=rnd,
+        elapsed_s=10.0 * rnd,
+        participants=4,
+        global_accuracy=acc,
+        global_loss=2.0 - acc,
+        personal_accuracy=personal,
+        train_loss=1.5 / rnd,
+        train_accuracy=acc - 0.05,
+        samples=1000 * rnd,
+        samples_per_s=100.0 * rnd,
+        bytes_up=1_000_000 * rnd,
+        bytes_down=2_000_000 * rnd,
+        late_updates=rnd % 2,
+        extra={"staleness_max": float(rnd)} if rnd % 2 else {},
+    )
+
+
+def settings_in(tmp_path: Path, **report: object) -> Settings:
+    return Settings.model_validate(
+        {
+            "job": {"name": "demo", "rounds": 3},
+            "report": {"dir": str(tmp_path / "runs"), **report},
+            "broker": {"amqp_url": "amqp://alice:s3cret@mq.example:5672/%2F"},
+        }
+    )
+
+
+RECORDS = [
+    make_record(2, acc=0.50, personal=0.55),
+    make_record(3, acc=0.72, personal=0.70),
+    make_record(4, acc=0.68, personal=0.81),
+]
+
+
+def test_metrics_files_follow_each_record_before_finish(tmp_path: Path) -> None:
+    sink = FileSink.create(settings_in(tmp_path), command="splitmq run x.toml")
+    assert sink.run_dir.parent == tmp_path / "runs"
+    assert sink.run_dir.name.startswith("demo-")
+    for n, record in enumerate(RECORDS[:2], start=1):
+        sink.record(record)
+        doc = json.loads((sink.run_dir / "metrics.json").read_text())
+        # A run killed now still has every version it published on disk.
+        assert [r["version"] for r in doc["records"]] == [r.version for r in RECORDS[:n]]
+        assert doc["run"]["status"] == "running"
+    assert not (sink.run_dir / "summary.txt").exists()
+
+
+def test_finish_writes_json_csv_plots_and_summary(tmp_path: Path) -> None:
+    sink = FileSink.create(settings_in(tmp_path), command="splitmq run x.toml")
+    for record in RECORDS:
+        sink.record(record)
+    sink.finish("finished")
+    run_dir = sink.run_dir
+
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    assert doc["run"]["status"] == "finished"
+    assert doc["run"]["job"] == "demo"
+    assert doc["run"]["command"] == "splitmq run x.toml"
+    assert doc["run"]["ended_at"] and doc["run"]["torch"] and doc["run"]["host"]
+    assert [record_from_dict(r) for r in doc["records"]] == RECORDS
+
+    with (run_dir / "metrics.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["version"]) for r in rows] == [2, 3, 4]
+    assert float(rows[1]["global_accuracy"]) == pytest.approx(0.72)
+    assert rows[0]["extra.staleness_max"] == "1.0" and rows[1]["extra.staleness_max"] == ""
+
+    for name in ("accuracy.png", "throughput.png", "loss.png"):
+        data = (run_dir / name).read_bytes()
+        assert data.startswith(PNG_MAGIC), name
+        assert len(data) > 5_000, f"{name} is suspiciously small ({len(data)} bytes)"
+
+    summary = (run_dir / "summary.txt").read_text()
+    assert summary == sink.summary
+    assert "final global accuracy    68.0%   (best 72.0% in round 3)" in summary
+    assert "final personal accuracy  81.0%" in summary
+    assert "samples/s (median)       200" in summary
+    assert "bytes up / down          5.7 MiB / 11.4 MiB" in summary
+    assert str(run_dir) in summary
+
+
+def test_finish_counts_once(tmp_path: Path) -> None:
+    sink = FileSink.create(settings_in(tmp_path), command="c")
+    sink.finish("finished")
+    sink.finish("failed: too late")
+    doc = json.loads((sink.run_dir / "metrics.json").read_text())
+    assert doc["run"]["status"] == "finished"
+    assert "no version was published" in sink.summary
+    assert not (sink.run_dir / "accuracy.png").exists()
+
+
+def test_nan_metrics_become_null_and_are_not_plotted(tmp_path: Path) -> None:
+    sink = FileSink.create(settings_in(tmp_path), command="c")
+    sink.record(make_record(2, acc=0.4))
+    sink.record(make_record(3, acc=0.6))
+    sink.finish("finished")
+    text = (sink.run_dir / "metrics.json").read_text()
+    assert "NaN" not in text
+    assert json.loads(text)["records"][0]["personal_accuracy"] is None
+    assert "final personal accuracy  n/a   (best n/a)" in sink.summary
+    assert (sink.run_dir / "accuracy.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_plots_can_be_turned_off(tmp_path: Path) -> None:
+    sink = FileSink.create(settings_in(tmp_path, plots=False), command="c")
+    sink.record(RECORDS[0])
+    sink.finish("finished")
+    assert not list(sink.run_dir.glob("*.png"))
+
+
+def test_config_is_the_effective_settings_with_secrets_masked(tmp_path: Path) -> None:
+    settings = settings_in(tmp_path)
+    sink = FileSink.create(settings, command="c")
+    text = (sink.run_dir / "config.toml").read_text()
+    assert "s3cret" not in text
+    data = tomllib.loads(text)
+    assert data["broker"]["amqp_url"] == "amqp://alice:***@mq.example:5672/%2F"
+    data["broker"]["amqp_url"] = settings.broker.amqp_url
+    assert Settings.model_validate(data) == settings
+
+
+def test_same_second_runs_get_separate_directories(tmp_path: Path) -> None:
+    at = datetime(2025, 1, 2, 3, 4, 5)
+    first = create_run_dir(tmp_path, "job", at)
+    second = create_run_dir(tmp_path, "job", at)
+    assert first.name == "job-20250102-030405"
+    assert second.name == "job-20250102-030405-2"
+
+
+def test_long_runs_are_shortened_to_one_screen() -> None:
+    records = [make_record(v, acc=v / 100) for v in range(2, 40)]
+    info = RunInfo.for_settings(Settings(), "c", datetime.now())
+    text = summary_text(info, records)
+    assert len(text.splitlines()) < 25
+    assert "  ..." in text
+    assert "39%" not in text.splitlines()[3]  # the first rows are the early rounds
+    totals = Totals.of(records)
+    assert totals is not None and totals.best_global_round == 39
+
+
+def test_progress_line_and_sinks_compose() -> None:
+    lines: list[str] = []
+    statuses: list[str] = []
+
+    class Recorder:
+        def record(self, record: VersionRecord) -> None:
+            lines.append(f"rec {record.version}")
+
+        def finish(self, status: str) -> None:
+            statuses.append(status)
+
+    tee = TeeSink([Recorder(), EchoSink(lines.append, rounds=3)])
+    tee.record(RECORDS[1])
+    tee.finish("finished")
+    tee.finish("stopped")
+    assert lines[0] == "rec 3"
+    assert lines[1] == progress_line(RECORDS[1], 3)
+    assert lines[1].startswith("round 3/3  v3  global  72.0%  personal  70.0%")
+    assert "200 samples/s" in lines[1]
+    assert lines[2:] == ["job finished"]  # said once, though every sink saw both
+    assert statuses == ["finished", "stopped"]
+
+
+def test_redaction_masks_passwords_and_secret_keys() -> None:
+    assert redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact_url("amqp://guest@h") == "amqp://guest@h"
+    assert redact_url("not a url") == "not a url"
+    out = redact({"a": {"password": "x", "url": "amqps://u:p@h/"}, "n": 3})
+    assert out == {"a": {"password": "***", "url": "amqps://u:***@h/"}, "n": 3}
+
+
+def test_own_toml_writer_round_trips_awkward_values() -> None:
+    data = {
+        "title": 'quote " back\\slash\nnew line\ttab é \x7f',
+        "flag": False,
+        "n": -3,
+        "x": 0.1,
+        "big": 1e300,
+        "inf": math.inf,
+        "list": [1, 2, 3],
+        "strs": ["a", "b"],
+        "skip": None,
+        "section": {"dotted.key": 1, "inner": {"deep": "yes"}, "empty": {}},
+    }
+    parsed = tomllib.loads(_dumps(data))
+    expected = {k: v for k, v in data.items() if k != "skip"}
+    assert parsed == expected

@@ -1,0 +1,85 @@
+"""Validation of what arrives on a shard queue, beyond what the codec checks.
+
+Each check returns `(code, detail)` when the message must be dead-lettered, else None; the code
+is the counter key and the head of the dead-letter reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from broker.messages import RoundEnd, RoundStart, SmashedBatch
+from models.shapes import Shape
+
+Rejection = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ShardExpectations:
+    """What a valid message on one shard queue looks like."""
+
+    job: str
+    shard: int
+    cut_shape: Shape
+    num_classes: int
+
+
+def check_addressing(
+    message: RoundStart | RoundEnd | SmashedBatch, want: ShardExpectations
+) -> Rejection | None:
+    if message.job != want.job:
+        return "wrong_job", f"job {message.job!r} on a queue of job {want.job!r}"
+    if message.shard != want.shard:
+        return "wrong_shard", f"shard {message.shard} on the queue of shard {want.shard}"
+    return None
+
+
+def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | None:
+    addressing = check_addressing(message, want)
+    if addressing is not None:
+        return addressing
+    if not message.client:
+        return "bad_client", "SmashedBatch without a client id"
+    z, y = message.activations, message.labels
+    if tuple(z.shape[1:]) != tuple(want.cut_shape) or z.shape[0] == 0:
+        return "bad_shape", (
+            f"activations of shape {list(z.shape)}; the model's cut expects "
+            f"[N>0, {', '.join(str(d) for d in want.cut_shape)}]"
+        )
+    if tuple(y.shape) != (z.shape[0],):
+        return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= want.num_classes:
+        return "bad_labels", f"labels in [{low}, {high}], classes are 0..{want.num_classes - 1}"
+    return None
+
+
+def check_membership(
+    message: SmashedBatch, cohort_round: int, cohort: Mapping[str, int]
+) -> Rejection | None:
+    """A batch of a round whose cohort is known must come from a member of it.
+
+    Batches of other rounds (a straggler's late ones, or a round whose RoundStart this shard
+    never saw) are accepted: the cohort is the barrier's business, not a licence to train.
+    """
+    if message.round == cohort_round and message.client not in cohort:
+        return "not_in_cohort", (
+            f"client {message.client!r} is not in the cohort of round {cohort_round}"
+        )
+    return None
+
+
+def parse_cohort(
+    message: RoundStart, want: ShardExpectations
+) -> tuple[dict[str, int] | None, Rejection | None]:
+    """The `{client: samples}` of a RoundStart, or why it is unusable."""
+    addressing = check_addressing(message, want)
+    if addressing is not None:
+        return None, addressing
+    cohort: dict[str, int] = {}
+    for client, samples in message.participants.items():
+        if not client or isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            return None, ("bad_cohort", f"participant {client!r} with samples {samples!r}")
+        cohort[client] = samples
+    return cohort, None

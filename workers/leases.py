@@ -1,0 +1,107 @@
+"""Shard leases (design §4 "Balance"): who consumes which shard queue.
+
+Single active consumer guarantees one consumer per shard but not balance: the first worker to
+subscribe becomes active everywhere. So each worker registers its liveness (`worker:<id>`
+members), counts the live workers W and holds at most ceil(S/W) TTL'd leases `shard:<s>`,
+renewing them every tick. It claims free shards starting at an offset derived from its id, so
+workers starting together do not all race for shard 0, and hands extras back when W grows
+(the caller checkpoints and unsubscribes before `release`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from broker.store import WeightStore
+
+WORKER_PREFIX = "worker:"
+
+
+def lease_name(shard: int) -> str:
+    return f"shard:{shard}"
+
+
+def member_id(worker_id: str) -> str:
+    return f"{WORKER_PREFIX}{worker_id}"
+
+
+def home_shard(worker_id: str, shards: int) -> int:
+    """A stable per-worker starting point (not `hash()`, which differs between processes)."""
+    digest = hashlib.sha256(worker_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+@dataclass(frozen=True)
+class LeasePlan:
+    target: int  # ceil(S / W)
+    lost: list[int] = field(default_factory=list)  # held, but someone else has the lease now
+    release: list[int] = field(default_factory=list)  # held beyond the target: hand over
+    acquired: list[int] = field(default_factory=list)  # newly leased
+
+
+class LeaseKeeper:
+    def __init__(self, store: WeightStore, job: str, worker_id: str, shards: int, ttl_s: float):
+        if shards < 1:
+            raise ValueError(f"a job needs at least one shard, got {shards}")
+        self._store = store
+        self._job = job
+        self._worker_id = worker_id
+        self._member = member_id(worker_id)
+        self._shards = shards
+        self._ttl_s = ttl_s
+        self._home = home_shard(worker_id, shards)
+
+    def live_workers(self) -> int:
+        members = self._store.live_members(self._job)
+        live = {m for m in members if m.startswith(WORKER_PREFIX)}
+        live.add(self._member)  # we are alive, whatever the store's clock thinks
+        return len(live)
+
+    def plan(self, held: Collection[int]) -> LeasePlan:
+        """Heartbeat, renew `held`, and decide what to hand back or take (taken leases are
+        already ours; `release` ones are still ours until `release()`)."""
+        self._store.heartbeat(
+            self._job,
+            self._member,
+            self._ttl_s,
+            info={"shards": ",".join(str(s) for s in sorted(held))},
+        )
+        target = math.ceil(self._shards / self.live_workers())
+        kept, lost = [], []
+        for shard in sorted(held, key=self._distance):
+            if self._store.acquire_lease(
+                self._job, lease_name(shard), self._worker_id, self._ttl_s
+            ):
+                kept.append(shard)
+            else:
+                lost.append(shard)
+        # Keep the shards nearest our home, hand back the farthest: assignments stay stable.
+        release = kept[target:]
+        kept = kept[:target]
+        acquired: list[int] = []
+        if len(kept) < target:
+            for shard in sorted(range(self._shards), key=self._distance):
+                if len(kept) + len(acquired) >= target:
+                    break
+                if shard in held:
+                    continue
+                name = lease_name(shard)
+                if self._store.acquire_lease(self._job, name, self._worker_id, self._ttl_s):
+                    acquired.append(shard)
+        return LeasePlan(target, lost, release, acquired)
+
+    def release(self, shard: int) -> None:
+        self._store.release_lease(self._job, lease_name(shard), self._worker_id)
+
+    def renew(self, shard: int) -> bool:
+        """Renew one lease (before a checkpoint: only the holder may write it)."""
+        return self._store.acquire_lease(self._job, lease_name(shard), self._worker_id, self._ttl_s)
+
+    def leave(self) -> None:
+        self._store.remove_member(self._job, self._member)
+
+    def _distance(self, shard: int) -> int:
+        return (shard - self._home) % self._shards

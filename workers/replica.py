@@ -1,0 +1,207 @@
+"""One shard's replica of the server-side model, and the bookkeeping its checkpoint carries.
+
+The checkpoint's `meta` is the contract with the aggregator and with the next worker to hold
+the shard (docs/architecture.md): `version` the replica was loaded from, `round` last handed
+in (-1 before any), `round_samples` applied since that round, `seqs` the last applied seq per
+client. We add `steps` (optimizer steps), the current round's `cohort` with its round
+(`cohort_round`) and each cohort client's `progress` ([last step applied, steps]), so a
+MiniBatch-SFL barrier resumed on another worker knows whom to wait for.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from broker.errors import VersionNotFoundError
+from broker.store import SERVER_PART, BlobRef, Checkpoint, WeightStore
+from models.parts import ServerModel
+from models.split import SplitNet
+from models.state import load_partial
+
+SERVER = BlobRef(SERVER_PART)
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Replica:
+    """Server-side blocks of one shard on `device`, with an optimizer and progress counters."""
+
+    def __init__(
+        self,
+        shard: int,
+        template: SplitNet,
+        cut: str,
+        optimizer_factory: OptimizerFactory,
+        device: torch.device,
+    ) -> None:
+        self.shard = shard
+        # A private copy: replicas of several shards must not share parameters.
+        self.server: nn.Module = ServerModel(copy.deepcopy(template), cut).to(device)
+        self.server.train()
+        self._optimizer_factory = optimizer_factory
+        self.optimizer = optimizer_factory(self.server.parameters())
+        self._names: frozenset[str] = frozenset(self.server.state_dict())
+        self.origin_version = 0  # what a replica without checkpoint started from
+        self._clear()
+
+    def _clear(self) -> None:
+        self.version = 0
+        self.applied = 0
+        self.steps = 0
+        self.round = -1
+        self.round_samples = 0
+        self.handed_in = False  # round_samples were handed in with `round`; restart counting
+        self.seqs: dict[str, int] = {}
+        self.cohort_round = -1
+        self.cohort: dict[str, int] = {}
+        self.progress: dict[str, tuple[int, int]] = {}
+
+    # --- loading ------------------------------------------------------------------------------
+    def load_version(self, store: WeightStore, job: str, version: int) -> None:
+        """Weights of `server/global` at `version`; a new version is a new model, so the
+        optimizer state starts afresh (architecture doc, "Weights and versions")."""
+        weights = store.read_blob(job, version, SERVER)
+        load_partial(self.server, weights)
+        self._names = frozenset(weights)
+        self.optimizer = self._optimizer_factory(self.server.parameters())
+        self.version = version
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Weights and bookkeeping of a checkpoint (raises `StateDictError` on foreign weights)."""
+        load_partial(self.server, checkpoint.weights)
+        self._names = frozenset(checkpoint.weights)
+        self.optimizer = self._optimizer_factory(self.server.parameters())
+        self._clear()
+        meta = checkpoint.meta
+        self.applied = int(checkpoint.applied)
+        self.version = _int(meta, "version", 0)
+        self.steps = _int(meta, "steps", 0)
+        self.round = _int(meta, "round", -1)
+        self.round_samples = _int(meta, "round_samples", 0)
+        self.seqs = _int_map(meta.get("seqs"))
+        self.cohort_round = _int(meta, "cohort_round", -1)
+        self.cohort = _int_map(meta.get("cohort"))
+        self.progress = _progress(meta.get("progress"))
+        if meta.get("handed_in") is True:
+            self.start_counting()
+
+    def reset(self, store: WeightStore, job: str) -> str:
+        """Back to the last checkpoint (or the version it started from); says which."""
+        self._clear()
+        checkpoint = store.load_checkpoint(job, self.shard)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+            return f"checkpoint ({checkpoint.applied} applied)"
+        try:
+            self.load_version(store, job, self.origin_version)
+        except VersionNotFoundError:
+            self.load_version(store, job, store.current_version(job))
+        return f"version {self.version}"
+
+    # --- bookkeeping --------------------------------------------------------------------------
+    def begin_round(self, round_: int, cohort: Mapping[str, int]) -> None:
+        if round_ != self.cohort_round:
+            self.progress = {}
+        self.cohort_round = round_
+        self.cohort = dict(cohort)
+
+    def end_round(self, round_: int) -> bool:
+        """Mark `round_` handed in; False when it already was (a repeated RoundEnd)."""
+        if round_ <= self.round:
+            return False
+        self.round = round_
+        self.handed_in = True
+        return True
+
+    def start_counting(self) -> None:
+        """The samples of the handed-in round are the aggregator's now: count the next one."""
+        self.round_samples = 0
+        self.handed_in = False
+
+    def record(self, client: str, seq: int, step: int, steps: int, rows: int) -> None:
+        """One batch applied."""
+        self.seqs[client] = seq
+        self.progress[client] = (step, steps)
+        self.applied += 1
+        self.round_samples += rows
+
+    def last_seq(self, client: str) -> int | None:
+        return self.seqs.get(client)
+
+    def checkpoint(self) -> Checkpoint:
+        state = self.server.state_dict()
+        weights = {
+            name: t.detach().to("cpu", copy=True)
+            for name, t in state.items()
+            if name in self._names
+        }
+        meta: dict[str, Any] = {
+            "version": self.version,
+            "round": self.round,
+            "round_samples": self.round_samples,
+            "seqs": dict(self.seqs),
+            "steps": self.steps,
+            "cohort_round": self.cohort_round,
+            "cohort": dict(self.cohort),
+            "progress": {c: [s, n] for c, (s, n) in self.progress.items()},
+            "handed_in": self.handed_in,
+        }
+        return Checkpoint(shard=self.shard, applied=self.applied, weights=weights, meta=meta)
+
+
+def open_replica(
+    store: WeightStore,
+    job: str,
+    make: Callable[[], Replica],
+    logger: logging.Logger,
+) -> Replica | None:
+    """The shard's replica from its checkpoint, else from the current version; None while no
+    version has been published yet."""
+    replica = make()
+    checkpoint = store.load_checkpoint(job, replica.shard)
+    if checkpoint is not None:
+        try:
+            replica.restore(checkpoint)
+            return replica
+        except (ValueError, TypeError) as exc:  # StateDictError is a ValueError
+            logger.error(
+                "job %s shard %d: checkpoint unusable (%s); starting from the current version",
+                job,
+                replica.shard,
+                exc,
+            )
+            replica = make()
+    version = store.current_version(job)
+    if version < 1:
+        return None
+    replica.load_version(store, job, version)
+    replica.origin_version = version
+    return replica
+
+
+def _int(meta: Mapping[str, Any], key: str, default: int) -> int:
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"checkpoint meta {key!r} must be an int, got {value!r}")
+    return value
+
+
+def _int_map(raw: object) -> dict[str, int]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"checkpoint meta map expected, got {type(raw).__name__}")
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def _progress(raw: object) -> dict[str, tuple[int, int]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"checkpoint meta progress must be a map, got {type(raw).__name__}")
+    return {str(k): (int(v[0]), int(v[1])) for k, v in raw.items()}

@@ -1,0 +1,71 @@
+"""Publishing GradientReplies: back-pressure is waited out, a vanished client is not fatal."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from broker.codec import encode
+from broker.errors import BackPressureError, EncodeError, MessageTooLargeError, UnroutableError
+from broker.messages import GradientReply
+from broker.topology import REPLIES_EXCHANGE, reply_routing_key
+from broker.transport import Broker
+
+
+class Replier:
+    """Sends replies on one broker handle; retries `BackPressureError` with capped backoff."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        stop: threading.Event,
+        logger: logging.Logger,
+        *,
+        first_delay_s: float = 0.05,
+        max_delay_s: float = 2.0,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        self._broker = broker
+        self._stop = stop
+        self._logger = logger
+        self._first_delay_s = first_delay_s
+        self._max_delay_s = max_delay_s
+        # Waiting on the stop event, so a stopping worker does not sit out a long backoff.
+        self._sleep = sleep or (lambda s: bool(stop.wait(s)))
+
+    def send(self, reply: GradientReply) -> bool:
+        """True once the broker confirmed it; False when it cannot be delivered at all."""
+        what = f"job {reply.job} client {reply.client} seq {reply.seq}"
+        try:
+            body = encode(reply)
+        except EncodeError as exc:
+            self._logger.error("reply to %s cannot be encoded: %s", what, exc)
+            return False
+        delay = self._first_delay_s
+        attempts = 0
+        while True:
+            try:
+                self._broker.publish(
+                    REPLIES_EXCHANGE,
+                    reply_routing_key(reply.job, reply.client),
+                    body,
+                    message_id=reply.message_id,
+                )
+                return True
+            except BackPressureError:
+                attempts += 1
+                # The client's own reply queue is full: keep trying, it only grows that way
+                # when the client is slow, and dropping the reply would leave it waiting. A
+                # stopping worker gives up after a few tries (the client will republish).
+                if self._stop.is_set() and attempts >= 3:
+                    self._logger.warning("reply to %s dropped: queue full while stopping", what)
+                    return False
+                self._sleep(delay)
+                delay = min(delay * 2, self._max_delay_s)
+            except UnroutableError:
+                self._logger.warning("reply to %s unroutable: the client's queue is gone", what)
+                return False
+            except MessageTooLargeError as exc:
+                self._logger.error("reply to %s too large: %s", what, exc)
+                return False
