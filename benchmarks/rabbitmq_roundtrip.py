@@ -36,14 +36,20 @@ import warnings
 from collections import deque
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import pika
 import torch
 
-from benchmarks.common import command_line, machine_line, summarise, write_section
+from benchmarks.common import (
+    command_line,
+    machine_line,
+    process_cpu_seconds,
+    summarise,
+    write_section,
+)
 from broker.codec import decode, encode
 from broker.messages import GradientReply, SmashedBatch, new_message_id
 from broker.rabbitmq import RabbitMQBroker
@@ -282,11 +288,21 @@ class Client:
 
 @dataclass
 class Timings:
-    wall: dict[tuple[str, str], list[float]]
-    cpu: dict[tuple[str, str], list[float]]  # the client thread's CPU time
+    wall: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    # CPU seconds summed over all round trips: the client process's and the worker process's
+    # (all threads each), and how many round trips they cover.
+    client_cpu: dict[tuple[str, str], float] = field(default_factory=dict)
+    worker_cpu: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def cpu_per_trip(self, key: tuple[str, str]) -> tuple[float, float]:
+        count = len(self.wall[key])
+        return self.client_cpu[key] / count, self.worker_cpu[key] / count
 
 
-def measure(clients: list[Client], sizes: list[str], reps: int, block: int, warmup: int) -> Timings:
+def measure(
+    clients: dict[Client, int], sizes: list[str], reps: int, block: int, warmup: int
+) -> Timings:
+    """Time round trips of every client (mapped to its worker's pid), interleaved in blocks."""
     inputs = {
         size: (torch.randn(SHAPES[size]), torch.randint(0, 10, (SHAPES[size][0],)))
         for size in sizes
@@ -295,57 +311,67 @@ def measure(clients: list[Client], sizes: list[str], reps: int, block: int, warm
         for client in clients:
             for _ in range(warmup):
                 client.round_trip(*inputs[size])
-    timings = Timings({}, {})
+    timings = Timings()
+    order = list(clients)
     for index in range(math.ceil(reps / block)):
         count = min(block, reps - index * block)
         for size in sizes:
-            # Rotate (and with two paths, alternate) who goes first: no path always runs
-            # right after a particular other one.
-            shift = index % len(clients)
-            for client in clients[shift:] + clients[:shift]:
-                wall = timings.wall.setdefault((client.path.name, size), [])
-                cpu = timings.cpu.setdefault((client.path.name, size), [])
+            # Rotate (with two paths: alternate) who goes first, so no path always runs right
+            # after a particular other one.
+            shift = index % len(order)
+            for client in order[shift:] + order[:shift]:
+                key = (client.path.name, size)
+                wall = timings.wall.setdefault(key, [])
+                client_start = time.process_time()
+                worker_start = process_cpu_seconds(clients[client])
                 for _ in range(count):
-                    start, start_cpu = time.perf_counter(), time.thread_time()
+                    start = time.perf_counter()
                     client.round_trip(*inputs[size])
-                    cpu.append(time.thread_time() - start_cpu)
                     wall.append(time.perf_counter() - start)
+                worker_used = process_cpu_seconds(clients[client]) - worker_start
+                client_used = time.process_time() - client_start
+                timings.worker_cpu[key] = timings.worker_cpu.get(key, 0.0) + worker_used
+                timings.client_cpu[key] = timings.client_cpu.get(key, 0.0) + client_used
     return timings
 
 
 def table(timings: Timings, paths: list[Path], sizes: list[str]) -> tuple[str, bool]:
     lines = [
-        "| tensor | path | median ms | p90 ms | x raw (medians) | client CPU ms (median) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| tensor | path | median ms | p90 ms | x raw (medians) "
+        "| CPU ms per trip: client + worker | x raw (CPU) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     passed = True
     for size in sizes:
         raw = summarise(timings.wall[RAW.name, size]).median
+        raw_cpu = sum(timings.cpu_per_trip((RAW.name, size)))
         for path in paths:
             wall = summarise(timings.wall[path.name, size])
-            cpu = summarise(timings.cpu[path.name, size]).median
+            client_cpu, worker_cpu = timings.cpu_per_trip((path.name, size))
             ratio = wall.median / raw
             if path == OURS:
                 passed &= ratio <= ACCEPT
             name = f"**{path.name}**" if path in (OURS, RAW) else path.name
             lines.append(
                 f"| {size} | {name} | {wall.median * 1e3:.2f} | {wall.p90 * 1e3:.2f} "
-                f"| {ratio:.3f} | {cpu * 1e3:.2f} |"
+                f"| {ratio:.3f} | {client_cpu * 1e3:.2f} + {worker_cpu * 1e3:.2f} "
+                f"| {(client_cpu + worker_cpu) / raw_cpu:.3f} |"
             )
     return "\n".join(lines), passed
 
 
 @contextmanager
-def worker_process(url: str, job: str, path: Path) -> Iterator[None]:
+def worker_process(url: str, job: str, path: Path) -> Iterator[int]:
+    """Run `path`'s worker in a spawned process; yields its pid."""
     # spawn: a fresh interpreter with its own GIL and no pika state inherited from the client.
     context = multiprocessing.get_context("spawn")
     ready, stop = context.Event(), context.Event()
     process = context.Process(target=worker, args=(url, job, path, ready, stop), daemon=True)
     process.start()
     try:
-        if not ready.wait(120):
+        if not ready.wait(120) or process.pid is None:
             raise RuntimeError(f"the {path.name} worker did not start")
-        yield
+        yield process.pid
     finally:
         stop.set()
         process.join(10)
@@ -367,12 +393,11 @@ def run(args: argparse.Namespace) -> str:
                 assert queue_arguments(mine) == queue_arguments(theirs)
         try:
             with ExitStack() as stack:
-                clients = []
+                clients: dict[Client, int] = {}
                 for path in paths:
                     client = Client(args.url, job, path)
                     stack.callback(client.close)
-                    clients.append(client)
-                    stack.enter_context(worker_process(args.url, job, path))
+                    clients[client] = stack.enter_context(worker_process(args.url, job, path))
                 timings = measure(clients, args.sizes, args.reps, args.block, args.warmup)
         finally:
             for spec in specs:

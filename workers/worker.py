@@ -133,6 +133,9 @@ class _Session:
         self.device = pick_device(settings.workers.device)
         self.template = worker.model_factory()
         self.hyper = job_hyper(settings)
+        # The first optimizer of a process imports torch._dynamo: seconds, more than a short
+        # lease TTL on a busy machine. Pay for it before holding any lease.
+        self.hyper.server_optimizer(self.template.parameters())
         self.barrier = worker.strategy.server_barrier
         self.poll_s = worker.poll_s
         margin = max(settings.workers.batch_messages, settings.clients.count)
@@ -236,6 +239,13 @@ class _Session:
             self.unloaded.add(shard)
             return
         self.unloaded.discard(shard)
+        if not self.keeper.renew(shard):
+            # Loading outlasted the lease and another worker has the shard now.
+            self.stats.shards_lost += 1
+            self.log.warning(
+                "worker %s: lease of shard %d expired while loading", self.w.worker_id, shard
+            )
+            return
         want = ShardExpectations(
             job=self.job,
             shard=shard,

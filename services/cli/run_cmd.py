@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import traceback
 from pathlib import Path
 
 import click
@@ -13,7 +15,7 @@ from services.report.filesink import FileSink
 from services.report.rundir import command_line
 from services.report.sinks import EchoSink, TeeSink
 from services.report.summary import banner
-from services.runtime.embedded import embedded_settings, load_job_dataset, run_embedded
+from services.runtime.embedded import force_embedded, load_job_dataset, run_embedded
 from services.runtime.logs import configured_logging
 
 
@@ -35,10 +37,10 @@ def run(
     round and a summary, and writes the run directory.
     """
     _, settings = load(config)
-    settings, _ = embedded_settings(settings)
     # Progress lines say what happens; role logs below WARNING would drown them.
     level = pick_log_level(settings, log_level, default="WARNING")
     with configured_logging(level, json_lines=log_json, context={"job": settings.job.name}):
+        settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
         try:
             dataset = load_job_dataset(settings)
         except DataError as exc:
@@ -49,7 +51,14 @@ def run(
         echo = EchoSink(click.echo, rounds=settings.job.rounds)
         stop = threading.Event()
         with stop_on_signals(stop):
-            outcome = run_embedded(settings, sink=TeeSink([sink, echo]), stop=stop, dataset=dataset)
+            try:
+                outcome = run_embedded(
+                    settings, sink=TeeSink([sink, echo]), stop=stop, dataset=dataset
+                )
+            except Exception:
+                click.echo(traceback.format_exc(), err=True)
+                click.echo(f"report: {sink.run_dir}", err=True)
+                raise click.exceptions.Exit(1) from None
     click.echo("")
     click.echo(sink.summary, nl=False)
     if outcome.traceback:

@@ -39,7 +39,7 @@ from services.client.errors import (
     JoinTimeoutError,
     RoundAborted,
 )
-from services.client.link import Backoff, ClientLink, RefusedMessage
+from services.client.link import Backoff, ClientLink
 from services.client.plan import RoundPlan, config_int
 from services.client.round import Membership, RoundRunner, weights_problem
 from services.client.stats import ClientStats
@@ -130,6 +130,7 @@ class Client:
         try:
             link.open()
             model = build_client_model(self._settings)
+            link.validate_with(lambda m: self._problem(m, model))
             member = self._join(link, model, stats)
             if member is not None:
                 self._serve(link, model, member, stats)
@@ -164,12 +165,7 @@ class Client:
             if now >= resend_at:
                 join_ids.add(self._send_join(link, self._partition, stats))
                 resend_at = now + self._join_retry_s
-            try:
-                message = link.poll(
-                    min(resend_at, give_up_at) - now, check=lambda m: self._problem(m, model)
-                )
-            except RefusedMessage:
-                continue
+            message = link.poll(min(resend_at, give_up_at) - now)
             if isinstance(message, Welcome):
                 return self._welcomed(link, model, message, stats)
             if isinstance(message, WeightsAssignment):
@@ -260,12 +256,7 @@ class Client:
         )
         last_round = -1
         while True:
-            try:
-                message = link.poll(
-                    IDLE_POLL_S, check=lambda m: self._problem(m, model), deferred=True
-                )
-            except RefusedMessage:
-                continue
+            message = link.poll(IDLE_POLL_S, deferred=True)
             if not isinstance(message, WeightsAssignment):
                 if message is not None:
                     self._note(message, stats, runner.seqs)

@@ -94,6 +94,7 @@ class ClientLink:
         self._route_wait_s = route_wait_s
         self._log = logger
         self._deferred: deque[Message] = deque()
+        self._validator: Check | None = None
         self._next_heartbeat: float | None = None  # None: not a member yet, no heartbeats
         self.version = 0  # the latest weights version this client knows; heartbeats carry it
         self.io_s = 0.0  # time spent blocked on the broker (publishing, waiting, backing off)
@@ -104,6 +105,11 @@ class ClientLink:
         spec = reply_queue(self.job, self.client)
         self._broker.declare([spec])
         self._broker.subscribe(spec.name, prefetch=REPLY_PREFETCH)
+
+    def validate_with(self, validator: Check) -> None:
+        """Dead-letter every reply for which `validator` gives a reason (e.g. weights that do
+        not fit the model), wherever it is received."""
+        self._validator = validator
 
     def start_heartbeats(self) -> None:
         if self._next_heartbeat is None:
@@ -194,8 +200,9 @@ class ClientLink:
     ) -> Message | None:
         """The next valid reply within `timeout` seconds (deferred ones first when `deferred`).
 
-        Invalid deliveries are dead-lettered and counted. A reply that passes the envelope
-        checks but fails `check` is dead-lettered too and raises `RefusedMessage`.
+        Invalid deliveries (undecodable, not for this client, refused by the validator) are
+        dead-lettered and counted. One that fails this call's `check` is dead-lettered too,
+        and raises `RefusedMessage`: the caller cannot go on without it.
         """
         if deferred and self._deferred:
             return self._deferred.popleft()
@@ -236,6 +243,8 @@ class ClientLink:
             self._refuse(delivery, f"undecodable: {exc.reason}")
             return None
         reason = self._envelope_problem(message)
+        if reason is None and self._validator is not None:
+            reason = self._validator(message)
         if reason is not None:
             self._refuse(delivery, reason)
             return None

@@ -39,3 +39,20 @@ class TeeSink:
     def finish(self, status: str) -> None:
         for sink in self._sinks:
             sink.finish(status)
+
+
+class RecordsOnly:
+    """Forwards records but not `finish`: for a sink whose owner, not the role, ends the run.
+
+    In an embedded run the aggregator sees only its own side (it was stopped), while the
+    runner knows why (a worker died); the runner's status is the one worth keeping.
+    """
+
+    def __init__(self, sink: MetricsSink) -> None:
+        self._sink = sink
+
+    def record(self, record: VersionRecord) -> None:
+        self._sink.record(record)
+
+    def finish(self, status: str) -> None:
+        pass

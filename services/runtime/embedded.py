@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import MetricsSink
+from services.report.sinks import RecordsOnly
 from services.runtime.backends import Backends, Embedded
 from services.runtime.roles import embedded_roles
 from services.runtime.supervise import Outcome, RoleSpec, Supervisor
@@ -37,6 +38,18 @@ def embedded_settings(settings: Settings) -> tuple[Settings, list[str]]:
     return settings.model_copy(update={"broker": broker, "store": store}), changed
 
 
+def force_embedded(settings: Settings, log: logging.Logger) -> Settings:
+    """`embedded_settings`, saying so in the log when the file asked for real servers."""
+    settings, changed = embedded_settings(settings)
+    if changed:
+        log.warning(
+            "splitmq run is single-process: using the in-memory broker and store (%s); "
+            "use `splitmq up` for RabbitMQ and Redis",
+            ", ".join(changed),
+        )
+    return settings
+
+
 def load_job_dataset(settings: Settings) -> Dataset:
     return load_dataset(settings.data.dataset, settings.data.dir or None)
 
@@ -54,20 +67,17 @@ def run_embedded(
 ) -> Outcome:
     """Run the job to its end (or until `stop`/Ctrl-C/a role failure) and say how it ended.
 
-    `sink` gets every VersionRecord; its `finish` is called with the outcome's status (the
-    aggregator may have called it already, with its own status, which then stands).
+    `sink` gets every VersionRecord, and `finish` once, with the outcome's status.
     """
     log = logger or logging.getLogger("splitmq.runtime")
-    settings, changed = embedded_settings(settings)
-    if changed:
-        log.warning(
-            "splitmq run is single-process: using the in-memory broker and store (%s); "
-            "use `splitmq up` for RabbitMQ and Redis",
-            ", ".join(changed),
-        )
+    settings = force_embedded(settings, log)
     backends = Backends(settings.broker, settings.store, Embedded())
     data = dataset if dataset is not None else load_job_dataset(settings)
-    roles = build_roles(settings, backends, sink, data)
+    try:
+        roles = build_roles(settings, backends, RecordsOnly(sink), data)
+    except Exception as exc:
+        sink.finish(f"failed: could not build the roles: {exc!r}")
+        raise
     outcome = Supervisor(
         roles, stop, client_grace_s=client_grace_s, join_timeout_s=join_timeout_s, logger=log
     ).run()

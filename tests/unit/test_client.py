@@ -170,9 +170,10 @@ def test_reply_timeout_republishes_the_same_seq(job: str, dataset: Dataset) -> N
 
     first, again = run.log.batches[0], run.log.batches[1]
     assert again == first  # same seq, same message id
-    seqs = [seq for seq, _ in run.log.batches[1:]]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-    assert run.stats.republished == 1
+    # A slow machine may time out more replies; each republish repeats its batch exactly.
+    seqs = sorted({seq for seq, _ in run.log.batches})
+    assert seqs == list(range(seqs[0], seqs[0] + settings.algorithm.max_steps_per_round))
+    assert run.stats.republished == len(run.log.batches) - len(seqs) >= 1
     reference = reference_split(settings, dataset, 3, rounds=1)[0]
     assert max_diff(dict(run.log.updates[0].client_weights), reference) <= TOL
 
@@ -216,6 +217,20 @@ def test_partition_assigned_by_the_welcome(job: str, dataset: Dataset) -> None:
     assert run.log.joins[0].info == {} and run.log.joins[0].samples == 0
     assert run.log.joins[1].info["index"] == "5"
     reference = reference_split(settings, dataset, 5, rounds=1)[0]
+    assert max_diff(dict(run.log.updates[0].client_weights), reference) <= TOL
+
+
+def test_assignment_that_does_not_fit_the_model_is_dead_lettered(
+    job: str, dataset: Dataset
+) -> None:
+    settings = make_settings(job)
+    backends = memory_backends()
+    run = run_client(settings, dataset, PeerScript(bad_assignment=True), backends=backends)
+
+    assert run.stats.dead_lettered == 1
+    assert backends.embedded is not None
+    assert InMemoryBroker(backends.embedded.hub).queue_depth(dead_queue_name(job)) == 1
+    reference = reference_split(settings, dataset, 3, rounds=1)[0]
     assert max_diff(dict(run.log.updates[0].client_weights), reference) <= TOL
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,20 +60,21 @@ Tensors = dict[str, torch.Tensor]
 
 
 def make_settings(job: str, **sections: dict[str, Any]) -> Settings:
-    """Small, fast job settings: cnn5 cut after block1, 120-sample partitions, short rounds."""
+    """Small, fast job settings: cnn5 cut after block1, 60-sample partitions (4 batches an
+    epoch), rounds of 5 steps that cross an epoch boundary."""
     base: dict[str, dict[str, Any]] = {
         "job": {"name": job, "seed": 7},
         "model": {"name": "cnn5", "cut": "block1"},
         "data": {"dataset": "fashion_mnist_sample", "partition": "iid"},
         "algorithm": {
             "name": "sfl_v2",
-            "batch_size": 32,
+            "batch_size": 16,
             "lr": 0.05,
             "momentum": 0.5,
             "local_epochs": 2,
-            "max_steps_per_round": 6,
+            "max_steps_per_round": 5,
         },
-        "clients": {"count": 50, "heartbeat_s": 0.05, "reply_timeout_s": 10.0},
+        "clients": {"count": 100, "heartbeat_s": 0.05, "reply_timeout_s": 10.0},
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
@@ -173,6 +174,7 @@ class PeerScript:
     duplicate_replies: bool = False  # each GradientReply again, with a bogus gradient
     ignore_first_batch: bool = False  # no reply to the first SmashedBatch delivery
     reject_batches: bool = False  # GradientReply status "rejected", then finish the job
+    bad_assignment: bool = False  # an assignment whose weights do not fit, before the real one
     shard_max_length: int | None = None
     filler: bool = False  # a RoundStart on the shard queue ahead of the round
     worker_gate: threading.Event | None = None  # the worker consumes only once this is set
@@ -218,6 +220,7 @@ class ScriptedPeers(threading.Thread):
         self.server_opt = hyper(settings).server_optimizer(self.server.parameters())
         self.version = 1
         self.round = 0
+        self.applied_seq = -1
         limits = QueueLimits(max_length=script.shard_max_length or QueueLimits().max_length)
         self.queues: list[QueueSpec] = [
             dead_queue(self.job),
@@ -296,6 +299,11 @@ class ScriptedPeers(threading.Thread):
             if first and self.script.finish_at_once:
                 self._reply(broker, message.client, self._finished(message.client))
             elif first and self.script.assign:
+                if self.script.bad_assignment:
+                    bad = self._assignment(message.client)
+                    name = next(iter(self.client_weights))
+                    bad = replace(bad, client_weights={name: torch.zeros(3)})
+                    self._reply(broker, message.client, bad)
                 self._reply(broker, message.client, self._assignment(message.client))
 
     def _welcome(self, client: str) -> Welcome:
@@ -341,6 +349,9 @@ class ScriptedPeers(threading.Thread):
         self.log.batches.append((message.seq, message.message_id))
         if self.script.ignore_first_batch and len(self.log.batches) == 1:
             return
+        if message.seq <= self.applied_seq:
+            return  # a republished batch already applied: the real worker skips it too
+        self.applied_seq = message.seq
         if self.script.reject_batches:
             reply = GradientReply(
                 self.job, message.client, new_message_id(), self.version, message.seq,

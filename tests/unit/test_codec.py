@@ -859,3 +859,23 @@ def test_no_pickle_in_the_broker_package() -> None:
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
     for name in CODEC_MODULES:
         assert "pickle" not in (BROKER / name).read_text().lower(), name
+
+
+def test_unanticipated_failures_still_surface_as_decode_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(message: object) -> str | None:
+        raise RuntimeError("bug")
+
+    body = encode(Leave(**common()))
+    monkeypatch.setattr("broker.codec.consistency_error", broken)
+    with pytest.raises(DecodeError) as info:
+        decode(body)
+    assert info.value.reason == f"{UNEXPECTED}RuntimeError: bug"
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_message_ids_are_fresh_uuid4_hex() -> None:
+    ids = {new_message_id() for _ in range(100)}
+    assert len(ids) == 100
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

@@ -23,11 +23,14 @@ from services.runtime.backends import Backends, Embedded
 from test_worker_support import (
     ScriptedClient,
     make_settings,
+    one_torch_thread,
     random_batch,
     reference_server,
     seed_version,
 )
 from workers.worker import Worker
+
+__all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here
 
 
 def backends(settings: Any, embedded: Embedded) -> Backends:

@@ -6,10 +6,11 @@ No tests here; the worker test modules import it (pytest puts this directory on 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 from broker.codec import decode, encode
@@ -39,6 +40,16 @@ from workers.model import job_model
 
 CUT = "block1"
 ROWS = 8
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: intra-op threads only add contention (a step
+    took 100x longer with two). Restored afterwards, as torch's setting is process-wide."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_settings(job: str, **sections: Mapping[str, Any]) -> Settings:

@@ -1,0 +1,116 @@
+"""The round's pure parts: cohort sampling, quorum, and the verdict on each update."""
+
+from __future__ import annotations
+
+import torch
+
+from broker.messages import WeightsUpdate
+from services.aggregator.cohort import quorum_size, sample_cohort
+from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict, reference_of
+from services.coordinator.membership import MemberInfo
+
+REF = {"blocks.0.weight": torch.zeros(2, 3), "blocks.0.bias": torch.zeros(2)}
+
+
+def cohort(*clients: str) -> dict[str, MemberInfo]:
+    return {c: MemberInfo(c, 0, "block1", 10, i) for i, c in enumerate(clients)}
+
+
+def open_round(*clients: str, deadline_s: float = 10.0, quorum: float = 0.5) -> OpenRound:
+    return OpenRound(
+        round=3,
+        version=4,
+        cohort=cohort(*clients),
+        opened_at=100.0,
+        deadline_s=deadline_s,
+        quorum=quorum,
+        client_ref=reference_of(REF),
+        aux_ref={},
+        earlier=frozenset({"old"}),
+    )
+
+
+def update(
+    client: str,
+    weights: dict[str, torch.Tensor] | None = None,
+    *,
+    round_: int = 3,
+    version: int = 4,
+) -> WeightsUpdate:
+    state = weights or {n: torch.ones_like(t) for n, t in REF.items()}
+    return WeightsUpdate("j", client, "m", version, round_, 10, state, {})
+
+
+def test_sample_cohort_is_seeded_sized_and_order_free() -> None:
+    pool = [f"c{i}" for i in range(10)]
+    first = sample_cohort(pool, 0.3, seed=1, round_index=0)
+    assert len(first) == 3 and set(first) <= set(pool)
+    assert first == sample_cohort(reversed(pool), 0.3, seed=1, round_index=0)
+    draws = {tuple(sample_cohort(pool, 0.3, seed=1, round_index=r)) for r in range(10)}
+    assert len(draws) > 1  # rounds draw different cohorts
+    assert sample_cohort(pool, 0.01, seed=1, round_index=0) != []
+    assert sample_cohort(pool, 1.0, seed=1, round_index=0) == sorted(pool)
+    assert sample_cohort([], 1.0, seed=1, round_index=0) == []
+
+
+def test_quorum_size() -> None:
+    assert [quorum_size(n, 0.5) for n in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 3]
+    assert quorum_size(10, 0.3) == 3
+    assert quorum_size(3, 1.0) == 3
+
+
+def test_verdicts() -> None:
+    state = open_round("a", "b")
+    assert state.offer(update("a")).verdict is Verdict.ACCEPT
+    assert state.offer(update("a")).verdict is Verdict.DUPLICATE
+    assert state.offer(update("b", round_=2)).verdict is Verdict.LATE
+    assert state.offer(update("old")).verdict is Verdict.LATE  # an abandoned attempt's member
+    rejected = {
+        "stranger": update("stranger"),
+        "future": update("b", round_=4),
+        "stale version": update("b", version=3),
+        "shape": update("b", {"blocks.0.weight": torch.ones(3, 2), "blocks.0.bias": torch.ones(2)}),
+        "missing": update("b", {"blocks.0.weight": torch.ones(2, 3)}),
+        "dtype": update(
+            "b",
+            {
+                "blocks.0.weight": torch.ones(2, 3, dtype=torch.int64),
+                "blocks.0.bias": torch.ones(2),
+            },
+        ),
+    }
+    for what, message in rejected.items():
+        offer = state.offer(message)
+        assert offer.verdict is Verdict.REJECT, what
+        assert offer.reason, what
+    assert set(state.updates) == {"a"}
+    assert ClosedGate(3).offer(update("a")).verdict is Verdict.LATE
+    assert ClosedGate(2).offer(update("a")).verdict is Verdict.REJECT
+
+
+def test_accepted_weights_are_copies_in_the_versions_dtype() -> None:
+    state = open_round("a")
+    half = {n: torch.ones_like(t, dtype=torch.float16) for n, t in REF.items()}
+    sent = update("a", half)
+    state.offer(sent)
+    kept = state.updates["a"].client_weights
+    assert all(t.dtype == torch.float32 for t in kept.values())
+    assert all(kept[n].data_ptr() != sent.client_weights[n].data_ptr() for n in kept)
+
+
+def test_decisions() -> None:
+    state = open_round("a", "b", "c")  # quorum 2 of 3, deadline 10 s after t=100
+    assert state.decide(105.0) is Decision.WAIT
+    state.offer(update("a"))
+    assert state.decide(111.0) is Decision.WAIT  # past the deadline, below quorum
+    assert state.decide(121.0) is Decision.CLOSE  # twice the deadline: close with what came
+    state.offer(update("b"))
+    assert state.decide(105.0) is Decision.WAIT
+    assert state.decide(110.0) is Decision.CLOSE
+    assert state.drop({"a": 1, "b": 1}) == ["c"]
+    assert state.decide(101.0) is Decision.CLOSE  # nobody left to wait for
+
+    empty = open_round("a")
+    assert empty.decide(121.0) is Decision.REOPEN
+    empty.drop({})
+    assert empty.decide(100.0) is Decision.REOPEN
