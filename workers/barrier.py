@@ -14,7 +14,7 @@ Pure bookkeeping: the caller supplies the cohort, each client's progress and the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -77,6 +77,15 @@ class StepBarrier(Generic[T]):
             if not queue:
                 del self._buffered[client]
         return taken
+
+    def replace(self, match: Callable[[T], bool], new: Callable[[T], T]) -> T | None:
+        """Swap the first buffered item that matches for `new(item)`; the old one, or None."""
+        for queue in self._buffered.values():
+            for index, (arrived, item) in enumerate(queue):
+                if match(item):
+                    queue[index] = (arrived, new(item))
+                    return item
+        return None
 
     def clear(self) -> list[T]:
         """Forget every buffered batch (they return to the queue unacked); returns them."""

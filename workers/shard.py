@@ -11,17 +11,14 @@ make every redelivered batch apply exactly once.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from broker.errors import StaleDeliveryError, VersionNotFoundError
-from broker.messages import GradientReply, RoundEnd, RoundStart, SmashedBatch, new_message_id
+from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.transport import Broker, Delivery
-from services.algorithms.base import CohortBatch, Strategy
+from services.algorithms.base import Strategy
 from workers.barrier import StepBarrier
 from workers.checks import (
     ShardExpectations,
@@ -33,6 +30,7 @@ from workers.checks import (
 from workers.deadletter import reject
 from workers.replica import Replica
 from workers.replies import Replier
+from workers.serve import Item, answer_duplicate, serve
 from workers.stats import WorkerStats
 
 ShardMessage = RoundStart | SmashedBatch | RoundEnd
@@ -51,12 +49,6 @@ class ShardPolicy:
     barrier_timeout_s: float
 
 
-@dataclass(frozen=True)
-class _Item:
-    delivery: Delivery
-    batch: SmashedBatch
-
-
 @dataclass
 class ShardServices:
     """What a shard needs from its worker: one broker handle, the store, counters."""
@@ -67,6 +59,7 @@ class ShardServices:
     replier: Replier
     stats: WorkerStats
     renew_lease: Callable[[int], bool]
+    redeliver: Callable[[int], None]  # return every unacked delivery of a shard, in order
     clock: Callable[[], float]
     logger: logging.Logger
 
@@ -83,8 +76,8 @@ class ShardRunner:
         self._pending_since = 0.0
         self._steps_since = 0
         self._dirty = False
-        self._fold: list[_Item] = []
-        self._barrier: StepBarrier[_Item] = StepBarrier(policy.barrier_timeout_s)
+        self._fold: list[Item] = []
+        self._barrier: StepBarrier[Item] = StepBarrier(policy.barrier_timeout_s)
 
     @property
     def shard(self) -> int:
@@ -116,15 +109,18 @@ class ShardRunner:
         if problem is not None:
             self._reject(delivery, *problem)
             return
-        if self._is_duplicate(batch):
+        last = replica.last_seq(batch.client)
+        if last is not None and batch.seq <= last:
             self._skip_duplicate(delivery, batch)
+            return
+        if self._replaces_buffered(delivery, batch):
             return
         if batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
                 self._reject(delivery, "unknown_version", f"version {batch.version} not found")
                 return
-        item = _Item(delivery, batch)
+        item = Item(delivery, batch)
         if self._io.strategy.server_barrier:
             self._barrier.add(batch.client, item, self._io.clock())
             self._step_barrier(force=False)
@@ -140,10 +136,9 @@ class ShardRunner:
             return
         self.settle()
         if message.version > self.replica.version and not self._reload(message.version):
-            self._io.logger.warning(
-                "job %s shard %d: RoundStart %d names version %d, which is not in the store",
-                self._want.job,
-                self.shard,
+            self._say(
+                logging.WARNING,
+                "RoundStart %d names unknown version %d",
                 message.round,
                 message.version,
             )
@@ -164,10 +159,9 @@ class ShardRunner:
         self._hold(delivery)
         self.checkpoint(force=True)
         if handed_in:
-            self._io.logger.info(
-                "job %s shard %d: round %d handed in (%d samples, %d applied in total)",
-                self._want.job,
-                self.shard,
+            self._say(
+                logging.INFO,
+                "round %d handed in (%d samples, %d applied in total)",
                 message.round,
                 self.replica.round_samples,
                 self.replica.applied,
@@ -206,123 +200,73 @@ class ShardRunner:
         ):
             items = self._barrier.take(replica.cohort, replica.progress)
             if self._barrier.dropped:
-                self._io.logger.info(
-                    "job %s shard %d round %d: barrier stopped waiting for %s",
-                    self._want.job,
-                    self.shard,
+                self._say(
+                    logging.INFO,
+                    "round %d: barrier stopped waiting for %s",
                     replica.cohort_round,
                     sorted(self._barrier.dropped),
                 )
             self._apply(items)
 
-    def _weight(self, batch: SmashedBatch) -> float:
-        replica = self.replica
-        if batch.round == replica.cohort_round and batch.client in replica.cohort:
-            return float(replica.cohort[batch.client])
-        return float(batch.labels.shape[0])
-
-    def _apply(self, items: list[_Item]) -> None:
-        io, replica = self._io, self.replica
-        batches = [
-            CohortBatch(i.batch.client, i.batch.activations, i.batch.labels, self._weight(i.batch))
-            for i in items
-        ]
-        try:
-            results = io.strategy.server_step(replica.server, replica.optimizer, batches)
-        except Exception as exc:  # a bug or a shape the model rejects: never crash the worker
-            io.logger.exception("job %s shard %d: server step failed", self._want.job, self.shard)
-            for item in items:
-                self._reject(item.delivery, "server_step", repr(exc))
-            return
-        if not all(math.isfinite(loss) and bool(torch.isfinite(g).all()) for g, loss, _ in results):
-            self._rollback(items, [loss for _, loss, _ in results])
-            return
-        replica.steps += 1
-        self._steps_since += 1
-        for item, (grad, loss, correct) in zip(items, results, strict=True):
-            b = item.batch
-            rows = int(b.labels.shape[0])
-            replica.record(b.client, b.seq, b.step, b.steps, rows)
-            io.stats.batches_applied += 1
-            self._hold(item.delivery)
-            reply = GradientReply(
-                job=b.job,
-                client=b.client,
-                message_id=new_message_id(),
-                version=replica.version,
-                seq=b.seq,
-                status="ok",
-                loss=loss,
-                correct=correct,
-                samples=rows,
-                grad=grad.detach().to(device="cpu", dtype=b.activations.dtype).contiguous(),
-            )
-            if io.replier.send(reply):
-                io.stats.replies += 1
-            else:
-                io.stats.replies_undeliverable += 1
-        io.stats.steps += 1
-
-    def _rollback(self, items: list[_Item], losses: list[float]) -> None:
-        """A step went non-finite: the replica is poisoned. Reject the batches whose own loss
-        is non-finite (all of them if none is singled out), go back to the last checkpoint and
-        requeue everything applied since, which will be applied again on the clean state."""
+    def _apply(self, items: list[Item]) -> None:
         io = self._io
-        culprits = [i for i, loss in zip(items, losses, strict=True) if not math.isfinite(loss)]
-        culprits = culprits or items
-        for item in culprits:
+        outcome = serve(items, self.replica, io.strategy, io.replier, io.stats)
+        if outcome.failure is not None:
+            self._say(logging.ERROR, "server step failed: %r", outcome.failure)
+            for item in items:
+                self._reject(item.delivery, "server_step", repr(outcome.failure))
+        elif outcome.poisoned:
+            self._rollback(outcome.poisoned)
+        else:
+            self._steps_since += 1
+            for item in outcome.applied:
+                self._hold(item.delivery)
+
+    def _rollback(self, poisoned: list[Item]) -> None:
+        """A non-finite step poisoned the replica: reject the culprits, go back to the last
+        checkpoint, and have everything since delivered again, to be applied on the clean state.
+
+        Re-subscribing (not nacking one by one) returns the deliveries in queue order, along
+        with the ones prefetched behind them, so seqs still rise and none looks a duplicate."""
+        io = self._io
+        for item in poisoned:
             self._reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
-        innocent = [i.delivery for i in items if i not in culprits]
-        returned = self._pending + innocent + [i.delivery for i in self._barrier.clear()]
-        returned += [i.delivery for i in self._fold]
+        returned = len(self._pending) + self.buffered()
         self._pending, self._fold = [], []
-        for delivery in returned:
-            try:
-                io.broker.nack(delivery, requeue=True)
-            except StaleDeliveryError:
-                io.stats.stale_acks += 1
+        self._barrier.clear()
+        io.redeliver(self.shard)
         fresh = self.replica.reset(io.store, self._want.job)
         io.stats.rollbacks += 1
         self._steps_since, self._dirty = 0, False
-        io.logger.error(
-            "job %s shard %d: non-finite server step; replica reset to %s, %d requeued",
-            self._want.job,
-            self.shard,
-            fresh,
-            len(returned),
-        )
+        self._say(logging.ERROR, "non-finite step; back to %s, %d redelivered", fresh, returned)
 
     # --- bookkeeping --------------------------------------------------------------------------
-    def _is_duplicate(self, batch: SmashedBatch) -> bool:
-        last = self.replica.last_seq(batch.client)
-        waiting = [
-            i.batch.seq
-            for i in self._fold + self._barrier.items()
-            if i.batch.client == batch.client
-        ]
-        highest = max([s for s in [last, *waiting] if s is not None], default=None)
-        return highest is not None and batch.seq <= highest
+    def _replaces_buffered(self, delivery: Delivery, batch: SmashedBatch) -> bool:
+        """A copy of a batch still buffered takes the buffered delivery's place; the older
+        delivery is held (acked with the next checkpoint) like any duplicate. After a reconnect
+        the older one is stale and only the copy can be acked once the batch is applied:
+        skipping the copy would lose the batch."""
+
+        def same(item: Item) -> bool:
+            return item.batch.client == batch.client and item.batch.seq == batch.seq
+
+        def renewed(item: Item) -> Item:
+            return Item(delivery, item.batch)
+
+        older = self._barrier.replace(same, renewed)
+        for index, item in enumerate(self._fold):
+            if same(item):
+                older, self._fold[index] = item, renewed(item)
+        if older is None:
+            return False
+        # No reply: the batch is still to be served, and its answer will follow.
+        self._io.stats.duplicates_skipped += 1
+        self._hold(older.delivery)
+        return True
 
     def _skip_duplicate(self, delivery: Delivery, batch: SmashedBatch) -> None:
-        io = self._io
-        io.stats.duplicates_skipped += 1
-        self._hold(delivery)
-        # The client may have republished because its reply was lost: tell it, so it moves on.
-        reply = GradientReply(
-            job=batch.job,
-            client=batch.client,
-            message_id=new_message_id(),
-            version=self.replica.version,
-            seq=batch.seq,
-            status="stale",
-            loss=0.0,
-            correct=0,
-            samples=0,
-            grad=None,
-            reason=f"duplicate: seq {batch.seq} was already applied",
-        )
-        if io.replier.send(reply):
-            io.stats.stale_replies += 1
+        self._hold(delivery)  # acked with the next checkpoint, never applied again
+        answer_duplicate(batch, self.replica.version, self._io.replier, self._io.stats)
 
     def _reload(self, version: int) -> bool:
         try:
@@ -331,9 +275,7 @@ class ShardRunner:
             return False
         self._dirty = True
         self._io.stats.reloads += 1
-        self._io.logger.info(
-            "job %s shard %d: replica reloaded from version %d", self._want.job, self.shard, version
-        )
+        self._say(logging.INFO, "replica reloaded from version %d", version)
         return True
 
     def _hold(self, delivery: Delivery) -> None:
@@ -341,6 +283,9 @@ class ShardRunner:
             self._pending_since = self._io.clock()
         self._pending.append(delivery)
         self._dirty = True
+
+    def _say(self, level: int, message: str, *args: object) -> None:
+        self._io.logger.log(level, "job %s shard %d: " + message, self._want.job, self.shard, *args)
 
     def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
         reject(self._io.broker, delivery, code, detail, self._io.stats, self._io.logger)

@@ -17,23 +17,12 @@ import time
 import uuid
 from collections.abc import Callable
 
-from broker.codec import decode
-from broker.errors import DecodeError
-from broker.messages import RoundEnd, RoundStart, SmashedBatch
-from broker.store import WeightStore
-from broker.topology import QueueLimits, job_queues, shard_queue_name
-from broker.transport import Broker, Delivery
 from services.algorithms.base import Strategy
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.runtime.backends import Backends
-from workers.checks import ShardExpectations
-from workers.deadletter import reject
-from workers.leases import LeaseKeeper
-from workers.model import ModelFactory, job_hyper, job_model, pick_device
-from workers.replica import Replica, open_replica
-from workers.replies import Replier
-from workers.shard import LeaseLostError, ShardPolicy, ShardRunner, ShardServices
+from workers.model import ModelFactory, job_model
+from workers.session import WorkerSession, WorkerSpec
 from workers.stats import WorkerStats
 
 
@@ -41,14 +30,14 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def prefetch_for(settings: Settings) -> int:
-    """Deliveries a shard may hold unacked: room for a checkpoint interval twice over, a whole
-    cohort step twice over (MiniBatch-SFL buffers one batch per client), and a fold window."""
-    w = settings.workers
-    return max(2 * w.checkpoint_every_steps, 2 * settings.clients.count, 2 * w.batch_messages, 16)
-
-
 class Worker:
+    """One worker of a job; `run` it on the thread that will own its broker handle.
+
+    `strategy` and `model_factory` default to the job's (`[algorithm]`, `[model]` and the
+    dataset's image shape); `clock` drives lease ticks, checkpoint intervals and the barrier
+    timeout; `poll_s` bounds how long a `get` waits, i.e. how quickly `stop` is noticed.
+    """
+
     def __init__(
         self,
         settings: Settings,
@@ -78,8 +67,18 @@ class Worker:
         except BaseException:
             store.close()
             raise
-        session = _Session(self, broker, store, stop, stats)
+        spec = WorkerSpec(
+            self.settings,
+            self.worker_id,
+            self.strategy,
+            self.model_factory,
+            self.clock,
+            self.poll_s,
+            self.logger,
+        )
+        session: WorkerSession | None = None
         try:
+            session = WorkerSession(spec, broker, store, stop, stats)
             session.start()
             session.loop(burst)
             session.hand_over_all()
@@ -88,7 +87,8 @@ class Worker:
             # unacked deliveries go back with the connection and are applied on top of the
             # last checkpoints, exactly as after a crash.
             self.logger.exception("worker %s failed", self.worker_id)
-            session.release_all()
+            if session is not None:
+                session.release_all()
             raise
         finally:
             try:
@@ -97,243 +97,3 @@ class Worker:
                 store.close()
         self.logger.info("worker %s stopped: %s", self.worker_id, stats)
         return stats
-
-
-class _Session:
-    """The state of one `Worker.run`: its broker handle, leases and shard runners."""
-
-    def __init__(
-        self,
-        worker: Worker,
-        broker: Broker,
-        store: WeightStore,
-        stop: threading.Event,
-        stats: WorkerStats,
-    ) -> None:
-        settings = worker.settings
-        self.w = worker
-        self.settings = settings
-        self.job = settings.job.name
-        self.shards = settings.shards
-        self.broker = broker
-        self.store = store
-        self.stop = stop
-        self.stats = stats
-        self.log = worker.logger
-        self.clock = worker.clock
-        self.keeper = LeaseKeeper(
-            self.store, self.job, worker.worker_id, self.shards, settings.workers.lease_ttl_s
-        )
-        self.tick_s = settings.workers.lease_ttl_s / 3
-        self.next_tick = 0.0
-        self.prefetch = prefetch_for(settings)
-        self.target = 1  # ceil(S / W) as of the last rebalance
-        self.runners: dict[str, ShardRunner] = {}  # by queue name
-        self.unloaded: set[int] = set()  # leased, but nothing published to load yet
-        self.device = pick_device(settings.workers.device)
-        self.template = worker.model_factory()
-        self.hyper = job_hyper(settings)
-        # The first optimizer of a process imports torch._dynamo: seconds, more than a short
-        # lease TTL on a busy machine. Pay for it before holding any lease.
-        self.hyper.server_optimizer(self.template.parameters())
-        self.barrier = worker.strategy.server_barrier
-        self.poll_s = worker.poll_s
-        margin = max(settings.workers.batch_messages, settings.clients.count)
-        self.policy = ShardPolicy(
-            batch_messages=settings.workers.batch_messages,
-            checkpoint_every_steps=settings.workers.checkpoint_every_steps,
-            checkpoint_every_s=settings.workers.checkpoint_every_s,
-            pending_limit=max(1, self.prefetch - margin),
-            barrier_timeout_s=settings.workers.step_barrier_timeout_s,
-        )
-        self.services = ShardServices(
-            broker=broker,
-            store=self.store,
-            strategy=worker.strategy,
-            replier=Replier(broker, stop, self.log),
-            stats=stats,
-            renew_lease=self.keeper.renew,
-            clock=self.clock,
-            logger=self.log,
-        )
-
-    # --- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> None:
-        limits = QueueLimits(
-            self.settings.broker.shard_queue_max_length, self.settings.broker.shard_queue_max_bytes
-        )
-        self.broker.declare(job_queues(self.job, self.shards, limits))
-        self.log.info(
-            "worker %s joins job %s (%d shards, device %s, prefetch %d)",
-            self.w.worker_id,
-            self.job,
-            self.shards,
-            self.device,
-            self.prefetch,
-        )
-        self.rebalance()
-
-    def loop(self, burst: bool) -> None:
-        while not self.stop.is_set():
-            now = self.clock()
-            if now >= self.next_tick:
-                self.rebalance()
-            delivery = self.broker.get(self._timeout(now))
-            if delivery is None:
-                self._each(ShardRunner.flush)
-            else:
-                self.dispatch(delivery)
-            self._each(ShardRunner.poll)
-            if burst and delivery is None and self._drained():
-                return
-
-    def hand_over_all(self) -> None:
-        for runner in list(self.runners.values()):
-            self.hand_over(runner)
-        for shard in list(self.unloaded):
-            self.keeper.release(shard)
-        self.unloaded.clear()
-        self.keeper.leave()
-
-    def release_all(self) -> None:
-        """After a failure: leases go without a checkpoint (the deliveries return unacked)."""
-        try:
-            for runner in self.runners.values():
-                self.keeper.release(runner.shard)
-            for shard in self.unloaded:
-                self.keeper.release(shard)
-            self.keeper.leave()
-        except Exception:
-            self.log.exception("worker %s: could not release its leases", self.w.worker_id)
-
-    # --- leases -------------------------------------------------------------------------------
-    def rebalance(self) -> None:
-        self.next_tick = self.clock() + self.tick_s
-        held = {r.shard for r in self.runners.values()} | self.unloaded
-        plan = self.keeper.plan(held)
-        self.target = plan.target
-        for shard in plan.lost:
-            self.drop(shard)
-        for shard in plan.release:
-            runner = self.runners.get(shard_queue_name(self.job, shard))
-            if runner is not None:
-                self.hand_over(runner)
-            else:
-                self.unloaded.discard(shard)
-                self.keeper.release(shard)
-        for shard in [*plan.acquired, *self.unloaded]:
-            self.load(shard)
-
-    def load(self, shard: int) -> None:
-        def make() -> Replica:
-            return Replica(
-                shard,
-                self.template,
-                self.settings.model.cut,
-                self.hyper.server_optimizer,
-                self.device,
-            )
-
-        replica = open_replica(self.store, self.job, make, self.log)
-        if replica is None:
-            self.unloaded.add(shard)
-            return
-        self.unloaded.discard(shard)
-        if not self.keeper.renew(shard):
-            # Loading outlasted the lease and another worker has the shard now.
-            self.stats.shards_lost += 1
-            self.log.warning(
-                "worker %s: lease of shard %d expired while loading", self.w.worker_id, shard
-            )
-            return
-        want = ShardExpectations(
-            job=self.job,
-            shard=shard,
-            cut_shape=self.template.cut_shape(self.settings.model.cut),
-            num_classes=self.settings.model.num_classes,
-        )
-        queue = shard_queue_name(self.job, shard)
-        self.runners[queue] = ShardRunner(replica, want, self.policy, self.services)
-        self.broker.subscribe(queue, prefetch=self.prefetch)
-        self.stats.shards_acquired += 1
-        self.stats.reloads += 1
-        self.log.info(
-            "worker %s holds job %s shard %d (version %d, %d applied, round %d)",
-            self.w.worker_id,
-            self.job,
-            shard,
-            replica.version,
-            replica.applied,
-            replica.round,
-        )
-
-    def hand_over(self, runner: ShardRunner) -> None:
-        queue = shard_queue_name(self.job, runner.shard)
-        try:
-            runner.checkpoint()
-        except LeaseLostError:
-            self.drop(runner.shard)
-            return
-        self.broker.unsubscribe(queue)
-        del self.runners[queue]
-        self.keeper.release(runner.shard)
-        self.stats.shards_released += 1
-        self.log.info(
-            "worker %s handed over job %s shard %d", self.w.worker_id, self.job, runner.shard
-        )
-
-    def drop(self, shard: int) -> None:
-        """The lease is someone else's: forget the replica, give every delivery back."""
-        queue = shard_queue_name(self.job, shard)
-        self.unloaded.discard(shard)
-        if self.runners.pop(queue, None) is None:
-            return
-        self.broker.unsubscribe(queue)
-        self.stats.shards_lost += 1
-        self.log.warning(
-            "worker %s lost the lease of job %s shard %d", self.w.worker_id, self.job, shard
-        )
-
-    # --- deliveries ---------------------------------------------------------------------------
-    def dispatch(self, delivery: Delivery) -> None:
-        runner = self.runners.get(delivery.queue)
-        if runner is None:  # not ours (any more): let the holder have it
-            self.broker.nack(delivery, requeue=True)
-            return
-        try:
-            message = decode(delivery.body)
-        except DecodeError as exc:
-            reject(self.broker, delivery, "decode", exc.reason, self.stats, self.log)
-            return
-        if not isinstance(message, RoundStart | SmashedBatch | RoundEnd):
-            detail = f"{type(message).__name__} does not belong on a shard queue"
-            reject(self.broker, delivery, "wrong_type", detail, self.stats, self.log)
-            return
-        try:
-            runner.handle(delivery, message)
-        except LeaseLostError:
-            self.drop(runner.shard)
-
-    def _each(self, action: Callable[[ShardRunner], None]) -> None:
-        for runner in list(self.runners.values()):
-            try:
-                action(runner)
-            except LeaseLostError:
-                self.drop(runner.shard)
-
-    def _timeout(self, now: float) -> float:
-        if not self.barrier and any(r.buffered() for r in self.runners.values()):
-            return 0.0  # fold only what is already waiting: look, don't wait
-        until = [self.next_tick, now + self.poll_s]
-        until += [d for r in self.runners.values() if (d := r.deadline()) is not None]
-        return max(0.0, min(until) - now)
-
-    def _drained(self) -> bool:
-        """Burst mode: our share of shards held and loaded, nothing buffered, nothing queued.
-
-        (A burst worker that can never get its share, W > S, runs until `stop`.)"""
-        if self.unloaded or len(self.runners) < self.target:
-            return False
-        if any(r.buffered() for r in self.runners.values()):
-            return False
-        return all(self.broker.queue_depth(q) == 0 for q in self.runners)

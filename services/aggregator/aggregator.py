@@ -79,6 +79,7 @@ class Aggregator:
                 outbox,
                 inbox,
                 self._strategy,
+                stats=self.round_stats,
                 sink=self._sink,
                 evaluator=self._evaluator,
                 clock=self._clock,
@@ -86,7 +87,6 @@ class Aggregator:
                 logger=self._log,
                 poll_s=self._poll_s,
             )
-            driver.stats = self.round_stats
             records, status = self._rounds(store, driver, stop)
         except Exception as exc:
             self._sink.finish(f"failed: {type(exc).__name__}: {exc}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from broker.messages import ConfigValue
 from services.aggregator.evaluation import VersionEval
 from services.algorithms.base import ClientUpdate
 from services.report.records import VersionRecord
@@ -90,3 +91,18 @@ def build_record(
         late_updates=traffic.late_updates,
         extra=extra,
     )
+
+
+def event_data(record: VersionRecord) -> dict[str, ConfigValue]:
+    """The `version_published` event's payload (NaN metrics, i.e. not evaluated, left out)."""
+    data: dict[str, ConfigValue] = {
+        "round": record.round,
+        "participants": record.participants,
+        "samples": record.samples,
+        "late_updates": record.late_updates,
+    }
+    for name in ("global_accuracy", "global_loss", "personal_accuracy", "train_loss"):
+        value = float(getattr(record, name))
+        if value == value:
+            data[name] = value
+    return data

@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.errors import UnroutableError, VersionConflictError
-from broker.messages import ConfigValue, RoundEnd, RoundStart, WeightsAssignment, new_message_id
-from broker.store import CLIENT_PART, SERVER_PART, BlobRef, WeightStore
+from broker.errors import VersionConflictError
+from broker.store import WeightStore
+from services.aggregator.closing import aggregate_and_publish
 from services.aggregator.cohort import sample_cohort
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import ClosedGate, Decision, OpenRound, reference_of
 from services.aggregator.inbox import UpdateInbox
-from services.aggregator.metrics import RoundTraffic, build_record
+from services.aggregator.metrics import RoundTraffic, build_record, event_data
+from services.aggregator.notices import (
+    announce_round,
+    assign_round,
+    cohort_shards,
+    dismiss,
+    end_round,
+)
 from services.aggregator.replicas import gather_replicas
 from services.algorithms.base import ShardReplica, Strategy
 from services.config.root import Settings
-from services.coordinator.handout import WeightsCache, client_config
+from services.coordinator.handout import WeightsCache
 from services.coordinator.membership import MemberInfo, client_members
 from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
@@ -57,6 +64,7 @@ class RoundDriver:
         inbox: UpdateInbox,
         strategy: Strategy,
         *,
+        stats: RoundStats,
         sink: MetricsSink,
         evaluator: Evaluator | None,
         clock: Callable[[], float],
@@ -77,7 +85,7 @@ class RoundDriver:
         self._poll_s = poll_s
         self._job = settings.job.name
         self._started = clock()
-        self.stats = RoundStats()
+        self.stats = stats
 
     def run_round(self, version: int) -> VersionRecord | None:
         """Train version `version` into the next; the record, or None when stopped or when
@@ -123,8 +131,9 @@ class RoundDriver:
         self, version: int, attempt: int, earlier: frozenset[str], ledger: _Ledger
     ) -> OpenRound | None:
         r = version - 1
-        gate = ClosedGate(r if attempt else r - 1)
-        live = self._await_members(r, version, gate)
+        # Before round r opens, its updates can only come from an earlier attempt at it (this
+        # run's, or a predecessor's): late, not malformed.
+        live = self._await_members(r, version, ClosedGate(r))
         if live is None:
             return None
         chosen = sample_cohort(
@@ -138,7 +147,9 @@ class RoundDriver:
         weights = WeightsCache(self._store, self._job, version)
         global_client, global_aux = weights.global_weights()
         client_ref, aux_ref = reference_of(global_client), reference_of(global_aux)
-        if self._strategy.splits and not self._announce(version, cohort):
+        if self._strategy.splits and not announce_round(
+            self._outbox, self._job, version, cohort, self._stop
+        ):
             return None
         state = OpenRound(
             round=r,
@@ -151,26 +162,9 @@ class RoundDriver:
             aux_ref=aux_ref,
             earlier=earlier,
         )
-        for client, info in cohort.items():
-            client_weights, aux_weights = weights.for_client(client)
-            assignment = WeightsAssignment(
-                job=self._job,
-                client=client,
-                message_id=new_message_id(),
-                version=version,
-                round=r,
-                participate=True,
-                client_weights=client_weights,
-                aux_weights=aux_weights,
-                config=client_config(self._settings, info.partition),
-            )
-            try:
-                ledger.assignment_bytes += self._outbox.reply(client, assignment)
-            except UnroutableError:
-                self._log.warning(
-                    "job %s: client %s has no reply queue; not waiting for it", self._job, client
-                )
-                state.dropped.add(client)
+        assigned = assign_round(self._outbox, self._settings, weights, cohort, self._log)
+        ledger.assignment_bytes += assigned.bytes_sent
+        state.dropped.update(assigned.unreachable)
         self._log.info(
             "job %s: round %d opened (version %d, cohort %s)", self._job, r, version, sorted(cohort)
         )
@@ -178,19 +172,6 @@ class RoundDriver:
             "round_opened", version, {"round": r, "cohort": len(cohort), "attempt": attempt}
         )
         return state
-
-    def _announce(self, version: int, cohort: Mapping[str, MemberInfo]) -> bool:
-        """RoundStart to every shard with cohort members, ahead of the round's batches."""
-        by_shard: dict[int, dict[str, ConfigValue]] = {}
-        for client, info in sorted(cohort.items()):
-            by_shard.setdefault(info.shard, {})[client] = info.samples
-        for shard, participants in sorted(by_shard.items()):
-            start = RoundStart(
-                self._job, "", new_message_id(), version, version - 1, shard, participants
-            )
-            if not self._outbox.to_shard(shard, start, self._stop):
-                return False
-        return True
 
     # --- collecting ---------------------------------------------------------------------------
     def _collect(self, state: OpenRound) -> Decision | None:
@@ -220,24 +201,9 @@ class RoundDriver:
         replicas = self._replicas(state)
         if replicas is None:
             return None
-        version = state.version
-        previous = {
-            ref: self._store.read_blob(self._job, version, ref)
-            for ref in self._store.manifest(self._job, version).entries
-        }
-        updates = [state.updates[c] for c in sorted(state.updates)]
-        blobs = self._strategy.aggregate(previous, updates, replicas)
-        samples = {BlobRef(CLIENT_PART): sum(u.samples for u in updates)}
-        if replicas:
-            samples[BlobRef(SERVER_PART)] = sum(r.samples for r in replicas)
-        meta = {"round": str(state.round), "participants": ",".join(sorted(state.updates))}
         try:
-            published = self._store.publish_version(
-                self._job,
-                version,
-                blobs,
-                samples={k: v for k, v in samples.items() if k in blobs},
-                meta=meta,
+            published = aggregate_and_publish(
+                self._store, self._job, self._strategy, state, replicas
             )
         except VersionConflictError as exc:
             self.stats.conflicts += 1
@@ -245,7 +211,7 @@ class RoundDriver:
                 "job %s: version %d was published by another aggregator (now %d); "
                 "dropping round %d",
                 self._job,
-                version + 1,
+                state.version + 1,
                 exc.actual,
                 state.round,
             )
@@ -254,7 +220,8 @@ class RoundDriver:
         self._inbox.release()
         self.stats.rounds += 1
         classes = {c: info.classes for c, info in state.cohort.items()}
-        evaluation = self._evaluator.evaluate(blobs, classes) if self._evaluator else None
+        evaluator = self._evaluator
+        evaluation = evaluator.evaluate(published.blobs, classes) if evaluator else None
         traffic = RoundTraffic(
             round_s=round_s,
             update_bytes=self._inbox.stats.accepted_bytes - ledger.bytes_at_open,
@@ -262,10 +229,10 @@ class RoundDriver:
             late_updates=self._inbox.stats.late - ledger.late_at_open,
         )
         record = build_record(
-            version=published,
+            version=published.version,
             round_index=state.round,
             elapsed_s=self._clock() - self._started,
-            updates=updates,
+            updates=published.updates,
             traffic=traffic,
             evaluation=evaluation,
         )
@@ -274,22 +241,20 @@ class RoundDriver:
             "job %s: round %d closed: version %d from %d updates, %d replicas; accuracy %.4f",
             self._job,
             state.round,
-            published,
-            len(updates),
+            published.version,
+            len(published.updates),
             len(replicas),
             record.global_accuracy,
         )
-        self._outbox.event("version_published", published, _event_data(record))
+        self._outbox.event("version_published", published.version, event_data(record))
         return record
 
     def _replicas(self, state: OpenRound) -> list[ShardReplica] | None:
         if not self._strategy.splits:
             return []
-        shards = sorted({info.shard for info in state.cohort.values()})
-        for shard in shards:
-            end = RoundEnd(self._job, "", new_message_id(), state.version, state.round, shard)
-            if not self._outbox.to_shard(shard, end, self._stop):
-                return None
+        shards = list(cohort_shards(state.cohort))
+        if not end_round(self._outbox, self._job, state.version, shards, self._stop):
+            return None
         return gather_replicas(
             self._store,
             self._job,
@@ -305,35 +270,7 @@ class RoundDriver:
     def finish(self, version: int) -> None:
         """Tell every live member the job is over (architecture step 7)."""
         rounds = self._settings.job.rounds
-        for client in sorted(client_members(self._store, self._job)):
-            done = WeightsAssignment(
-                self._job,
-                client,
-                new_message_id(),
-                version,
-                rounds,
-                False,
-                {},
-                {},
-                {"finished": True},
-            )
-            try:
-                self._outbox.reply(client, done)
-            except UnroutableError:
-                self._log.info("job %s: finished client %s has no reply queue", self._job, client)
+        members = sorted(client_members(self._store, self._job))
+        dismiss(self._outbox, self._settings, version, members, self._log)
         self._outbox.event("job_finished", version, {"rounds": rounds})
         self._log.info("job %s: finished after %d rounds (version %d)", self._job, rounds, version)
-
-
-def _event_data(record: VersionRecord) -> dict[str, ConfigValue]:
-    data: dict[str, ConfigValue] = {
-        "round": record.round,
-        "participants": record.participants,
-        "samples": record.samples,
-        "late_updates": record.late_updates,
-    }
-    for name in ("global_accuracy", "global_loss", "personal_accuracy", "train_loss"):
-        value = float(getattr(record, name))
-        if value == value:  # NaN (not evaluated) is left out
-            data[name] = value
-    return data

@@ -66,7 +66,9 @@ def up(
     path, file_settings = load(config)
     n_workers = workers or file_settings.workers.count
     n_clients = clients or file_settings.clients.count
-    env = child_env(os.environ, workers=n_workers, clients=n_clients)
+    # Fewer clients than the file's round-1 quorum would never start: lower it to match.
+    min_to_start = min(file_settings.clients.min_to_start, n_clients)
+    env = child_env(os.environ, workers=n_workers, clients=n_clients, min_to_start=min_to_start)
     try:
         # The children's exact view (counts and kinds overridden), checked before any starts.
         settings = load_settings(path, env)

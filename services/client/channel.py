@@ -3,7 +3,8 @@
 Replies are matched by `seq`. A reply for another seq is a duplicate (a worker that took the
 shard over after a failover answers batches the client already got an answer for) and is
 dropped; a batch with no answer after `reply_timeout_s` is published again with the same seq,
-which the worker recognises if it had applied it.
+which the worker recognises if it had applied it (answering the copy with status "stale").
+After `max_republish` copies without an answer the round is given up.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from broker.codec import encode
-from broker.errors import EncodeError
+from broker.errors import EncodeError, MessageTooLargeError
 from broker.messages import (
     Error,
     GradientReply,
@@ -25,7 +26,7 @@ from broker.messages import (
     new_message_id,
 )
 from broker.topology import SMASHED_EXCHANGE, shard_routing_key
-from services.client.errors import RoundAborted
+from services.client.errors import ClientError, RoundAborted
 from services.client.link import ClientLink
 from services.client.stats import ClientStats
 
@@ -87,6 +88,7 @@ class BrokerChannel:
         seqs: SeqBook,
         *,
         reply_timeout_s: float,
+        max_republish: int,
         stats: ClientStats,
         clock: Callable[[], float],
         logger: logging.Logger,
@@ -95,6 +97,7 @@ class BrokerChannel:
         self._ctx = context
         self._seqs = seqs
         self._reply_timeout_s = reply_timeout_s
+        self._max_republish = max_republish
         self._stats = stats
         self._clock = clock
         self._log = logger
@@ -132,7 +135,16 @@ class BrokerChannel:
             body = encode(batch)
         except EncodeError as exc:  # non-finite activations: the local model diverged
             raise RoundAborted(f"step {step}: cannot send smashed data: {exc}") from None
-        self._link.publish(SMASHED_EXCHANGE, self._routing_key, body, message_id=batch.message_id)
+        try:
+            self._link.publish(
+                SMASHED_EXCHANGE, self._routing_key, body, message_id=batch.message_id
+            )
+        except MessageTooLargeError as exc:
+            raise ClientError(
+                f"job {ctx.job} client {ctx.client}: one smashed batch is {len(body)} bytes, "
+                f"more than the broker takes ({exc}); lower algorithm.batch_size, use "
+                "smashed_dtype float16, or raise broker.max_message_bytes with the server limit"
+            ) from None
         self._stats.batches_sent += 1
         return batch, body
 
@@ -151,10 +163,17 @@ class BrokerChannel:
             return None
 
         deadline = self._clock() + self._reply_timeout_s
+        republished = 0
         while True:
             message = self._link.poll(max(0.0, deadline - self._clock()), check=check)
             if message is None:
                 if self._clock() >= deadline:
+                    if republished >= self._max_republish:
+                        raise RoundAborted(
+                            f"round {self._ctx.round}: no gradient for seq {batch.seq} after "
+                            f"{republished + 1} tries of {self._reply_timeout_s:.1f} s"
+                        )
+                    republished += 1
                     self._republish(batch, body)
                     deadline = self._clock() + self._reply_timeout_s
                 continue
@@ -178,6 +197,11 @@ class BrokerChannel:
                     reply.seq,
                     batch.seq,
                 )
+            return None
+        if reply.status == "stale":
+            # The worker already holds this seq (applied, or waiting in MiniBatch-SFL's step
+            # barrier) and saw our republished copy: its real answer is on the way.
+            self._stats.stale_replies += 1
             return None
         if reply.status != "ok":
             raise RoundAborted(

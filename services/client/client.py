@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from broker.errors import EncodeError
 from broker.messages import (
     Error,
     GradientReply,
@@ -78,6 +79,7 @@ class Client:
         join_retry_s: float = 5.0,
         join_give_up_s: float = 120.0,
         route_wait_s: float = 60.0,
+        max_republish: int = 5,
         backoff: Backoff | None = None,
         seq_start: int | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -96,6 +98,7 @@ class Client:
         self._join_retry_s = join_retry_s
         self._join_give_up_s = join_give_up_s
         self._route_wait_s = route_wait_s
+        self._max_republish = max_republish
         self._backoff = backoff or Backoff()
         # Seqs must keep rising across restarts of a client (workers skip seq <= last applied),
         # so by default they start at the wall clock in microseconds.
@@ -251,6 +254,7 @@ class Client:
             seqs=SeqBook(self._seq_start),
             stats=stats,
             reply_timeout_s=self._settings.clients.reply_timeout_s,
+            max_republish=self._max_republish,
             clock=self._clock,
             logger=self._log,
         )
@@ -278,26 +282,28 @@ class Client:
         stats: ClientStats,
     ) -> None:
         link.version = assignment.version
+        shard = config_int(assignment.config, "shard")
+        plan = member.plan.updated(assignment.config)
         member = Membership(
-            shard=config_int(assignment.config, "shard") or member.shard,
+            shard=member.shard if shard is None else shard,
             cut=member.cut,
             partition=member.partition,
-            plan=member.plan.updated(assignment.config),
-            strategy=member.strategy,
+            plan=plan,
+            strategy=(
+                member.strategy
+                if plan.algorithm == member.plan.algorithm
+                else build_strategy(plan.algorithm)
+            ),
         )
         try:
             update = runner.run(member, assignment)
-        except RoundAborted as exc:
-            stats.rounds_aborted += 1
-            self._log.warning(
-                "job %s client %s: round %d dropped: %s",
-                self._job,
-                self.client_id,
-                assignment.round,
-                exc,
-            )
+            link.send(CONTROL_EXCHANGE, updates_routing_key(self._job), update)
+        except EncodeError as exc:  # non-finite weights: the local model diverged
+            self._dropped(stats, assignment, exc)
             return
-        link.send(CONTROL_EXCHANGE, updates_routing_key(self._job), update)
+        except RoundAborted as exc:
+            self._dropped(stats, assignment, exc)
+            return
         stats.rounds += 1
         self._log.info(
             "job %s client %s: round %d done at version %d: %s",
@@ -306,6 +312,16 @@ class Client:
             assignment.round,
             assignment.version,
             {k: round(v, 4) for k, v in update.metrics.items()},
+        )
+
+    def _dropped(self, stats: ClientStats, assignment: WeightsAssignment, exc: Exception) -> None:
+        stats.rounds_aborted += 1
+        self._log.warning(
+            "job %s client %s: round %d dropped: %s",
+            self._job,
+            self.client_id,
+            assignment.round,
+            exc,
         )
 
     # --- checks and notes -------------------------------------------------------------------------

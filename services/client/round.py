@@ -59,6 +59,7 @@ class RoundRunner:
     seqs: SeqBook
     stats: ClientStats
     reply_timeout_s: float
+    max_republish: int
     clock: Callable[[], float]
     logger: logging.Logger
 
@@ -89,6 +90,7 @@ class RoundRunner:
             ),
             self.seqs,
             reply_timeout_s=self.reply_timeout_s,
+            max_republish=self.max_republish,
             stats=self.stats,
             clock=self.clock,
             logger=self.logger,

@@ -15,6 +15,7 @@ class ClientStats:
     republished: int = 0  # SmashedBatches sent again after reply_timeout_s
     replies_received: int = 0  # GradientReplies applied or tallied
     duplicates_dropped: int = 0  # GradientReplies for a seq no longer awaited
+    stale_replies: int = 0  # "stale" answers to a republished copy of the awaited seq
     backpressure_retries: int = 0
     unroutable_retries: int = 0
     errors_received: int = 0  # Error replies (round_closed...)

@@ -2,6 +2,8 @@
 
 Figures are built on matplotlib's object API with an explicit Agg canvas: no pyplot, so no
 global figure registry, no GUI backend and no rcParams change in whoever imports this.
+matplotlib is imported on first use: only the process that writes the report pays for it
+(every `splitmq` role process imports this module through the CLI).
 """
 
 from __future__ import annotations
@@ -9,9 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from services.report.records import VersionRecord
 
@@ -31,6 +30,9 @@ def _plot(
     ylabel: str,
     percent: bool = False,
 ) -> Path | None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     xs = [r.round + 1 for r in records]  # counted from 1, as in the summary
     figure = Figure(figsize=(6.4, 4.0), dpi=100)
     FigureCanvasAgg(figure)

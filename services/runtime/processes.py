@@ -70,13 +70,17 @@ def child_specs(workers: int, clients: int, run_dir: Path) -> list[ChildSpec]:
     return specs
 
 
-def child_env(base: Mapping[str, str], *, workers: int, clients: int) -> dict[str, str]:
+def child_env(
+    base: Mapping[str, str], *, workers: int, clients: int, min_to_start: int | None = None
+) -> dict[str, str]:
     """The children's environment: real broker/store, the counts `up` was given, unbuffered."""
     env = dict(base)
     env["SPLITMQ_BROKER"] = "rabbitmq"
     env["SPLITMQ_STORE"] = "redis"
     env["SPLITMQ_WORKERS__COUNT"] = str(workers)
     env["SPLITMQ_CLIENTS__COUNT"] = str(clients)
+    if min_to_start is not None:
+        env["SPLITMQ_CLIENTS__MIN_TO_START"] = str(min_to_start)
     env["PYTHONUNBUFFERED"] = "1"
     # Children import the same code as this process, installed or run from a checkout.
     root = str(Path(services.__file__).resolve().parent.parent)

@@ -61,10 +61,7 @@ def test_one_round_over_rabbitmq_and_redis(settings: Settings) -> None:
         for i, (client, samples) in enumerate(SAMPLES.items()):
             add_member(store, job, client, samples=samples, partition=i)
         declare_all(backends, settings, list(SAMPLES))
-        fakes = [
-            FakeClient(c, n, lambda r, v=float(i + 1): v)
-            for i, (c, n) in enumerate(SAMPLES.items())
-        ]
+        fakes = [FakeClient(c, n, constant(i + 1.0)) for i, (c, n) in enumerate(SAMPLES.items())]
         worker = FakeWorker(store.read_blob(job, 1, BlobRef(SERVER_PART)), constant(-2.0))
         sink = ListSink()
         aggregator = Aggregator(settings, backends, sink=sink, poll_s=0.05)

@@ -147,7 +147,7 @@ class SpyBackends(Backends):
 
     def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
         inner = super().open_broker(name, give_up_after=give_up_after)
-        return RefusalSpy(inner, self.refused)  # type: ignore[return-value]
+        return RefusalSpy(inner, self.refused)
 
 
 def test_back_pressure_is_retried_until_the_worker_catches_up(job: str, dataset: Dataset) -> None:
@@ -174,8 +174,31 @@ def test_reply_timeout_republishes_the_same_seq(job: str, dataset: Dataset) -> N
     seqs = sorted({seq for seq, _ in run.log.batches})
     assert seqs == list(range(seqs[0], seqs[0] + settings.algorithm.max_steps_per_round))
     assert run.stats.republished == len(run.log.batches) - len(seqs) >= 1
+    # Heartbeats go on while the client waits (>= 0.2 s here, one every 0.05 s).
+    assert run.log.heartbeats >= 3
     reference = reference_split(settings, dataset, 3, rounds=1)[0]
     assert max_diff(dict(run.log.updates[0].client_weights), reference) <= TOL
+
+
+def test_stale_answer_to_a_copy_keeps_the_client_waiting(job: str, dataset: Dataset) -> None:
+    # MiniBatch-SFL's barrier can hold a batch past the reply timeout: the worker answers the
+    # client's copy "stale" at once and the real gradient later.
+    settings = make_settings(job, clients={"reply_timeout_s": 0.2})
+    run = run_client(settings, dataset, PeerScript(stale_before_ok=True))
+
+    assert run.stats.stale_replies >= 1 and run.stats.rounds_aborted == 0
+    reference = reference_split(settings, dataset, 3, rounds=1)[0]
+    assert max_diff(dict(run.log.updates[0].client_weights), reference) <= TOL
+
+
+def test_client_gives_up_a_seq_nobody_answers(job: str, dataset: Dataset) -> None:
+    settings = make_settings(job, clients={"reply_timeout_s": 0.05})
+    run = run_client(settings, dataset, PeerScript(silent_until_finish=3), max_republish=2)
+
+    assert [seq for seq, _ in run.log.batches] == [run.log.batches[0][0]] * 3
+    assert run.stats.republished == 2
+    assert run.stats.rounds_aborted == 1 and run.stats.rounds == 0
+    assert run.log.updates == [] and run.stats.finished
 
 
 def test_finished_assignment_makes_the_client_leave(job: str, dataset: Dataset) -> None:
@@ -271,12 +294,14 @@ def test_stop_while_idle_sends_leave(job: str, dataset: Dataset) -> None:
     peers.start()
     assert peers.ready.wait(10)
     client = Client(settings, backends, client_id=CLIENT, partition=3, dataset=dataset)
-    threading.Timer(0.3, stop.set).start()
+    stopper = threading.Thread(target=lambda: peers.heartbeat_seen.wait(30) and stop.set())
+    stopper.start()
     try:
         stats = client.run(stop)
     finally:
         halt.set()
     log = peers.finish()
+    stopper.join()
 
     assert stats.rounds == 0 and not stats.finished
     assert [leave.reason for leave in log.leaves] == ["stopped"]

@@ -173,6 +173,8 @@ class PeerScript:
     finish_at_once: bool = False  # answer the Welcome with the job-finished assignment
     duplicate_replies: bool = False  # each GradientReply again, with a bogus gradient
     ignore_first_batch: bool = False  # no reply to the first SmashedBatch delivery
+    stale_before_ok: bool = False  # hold the first batch; answer its copy "stale", then "ok"
+    silent_until_finish: int = 0  # never answer; finish the job at this many deliveries
     reject_batches: bool = False  # GradientReply status "rejected", then finish the job
     bad_assignment: bool = False  # an assignment whose weights do not fit, before the real one
     shard_max_length: int | None = None
@@ -209,6 +211,7 @@ class ScriptedPeers(threading.Thread):
         self.halt = halt
         self.log = PeerLog()
         self.ready = threading.Event()
+        self.heartbeat_seen = threading.Event()  # the client has taken in its Welcome
         self.job = settings.job.name
         self.cut = settings.model.cut
         model = seeded_model(settings)
@@ -221,6 +224,7 @@ class ScriptedPeers(threading.Thread):
         self.version = 1
         self.round = 0
         self.applied_seq = -1
+        self.held: SmashedBatch | None = None
         limits = QueueLimits(max_length=script.shard_max_length or QueueLimits().max_length)
         self.queues: list[QueueSpec] = [
             dead_queue(self.job),
@@ -284,6 +288,7 @@ class ScriptedPeers(threading.Thread):
     def _control(self, broker: Broker, message: Message) -> None:
         if isinstance(message, Heartbeat):
             self.log.heartbeats += 1
+            self.heartbeat_seen.set()
         elif isinstance(message, Leave):
             self.log.leaves.append(message)
         elif isinstance(message, Join):
@@ -347,11 +352,30 @@ class ScriptedPeers(threading.Thread):
         if not isinstance(message, SmashedBatch):
             return  # the filler RoundStart
         self.log.batches.append((message.seq, message.message_id))
-        if self.script.ignore_first_batch and len(self.log.batches) == 1:
+        delivered = len(self.log.batches)
+        script = self.script
+        if script.silent_until_finish:
+            if delivered == script.silent_until_finish:
+                self._reply(broker, message.client, self._finished(message.client))
             return
-        if message.seq <= self.applied_seq:
-            return  # a republished batch already applied: the real worker skips it too
-        self.applied_seq = message.seq
+        if delivered == 1 and (script.ignore_first_batch or script.stale_before_ok):
+            self.held = message if script.stale_before_ok else None
+            return
+        held = self.held
+        if message.seq <= self.applied_seq or (held is not None and message.seq == held.seq):
+            # What the real worker does with a copy of a seq it holds or has applied.
+            stale = GradientReply(
+                self.job, message.client, new_message_id(), self.version, message.seq,
+                "stale", 0.0, 0, 0, None, "duplicate",
+            )  # fmt: skip
+            self._reply(broker, message.client, stale)
+            if held is not None:
+                self.held = None
+                self._apply(broker, held)
+            return
+        self._apply(broker, message)
+
+    def _apply(self, broker: Broker, message: SmashedBatch) -> None:
         if self.script.reject_batches:
             reply = GradientReply(
                 self.job, message.client, new_message_id(), self.version, message.seq,
@@ -360,6 +384,7 @@ class ScriptedPeers(threading.Thread):
             self._reply(broker, message.client, reply)
             self._reply(broker, message.client, self._finished(message.client))
             return
+        self.applied_seq = message.seq
         result = sequential_step(self.server, self.server_opt, message.activations, message.labels)
         grad = result.grads[0]
         reply = GradientReply(

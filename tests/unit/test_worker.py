@@ -20,7 +20,7 @@ from broker.topology import REPLIES_EXCHANGE, dead_queue_name, shard_queue_name
 from broker.transport import REASON_HEADER, Broker, Delivery
 from services.algorithms.server_math import sequential_step, weighted_step
 from services.runtime.backends import Backends, Embedded
-from test_worker_support import (
+from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
     one_torch_thread,
@@ -309,7 +309,7 @@ class KillingBackends:
     def open_broker(self, name: str = "", **_: Any) -> Broker:
         inner = self._real.open_broker(name)
         assert isinstance(inner, InMemoryBroker)
-        return KillingBroker(inner, **self._kill)  # type: ignore[return-value]
+        return KillingBroker(inner, **self._kill)
 
     def open_store(self) -> Any:
         return self._real.open_store()
@@ -320,8 +320,7 @@ class KillingBackends:
 # must be recognised as duplicates. Dying at reply 8 loses batches 6 and 7 after the second
 # checkpoint: redelivered, they must be applied again.
 @pytest.mark.parametrize("kill", [{"after_replies": 8}, {"at_ack": 6}], ids=["reply", "ack"])
-def test_killed_worker_resumes_from_checkpoint_exactly_once(job: str, kill: dict[str, int]
-                                                            ) -> None:
+def test_killed_worker_resumes_from_checkpoint_exactly_once(job: str, kill: dict[str, int]) -> None:
     settings, embedded, model, client = setup(job, ["c0"])
     gen = torch.Generator().manual_seed(7)
     batches = [random_batch(model, gen) for _ in range(10)]
@@ -330,8 +329,11 @@ def test_killed_worker_resumes_from_checkpoint_exactly_once(job: str, kill: dict
         client.batch("c0", seq, z, y, step=seq, steps=10)
     client.round_end(0)
 
-    doomed = Worker(settings, KillingBackends(backends(settings, embedded), **kill),  # type: ignore[arg-type]
-                    worker_id="doomed")
+    doomed = Worker(
+        settings,
+        KillingBackends(backends(settings, embedded), **kill),  # type: ignore[arg-type]
+        worker_id="doomed",
+    )
     with pytest.raises(Killed):
         doomed.run(threading.Event())
     at_death = embedded.store.load_checkpoint(job, 0)
@@ -352,3 +354,32 @@ def test_killed_worker_resumes_from_checkpoint_exactly_once(job: str, kill: dict
         sequential_step(server, optimizer, z, y)
     assert_same_weights(checkpoint.weights, server)
     assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])
+
+
+def test_a_poisoned_step_is_rolled_back_and_the_rest_applied_once(job: str) -> None:
+    settings, embedded, model, client = setup(job, ["c0"])
+    gen = torch.Generator().manual_seed(8)
+    good = [random_batch(model, gen) for _ in range(3)]
+    huge = torch.full_like(good[0][0], 3e38)  # finite on the wire, overflows in the server
+    client.round_start(0, {"c0": 24})
+    client.batch("c0", 0, *good[0])
+    client.batch("c0", 1, *good[1])
+    client.batch("c0", 2, huge, good[0][1])
+    client.batch("c0", 3, *good[2])
+    client.round_end(0)
+
+    stats = run_burst(settings, embedded)
+
+    assert stats.rollbacks == 1
+    assert stats.dead_lettered == Counter({"non_finite": 1})
+    assert [r.split(":", 1)[0] for r in dead_letters(client, job)] == ["non_finite"]
+    # Seqs 0 and 1 were served twice (before and after the rollback); the replica holds each
+    # once, in order, and seq 3 after them.
+    assert [r.seq for r in client.replies("c0")] == [0, 1, 0, 1, 3]
+    server, optimizer = reference_server(model, settings)
+    for z, y in good:
+        sequential_step(server, optimizer, z, y)
+    checkpoint = embedded.store.load_checkpoint(job, 0)
+    assert checkpoint is not None and checkpoint.applied == 3
+    assert checkpoint.meta["seqs"] == {"c0": 3}
+    assert_same_weights(checkpoint.weights, server)

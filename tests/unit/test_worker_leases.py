@@ -13,7 +13,7 @@ import torch
 from broker.memory_broker import InMemoryBroker
 from broker.memory_store import InMemoryWeightStore
 from services.runtime.backends import Backends, Embedded
-from test_worker_support import (
+from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
     one_torch_thread,
@@ -38,8 +38,9 @@ def settle(keepers: dict[str, LeaseKeeper], held: dict[str, set[int]], rounds: i
             held[name] |= set(plan.acquired)
 
 
-def assert_fair(store: InMemoryWeightStore, job: str, held: dict[str, set[int]], shards: int
-                ) -> None:
+def assert_fair(
+    store: InMemoryWeightStore, job: str, held: dict[str, set[int]], shards: int
+) -> None:
     cap = math.ceil(shards / len(held))
     assert all(len(h) <= cap for h in held.values()), held
     owners = [store.lease_owner(job, lease_name(s)) for s in range(shards)]
@@ -139,7 +140,9 @@ def test_two_workers_split_four_shards_and_hand_over_on_stop(job: str) -> None:
             stop.set()
             threads[name].join(timeout=30)
     a, b = results["a"], results["b"]
-    assert a.shards_released == a.shards_acquired == 2  # handed over, not lost
+    # Whatever "a" took (all four if it came first), it handed back, none was lost.
+    assert a.shards_released == a.shards_acquired >= 2
+    assert a.shards_lost == b.shards_lost == 0
     assert a.batches_applied == 2 and b.batches_applied == 6
     for shard in range(4):  # both batches of every shard are in its checkpoint
         checkpoint = embedded.store.load_checkpoint(job, shard)

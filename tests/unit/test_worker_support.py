@@ -1,6 +1,6 @@
 """Shared pieces of the worker tests: settings, a seeded version 1, a scripted client.
 
-No tests here; the worker test modules import it (pytest puts this directory on sys.path).
+No tests here; the worker test modules import it as `tests.unit.test_worker_support`.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def reference_server(model: SplitNet, settings: Settings) -> tuple[ServerModel, 
     return server, torch.optim.SGD(server.parameters(), lr=lr, momentum=settings.algorithm.momentum)
 
 
-def random_batch(model: SplitNet, gen: torch.Generator, rows: int = ROWS) -> tuple[torch.Tensor,
-                                                                                   torch.Tensor]:
+def random_batch(
+    model: SplitNet, gen: torch.Generator, rows: int = ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
     z = torch.randn((rows, *model.cut_shape(CUT)), generator=gen)
     y = torch.randint(0, model.num_classes, (rows,), generator=gen)
     return z, y
@@ -107,21 +108,45 @@ class ScriptedClient:
         body = message if isinstance(message, bytes) else encode(message)
         self.broker.publish(SMASHED_EXCHANGE, shard_routing_key(self.job, shard), body)
 
-    def round_start(self, round_: int, participants: Mapping[str, int], *, shard: int = 0,
-                    version: int = 1) -> None:
-        self.publish(shard, RoundStart(self.job, "", new_message_id(), version, round_, shard,
-                                       dict(participants)))
+    def round_start(
+        self, round_: int, participants: Mapping[str, int], *, shard: int = 0, version: int = 1
+    ) -> None:
+        self.publish(
+            shard,
+            RoundStart(self.job, "", new_message_id(), version, round_, shard, dict(participants)),
+        )
 
     def round_end(self, round_: int, *, shard: int = 0, version: int = 1) -> None:
         self.publish(shard, RoundEnd(self.job, "", new_message_id(), version, round_, shard))
 
-    def batch(self, client: str, seq: int, z: torch.Tensor, y: torch.Tensor, *, shard: int = 0,
-              round_: int = 0, step: int = 0, steps: int = 0, version: int = 1,
-              job: str | None = None, to: int | None = None) -> SmashedBatch:
+    def batch(
+        self,
+        client: str,
+        seq: int,
+        z: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        shard: int = 0,
+        round_: int = 0,
+        step: int = 0,
+        steps: int = 0,
+        version: int = 1,
+        job: str | None = None,
+        to: int | None = None,
+    ) -> SmashedBatch:
         """Publish a SmashedBatch to shard `to` (default: the shard it names)."""
         message = SmashedBatch(
-            job=job or self.job, client=client, message_id=new_message_id(), version=version,
-            seq=seq, shard=shard, round=round_, step=step, activations=z, labels=y, steps=steps,
+            job=job or self.job,
+            client=client,
+            message_id=new_message_id(),
+            version=version,
+            seq=seq,
+            shard=shard,
+            round=round_,
+            step=step,
+            activations=z,
+            labels=y,
+            steps=steps,
         )
         self.publish(shard if to is None else to, message)
         return message
@@ -131,8 +156,9 @@ class ScriptedClient:
         waiting = self.broker.queue_depth(reply_queue_name(self.job, client))
         return self.drain_replies(client, waiting)
 
-    def drain_replies(self, client: str, expected: int, *, timeout: float = 20.0
-                      ) -> list[GradientReply]:
+    def drain_replies(
+        self, client: str, expected: int, *, timeout: float = 20.0
+    ) -> list[GradientReply]:
         """Exactly the replies up to `expected` (waiting for each at most `timeout`)."""
         queue = reply_queue_name(self.job, client)
         self.broker.subscribe(queue, prefetch=100)

@@ -1,0 +1,125 @@
+"""Design §7 on real RabbitMQ and Redis: a worker process killed with SIGKILL loses no batch,
+and its successor applies none twice.
+
+The doomed worker runs in a `spawn`ed process (its own RabbitMQ connection, its own Redis
+client) and dies by SIGKILL after it has answered a few batches: no cleanup of any kind runs.
+RabbitMQ requeues what it had not acked; its lease expires; a second worker takes the shard
+over from the last checkpoint. The final replica must equal every batch applied exactly once,
+in order, computed here with `server_math`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from broker.topology import QueueLimits, job_queues, reply_queue_name
+from services.algorithms.server_math import sequential_step
+from services.runtime.backends import Backends
+from tests.unit.test_worker_support import (
+    ScriptedClient,
+    make_settings,
+    one_torch_thread,
+    random_batch,
+    reference_server,
+    seed_version,
+)
+from workers.entry import run_worker_process
+from workers.worker import Worker
+
+__all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
+
+BATCHES = 12
+ANSWERED_BEFORE_KILL = 5
+
+
+@pytest.fixture
+def real(amqp_url: str, redis_url: str, job: str) -> Iterator[tuple[Any, Backends]]:
+    settings = make_settings(
+        job,
+        broker={"kind": "rabbitmq", "amqp_url": amqp_url, "reconnect_give_up_s": 20.0},
+        store={"kind": "redis", "redis_url": redis_url},
+        clients={"count": 1},
+        workers={"lease_ttl_s": 3.0},
+    )
+    backends = Backends(settings.broker, settings.store)
+    yield settings, backends
+    cleanup = backends.open_broker(f"{job}-cleanup")
+    try:
+        for spec in job_queues(job, settings.shards):
+            cleanup.delete_queue(spec.name)
+        cleanup.delete_queue(reply_queue_name(job, "c0"))
+    finally:
+        cleanup.close()
+    store = backends.open_store()
+    try:
+        store.delete_job(job)
+    finally:
+        store.close()
+
+
+def test_sigkilled_worker_process_loses_no_batch_and_applies_none_twice(
+    real: tuple[Any, Backends], job: str
+) -> None:
+    settings, backends = real
+    store = backends.open_store()
+    broker = backends.open_broker(f"{job}-client")
+    process: multiprocessing.process.BaseProcess | None = None
+    try:
+        model = seed_version(store, settings)
+        client = ScriptedClient(broker, job)
+        limits = QueueLimits(
+            settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
+        )
+        client.declare(["c0"], limits)
+        gen = torch.Generator().manual_seed(11)
+        batches = [random_batch(model, gen) for _ in range(BATCHES)]
+        client.round_start(0, {"c0": 8 * BATCHES})
+        for seq, (z, y) in enumerate(batches):
+            client.batch("c0", seq, z, y, step=seq, steps=BATCHES)
+        client.round_end(0)
+
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_worker_process, args=(settings.model_dump_json(), "doomed"), daemon=True
+        )
+        process.start()
+        answered = client.drain_replies("c0", ANSWERED_BEFORE_KILL, timeout=90.0)
+        assert len(answered) == ANSWERED_BEFORE_KILL, "the worker process never got going"
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(timeout=30)
+        assert process.exitcode == -signal.SIGKILL
+        at_death = store.load_checkpoint(job, 0)
+        applied_at_death = 0 if at_death is None else at_death.applied
+
+        heir = Worker(settings, backends, worker_id="heir")
+        stats = heir.run(threading.Event(), burst=True)
+    finally:
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(timeout=10)
+        broker.close()
+
+    checkpoint = store.load_checkpoint(job, 0)
+    store.close()
+    assert checkpoint is not None
+    assert checkpoint.applied == BATCHES, "a batch was lost or applied twice"
+    assert checkpoint.meta["seqs"] == {"c0": BATCHES - 1}
+    assert checkpoint.meta["round"] == 0 and checkpoint.meta["round_samples"] == 8 * BATCHES
+    assert stats.batches_applied == BATCHES - applied_at_death
+    server, optimizer = reference_server(model, settings)
+    for z, y in batches:
+        sequential_step(server, optimizer, z, y)
+    expected = server.state_dict()
+    for name, tensor in checkpoint.weights.items():
+        assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=f"weight {name}")

@@ -1,0 +1,149 @@
+"""The worker's pure pieces: the step barrier, validation, device choice, replica bookkeeping."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from broker.memory_store import InMemoryWeightStore
+from broker.messages import RoundStart, SmashedBatch
+from tests.unit.test_worker_support import CUT, make_settings, seed_version
+from workers.barrier import StepBarrier
+from workers.checks import ShardExpectations, check_batch, check_membership, parse_cohort
+from workers.model import job_hyper, job_model, pick_device
+from workers.replica import Replica, open_replica
+
+COHORT = {"a": 10, "b": 20, "c": 30}
+
+
+def test_barrier_waits_for_every_running_client() -> None:
+    barrier: StepBarrier[str] = StepBarrier(timeout_s=5.0)
+    progress: dict[str, tuple[int, int]] = {}
+    barrier.add("a", "a0", now=0.0)
+    barrier.add("c", "c0", now=0.5)
+    assert not barrier.ready(COHORT, progress)
+    barrier.add("b", "b0", now=1.0)
+    assert barrier.ready(COHORT, progress)
+    assert barrier.take(COHORT, progress) == ["a0", "b0", "c0"]  # cohort order
+    assert len(barrier) == 0 and not barrier.dropped
+
+
+def test_barrier_stops_expecting_clients_that_finished() -> None:
+    barrier: StepBarrier[str] = StepBarrier(timeout_s=5.0)
+    progress = {"a": (1, 3), "b": (0, 1), "c": (1, 3)}  # b took its only step already
+    barrier.add("a", "a2", now=0.0)
+    assert not barrier.ready(COHORT, progress)
+    barrier.add("c", "c2", now=0.0)
+    assert barrier.ready(COHORT, progress)
+
+
+def test_barrier_timeout_drops_the_missing_for_the_rest_of_the_round() -> None:
+    barrier: StepBarrier[str] = StepBarrier(timeout_s=5.0)
+    progress: dict[str, tuple[int, int]] = {}
+    barrier.add("a", "a0", now=10.0)
+    barrier.add("b", "b0", now=12.0)
+    assert barrier.deadline() == 15.0
+    assert not barrier.expired(14.9) and barrier.expired(15.0)
+    assert barrier.take(COHORT, progress) == ["a0", "b0"]
+    assert barrier.dropped == {"c"}
+    barrier.add("a", "a1", now=16.0)
+    barrier.add("b", "b1", now=16.0)
+    assert barrier.ready(COHORT, progress)  # no more waiting for c
+    barrier.take(COHORT, progress)
+    barrier.add("c", "c0", now=20.0)  # c shows up late: served, alone if need be
+    assert barrier.ready({"c": 30}, progress)
+    barrier.new_round()
+    assert not barrier.dropped
+
+
+def test_barrier_serves_outsiders_with_the_next_step() -> None:
+    barrier: StepBarrier[str] = StepBarrier(timeout_s=5.0)
+    barrier.add("x", "x0", now=0.0)  # not in the cohort (another round's batch)
+    assert not barrier.ready({"a": 1}, {})
+    barrier.add("a", "a0", now=0.0)
+    assert barrier.take({"a": 1}, {}) == ["a0", "x0"]
+
+
+def batch(**overrides: object) -> SmashedBatch:
+    fields: dict[str, object] = {
+        "job": "j", "client": "a", "message_id": "m", "version": 1, "seq": 0, "shard": 0,
+        "round": 0, "step": 0, "activations": torch.zeros(4, 10, 12, 12),
+        "labels": torch.zeros(4, dtype=torch.int64),
+    }  # fmt: skip
+    fields.update(overrides)
+    return SmashedBatch(**fields)  # type: ignore[arg-type]
+
+
+WANT = ShardExpectations(job="j", shard=0, cut_shape=(10, 12, 12), num_classes=10)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code"),
+    [
+        ({}, None),
+        ({"job": "k"}, "wrong_job"),
+        ({"shard": 1}, "wrong_shard"),
+        ({"client": ""}, "bad_client"),
+        ({"activations": torch.zeros(4, 10, 12, 11)}, "bad_shape"),
+        ({"activations": torch.zeros(0, 10, 12, 12), "labels": torch.zeros(0)}, "bad_shape"),
+        ({"labels": torch.tensor([0, 1, 2, -1])}, "bad_labels"),
+        ({"labels": torch.tensor([0, 1, 2, 10])}, "bad_labels"),
+    ],
+)
+def test_batch_checks(overrides: dict[str, object], code: str | None) -> None:
+    problem = check_batch(batch(**overrides), WANT)
+    assert (problem[0] if problem else None) == code
+
+
+def test_membership_applies_to_the_round_of_the_known_cohort_only() -> None:
+    assert check_membership(batch(client="z"), 0, COHORT) is not None
+    assert check_membership(batch(client="z", round=1), 0, COHORT) is None
+    assert check_membership(batch(client="a"), 0, COHORT) is None
+
+
+def test_cohort_parsing_rejects_unusable_sample_counts() -> None:
+    start = RoundStart("j", "", "m", 1, 0, 0, {"a": 10, "b": 20})
+    assert parse_cohort(start, WANT) == ({"a": 10, "b": 20}, None)
+    for bad in ({"a": 0}, {"a": "ten"}, {"a": True}, {"": 3}):
+        cohort, problem = parse_cohort(RoundStart("j", "", "m", 1, 0, 0, bad), WANT)
+        assert cohort is None and problem is not None and problem[0] == "bad_cohort"
+
+
+def test_device_choice() -> None:
+    assert pick_device("auto", cuda_available=lambda: False).type == "cpu"
+    assert pick_device("auto", cuda_available=lambda: True).type == "cuda"
+    assert pick_device("cpu", cuda_available=lambda: True).type == "cpu"
+    with pytest.raises(ValueError, match="no CUDA"):
+        pick_device("cuda", cuda_available=lambda: False)
+
+
+def test_replica_checkpoint_round_trip_and_hand_in(job: str) -> None:
+    settings = make_settings(job)
+    store = InMemoryWeightStore()
+    template = job_model(settings)
+    hyper = job_hyper(settings)
+
+    def make() -> Replica:
+        return Replica(0, template, CUT, hyper.server_optimizer, torch.device("cpu"))
+
+    assert open_replica(store, job, make, logging.getLogger()) is None  # nothing published yet
+    seed_version(store, settings)
+    replica = open_replica(store, job, make, logging.getLogger())
+    assert replica is not None and replica.version == 1
+    replica.begin_round(0, {"a": 10})
+    replica.record("a", seq=4, step=0, steps=2, rows=8)
+    assert replica.end_round(0) and not replica.end_round(0)
+    store.save_checkpoint(job, replica.checkpoint())
+
+    resumed = open_replica(store, job, make, logging.getLogger())
+    assert resumed is not None
+    saved = store.load_checkpoint(job, 0)
+    assert saved is not None and saved.meta["round_samples"] == 8 and saved.meta["handed_in"]
+    # The round's samples were handed in: the resumed replica counts the next round afresh.
+    assert (resumed.applied, resumed.round, resumed.round_samples) == (1, 0, 0)
+    assert resumed.seqs == {"a": 4} and resumed.cohort == {"a": 10}
+    assert resumed.progress == {"a": (0, 2)}
+    for name, tensor in resumed.server.state_dict().items():
+        assert torch.equal(tensor, replica.server.state_dict()[name])
