@@ -7,13 +7,14 @@ hands each to the runner of its shard (`workers.shard`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.codec import decode
-from broker.errors import DecodeError
+from broker.errors import DecodeError, StaleDeliveryError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
@@ -254,7 +255,8 @@ class WorkerSession:
     def dispatch(self, delivery: Delivery) -> None:
         runner = self.runners.get(delivery.queue)
         if runner is None:  # not ours (any more): let the holder have it
-            self.broker.nack(delivery, requeue=True)
+            with contextlib.suppress(StaleDeliveryError):  # then it is back in the queue already
+                self.broker.nack(delivery, requeue=True)
             return
         try:
             message = decode(delivery.body)

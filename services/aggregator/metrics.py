@@ -21,6 +21,9 @@ TRAIN_ACCURACY = ("train_accuracy", "train_acc", "accuracy")
 BYTES_UP = ("bytes_up", "bytes_sent")
 BYTES_DOWN = ("bytes_down", "bytes_received")
 COMPUTE_S = ("compute_s",)
+# Samples actually trained this round; `WeightsUpdate.samples` is |D_k|, the averaging weight,
+# which max_steps_per_round may cap far below.
+TRAIN_SAMPLES = ("train_samples",)
 
 NAN = float("nan")
 
@@ -39,6 +42,11 @@ def sample_weighted(updates: Sequence[ClientUpdate], names: Sequence[str]) -> fl
     known = [(s, v) for s, v in pairs if v is not None and v == v]
     total = sum(s for s, _ in known)
     return sum(s * v for s, v in known) / total if total else NAN
+
+
+def trained(update: ClientUpdate) -> float:
+    reported = metric(update.metrics, TRAIN_SAMPLES)
+    return float(update.samples) if reported is None else reported
 
 
 def summed(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:
@@ -64,13 +72,13 @@ def build_record(
     traffic: RoundTraffic,
     evaluation: VersionEval | None,
 ) -> VersionRecord:
-    samples = sum(u.samples for u in updates)
+    samples = int(sum(trained(u) for u in updates))
     extra: dict[str, float] = {"round_s": traffic.round_s}
     compute = [metric(u.metrics, COMPUTE_S) for u in updates]
     if all(c is not None and c > 0 for c in compute) and compute:
         # Sum of the clients' own rates: what the cohort could do without waiting on anyone.
         extra["client_samples_per_s"] = sum(
-            u.samples / c for u, c in zip(updates, compute, strict=True) if c
+            trained(u) / c for u, c in zip(updates, compute, strict=True) if c
         )
     if evaluation is not None:
         extra["test_samples"] = float(evaluation.test_samples)

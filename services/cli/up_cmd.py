@@ -23,6 +23,7 @@ from services.runtime.processes import (
     clear_job,
     preflight,
 )
+from services.runtime.roles import worker_count
 
 
 @click.command()
@@ -65,24 +66,21 @@ def up(
     """
     path, file_settings = load(config)
     n_workers = workers or file_settings.workers.count
+    if not worker_count(file_settings):
+        n_workers = 0  # FedAvg: nothing is split, so there is nothing for a worker to train
     n_clients = clients or file_settings.clients.count
-    # Fewer clients than the file's round-1 quorum would never start: lower it to match.
-    min_to_start = min(file_settings.clients.min_to_start, n_clients)
-    env = child_env(os.environ, workers=n_workers, clients=n_clients, min_to_start=min_to_start)
-    try:
-        # The children's exact view (counts and kinds overridden), checked before any starts.
-        settings = load_settings(path, env)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+    settings, env = _children_settings(path, file_settings, n_workers, n_clients)
     problems = preflight(settings)
     if problems:
         raise click.ClickException(
             "splitmq up needs RabbitMQ and Redis:\n  " + "\n  ".join(problems)
         )
-    specs = child_specs(n_workers, n_clients, _run_dir(settings, report_dir))
+    run_dir = create_run_dir(
+        report_dir or Path(settings.report.dir), settings.job.name, datetime.now()
+    )
+    specs = child_specs(n_workers, n_clients, run_dir)
     if fresh:
         clear_job(settings, [s.name for s in specs if s.role == "client"])
-    run_dir = Path(specs[0].args[1])
     click.echo(
         f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
         f"{n_clients} client(s); run directory {run_dir}"
@@ -102,9 +100,17 @@ def up(
         raise click.exceptions.Exit(result.exit_code)
 
 
-def _run_dir(settings: Settings, report_dir: Path | None) -> Path:
-    base = report_dir or Path(settings.report.dir)
-    return create_run_dir(base, settings.job.name, datetime.now())
+def _children_settings(
+    path: Path, file_settings: Settings, workers: int, clients: int
+) -> tuple[Settings, dict[str, str]]:
+    """The children's environment and their exact view of the settings, validated up front."""
+    # Fewer clients than the file's round-1 quorum would never start: lower it to match.
+    min_to_start = min(file_settings.clients.min_to_start, clients)
+    env = child_env(os.environ, workers=max(workers, 1), clients=clients, min_to_start=min_to_start)
+    try:
+        return load_settings(path, env), env
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _summary(run_dir: Path) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.algorithms.registry import build_strategy
 from services.client.data import JobData
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
@@ -57,6 +58,11 @@ def build_client(
     return Client(settings, backends, client_id=client_id, partition=partition, dataset=dataset)
 
 
+def worker_count(settings: Settings) -> int:
+    """Workers to start: none when the algorithm has no server-side layers (FedAvg)."""
+    return settings.workers.count if build_strategy(settings.algorithm.name).splits else 0
+
+
 def embedded_roles(
     settings: Settings, backends: Backends, sink: MetricsSink, dataset: Dataset
 ) -> Sequence[RoleSpec]:
@@ -68,7 +74,7 @@ def embedded_roles(
     ]
     roles += [
         RoleSpec(f"worker-{i}", "worker", build_worker(settings, backends, worker_id=f"worker-{i}"))
-        for i in range(settings.workers.count)
+        for i in range(worker_count(settings))
     ]
     # One JobData: the clients share the loaded tensors and a single partitioning pass.
     shared = JobData(settings, dataset)

@@ -78,7 +78,7 @@ def test_one_round_over_rabbitmq_and_redis(settings: Settings) -> None:
             assert done.wait(WAIT_S), "the aggregator did not finish"
 
         assert store.versions(job)[-1] == 2 and sink.status == "finished"
-        assert [(r.version, r.participants, r.samples) for r in result[0]] == [(2, 2, 40)]
+        assert [(r.version, r.participants, r.samples) for r in result[0]] == [(2, 2, 20)]
         client_avg = (10 * 1.0 + 30 * 2.0) / 40
         for ref, value in ((CLIENT_PART, client_avg), (SERVER_PART, -2.0)):
             for name, tensor in store.read_blob(job, 2, BlobRef(ref)).items():

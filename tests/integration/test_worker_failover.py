@@ -1,5 +1,5 @@
 """Design §7 on real RabbitMQ and Redis: a worker process killed with SIGKILL loses no batch,
-and its successor applies none twice.
+and its successor applies none twice; a worker whose connection drops applies none twice.
 
 The doomed worker runs in a `spawn`ed process (its own RabbitMQ connection, its own Redis
 client) and dies by SIGKILL after it has answered a few batches: no cleanup of any kind runs.
@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +44,9 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
 
 BATCHES = 12
 ANSWERED_BEFORE_KILL = 5
+# Checkpoints come every 3 steps (seqs 0-2, 3-5...): dropping the connection once seq 4 is
+# answered leaves seqs 3 and 4 applied but unacked.
+DROP_AT = 5
 
 
 @pytest.fixture
@@ -117,6 +123,94 @@ def test_sigkilled_worker_process_loses_no_batch_and_applies_none_twice(
     assert checkpoint.meta["seqs"] == {"c0": BATCHES - 1}
     assert checkpoint.meta["round"] == 0 and checkpoint.meta["round_samples"] == 8 * BATCHES
     assert stats.batches_applied == BATCHES - applied_at_death
+    server, optimizer = reference_server(model, settings)
+    for z, y in batches:
+        sequential_step(server, optimizer, z, y)
+    expected = server.state_dict()
+    for name, tensor in checkpoint.weights.items():
+        assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=f"weight {name}")
+
+
+def close_connection(connection_name: str) -> None:
+    """Have RabbitMQ close one connection, found by its `connection_name` client property."""
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        message = "rabbitmqctl is needed to drop a connection server-side"
+        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+            pytest.fail(message)
+        pytest.skip(message)
+    marker = f'{{"connection_name","{connection_name}"}}'
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        listing = subprocess.run(
+            [ctl, "list_connections", "pid", "client_properties", "--quiet", "--no-table-headers"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        pids = [line.split("\t", 1)[0] for line in listing.splitlines() if marker in line]
+        for pid in pids:
+            subprocess.run(
+                [ctl, "close_connection", pid, "splitmq test: dropped connection"],
+                capture_output=True, timeout=60, check=True,
+            )  # fmt: skip
+        if pids:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"connection {connection_name!r} never showed up in rabbitmqctl")
+
+
+def test_worker_whose_connection_drops_applies_every_batch_once(
+    real: tuple[Any, Backends], job: str
+) -> None:
+    """Deliveries applied but not yet checkpointed are requeued by RabbitMQ when the connection
+    drops: the reconnected worker gets them again and must recognise them by seq."""
+    settings, backends = real
+    store = backends.open_store()
+    broker = backends.open_broker(f"{job}-client")
+    stop = threading.Event()
+    results: dict[str, Any] = {}
+    worker = Worker(settings, backends, worker_id=f"{job}-w")
+
+    def run() -> None:
+        results["stats"] = worker.run(stop)
+
+    thread = threading.Thread(target=run)
+    try:
+        model = seed_version(store, settings)
+        client = ScriptedClient(broker, job)
+        client.declare(["c0"], QueueLimits(
+            settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
+        ))  # fmt: skip
+        gen = torch.Generator().manual_seed(12)
+        batches = [random_batch(model, gen) for _ in range(BATCHES)]
+        thread.start()
+        client.round_start(0, {"c0": 8 * BATCHES})
+        for seq, (z, y) in enumerate(batches):
+            if seq == DROP_AT:
+                close_connection(f"splitmq-worker-{job}-w")
+            client.batch("c0", seq, z, y, step=seq, steps=BATCHES)
+            # A real client waits for its gradient, dropping stale answers to duplicates.
+            replies = []
+            while not any(r.seq == seq and r.status == "ok" for r in replies):
+                replies += client.drain_replies("c0", 1, timeout=60.0)
+                assert replies, f"no reply to seq {seq}"
+        client.round_end(0)
+        deadline = time.monotonic() + 60
+        while (ckpt := store.load_checkpoint(job, 0)) is None or ckpt.meta["round"] < 0:
+            assert time.monotonic() < deadline, "round 0 was never handed in"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        broker.close()
+    checkpoint = store.load_checkpoint(job, 0)
+    store.close()
+    stats = results["stats"]
+    assert checkpoint is not None and checkpoint.applied == BATCHES
+    assert checkpoint.meta["round_samples"] == 8 * BATCHES
+    assert stats.batches_applied == BATCHES
+    # Seqs 3 and 4 came back after the reconnect: recognised, not applied again; acking their
+    # first deliveries failed as stale.
+    assert stats.duplicates_skipped == 2 and stats.stale_acks == 2
     server, optimizer = reference_server(model, settings)
     for z, y in batches:
         sequential_step(server, optimizer, z, y)

@@ -149,7 +149,12 @@ class FakeClient:
             samples=self.samples,
             client_weights=filled(assignment.client_weights, v),
             aux_weights={},
-            metrics={"train_loss": 1.0 + v, "bytes_up": 1000.0, "bytes_down": 2000.0},
+            metrics={
+                "train_loss": 1.0 + v,
+                "train_samples": self.samples / 2,  # e.g. max_steps_per_round cut it short
+                "bytes_up": 1000.0,
+                "bytes_down": 2000.0,
+            },
         )
 
     def answer(self, assignment: WeightsAssignment) -> list[bytes]:

@@ -383,3 +383,29 @@ def test_a_poisoned_step_is_rolled_back_and_the_rest_applied_once(job: str) -> N
     assert checkpoint is not None and checkpoint.applied == 3
     assert checkpoint.meta["seqs"] == {"c0": 3}
     assert_same_weights(checkpoint.weights, server)
+
+
+def test_a_copy_of_a_buffered_batch_is_served_once(job: str) -> None:
+    cohort = {"a": 10, "b": 20}
+    settings, embedded, model, client = setup(
+        job, list(cohort), algorithm={"name": "minibatch_sfl"}
+    )
+    gen = torch.Generator().manual_seed(9)
+    za, ya = random_batch(model, gen)
+    zb, yb = random_batch(model, gen)
+    client.round_start(0, cohort)
+    client.batch("a", 0, za, ya, steps=1)
+    client.batch("a", 0, za, ya, steps=1)  # republished while the barrier waits for b
+    client.batch("b", 0, zb, yb, steps=1)
+    client.round_end(0)
+
+    stats = run_burst(settings, embedded)
+
+    assert (stats.steps, stats.batches_applied, stats.duplicates_skipped) == (1, 2, 1)
+    assert [(r.seq, r.status) for r in client.replies("a")] == [(0, "ok")]
+    server, optimizer = reference_server(model, settings)
+    weighted_step(server, optimizer, [za, zb], [ya, yb], [10.0, 20.0])
+    checkpoint = embedded.store.load_checkpoint(job, 0)
+    assert checkpoint is not None and checkpoint.applied == 2
+    assert_same_weights(checkpoint.weights, server)
+    assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])  # both copies acked
