@@ -26,7 +26,7 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.topology import DEAD_EXCHANGE, EXCHANGES
+from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
 from broker.transport import (
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
@@ -217,6 +217,8 @@ class InMemoryHub:
         else:
             targets = by_key.get(routing_key, [])
         if not targets:
+            if exchange in BEST_EFFORT_EXCHANGES:
+                return []
             raise UnroutableError(
                 f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
             )

@@ -31,7 +31,7 @@ from broker.errors import (
 from broker.headers import outgoing_headers
 from broker.rabbitmq_channels import ChannelKeeper, queue_arguments
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
-from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, EXCHANGES
+from broker.topology import BEST_EFFORT_EXCHANGES, CONTROL_EXCHANGE, DEAD_EXCHANGE, EXCHANGES
 from broker.transport import (
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
@@ -285,7 +285,8 @@ class RabbitMQBroker:
         self, channel: Any, exchange: str, routing_key: str, body: bytes, properties: Any
     ) -> None:
         try:
-            channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
+            mandatory = exchange not in BEST_EFFORT_EXCHANGES
+            channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
         except pika.exceptions.NackError as exc:
             raise BackPressureError(
                 f"RabbitMQ refused the message for exchange {exchange!r} key {routing_key!r}: "

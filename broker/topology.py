@@ -12,6 +12,10 @@ REPLIES_EXCHANGE = "splitmq.replies"
 EVENTS_EXCHANGE = "splitmq.events"
 DEAD_EXCHANGE = "splitmq.dead"
 
+# Events are best-effort notices for dashboards and runners: a publish that no subscriber
+# receives is not an error (every other exchange publishes mandatorily).
+BEST_EFFORT_EXCHANGES = frozenset({EVENTS_EXCHANGE})
+
 # (name, type); every broker declares all of them before any queue.
 EXCHANGES: tuple[tuple[str, str], ...] = (
     (SMASHED_EXCHANGE, "direct"),

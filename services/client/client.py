@@ -261,6 +261,13 @@ class Client:
         last_round = -1
         while True:
             message = link.poll(IDLE_POLL_S, deferred=True)
+            if isinstance(message, Error) and message.code == "unknown_member":
+                # Our membership expired (e.g. a heartbeat gap longer than the TTL): join again
+                # rather than stall; the coordinator's next assignment names our shard.
+                self._log.warning(
+                    "job %s client %s: membership expired, joining again", self._job, self.client_id
+                )
+                self._send_join(link, member.partition, stats)
             if not isinstance(message, WeightsAssignment):
                 if message is not None:
                     self._note(message, stats, runner.seqs)

@@ -446,6 +446,16 @@ def test_fanout_event_reaches_every_subscriber(broker_factory: BrokerFactory) ->
         broker.ack(delivery)
 
 
+def test_events_are_best_effort_without_subscribers(broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    broker.declare([])
+    # Nobody listens (in memory; on a shared RabbitMQ maybe someone else does): not an error.
+    broker.publish(EVENTS_EXCHANGE, "", b"job finished")
+    # Work queues stay mandatory.
+    with pytest.raises(UnroutableError):
+        broker.publish(CONTROL_EXCHANGE, f"{broker_factory.job}.nobody", b"x")
+
+
 def test_oversize_body_is_refused_before_sending(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(max_message_bytes=1024)
     spec = broker_factory.spec("work")

@@ -274,6 +274,15 @@ def test_join_is_sent_again_when_unanswered(job: str, dataset: Dataset) -> None:
     assert run.stats.rounds == 1
 
 
+def test_expired_membership_joins_again_instead_of_stalling(job: str, dataset: Dataset) -> None:
+    settings = make_settings(job)
+    run = run_client(settings, dataset, PeerScript(forget_member=True))
+
+    assert len(run.log.joins) >= 2
+    assert run.stats.errors_received >= 1
+    assert run.stats.rounds == 1
+
+
 def test_join_gives_up_with_a_clear_error(job: str, dataset: Dataset) -> None:
     settings = make_settings(job)
     with pytest.raises(JoinTimeoutError, match="no Welcome"):

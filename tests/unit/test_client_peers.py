@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from broker.codec import decode, encode
 from broker.messages import (
+    Error,
     GradientReply,
     Heartbeat,
     Join,
@@ -180,6 +181,8 @@ class PeerScript:
     shard_max_length: int | None = None
     filler: bool = False  # a RoundStart on the shard queue ahead of the round
     worker_gate: threading.Event | None = None  # the worker consumes only once this is set
+    # Answer the first heartbeat with Error(unknown_member); assign only after a re-Join.
+    forget_member: bool = False
     before_welcome: list[tuple[bytes, str]] = field(default_factory=list)  # (body, routing key)
 
 
@@ -289,6 +292,12 @@ class ScriptedPeers(threading.Thread):
         if isinstance(message, Heartbeat):
             self.log.heartbeats += 1
             self.heartbeat_seen.set()
+            if self.script.forget_member and self.log.heartbeats == 1:
+                forgotten = Error(
+                    self.job, message.client, new_message_id(), self.version,
+                    "unknown_member", "unknown member, join first", message.message_id,
+                )  # fmt: skip
+                self._reply(broker, message.client, forgotten)
         elif isinstance(message, Leave):
             self.log.leaves.append(message)
         elif isinstance(message, Join):
@@ -296,6 +305,9 @@ class ScriptedPeers(threading.Thread):
             if len(self.log.joins) <= self.script.ignore_joins:
                 return
             first = self.log.welcomes == 0
+            if self.script.forget_member:
+                # Welcomed once, forgotten, then assigned only after joining again.
+                first = self.log.welcomes == 1
             if first:
                 for body, key in self.script.before_welcome:
                     broker.publish(REPLIES_EXCHANGE, key, body)
