@@ -289,14 +289,15 @@ class Client:
 @dataclass
 class Timings:
     wall: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    # CPU seconds summed over all round trips: the client process's and the worker process's
-    # (all threads each), and how many round trips they cover.
-    client_cpu: dict[tuple[str, str], float] = field(default_factory=dict)
+    # CPU seconds of the client process (all threads) per round trip.
+    client_cpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    # CPU seconds of the worker process (all threads) summed over all round trips: read from
+    # outside, per block.
     worker_cpu: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def cpu_per_trip(self, key: tuple[str, str]) -> tuple[float, float]:
-        count = len(self.wall[key])
-        return self.client_cpu[key] / count, self.worker_cpu[key] / count
+        """Median client CPU and mean worker CPU per round trip."""
+        return summarise(self.client_cpu[key]).median, self.worker_cpu[key] / len(self.wall[key])
 
 
 def measure(
@@ -322,23 +323,22 @@ def measure(
             for client in order[shift:] + order[:shift]:
                 key = (client.path.name, size)
                 wall = timings.wall.setdefault(key, [])
-                client_start = time.process_time()
+                cpu = timings.client_cpu.setdefault(key, [])
                 worker_start = process_cpu_seconds(clients[client])
                 for _ in range(count):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     client.round_trip(*inputs[size])
+                    cpu.append(time.process_time() - start_cpu)
                     wall.append(time.perf_counter() - start)
                 worker_used = process_cpu_seconds(clients[client]) - worker_start
-                client_used = time.process_time() - client_start
                 timings.worker_cpu[key] = timings.worker_cpu.get(key, 0.0) + worker_used
-                timings.client_cpu[key] = timings.client_cpu.get(key, 0.0) + client_used
     return timings
 
 
 def table(timings: Timings, paths: list[Path], sizes: list[str]) -> tuple[str, bool]:
     lines = [
         "| tensor | path | median ms | p90 ms | x raw (medians) "
-        "| CPU ms per trip: client + worker | x raw (CPU) |",
+        "| CPU ms per trip: client (median) + worker (mean) | x raw (CPU) |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     passed = True

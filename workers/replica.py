@@ -125,7 +125,8 @@ class Replica:
 
     def record(self, client: str, seq: int, step: int, steps: int, rows: int) -> None:
         """One batch applied."""
-        self.seqs[client] = seq
+        # max(): a seq must never move back, or a later copy of a newer batch would pass.
+        self.seqs[client] = max(seq, self.seqs.get(client, seq))
         self.progress[client] = (step, steps)
         self.applied += 1
         self.round_samples += rows

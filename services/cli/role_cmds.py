@@ -151,11 +151,13 @@ def client(
 )
 # `splitmq up` names the exact run directory so it can print the summary afterwards.
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), hidden=True)
+@click.option("--summary/--no-summary", default=True, hidden=True)
 @log_options
 def aggregator(
     config: Path | None,
     report_dir: Path | None,
     run_dir: Path | None,
+    summary: bool,
     log_json: bool,
     log_level: str | None,
 ) -> None:
@@ -182,4 +184,5 @@ def aggregator(
         files.finish("failed: aggregator died (see its log)")
         raise
     files.finish("stopped" if stopped else "finished")
-    click.echo(files.summary, nl=False)
+    if summary:
+        click.echo(files.summary, nl=False)

@@ -59,7 +59,8 @@ class UpResult:
 def child_specs(workers: int, clients: int, run_dir: Path) -> list[ChildSpec]:
     """Aggregator first (it seeds version 1), then coordinator, workers, clients."""
     specs = [
-        ChildSpec("aggregator", "aggregator", ("--run-dir", str(run_dir))),
+        # `up` prints the summary itself, after everything stopped.
+        ChildSpec("aggregator", "aggregator", ("--run-dir", str(run_dir), "--no-summary")),
         ChildSpec("coordinator", "coordinator"),
     ]
     specs += [ChildSpec(f"worker-{i}", "worker", ("--id", f"worker-{i}")) for i in range(workers)]
