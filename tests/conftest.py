@@ -19,8 +19,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 def _reachable(url: str, default_port: int) -> bool:
     parsed = urlparse(url)
+    address = (parsed.hostname or "127.0.0.1", parsed.port or default_port)
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or default_port), 2):
+        with socket.create_connection(address, 2):
             return True
     except OSError:
         return False

@@ -1,8 +1,9 @@
 """The aggregator: the round clock, aggregation into version v+1, evaluation, metrics."""
 
 from services.aggregator.aggregator import Aggregator
-from services.aggregator.bootstrap import build_evaluator, ensure_initial_version, job_model
+from services.aggregator.bootstrap import build_evaluator, ensure_initial_version
 from services.aggregator.evaluation import EvalResult, Evaluator, VersionEval, evaluate
+from services.runtime.jobmodel import job_model
 
 __all__ = [
     "Aggregator",

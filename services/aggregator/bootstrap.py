@@ -4,35 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from broker.errors import VersionConflictError
 from broker.store import NO_VERSION, WeightStore
-from models.registry import build_model
-from models.split import SplitNet
 from services.aggregator.evaluation import Evaluator
 from services.algorithms.base import Strategy
 from services.config.root import Settings
 from services.data.loaders import Split
-from services.data.registry import get_spec
-
-
-def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
-    """The job's `SplitNet` shaped for its dataset's images; seeded when `seed` is given.
-
-    Built under a forked RNG so seeding it does not disturb the caller's (or, in the embedded
-    runner, the other roles') random streams.
-    """
-    spec = get_spec(settings.data.dataset)
-    with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        return build_model(
-            settings.model.name,
-            num_classes=settings.model.num_classes,
-            in_channels=spec.channels,
-            input_size=spec.height,
-        )
+from services.runtime.jobmodel import job_model
 
 
 def ensure_initial_version(

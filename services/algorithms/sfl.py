@@ -93,16 +93,7 @@ class SFL:
     def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
         return split_initial_weights(model, cut)
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-    ) -> RoundResult:
-        return split_client_round(model, cut, batches, steps, channel, hyper)
+    client_round = staticmethod(split_client_round)
 
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
@@ -123,10 +114,4 @@ class SFL:
             )
         return list(zip(r.grads, r.losses, r.correct, strict=True))
 
-    def aggregate(
-        self,
-        previous: VersionWeights,
-        updates: Sequence[ClientUpdate],
-        replicas: Sequence[ShardReplica],
-    ) -> VersionWeights:
-        return average_round(previous, updates, replicas)
+    aggregate = staticmethod(average_round)

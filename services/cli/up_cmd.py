@@ -94,6 +94,10 @@ def up(
         result = procs.wait(stop, timeout)
     click.echo("")
     click.echo(_summary(run_dir), nl=False)
+    unclean = [f"{n} exited with {c}" for n, c in result.exit_codes.items() if c != 0]
+    if unclean:
+        # After the job, children get SIGTERM and should stop gracefully with 0.
+        click.echo(f"splitmq up: did not stop cleanly: {', '.join(unclean)}", err=True)
     if result.status != "finished":
         click.echo(f"splitmq up: {result.status}", err=True)
     if result.exit_code:

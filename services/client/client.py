@@ -14,8 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from broker.errors import EncodeError
 from broker.messages import (
     Error,
@@ -27,7 +25,6 @@ from broker.messages import (
     new_message_id,
 )
 from broker.topology import CONTROL_EXCHANGE, updates_routing_key
-from models.registry import build_model
 from models.split import SplitNet
 from models.state import load_partial
 from services.algorithms.registry import build_strategy
@@ -46,8 +43,8 @@ from services.client.round import Membership, RoundRunner, weights_problem
 from services.client.stats import ClientStats
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.data.registry import get_spec
 from services.runtime.backends import Backends
+from services.runtime.jobmodel import job_model
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # it becomes part of queue names and keys
 IDLE_POLL_S = 1.0
@@ -55,16 +52,7 @@ IDLE_POLL_S = 1.0
 
 def build_client_model(settings: Settings) -> SplitNet:
     """The job's model shaped for its dataset (weights come from the service, not the seed)."""
-    spec = get_spec(settings.data.dataset)
-    # Forked RNG: building draws random initial weights, and in the embedded runner other
-    # roles share this process's seeded stream.
-    with torch.random.fork_rng(devices=[]):
-        return build_model(
-            settings.model.name,
-            num_classes=settings.model.num_classes,
-            in_channels=spec.channels,
-            input_size=spec.height,
-        )
+    return job_model(settings)
 
 
 class Client:

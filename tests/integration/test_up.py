@@ -93,6 +93,7 @@ def test_up_runs_the_job_across_processes(config: Path, tmp_path: Path, job: str
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
+    assert "did not stop cleanly" not in out
     for name in ("aggregator", "coordinator", "worker-0", "worker-1", "client-0", "client-2"):
         assert f"\n{name:<11} | " in out, name
     (run_dir,) = runs.iterdir()

@@ -1,0 +1,43 @@
+"""The job's model and training parameters, built the same way by every role."""
+
+from __future__ import annotations
+
+import torch
+
+from models.registry import build_model
+from models.split import SplitNet
+from services.algorithms.base import Hyper
+from services.config.root import Settings
+from services.data.registry import get_spec
+
+
+def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
+    """The job's `SplitNet` shaped for its dataset's images; seeded when `seed` is given.
+
+    Built under a forked RNG so building (and seeding) does not disturb the caller's random
+    stream: in the embedded runner every role shares one process. Only the aggregator's
+    version 1 depends on these initial weights; other roles load published versions.
+    """
+    spec = get_spec(settings.data.dataset)
+    if spec.height != spec.width:
+        raise ValueError(f"dataset {spec.name!r} is not square ({spec.height}x{spec.width})")
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return build_model(
+            settings.model.name,
+            num_classes=settings.model.num_classes,
+            in_channels=spec.channels,
+            input_size=spec.height,
+        )
+
+
+def job_hyper(settings: Settings) -> Hyper:
+    algorithm = settings.algorithm
+    return Hyper(
+        lr=algorithm.lr,
+        momentum=algorithm.momentum,
+        server_lr=algorithm.server_lr,
+        local_epochs=algorithm.local_epochs,
+        max_steps=algorithm.max_steps_per_round,
+    )
