@@ -74,6 +74,8 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "1.5MiB": (64, 24, 16, 16),
     "16MiB": (64, 64, 32, 32),
 }
+# Small sizes are cheap and relatively noisier: they get this many times `--reps`.
+SMALL_SIZE_FACTOR = {"100KiB": 4, "1.5MiB": 2}
 _NOT_WRITABLE = "The given NumPy array is not writable"
 
 
@@ -295,6 +297,9 @@ class Timings:
     # outside, per block.
     worker_cpu: dict[tuple[str, str], float] = field(default_factory=dict)
 
+    def count(self, size: str) -> int:
+        return len(self.wall[RAW.name, size])
+
     def cpu_per_trip(self, key: tuple[str, str]) -> tuple[float, float]:
         """Median client CPU and mean worker CPU per round trip."""
         return summarise(self.client_cpu[key]).median, self.worker_cpu[key] / len(self.wall[key])
@@ -314,9 +319,12 @@ def measure(
                 client.round_trip(*inputs[size])
     timings = Timings()
     order = list(clients)
-    for index in range(math.ceil(reps / block)):
-        count = min(block, reps - index * block)
+    wanted = {size: reps * SMALL_SIZE_FACTOR.get(size, 1) for size in sizes}
+    for index in range(math.ceil(max(wanted.values()) / block)):
         for size in sizes:
+            count = min(block, wanted[size] - index * block)
+            if count <= 0:
+                continue
             # Rotate (with two paths: alternate) who goes first, so no path always runs right
             # after a particular other one.
             shift = index % len(order)
@@ -388,26 +396,32 @@ def run(args: argparse.Namespace) -> str:
         info = admin.server_info()
         # Exchanges, then every path's queues: copies of ours with identical arguments.
         admin.declare(specs)
-        for path in paths:
-            for mine, theirs in zip(queues(job, OURS), queues(job, path), strict=True):
-                assert queue_arguments(mine) == queue_arguments(theirs)
-        try:
-            with ExitStack() as stack:
-                clients: dict[Client, int] = {}
-                for path in paths:
-                    client = Client(args.url, job, path)
-                    stack.callback(client.close)
-                    clients[client] = stack.enter_context(worker_process(args.url, job, path))
-                timings = measure(clients, args.sizes, args.reps, args.block, args.warmup)
-        finally:
+    for path in paths:
+        for mine, theirs in zip(queues(job, OURS), queues(job, path), strict=True):
+            assert queue_arguments(mine) == queue_arguments(theirs)
+    load_before = os.getloadavg()[0]
+    try:
+        with ExitStack() as stack:
+            clients: dict[Client, int] = {}
+            for path in paths:
+                client = Client(args.url, job, path)
+                stack.callback(client.close)
+                clients[client] = stack.enter_context(worker_process(args.url, job, path))
+            timings = measure(clients, args.sizes, args.reps, args.block, args.warmup)
+    finally:
+        # A fresh handle: one left idle through the run would have missed its heartbeats.
+        with RabbitMQBroker(args.url) as admin:
             for spec in specs:
                 admin.delete_queue(spec.name)
+    load_after = os.getloadavg()[0]
     body, passed = table(timings, paths, args.sizes)
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     notes = (
-        f"machine: {machine_line(f'torch {torch.__version__}')}\n\n"
+        f"machine: {machine_line(f'torch {torch.__version__}')}; 1-minute load average "
+        f"{load_before:.1f} before the run, {load_after:.1f} after\n\n"
         f"{info.product} {info.version} on {args.url.rsplit('@', 1)[-1]}, "
-        f"pika {pika.__version__}; {args.reps} round trips per path and size after "
+        f"pika {pika.__version__}; round trips per path: "
+        f"{', '.join(f'{timings.count(s)} at {s}' for s in args.sizes)}, after "
         f"{args.warmup} warm-up ones, interleaved in blocks of {args.block}; allocator "
         f"environment: {malloc or 'glibc defaults'} (the same for every path).\n\n"
         f"command: `{command_line('benchmarks.rabbitmq_roundtrip')}`"
@@ -418,8 +432,13 @@ def run(args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=60, help="round trips per path and size")
-    parser.add_argument("--block", type=int, default=5, help="round trips per interleaved block")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=60,
+        help="round trips per path at 16MiB (x2 at 1.5MiB, x4 at 100KiB)",
+    )
+    parser.add_argument("--block", type=int, default=3, help="round trips per interleaved block")
     parser.add_argument("--warmup", type=int, default=3, help="untimed round trips per path/size")
     parser.add_argument("--sizes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--diagnose", action="store_true", help="add codec/pika, bytes/broker")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -94,6 +95,10 @@ def up(
         result = procs.wait(stop, timeout)
     click.echo("")
     click.echo(_summary(run_dir), nl=False)
+    reported = _reported_status(run_dir)
+    if result.status == "finished" and reported != "finished":
+        # The aggregator exited cleanly but did not finish the job (someone stopped it).
+        result = replace(result, status=f"failed: the report says {reported!r}")
     unclean = [f"{n} exited with {c}" for n, c in result.exit_codes.items() if c != 0]
     if unclean:
         # After the job, children get SIGTERM and should stop gracefully with 0.
@@ -115,6 +120,14 @@ def _children_settings(
         return load_settings(path, env), env
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _reported_status(run_dir: Path) -> str:
+    try:
+        doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "no report"
+    return str(doc.get("run", {}).get("status", "unknown"))
 
 
 def _summary(run_dir: Path) -> str:

@@ -44,7 +44,7 @@ from services.client.stats import ClientStats
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.runtime.backends import Backends
-from services.runtime.jobmodel import job_model
+from services.runtime.jobmodel import job_hyper, job_model
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # it becomes part of queue names and keys
 IDLE_POLL_S = 1.0
@@ -121,6 +121,10 @@ class Client:
         try:
             link.open()
             model = build_client_model(self._settings)
+            # The first optimizer of a process imports torch._dynamo: seconds of CPU. Pay for
+            # it before joining, not inside the first round, where it would make a newly
+            # joined client miss a tight round deadline.
+            job_hyper(self._settings).client_optimizer(model.parameters())
             link.validate_with(lambda m: self._problem(m, model))
             member = self._join(link, model, stats)
             if member is not None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from broker.errors import UnroutableError
-from broker.messages import Join, Welcome, new_message_id
+from broker.messages import Join, WeightsAssignment, Welcome, new_message_id
 from broker.store import WeightStore
 from services.config.root import Settings
 from services.coordinator.assignment import choose_partition, choose_shard
@@ -28,6 +28,7 @@ class JoinOutcome:
     rejoined: bool = False
     refused: bool = False
     unreachable: bool = False  # no reply queue: the join was undone
+    finished: bool = False  # the job is over: told so instead of welcomed
 
 
 def requested_index(join: Join) -> int | None:
@@ -86,6 +87,13 @@ class JoinDesk:
             info = assigned
         ttl = self._settings.clients.heartbeat_ttl_s
         self._store.heartbeat(self._job, member_id(message.client), ttl, info.to_info())
+        # Read after the member write: the aggregator dismisses the members it finds once it
+        # has published the last version, so a client it cannot have seen is dismissed here
+        # (else it would wait for a round that never comes).
+        last = self._store.current_version(self._job)
+        if last - 1 >= self._settings.job.rounds:
+            self._store.remove_member(self._job, member_id(message.client))
+            return self._dismiss(message, last)
         try:
             self._welcome(message, info, version)
         except UnroutableError:
@@ -125,6 +133,27 @@ class JoinDesk:
             classes=reported_classes(message) or (),
             joined_at=self._wall_clock(),
         )
+
+    def _dismiss(self, message: Join, version: int) -> JoinOutcome:
+        """The job is over: the same `finished` assignment the aggregator's dismissal sends."""
+        rounds = self._settings.job.rounds
+        done = WeightsAssignment(
+            job=self._job,
+            client=message.client,
+            message_id=new_message_id(),
+            version=version,
+            round=rounds,
+            participate=False,
+            client_weights={},
+            aux_weights={},
+            config={"finished": True},
+        )
+        try:
+            self._outbox.reply(message.client, done)
+        except UnroutableError:
+            return JoinOutcome(unreachable=True)
+        self._log.info("job %s: client %s joined after the job finished", self._job, message.client)
+        return JoinOutcome(finished=True)
 
     def _refuse(self, message: Join, version: int, live: int) -> None:
         self._log.warning("job %s: refusing client %s: job full", self._job, message.client)

@@ -16,6 +16,9 @@ from services.report.records import VersionRecord
 
 Series = tuple[str, Callable[[VersionRecord], float]]
 
+# (marker, line style, marker fill) per series of one plot.
+_STYLES = (("o", "-", "full"), ("s", "--", "none"))
+
 ACCURACY_PNG = "accuracy.png"
 THROUGHPUT_PNG = "throughput.png"
 LOSS_PNG = "loss.png"
@@ -32,22 +35,25 @@ def _plot(
 ) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     xs = [r.round + 1 for r in records]  # counted from 1, as in the summary
     figure = Figure(figsize=(6.4, 4.0), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     drawn = False
-    for label, value in series:
+    for (label, value), (marker, line, fill) in zip(series, _STYLES, strict=False):
         ys = [value(r) * (100.0 if percent else 1.0) for r in records]
         if not any(math.isfinite(y) for y in ys):
             continue  # a metric this algorithm does not report
-        axes.plot(xs, ys, marker="o", label=label)
+        # Distinct markers and dashes: equal series (global = personal for SFL) stay visible.
+        axes.plot(xs, ys, label=label, marker=marker, linestyle=line, fillstyle=fill)
         drawn = True
     if not drawn:
         return None
     axes.set_title(title)
     axes.set_xlabel("round")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_ylabel(ylabel)
     axes.grid(True, alpha=0.3)
     if len(series) > 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from models.registry import build_model
@@ -10,18 +12,25 @@ from services.algorithms.base import Hyper
 from services.config.root import Settings
 from services.data.registry import get_spec
 
+# torch's CPU generator is one per process, and fork_rng saves and restores it around the
+# build: two threads building at once (the embedded runner starts every role together) mix
+# their draws, and the aggregator's seeded version 1 came out different from run to run.
+# Builds are therefore serialised; this guards torch's global state, it holds none of ours.
+_BUILD_LOCK = threading.Lock()
+
 
 def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
     """The job's `SplitNet` shaped for its dataset's images; seeded when `seed` is given.
 
     Built under a forked RNG so building (and seeding) does not disturb the caller's random
-    stream: in the embedded runner every role shares one process. Only the aggregator's
-    version 1 depends on these initial weights; other roles load published versions.
+    stream, and one build at a time, so a seeded build is not disturbed by another thread's:
+    in the embedded runner every role shares one process. Only the aggregator's version 1
+    depends on these initial weights; other roles load published versions.
     """
     spec = get_spec(settings.data.dataset)
     if spec.height != spec.width:
         raise ValueError(f"dataset {spec.name!r} is not square ({spec.height}x{spec.width})")
-    with torch.random.fork_rng(devices=[]):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
         return build_model(

@@ -21,7 +21,7 @@ CONTEXT_FIELDS = ("role", "job", "client", "worker", "shard", "version", "round"
 HUMAN_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 HUMAN_DATEFMT = "%H:%M:%S"
 # Chatty third-party loggers, kept at WARNING whatever our level is.
-QUIET_LOGGERS = ("pika", "urllib3", "matplotlib", "PIL")
+QUIET_LOGGERS = ("pika", "redis", "urllib3", "matplotlib", "PIL")
 
 ContextValue = str | int | float
 
@@ -63,6 +63,21 @@ class ContextFilter(logging.Filter):
         return True
 
 
+class DropPikaReturns(logging.Filter):
+    """Drops pika's warning for a returned (unroutable) publish.
+
+    `broker.rabbitmq` turns a return into `UnroutableError` and the caller decides: an event
+    on the fanout with no subscriber is normal and dropped quietly, a lost reply is logged
+    with its job and client. pika's own warning would repeat every one of them, body and all.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.name.startswith("pika")
+            and str(record.msg).startswith("Published message was returned")
+        )
+
+
 def make_handler(
     *,
     json_lines: bool = False,
@@ -74,6 +89,7 @@ def make_handler(
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
+    handler.addFilter(DropPikaReturns())
     if context:
         handler.addFilter(ContextFilter(context))
     return handler

@@ -151,25 +151,31 @@ class LocalProcesses:
         self._width = max((len(s.name) for s in specs), default=0)
 
     def start(self) -> None:
-        for spec in self._specs:
-            argv = [self._python, "-m", "services.cli.main", spec.role, str(self._config)]
-            argv += [*spec.args, *self._extra]
-            process = subprocess.Popen(
-                argv,
-                env=self._env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-                start_new_session=True,
-            )
-            assert process.stdout is not None
-            pump = threading.Thread(
-                target=self._pump, args=(spec.name, process.stdout), daemon=True
-            )
-            pump.start()
-            self._children.append(Child(spec, process, pump))
+        """Start every child; if one cannot be started, stop those already running."""
+        try:
+            for spec in self._specs:
+                self._children.append(self._spawn(spec))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, spec: ChildSpec) -> Child:
+        argv = [self._python, "-m", "services.cli.main", spec.role, str(self._config)]
+        argv += [*spec.args, *self._extra]
+        process = subprocess.Popen(
+            argv,
+            env=self._env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        assert process.stdout is not None
+        pump = threading.Thread(target=self._pump, args=(spec.name, process.stdout), daemon=True)
+        pump.start()
+        return Child(spec, process, pump)
 
     def wait(self, stop: threading.Event, timeout_s: float = 0.0) -> UpResult:
         """Until the aggregator exits (then stop the rest), a child fails, `stop`, or timeout."""

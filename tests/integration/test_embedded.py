@@ -127,7 +127,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_partial_report(tmp_path: Path) -> None
                 break
         rest, _ = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     output = "".join(seen) + rest
     assert proc.returncode == 130, output
     assert "status: stopped" in output

@@ -206,3 +206,16 @@ def test_human_logs_are_one_readable_line() -> None:
     text = stream.getvalue()
     assert text.count("\n") == 1
     assert "WARNING splitmq.worker: shard 2 lost" in text
+
+
+def test_pika_return_warnings_are_dropped_but_other_pika_warnings_kept() -> None:
+    stream = io.StringIO()
+    pika_log = logging.getLogger("pika.adapters.blocking_connection")
+    with configured_logging("INFO", stream=stream):
+        pika_log.warning("Published message was returned: _delivery_confirmation=True; ...")
+        pika_log.warning("Connection lost")
+        pika_log.info("chatter")
+    text = stream.getvalue()
+    assert "returned" not in text
+    assert "Connection lost" in text
+    assert "chatter" not in text

@@ -1,0 +1,128 @@
+"""`splitmq worker` with a stopwatch: the benchmark's worker process.
+
+    python -m benchmarks.sfl_probe CONFIG --id worker-0 --trace trace.json
+
+Runs the very `workers.worker.Worker` that `splitmq worker` runs, over the same RabbitMQ and
+Redis handles, with one difference: its broker handle is wrapped in `RecordingBroker`, which
+notes the instant of every GradientReply the worker's broker has confirmed, with its routing
+key (the client) and body size. Those instants are what `benchmarks.sfl_throughput` counts
+samples between. On SIGTERM the worker hands its shard over as usual and the trace is written.
+
+Why a wrapper and not the worker's own counters: `Worker.run` keeps its `WorkerStats` private
+until it returns, and the steady-state window needs per-reply timestamps, which nothing logs.
+The wrapper costs one clock read and one list append per reply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.topology import REPLIES_EXCHANGE
+from broker.transport import Broker, Delivery, Headers, QueueSpec
+from services.cli.common import stop_on_signals
+from services.config.loading import load_settings
+from services.runtime.backends import Backends
+from services.runtime.logs import configured_logging
+from workers.worker import Worker
+
+# One reply: (monotonic seconds after its confirm, routing key, body bytes).
+Reply = tuple[float, str, int]
+
+
+class RecordingBroker:
+    """A `Broker` that delegates everything and timestamps confirmed GradientReplies."""
+
+    def __init__(
+        self, inner: Broker, replies: list[Reply], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._inner = inner
+        self._replies = replies
+        self._clock = clock
+
+    def declare(self, queues: Sequence[QueueSpec]) -> None:
+        self._inner.declare(queues)
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        user_id: str | None = None,
+    ) -> None:
+        self._inner.publish(
+            exchange, routing_key, body, headers=headers, message_id=message_id, user_id=user_id
+        )
+        if exchange == REPLIES_EXCHANGE:
+            self._replies.append((self._clock(), routing_key, len(body)))
+
+    def subscribe(self, queue: str, *, prefetch: int) -> None:
+        self._inner.subscribe(queue, prefetch=prefetch)
+
+    def unsubscribe(self, queue: str) -> None:
+        self._inner.unsubscribe(queue)
+
+    def get(self, timeout: float) -> Delivery | None:
+        return self._inner.get(timeout)
+
+    def ack(self, delivery: Delivery) -> None:
+        self._inner.ack(delivery)
+
+    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
+        self._inner.nack(delivery, requeue=requeue)
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self._inner.dead_letter(delivery, reason)
+
+    def queue_depth(self, queue: str) -> int:
+        return self._inner.queue_depth(queue)
+
+    def delete_queue(self, queue: str) -> None:
+        self._inner.delete_queue(queue)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@dataclass(frozen=True)
+class RecordingBackends(Backends):
+    """The job's backends, handing out recording broker handles."""
+
+    replies: list[Reply] = field(default_factory=list)
+
+    def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
+        inner = super().open_broker(name, give_up_after=give_up_after)
+        return RecordingBroker(inner, self.replies)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a worker that timestamps its replies")
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--id", dest="worker_id", default="worker-0")
+    parser.add_argument("--trace", type=Path, required=True, help="where the JSON trace goes")
+    args = parser.parse_args()
+    settings = load_settings(args.config, os.environ)
+    replies: list[Reply] = []
+    backends = RecordingBackends(settings.broker, settings.store, replies=replies)
+    stop = threading.Event()
+    context = {"role": "worker", "job": settings.job.name, "worker": args.worker_id}
+    with configured_logging(settings.log_level, json_lines=False, context=context):
+        with stop_on_signals(stop):
+            stats = Worker(settings, backends, worker_id=args.worker_id).run(stop)
+        logging.getLogger("splitmq.worker").info("probe: %d replies timed", len(replies))
+    trace = {"replies": replies, "batches_applied": stats.batches_applied, "steps": stats.steps}
+    args.trace.write_text(json.dumps(trace))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Exactness: the real roles, wired through a broker and a store, train the very weights a
+plain in-process PyTorch loop does (tests/integration/reference_loops.py).
+
+Coordinator, aggregator, one worker and the clients run on threads of this process, each
+with its own broker handle, over real RabbitMQ + Redis and over the embedded in-memory
+backends. The final version's `client/global` and `server/global`, read back from the store,
+must equal the reference to 1e-5: a batch applied twice or dropped, a wrong averaging weight,
+a stale gradient, optimizer state carried across versions or batches in another order all
+move the weights by far more than that.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from broker.store import CLIENT_PART, SERVER_PART, BlobRef
+from services.aggregator import Aggregator
+from services.client import Client, JobData
+from services.client.stats import ClientStats
+from services.config.root import Settings
+from services.coordinator import Coordinator
+from services.data.loaders import Dataset, load_dataset
+from services.report.records import ListSink
+from services.runtime.backends import Backends, Embedded
+from services.runtime.supervise import Role, RoleSpec, Supervisor
+from tests.integration.reference_loops import ReferenceResult, reference_run
+from tests.unit.test_aggregator_peers import delete_all
+from tests.unit.test_client_peers import max_diff
+from tests.unit.test_worker_support import one_torch_thread
+from workers.stats import WorkerStats
+from workers.worker import Worker
+
+__all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-5
+ROUNDS = 2
+RUN_LIMIT_S = 60.0  # a hung run fails here, not at pytest's timeout
+
+
+@pytest.fixture(scope="module")
+def dataset() -> Dataset:
+    return load_dataset("fashion_mnist_sample", None)
+
+
+@pytest.fixture(
+    params=[
+        "embedded",
+        pytest.param("rabbitmq", marks=[pytest.mark.rabbitmq, pytest.mark.redis]),
+    ]
+)
+def connections(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """The `[broker]` and `[store]` sections of one backend kind."""
+    if request.param == "embedded":
+        return {"broker": {"kind": "memory"}, "store": {"kind": "memory"}}
+    amqp_url = request.getfixturevalue("amqp_url")
+    redis_url = request.getfixturevalue("redis_url")
+    return {
+        "broker": {"kind": "rabbitmq", "amqp_url": amqp_url},
+        "store": {"kind": "redis", "redis_url": redis_url},
+    }
+
+
+def job_settings(
+    job: str, connections: dict[str, dict[str, Any]], *, algorithm: str, clients: int, **data: Any
+) -> Settings:
+    """cnn5 cut after block1 (BatchNorm on both sides), momentum (so optimizer state shows),
+    two local epochs capped at 3 steps a round (so round 1 must start at epoch 2)."""
+    return Settings.model_validate(
+        {
+            **connections,
+            "job": {"name": job, "seed": 1, "rounds": ROUNDS},
+            "model": {"name": "cnn5", "cut": "block1"},
+            "data": {"dataset": "fashion_mnist_sample", **data},
+            "algorithm": {
+                "name": algorithm,
+                "batch_size": 16,
+                "lr": 0.05,
+                "server_lr": 0.08,
+                "momentum": 0.9,
+                "local_epochs": 2,
+                "max_steps_per_round": 3,
+            },
+            "clients": {"count": clients, "min_to_start": clients, "heartbeat_s": 0.5},
+        }
+    )
+
+
+@dataclass
+class Kept:
+    """A role whose `run` result the test reads afterwards (the supervisor keeps only the
+    aggregator's)."""
+
+    role: Role
+    result: object = None
+
+    def run(self, stop: threading.Event) -> object:
+        self.result = self.role.run(stop)
+        return self.result
+
+
+@dataclass(frozen=True)
+class Trained:
+    initial: dict[str, torch.Tensor]  # version 1, both sides
+    client: dict[str, torch.Tensor]
+    server: dict[str, torch.Tensor]
+    versions: list[int]
+    worker: WorkerStats
+    clients: list[ClientStats]
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[tuple[Backends, Settings]]]:
+    """The jobs a test registers here lose their queues and keys afterwards."""
+    opened: list[tuple[Backends, Settings]] = []
+    yield opened
+    for backends, settings in opened:
+        clients = [f"client-{i}" for i in range(settings.clients.count)]
+        delete_all(backends, settings, clients)
+
+
+def train(settings: Settings, backends: Backends, dataset: Dataset) -> Trained:
+    """Every role of the job on its own thread until the job finishes; the final version."""
+    job = settings.job.name
+    shared = JobData(settings, dataset)
+    sink = ListSink()
+    worker = Kept(Worker(settings, backends, worker_id="worker-0", poll_s=0.05))
+    clients = [
+        Kept(
+            Client(settings, backends, client_id=f"client-{i}", partition=i, dataset=shared),
+        )
+        for i in range(settings.clients.count)
+    ]
+    roles = [
+        RoleSpec(
+            "aggregator", "aggregator", Aggregator(settings, backends, sink=sink, poll_s=0.05)
+        ),
+        RoleSpec("coordinator", "coordinator", Coordinator(settings, backends, poll_s=0.05)),
+        RoleSpec("worker-0", "worker", worker),
+        *(RoleSpec(f"client-{i}", "client", c) for i, c in enumerate(clients)),
+    ]
+    stop = threading.Event()
+    limit = threading.Timer(RUN_LIMIT_S, stop.set)
+    limit.start()
+    try:
+        outcome = Supervisor(roles, stop, client_grace_s=10.0, join_timeout_s=20.0).run()
+    finally:
+        limit.cancel()
+    assert outcome.ok, f"{outcome.status}\n{outcome.traceback}"
+    assert not outcome.stuck, outcome.stuck
+    assert sink.status == "finished"
+    assert [r.version for r in sink.records] == [v + 2 for v in range(ROUNDS)]
+    assert all(r.participants == settings.clients.count for r in sink.records), sink.records
+    store = backends.open_store()
+    try:
+        versions = store.versions(job)
+        final = store.current_version(job)
+        initial = {
+            **store.read_blob(job, 1, BlobRef(CLIENT_PART)),
+            **store.read_blob(job, 1, BlobRef(SERVER_PART)),
+        }
+        client = store.read_blob(job, final, BlobRef(CLIENT_PART))
+        server = store.read_blob(job, final, BlobRef(SERVER_PART))
+    finally:
+        store.close()
+    assert isinstance(worker.result, WorkerStats)
+    client_stats = [c.result for c in clients if isinstance(c.result, ClientStats)]
+    assert len(client_stats) == len(clients)
+    return Trained(initial, client, server, versions, worker.result, client_stats)
+
+
+def check_exact(trained: Trained, want: ReferenceResult, clients: int) -> None:
+    assert trained.versions[-1] == ROUNDS + 1, trained.versions
+    # Version 1 is the seeded model: the one thing both runs share before training.
+    assert max_diff(trained.initial, want.initial) == 0.0, "version 1 is not the seeded model"
+    stats = trained.worker
+    # Every batch applied exactly once, one server step per cohort step.
+    assert stats.steps == want.steps, stats
+    assert stats.batches_applied == want.steps * clients, stats
+    assert stats.dead_lettered_total == 0 and stats.rollbacks == 0, stats
+    for s in trained.clients:
+        assert s.finished and s.rounds == ROUNDS and s.rounds_aborted == 0, s
+    client_diff = max_diff(trained.client, want.client)
+    server_diff = max_diff(trained.server, want.server)
+    assert client_diff <= TOLERANCE, f"client/global differs from the reference by {client_diff}"
+    assert server_diff <= TOLERANCE, f"server/global differs from the reference by {server_diff}"
+
+
+def test_sfl_v2_with_one_client_matches_a_plain_loop(
+    job: str,
+    connections: dict[str, dict[str, Any]],
+    dataset: Dataset,
+    cleanup: list[tuple[Backends, Settings]],
+) -> None:
+    settings = job_settings(job, connections, algorithm="sfl_v2", clients=1)
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+
+    trained = train(settings, backends, dataset)
+    want = reference_run(settings, dataset, ROUNDS)
+
+    assert want.steps == ROUNDS * settings.algorithm.max_steps_per_round
+    check_exact(trained, want, clients=1)
+
+
+def test_minibatch_sfl_with_three_clients_matches_equation_3(
+    job: str,
+    connections: dict[str, dict[str, Any]],
+    dataset: Dataset,
+    cleanup: list[tuple[Backends, Settings]],
+) -> None:
+    # Dirichlet: unequal |D_n| (1481 / 2227 / 2292 samples), so p_n matters both in the
+    # server step and in the client average.
+    settings = job_settings(
+        job, connections, algorithm="minibatch_sfl", clients=3, partition="dirichlet", alpha=0.5
+    )
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+    sizes = [len(JobData(settings, dataset).indices(i)) for i in range(3)]
+    assert len(set(sizes)) == 3, f"equal partitions {sizes} would not test the weights p_n"
+
+    trained = train(settings, backends, dataset)
+    want = reference_run(settings, dataset, ROUNDS)
+
+    assert want.steps == ROUNDS * settings.algorithm.max_steps_per_round
+    check_exact(trained, want, clients=3)

@@ -1,0 +1,121 @@
+"""`splitmq up`'s process handling, with stand-in children (no torch, no servers)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.runtime.processes import ChildSpec, LocalProcesses, child_env, child_specs
+
+# Stand-in for `python -m services.cli.main <role> CONFIG ...`: argv[3] is the role.
+FAKE = """
+import os, signal, sys, time
+role = sys.argv[3]
+behaviour = os.environ.get("FAKE_" + role.upper(), "serve")
+print(f"{role} up", flush=True)
+if behaviour == "deaf":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: (print(f"{role} bye", flush=True), sys.exit(0)))
+if behaviour.startswith("exit"):
+    time.sleep(0.2)
+    sys.exit(int(behaviour[4:]))
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> str:
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE)
+    launcher = tmp_path / "python"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    launcher.chmod(0o755)
+    return str(launcher)
+
+
+def start(
+    fake_python: str, tmp_path: Path, behaviours: dict[str, str], **kw: float
+) -> tuple[LocalProcesses, list[str]]:
+    lines: list[str] = []
+    specs = [
+        ChildSpec("aggregator", "aggregator"),
+        ChildSpec("worker-0", "worker"),
+        ChildSpec("client-0", "client"),
+    ]
+    env = dict(os.environ)
+    env.update({f"FAKE_{role.upper()}": b for role, b in behaviours.items()})
+    procs = LocalProcesses(
+        tmp_path / "job.toml", specs, env, echo=lines.append, python=fake_python, **kw
+    )
+    procs.start()
+    return procs, lines
+
+
+def test_job_ends_when_aggregator_exits_and_the_rest_get_sigterm(
+    fake_python: str, tmp_path: Path
+) -> None:
+    procs, lines = start(
+        fake_python, tmp_path, {"aggregator": "exit0", "client": "exit0"}, client_grace_s=5
+    )
+    result = procs.wait(threading.Event(), timeout_s=30)
+    assert result.status == "finished" and result.exit_code == 0
+    assert result.exit_codes == {"aggregator": 0, "worker-0": 0, "client-0": 0}
+    assert "worker-0   | worker up" in lines
+    assert "worker-0   | worker bye" in lines  # stopped by SIGTERM, gracefully
+
+
+def test_a_failing_child_stops_everything(fake_python: str, tmp_path: Path) -> None:
+    procs, lines = start(fake_python, tmp_path, {"worker": "exit3"})
+    result = procs.wait(threading.Event(), timeout_s=30)
+    assert result.status == "failed: worker-0 exited with code 3"
+    assert result.exit_code == 1
+    assert result.exit_codes["aggregator"] == 0  # it got SIGTERM and stopped cleanly
+    assert "aggregator | aggregator bye" in lines
+
+
+def test_a_child_ignoring_sigterm_is_killed(fake_python: str, tmp_path: Path) -> None:
+    procs, lines = start(
+        fake_python,
+        tmp_path,
+        {"aggregator": "exit0", "worker": "deaf", "client": "exit0"},
+        stop_grace_s=0.5,
+    )
+    result = procs.wait(threading.Event(), timeout_s=30)
+    assert result.status == "finished"
+    assert result.exit_codes["worker-0"] == -9
+    assert any("worker-0 ignored SIGTERM; killing it" in line for line in lines)
+
+
+def test_stop_and_timeout(fake_python: str, tmp_path: Path) -> None:
+    procs, _ = start(fake_python, tmp_path, {})
+    stop = threading.Event()
+    stop.set()
+    assert procs.wait(stop).status == "stopped"
+    procs, _ = start(fake_python, tmp_path, {})
+    result = procs.wait(threading.Event(), timeout_s=0.5)
+    assert result.status == "timeout" and result.exit_code == 1
+
+
+def test_children_are_told_the_counts_and_the_real_servers(tmp_path: Path) -> None:
+    env = child_env({"PATH": "/bin", "SPLITMQ_BROKER": "memory"}, workers=2, clients=3)
+    assert env["SPLITMQ_BROKER"] == "rabbitmq" and env["SPLITMQ_STORE"] == "redis"
+    assert env["SPLITMQ_WORKERS__COUNT"] == "2" and env["SPLITMQ_CLIENTS__COUNT"] == "3"
+    assert env["PATH"] == "/bin" and env["PYTHONUNBUFFERED"] == "1"
+    specs = child_specs(2, 3, tmp_path / "run")
+    assert [s.name for s in specs] == [
+        "aggregator",
+        "coordinator",
+        "worker-0",
+        "worker-1",
+        "client-0",
+        "client-1",
+        "client-2",
+    ]
+    assert specs[0].args[:2] == ("--run-dir", str(tmp_path / "run"))
+    assert specs[-1].args == ("--id", "client-2", "--partition", "2")
