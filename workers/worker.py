@@ -61,6 +61,17 @@ class Worker:
 
     def run(self, stop: threading.Event, *, burst: bool = False) -> WorkerStats:
         stats = WorkerStats()
+        if not self.strategy.splits:
+            # FedAvg trains whole models on the clients: no server side, no shard to serve.
+            # Idle rather than fail, so one compose file serves every algorithm.
+            self.logger.warning(
+                "worker %s: algorithm %s has no server-side model; idling until stopped",
+                self.worker_id,
+                self.strategy.name,
+            )
+            if not burst:
+                stop.wait()
+            return stats
         store = self._backends.open_store()
         try:
             broker = self._backends.open_broker(f"splitmq-worker-{self.worker_id}")

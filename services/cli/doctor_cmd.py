@@ -10,7 +10,10 @@ from services.runtime.doctor import run_checks
 @click.command()
 @click.pass_obj
 def doctor(ctx: object) -> None:
-    """Check the configured broker, store, data and torch; say what is wrong in plain words."""
+    """Check the configured broker, store, data and torch.
+
+    Says in plain words what is wrong and how to fix it; exits 1 if a check failed.
+    """
     settings = ctx.settings()  # type: ignore[attr-defined]
     failed = False
     for check in run_checks(settings):

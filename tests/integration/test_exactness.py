@@ -88,7 +88,15 @@ def job_settings(
                 "local_epochs": 2,
                 "max_steps_per_round": 3,
             },
-            "clients": {"count": clients, "min_to_start": clients, "heartbeat_s": 0.5},
+            # Liveness bounds far above any step on a loaded machine: a member expiring or the
+            # step barrier giving up on a slow client would change the training, not just time.
+            "clients": {
+                "count": clients,
+                "min_to_start": clients,
+                "heartbeat_s": 0.5,
+                "heartbeat_ttl_s": 60.0,
+            },
+            "workers": {"step_barrier_timeout_s": 2 * RUN_LIMIT_S},
         }
     )
 

@@ -409,3 +409,22 @@ def test_a_copy_of_a_buffered_batch_is_served_once(job: str) -> None:
     assert checkpoint is not None and checkpoint.applied == 2
     assert_same_weights(checkpoint.weights, server)
     assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])  # both copies acked
+
+
+def test_worker_idles_on_an_algorithm_without_a_server_side(job: str) -> None:
+    from services.config.loading import load_settings
+    from services.runtime.backends import Backends, Embedded
+    from workers.worker import Worker
+
+    settings = load_settings(None, {"SPLITMQ_JOB__NAME": job, "SPLITMQ_ALGORITHM__NAME": "fedavg"})
+    stop = threading.Event()
+    worker = Worker(settings, Backends(settings.broker, settings.store, Embedded()))
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(worker.run(stop)))
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive()  # idling, not crashed
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert result and result[0].batches_applied == 0  # type: ignore[attr-defined]
