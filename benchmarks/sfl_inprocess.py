@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from services.algorithms.base import CohortBatch, Hyper
 from services.algorithms.sfl import SFL
 from services.client.data import JobData, client_batches
 from services.config.loading import load_settings
-from services.data.batches import Batch
+from services.data.batches import Batch, ClientBatches
 from workers.model import job_model
 
 
@@ -80,22 +81,34 @@ class Loop:
         z.backward(grad.to(dtype=z.dtype))
         optimizer.step()
 
-    def rate(self, warm: int, steps: int) -> tuple[float, float]:
-        """Samples/s over `steps` timed steps, and CPU seconds per step."""
+    def rate(self, warm: int, steps: int, max_s: float) -> tuple[float, float, int]:
+        """Samples/s and CPU seconds per step over `steps` timed steps, or as many whole
+        rounds of the four clients as fit in `max_s` seconds (at least one)."""
         for _ in range(warm):
             self.step()
         started, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
+        done = 0
+        while done < steps:
             self.step()
+            done += 1
+            if done % CLIENTS == 0 and time.perf_counter() - started > max_s:
+                break
         wall = time.perf_counter() - started
-        return steps * BATCH / wall, (time.process_time() - cpu) / steps
+        return done * BATCH / wall, (time.process_time() - cpu) / done, done
 
 
-def _forever(batches: object) -> Iterator[Batch]:
+def _forever(batches: ClientBatches) -> Iterator[Batch]:
     epoch = 0
     while True:
-        yield from batches.epoch(epoch)  # type: ignore[attr-defined]
+        yield from batches.epoch(epoch)
         epoch += 1
+
+
+def measure(loop: Loop, request: dict[str, float]) -> dict[str, float]:
+    threads = int(request["threads"])
+    torch.set_num_threads(threads)
+    rate, cpu, steps = loop.rate(int(request["warm"]), int(request["steps"]), request["max_s"])
+    return {"threads": threads, "rate": rate, "cpu_per_step": cpu, "steps": steps}
 
 
 def main() -> None:
@@ -103,19 +116,31 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--cut", required=True)
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("SPLITMQ_DATA_DIR", "")))
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path(os.environ.get("SPLITMQ_DATA_DIR", "../shared/data"))
+    )
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warm", type=int, default=8)
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--max-s", type=float, default=60.0, help="time box per measurement")
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="read one JSON request per stdin line ({threads, warm, steps, max_s}), answer each "
+        "with one JSON line: the driver keeps one loaded process across deployments",
+    )
     args = parser.parse_args()
     loop = Loop(args.model, args.cut, args.dataset, args.data_dir)
+    if args.serve:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            print(json.dumps(measure(loop, json.loads(line))), flush=True)
+        return
     for rep in range(args.reps):
         for threads in args.threads:
-            torch.set_num_threads(threads)
-            rate, cpu = loop.rate(args.warm, args.steps)
-            line = {"rep": rep, "threads": threads, "rate": rate, "cpu_per_step": cpu}
-            print(json.dumps(line), flush=True)
+            request = {"threads": threads, "warm": args.warm, "steps": args.steps}
+            print(json.dumps({"rep": rep, **measure(loop, request | {"max_s": args.max_s})}))
 
 
 if __name__ == "__main__":

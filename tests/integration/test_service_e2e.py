@@ -341,6 +341,7 @@ class Scenario:
         assert aggregator.process.returncode == 0, aggregator.output()[-4000:]
         for name in sorted(clients - self.dead):
             self.expect_exit(name, 60)
+        self.mark("clients exited")
         services = ("coordinator", "worker-0", "worker-1")
         for name in services:
             process = self.roles.started[name].process
