@@ -295,8 +295,8 @@ class Scenario:
 
     def kill_victim_mid_round(self) -> None:
         """SIGKILL the victim once its shard's checkpoint shows batches of it applied in the
-        kill round (and before it can have finished: it has steps left)."""
-
+        kill round; its absence from that round's participants (asserted at the end) shows
+        the kill came before its update."""
         step, steps = self.wait(
             lambda: victim_mid_round(self.store, self.job),
             60,

@@ -1,0 +1,345 @@
+"""SFL-V2 samples/s through RabbitMQ + Redis against the in-process loop; run by hand, not a test.
+
+    python -m benchmarks.sfl_throughput [--models cnn5 lenet5 resnet18] [--reps 3]
+                                        [--dtypes float32 float16 bfloat16] [--fold 4]
+                                        [--write-docs]
+
+For each model (batch 64, 4 clients, IID partition, data from SPLITMQ_DATA_DIR, default
+../shared/data):
+
+- **MQ**: one deployment per smashed dtype (`benchmarks.sfl_deploy`): aggregator, coordinator,
+  one worker (`workers.batch_messages = 1`: plain SFL-V2) and 4 clients, each its own process,
+  over the real RabbitMQ and Redis. Every round is one repetition: samples counted between two
+  reply timestamps once every client is past its warm-up, while all four are busy.
+- **in-process**: `benchmarks.sfl_inprocess`, one process doing the same SFL-V2 steps, measured
+  right before the first deployment and after each one (the machine's load drifts; each
+  deployment is compared with the mean of the in-process runs on either side of it).
+
+The in-process loop is measured with 1 and 2 torch threads first and then keeps the faster;
+MQ clients get 1 thread each and the worker `--worker-threads` (default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import pika
+import torch
+
+from benchmarks.common import command_line, machine_line, write_section
+from benchmarks.sfl_deploy import (
+    ALLOCATOR_ENV,
+    BATCH,
+    CLIENTS,
+    ROOT,
+    Case,
+    DeployResult,
+    Deployment,
+)
+
+SECTION = "sfl-throughput"
+TARGETS = {"cnn5": 0.70, "lenet5": 0.70, "resnet18": 0.85}
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One model's benchmark: what the deployments train and how the in-process loop is timed."""
+
+    model: str
+    cut: str
+    dataset: str
+    data_label: str
+    steps: int  # per client and round in a deployment
+    warm: int  # replies per client and round before the window opens
+    inproc_steps: int
+    inproc_warm: int
+    inproc_max_s: float
+    eval_samples: int
+
+
+PLANS = {
+    "cnn5": Plan("cnn5", "block1", "fashion_mnist", "Fashion-MNIST 28x28", 60, 4, 160, 8, 20.0, 0),
+    "lenet5": Plan("lenet5", "block1", "cifar10", "CIFAR-10 32x32x3", 60, 4, 160, 8, 20.0, 256),
+    "resnet18": Plan("resnet18", "layer1", "cifar10", "CIFAR-10 32x32x3", 5, 1, 8, 1, 40.0, 128),
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    """In-process rate at one thread count."""
+
+    threads: int
+    rate: float
+    cpu_per_step: float
+
+
+@dataclass
+class ModelRun:
+    plan: Plan
+    points: list[list[Point]] = field(default_factory=list)  # before deployment 0, after each
+    deployments: list[DeployResult] = field(default_factory=list)
+    accuracy: list[float | None] = field(default_factory=list)
+
+
+class InProcess:
+    """The in-process loop in a child process that keeps its model and data between requests."""
+
+    def __init__(self, plan: Plan, data_dir: Path, allocator: bool) -> None:
+        env = dict(os.environ)
+        for name in ALLOCATOR_ENV:
+            env.pop(name, None)
+        if allocator:  # the same allocator settings as the deployment's processes
+            env.update(ALLOCATOR_ENV)
+        argv = [sys.executable, "-m", "benchmarks.sfl_inprocess", "--serve"]
+        argv += ["--model", plan.model, "--cut", plan.cut, "--dataset", plan.dataset]
+        argv += ["--data-dir", str(data_dir)]
+        self._plan = plan
+        self._process = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        ready = self._read()
+        if not ready.get("ready"):
+            raise RuntimeError(f"in-process loop did not start: {ready}")
+
+    def _read(self) -> dict[str, float]:
+        stdout: IO[str] | None = self._process.stdout
+        assert stdout is not None
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"in-process loop exited with {self._process.wait()}")
+        answer: dict[str, float] = json.loads(line)
+        return answer
+
+    def measure(self, threads: int) -> Point:
+        plan = self._plan
+        request = {
+            "threads": threads,
+            "warm": plan.inproc_warm,
+            "steps": plan.inproc_steps,
+            "max_s": plan.inproc_max_s,
+        }
+        stdin = self._process.stdin
+        assert stdin is not None
+        stdin.write(json.dumps(request) + "\n")
+        stdin.flush()
+        answer = self._read()
+        return Point(threads, answer["rate"], answer["cpu_per_step"])
+
+    def __enter__(self) -> InProcess:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def best(points: Sequence[Point]) -> Point:
+    return max(points, key=lambda p: p.rate)
+
+
+def final_accuracy(workdir: Path) -> float | None:
+    metrics = next(iter(workdir.glob("*/runs/run/metrics.json")), None)
+    if metrics is None:
+        return None
+    records = json.loads(metrics.read_text())["records"]
+    return float(records[-1]["global_accuracy"]) if records else None
+
+
+def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
+    out = ModelRun(plan)
+    cases = [
+        Case(
+            model=plan.model,
+            cut=plan.cut,
+            dataset=plan.dataset,
+            dtype=dtype,
+            steps=plan.steps,
+            rounds=args.reps,
+            warm=plan.warm,
+            worker_threads=args.worker_threads,
+            allocator=not args.no_allocator,
+            eval_samples=plan.eval_samples,
+        )
+        for dtype in args.dtypes
+    ]
+    if args.fold > 1:
+        cases.append(replace(cases[0], dtype="float32", batch_messages=args.fold))
+    with InProcess(plan, args.data_dir, not args.no_allocator) as loop:
+        out.points.append([loop.measure(t) for t in args.inproc_threads])
+        threads = best(out.points[0]).threads
+        say(log, f"{plan.model}: in-process {fmt_points(out.points[-1])}")
+        for case in cases:
+            workdir = Path(tempfile.mkdtemp(prefix="sflb-"))
+            result = Deployment(case, args.data_dir, workdir).run(args.timeout)
+            out.accuracy.append(final_accuracy(workdir))
+            if result.problem or args.keep:
+                say(log, f"logs of the deployment: {workdir}")
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+            out.deployments.append(result)
+            rates = ", ".join(f"{w.rate:.1f}" for w in result.windows)
+            say(
+                log,
+                f"{plan.model} {case.dtype} fold={case.batch_messages}: MQ windows [{rates}] "
+                f"samples/s {result.problem} (deployment {result.wall_s:.0f} s)",
+            )
+            out.points.append([loop.measure(threads)])
+            say(log, f"{plan.model}: in-process {fmt_points(out.points[-1])}")
+    return out
+
+
+def fmt_points(points: Sequence[Point]) -> str:
+    return ", ".join(f"{p.rate:.1f} samples/s at {p.threads} thread(s)" for p in points)
+
+
+def say(log: IO[str], text: str) -> None:
+    print(text, file=log, flush=True)
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def cpu_ms(result: DeployResult) -> str:
+    """CPU ms per step in the windows: worker / 4 clients together / RabbitMQ."""
+    replies = sum(w.replies for w in result.windows)
+    if not replies:
+        return "-"
+
+    def of(names: Sequence[str]) -> float:
+        return sum(w.cpu.get(n, 0.0) for w in result.windows for n in names) * 1e3 / replies
+
+    clients = [f"client-{i}" for i in range(CLIENTS)]
+    return f"{of(['worker']):.0f} / {of(clients):.0f} / {of(['rabbitmq']):.0f}"
+
+
+def rows(runs: Sequence[ModelRun]) -> tuple[list[str], list[str]]:
+    lines = [
+        "| model (cut, data) | smashed dtype | reply MiB | MQ samples/s: median [min-max] "
+        "| in-process samples/s (threads) | MQ / in-process | target "
+        "| CPU ms/step MQ: worker / clients / RabbitMQ | CPU ms/step in-process "
+        "| test acc. after the run |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    verdicts = []
+    for run in runs:
+        plan = run.plan
+        for i, result in enumerate(run.deployments):
+            case = result.case
+            around = [best(run.points[i]), best(run.points[i + 1])]
+            base = statistics.fmean(p.rate for p in around)
+            base_cpu = statistics.fmean(p.cpu_per_step for p in around) * 1e3
+            threads = "/".join(sorted({str(p.threads) for p in around}))
+            dtype = case.dtype + (f", folding {case.batch_messages}" if case.batch_messages > 1 else "")
+            accuracy = run.accuracy[i]
+            acc = "-" if accuracy is None else f"{accuracy:.1%}"
+            label = f"{plan.model} ({plan.cut}, {plan.data_label})"
+            if not result.windows:
+                lines.append(f"| {label} | {dtype} | - | failed: {result.problem} | {base:.0f} "
+                             f"({threads}) | - | - | - | {base_cpu:.0f} | {acc} |")
+                verdicts.append(f"{plan.model} {dtype}: no measurement ({result.problem})")
+                continue
+            rates = [w.rate for w in result.windows]
+            mq = statistics.median(rates)
+            ratio = mq / base
+            target = TARGETS[plan.model]
+            headline = case.dtype == "float32" and case.batch_messages == 1
+            if headline:
+                met = "met" if ratio >= target else f"NOT met ({ratio - target:+.2f})"
+                goal = f">= {target:.2f}: {met}"
+                verdicts.append(f"{plan.model} float32: {ratio:.2f}x (target {target:.2f}x): {met}")
+            else:
+                goal = "(not a target)"
+            lines.append(
+                f"| {label} | {dtype} | {mib(result.reply_bytes)} | {mq:.0f} "
+                f"[{min(rates):.0f}-{max(rates):.0f}] | {base:.0f} ({threads}) "
+                f"| **{ratio:.2f}** | {goal} | {cpu_ms(result)} | {base_cpu:.0f} | {acc} |"
+            )
+    return lines, verdicts
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str) -> str:
+    table, verdicts = rows(runs)
+    allocator = "none (glibc defaults)" if args.no_allocator else " ".join(
+        f"{k}={v}" for k, v in ALLOCATOR_ENV.items()
+    )
+    notes = [
+        f"machine: {machine_line(f'torch {torch.__version__}', f'pika {pika.__version__}')}; "
+        f"load average (1/5/15 min) before {load_before}, after {load_average()}.",
+        f"command: `{command_line('benchmarks.sfl_throughput')}`",
+        f"setup: SFL-V2, batch {BATCH}, {CLIENTS} clients (IID), lr 0.01, 1 worker with "
+        f"batch_messages 1 unless marked folding; {args.reps} rounds per deployment, one "
+        "window per round; MQ processes: clients 1 torch thread each, worker "
+        f"{args.worker_threads}; in-process: the faster of {args.inproc_threads} threads "
+        f"(measured first), then that one. Allocator environment of every process: {allocator}.",
+    ]
+    return "\n".join(
+        [
+            "\n".join(table),
+            "",
+            *[f"- {v}" for v in verdicts],
+            "",
+            *[f"{n}\n" for n in notes],
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(PLANS), default=list(PLANS))
+    parser.add_argument("--reps", type=int, default=3, help="rounds (= windows) per deployment")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--fold", type=int, default=1, help="also run batch_messages=N (N > 1)")
+    parser.add_argument("--worker-threads", type=int, default=1)
+    parser.add_argument("--inproc-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-allocator", action="store_true", help="glibc malloc defaults")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per deployment, seconds")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("SPLITMQ_DATA_DIR", ROOT.parent / "shared" / "data")),
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the deployments' logs")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args()
+    args.data_dir = args.data_dir.resolve()
+    load_before = load_average()
+    runs = [run_model(args, PLANS[name], sys.stderr) for name in args.models]
+    text = report(args, runs, load_before)
+    print(text)
+    if args.write_docs:
+        write_section(SECTION, "## SFL-V2 throughput: RabbitMQ + Redis vs in-process\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
