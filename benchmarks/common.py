@@ -75,6 +75,14 @@ def process_cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of process `pid` so far (Linux): each is a first touch of fresh memory."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # Fields after the parenthesised command name, which may itself hold spaces.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[7])  # minflt is field 10 of stat(5); this list starts at field 3
+
+
 def command_line(module: str) -> str:
     """How this run was started, as a command someone can paste."""
     return shlex.join(["python", "-m", module, *sys.argv[1:]])

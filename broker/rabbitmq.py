@@ -132,9 +132,8 @@ class RabbitMQBroker:
             raise BrokerError(
                 f"user_id {user_id!r} differs from this connection's user {self._keeper.user!r}"
             )
-        _tx = os.environ.get("SFLB_TRANSIENT", "").split(",")
         properties = pika.BasicProperties(
-            delivery_mode=1 if exchange in _tx else _PERSISTENT,
+            delivery_mode=_PERSISTENT,
             headers=outgoing_headers(headers),
             message_id=message_id,
             user_id=user_id,

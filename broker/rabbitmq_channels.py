@@ -29,6 +29,7 @@ from broker.rabbitmq_connection import (
     RabbitMQOptions,
     describe,
     is_auth_failure,
+    tune_receive,
 )
 from broker.topology import DEAD_EXCHANGE, EXCHANGES
 from broker.transport import Delivery, QueueSpec
@@ -283,6 +284,7 @@ class ChannelKeeper:
         if self._connection is None or not self._connection.is_open:
             self._drop_connection()
             self._connection = pika.BlockingConnection(self._params)
+            tune_receive(self._connection)
             self.connects += 1
         return self._connection
 
