@@ -15,14 +15,16 @@ touching tensor bytes, then returns zero-copy views into the body.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import msgpack
 import torch
 
 from broker.errors import DecodeError, EncodeError
-from broker.fields import HeaderReader, HeaderWriter
+from broker.fields import FieldPlan, HeaderReader, HeaderWriter, compile_fields
 from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
 from broker.schema import CodecLimits, FieldSpec, MessageSchema, TensorRule
 from broker.tensors import (
@@ -58,6 +60,17 @@ _RESERVED = frozenset({"v", "type"})
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
 UNEXPECTED = "unexpected decoder failure: "
 DEFAULT_LIMITS = CodecLimits()
+# Each schema's field checks, prepared once rather than re-derived from its specs per message.
+_PLANS: Mapping[str, tuple[FieldPlan, ...]] = MappingProxyType(
+    {name: compile_fields(schema) for name, schema in SCHEMAS.items()}
+)
+# The fields that decoding must turn from slots into tensor views; the rest pass through as is.
+_TENSOR_FIELDS: Mapping[str, tuple[FieldSpec, ...]] = MappingProxyType(
+    {
+        name: tuple(s for s in schema.fields if s.tensor is not None)
+        for name, schema in SCHEMAS.items()
+    }
+)
 
 
 def message_type_name(message: Message) -> str:
@@ -144,9 +157,16 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
     schema = _schema_of_message(message)
     writer = HeaderWriter(limits, encoding=True)
     header: dict[str, object] = {"v": SCHEMA_VERSION, "type": schema.name}
-    for spec in schema.fields:
-        path = f"{schema.name}.{spec.name}"
-        header[spec.name] = writer.value(spec, getattr(message, spec.name), path)
+    max_bytes = limits.max_string_len
+    for plan in _PLANS[schema.name]:
+        name = plan.spec.name
+        value = getattr(message, name)
+        fast = plan.fast
+        header[name] = (
+            value
+            if fast is not None and fast(value, max_bytes)
+            else writer.value(plan.spec, value, plan.path)
+        )
     reason = consistency_error(message)
     if reason is not None:
         raise EncodeError(reason)
@@ -173,13 +193,11 @@ def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Messag
     header, header_end = _read_header(view, limits)
     schema = _schema_of_header(header)
     reader = HeaderReader(limits, encoding=False)
-    raw = reader.fields(schema, header, reserved=_RESERVED)
+    values = reader.fields(schema, _PLANS[schema.name], header, reserved=_RESERVED)
     data_start = _check_layout(reader.slots, header_end, len(view))
     with sharing_read_only() if reader.slots and view.readonly else nullcontext():
-        values = {
-            spec.name: _materialise(spec, raw[spec.name], view, data_start)
-            for spec in schema.fields
-        }
+        for spec in _TENSOR_FIELDS[schema.name]:
+            values[spec.name] = _materialise(spec, values[spec.name], view, data_start)
     message: Message = schema.cls(**values)
     reason = consistency_error(message)
     if reason is not None:
@@ -250,18 +268,21 @@ def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> i
     data_start = align(header_end)
     cursor = 0
     previous: TensorSlot | None = None
-    for slot in sorted((s for s in slots if s.nbytes), key=lambda s: s.offset):
-        span = f"{slot.path}: data [{slot.offset}, {slot.offset + slot.nbytes})"
-        if slot.offset % ALIGN:
-            raise DecodeError(f"{span} is not {ALIGN}-byte aligned")
-        if previous is not None and slot.offset < cursor:
-            raise DecodeError(f"{span} overlaps {previous.path}")
-        if slot.offset != align(cursor):
-            raise DecodeError(f"{span} leaves a gap: expected offset {align(cursor)}")
-        if data_start + slot.offset + slot.nbytes > body_size:
+    placed = [s for s in slots if s.nbytes]
+    if len(placed) > 1:
+        placed.sort(key=_offset_of)
+    for slot in placed:
+        offset, end = slot.offset, slot.offset + slot.nbytes
+        if offset % ALIGN:
+            raise DecodeError(f"{_span(slot)} is not {ALIGN}-byte aligned")
+        if previous is not None and offset < cursor:
+            raise DecodeError(f"{_span(slot)} overlaps {previous.path}")
+        if offset != align(cursor):
+            raise DecodeError(f"{_span(slot)} leaves a gap: expected offset {align(cursor)}")
+        if data_start + end > body_size:
             available = max(0, body_size - data_start)
-            raise DecodeError(f"{span} lies outside the {available}-byte data section")
-        cursor = slot.offset + slot.nbytes
+            raise DecodeError(f"{_span(slot)} lies outside the {available}-byte data section")
+        cursor = end
         previous = slot
     for slot in slots:
         if not slot.nbytes and slot.offset:
@@ -270,6 +291,14 @@ def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> i
     if body_size != expected:
         raise DecodeError(f"body has {body_size} bytes, its layout accounts for {expected}")
     return data_start
+
+
+def _offset_of(slot: TensorSlot) -> int:
+    return slot.offset
+
+
+def _span(slot: TensorSlot) -> str:
+    return f"{slot.path}: data [{slot.offset}, {slot.offset + slot.nbytes})"
 
 
 def _materialise(spec: FieldSpec, raw: object, body: memoryview, data_start: int) -> object:

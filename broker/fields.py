@@ -9,13 +9,16 @@ an int either way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from broker.errors import DecodeError, EncodeError
 from broker.schema import (
+    INT64_MAX,
+    INT64_MIN,
     MAP_VALUE_KINDS,
     CodecLimits,
     FieldSpec,
@@ -34,6 +37,63 @@ from broker.tensors import (
     tensor_header,
     wire_dtype,
 )
+
+# A precompiled check: true when a value is exactly its field's plain Python type and passes
+# every marker, so it travels as is (the second argument is the string byte limit). When false,
+# the generic walk decides: it converts what it may (an IntEnum, an int for a float) or raises
+# with the precise reason, so the fast path never changes an outcome, only its cost.
+FastCheck = Callable[[object, int], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldPlan:
+    """One field of a schema, prepared once: its spec, error path and fast check (if scalar)."""
+
+    spec: FieldSpec
+    path: str
+    fast: FastCheck | None
+
+
+def compile_fields(schema: MessageSchema) -> tuple[FieldPlan, ...]:
+    """The per-field plans of `schema`, in field order; build once per schema, not per call."""
+    return tuple(
+        FieldPlan(spec, f"{schema.name}.{spec.name}", _fast_check(spec)) for spec in schema.fields
+    )
+
+
+def _fast_check(spec: FieldSpec) -> FastCheck | None:
+    kind = spec.kind
+    if kind is Kind.STR:
+        non_empty, choices = spec.non_empty, spec.choices
+
+        def check_str(value: object, max_bytes: int) -> bool:
+            # An ASCII string's UTF-8 size is its length (and it always encodes).
+            return (
+                type(value) is str
+                and value.isascii()
+                and len(value) <= max_bytes
+                and (not non_empty or len(value) > 0)
+                and (choices is None or value in choices)
+            )
+
+        return check_str
+    if kind is Kind.INT:
+        low = 0 if spec.non_negative else INT64_MIN
+
+        def check_int(value: object, max_bytes: int) -> bool:
+            return type(value) is int and low <= value <= INT64_MAX
+
+        return check_int
+    if kind is Kind.FLOAT:
+        finite = spec.finite
+
+        def check_float(value: object, max_bytes: int) -> bool:
+            return type(value) is float and (not finite or math.isfinite(value))
+
+        return check_float
+    if kind is Kind.BOOL:
+        return lambda value, max_bytes: type(value) is bool
+    return None
 
 
 @dataclass
@@ -155,20 +215,32 @@ class HeaderReader(_Walker):
     slots: list[TensorSlot] = field(default_factory=list)
 
     def fields(
-        self, schema: MessageSchema, header: dict[object, object], reserved: frozenset[str]
+        self,
+        schema: MessageSchema,
+        plans: tuple[FieldPlan, ...],
+        header: dict[object, object],
+        reserved: frozenset[str],
     ) -> dict[str, object]:
-        """Raw field values; `reserved` names header keys that are not fields (`v`, `type`)."""
-        names = {spec.name for spec in schema.fields}
-        for spec in schema.fields:
-            if spec.name not in header:
-                raise DecodeError(f"{schema.name}: missing field {spec.name!r}")
-        unknown = sorted(repr(k) for k in header if k not in names and k not in reserved)
-        if unknown:
-            raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
-        return {
-            spec.name: self.value(spec, header[spec.name], f"{schema.name}.{spec.name}")
-            for spec in schema.fields
-        }
+        """Raw field values; `plans` is `compile_fields(schema)`; `reserved` names header keys
+        that are not fields (`v`, `type`) and must all be present in `header`."""
+        for plan in plans:
+            if plan.spec.name not in header:
+                raise DecodeError(f"{schema.name}: missing field {plan.spec.name!r}")
+        if len(header) != len(plans) + len(reserved):  # every field and reserved key is there
+            names = {plan.spec.name for plan in plans}
+            unknown = sorted(repr(k) for k in header if k not in names and k not in reserved)
+            if unknown:
+                raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
+        max_bytes = self.limits.max_string_len
+        values: dict[str, object] = {}
+        for plan in plans:
+            name = plan.spec.name
+            value = header[name]
+            fast = plan.fast
+            if fast is None or not fast(value, max_bytes):
+                value = self.value(plan.spec, value, plan.path)
+            values[name] = value
+        return values
 
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:
         limits = self.limits
@@ -186,6 +258,6 @@ class HeaderReader(_Walker):
 def _rank_reason(shape: tuple[int, ...], path: str, limits: CodecLimits) -> str | None:
     if len(shape) > limits.max_rank:
         return f"{path}: rank {len(shape)} exceeds the limit of {limits.max_rank}"
-    if any(dim > limits.max_body_bytes for dim in shape):
+    if shape and max(shape) > limits.max_body_bytes:
         return f"{path}: shape {list(shape)} has a dimension beyond {limits.max_body_bytes}"
     return None
