@@ -18,6 +18,7 @@ import bisect
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -88,6 +89,7 @@ class DeployResult:
     case: Case
     windows: list[Window] = field(default_factory=list)
     reply_bytes: int = 0  # median GradientReply body
+    confirm_wait_s: float = 0.0  # median time the worker spent publishing a reply, in windows
     problem: str = ""  # why the run produced no usable window ("" when fine)
     wall_s: float = 0.0  # the whole deployment, start-up and shut-down included
 
@@ -280,12 +282,14 @@ class Deployment:
         if not self.trace.is_file():
             result.problem = f"the worker wrote no trace (see {self.dir / 'worker.log'})"
             return result
-        replies = [(float(t), str(k), int(n)) for t, k, n in json.loads(self.trace.read_text())
-                   ["replies"]]
+        trace = json.loads(self.trace.read_text())["replies"]
+        replies = [(float(t), str(k), int(n), float(w)) for t, k, n, w in trace]
         min_bytes = grad_bytes(settings, case)
-        spans, result.problem = windows(replies, case, self.job, min_bytes)
-        sizes = sorted(n for _, _, n in replies if n >= min_bytes)
-        result.reply_bytes = sizes[len(sizes) // 2] if sizes else 0
+        spans, result.problem = windows([r[:3] for r in replies], case, self.job, min_bytes)
+        sizes = [n for _, _, n, _ in replies if n >= min_bytes]
+        result.reply_bytes = int(statistics.median(sizes)) if sizes else 0
+        waits = [w for t, _, _, w in replies if any(s < t <= e for s, e, _ in spans)]
+        result.confirm_wait_s = statistics.median(waits) if waits else 0.0
         for start, end, count in spans:
             a, b = sampler.at(start), sampler.at(end)
             cpu = {k: b[k] - a[k] for k in a if k in b}

@@ -74,9 +74,7 @@ class Loop:
         body, optimizer = self.bodies[k]
         z = body(x)
         batch = CohortBatch(f"client-{k}", z.detach(), y, float(y.shape[0]))
-        [(grad, _loss, _correct)] = self.strategy.server_step(
-            self.server, self.server_opt, [batch]
-        )
+        [(grad, _loss, _correct)] = self.strategy.server_step(self.server, self.server_opt, [batch])
         optimizer.zero_grad(set_to_none=True)
         z.backward(grad.to(dtype=z.dtype))
         optimizer.step()

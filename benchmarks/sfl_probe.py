@@ -4,9 +4,10 @@
 
 Runs the very `workers.worker.Worker` that `splitmq worker` runs, over the same RabbitMQ and
 Redis handles, with one difference: its broker handle is wrapped in `RecordingBroker`, which
-notes the instant of every GradientReply the worker's broker has confirmed, with its routing
-key (the client) and body size. Those instants are what `benchmarks.sfl_throughput` counts
-samples between. On SIGTERM the worker hands its shard over as usual and the trace is written.
+notes the instant of every GradientReply the worker's broker has confirmed, with its routing key
+(the client), body size and how long the publish blocked the worker. Those instants are what
+`benchmarks.sfl_throughput` counts samples between. On SIGTERM the worker hands its shard over
+as usual and the trace is written.
 
 Why a wrapper and not the worker's own counters: `Worker.run` keeps its `WorkerStats` private
 until it returns, and the steady-state window needs per-reply timestamps, which nothing logs.
@@ -33,8 +34,9 @@ from services.runtime.backends import Backends
 from services.runtime.logs import configured_logging
 from workers.worker import Worker
 
-# One reply: (monotonic seconds after its confirm, routing key, body bytes).
-Reply = tuple[float, str, int]
+# One reply: (monotonic seconds after its confirm, routing key, body bytes, seconds the
+# publish took: pika's work plus the wait for RabbitMQ's confirm).
+Reply = tuple[float, str, int, float]
 
 
 class RecordingBroker:
@@ -59,12 +61,21 @@ class RecordingBroker:
         headers: Headers | None = None,
         message_id: str | None = None,
         user_id: str | None = None,
+        persistent: bool = True,
     ) -> None:
+        started = self._clock()
         self._inner.publish(
-            exchange, routing_key, body, headers=headers, message_id=message_id, user_id=user_id
+            exchange,
+            routing_key,
+            body,
+            headers=headers,
+            message_id=message_id,
+            user_id=user_id,
+            persistent=persistent,
         )
         if exchange == REPLIES_EXCHANGE:
-            self._replies.append((self._clock(), routing_key, len(body)))
+            done = self._clock()
+            self._replies.append((done, routing_key, len(body), done - started))
 
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         self._inner.subscribe(queue, prefetch=prefetch)

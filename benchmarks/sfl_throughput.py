@@ -45,8 +45,8 @@ from benchmarks.sfl_deploy import (
     CLIENTS,
     ROOT,
     Case,
-    DeployResult,
     Deployment,
+    DeployResult,
 )
 
 SECTION = "sfl-throughput"
@@ -56,7 +56,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class Plan:
-    """One model's benchmark: what the deployments train and how the in-process loop is timed."""
+    """One model's benchmark: what the deployments train and how the in-process loop is timed.
+
+    Sized so a full run stays near 15 minutes on 2 cores: ResNet-18 steps take seconds, so it
+    gets few steps per round, and its half-precision deployments one round each.
+    """
 
     model: str
     cut: str
@@ -64,17 +68,32 @@ class Plan:
     data_label: str
     steps: int  # per client and round in a deployment
     warm: int  # replies per client and round before the window opens
-    inproc_steps: int
+    rounds: int  # float32 deployment: windows (= repetitions)
+    dtype_rounds: int  # float16/bfloat16 deployments
+    dtypes: tuple[str, ...]  # deployed by default
+    inproc_steps: int  # per in-process measurement (a multiple of the 4 clients)
     inproc_warm: int
     inproc_max_s: float
-    eval_samples: int
+    eval_samples: int  # test samples the aggregator evaluates on (0: all)
 
 
 PLANS = {
-    "cnn5": Plan("cnn5", "block1", "fashion_mnist", "Fashion-MNIST 28x28", 60, 4, 160, 8, 20.0, 0),
-    "lenet5": Plan("lenet5", "block1", "cifar10", "CIFAR-10 32x32x3", 60, 4, 160, 8, 20.0, 256),
-    "resnet18": Plan("resnet18", "layer1", "cifar10", "CIFAR-10 32x32x3", 5, 1, 8, 1, 40.0, 128),
-}
+    "cnn5": Plan(
+        "cnn5", "block1", "fashion_mnist", "Fashion-MNIST 28x28",
+        steps=60, warm=4, rounds=3, dtype_rounds=3, dtypes=DTYPES,
+        inproc_steps=160, inproc_warm=8, inproc_max_s=10.0, eval_samples=0,
+    ),
+    "lenet5": Plan(
+        "lenet5", "block1", "cifar10", "CIFAR-10 32x32x3",
+        steps=60, warm=4, rounds=3, dtype_rounds=2, dtypes=("float32",),
+        inproc_steps=160, inproc_warm=8, inproc_max_s=10.0, eval_samples=256,
+    ),
+    "resnet18": Plan(
+        "resnet18", "layer1", "cifar10", "CIFAR-10 32x32x3",
+        steps=5, warm=1, rounds=2, dtype_rounds=1, dtypes=DTYPES,
+        inproc_steps=4, inproc_warm=1, inproc_max_s=30.0, eval_samples=128,
+    ),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -174,19 +193,19 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
             dataset=plan.dataset,
             dtype=dtype,
             steps=plan.steps,
-            rounds=args.reps,
+            rounds=args.reps or (plan.rounds if dtype == "float32" else plan.dtype_rounds),
             warm=plan.warm,
             worker_threads=args.worker_threads,
             allocator=not args.no_allocator,
             eval_samples=plan.eval_samples,
         )
-        for dtype in args.dtypes
+        for dtype in args.dtypes or plan.dtypes
     ]
     if args.fold > 1:
         cases.append(replace(cases[0], dtype="float32", batch_messages=args.fold))
     with InProcess(plan, args.data_dir, not args.no_allocator) as loop:
+        # Every thread count each time: which one wins changes with the machine's load.
         out.points.append([loop.measure(t) for t in args.inproc_threads])
-        threads = best(out.points[0]).threads
         say(log, f"{plan.model}: in-process {fmt_points(out.points[-1])}")
         for case in cases:
             workdir = Path(tempfile.mkdtemp(prefix="sflb-"))
@@ -203,7 +222,7 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
                 f"{plan.model} {case.dtype} fold={case.batch_messages}: MQ windows [{rates}] "
                 f"samples/s {result.problem} (deployment {result.wall_s:.0f} s)",
             )
-            out.points.append([loop.measure(threads)])
+            out.points.append([loop.measure(t) for t in args.inproc_threads])
             say(log, f"{plan.model}: in-process {fmt_points(out.points[-1])}")
     return out
 
@@ -236,49 +255,98 @@ def cpu_ms(result: DeployResult) -> str:
     return f"{of(['worker']):.0f} / {of(clients):.0f} / {of(['rabbitmq']):.0f}"
 
 
-def rows(runs: Sequence[ModelRun]) -> tuple[list[str], list[str]]:
+@dataclass(frozen=True)
+class Row:
+    """One deployment against the in-process runs on either side of it."""
+
+    run: ModelRun
+    result: DeployResult
+    accuracy: float | None
+    around: tuple[Point, Point]  # the faster thread count before and after
+
+    @property
+    def label(self) -> str:
+        plan = self.run.plan
+        return f"{plan.model} ({plan.cut}, {plan.data_label})"
+
+    @property
+    def dtype(self) -> str:
+        case = self.result.case
+        return case.dtype + (f", folding {case.batch_messages}" if case.batch_messages > 1 else "")
+
+    @property
+    def headline(self) -> bool:
+        case = self.result.case
+        return case.dtype == "float32" and case.batch_messages == 1
+
+    @property
+    def base(self) -> float:
+        return statistics.fmean(p.rate for p in self.around)
+
+    @property
+    def mq(self) -> float:
+        return statistics.median(w.rate for w in self.result.windows)
+
+    @property
+    def ratio(self) -> float:
+        return self.mq / self.base
+
+
+def table_rows(runs: Sequence[ModelRun]) -> list[Row]:
+    return [
+        Row(run, result, run.accuracy[i], (best(run.points[i]), best(run.points[i + 1])))
+        for run in runs
+        for i, result in enumerate(run.deployments)
+    ]
+
+
+def throughput_table(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
     lines = [
-        "| model (cut, data) | smashed dtype | reply MiB | MQ samples/s: median [min-max] "
-        "| in-process samples/s (threads) | MQ / in-process | target "
-        "| CPU ms/step MQ: worker / clients / RabbitMQ | CPU ms/step in-process "
-        "| test acc. after the run |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| model (cut, data) | smashed dtype | MQ samples/s: median of windows [min-max] "
+        "| in-process samples/s (threads) | MQ / in-process | target |",
+        "|---|---|---:|---:|---:|---|",
     ]
     verdicts = []
-    for run in runs:
-        plan = run.plan
-        for i, result in enumerate(run.deployments):
-            case = result.case
-            around = [best(run.points[i]), best(run.points[i + 1])]
-            base = statistics.fmean(p.rate for p in around)
-            base_cpu = statistics.fmean(p.cpu_per_step for p in around) * 1e3
-            threads = "/".join(sorted({str(p.threads) for p in around}))
-            dtype = case.dtype + (f", folding {case.batch_messages}" if case.batch_messages > 1 else "")
-            accuracy = run.accuracy[i]
-            acc = "-" if accuracy is None else f"{accuracy:.1%}"
-            label = f"{plan.model} ({plan.cut}, {plan.data_label})"
-            if not result.windows:
-                lines.append(f"| {label} | {dtype} | - | failed: {result.problem} | {base:.0f} "
-                             f"({threads}) | - | - | - | {base_cpu:.0f} | {acc} |")
-                verdicts.append(f"{plan.model} {dtype}: no measurement ({result.problem})")
-                continue
-            rates = [w.rate for w in result.windows]
-            mq = statistics.median(rates)
-            ratio = mq / base
-            target = TARGETS[plan.model]
-            headline = case.dtype == "float32" and case.batch_messages == 1
-            if headline:
-                met = "met" if ratio >= target else f"NOT met ({ratio - target:+.2f})"
-                goal = f">= {target:.2f}: {met}"
-                verdicts.append(f"{plan.model} float32: {ratio:.2f}x (target {target:.2f}x): {met}")
-            else:
-                goal = "(not a target)"
-            lines.append(
-                f"| {label} | {dtype} | {mib(result.reply_bytes)} | {mq:.0f} "
-                f"[{min(rates):.0f}-{max(rates):.0f}] | {base:.0f} ({threads}) "
-                f"| **{ratio:.2f}** | {goal} | {cpu_ms(result)} | {base_cpu:.0f} | {acc} |"
-            )
+    for row in rows:
+        threads = "/".join(sorted({str(p.threads) for p in row.around}))
+        base = f"{row.base:.0f} ({threads})"
+        result = row.result
+        if not result.windows:
+            failed = f"failed: {result.problem}"
+            lines.append(f"| {row.label} | {row.dtype} | {failed} | {base} | - | - |")
+            verdicts.append(f"{row.label} {row.dtype}: no measurement ({result.problem})")
+            continue
+        rates = [w.rate for w in result.windows]
+        spread = f"{row.mq:.0f} [{min(rates):.0f}-{max(rates):.0f}], {len(rates)} windows"
+        goal = "(not a target)"
+        if row.headline:
+            target = TARGETS[row.run.plan.model]
+            met = "met" if row.ratio >= target else f"NOT met, short by {target - row.ratio:.2f}"
+            goal = f">= {target:.2f}: {met}"
+            verdicts.append(f"{row.run.plan.model} float32: {row.ratio:.2f}x ({goal})")
+        lines.append(
+            f"| {row.label} | {row.dtype} | {spread} | {base} | **{row.ratio:.2f}** | {goal} |"
+        )
     return lines, verdicts
+
+
+def diagnostics_table(rows: Sequence[Row]) -> list[str]:
+    lines = [
+        "| model | smashed dtype | reply body MiB | CPU ms per step, MQ: worker / 4 clients / "
+        "RabbitMQ (server-wide) | CPU ms per step, in-process | worker's wait for a reply's "
+        "confirm, ms (median) | test accuracy after the run |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        result = row.result
+        in_process = statistics.fmean(p.cpu_per_step for p in row.around) * 1e3
+        accuracy = "-" if row.accuracy is None else f"{row.accuracy:.1%}"
+        wait = f"{result.confirm_wait_s * 1e3:.1f}" if result.windows else "-"
+        lines.append(
+            f"| {row.run.plan.model} | {row.dtype} | {mib(result.reply_bytes)} "
+            f"| {cpu_ms(result)} | {in_process:.0f} | {wait} | {accuracy} |"
+        )
+    return lines
 
 
 def load_average() -> str:
@@ -289,27 +357,40 @@ def load_average() -> str:
 
 
 def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str) -> str:
-    table, verdicts = rows(runs)
-    allocator = "none (glibc defaults)" if args.no_allocator else " ".join(
-        f"{k}={v}" for k, v in ALLOCATOR_ENV.items()
+    rows = table_rows(runs)
+    throughput, verdicts = throughput_table(rows)
+    allocator = (
+        "glibc defaults"
+        if args.no_allocator
+        else " ".join(f"{k}={v}" for k, v in ALLOCATOR_ENV.items())
     )
-    notes = [
-        f"machine: {machine_line(f'torch {torch.__version__}', f'pika {pika.__version__}')}; "
-        f"load average (1/5/15 min) before {load_before}, after {load_average()}.",
-        f"command: `{command_line('benchmarks.sfl_throughput')}`",
-        f"setup: SFL-V2, batch {BATCH}, {CLIENTS} clients (IID), lr 0.01, 1 worker with "
-        f"batch_messages 1 unless marked folding; {args.reps} rounds per deployment, one "
-        "window per round; MQ processes: clients 1 torch thread each, worker "
-        f"{args.worker_threads}; in-process: the faster of {args.inproc_threads} threads "
-        f"(measured first), then that one. Allocator environment of every process: {allocator}.",
-    ]
+    setup = (
+        f"Setup: SFL-V2, batch {BATCH}, {CLIENTS} clients (IID partition), SGD lr 0.01, one "
+        "worker with `batch_messages = 1` (plain SFL-V2) unless marked folding, persistent "
+        "messages with publisher confirms as designed. One window per round (steady state: "
+        "after every client's first replies of the round, until the first client is done). "
+        f"MQ processes: each client 1 torch thread, the worker {args.worker_threads}; the "
+        f"in-process loop: the faster of {args.inproc_threads} threads, measured before the "
+        "first deployment and after each one, each deployment compared with the mean of the "
+        f"two around it. Allocator environment of every process: `{allocator}`."
+    )
+    machine = machine_line(f"torch {torch.__version__}", f"pika {pika.__version__}")
     return "\n".join(
         [
-            "\n".join(table),
+            *throughput,
             "",
             *[f"- {v}" for v in verdicts],
             "",
-            *[f"{n}\n" for n in notes],
+            *diagnostics_table(rows),
+            "",
+            setup,
+            "",
+            f"Machine: {machine}; load average (1/5/15 min) {load_before} before, "
+            f"{load_average()} after (the machine is shared: other work competes for both "
+            "cores and for RabbitMQ, whose CPU column counts every client of the server).",
+            "",
+            f"Command: `{command_line('benchmarks.sfl_throughput')}`",
+            "",
         ]
     )
 
@@ -317,8 +398,12 @@ def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str)
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(PLANS), default=list(PLANS))
-    parser.add_argument("--reps", type=int, default=3, help="rounds (= windows) per deployment")
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument(
+        "--reps", type=int, default=0, help="rounds (= windows) per deployment (default: per model)"
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, default=None, help="default: per model"
+    )
     parser.add_argument("--fold", type=int, default=1, help="also run batch_messages=N (N > 1)")
     parser.add_argument("--worker-threads", type=int, default=1)
     parser.add_argument("--inproc-threads", type=int, nargs="+", default=[1, 2])

@@ -60,6 +60,7 @@ class InMemoryBroker:
         headers: Headers | None = None,
         message_id: str | None = None,
         user_id: str | None = None,
+        persistent: bool = True,  # nothing here outlives the process anyway
     ) -> None:
         if not isinstance(body, bytes):
             # The queue keeps a reference: a mutable buffer could change after the publish.

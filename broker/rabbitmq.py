@@ -1,10 +1,11 @@
 """The RabbitMQ `Broker`: pika's BlockingConnection, one instance per thread.
 
-Publishes are persistent, mandatory and confirmed; consumption is pull-style over a local buffer
-that `get` fills by pumping the connection. A lost connection is reopened on the next operation
-(see `broker.rabbitmq_channels`): topology and subscriptions come back, a publish cut off before
-its confirm is sent again (at-least-once), and deliveries from the lost connection become stale:
-acking one raises `StaleDeliveryError`, since RabbitMQ has already requeued it.
+Publishes are mandatory, confirmed and persistent (unless asked not to be); consumption is
+pull-style over a local buffer that `get` fills by pumping the connection. A lost connection is
+reopened on the next operation (see `broker.rabbitmq_channels`): topology and subscriptions come
+back, a publish cut off before its confirm is sent again (at-least-once), and deliveries from
+the lost connection become stale: acking one raises `StaleDeliveryError`, since RabbitMQ has
+already requeued it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from broker.transport import (
 
 __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
 
-_PERSISTENT = 2
+_TRANSIENT, _PERSISTENT = 1, 2
 
 
 class RabbitMQBroker:
@@ -116,6 +117,7 @@ class RabbitMQBroker:
         headers: Headers | None = None,
         message_id: str | None = None,
         user_id: str | None = None,
+        persistent: bool = True,
     ) -> None:
         if not isinstance(body, bytes):
             # pika 1.4 turns any non-bytes body into bytes with str.encode, so a memoryview
@@ -133,7 +135,7 @@ class RabbitMQBroker:
                 f"user_id {user_id!r} differs from this connection's user {self._keeper.user!r}"
             )
         properties = pika.BasicProperties(
-            delivery_mode=_PERSISTENT,
+            delivery_mode=_PERSISTENT if persistent else _TRANSIENT,
             headers=outgoing_headers(headers),
             message_id=message_id,
             user_id=user_id,

@@ -89,8 +89,13 @@ class Broker(Protocol):
         headers: Headers | None = None,
         message_id: str | None = None,
         user_id: str | None = None,
+        persistent: bool = True,
     ) -> None:
-        """Publish persistently and mandatorily; return once the broker has confirmed it.
+        """Publish mandatorily; return once the broker has confirmed it.
+
+        `persistent=False` is for messages worthless after a broker restart (a gradient
+        for a step its client will republish anyway): still confirmed, but kept in memory
+        only, which spares RabbitMQ a disk write and the publisher the wait for it.
 
         Raises `BackPressureError` (queue full, nothing enqueued), `UnroutableError`,
         `MessageTooLargeError` or `BrokerUnavailableError`.

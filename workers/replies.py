@@ -46,11 +46,16 @@ class Replier:
         attempts = 0
         while True:
             try:
+                # Transient: a gradient only matters to its client while that client waits
+                # for it; persisting it cost RabbitMQ a disk write and the worker (whose
+                # loop is the job's critical path) the wait for it: 7-8 ms of a ~20 ms cnn5
+                # step, ~25% of SFL-V2 throughput (docs/benchmarks.md, "SFL-V2 throughput").
                 self._broker.publish(
                     REPLIES_EXCHANGE,
                     reply_routing_key(reply.job, reply.client),
                     body,
                     message_id=reply.message_id,
+                    persistent=False,
                 )
                 return True
             except BackPressureError:

@@ -1,8 +1,10 @@
-"""Frame-sized socket reads (`broker.rabbitmq_connection.tune_receive`) on a real connection.
+"""The RabbitMQ broker's two fast paths, on a real server (docs/benchmarks.md, SFL-V2 section).
 
-pika reads 4 KiB per `recv` unless told otherwise; the broker raises that to one frame. These
-tests check that the pika internals it relies on are still there (a canary for pika upgrades)
-and that multi-frame bodies still arrive byte for byte.
+- Frame-sized socket reads (`broker.rabbitmq_connection.tune_receive`): pika reads 4 KiB per
+  `recv` unless told otherwise. Checked: the pika internals it relies on are still there (a
+  canary for pika upgrades) and multi-frame bodies still arrive byte for byte.
+- `publish(..., persistent=False)`: the message goes out with delivery mode 1, still confirmed
+  and mandatory. Checked on the wire with a raw pika `basic_get`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 import pika
 import pytest
 
+from broker.errors import UnroutableError
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import CONSUME_BYTES_PER_EVENT, tune_receive
 from broker.topology import CONTROL_EXCHANGE
@@ -63,3 +66,29 @@ def test_multi_frame_bodies_arrive_intact(amqp_url: str, queue: QueueSpec) -> No
             received.append(delivery.body)
             consumer.ack(delivery)
     assert received == bodies
+
+
+def _delivery_mode(amqp_url: str, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        method, properties, _body = connection.channel().basic_get(queue, auto_ack=True)
+        assert method is not None, f"nothing in {queue}"
+        mode: int = properties.delivery_mode
+        return mode
+    finally:
+        connection.close()
+
+
+def test_publish_is_persistent_unless_asked_not_to_be(amqp_url: str, queue: QueueSpec) -> None:
+    with RabbitMQBroker(amqp_url) as producer:
+        producer.publish(queue.exchange, queue.routing_key, b"kept")
+        assert _delivery_mode(amqp_url, queue.name) == 2
+        producer.publish(queue.exchange, queue.routing_key, b"ephemeral", persistent=False)
+        assert _delivery_mode(amqp_url, queue.name) == 1
+
+
+def test_transient_publish_is_still_mandatory(amqp_url: str, job: str) -> None:
+    with RabbitMQBroker(amqp_url) as producer:
+        producer.declare([])
+        with pytest.raises(UnroutableError):
+            producer.publish(CONTROL_EXCHANGE, f"{job}.nobody", b"x", persistent=False)
