@@ -223,10 +223,14 @@ class Deployment:
 
     def env(self, threads: int) -> dict[str, str]:
         env = dict(os.environ)
-        for name in ALLOCATOR_ENV:
+        for name in (*ALLOCATOR_ENV, "OMP_WAIT_POLICY"):
             env.pop(name, None)
         if self.case.allocator:
             env.update(ALLOCATOR_ENV)
+        if threads > 1:
+            # Sharing two cores with the clients, spinning OpenMP threads wait for a
+            # descheduled sibling for whole time slices; passive ones sleep instead.
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         env.update(
             SPLITMQ_DATA_DIR=str(self.data_dir),
             PYTHONUNBUFFERED="1",

@@ -1,6 +1,6 @@
 """SFL-V2 samples/s through RabbitMQ + Redis against the in-process loop; run by hand, not a test.
 
-    python -m benchmarks.sfl_throughput [--models cnn5 lenet5 resnet18] [--reps 3]
+    python -m benchmarks.sfl_throughput [--models cnn5 lenet5 resnet18] [--reps N]
                                         [--dtypes float32 float16 bfloat16] [--fold 4]
                                         [--write-docs]
 
@@ -12,11 +12,13 @@ For each model (batch 64, 4 clients, IID partition, data from SPLITMQ_DATA_DIR, 
   over the real RabbitMQ and Redis. Every round is one repetition: samples counted between two
   reply timestamps once every client is past its warm-up, while all four are busy.
 - **in-process**: `benchmarks.sfl_inprocess`, one process doing the same SFL-V2 steps, measured
-  right before the first deployment and after each one (the machine's load drifts; each
-  deployment is compared with the mean of the in-process runs on either side of it).
+  right before the first deployment and after each one in every variant (1 or 2 torch threads,
+  optionally with passive OpenMP waits); each deployment is compared with the mean of the best
+  variants on either side of it, because the load of a shared machine drifts.
 
-The in-process loop is measured with 1 and 2 torch threads first and then keeps the faster;
-MQ clients get 1 thread each and the worker `--worker-threads` (default 1).
+Defaults per model (`PLANS`) keep a full run near 15 minutes on 2 idle cores; the table, the
+verdicts against the targets and the machine line are printed and, with `--write-docs`, written
+to the "sfl-throughput" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -75,6 +78,9 @@ class Plan:
     inproc_warm: int
     inproc_max_s: float
     eval_samples: int  # test samples the aggregator evaluates on (0: all)
+    # The worker's torch threads: ResNet-18's server side is 3/4 of its compute, worth both
+    # cores while the clients wait; the small CNNs' steps are too short to gain from two.
+    worker_threads: int = 1
 
 
 PLANS = {
@@ -91,16 +97,16 @@ PLANS = {
     "resnet18": Plan(
         "resnet18", "layer1", "cifar10", "CIFAR-10 32x32x3",
         steps=5, warm=1, rounds=2, dtype_rounds=1, dtypes=DTYPES,
-        inproc_steps=4, inproc_warm=1, inproc_max_s=30.0, eval_samples=128,
+        inproc_steps=4, inproc_warm=1, inproc_max_s=30.0, eval_samples=128, worker_threads=2,
     ),
 }  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Point:
-    """In-process rate at one thread count."""
+    """In-process rate of one variant ("1", "2": torch threads; "2p": 2 threads, passive wait)."""
 
-    threads: int
+    variant: str
     rate: float
     cpu_per_step: float
 
@@ -113,15 +119,29 @@ class ModelRun:
     accuracy: list[float | None] = field(default_factory=list)
 
 
-class InProcess:
-    """The in-process loop in a child process that keeps its model and data between requests."""
+def variant_threads(variant: str) -> tuple[int, bool]:
+    """ "2p" → (2, True): thread count, and whether OpenMP threads wait passively."""
+    passive = variant.endswith("p")
+    threads = int(variant.removesuffix("p"))
+    if threads < 1:
+        raise ValueError(f"in-process variant {variant!r}: need at least one thread")
+    return threads, passive
 
-    def __init__(self, plan: Plan, data_dir: Path, allocator: bool) -> None:
+
+class InProcess:
+    """The in-process loop in a child process that keeps its model and data between requests.
+
+    The OpenMP wait policy is fixed when a process starts, so each policy gets its own child.
+    """
+
+    def __init__(self, plan: Plan, data_dir: Path, allocator: bool, passive: bool) -> None:
         env = dict(os.environ)
-        for name in ALLOCATOR_ENV:
+        for name in (*ALLOCATOR_ENV, "OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
             env.pop(name, None)
         if allocator:  # the same allocator settings as the deployment's processes
             env.update(ALLOCATOR_ENV)
+        if passive:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         argv = [sys.executable, "-m", "benchmarks.sfl_inprocess", "--serve"]
         argv += ["--model", plan.model, "--cut", plan.cut, "--dataset", plan.dataset]
         argv += ["--data-dir", str(data_dir)]
@@ -142,7 +162,8 @@ class InProcess:
         answer: dict[str, float] = json.loads(line)
         return answer
 
-    def measure(self, threads: int) -> Point:
+    def measure(self, variant: str) -> Point:
+        threads, _ = variant_threads(variant)
         plan = self._plan
         request = {
             "threads": threads,
@@ -155,7 +176,7 @@ class InProcess:
         stdin.write(json.dumps(request) + "\n")
         stdin.flush()
         answer = self._read()
-        return Point(threads, answer["rate"], answer["cpu_per_step"])
+        return Point(variant, answer["rate"], answer["cpu_per_step"])
 
     def __enter__(self) -> InProcess:
         return self
@@ -195,7 +216,7 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
             steps=plan.steps,
             rounds=args.reps or (plan.rounds if dtype == "float32" else plan.dtype_rounds),
             warm=plan.warm,
-            worker_threads=args.worker_threads,
+            worker_threads=args.worker_threads or plan.worker_threads,
             allocator=not args.no_allocator,
             eval_samples=plan.eval_samples,
         )
@@ -203,10 +224,21 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
     ]
     if args.fold > 1:
         cases.append(replace(cases[0], dtype="float32", batch_messages=args.fold))
-    with InProcess(plan, args.data_dir, not args.no_allocator) as loop:
-        # Every thread count each time: which one wins changes with the machine's load.
-        out.points.append([loop.measure(t) for t in args.inproc_threads])
-        say(log, f"{plan.model}: in-process {fmt_points(out.points[-1])}")
+    with ExitStack() as stack:
+        loops = {
+            passive: stack.enter_context(
+                InProcess(plan, args.data_dir, not args.no_allocator, passive)
+            )
+            for passive in sorted({variant_threads(v)[1] for v in args.inproc})
+        }
+
+        def measure_all() -> list[Point]:
+            # Every variant each time: which one wins changes with the machine's load.
+            points = [loops[variant_threads(v)[1]].measure(v) for v in args.inproc]
+            say(log, f"{plan.model}: in-process {fmt_points(points)}")
+            return points
+
+        out.points.append(measure_all())
         for case in cases:
             workdir = Path(tempfile.mkdtemp(prefix="sflb-"))
             result = Deployment(case, args.data_dir, workdir).run(args.timeout)
@@ -222,13 +254,12 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
                 f"{plan.model} {case.dtype} fold={case.batch_messages}: MQ windows [{rates}] "
                 f"samples/s {result.problem} (deployment {result.wall_s:.0f} s)",
             )
-            out.points.append([loop.measure(t) for t in args.inproc_threads])
-            say(log, f"{plan.model}: in-process {fmt_points(out.points[-1])}")
+            out.points.append(measure_all())
     return out
 
 
 def fmt_points(points: Sequence[Point]) -> str:
-    return ", ".join(f"{p.rate:.1f} samples/s at {p.threads} thread(s)" for p in points)
+    return ", ".join(f"{p.rate:.1f} samples/s ({p.variant})" for p in points)
 
 
 def say(log: IO[str], text: str) -> None:
@@ -308,7 +339,7 @@ def throughput_table(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
     ]
     verdicts = []
     for row in rows:
-        threads = "/".join(sorted({str(p.threads) for p in row.around}))
+        threads = "/".join(sorted({p.variant for p in row.around}))
         base = f"{row.base:.0f} ({threads})"
         result = row.result
         if not result.windows:
@@ -364,15 +395,21 @@ def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str)
         if args.no_allocator
         else " ".join(f"{k}={v}" for k, v in ALLOCATOR_ENV.items())
     )
+    workers = ", ".join(
+        f"{run.plan.model} {args.worker_threads or run.plan.worker_threads}" for run in runs
+    )
     setup = (
         f"Setup: SFL-V2, batch {BATCH}, {CLIENTS} clients (IID partition), SGD lr 0.01, one "
-        "worker with `batch_messages = 1` (plain SFL-V2) unless marked folding, persistent "
-        "messages with publisher confirms as designed. One window per round (steady state: "
-        "after every client's first replies of the round, until the first client is done). "
-        f"MQ processes: each client 1 torch thread, the worker {args.worker_threads}; the "
-        f"in-process loop: the faster of {args.inproc_threads} threads, measured before the "
-        "first deployment and after each one, each deployment compared with the mean of the "
-        f"two around it. Allocator environment of every process: `{allocator}`."
+        "worker with `batch_messages = 1` (plain SFL-V2) unless marked folding; smashed data "
+        "persistent, gradient replies transient, all confirmed. One window per round (steady "
+        "state: from the moment every client has had its first replies of the round until the "
+        "first client is done). MQ processes: each client 1 torch thread, the worker "
+        f"{workers} (OMP_WAIT_POLICY=PASSIVE when more than one: it shares the cores with the "
+        "clients). The in-process loop: the fastest of the variants "
+        f"{', '.join(args.inproc)} (torch threads; p: OMP_WAIT_POLICY=PASSIVE), all measured "
+        "before the first deployment and after each one; each deployment is compared with the "
+        "mean of the best variants just before and just after it. Allocator environment of "
+        f"every process: `{allocator}`."
     )
     machine = machine_line(f"torch {torch.__version__}", f"pika {pika.__version__}")
     return "\n".join(
@@ -405,8 +442,15 @@ def main() -> None:
         "--dtypes", nargs="+", choices=DTYPES, default=None, help="default: per model"
     )
     parser.add_argument("--fold", type=int, default=1, help="also run batch_messages=N (N > 1)")
-    parser.add_argument("--worker-threads", type=int, default=1)
-    parser.add_argument("--inproc-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--worker-threads", type=int, default=0, help="worker's torch threads (default: per model)"
+    )
+    parser.add_argument(
+        "--inproc",
+        nargs="+",
+        default=["1", "2", "2p"],
+        help="in-process variants: torch threads, 'p' for OMP_WAIT_POLICY=PASSIVE; the faster wins",
+    )
     parser.add_argument("--no-allocator", action="store_true", help="glibc malloc defaults")
     parser.add_argument("--timeout", type=float, default=900.0, help="per deployment, seconds")
     parser.add_argument(
