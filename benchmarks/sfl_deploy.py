@@ -179,7 +179,14 @@ class CpuSampler:
 def windows(
     replies: Sequence[tuple[float, str, int]], case: Case, job: str, min_bytes: int
 ) -> tuple[list[tuple[float, float, int]], str]:
-    """(start, end, replies) of each round's steady-state window, or a problem."""
+    """(start, end, replies) of each round's steady-state window, or a problem.
+
+    A round's window opens at the `warm`-th reply of the last client to get there and closes
+    at the last reply of the first client to finish; replies strictly after the opening
+    instant and up to the closing one are counted.
+    """
+    if not 1 <= case.warm < case.steps:
+        raise ValueError(f"warm must be in 1..{case.steps - 1}, got {case.warm}")
     keys = [reply_routing_key(job, f"client-{i}") for i in range(CLIENTS)]
     times: dict[str, list[float]] = {k: [] for k in keys}
     for t, key, size in replies:

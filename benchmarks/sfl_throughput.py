@@ -53,6 +53,9 @@ from benchmarks.sfl_deploy import (
 )
 
 SECTION = "sfl-throughput"
+TITLE = "## SFL-V2 throughput: RabbitMQ + Redis vs in-process"
+# The analysis under the table: prose about mechanisms, kept beside the script that measures.
+NOTES = Path(__file__).with_name("sfl_throughput_notes.md")
 TARGETS = {"cnn5": 0.70, "lenet5": 0.70, "resnet18": 0.85}
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -286,6 +289,14 @@ def cpu_ms(result: DeployResult) -> str:
     return f"{of(['worker']):.0f} / {of(clients):.0f} / {of(['rabbitmq']):.0f}"
 
 
+def cores_busy(result: DeployResult) -> str:
+    """Cores the job's processes and RabbitMQ kept busy during the windows, on average."""
+    seconds = sum(w.seconds for w in result.windows)
+    if not seconds:
+        return "-"
+    return f"{sum(sum(w.cpu.values()) for w in result.windows) / seconds:.2f}"
+
+
 @dataclass(frozen=True)
 class Row:
     """One deployment against the in-process runs on either side of it."""
@@ -348,7 +359,7 @@ def throughput_table(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
             verdicts.append(f"{row.label} {row.dtype}: no measurement ({result.problem})")
             continue
         rates = [w.rate for w in result.windows]
-        spread = f"{row.mq:.0f} [{min(rates):.0f}-{max(rates):.0f}], {len(rates)} windows"
+        spread = f"{row.mq:.0f} [{min(rates):.0f}-{max(rates):.0f}], {len(rates)} window(s)"
         goal = "(not a target)"
         if row.headline:
             target = TARGETS[row.run.plan.model]
@@ -364,18 +375,20 @@ def throughput_table(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
 def diagnostics_table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| model | smashed dtype | reply body MiB | CPU ms per step, MQ: worker / 4 clients / "
-        "RabbitMQ (server-wide) | CPU ms per step, in-process | worker's wait for a reply's "
-        "confirm, ms (median) | test accuracy after the run |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "RabbitMQ | cores busy, MQ | CPU ms per step, in-process | worker's wait for a "
+        "reply's confirm, ms (median) | test accuracy after the run (test images) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         result = row.result
         in_process = statistics.fmean(p.cpu_per_step for p in row.around) * 1e3
-        accuracy = "-" if row.accuracy is None else f"{row.accuracy:.1%}"
+        evaluated = row.run.plan.eval_samples or "all"
+        accuracy = "-" if row.accuracy is None else f"{row.accuracy:.1%} ({evaluated})"
         wait = f"{result.confirm_wait_s * 1e3:.1f}" if result.windows else "-"
         lines.append(
             f"| {row.run.plan.model} | {row.dtype} | {mib(result.reply_bytes)} "
-            f"| {cpu_ms(result)} | {in_process:.0f} | {wait} | {accuracy} |"
+            f"| {cpu_ms(result)} | {cores_busy(result)} | {in_process:.0f} | {wait} "
+            f"| {accuracy} |"
         )
     return lines
 
@@ -467,7 +480,8 @@ def main() -> None:
     text = report(args, runs, load_before)
     print(text)
     if args.write_docs:
-        write_section(SECTION, "## SFL-V2 throughput: RabbitMQ + Redis vs in-process\n\n" + text)
+        notes = NOTES.read_text(encoding="utf-8")
+        write_section(SECTION, f"{TITLE}\n\n{text}\n{notes}")
 
 
 if __name__ == "__main__":
