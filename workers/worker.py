@@ -52,7 +52,9 @@ class Worker:
     ) -> None:
         self.settings = settings
         self.worker_id = worker_id or default_worker_id()
-        self.strategy = strategy or build_strategy(settings.algorithm.name)
+        self.strategy = strategy or build_strategy(
+            settings.algorithm.name, settings.algorithm.params()
+        )
         self.model_factory = model_factory or (lambda: job_model(settings))
         self.clock = clock
         self.poll_s = poll_s

@@ -44,7 +44,9 @@ class Aggregator:
         self._backends = backends
         self._sink = sink
         self._evaluator = evaluator
-        self._strategy = strategy or build_strategy(settings.algorithm.name)
+        self._strategy = strategy or build_strategy(
+            settings.algorithm.name, settings.algorithm.params()
+        )
         self._clock = clock
         self._log = logger or logging.getLogger("splitmq.aggregator")
         self._poll_s = poll_s

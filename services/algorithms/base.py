@@ -8,7 +8,7 @@ client's round, the worker's step, and the aggregation. The math lives in pure f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,6 +49,20 @@ class SmashedChannel(Protocol):
     def send(self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int) -> None:
         """Send smashed data without waiting (local-loss algorithms)."""
         ...
+
+
+@dataclass
+class ClientContext:
+    """What a client's round may use beyond its model, data, channel and hyper-parameters."""
+
+    client: str
+    round: int
+    # Tensors an algorithm keeps on this client from round to round (FedDeper's v_k,
+    # Sub-FedAvg's mask). They live in the client process: a restarted client starts afresh.
+    memory: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Accuracy of a model (inputs -> logits) on this client's local test set (the test samples
+    # of its own classes); 0.0 when it has none.
+    local_accuracy: Callable[[nn.Module], float] = lambda _m: 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,7 @@ class Strategy(Protocol):
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
+        context: ClientContext,
     ) -> RoundResult:
         """Train the client side for one round; `model` holds the assigned weights."""
         ...

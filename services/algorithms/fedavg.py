@@ -14,6 +14,7 @@ from broker.store import CLIENT_PART, BlobRef
 from models.split import SplitNet
 from services.algorithms.averaging import weighted_average
 from services.algorithms.base import (
+    ClientContext,
     ClientUpdate,
     CohortBatch,
     Hyper,
@@ -49,6 +50,7 @@ class FedAvg:
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
+        context: ClientContext,
     ) -> RoundResult:
         model.train()
         params = [p for name, p in model.named_parameters() if name.startswith("blocks.")]

@@ -1,28 +1,39 @@
-"""Algorithm name → strategy."""
+"""Algorithm name (+ its parameters) → strategy.
+
+Each factory takes the algorithm's `params` (the values of its `[algorithm.<name>]` section,
+as `AlgorithmSection.params()` gives them and the coordinator forwards them to clients) and
+validates them itself, so a client built from a Welcome's config is held to the same rules as
+the service's own settings.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
+from broker.messages import ConfigValue
 from services.algorithms.base import Strategy
 from services.algorithms.fedavg import FedAvg
 from services.algorithms.minibatch_sfl import MiniBatchSFL
 from services.algorithms.sfl import SFL
 
-STRATEGIES: Mapping[str, Callable[[], Strategy]] = MappingProxyType(
+Params = Mapping[str, ConfigValue]
+StrategyFactory = Callable[[Params], Strategy]
+
+STRATEGIES: Mapping[str, StrategyFactory] = MappingProxyType(
     {
-        "fedavg": FedAvg,
-        "sfl_v1": lambda: SFL(name="sfl_v1"),
-        "sfl_v2": lambda: SFL(name="sfl_v2"),
-        "sfl": SFL,
-        "minibatch_sfl": MiniBatchSFL,
+        "fedavg": lambda _p: FedAvg(),
+        "sfl_v1": lambda _p: SFL(name="sfl_v1"),
+        "sfl_v2": lambda _p: SFL(name="sfl_v2"),
+        "sfl": lambda _p: SFL(),
+        "minibatch_sfl": lambda _p: MiniBatchSFL(),
     }
 )
 
 
-def build_strategy(name: str) -> Strategy:
+def build_strategy(name: str, params: Params | None = None) -> Strategy:
+    """The strategy `name` with `params`; `ValueError` for an unknown name or bad parameters."""
     factory = STRATEGIES.get(name)
     if factory is None:
         raise ValueError(f"unknown algorithm {name!r}; known: {sorted(STRATEGIES)}")
-    return factory()
+    return factory(params or {})

@@ -19,6 +19,7 @@ from models.split import SplitNet
 from models.state import client_state, head_state, server_state
 from services.algorithms.averaging import weighted_average
 from services.algorithms.base import (
+    ClientContext,
     ClientUpdate,
     CohortBatch,
     Hyper,
@@ -49,6 +50,7 @@ def split_client_round(
     steps: int,
     channel: SmashedChannel,
     hyper: Hyper,
+    context: ClientContext,
 ) -> RoundResult:
     """Plain split training of the client side: every step waits for the server's dL/dz."""
     body = model.client_blocks(cut)

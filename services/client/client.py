@@ -229,7 +229,9 @@ class Client:
             welcome.cut,
             index,
         )
-        return Membership(welcome.shard, welcome.cut, index, plan, build_strategy(plan.algorithm))
+        return Membership(
+            welcome.shard, welcome.cut, index, plan, build_strategy(plan.algorithm, plan.params)
+        )
 
     # --- rounds -----------------------------------------------------------------------------------
 
@@ -290,8 +292,8 @@ class Client:
             plan=plan,
             strategy=(
                 member.strategy
-                if plan.algorithm == member.plan.algorithm
-                else build_strategy(plan.algorithm)
+                if (plan.algorithm, plan.params) == (member.plan.algorithm, member.plan.params)
+                else build_strategy(plan.algorithm, plan.params)
             ),
         )
         try:

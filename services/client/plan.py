@@ -7,7 +7,7 @@ file may be stale or partial, the service's word is the one every participant sh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -17,6 +17,9 @@ from broker.messages import ConfigValue
 from services.algorithms.base import Hyper
 from services.algorithms.registry import STRATEGIES
 from services.config.root import Settings
+
+# Config keys that carry the algorithm's own parameters.
+PARAMS_PREFIX = "params."
 
 WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,6 +36,9 @@ class RoundPlan:
     local_epochs: int
     max_steps: int  # 0: whole local epochs
     smashed_dtype: str
+    # The algorithm's own parameters ([algorithm.<name>]); the service sends them as
+    # `params.<key>` config entries.
+    params: Mapping[str, ConfigValue] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RoundPlan:
@@ -46,6 +52,7 @@ class RoundPlan:
             local_epochs=a.local_epochs,
             max_steps=a.max_steps_per_round,
             smashed_dtype=a.smashed_dtype,
+            params=MappingProxyType(a.params()),
         )
 
     def updated(self, config: Mapping[str, ConfigValue]) -> RoundPlan:
@@ -76,6 +83,12 @@ class RoundPlan:
                     f"config.smashed_dtype: {dtype!r} is not one of {list(WIRE_DTYPES)}"
                 )
             changes["smashed_dtype"] = dtype
+        sent = {
+            k[len(PARAMS_PREFIX) :]: v for k, v in config.items() if k.startswith(PARAMS_PREFIX)
+        }
+        if sent or "algorithm" in changes:
+            # The service's parameters replace ours whole: ours may belong to another algorithm.
+            changes["params"] = MappingProxyType(sent)
         plan = replace(self, **changes)
         if plan.lr <= 0 or not 0 <= plan.momentum < 1 or plan.server_lr < 0:
             raise ValueError(

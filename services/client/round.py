@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from broker.messages import WeightsAssignment, WeightsUpdate, new_message_id
 from models.split import SplitNet
 from models.state import load_partial
-from services.algorithms.base import Strategy
+from services.algorithms.base import ClientContext, Strategy
 from services.client.channel import BrokerChannel, RoundContext, SeqBook, Tally
 from services.client.data import JobData, client_batches, round_batches
 from services.client.link import ClientLink
@@ -62,6 +62,10 @@ class RoundRunner:
     max_republish: int
     clock: Callable[[], float]
     logger: logging.Logger
+    # The algorithm's per-client tensors across rounds (`ClientContext.memory`); cleared when
+    # the job switches algorithm.
+    memory: dict[str, torch.Tensor] = field(default_factory=dict)
+    _memory_of: str = ""
 
     def run(self, member: Membership, assignment: WeightsAssignment) -> WeightsUpdate:
         """Train one round from `assignment`; raises `RoundAborted` when the round is lost."""
@@ -100,16 +104,31 @@ class RoundRunner:
         if not member.strategy.splits:
             # The whole model runs here: measure its training loss on the batches it sees.
             batches, hook = self._tallied(batches, local)
+        if self._memory_of != plan.algorithm:
+            self.memory.clear()
+            self._memory_of = plan.algorithm
+        context = ClientContext(
+            client=self.client,
+            round=assignment.round,
+            memory=self.memory,
+            local_accuracy=lambda module: self._local_accuracy(index, module),
+        )
         try:
             result = member.strategy.client_round(
-                self.model, member.cut, self._ticking(batches), steps, channel, plan.hyper()
+                self.model,
+                member.cut,
+                self._ticking(batches),
+                steps,
+                channel,
+                plan.hyper(),
+                context,
             )
         finally:
             if hook is not None:
                 hook.remove()
         metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
         if not member.strategy.splits:
-            metrics["personal_accuracy"] = self._personal_accuracy(index)
+            metrics["personal_accuracy"] = self._local_accuracy(index, self.model)
         metrics.update(
             bytes_up=float(self.stats.bytes_up - up_before),
             bytes_down=float(self.stats.bytes_down - down_before),
@@ -155,17 +174,18 @@ class RoundRunner:
 
         return remember(), self.model.register_forward_hook(on_forward)
 
-    def _personal_accuracy(self, index: int) -> float:
-        """The locally trained full model on the client's local test set."""
+    def _local_accuracy(self, index: int, model: nn.Module) -> float:
+        """`model` (inputs -> logits) on the client's local test set."""
         test = self.data.dataset.test
         picked = torch.from_numpy(self.data.local_test(index))
         if not len(picked):
             return 0.0
-        self.model.eval()
+        was_training = model.training
+        model.eval()
         correct = 0
         with torch.no_grad():
             for chunk in picked.split(EVAL_CHUNK):
-                logits = self.model(test.x.index_select(0, chunk))
+                logits = model(test.x.index_select(0, chunk))
                 correct += int((logits.argmax(dim=1) == test.y.index_select(0, chunk)).sum())
-        self.model.train()
+        model.train(was_training)
         return correct / len(picked)

@@ -11,9 +11,27 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.config.algorithms import (
+    PARAMS_SECTION,
+    FedDeperSection,
+    FedSplitXSection,
+    SplitGPSection,
+    SubFedAvgSection,
+)
 from services.config.settings import _Section
 
-AlgorithmName = Literal["fedavg", "sfl_v1", "sfl_v2", "sfl", "minibatch_sfl"]
+AlgorithmName = Literal[
+    "fedavg",
+    "sfl_v1",
+    "sfl_v2",
+    "sfl",
+    "minibatch_sfl",
+    "splitgp",
+    "fedsplitx",
+    "local_loss_sfl",
+    "feddeper",
+    "subfedavg",
+]
 PartitionKind = Literal["iid", "dirichlet", "shards", "label_ratio"]
 WireDtype = Literal["float32", "float16", "bfloat16"]
 
@@ -58,10 +76,23 @@ class AlgorithmSection(_Section):
     # Cap on local steps per round (0: whole local epochs) — keeps demo rounds short.
     max_steps_per_round: int = Field(default=0, ge=0)
     smashed_dtype: WireDtype = "float32"
+    # Each algorithm's own parameters: [algorithm.splitgp], [algorithm.fedsplitx], ...
+    splitgp: SplitGPSection = SplitGPSection()
+    fedsplitx: FedSplitXSection = FedSplitXSection()
+    feddeper: FedDeperSection = FedDeperSection()
+    subfedavg: SubFedAvgSection = SubFedAvgSection()
 
     @property
     def effective_server_lr(self) -> float:
         return self.server_lr or self.lr
+
+    def params(self) -> dict[str, str | int | float | bool]:
+        """The chosen algorithm's own parameters (empty for those without any)."""
+        section = PARAMS_SECTION.get(self.name)
+        if section is None:
+            return {}
+        values: dict[str, str | int | float | bool] = getattr(self, section).model_dump()
+        return values
 
 
 class ClientsSection(_Section):
@@ -127,7 +158,7 @@ class JobConfig(_Section):
     def shards(self) -> int:
         """S after the algorithm's rule (design §1)."""
         name = self.algorithm.name
-        if name in ("sfl_v2", "minibatch_sfl", "fedavg"):
+        if name in ("sfl_v2", "minibatch_sfl", "fedavg", "feddeper"):
             return 1
         if name == "sfl_v1":
             return self.clients.count

@@ -89,9 +89,7 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_model(
-    model: type[M], path: Path | None, env: Mapping[str, str], *, source: str = ""
-) -> M:
+def load_model(model: type[M], path: Path | None, env: Mapping[str, str], *, source: str = "") -> M:
     """Build `model` from an optional TOML file and the environment."""
     data = read_toml(path) if path is not None else {}
     data = deep_merge(data, env_overrides(model, env))

@@ -22,7 +22,9 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
     """The algorithm parameters a client trains with (all roles read the same job file, but a
     client may run from a different one: the service's values win)."""
     algo = settings.algorithm
+    params = {f"params.{key}": value for key, value in algo.params().items()}
     return {
+        **params,
         "algorithm": algo.name,
         "batch_size": algo.batch_size,
         "lr": algo.lr,

@@ -60,7 +60,11 @@ def build_client(
 
 def worker_count(settings: Settings) -> int:
     """Workers to start: none when the algorithm has no server-side layers (FedAvg)."""
-    return settings.workers.count if build_strategy(settings.algorithm.name).splits else 0
+    return (
+        settings.workers.count
+        if build_strategy(settings.algorithm.name, settings.algorithm.params()).splits
+        else 0
+    )
 
 
 def embedded_roles(

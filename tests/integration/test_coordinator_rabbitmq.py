@@ -56,7 +56,7 @@ def test_join_welcome_rejoin_and_leave(settings: Settings) -> None:
     store = backends.open_store()
     client = backends.open_broker("test-client-a")
     try:
-        strategy = build_strategy(settings.algorithm.name)
+        strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         ensure_initial_version(store, settings, strategy, logging.getLogger("test"))
         declare_all(backends, settings, ["a"])  # the coordinator may not have declared yet
         client.subscribe(reply_queue_name(job, "a"), prefetch=4)

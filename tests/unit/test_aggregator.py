@@ -75,7 +75,7 @@ class Job:
         self.embedded = Embedded() if store is None else Embedded(store=store)
         self.store = self.embedded.store
         self.backends = Backends(settings.broker, settings.store, self.embedded)
-        strategy = build_strategy(settings.algorithm.name)
+        strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         ensure_initial_version(self.store, settings, strategy, LOG)
         for i, c in enumerate(clients if members is None else members):
             add_member(self.store, self.name, c, samples=SAMPLES[c], partition=i, classes=(i,))
@@ -343,7 +343,7 @@ def test_two_aggregators_starting_together_publish_one_version_1(job: str) -> No
 
     store = MeetingStore()
     settings = make_settings(job)
-    strategy = build_strategy(settings.algorithm.name)
+    strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
     results: list[int] = []
     threads = [
         threading.Thread(

@@ -218,7 +218,7 @@ class ScriptedPeers(threading.Thread):
         self.job = settings.job.name
         self.cut = settings.model.cut
         model = seeded_model(settings)
-        strategy = build_strategy(settings.algorithm.name)
+        strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         initial = strategy.initial_weights(model, self.cut)
         self.client_weights: Tensors = dict(initial[BlobRef(CLIENT_PART)])
         self.aux_weights: Tensors = dict(initial.get(BlobRef(AUX_PART), {}))

@@ -70,7 +70,7 @@ def seed_version(store: WeightStore, settings: Settings) -> SplitNet:
     """Publish version 1 from a seeded model, as the aggregator does at start-up."""
     torch.manual_seed(settings.job.seed)
     model = job_model(settings)
-    strategy = build_strategy(settings.algorithm.name)
+    strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
     store.publish_version(settings.job.name, 0, strategy.initial_weights(model, CUT))
     return model
 
