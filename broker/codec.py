@@ -17,26 +17,24 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 import msgpack
-import torch
 
 from broker.errors import DecodeError, EncodeError
-from broker.fields import FieldPlan, HeaderReader, HeaderWriter, compile_fields
+from broker.fields import FieldPlan, HeaderReader, HeaderWriter, Placed, compile_fields
 from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
-from broker.schema import CodecLimits, FieldSpec, MessageSchema, TensorRule
+from broker.schema import CodecLimits, FieldSpec, MessageSchema
 from broker.tensors import (
     ALIGN,
     TensorSlot,
     align,
-    all_finite,
-    byte_view,
     copy_into,
     sharing_read_only,
-    to_wire,
+    unpack_ext,
     view_from,
+    wire_bytes,
 )
 
 __all__ = [
@@ -60,9 +58,14 @@ _RESERVED = frozenset({"v", "type"})
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
 UNEXPECTED = "unexpected decoder failure: "
 DEFAULT_LIMITS = CodecLimits()
+_PACK_BUFFER = 4096  # initial msgpack buffer; it grows for larger headers
 # Each schema's field checks, prepared once rather than re-derived from its specs per message.
 _PLANS: Mapping[str, tuple[FieldPlan, ...]] = MappingProxyType(
     {name: compile_fields(schema) for name, schema in SCHEMAS.items()}
+)
+# Every key a header of each type has: its fields and the reserved ones.
+_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {name: frozenset(s.name for s in schema.fields) | _RESERVED for name, schema in SCHEMAS.items()}
 )
 # The fields that decoding must turn from slots into tensor views; the rest pass through as is.
 _TENSOR_FIELDS: Mapping[str, tuple[FieldSpec, ...]] = MappingProxyType(
@@ -84,10 +87,12 @@ def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
     plan = _plan(message, limits or DEFAULT_LIMITS)
     parts: list[bytes | memoryview] = [plan.prefix]
     position = len(plan.prefix)
-    for offset, tensor in plan.tensors:
+    for offset, tensor, host in plan.tensors:
         start = plan.data_start + offset
         parts.append(_ZEROS[: start - position])
-        parts.append(byte_view(to_wire(tensor)))
+        # The finite check's numpy view of the tensor is its wire bytes when contiguous.
+        contiguous = host is not None and host.flags.c_contiguous
+        parts.append(host.data if host is not None and contiguous else wire_bytes(tensor))
         position = start + tensor.nbytes
     return b"".join(parts)
 
@@ -113,7 +118,7 @@ def encode_into(
     body = memoryview(buffer)[: plan.size]
     body[: len(plan.prefix)] = plan.prefix
     position = len(plan.prefix)
-    for offset, tensor in plan.tensors:
+    for offset, tensor, _ in plan.tensors:
         start = plan.data_start + offset
         body[position:start] = _ZEROS[: start - position]  # no stale bytes leak into padding
         copy_into(buffer, start, tensor)
@@ -138,12 +143,11 @@ def decode(body: bytes | bytearray | memoryview, limits: CodecLimits | None = No
 # --- encoding -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Plan:
+class _Plan(NamedTuple):
     prefix: bytes  # magic, header length and header
     data_start: int
     size: int
-    tensors: list[tuple[int, torch.Tensor]]  # (offset in the data section, tensor), non-empty
+    tensors: list[Placed]
 
 
 def _schema_of_message(message: object) -> MessageSchema:
@@ -170,7 +174,8 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
     reason = consistency_error(message)
     if reason is not None:
         raise EncodeError(reason)
-    packed: bytes = msgpack.packb(header, use_bin_type=True)
+    # packb would build a Packer with a 256 KiB buffer per call; headers are small.
+    packed: bytes = msgpack.Packer(use_bin_type=True, buf_size=_PACK_BUFFER).pack(header)
     if len(packed) > limits.max_header_bytes:
         raise EncodeError(
             f"{schema.name}: header of {len(packed)} bytes exceeds {limits.max_header_bytes}"
@@ -193,7 +198,7 @@ def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Messag
     header, header_end = _read_header(view, limits)
     schema = _schema_of_header(header)
     reader = HeaderReader(limits, encoding=False)
-    values = reader.fields(schema, _PLANS[schema.name], header, reserved=_RESERVED)
+    values = reader.fields(schema, _PLANS[schema.name], header, _KEYS[schema.name])
     data_start = _check_layout(reader.slots, header_end, len(view))
     with sharing_read_only() if reader.slots and view.readonly else nullcontext():
         for spec in _TENSOR_FIELDS[schema.name]:
@@ -241,6 +246,7 @@ def _read_header(view: memoryview, limits: CodecLimits) -> tuple[dict[object, ob
             max_array_len=max(limits.max_rank, 64),
             max_map_len=max(limits.max_dict_entries, 64),
             max_ext_len=64,
+            ext_hook=unpack_ext,
         )
     except Exception as exc:  # msgpack raises a zoo of types for garbage; all mean the same
         raise DecodeError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
@@ -305,14 +311,8 @@ def _materialise(spec: FieldSpec, raw: object, body: memoryview, data_start: int
     rule = spec.tensor
     if rule is None or raw is None:
         return raw
+    finite = rule.finite
     if isinstance(raw, TensorSlot):
-        return _tensor_view(raw, rule, body, data_start)
+        return view_from(body, data_start, raw, finite=finite)
     assert isinstance(raw, dict)  # a tensor map, as `_Walker.value` built it
-    return {key: _tensor_view(slot, rule, body, data_start) for key, slot in raw.items()}
-
-
-def _tensor_view(slot: TensorSlot, rule: TensorRule, body: memoryview, start: int) -> torch.Tensor:
-    tensor = view_from(body, start, slot)
-    if rule.finite and not all_finite(tensor):
-        raise DecodeError(f"{slot.path}: holds NaN or infinite values")
-    return tensor
+    return {key: view_from(body, data_start, slot, finite=finite) for key, slot in raw.items()}

@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple, NoReturn
 
+import numpy as np
 import torch
 
 from broker.errors import DecodeError, EncodeError
@@ -33,6 +35,8 @@ from broker.tensors import (
     TensorSlot,
     align,
     all_finite,
+    host_array,
+    host_finite,
     parse_tensor_header,
     tensor_header,
     wire_dtype,
@@ -175,13 +179,21 @@ _EXACT_TYPES: Mapping[Kind, type] = {
 }
 
 
+class Placed(NamedTuple):
+    """A non-empty tensor laid out in the data section."""
+
+    offset: int  # from the start of the data section
+    tensor: torch.Tensor
+    host: np.ndarray[Any, Any] | None  # `host_array(tensor)` for a CPU tensor, else None
+
+
 @dataclass
 class HeaderWriter(_Walker):
-    """Also lays out tensors: `tensors` lists (offset in the data section, tensor) for every
-    non-empty one, each at the next `ALIGN` boundary; `cursor` is where the data ends."""
+    """Also lays out tensors: `tensors` lists every non-empty one, each at the next `ALIGN`
+    boundary; `cursor` is where the data ends."""
 
     cursor: int = 0
-    tensors: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    tensors: list[Placed] = field(default_factory=list)
 
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:
         if not isinstance(value, torch.Tensor):
@@ -195,7 +207,9 @@ class HeaderWriter(_Walker):
         )
         if reason is not None:
             raise EncodeError(reason)
-        if rule.finite and not all_finite(value):
+        # One numpy view of a CPU tensor serves the finite check and then the encoder's copy.
+        host = host_array(value) if value.is_cpu else None
+        if rule.finite and not (all_finite(value) if host is None else host_finite(host, dtype)):
             raise EncodeError(f"{path}: holds NaN or infinite values")
         self.count_tensor(path)
         nbytes = value.numel() * dtype.itemsize
@@ -203,7 +217,7 @@ class HeaderWriter(_Walker):
         if nbytes:
             offset = align(self.cursor)
             self.cursor = offset + nbytes
-            self.tensors.append((offset, value))
+            self.tensors.append(Placed(offset, value, host))
         return tensor_header(dtype, shape, offset, nbytes)
 
 
@@ -219,18 +233,13 @@ class HeaderReader(_Walker):
         schema: MessageSchema,
         plans: tuple[FieldPlan, ...],
         header: dict[object, object],
-        reserved: frozenset[str],
+        keys: frozenset[str],
     ) -> dict[str, object]:
-        """Raw field values; `plans` is `compile_fields(schema)`; `reserved` names header keys
-        that are not fields (`v`, `type`) and must all be present in `header`."""
-        for plan in plans:
-            if plan.spec.name not in header:
-                raise DecodeError(f"{schema.name}: missing field {plan.spec.name!r}")
-        if len(header) != len(plans) + len(reserved):  # every field and reserved key is there
-            names = {plan.spec.name for plan in plans}
-            unknown = sorted(repr(k) for k in header if k not in names and k not in reserved)
-            if unknown:
-                raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
+        """Raw field values; `plans` is `compile_fields(schema)`; `keys` names every key
+        `header` must have: the fields and the reserved keys that are not fields (`v`,
+        `type`)."""
+        if header.keys() != keys:  # one C-level set comparison
+            _key_problem(schema, plans, header, keys)
         max_bytes = self.limits.max_string_len
         values: dict[str, object] = {}
         for plan in plans:
@@ -253,6 +262,22 @@ class HeaderReader(_Walker):
         self.count_tensor(path)
         self.slots.append(slot)
         return slot
+
+
+def _key_problem(
+    schema: MessageSchema,
+    plans: tuple[FieldPlan, ...],
+    header: dict[object, object],
+    keys: frozenset[str],
+) -> NoReturn:
+    for plan in plans:
+        if plan.spec.name not in header:
+            raise DecodeError(f"{schema.name}: missing field {plan.spec.name!r}")
+    unknown = sorted(repr(k) for k in header if k not in keys)
+    if unknown:
+        raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
+    missing = sorted(keys - header.keys())
+    raise DecodeError(f"{schema.name}: missing header key {missing[0]!r}")
 
 
 def _rank_reason(shape: tuple[int, ...], path: str, limits: CodecLimits) -> str | None:

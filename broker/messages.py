@@ -9,6 +9,7 @@ Messages holding tensors compare by identity (`eq=False`): tensor `==` is elemen
 generated `__eq__` would raise instead of answering.
 """
 
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ Metrics = Mapping[str, float]
 Info = Mapping[str, str]
 
 REPLY_STATUSES = frozenset({"ok", "stale", "rejected"})
+# A model's block (cut) names: models.split.check_name's rule, bounded in length.
+_CUT_NAME = re.compile(r"[A-Za-z0-9_]{1,128}\Z")
 
 
 # --- messages -----------------------------------------------------------------------------------
@@ -137,6 +140,9 @@ class SmashedBatch:
     labels: Labels
     # Steps this client takes in the round (MiniBatch-SFL's barrier stops expecting it after).
     steps: Count = 0
+    # The cut the activations come from ("": the job's cut). FedSplitX's clients sit at
+    # different depths; the worker checks the shape against this cut and trains from it.
+    cut: str = ""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -287,6 +293,8 @@ def consistency_error(message: Message) -> str | None:
                 f"SmashedBatch.labels: shape {list(message.labels.shape)} does not match "
                 f"{rows} activation rows"
             )
+        if message.cut and not _CUT_NAME.match(message.cut):
+            return f"SmashedBatch.cut: {message.cut[:80]!r} is not a cut name"
     return None
 
 

@@ -12,11 +12,11 @@ import math
 import re
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import msgpack
 import numpy as np
@@ -34,6 +34,36 @@ _HEADER_KEYS = frozenset({"dtype", "shape", "data"})
 
 
 @dataclass(frozen=True, slots=True)
+class FloatBits:
+    """How to find NaN and ±inf of one float format on its bits, without writing anything.
+
+    A value is NaN or ±inf exactly when its exponent bits are all ones. Read as a signed
+    integer, a value with the sign bit clear is NaN or +inf iff it is >= `positive` (the bits
+    of +inf), and no other value is larger; read as an unsigned integer, a value with the sign
+    bit set is NaN or -inf iff it is >= `negative` (the bits of -inf), and no other value is
+    larger. So an array is finite iff max(signed view) < positive and max(unsigned view) <
+    negative: two vectorised integer reductions, at any strides, with no temporary.
+    """
+
+    signed: np.dtype[np.generic]
+    unsigned: np.dtype[np.generic]
+    positive: int
+    negative: int
+    # The numpy float dtype when numpy's own `isfinite` is fast for it (float32, float64): for
+    # arrays small enough to sit in the core's cache, one pass writing a bool mask beats two
+    # full reads (100 KiB: ~3.4 vs ~4.7 us). numpy's float16 isfinite is ten times slower.
+    native: np.dtype[np.generic] | None
+
+
+def _bits(width: int, infinity: int, native: str | None) -> FloatBits:
+    signed, unsigned = np.dtype(f"<i{width}"), np.dtype(f"<u{width}")
+    negative = infinity | 1 << (8 * width - 1)
+    return FloatBits(
+        signed, unsigned, infinity, negative, None if native is None else np.dtype(native)
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class WireDtype:
     """A whitelisted dtype: its wire name, torch dtype and the numpy dtype its bytes ride in."""
 
@@ -43,20 +73,25 @@ class WireDtype:
     # bytes other than 0/1 before torch sees it.
     carrier: np.dtype[np.generic]
     itemsize: int
+    bits: FloatBits | None  # floating-point formats only
 
 
-def _wire(name: str, torch_dtype: torch.dtype, carrier: str) -> WireDtype:
-    return WireDtype(name, torch_dtype, np.dtype(carrier), torch_dtype.itemsize)
+def _wire(
+    name: str, torch_dtype: torch.dtype, carrier: str, infinity: int = 0, native: str | None = None
+) -> WireDtype:
+    size = torch_dtype.itemsize
+    bits = _bits(size, infinity, native) if infinity else None
+    return WireDtype(name, torch_dtype, np.dtype(carrier), size, bits)
 
 
 WIRE_DTYPES: Mapping[str, WireDtype] = MappingProxyType(
     {
         d.name: d
         for d in (
-            _wire("float64", torch.float64, "<f8"),
-            _wire("float32", torch.float32, "<f4"),
-            _wire("float16", torch.float16, "<f2"),
-            _wire("bfloat16", torch.bfloat16, "<i2"),
+            _wire("float64", torch.float64, "<f8", 0x7FF0_0000_0000_0000, "<f8"),
+            _wire("float32", torch.float32, "<f4", 0x7F80_0000, "<f4"),
+            _wire("float16", torch.float16, "<f2", 0x7C00),
+            _wire("bfloat16", torch.bfloat16, "<i2", 0x7F80),
             _wire("int64", torch.int64, "<i8"),
             _wire("int32", torch.int32, "<i4"),
             _wire("int16", torch.int16, "<i2"),
@@ -81,8 +116,7 @@ def wire_dtype(dtype: torch.dtype) -> WireDtype | None:
     return _BY_TORCH.get(dtype)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSlot:
+class TensorSlot(NamedTuple):
     """A tensor as the header describes it, checked for consistency but not yet materialised."""
 
     path: str
@@ -96,15 +130,27 @@ def tensor_header(
     dtype: WireDtype, shape: tuple[int, ...], offset: int, nbytes: int
 ) -> dict[str, object]:
     """The header map of one tensor whose bytes lie at `offset` of the data section."""
-    return {
-        "dtype": dtype.name,
-        "shape": list(shape),
-        "data": msgpack.ExtType(TENSOR_EXT_CODE, _REF.pack(offset, nbytes)),
-    }
+    return {"dtype": dtype.name, "shape": list(shape), "data": _tensor_ref(offset, nbytes)}
+
+
+def _tensor_ref(offset: int, nbytes: int) -> msgpack.ExtType:
+    # ExtType.__new__ re-checks its code and data in Python, a third of this function's cost;
+    # ours are valid by construction, so build the namedtuple as that __new__ finally does.
+    return tuple.__new__(msgpack.ExtType, (TENSOR_EXT_CODE, _REF.pack(offset, nbytes)))
+
+
+def unpack_ext(code: int, data: bytes) -> object:
+    """msgpack's `ext_hook` for headers: a well-formed tensor reference becomes its `(offset,
+    nbytes)` tuple (msgpack makes no other tuples: arrays become lists); any other ext value
+    stays an ExtType, for `parse_tensor_header` to say what is wrong with it."""
+    if code == TENSOR_EXT_CODE and len(data) == _REF.size:
+        return _REF.unpack(data)
+    return msgpack.ExtType(code, data)
 
 
 def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) -> TensorSlot:
-    """Check one decoded header map; raises `DecodeError` naming `path` on any inconsistency.
+    """Check one decoded header map (unpacked with `unpack_ext`); raises `DecodeError` naming
+    `path` on any inconsistency.
 
     Only Python integers are involved, so a shape claiming 10^12 elements costs nothing.
     """
@@ -117,37 +163,43 @@ def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) 
     dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise DecodeError(f"{path}: dtype {name!r} is not allowed (allowed: {sorted(WIRE_DTYPES)})")
-    shape = _parse_shape(obj["shape"], path, max_rank=max_rank, max_dim=max_dim)
-    offset, nbytes = _parse_ref(obj["data"], path)
-    needed = math.prod(shape) * dtype.itemsize
+    shape = obj["shape"]
+    needed = dtype.itemsize
+    if type(shape) is not list or len(shape) > max_rank:
+        _shape_problem(shape, path, max_rank=max_rank, max_dim=max_dim)
+    for dim in shape:
+        # bool is an int subclass; a shape of [True] is garbage, not [1].
+        if type(dim) is not int or dim < 0 or dim > max_dim:
+            _shape_problem(shape, path, max_rank=max_rank, max_dim=max_dim)
+        needed *= dim
+    ref = obj["data"]
+    if type(ref) is not tuple:
+        _ref_problem(ref, path)
+    offset, nbytes = ref
     if needed != nbytes:
-        raise DecodeError(f"{path}: shape {list(shape)} needs {needed} bytes, data has {nbytes}")
-    return TensorSlot(path, dtype, shape, offset, nbytes)
+        raise DecodeError(f"{path}: shape {shape} needs {needed} bytes, data has {nbytes}")
+    return TensorSlot(path, dtype, tuple(shape), offset, nbytes)
 
 
-def _parse_shape(obj: object, path: str, *, max_rank: int, max_dim: int) -> tuple[int, ...]:
+def _shape_problem(obj: object, path: str, *, max_rank: int, max_dim: int) -> NoReturn:
     if not isinstance(obj, list):
         raise DecodeError(f"{path}: shape must be a list, got {type(obj).__name__}")
     if len(obj) > max_rank:
         raise DecodeError(f"{path}: rank {len(obj)} exceeds the limit of {max_rank}")
     for dim in obj:
-        # bool is an int subclass; a shape of [True] is garbage, not [1].
         if type(dim) is not int:
             raise DecodeError(f"{path}: shape {obj!r} holds a non-integer dimension")
         if dim < 0 or dim > max_dim:
             raise DecodeError(f"{path}: dimension {dim} of shape {obj!r} is out of [0, {max_dim}]")
-    return tuple(obj)
+    raise AssertionError(f"{path}: shape {obj!r} has no problem")  # callers saw one
 
 
-def _parse_ref(obj: object, path: str) -> tuple[int, int]:
-    if not isinstance(obj, msgpack.ExtType) or obj.code != TENSOR_EXT_CODE:
-        raise DecodeError(f"{path}: data must be a tensor reference, msgpack ext {TENSOR_EXT_CODE}")
-    if len(obj.data) != _REF.size:
+def _ref_problem(obj: object, path: str) -> NoReturn:
+    if isinstance(obj, msgpack.ExtType) and obj.code == TENSOR_EXT_CODE:
         raise DecodeError(
             f"{path}: tensor reference has {len(obj.data)} bytes, expected {_REF.size}"
         )
-    offset, nbytes = _REF.unpack(obj.data)
-    return int(offset), int(nbytes)
+    raise DecodeError(f"{path}: data must be a tensor reference, msgpack ext {TENSOR_EXT_CODE}")
 
 
 def to_wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -155,11 +207,24 @@ def to_wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().contiguous()
 
 
+def host_array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A numpy array sharing a CPU tensor's memory and strides (bfloat16 as int16)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy()  # a dtype view never tracks gradients
+    return tensor.detach().numpy()
+
+
+def wire_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous buffer of a tensor's wire bytes (for `bytes.join`), sharing the tensor's
+    memory when it already is a contiguous CPU tensor."""
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        tensor = to_wire(tensor)
+    return host_array(tensor).data
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a `to_wire` tensor, sharing its memory."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy().reshape(-1).view(np.uint8).data
+    return host_array(tensor).reshape(-1).view(np.uint8).data
 
 
 def copy_into(buffer: bytearray, start: int, tensor: torch.Tensor) -> None:
@@ -171,19 +236,32 @@ def copy_into(buffer: bytearray, start: int, tensor: torch.Tensor) -> None:
     dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
 
-@contextmanager
-def sharing_read_only() -> Iterator[None]:
+def sharing_read_only() -> AbstractContextManager[None]:
     """Silence torch's warning about tensors over non-writable memory, and only that one.
 
     Decoded tensors are views of an immutable body on purpose; enter this once around all the
     `view_from` calls of a body (entering it costs more than a view). Like every use of
     `warnings.catch_warnings`, it is not thread-safe with respect to other warning filters.
     """
-    with warnings.catch_warnings():
+    return _SharingReadOnly()
+
+
+class _SharingReadOnly:
+    # A class rather than a @contextmanager generator: this runs once per decoded body, and the
+    # generator machinery cost as much as catch_warnings itself.
+    __slots__ = ("_catcher",)
+
+    def __init__(self) -> None:
+        self._catcher = warnings.catch_warnings()
+
+    def __enter__(self) -> None:
+        self._catcher.__enter__()
         # What `warnings.filterwarnings` would insert, prebuilt: its validation, regex lookup
         # and duplicate scan cost three times the rest. The list is catch_warnings' own copy.
         cast("list[object]", warnings.filters).insert(0, _IGNORE_NOT_WRITABLE)
-        yield
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._catcher.__exit__(None, None, None)
 
 
 _IGNORE_NOT_WRITABLE = (
@@ -195,78 +273,88 @@ _IGNORE_NOT_WRITABLE = (
 )
 
 
-def view_from(body: memoryview, start: int, slot: TensorSlot) -> torch.Tensor:
-    """A zero-copy tensor over `body[start + slot.offset:]`; checks bool bytes are 0 or 1.
+def view_from(
+    body: memoryview, start: int, slot: TensorSlot, *, finite: bool = False
+) -> torch.Tensor:
+    """A zero-copy tensor over `body[start + slot.offset:]`; checks bool bytes are 0 or 1 and,
+    when `finite`, that floating-point values are neither NaN nor infinite (raising
+    `DecodeError` naming the slot's path).
 
     Call inside `sharing_read_only()` when `body` is read-only. torch cannot mark a tensor
     read-only: callers that modify decoded tensors in place must clone them first.
     """
-    count = slot.nbytes // slot.dtype.itemsize
-    array = np.frombuffer(body, dtype=slot.dtype.carrier, count=count, offset=start + slot.offset)
+    dtype = slot.dtype
+    count = slot.nbytes // dtype.itemsize
+    array = np.frombuffer(body, dtype=dtype.carrier, count=count, offset=start + slot.offset)
+    # Checked on the array, before torch sees it: no tensor-to-numpy round trip per call.
+    if finite and count and dtype.bits is not None and not finite_array(array, dtype.bits):
+        raise DecodeError(f"{slot.path}: holds NaN or infinite values")
     tensor = torch.from_numpy(array.reshape(slot.shape))
-    if slot.dtype.torch_dtype == torch.bool:
-        if count and int(tensor.max()) > 1:
+    if dtype.torch_dtype == torch.bool:
+        if count and int(_MAX(array, axis=None)) > 1:
             raise DecodeError(f"{slot.path}: bool tensor holds bytes other than 0 and 1")
         return tensor.view(torch.bool)
-    if tensor.dtype != slot.dtype.torch_dtype:
-        return tensor.view(slot.dtype.torch_dtype)
+    if tensor.dtype != dtype.torch_dtype:
+        return tensor.view(dtype.torch_dtype)
     return tensor
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """True unless a floating-point tensor holds NaN or ±inf.
 
-    CPU tensors are scanned by numpy on the calling thread, never by torch: torch splits a
-    large scan over its OpenMP pool, and on a host also busy with RabbitMQ and the other end of
-    the link, that pool's barrier and spinning threads cost far more than the scan (1.5 MiB:
-    0.05 ms idle, 20+ ms on a loaded 2-core host; see docs/benchmarks.md). float32/64 use
-    numpy's SIMD `isfinite`; 16-bit floats, which numpy scans slowly or lacks, are tested on
-    their bits: NaN and ±inf are exactly the values whose exponent bits are all ones. Other
-    devices use one `aminmax` (NaN propagates, an infinity is an extreme).
+    CPU tensors of the wire's float dtypes are scanned by numpy on the calling thread
+    (`finite_array`), never by torch: torch splits a large scan over its OpenMP pool, and on a
+    host also busy with RabbitMQ and the other end of the link, that pool's barrier and
+    spinning threads cost far more than the scan (1.5 MiB: 0.05 ms idle, 20+ ms on a loaded
+    2-core host; see docs/benchmarks.md). Other devices and float dtypes use one `aminmax`
+    (NaN propagates, an infinity is an extreme).
     """
+    wire = _BY_TORCH.get(tensor.dtype)
+    bits = None if wire is None else wire.bits
+    if bits is not None and tensor.is_cpu:
+        return tensor.numel() == 0 or finite_array(host_array(tensor), bits)
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return True
-    tensor = tensor.detach()
-    if tensor.is_cpu:
-        if tensor.dtype in _NUMPY_FLOATS:
-            return _chunks_all(tensor.numpy().reshape(-1), _finite_chunk)
-        exponent = _EXPONENT_BITS.get(tensor.dtype)
-        if exponent is not None:
-            bits = tensor.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-            return _chunks_all(bits, lambda part, buf: _exponent_chunk(part, buf, exponent))
-    low, high = torch.aminmax(tensor)
+    low, high = torch.aminmax(tensor.detach())
     return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
-# Scanned in chunks through one small scratch buffer: a whole-tensor temporary (16 MiB of
-# float32 makes a 4 MiB mask) costs fresh pages on every call, more than the scan itself.
-_CHUNK = 1 << 16
+def host_finite(array: np.ndarray[Any, Any], dtype: WireDtype) -> bool:
+    """`all_finite` of a CPU tensor of `dtype` whose `host_array` is `array`."""
+    return dtype.bits is None or array.size == 0 or finite_array(array, dtype.bits)
 
 
-def _chunks_all(
-    flat: np.ndarray[Any, Any], check: Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], bool]
-) -> bool:
-    buf = np.empty(min(_CHUNK, flat.size), dtype=np.uint16 if flat.dtype == np.uint16 else bool)
-    for start in range(0, flat.size, _CHUNK):
-        part = flat[start : start + _CHUNK]
-        if not check(part, buf[: part.size]):
-            return False
-    return True
+def finite_array(array: np.ndarray[Any, Any], bits: FloatBits) -> bool:
+    """True unless non-empty `array`, whose items are floats of `bits`' format in a carrier of
+    the same width (any strides), holds NaN or ±inf.
+
+    Small float32/64 arrays go through numpy's `isfinite` (see `FloatBits.native`); the rest
+    through `FloatBits`' two reductions, contiguous ones in `_CHUNK`-byte pieces so that the
+    second reduction reads what the first just brought into the core's cache (~25% faster
+    than two whole passes once the array outgrows the shared cache; slower below `_CHUNK`,
+    where one pair of calls costs less than slicing).
+    """
+    size = array.nbytes
+    if size <= _SMALL and bits.native is not None:
+        return bool(_ALL(np.isfinite(array.view(bits.native)), axis=None))
+    if size <= _CHUNK or not array.flags.c_contiguous:
+        return _finite_bits(array, bits)
+    flat = array.reshape(-1)
+    step = _CHUNK // array.itemsize
+    return all(_finite_bits(flat[i : i + step], bits) for i in range(0, flat.size, step))
 
 
-def _finite_chunk(part: np.ndarray[Any, Any], buf: np.ndarray[Any, Any]) -> bool:
-    np.isfinite(part, out=buf)
-    return bool(buf.all())
+def _finite_bits(array: np.ndarray[Any, Any], bits: FloatBits) -> bool:
+    return bool(
+        _MAX(array.view(bits.signed), axis=None) < bits.positive
+        and _MAX(array.view(bits.unsigned), axis=None) < bits.negative
+    )
 
 
-def _exponent_chunk(part: np.ndarray[Any, Any], buf: np.ndarray[Any, Any], exponent: int) -> bool:
-    np.bitwise_and(part, 0x7FFF, out=buf)
-    return int(buf.max()) < exponent
-
-
-_NUMPY_FLOATS = frozenset({torch.float32, torch.float64})
-# The exponent field of the 16-bit floats; with the sign cleared, a value is NaN or ±inf
-# exactly when its bits are at least this.
-_EXPONENT_BITS: Mapping[torch.dtype, int] = MappingProxyType(
-    {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-)
+_MAX = np.maximum.reduce
+_ALL = np.logical_and.reduce
+# About one core's L2 cache (1 MiB on the Zen 4 hosts measured; 1-2 MiB on current x86).
+_CHUNK = 1 << 20
+# Up to here `isfinite`'s bool mask (a quarter of this for float32) is a small allocation
+# that malloc serves from its heap, not fresh pages.
+_SMALL = 1 << 18

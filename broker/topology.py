@@ -70,6 +70,15 @@ def reply_routing_key(job: str, client: str) -> str:
     return f"{job}.{client}"
 
 
+def infer_queue_name(job: str) -> str:
+    return f"{job}.infer"
+
+
+def infer_routing_key(job: str) -> str:
+    # Shard keys end in a number, so no shard of any job shares this key.
+    return f"{job}.infer"
+
+
 def shard_queue(job: str, shard: int, limits: QueueLimits | None = None) -> QueueSpec:
     limits = limits or QueueLimits()
     return QueueSpec(
@@ -77,6 +86,21 @@ def shard_queue(job: str, shard: int, limits: QueueLimits | None = None) -> Queu
         exchange=SMASHED_EXCHANGE,
         routing_key=shard_routing_key(job, shard),
         single_active_consumer=True,
+        max_length=limits.max_length,
+        max_length_bytes=limits.max_length_bytes,
+        dead_letter_routing_key=job,
+    )
+
+
+def infer_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
+    """InferRequests (split inference): apart from the shard queues, so a request never waits
+    behind training traffic. Every worker of the job consumes it (competing consumers) on a
+    connection and thread of its own (`workers.inference`)."""
+    limits = limits or QueueLimits()
+    return QueueSpec(
+        name=infer_queue_name(job),
+        exchange=SMASHED_EXCHANGE,
+        routing_key=infer_routing_key(job),
         max_length=limits.max_length,
         max_length_bytes=limits.max_length_bytes,
         dead_letter_routing_key=job,
@@ -129,8 +153,22 @@ def reply_queue(job: str, client: str) -> QueueSpec:
     )
 
 
+def infer_reply_queue(job: str, requester: str) -> QueueSpec:
+    """A split-inference requester's private reply queue (`reply_queue_name`, so workers answer
+    it as any client): gone with its connection, as the requester's waits are."""
+    return QueueSpec(
+        name=reply_queue_name(job, requester),
+        exchange=REPLIES_EXCHANGE,
+        routing_key=reply_routing_key(job, requester),
+        durable=False,
+        exclusive=True,
+        auto_delete=True,
+    )
+
+
 def job_queues(job: str, shards: int, limits: QueueLimits | None = None) -> list[QueueSpec]:
     """The server-side queues of a job: dead letters first, so rejected messages have a home."""
     specs = [dead_queue(job), control_queue(job), updates_queue(job)]
     specs.extend(shard_queue(job, s, limits) for s in range(shards))
+    specs.append(infer_queue(job, limits))
     return specs

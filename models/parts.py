@@ -8,10 +8,11 @@ full model's names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import Tensor, nn
 
+from models.errors import ModelSpecError
 from models.split import SplitNet
 
 
@@ -66,3 +67,31 @@ class ServerModel(_Part):
     def __init__(self, model: SplitNet, cut: str) -> None:
         super().__init__(model, model.cut_index(cut) + 1, len(model.blocks), model.cuts_after(cut))
         self.cut = cut
+
+    def forward_from(
+        self, z: Tensor, cut: str, heads: Collection[str] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The logits, and the logits of the heads after `cut`, for the activation `z` at `cut`.
+
+        `cut` is this part's cut (every block runs) or a later one whose head it holds (only the
+        blocks after that cut run): FedSplitX's server takes batches from clients at several
+        depths. `heads` limits which heads run (None: all of them).
+        """
+        if cut == self.cut:
+            start = 0
+        else:
+            after = [p for p, c in self._head_after.items() if c == cut]
+            if not after:
+                raise ModelSpecError(
+                    f"cut {cut!r} is not {self.cut!r} or a cut after it: {sorted(self.heads)}"
+                )
+            start = after[0] + 1
+        aux: dict[str, Tensor] = {}
+        for position, block in enumerate(self.blocks):
+            if position < start:
+                continue
+            z = block(z)
+            head = self._head_after.get(position)
+            if head is not None and (heads is None or head in heads):
+                aux[head] = self.heads[head](z)
+        return z, aux

@@ -7,7 +7,7 @@ is the counter key and the head of the dead-letter reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from models.shapes import Shape
@@ -23,6 +23,16 @@ class ShardExpectations:
     shard: int
     cut_shape: Shape
     num_classes: int
+    cut: str = ""  # the replica's cut, whose shape is `cut_shape`
+    # Further cuts a batch may name, with their shapes (FedSplitX's deeper depth levels).
+    other_cuts: Mapping[str, Shape] = field(default_factory=dict)
+
+    def shape_of(self, cut: str) -> Shape | None:
+        """The activation shape of a batch from `cut` ("" or the replica's: `cut_shape`);
+        None for a cut this shard does not serve."""
+        if not cut or cut == self.cut:
+            return self.cut_shape
+        return self.other_cuts.get(cut)
 
 
 def check_addressing(
@@ -42,10 +52,14 @@ def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | N
     if not message.client:
         return "bad_client", "SmashedBatch without a client id"
     z, y = message.activations, message.labels
-    if tuple(z.shape[1:]) != tuple(want.cut_shape) or z.shape[0] == 0:
+    shape = want.shape_of(message.cut)
+    if shape is None:
+        served = sorted({want.cut, *want.other_cuts} - {""})
+        return "bad_cut", f"activations from cut {message.cut!r}; this job's cuts are {served}"
+    if tuple(z.shape[1:]) != tuple(shape) or z.shape[0] == 0:
         return "bad_shape", (
             f"activations of shape {list(z.shape)}; the model's cut expects "
-            f"[N>0, {', '.join(str(d) for d in want.cut_shape)}]"
+            f"[N>0, {', '.join(str(d) for d in shape)}]"
         )
     if tuple(y.shape) != (z.shape[0],):
         return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from broker.store import WeightStore
@@ -40,6 +40,7 @@ class LeasePlan:
     lost: list[int] = field(default_factory=list)  # held, but someone else has the lease now
     release: list[int] = field(default_factory=list)  # held beyond the target: hand over
     acquired: list[int] = field(default_factory=list)  # newly leased
+    workers: int = 0  # live workers W, this one included
 
 
 class LeaseKeeper:
@@ -60,16 +61,18 @@ class LeaseKeeper:
         live.add(self._member)  # we are alive, whatever the store's clock thinks
         return len(live)
 
-    def plan(self, held: Collection[int]) -> LeasePlan:
+    def plan(self, held: Collection[int], info: Mapping[str, str] | None = None) -> LeasePlan:
         """Heartbeat, renew `held`, and decide what to hand back or take (taken leases are
-        already ours; `release` ones are still ours until `release()`)."""
+        already ours; `release` ones are still ours until `release()`). `info` goes into the
+        heartbeat beside `shards` (e.g. the busy fraction the autoscaler reads)."""
         self._store.heartbeat(
             self._job,
             self._member,
             self._ttl_s,
-            info={"shards": ",".join(str(s) for s in sorted(held))},
+            info={**(info or {}), "shards": ",".join(str(s) for s in sorted(held))},
         )
-        target = math.ceil(self._shards / self.live_workers())
+        workers = self.live_workers()
+        target = math.ceil(self._shards / workers)
         kept, lost = [], []
         for shard in sorted(held, key=self._distance):
             if self._store.acquire_lease(
@@ -91,7 +94,7 @@ class LeaseKeeper:
                 name = lease_name(shard)
                 if self._store.acquire_lease(self._job, name, self._worker_id, self._ttl_s):
                     acquired.append(shard)
-        return LeasePlan(target, lost, release, acquired)
+        return LeasePlan(target, lost, release, acquired, workers)
 
     def release(self, shard: int) -> None:
         self._store.release_lease(self._job, lease_name(shard), self._worker_id)

@@ -5,7 +5,9 @@ the shard (docs/architecture.md): `version` the replica was loaded from, `round`
 in (-1 before any), `round_samples` applied since that round, `seqs` the last applied seq per
 client. We add `steps` (optimizer steps), the current round's `cohort` with its round
 (`cohort_round`) and each cohort client's `progress` ([last step applied, steps]), so a
-MiniBatch-SFL barrier resumed on another worker knows whom to wait for.
+MiniBatch-SFL barrier resumed on another worker knows whom to wait for, and `cut_samples`
+(round_samples by the cut the batches came from: FedSplitX weighs each layer by the rows that
+reached it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Replica:
         device: torch.device,
     ) -> None:
         self.shard = shard
+        self.cut = cut
         # A private copy: replicas of several shards must not share parameters.
         self.server: nn.Module = ServerModel(copy.deepcopy(template), cut).to(device)
         self.server.train()
@@ -55,6 +58,7 @@ class Replica:
         self.steps = 0
         self.round = -1
         self.round_samples = 0
+        self.cut_samples: dict[str, int] = {}  # round_samples by the cut the batches came from
         self.handed_in = False  # round_samples were handed in with `round`; restart counting
         self.seqs: dict[str, int] = {}
         self.cohort_round = -1
@@ -83,6 +87,7 @@ class Replica:
         self.steps = _int(meta, "steps", 0)
         self.round = _int(meta, "round", -1)
         self.round_samples = _int(meta, "round_samples", 0)
+        self.cut_samples = _int_map(meta.get("cut_samples"))
         self.seqs = _int_map(meta.get("seqs"))
         self.cohort_round = _int(meta, "cohort_round", -1)
         self.cohort = _int_map(meta.get("cohort"))
@@ -121,15 +126,20 @@ class Replica:
     def start_counting(self) -> None:
         """The samples of the handed-in round are the aggregator's now: count the next one."""
         self.round_samples = 0
+        self.cut_samples = {}
         self.handed_in = False
 
-    def record(self, client: str, seq: int, step: int, steps: int, rows: int) -> None:
-        """One batch applied."""
+    def record(
+        self, client: str, seq: int, step: int, steps: int, rows: int, cut: str = ""
+    ) -> None:
+        """One batch applied (`cut`: where its activations come from; "": the replica's)."""
         # max(): a seq must never move back, or a later copy of a newer batch would pass.
         self.seqs[client] = max(seq, self.seqs.get(client, seq))
         self.progress[client] = (step, steps)
         self.applied += 1
         self.round_samples += rows
+        key = cut or self.cut
+        self.cut_samples[key] = self.cut_samples.get(key, 0) + rows
 
     def last_seq(self, client: str) -> int | None:
         return self.seqs.get(client)
@@ -145,6 +155,7 @@ class Replica:
             "version": self.version,
             "round": self.round,
             "round_samples": self.round_samples,
+            "cut_samples": dict(self.cut_samples),
             "seqs": dict(self.seqs),
             "steps": self.steps,
             "cohort_round": self.cohort_round,

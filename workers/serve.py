@@ -55,7 +55,11 @@ def serve(
 ) -> Outcome:
     batches = [
         CohortBatch(
-            i.batch.client, i.batch.activations, i.batch.labels, cohort_weight(replica, i.batch)
+            i.batch.client,
+            i.batch.activations,
+            i.batch.labels,
+            cohort_weight(replica, i.batch),
+            cut=i.batch.cut,
         )
         for i in items
     ]
@@ -75,7 +79,7 @@ def serve(
     for item, (grad, loss, correct) in zip(items, results, strict=True):
         b = item.batch
         rows = int(b.labels.shape[0])
-        replica.record(b.client, b.seq, b.step, b.steps, rows)
+        replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut)
         stats.batches_applied += 1
         reply = GradientReply(
             job=b.job,
@@ -87,7 +91,12 @@ def serve(
             loss=loss,
             correct=correct,
             samples=rows,
-            grad=grad.detach().to(device="cpu", dtype=b.activations.dtype).contiguous(),
+            # Local-loss algorithms' clients never wait for it: spare the bytes.
+            grad=(
+                grad.detach().to(device="cpu", dtype=b.activations.dtype).contiguous()
+                if strategy.waits_for_gradient
+                else None
+            ),
         )
         if replier.send(reply):
             stats.replies += 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +21,11 @@ from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
 from broker.transport import Broker, Delivery
-from services.algorithms.base import Strategy
+from services.algorithms.base import Strategy, batch_cuts
 from services.config.root import Settings
+from services.metrics.recorder import NO_METRICS, Metrics
+from services.runtime.logs import log_context
+from workers.busy import BusyMeter
 from workers.checks import ShardExpectations
 from workers.deadletter import reject
 from workers.leases import LeaseKeeper
@@ -49,6 +54,7 @@ class WorkerSpec:
     clock: Callable[[], float]
     poll_s: float
     logger: logging.Logger
+    metrics: Metrics = NO_METRICS
 
 
 class WorkerSession:
@@ -73,6 +79,7 @@ class WorkerSession:
         self.stats = stats
         self.log = spec.logger
         self.clock = spec.clock
+        self.metrics = spec.metrics
         self.keeper = LeaseKeeper(
             self.store, self.job, spec.worker_id, self.shards, settings.workers.lease_ttl_s
         )
@@ -108,7 +115,9 @@ class WorkerSession:
             redeliver=self.redeliver,
             clock=self.clock,
             logger=self.log,
+            metrics=spec.metrics,
         )
+        self.busy = BusyMeter(self.clock)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,7 +140,9 @@ class WorkerSession:
             now = self.clock()
             if now >= self.next_tick:
                 self.rebalance()
+            waiting_since = self.clock()
             delivery = self.broker.get(self._timeout(now))
+            self.busy.waited(self.clock() - waiting_since)
             if delivery is None:
                 self._each(ShardRunner.flush)
             else:
@@ -163,7 +174,7 @@ class WorkerSession:
     def rebalance(self) -> None:
         self.next_tick = self.clock() + self.tick_s
         held = {r.shard for r in self.runners.values()} | self.unloaded
-        plan = self.keeper.plan(held)
+        plan = self.keeper.plan(held, self._heartbeat_info())
         self.target = plan.target
         for shard in plan.lost:
             self.drop(shard)
@@ -176,13 +187,36 @@ class WorkerSession:
                 self.keeper.release(shard)
         for shard in [*plan.acquired, *self.unloaded]:
             self.load(shard)
+        self._report(plan.workers)
+
+    def _report(self, workers: int) -> None:
+        """Gauges worth a broker call only once a tick: depth of the held shards' queues."""
+        if not self.metrics.enabled:
+            return
+        self.metrics.members("worker", workers)
+        for queue, runner in self.runners.items():
+            self.metrics.queue_depth(runner.shard, self.broker.queue_depth(queue))
+            self.metrics.version(runner.replica.version)
+
+    def _heartbeat_info(self) -> dict[str, str]:
+        """Who and how busy we are, for `splitmq check worker` and the autoscaler."""
+        # samples and the metrics URL, for the dashboard's workers table
+        info = {**self.metrics.member_info(), "host": socket.gethostname(), "pid": str(os.getpid())}
+        busy = self.busy.take(min_window_s=self.tick_s / 2)
+        if busy is not None:
+            info["busy"] = f"{busy:.3f}"
+        return info
 
     def load(self, shard: int) -> None:
+        # Batches may come from several cuts (FedSplitX's levels): the replica starts at the
+        # shallowest, so it holds every layer any of them needs.
+        cuts = batch_cuts(self.services.strategy, self.template, self.settings.model.cut)
+
         def make() -> Replica:
             return Replica(
                 shard,
                 self.template,
-                self.settings.model.cut,
+                cuts[0],
                 self.hyper.server_optimizer,
                 self.device,
             )
@@ -202,8 +236,10 @@ class WorkerSession:
         want = ShardExpectations(
             job=self.job,
             shard=shard,
-            cut_shape=self.template.cut_shape(self.settings.model.cut),
+            cut_shape=self.template.cut_shape(cuts[0]),
             num_classes=self.settings.model.num_classes,
+            cut=cuts[0],
+            other_cuts={c: self.template.cut_shape(c) for c in cuts[1:]},
         )
         queue = shard_queue_name(self.job, shard)
         self.runners[queue] = ShardRunner(replica, want, self.policy, self.services)
@@ -267,8 +303,10 @@ class WorkerSession:
             detail = f"{type(message).__name__} does not belong on a shard queue"
             reject(self.broker, delivery, "wrong_type", detail, self.stats, self.log)
             return
+        context = log_context(shard=runner.shard, client=message.client or None)
         try:
-            runner.handle(delivery, message)
+            with context:
+                runner.handle(delivery, message)
         except LeaseLostError:
             self.drop(runner.shard)
 

@@ -11,6 +11,7 @@ make every redelivered batch apply exactly once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.transport import Broker, Delivery
 from services.algorithms.base import Strategy
+from services.metrics.recorder import NO_METRICS, Metrics
 from workers.barrier import StepBarrier
 from workers.checks import (
     ShardExpectations,
@@ -62,6 +64,7 @@ class ShardServices:
     redeliver: Callable[[int], None]  # return every unacked delivery of a shard, in order
     clock: Callable[[], float]
     logger: logging.Logger
+    metrics: Metrics = NO_METRICS
 
 
 class ShardRunner:
@@ -115,6 +118,7 @@ class ShardRunner:
             return
         if self._replaces_buffered(delivery, batch):
             return
+        self._io.metrics.staleness(replica.version - batch.version)
         if batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
@@ -210,7 +214,11 @@ class ShardRunner:
 
     def _apply(self, items: list[Item]) -> None:
         io = self._io
+        started = time.perf_counter()
         outcome = serve(items, self.replica, io.strategy, io.replier, io.stats)
+        if outcome.applied:
+            io.metrics.step(time.perf_counter() - started)
+            io.metrics.samples(sum(int(i.batch.labels.shape[0]) for i in outcome.applied))
         if outcome.failure is not None:
             self._say(logging.ERROR, "server step failed: %r", outcome.failure)
             for item in items:

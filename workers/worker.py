@@ -17,10 +17,11 @@ import time
 import uuid
 from collections.abc import Callable
 
-from services.algorithms.base import Strategy
+from services.algorithms.base import Strategy, serves_inference
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.runtime.backends import Backends
+from workers.inference import start_inference
 from workers.model import ModelFactory, job_model
 from workers.session import WorkerSession, WorkerSpec
 from workers.stats import WorkerStats
@@ -88,6 +89,19 @@ class Worker:
             self.clock,
             self.poll_s,
             self.logger,
+            metrics=self._backends.metrics,
+        )
+        # Split inference (SplitGP) on a connection and thread of its own: ahead of training.
+        inference = (
+            start_inference(
+                self.settings,
+                self._backends,
+                worker_id=self.worker_id,
+                model_factory=self.model_factory,
+                logger=self.logger,
+            )
+            if serves_inference(self.strategy)
+            else None
         )
         session: WorkerSession | None = None
         try:
@@ -104,6 +118,8 @@ class Worker:
                 session.release_all()
             raise
         finally:
+            if inference is not None:
+                inference.close()
             try:
                 broker.close()
             finally:

@@ -15,12 +15,14 @@ from services.aggregator.bootstrap import ensure_initial_version
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.inbox import InboxStats, UpdateInbox
 from services.aggregator.rounds import RoundDriver, RoundStats
-from services.algorithms.base import Strategy
+from services.algorithms.base import Strategy, for_model
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
 from services.runtime.backends import Backends
+from services.runtime.jobmodel import job_model
+from services.runtime.logs import log_context
 
 # Held (unacked) updates count against the prefetch: leave room for a whole cohort plus the
 # late and malformed ones that arrive meanwhile.
@@ -44,8 +46,11 @@ class Aggregator:
         self._backends = backends
         self._sink = sink
         self._evaluator = evaluator
-        self._strategy = strategy or build_strategy(
-            settings.algorithm.name, settings.algorithm.params()
+        # Bound to the job's model where aggregation needs its structure (FedSplitX).
+        self._strategy = for_model(
+            strategy or build_strategy(settings.algorithm.name, settings.algorithm.params()),
+            lambda: job_model(settings),
+            settings.model.cut,
         )
         self._clock = clock
         self._log = logger or logging.getLogger("splitmq.aggregator")
@@ -74,7 +79,14 @@ class Aggregator:
             prefetch = self._settings.clients.count + _PREFETCH_SLACK
             broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
             outbox = Outbox(broker, self.job, self._log)
-            inbox = UpdateInbox(broker, outbox, self.job, self._log, self.inbox_stats)
+            inbox = UpdateInbox(
+                broker,
+                outbox,
+                self.job,
+                self._log,
+                self.inbox_stats,
+                metrics=self._backends.metrics,
+            )
             driver = RoundDriver(
                 self._settings,
                 store,
@@ -109,7 +121,8 @@ class Aggregator:
             if version - 1 >= self._settings.job.rounds:
                 driver.finish(version)
                 return records, "finished"
-            record = driver.run_round(version)
+            with log_context(version=version, round=version - 1):
+                record = driver.run_round(version)
             if record is not None:
                 records.append(record)
         return records, "stopped"

@@ -70,6 +70,20 @@ def weights_problem(
     return None
 
 
+def masks_problem(
+    masks: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
+) -> str | None:
+    """Why `masks` (Sub-FedAvg) do not fit the update's own `weights`: each must mask one of
+    them, with its shape."""
+    for name, mask in masks.items():
+        tensor = weights.get(name)
+        if tensor is None:
+            return f"masks.{name}: no such tensor in client_weights"
+        if mask.shape != tensor.shape:
+            return f"masks.{name}: shape {list(mask.shape)}, the weights have {list(tensor.shape)}"
+    return None
+
+
 class Gate(Protocol):
     def offer(self, update: WeightsUpdate) -> Offer: ...
 
@@ -104,6 +118,8 @@ class OpenRound:
     aux_ref: Reference
     # Members of earlier, abandoned attempts at this round: their updates are late.
     earlier: frozenset[str] = frozenset()
+    # A client may upload part of the client blob (FedSplitX: the blocks up to its level).
+    partial_clients: bool = False
     updates: dict[str, ClientUpdate] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)  # expired members no longer waited for
 
@@ -140,8 +156,11 @@ class OpenRound:
             )
         if update.samples < 1:
             return "an update must report at least one training sample"
+        bad_masks = masks_problem(update.masks, update.client_weights)
+        if bad_masks is not None:
+            return bad_masks
         return weights_problem(
-            update.client_weights, self.client_ref, "client_weights", subset=False
+            update.client_weights, self.client_ref, "client_weights", subset=self.partial_clients
         ) or weights_problem(update.aux_weights, self.aux_ref, "aux_weights", subset=True)
 
     def waiting(self) -> set[str]:

@@ -16,6 +16,7 @@ from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
 from services.aggregator.gate import Gate, Verdict
 from services.coordinator.outbox import Outbox
+from services.metrics.recorder import NO_METRICS, Metrics
 
 
 @dataclass
@@ -35,6 +36,7 @@ class UpdateInbox:
     logger: logging.Logger
     stats: InboxStats = field(default_factory=InboxStats)
     held: list[Delivery] = field(default_factory=list)
+    metrics: Metrics = NO_METRICS
 
     def poll(self, timeout: float, gate: Gate, version: int) -> bool:
         """Handle at most one delivery (waiting up to `timeout`); whether there was one.
@@ -59,6 +61,7 @@ class UpdateInbox:
                 delivery, f"client {message.client!r} is not AMQP user {delivery.user_id!r}"
             )
             return True
+        self.metrics.staleness(version - message.version)
         offer = gate.offer(message)
         if offer.verdict is Verdict.ACCEPT:
             self.stats.accepted += 1

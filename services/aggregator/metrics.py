@@ -24,8 +24,14 @@ COMPUTE_S = ("compute_s",)
 # Samples actually trained this round; `WeightsUpdate.samples` is |D_k|, the averaging weight,
 # which max_steps_per_round may cap far below.
 TRAIN_SAMPLES = ("train_samples",)
+# Accuracy of the client's own model on its local test set (see `client_mean`).
+PERSONAL_ACCURACY = ("personal_accuracy",)
 
 NAN = float("nan")
+# A client metric `report.<name>` (an algorithm's own per-client figure, e.g. Sub-FedAvg's
+# parameter reduction) becomes the extra columns `<name>` (mean over the round's clients) and
+# `<name>.<client>` (each client's value).
+REPORT_PREFIX = "report."
 
 
 def metric(metrics: Mapping[str, float], names: Sequence[str]) -> float | None:
@@ -42,6 +48,29 @@ def sample_weighted(updates: Sequence[ClientUpdate], names: Sequence[str]) -> fl
     known = [(s, v) for s, v in pairs if v is not None and v == v]
     total = sum(s for s, _ in known)
     return sum(s * v for s, v in known) / total if total else NAN
+
+
+def client_mean(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:
+    """Plain mean over the clients that report a metric: the personalised accuracy is a mean
+    over clients, as the aggregator's own evaluation takes it."""
+    values = [v for u in updates if (v := metric(u.metrics, names)) is not None and v == v]
+    return sum(values) / len(values) if values else NAN
+
+
+def reported_extras(updates: Sequence[ClientUpdate]) -> dict[str, float]:
+    """The `report.<name>` client metrics, per client and as their mean over clients."""
+    out: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
+    for u in sorted(updates, key=lambda u: u.client):
+        for key, value in u.metrics.items():
+            name = key[len(REPORT_PREFIX) :]
+            if key.startswith(REPORT_PREFIX) and name:
+                out[f"{name}.{u.client}"] = float(value)
+                values.setdefault(name, []).append(float(value))
+    for name, seen in values.items():
+        finite = [v for v in seen if v == v]
+        out[name] = sum(finite) / len(finite) if finite else NAN
+    return out
 
 
 def trained(update: ClientUpdate) -> float:
@@ -71,7 +100,12 @@ def build_record(
     updates: Sequence[ClientUpdate],
     traffic: RoundTraffic,
     evaluation: VersionEval | None,
+    personal_from_clients: bool = False,
+    strategy_metrics: Mapping[str, float] | None = None,
 ) -> VersionRecord:
+    """`personal_from_clients`: the personalised models live on the clients only (FedDeper), so
+    the personalised accuracy is the clients' reported one; the evaluation's (the global model
+    on each local test set) then goes to `extra["global_personal_accuracy"]`."""
     samples = int(sum(trained(u) for u in updates))
     extra: dict[str, float] = {"round_s": traffic.round_s}
     compute = [metric(u.metrics, COMPUTE_S) for u in updates]
@@ -82,6 +116,13 @@ def build_record(
         )
     if evaluation is not None:
         extra["test_samples"] = float(evaluation.test_samples)
+    # The strategy's own metrics of the version (SplitGP's `splitgp.*`), as extra columns.
+    extra.update(strategy_metrics or {})
+    extra.update(reported_extras(updates))
+    personal = evaluation.personal_accuracy if evaluation else NAN
+    if personal_from_clients:
+        extra["global_personal_accuracy"] = personal
+        personal = client_mean(updates, PERSONAL_ACCURACY)
     return VersionRecord(
         version=version,
         round=round_index,
@@ -89,7 +130,7 @@ def build_record(
         participants=len(updates),
         global_accuracy=evaluation.global_accuracy if evaluation else NAN,
         global_loss=evaluation.global_loss if evaluation else NAN,
-        personal_accuracy=evaluation.personal_accuracy if evaluation else NAN,
+        personal_accuracy=personal,
         train_loss=sample_weighted(updates, TRAIN_LOSS),
         train_accuracy=sample_weighted(updates, TRAIN_ACCURACY),
         samples=samples,
@@ -109,7 +150,14 @@ def event_data(record: VersionRecord) -> dict[str, ConfigValue]:
         "samples": record.samples,
         "late_updates": record.late_updates,
     }
-    for name in ("global_accuracy", "global_loss", "personal_accuracy", "train_loss"):
+    # samples_per_s: the dashboard's per-version throughput.
+    for name in (
+        "global_accuracy",
+        "global_loss",
+        "personal_accuracy",
+        "train_loss",
+        "samples_per_s",
+    ):
         value = float(getattr(record, name))
         if value == value:
             data[name] = value

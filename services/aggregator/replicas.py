@@ -25,10 +25,17 @@ def checkpoint_round(checkpoint: Checkpoint) -> int:
 
 def replica_of(checkpoint: Checkpoint) -> ShardReplica:
     samples = checkpoint.meta.get("round_samples", 0)
+    by_cut = checkpoint.meta.get("cut_samples")
+    cut_samples = (
+        {str(c): n for c, n in by_cut.items() if isinstance(n, int) and n > 0}
+        if isinstance(by_cut, dict)
+        else {}
+    )
     return ShardReplica(
         shard=checkpoint.shard,
         samples=samples if isinstance(samples, int) and samples > 0 else 0,
         weights=dict(checkpoint.weights),
+        cut_samples=cut_samples,
     )
 
 

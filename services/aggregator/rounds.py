@@ -28,7 +28,12 @@ from services.aggregator.notices import (
     end_round,
 )
 from services.aggregator.replicas import gather_replicas
-from services.algorithms.base import ShardReplica, Strategy
+from services.algorithms.base import (
+    ShardReplica,
+    Strategy,
+    partial_client_updates,
+    personal_on_clients,
+)
 from services.config.root import Settings
 from services.coordinator.handout import WeightsCache
 from services.coordinator.membership import MemberInfo, client_members
@@ -161,6 +166,7 @@ class RoundDriver:
             client_ref=client_ref,
             aux_ref=aux_ref,
             earlier=earlier,
+            partial_clients=partial_client_updates(self._strategy),
         )
         assigned = assign_round(self._outbox, self._settings, weights, cohort, self._log)
         ledger.assignment_bytes += assigned.bytes_sent
@@ -222,6 +228,11 @@ class RoundDriver:
         classes = {c: info.classes for c, info in state.cohort.items()}
         evaluator = self._evaluator
         evaluation = evaluator.evaluate(published.blobs, classes) if evaluator else None
+        own = (
+            evaluator.strategy_metrics(self._strategy, published.blobs, classes)
+            if evaluator
+            else {}
+        )
         traffic = RoundTraffic(
             round_s=round_s,
             update_bytes=self._inbox.stats.accepted_bytes - ledger.bytes_at_open,
@@ -235,6 +246,8 @@ class RoundDriver:
             updates=published.updates,
             traffic=traffic,
             evaluation=evaluation,
+            personal_from_clients=personal_on_clients(self._strategy),
+            strategy_metrics=own,
         )
         self._sink.record(record)
         self._log.info(

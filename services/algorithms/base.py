@@ -95,6 +95,9 @@ class ShardReplica:
     shard: int
     samples: int
     weights: State
+    # Rows trained per cut the batches came from (FedSplitX: a batch from a shallow client
+    # trains more of the replica than one from a deep client). Empty: all from the job's cut.
+    cut_samples: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,41 @@ class CohortBatch:
     activations: torch.Tensor
     labels: torch.Tensor
     weight: float = 1.0  # p_n of MiniBatch-SFL; rows for folded SFL
+    cut: str = ""  # the cut the activations come from ("": the replica's own cut)
+
+
+def personal_on_clients(strategy: object) -> bool:
+    """Whether the strategy's personalised models live only on its clients (FedDeper's v_k),
+    so that the run's personalised accuracy is the mean of what the clients report in
+    `metrics["personal_accuracy"]` rather than the aggregator's evaluation of the published
+    blobs. A strategy opts in with a true `personal_on_clients` attribute; `Strategy` does not
+    require one."""
+    return getattr(strategy, "personal_on_clients", False) is True
+
+
+def batch_cuts(strategy: object, model: SplitNet, cut: str) -> tuple[str, ...]:
+    """The cuts smashed data of the job may come from, shallow to deep: the strategy's
+    `batch_cuts(model, cut)` where it has one (FedSplitX's depth levels), else the job's `cut`.
+    The worker's replica starts at the first; the coordinator assigns clients among them."""
+    own = getattr(strategy, "batch_cuts", None)
+    return tuple(own(model, cut)) if callable(own) else (cut,)
+
+
+def partial_client_updates(strategy: object) -> bool:
+    """Whether a client uploads only part of `client/global` (FedSplitX: the blocks up to its
+    own depth level); opted into with a true `partial_client_updates` attribute."""
+    return getattr(strategy, "partial_client_updates", False) is True
+
+
+def for_model(strategy: Strategy, model: Callable[[], SplitNet], cut: str) -> Strategy:
+    """The strategy as the aggregator runs it: `strategy.for_model(model, cut)` where the
+    aggregation needs the model's structure (FedSplitX: which blocks follow which cut), else
+    the strategy itself. `model` is called only then."""
+    own = getattr(strategy, "for_model", None)
+    if not callable(own):
+        return strategy
+    bound: Strategy = own(model(), cut)
+    return bound
 
 
 class Strategy(Protocol):
@@ -160,3 +198,27 @@ class Strategy(Protocol):
     ) -> VersionWeights:
         """Turn a round's updates and shard replicas into the blobs of the next version."""
         ...
+
+
+def personal_metrics(
+    strategy: object,
+    model: SplitNet,
+    blobs: VersionWeights,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clients: Mapping[str, Sequence[int]],
+) -> dict[str, float]:
+    """A strategy's metrics of each client's model in a published version (SplitGP: head,
+    server and split-inference accuracy on the client's local test set and the others), from
+    its `personal_metrics(model, blobs, x, y, clients)` where it has one: the test rows (x, y)
+    and `clients` (id -> its classes); `model` is a scratch model. For the report's `extra`."""
+    own = getattr(strategy, "personal_metrics", None)
+    if not callable(own):
+        return {}
+    return {str(k): float(v) for k, v in own(model, blobs, x, y, clients).items()}
+
+
+def serves_inference(strategy: object) -> bool:
+    """Whether workers answer InferRequests for this strategy (SplitGP's split inference):
+    an optional true `split_inference` attribute."""
+    return getattr(strategy, "split_inference", False) is True

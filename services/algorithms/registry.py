@@ -14,8 +14,13 @@ from types import MappingProxyType
 from broker.messages import ConfigValue
 from services.algorithms.base import Strategy
 from services.algorithms.fedavg import FedAvg
+from services.algorithms.feddeper import FedDeper
+from services.algorithms.fedsplitx import FedSplitX
 from services.algorithms.minibatch_sfl import MiniBatchSFL
 from services.algorithms.sfl import SFL
+from services.algorithms.splitgp import SplitGP
+from services.algorithms.standalone import Standalone
+from services.algorithms.subfedavg import SubFedAvg
 
 Params = Mapping[str, ConfigValue]
 StrategyFactory = Callable[[Params], Strategy]
@@ -27,6 +32,12 @@ STRATEGIES: Mapping[str, StrategyFactory] = MappingProxyType(
         "sfl_v2": lambda _p: SFL(name="sfl_v2"),
         "sfl": lambda _p: SFL(),
         "minibatch_sfl": lambda _p: MiniBatchSFL(),
+        "fedsplitx": lambda p: FedSplitX.from_params(p),
+        "local_loss_sfl": lambda p: FedSplitX.local_loss_sfl(p),
+        "splitgp": SplitGP.from_params,
+        "subfedavg": SubFedAvg.from_params,
+        "standalone": lambda _p: Standalone(),
+        "feddeper": lambda p: FedDeper.from_params(p),
     }
 )
 

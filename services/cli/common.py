@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -10,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -34,6 +35,24 @@ def config_argument(func: F) -> F:
 
 
 def log_options(func: F) -> F:
+    """--log-level, and the log format: --log-format json (or its older spelling --log-json)."""
+
+    command = func
+
+    @functools.wraps(command)
+    def with_format(*args: Any, log_format: str | None = None, **kwargs: Any) -> Any:
+        if log_format == "json":
+            kwargs["log_json"] = True
+        return command(*args, **kwargs)
+
+    func = cast(F, with_format)
+    func = click.option(
+        "--log-format",
+        type=click.Choice(["text", "json"]),
+        default=None,
+        help="text (default) or json: one object per line with job, client, shard and "
+        "version (also the log_format setting, SPLITMQ_LOG_FORMAT).",
+    )(func)
     func = click.option(
         "--log-level",
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -43,8 +62,13 @@ def log_options(func: F) -> F:
     return click.option(
         "--log-json",
         is_flag=True,
-        help="Log JSON lines (ts, level, logger, msg, role, job, client, shard, version...).",
+        help="Same as --log-format json.",
     )(func)
+
+
+def json_logs(settings: Settings, log_json: bool) -> bool:
+    """JSON lines when asked on the command line or by the log_format setting."""
+    return log_json or settings.log_format == "json"
 
 
 def resolve_config(config: Path | None) -> Path:

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import click
 
+from services.cli.autoscale_cmd import autoscale
+from services.cli.check_cmd import check
+from services.cli.dashboard_cmd import dashboard
 from services.cli.doctor_cmd import doctor
+from services.cli.experiment_cmd import experiment
+from services.cli.infer_cmd import infer
 from services.cli.role_cmds import aggregator, client, coordinator, worker
 from services.cli.run_cmd import run
 from services.cli.up_cmd import up
@@ -51,8 +56,14 @@ def cli(ctx: click.Context, config: Path | None) -> None:
     ctx.obj = Context(config)
 
 
-for command in (run, up, coordinator, aggregator, worker, client, doctor):
+for command in (run, up, coordinator, aggregator, worker, client, doctor, experiment):
     cli.add_command(command)
+for command in (check, autoscale):
+    cli.add_command(command)
+
+
+cli.add_command(dashboard)
+cli.add_command(infer)
 
 
 def main() -> None:

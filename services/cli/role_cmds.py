@@ -17,6 +17,7 @@ import click
 from services.cli.common import (
     config_argument,
     default_member_id,
+    json_logs,
     load,
     log_options,
     pick_log_level,
@@ -28,7 +29,9 @@ from services.report.rundir import command_line
 from services.report.sinks import EchoSink, TeeSink
 from services.report.summary import banner
 from services.runtime.backends import Backends
+from services.runtime.health import HealthBeat
 from services.runtime.logs import ContextValue, configured_logging
+from services.runtime.observe import observe_role
 from services.runtime.roles import build_aggregator, build_client, build_coordinator, build_worker
 from services.runtime.supervise import Role, RoleKind
 
@@ -59,13 +62,18 @@ def _serve(
     """Run one role until it ends or a signal stops it; True if stopped by a signal."""
     _require_services(settings, kind)
     ctx: dict[str, ContextValue] = {"role": kind, "job": settings.job.name, **context}
-    with configured_logging(pick_log_level(settings, level), json_lines=log_json, context=ctx):
+    json_lines = json_logs(settings, log_json)
+    with configured_logging(pick_log_level(settings, level), json_lines=json_lines, context=ctx):
         log = logging.getLogger(f"splitmq.{kind}")
         stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
-        with stop_on_signals(stop):
+        # `splitmq check <kind>` (the containers' healthcheck) reads this key.
+        instance = str(context.get(kind) or default_member_id(f"{kind}-"))
+        health = HealthBeat(backends.open_store, settings.job.name, kind, instance)
+        observation = observe_role(settings, kind, backends, echo=click.echo)
+        with stop_on_signals(stop), health, observation as seen:
             try:
-                factory(settings, backends).run(stop)
+                factory(settings, seen.backends).run(stop)
             except Exception:
                 log.exception("%s of job %s died", kind, settings.job.name)
                 raise click.exceptions.Exit(1) from None

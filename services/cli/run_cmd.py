@@ -9,14 +9,23 @@ from pathlib import Path
 
 import click
 
-from services.cli.common import config_argument, load, log_options, pick_log_level, stop_on_signals
+from services.cli.common import (
+    config_argument,
+    json_logs,
+    load,
+    log_options,
+    pick_log_level,
+    stop_on_signals,
+)
 from services.data.errors import DataError
 from services.report.filesink import FileSink
 from services.report.rundir import command_line
 from services.report.sinks import EchoSink, TeeSink
 from services.report.summary import banner
+from services.runtime.backends import Backends, Embedded
 from services.runtime.embedded import force_embedded, load_job_dataset, run_embedded
 from services.runtime.logs import configured_logging
+from services.runtime.observe import observed
 
 
 @click.command()
@@ -27,19 +36,32 @@ from services.runtime.logs import configured_logging
     default=None,
     help="Where run directories go (default: report.dir from the config).",
 )
+@click.option(
+    "--linger",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Keep serving the dashboard and metrics this many seconds after the run ends "
+    "(Ctrl-C ends it sooner).",
+)
 @log_options
 def run(
-    config: Path | None, report_dir: Path | None, log_json: bool, log_level: str | None
+    config: Path | None,
+    report_dir: Path | None,
+    linger: float,
+    log_json: bool,
+    log_level: str | None,
 ) -> None:
     """Run a whole job in this process (no servers needed).
 
     Every role runs on a thread over the in-memory broker and store; prints one line per
-    round and a summary, and writes the run directory.
+    round and a summary, and writes the run directory. Serves /metrics and the live
+    dashboard while it runs (see [metrics]).
     """
     _, settings = load(config)
     # Progress lines say what happens; role logs below WARNING would drown them.
     level = pick_log_level(settings, log_level, default="WARNING")
-    with configured_logging(level, json_lines=log_json, context={"job": settings.job.name}):
+    json_lines = json_logs(settings, log_json)
+    with configured_logging(level, json_lines=json_lines, context={"job": settings.job.name}):
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
         try:
             dataset = load_job_dataset(settings)
@@ -50,17 +72,41 @@ def run(
         click.echo(f"run directory: {sink.run_dir}")
         echo = EchoSink(click.echo, rounds=settings.job.rounds)
         stop = threading.Event()
-        with stop_on_signals(stop):
+        backends = Backends(settings.broker, settings.store, Embedded())
+        watch = observed(
+            settings,
+            "run",
+            backends,
+            echo=click.echo,
+            dashboard=settings.metrics.dashboard,
+            watch=True,
+            run_dir=sink.run_dir,
+        )
+        with stop_on_signals(stop), watch as seen:
             try:
                 outcome = run_embedded(
-                    settings, sink=TeeSink([sink, echo]), stop=stop, dataset=dataset
+                    settings,
+                    sink=TeeSink([sink, echo]),
+                    stop=stop,
+                    dataset=dataset,
+                    backends=seen.backends,
                 )
             except Exception:
                 click.echo(traceback.format_exc(), err=True)
                 click.echo(f"report: {sink.run_dir}", err=True)
                 raise click.exceptions.Exit(1) from None
-    click.echo("")
-    click.echo(sink.summary, nl=False)
+            lingering = linger > 0 and bool(seen.url)
+            if lingering:
+                click.echo("")
+                click.echo(sink.summary, nl=False)
+                click.echo(f"serving {seen.url}/ for {linger:g} s more (Ctrl-C to stop)")
+                # The run set `stop` when it ended; Ctrl-C now ends the wait.
+                rest = threading.Event()
+                with stop_on_signals(rest):
+                    rest.wait(linger)
+    if not lingering:
+        click.echo("")
+        click.echo(sink.summary, nl=False)
     if outcome.traceback:
         click.echo(f"\n{outcome.failed_role} failed:\n{outcome.traceback}", err=True)
     if outcome.stuck:

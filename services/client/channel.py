@@ -54,6 +54,7 @@ class RoundContext:
     version: int
     shard: int
     wire_dtype: torch.dtype
+    cut: str = ""  # where the client's activations come from (its Welcome's cut)
 
 
 @dataclass
@@ -130,6 +131,7 @@ class BrokerChannel:
             steps=steps,
             activations=z.detach().to(device="cpu", dtype=ctx.wire_dtype),
             labels=y.detach().to(device="cpu", dtype=torch.int64),
+            cut=ctx.cut,
         )
         try:
             body = encode(batch)

@@ -185,7 +185,10 @@ class Client:
                 "index": str(index),
                 "classes": ",".join(str(c) for c in self._data.classes(index)),
             }
-        join = Join(self._job, self.client_id, new_message_id(), link.version, samples, 0, info)
+        capability = self._settings.clients.declared_capability(index)
+        join = Join(
+            self._job, self.client_id, new_message_id(), link.version, samples, capability, info
+        )
         link.send(CONTROL_EXCHANGE, self._job, join)
         stats.joins_sent += 1
         return join.message_id

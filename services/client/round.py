@@ -91,6 +91,7 @@ class RoundRunner:
                 assignment.version,
                 member.shard,
                 plan.wire_dtype,
+                member.cut,
             ),
             self.seqs,
             reply_timeout_s=self.reply_timeout_s,

@@ -26,9 +26,11 @@ class SplitGPSection(_Section):
 
 class FedSplitXSection(_Section):
     # Partition points, comma-separated cut names shallow to deep ("block1,block2,block3"); a
-    # client at level m holds the blocks up to the m-th. Empty: the model's cuts.
-    cuts: str = ""
-    # Level assigned when a client declares no capability (Join.capability = 0).
+    # client at level m holds the blocks up to the m-th. Empty: the model's cuts. (local_loss_sfl
+    # ignores it: its one level is the job's cut, model.cut.)
+    cuts: str = Field(default="", pattern=r"^\s*([A-Za-z0-9_]+\s*(,\s*[A-Za-z0-9_]+\s*)*)?$")
+    # Level assigned when a client declares no capability (Join.capability = 0) and has none in
+    # clients.capability_mix; capped at the number of levels.
     default_level: int = Field(default=1, ge=1)
 
 
@@ -53,6 +55,14 @@ class SubFedAvgSection(_Section):
     acc_thresh: float = Field(default=0.5, ge=0, le=1)
     # Apply to the full model (FL, as in the paper) or the client side of a split model.
     scope: Literal["full", "client"] = "full"
+    # Hybrid: fraction of a conv layer's alive channels pruned (by |BN scale|) per adoption...
+    channel_percent: float = Field(default=0.45, gt=0, lt=1)
+    # ...adopted if the channel masks of the first and last epoch differ by more than this...
+    channel_dist_thresh: float = Field(default=0.01, ge=0)
+    # ...and never below this fraction of a layer's channels (the reference's cfg_prune).
+    channel_floor: float = Field(default=0.5, gt=0, le=1)
+    # Intersection averaging weights: equal (the paper) or the clients' sample counts.
+    sample_weighted: bool = False
 
 
 # Which parameter section each algorithm reads (attribute of `AlgorithmSection`).

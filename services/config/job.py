@@ -31,6 +31,7 @@ AlgorithmName = Literal[
     "local_loss_sfl",
     "feddeper",
     "subfedavg",
+    "standalone",
 ]
 PartitionKind = Literal["iid", "dirichlet", "shards", "label_ratio"]
 WireDtype = Literal["float32", "float16", "bfloat16"]
@@ -107,6 +108,50 @@ class ClientsSection(_Section):
     heartbeat_ttl_s: float = Field(default=10.0, gt=0)
     # How long a client waits for one gradient before republishing the batch.
     reply_timeout_s: float = Field(default=30.0, gt=0)
+    # What this client declares at Join (FedSplitX: the deepest depth level it can run, from
+    # which the coordinator assigns its level); 0: declare nothing.
+    capability: int = Field(default=0, ge=0)
+    # Simulated clients' capabilities by data partition, as counts per capability 1, 2, ...:
+    # "16,16,18" gives partitions 0-15 capability 1, 16-31 capability 2, 32-49 capability 3.
+    # The counts must add up to `count`. Used when `capability` is 0; empty: none.
+    capability_mix: str = ""
+
+    @model_validator(mode="after")
+    def _mix_fits(self) -> ClientsSection:
+        counts = self.mix_counts()
+        if counts and sum(counts) != self.count:
+            raise ValueError(
+                f"clients.capability_mix {self.capability_mix!r} covers {sum(counts)} "
+                f"clients, clients.count is {self.count}"
+            )
+        return self
+
+    def mix_counts(self) -> tuple[int, ...]:
+        """The counts of `capability_mix` (ValueError when it is not a list of counts)."""
+        text = self.capability_mix.strip()
+        if not text:
+            return ()
+        try:
+            counts = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(
+                f"clients.capability_mix {text!r}: expected counts like '16,16,18'"
+            ) from None
+        if any(c < 0 for c in counts):
+            raise ValueError(f"clients.capability_mix {text!r}: counts must be >= 0")
+        return counts
+
+    def declared_capability(self, partition: int | None) -> int:
+        """The capability a client declares: `capability`, else its partition's in the mix,
+        else 0 (none)."""
+        if self.capability or partition is None:
+            return self.capability
+        upto = 0
+        for level, count in enumerate(self.mix_counts(), start=1):
+            upto += count
+            if partition < upto:
+                return level
+        return 0
 
 
 class RoundsSection(_Section):

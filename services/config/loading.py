@@ -23,6 +23,7 @@ ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "SPLITMQ_BROKER": ("broker", "kind"),
     "SPLITMQ_STORE": ("store", "kind"),
     "SPLITMQ_LOG_LEVEL": ("log_level",),
+    "SPLITMQ_LOG_FORMAT": ("log_format",),
 }
 
 M = TypeVar("M", bound=BaseModel)

@@ -55,3 +55,5 @@ class ConnectionSettings(_Section):
     broker: BrokerSettings = BrokerSettings()
     store: StoreSettings = StoreSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # "json": one JSON object per line with job, client, shard and version (--log-format).
+    log_format: Literal["text", "json"] = "text"

@@ -25,6 +25,7 @@ from services.coordinator.joining import JoinDesk
 from services.coordinator.membership import client_members, member_id
 from services.coordinator.outbox import Outbox
 from services.runtime.backends import Backends
+from services.runtime.logs import log_context
 
 _PREFETCH = 32
 
@@ -120,20 +121,22 @@ class Coordinator:
         if reason is not None:
             self._dead_letter(broker, delivery, reason)
             return
-        if isinstance(message, Join):
-            outcome = desk.join(message)
-            if outcome.unreachable:
-                self._dead_letter(broker, delivery, f"client {message.client} has no reply queue")
-                return
-            if outcome.new or outcome.rejoined:
-                self._known.add(message.client)
-            self.stats.joined += outcome.new
-            self.stats.rejoined += outcome.rejoined
-            self.stats.refused += outcome.refused
-        elif isinstance(message, Heartbeat):
-            self._heartbeat(store, outbox, message)
-        elif isinstance(message, Leave):
-            self._leave(store, outbox, message)
+        with log_context(client=message.client):
+            if isinstance(message, Join):
+                outcome = desk.join(message)
+                if outcome.unreachable:
+                    reason = f"client {message.client} has no reply queue"
+                    self._dead_letter(broker, delivery, reason)
+                    return
+                if outcome.new or outcome.rejoined:
+                    self._known.add(message.client)
+                self.stats.joined += outcome.new
+                self.stats.rejoined += outcome.rejoined
+                self.stats.refused += outcome.refused
+            elif isinstance(message, Heartbeat):
+                self._heartbeat(store, outbox, message)
+            elif isinstance(message, Leave):
+                self._leave(store, outbox, message)
         broker.ack(delivery)
 
     def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:

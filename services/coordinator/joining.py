@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from broker.errors import UnroutableError
-from broker.messages import Join, WeightsAssignment, Welcome, new_message_id
+from broker.messages import ConfigValue, Join, WeightsAssignment, Welcome, new_message_id
 from broker.store import WeightStore
 from services.config.root import Settings
 from services.coordinator.assignment import choose_partition, choose_shard
 from services.coordinator.handout import WeightsCache, client_config
+from services.coordinator.levels import LevelDesk
 from services.coordinator.membership import MemberInfo, client_members, member_id, parse_classes
 from services.coordinator.outbox import Outbox
 
@@ -67,6 +68,7 @@ class JoinDesk:
         self._log = logger
         self._job = settings.job.name
         self._weights: WeightsCache | None = None
+        self._levels = LevelDesk(settings)
 
     def join(self, message: Join) -> JoinOutcome:
         members = client_members(self._store, self._job)
@@ -127,7 +129,7 @@ class JoinDesk:
         return MemberInfo(
             client=message.client,
             shard=shard,
-            cut=self._settings.model.cut,
+            cut=self._levels.cut(message.capability, partition),
             samples=message.samples,
             partition=partition,
             classes=reported_classes(message) or (),
@@ -176,6 +178,11 @@ class JoinDesk:
             round=max(0, version - 1),
             client_weights=client_weights,
             aux_weights=aux_weights,
-            config=client_config(self._settings, info.partition),
+            config={**client_config(self._settings, info.partition), **self._level_of(info.cut)},
         )
         self._outbox.reply(message.client, welcome)
+
+    def _level_of(self, cut: str) -> dict[str, ConfigValue]:
+        """`{"level": m}` for a job with several depth levels (FedSplitX), else nothing."""
+        cuts = self._levels.cuts()
+        return {"level": cuts.index(cut) + 1} if len(cuts) > 1 and cut in cuts else {}

@@ -37,7 +37,7 @@ def size(n: float) -> str:
 
 
 def banner(info: RunInfo) -> str:
-    cut = "no split" if info.algorithm == "fedavg" else f"cut {info.cut}"
+    cut = "no split" if info.algorithm in ("fedavg", "feddeper") else f"cut {info.cut}"
     return (
         f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
         f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"

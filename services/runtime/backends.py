@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from broker.memory_broker import InMemoryBroker
 from broker.memory_hub import InMemoryHub
@@ -13,6 +13,8 @@ from broker.redis_store import RedisStoreOptions, RedisWeightStore
 from broker.store import WeightStore
 from broker.transport import Broker
 from services.config.settings import BrokerSettings, StoreSettings
+from services.metrics.broker import MeteredBroker
+from services.metrics.recorder import NO_METERS, NO_METRICS, Meters, Metrics
 
 
 @dataclass
@@ -30,9 +32,21 @@ class Backends:
     broker_settings: BrokerSettings
     store_settings: StoreSettings
     embedded: Embedded | None = None
+    # The process's recorders, and the one bound to the role these backends were made for
+    # (`for_role`): its broker handles report bytes, waits and dead letters to it.
+    meters: Meters = NO_METERS
+    metrics: Metrics = NO_METRICS
+
+    def for_role(self, kind: str, member: str = "") -> Backends:
+        """These backends for one role: its broker handles and its code report to its recorder."""
+        return replace(self, metrics=self.meters.role(kind, member))
 
     def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
         """A new handle; `give_up_after` shortens the reconnect budget (probes, health checks)."""
+        broker = self._open_broker(name, give_up_after)
+        return MeteredBroker(broker, self.metrics) if self.metrics.enabled else broker
+
+    def _open_broker(self, name: str, give_up_after: float | None) -> Broker:
         settings = self.broker_settings
         if settings.kind == "memory":
             hub = self._embedded().hub
@@ -60,6 +74,6 @@ class Backends:
         if self.embedded is None:
             raise ValueError(
                 "the in-memory broker/store only exist inside one process: use `splitmq run`, "
-                "or configure kind = \"rabbitmq\" / \"redis\" for separate processes"
+                'or configure kind = "rabbitmq" / "redis" for separate processes'
             )
         return self.embedded

@@ -98,9 +98,7 @@ def check_store(backends: Backends) -> Check:
         f"Redis {info.version} at {where}; write {'ok' if info.can_write else 'REFUSED'}, "
         f"read {'ok' if info.can_read else 'REFUSED'}, AOF {'on' if info.aof_enabled else 'off'}"
     )
-    return Check(
-        "store", ok, detail, "; ".join(info.problems), warning=ok and bool(info.problems)
-    )
+    return Check("store", ok, detail, "; ".join(info.problems), warning=ok and bool(info.problems))
 
 
 def check_data(settings: Settings, env: Mapping[str, str]) -> Check:

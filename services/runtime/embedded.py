@@ -64,14 +64,19 @@ def run_embedded(
     client_grace_s: float = 10.0,
     join_timeout_s: float = 30.0,
     logger: logging.Logger | None = None,
+    backends: Backends | None = None,
 ) -> Outcome:
     """Run the job to its end (or until `stop`/Ctrl-C/a role failure) and say how it ended.
 
-    `sink` gets every VersionRecord, and `finish` once, with the outcome's status.
+    `sink` gets every VersionRecord, and `finish` once, with the outcome's status. `backends`
+    (with their `Embedded` hub and store) let the caller watch the run, e.g. for metrics.
     """
     log = logger or logging.getLogger("splitmq.runtime")
     settings = force_embedded(settings, log)
-    backends = Backends(settings.broker, settings.store, Embedded())
+    if backends is None:
+        backends = Backends(settings.broker, settings.store, Embedded())
+    elif backends.embedded is None:
+        raise ValueError("an embedded run needs backends with an Embedded hub and store")
     data = dataset if dataset is not None else load_job_dataset(settings)
     try:
         roles = build_roles(settings, backends, RecordsOnly(sink), data)

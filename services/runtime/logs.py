@@ -2,7 +2,10 @@
 
 Roles log through `logging.getLogger("splitmq.<role>")` and may pass context as `extra=`
 (job, client, shard, version, round...); the JSON formatter lifts those into fields, and a
-`ContextFilter` stamps process-wide ones (role, job) on every record. Configuration happens
+`ContextFilter` stamps process-wide ones (role, job) and the current thread's `log_context`
+(a worker's shard while it handles that shard's delivery, the aggregator's round version) on
+every record. JSON lines always hold job, client, shard and version (null where none
+applies), so a log pipeline can filter on them without guessing. Configuration happens
 only at the process edge (the CLI), inside `configured_logging`, which undoes itself on exit so
 repeated in-process invocations (tests) do not stack handlers.
 """
@@ -14,16 +17,35 @@ import logging
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import TextIO
 
 CONTEXT_FIELDS = ("role", "job", "client", "worker", "shard", "version", "round", "seq")
+# In every JSON line, null when unknown.
+ALWAYS_FIELDS = frozenset({"job", "client", "shard", "version"})
 HUMAN_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 HUMAN_DATEFMT = "%H:%M:%S"
 # Chatty third-party loggers, kept at WARNING whatever our level is.
 QUIET_LOGGERS = ("pika", "redis", "urllib3", "matplotlib", "PIL")
 
 ContextValue = str | int | float
+
+# Each thread starts with an empty context, so an embedded run's roles never see each other's.
+_THREAD_CONTEXT: ContextVar[Mapping[str, ContextValue | None]] = ContextVar(
+    "splitmq_log_context", default=MappingProxyType({})
+)
+
+
+@contextmanager
+def log_context(**fields: ContextValue | None) -> Iterator[None]:
+    """Stamp `fields` on every record this thread logs inside the block (None: unset)."""
+    token = _THREAD_CONTEXT.set({**_THREAD_CONTEXT.get(), **fields})
+    try:
+        yield
+    finally:
+        _THREAD_CONTEXT.reset(token)
 
 
 class JsonFormatter(logging.Formatter):
@@ -40,6 +62,8 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, name, None)
             if value is not None and value != "":
                 obj[name] = value
+            elif name in ALWAYS_FIELDS:
+                obj[name] = None
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
@@ -50,16 +74,18 @@ class JsonFormatter(logging.Formatter):
 
 
 class ContextFilter(logging.Filter):
-    """Adds default context fields to records that do not carry them already."""
+    """Adds context fields to records that do not carry them already: the thread's
+    `log_context` first, then the process-wide `fields`."""
 
-    def __init__(self, fields: Mapping[str, ContextValue]) -> None:
+    def __init__(self, fields: Mapping[str, ContextValue] | None = None) -> None:
         super().__init__()
-        self._fields = dict(fields)
+        self._fields = dict(fields or {})
 
     def filter(self, record: logging.LogRecord) -> bool:
-        for key, value in self._fields.items():
-            if getattr(record, key, None) is None:
-                setattr(record, key, value)
+        for source in (_THREAD_CONTEXT.get(), self._fields):
+            for key, value in source.items():
+                if value is not None and getattr(record, key, None) is None:
+                    setattr(record, key, value)
         return True
 
 
@@ -90,8 +116,7 @@ def make_handler(
     else:
         handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
     handler.addFilter(DropPikaReturns())
-    if context:
-        handler.addFilter(ContextFilter(context))
+    handler.addFilter(ContextFilter(context))
     return handler
 
 

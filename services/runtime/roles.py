@@ -12,7 +12,9 @@ from services.algorithms.registry import build_strategy
 from services.client.data import JobData
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
+from services.metrics.sink import RecordMetrics
 from services.report.records import MetricsSink
+from services.report.sinks import TeeSink
 from services.runtime.backends import Backends
 from services.runtime.supervise import Role, RoleSpec
 
@@ -20,7 +22,7 @@ from services.runtime.supervise import Role, RoleSpec
 def build_coordinator(settings: Settings, backends: Backends) -> Role:
     from services.coordinator.coordinator import Coordinator
 
-    return Coordinator(settings, backends)
+    return Coordinator(settings, backends.for_role("coordinator"))
 
 
 def build_aggregator(
@@ -36,13 +38,16 @@ def build_aggregator(
         else load_dataset(settings.data.dataset, settings.data.dir or None)
     )
     evaluator = build_evaluator(settings, data.test)
+    backends = backends.for_role("aggregator")
+    if backends.metrics.enabled:
+        sink = TeeSink([sink, RecordMetrics(backends.metrics)])
     return Aggregator(settings, backends, sink=sink, evaluator=evaluator)
 
 
 def build_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
     from workers.worker import Worker
 
-    return Worker(settings, backends, worker_id=worker_id)
+    return Worker(settings, backends.for_role("worker", worker_id), worker_id=worker_id)
 
 
 def build_client(

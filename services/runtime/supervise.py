@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from services.runtime.logs import log_context
+
 RoleKind = Literal["coordinator", "aggregator", "worker", "client"]
 
 _POLL_S = 0.25
@@ -65,7 +67,12 @@ class _RoleThread:
 
     def _main(self) -> None:
         try:
-            self.result = self.spec.role.run(self._stop)
+            # JSON log lines of an embedded run say which role (and which worker or client).
+            member = (
+                {self.spec.kind: self.spec.name} if self.spec.kind in ("worker", "client") else {}
+            )
+            with log_context(role=self.spec.kind, **member):
+                self.result = self.spec.role.run(self._stop)
         except BaseException as exc:  # reported to the supervisor, not lost
             self.error = exc
             self.traceback = traceback.format_exc()

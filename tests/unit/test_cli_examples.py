@@ -25,6 +25,11 @@ def load(name: str) -> Settings:
         ("sfl_v1.toml", "sfl_v1", 4),
         ("minibatch_sfl.toml", "minibatch_sfl", 1),
         ("sharded_sfl.toml", "sfl", 2),
+        ("subfedavg.toml", "subfedavg", 1),
+        ("splitgp.toml", "splitgp", 2),
+        ("fedsplitx.toml", "fedsplitx", 1),
+        ("local_loss_sfl.toml", "local_loss_sfl", 1),
+        ("feddeper.toml", "feddeper", 1),
     ],
 )
 def test_example_loads(name: str, algorithm: str, shards: int) -> None:
@@ -43,6 +48,11 @@ def test_every_example_is_covered() -> None:
         "sfl_v1.toml",
         "minibatch_sfl.toml",
         "sharded_sfl.toml",
+        "subfedavg.toml",
+        "splitgp.toml",
+        "fedsplitx.toml",
+        "local_loss_sfl.toml",
+        "feddeper.toml",
     }
 
 

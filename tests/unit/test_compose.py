@@ -220,6 +220,12 @@ def test_role_healthcheck_is_accepted_by_the_cli(
     assert name in cli.commands
 
 
+@pytest.mark.parametrize("role", ROLES)
+def test_role_healthcheck_checks_that_role(compose: dict[str, Any], role: str) -> None:
+    argv = healthcheck_argv(compose["services"][role])
+    assert argv == ["splitmq", "--config", CONTAINER_CONFIG, "check", role]
+
+
 def test_a_renamed_command_or_option_is_caught(tmp_path: Path) -> None:
     """The checker itself: it must reject what the real CLI would reject."""
     mounts = Mounts({CONTAINER_CONFIG: JOB_TOML.resolve()})

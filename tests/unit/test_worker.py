@@ -19,6 +19,7 @@ from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue_name, shard_queue_name
 from broker.transport import REASON_HEADER, Broker, Delivery
 from services.algorithms.server_math import sequential_step, weighted_step
+from services.metrics.recorder import NO_METRICS
 from services.runtime.backends import Backends, Embedded
 from tests.unit.test_worker_support import (
     ScriptedClient,
@@ -302,6 +303,8 @@ class KillingBroker:
 
 
 class KillingBackends:
+    metrics = NO_METRICS  # as Backends without metrics
+
     def __init__(self, real: Backends, **kill: int) -> None:
         self._real = real
         self._kill = kill

@@ -1,0 +1,54 @@
+"""Forward FLOPs per sample of a module, counted on its Conv2d and Linear layers.
+
+Convention: one multiply-accumulate is 2 FLOPs; biases, normalisation, activations and pooling
+are not counted (they are a few percent of a conv net's work). A training step costs about
+three forwards (forward, gradient w.r.t. the input, gradient w.r.t. the weights).
+
+The count comes from one eval-mode, no-grad forward of a single zero sample with hooks on the
+layers, so it follows whatever path the module's `forward` takes; every training flag is
+restored and no state changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def layer_flops(module: nn.Module, inputs: Tensor, output: Tensor) -> int:
+    """FLOPs per sample of one Conv2d or Linear call (0 for any other module)."""
+    if isinstance(module, nn.Conv2d):
+        # Each output element takes (in_channels / groups) * kh * kw multiply-accumulates.
+        per_output = (module.in_channels // module.groups) * math.prod(module.kernel_size)
+        return 2 * per_output * math.prod(output.shape[1:])
+    if isinstance(module, nn.Linear):
+        rows = math.prod(inputs.shape[1:-1])  # a Linear may act on (N, ..., F)
+        return 2 * module.in_features * module.out_features * rows
+    return 0
+
+
+def forward_flops(module: nn.Module, input_shape: Sequence[int]) -> int:
+    """Forward FLOPs of `module` for one sample of `input_shape` (batch dimension excluded)."""
+    total = 0
+
+    def count(layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        nonlocal total
+        total += layer_flops(layer, args[0], output)
+
+    layers = [m for m in module.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+    handles = [layer.register_forward_hook(count) for layer in layers]
+    flags = [(m, m.training) for m in module.modules()]
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    try:
+        module.eval()
+        with torch.no_grad():
+            module(torch.zeros((1, *input_shape), device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, training in flags:
+            m.train(training)
+    return total

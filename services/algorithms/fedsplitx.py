@@ -1,0 +1,356 @@
+"""FedSplitX (Shin et al.) and local-loss SFL (AccSFL), its one-level special case.
+
+Depth levels are the partition points c_1..c_M (`[algorithm.fedsplitx] cuts`, default the
+model's cuts); the coordinator gives each client a level from the capability it declares at
+Join. A client at level m trains blocks `[:c_m]` and heads a_1..a_m on `sum_{i<=m} l(a_i, y)`
+and uploads its detached activation at c_m with the labels, never waiting for a gradient. The
+worker's replica holds everything after c_1 and trains a batch from level m on
+`sum_{i>m} l(a_i, y) + l(output, y)`, starting at the batch's cut. Aggregation is heteroavg
+(`fedsplitx_math`). Local-loss SFL has one level, the job's cut (`model.cut`), and no server
+heads.
+
+Blobs: `client/global` holds the blocks up to c_M (a client loads them all and trains its own),
+`server/global` the blocks after c_1 with the heads of c_2..c_M (the replica), `aux/global` the
+heads of every level. A tensor in two blobs has one value: the heteroavg of its holders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
+from models.flops import forward_flops
+from models.parts import ServerModel
+from models.split import SplitNet
+from models.state import client_state, head_state, load_partial, server_state
+from services.algorithms.base import (
+    ClientContext,
+    ClientUpdate,
+    CohortBatch,
+    Hyper,
+    RoundResult,
+    ShardReplica,
+    SmashedChannel,
+    VersionWeights,
+)
+from services.algorithms.fedsplitx_math import (
+    Holding,
+    heteroavg,
+    local_loss,
+    parse_cuts,
+    replica_holdings,
+    server_loss,
+)
+from services.config.algorithms import FedSplitXSection
+
+CLIENT = BlobRef(CLIENT_PART)
+SERVER = BlobRef(SERVER_PART)
+AUX = BlobRef(AUX_PART)
+# Replies to local-loss batches carry no gradient: the client does not wait for one.
+NO_GRADIENT = torch.empty(0)
+
+
+def check_levels(model: SplitNet, levels: Sequence[str]) -> tuple[str, ...]:
+    """`levels` if they are cuts of `model` in block order; `ValueError` otherwise."""
+    if not levels:
+        raise ValueError("FedSplitX needs at least one partition point")
+    indices = [model.cut_index(c) for c in levels]  # ModelSpecError (a ValueError) if unknown
+    if indices != sorted(set(indices)):
+        raise ValueError(f"partition points must be distinct and shallow to deep: {levels}")
+    return tuple(levels)
+
+
+@dataclass(frozen=True)
+class LevelCost:
+    """Forward FLOPs per sample on each side for a client at one level (see models.flops)."""
+
+    level: int
+    cut: str
+    client_flops: int  # blocks up to the cut and the heads a_1..a_m
+    server_flops: int  # blocks after the cut, heads a_{m+1}..a_M and the output
+
+
+def level_costs(model: SplitNet, levels: Sequence[str]) -> list[LevelCost]:
+    """Client and server forward FLOPs per sample for each level of `levels` (for local-loss SFL
+    at cut c: `level_costs(model, [c])`)."""
+    levels = check_levels(model, levels)
+    blocks = len(model.block_names)
+
+    def blocks_flops(start: int, stop: int) -> int:
+        if start >= stop:
+            return 0
+        shape = model.input_shape if start == 0 else model.block_shape(start - 1)
+        return forward_flops(model.block_range(start, stop), shape)
+
+    heads = {c: forward_flops(model.head(c), model.cut_shape(c)) for c in levels}
+    costs = []
+    for m, cut in enumerate(levels, start=1):
+        split = model.cut_index(cut) + 1
+        costs.append(
+            LevelCost(
+                level=m,
+                cut=cut,
+                client_flops=blocks_flops(0, split) + sum(heads[c] for c in levels[:m]),
+                server_flops=blocks_flops(split, blocks) + sum(heads[c] for c in levels[m:]),
+            )
+        )
+    return costs
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What aggregation and reporting need of the model (`FedSplitX.for_model`)."""
+
+    levels: tuple[str, ...]
+    cut_index: Mapping[str, int]
+    costs: tuple[LevelCost, ...]
+
+
+class _EarlyExit(nn.Module):
+    """A client model as it predicts on its own: blocks up to a cut and that cut's head."""
+
+    def __init__(self, model: SplitNet, cut: str) -> None:
+        super().__init__()
+        self.body = model.client_blocks(cut)
+        self.head = model.head(cut)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.body(x))
+        return out
+
+
+def client_forward(
+    body: nn.Sequential, heads: Mapping[int, nn.Module], x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The activation at the end of `body` (blocks 0..k) and the logits of the heads keyed by
+    the index of the block they follow, in block order."""
+    logits = []
+    for index, block in enumerate(body):
+        x = block(x)
+        head = heads.get(index)
+        if head is not None:
+            logits.append(head(x))
+    return x, logits
+
+
+@dataclass(frozen=True)
+class FedSplitX:
+    name: str = "fedsplitx"
+    splits: bool = True
+    waits_for_gradient: bool = False
+    server_barrier: bool = False
+    # A client uploads only the blocks up to its own level (the aggregator's gate allows it).
+    partial_client_updates: bool = True
+    cuts: tuple[str, ...] = ()  # the partition points; (): the model's cuts
+    one_level: bool = False  # local-loss SFL: the job's cut is the only level
+    default_level: int = 1
+    structure: Structure | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, object]) -> FedSplitX:
+        section = FedSplitXSection.model_validate(dict(params))
+        return cls(cuts=parse_cuts(section.cuts), default_level=section.default_level)
+
+    @classmethod
+    def local_loss_sfl(cls, params: Mapping[str, object]) -> FedSplitX:
+        """Local-loss SFL at the job's cut; `[algorithm.fedsplitx]` is validated, not used."""
+        FedSplitXSection.model_validate(dict(params))
+        return cls(name="local_loss_sfl", one_level=True, partial_client_updates=False)
+
+    # --- structure ----------------------------------------------------------------------------
+    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
+        """The depth levels' cuts, shallow to deep (`cut`, the job's, for local-loss SFL)."""
+        return check_levels(model, (cut,) if self.one_level else (self.cuts or model.cuts))
+
+    def for_model(self, model: SplitNet, cut: str) -> FedSplitX:
+        levels = self.batch_cuts(model, cut)
+        structure = Structure(
+            levels=levels,
+            cut_index={c: model.cut_index(c) for c in model.cuts},
+            costs=tuple(level_costs(model, levels)),
+        )
+        return replace(self, structure=structure)
+
+    def _server_heads(self) -> tuple[str, ...] | None:
+        """The heads the server trains (None: every head of the replica, i.e. model cuts)."""
+        if self.one_level:
+            return ()
+        return self.cuts or None
+
+    def _bound(self) -> Structure:
+        if self.structure is None:
+            raise RuntimeError(f"{self.name}: call for_model(model, cut) before aggregating")
+        return self.structure
+
+    # --- roles --------------------------------------------------------------------------------
+    def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
+        levels = self.batch_cuts(model, cut)
+        return {
+            CLIENT: client_state(model, levels[-1]),
+            SERVER: {**server_state(model, levels[0]), **head_state(model, levels[1:])},
+            AUX: head_state(model, levels),
+        }
+
+    def client_round(
+        self,
+        model: SplitNet,
+        cut: str,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        steps: int,
+        channel: SmashedChannel,
+        hyper: Hyper,
+        context: ClientContext,
+    ) -> RoundResult:
+        levels = self.batch_cuts(model, cut)
+        if cut not in levels:
+            raise ValueError(f"{self.name}: cut {cut!r} is not one of the levels {levels}")
+        own = levels[: levels.index(cut) + 1]
+        body = model.client_blocks(cut)
+        heads = {model.cut_index(c): model.head(c) for c in own}
+        modules = [body, *heads.values()]
+        for module in modules:
+            module.train()
+        optimizer = hyper.client_optimizer([p for m in modules for p in m.parameters()])
+        samples, correct, loss_sum, last_sum = 0, 0, 0.0, 0.0
+        for step, (x, y) in enumerate(batches):
+            z, logits = client_forward(body, heads, x)
+            # Out first, so the server works on it while this client steps.
+            channel.send(z.detach(), y, step, steps)
+            loss = local_loss(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            rows = int(y.shape[0])
+            with torch.no_grad():
+                last_sum += float(F.cross_entropy(logits[-1], y)) * rows
+                correct += int((logits[-1].argmax(dim=1) == y).sum())
+            loss_sum += float(loss.detach()) * rows
+            samples += rows
+        cost = level_costs(model, levels)[len(own) - 1]
+        metrics = {
+            "train_samples": float(samples),
+            "level": float(len(own)),
+            # Per-client report columns (services.aggregator.metrics, `report.` prefix): the
+            # level, and the forward FLOPs per sample the server spends on this client's data.
+            "report.level": float(len(own)),
+            "report.server_flops": float(cost.server_flops),
+        }
+        if samples:
+            # The client's own prediction is its deepest head's: that is its train loss.
+            metrics.update(
+                train_loss=last_sum / samples,
+                train_accuracy=correct / samples,
+                local_loss=loss_sum / samples,
+            )
+        return RoundResult(
+            client_weights=client_state(model, cut),
+            aux_weights=head_state(model, own),
+            metrics=metrics,
+        )
+
+    def server_step(
+        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+    ) -> list[tuple[torch.Tensor, float, int]]:
+        """One step on the rows-weighted mean of the batches' server losses, each batch run
+        from its own cut; no gradient goes back."""
+        if not isinstance(server, ServerModel):
+            raise TypeError(f"{self.name} trains a ServerModel, got {type(server).__name__}")
+        if not batches:
+            raise ValueError("no batches to train on")
+        device = next(server.parameters()).device
+        total = float(sum(int(b.labels.shape[0]) for b in batches))
+        heads = self._server_heads()
+        objective = torch.zeros((), device=device)
+        results: list[tuple[torch.Tensor, float, int]] = []
+        for b in batches:
+            z = b.activations.detach().to(device=device, dtype=torch.float32)
+            y = b.labels.to(device=device, dtype=torch.long)
+            output, aux = server.forward_from(z, b.cut or server.cut, heads)
+            objective = objective + server_loss(list(aux.values()), output, y) * (
+                int(y.shape[0]) / total
+            )
+            with torch.no_grad():
+                loss = float(F.cross_entropy(output, y))
+                hits = int((output.argmax(dim=1) == y).sum())
+            results.append((NO_GRADIENT, loss, hits))
+        if not bool(torch.isfinite(objective.detach())):
+            # No step; the worker checks the reported losses, so a head's non-finite loss must
+            # show there too (it rolls the replica back and dead-letters the batches).
+            return [(g, float("nan"), c) for g, _, c in results]
+        optimizer.zero_grad(set_to_none=True)
+        objective.backward()
+        optimizer.step()
+        return results
+
+    def aggregate(
+        self,
+        previous: VersionWeights,
+        updates: Sequence[ClientUpdate],
+        replicas: Sequence[ShardReplica],
+    ) -> VersionWeights:
+        """heteroavg over the clients (by samples trained) and the replicas (by the samples that
+        reached each tensor); every blob gets the averaged values of its tensors."""
+        if not updates:
+            raise ValueError("no client updates to aggregate")
+        structure = self._bound()
+        holdings: list[Holding] = [
+            ({**u.client_weights, **u.aux_weights}, trained_samples(u)) for u in updates
+        ]
+        for r in replicas:
+            cut_samples = dict(r.cut_samples) or {structure.levels[0]: r.samples}
+            holdings += replica_holdings(
+                r.weights, cut_samples, structure.cut_index, structure.levels
+            )
+        merged: dict[str, torch.Tensor] = {}
+        for state in previous.values():
+            merged.update(state)
+        averaged = heteroavg(holdings, merged)
+        return {ref: {n: averaged[n] for n in state} for ref, state in previous.items()}
+
+    # --- report -------------------------------------------------------------------------------
+    def personal_metrics(
+        self,
+        model: SplitNet,
+        blobs: VersionWeights,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        clients: Mapping[str, Sequence[int]],
+    ) -> dict[str, float]:
+        """Per level m, for the report: the client model's accuracy (blocks up to c_m with head
+        a_m) on the test rows (x, y), and the forward FLOPs per sample on each side."""
+        structure = self._bound()
+        for state in blobs.values():
+            load_partial(model, state)
+        out: dict[str, float] = {}
+        for cost in structure.costs:
+            key = f"level{cost.level}"
+            out[f"{key}.client_accuracy"] = accuracy(_EarlyExit(model, cost.cut), x, y)
+            out[f"{key}.client_flops"] = float(cost.client_flops)
+            out[f"{key}.server_flops"] = float(cost.server_flops)
+        return out
+
+
+def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 512) -> float:
+    """Accuracy of `module` (inputs -> logits) on (x, y), in eval mode without autograd."""
+    if not len(y):
+        return float("nan")
+    was_training = module.training
+    module.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(y), chunk):
+            logits = module(x[start : start + chunk])
+            correct += int((logits.argmax(dim=1) == y[start : start + chunk]).sum())
+    module.train(was_training)
+    return correct / len(y)
+
+
+def trained_samples(update: ClientUpdate) -> float:
+    """The rows a client trained this round (its `train_samples`), else its |D_k|."""
+    reported = update.metrics.get("train_samples")
+    return float(update.samples) if reported is None else float(reported)

@@ -1,0 +1,171 @@
+"""The autoscaler role: every `poll_s`, observe, decide (services/autoscaler/policy.py), act.
+
+Acting is starting workers, or asking one at a time to stop: the one holding no shard if any,
+else the least busy, else the newest. A worker counts as starting from its start until its
+first heartbeat is in the store (or `start_grace_s` passed: a FedAvg worker never heartbeats,
+having nothing to serve), and as stopping until the backend saw it exit; meanwhile the policy
+holds, so nothing is decided on a picture that is about to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from broker.errors import SplitMQError
+from broker.topology import QueueLimits
+from services.autoscaler.docker_pool import DockerUnavailableError
+from services.autoscaler.observer import Observer, Snapshot
+from services.autoscaler.policy import Decision, Limits, Observation, PolicyState, decide
+from services.autoscaler.pool import PoolWorker, WorkerPool
+from services.config.root import Settings
+from services.runtime.backends import Backends
+
+Action = Literal["start", "stop", "exited"]
+
+
+class SnapshotSource(Protocol):
+    def snapshot(self) -> Snapshot: ...
+
+
+@dataclass(frozen=True)
+class ScalingEvent:
+    at: float  # the autoscaler's clock
+    action: Action
+    worker: str
+    running: int  # workers up and not stopping, after the action
+    reason: str
+
+
+class Autoscaler:
+    """Sizes `pool` for one job; `run` it on the thread that will own its broker handle."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        pool: WorkerPool,
+        *,
+        start_grace_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.settings = settings
+        self.limits = Limits.from_settings(settings.autoscaler, settings.shards)
+        self.pool = pool
+        self.events: list[ScalingEvent] = []
+        self.running = 0  # as of the last step
+        self.state = PolicyState()
+        self._backends = backends
+        self._start_grace_s = start_grace_s
+        self._clock = clock
+        self._log = logger or logging.getLogger("splitmq.autoscaler")
+        self._started: dict[str, float] = {}  # started by us, no heartbeat seen yet
+        self._last_reason = ""
+
+    def run(self, stop: threading.Event) -> list[ScalingEvent]:
+        """Until `stop`; then the pool is closed (local workers stop, containers stay)."""
+        settings = self.settings
+        if self.limits.max_workers < settings.autoscaler.max_workers:
+            self._log.info(
+                "job %s has %d shards: at most %d workers (not %d)",
+                settings.job.name,
+                settings.shards,
+                self.limits.max_workers,
+                settings.autoscaler.max_workers,
+            )
+        try:
+            broker = self._backends.open_broker("splitmq-autoscaler")
+            store = self._backends.open_store()
+            try:
+                limits = QueueLimits(
+                    settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
+                )
+                observer = Observer(broker, store, settings.job.name, settings.shards, limits)
+                while not stop.is_set():
+                    try:
+                        self.step(observer)
+                    except (SplitMQError, DockerUnavailableError) as exc:
+                        self._log.warning("autoscaler: %s; trying again", exc)
+                    stop.wait(settings.autoscaler.poll_s)
+            finally:
+                try:
+                    broker.close()
+                finally:
+                    store.close()
+        finally:
+            self.pool.close()
+            for exited in self.pool.reap():
+                self._record("exited", exited.name, f"exit code {exited.code}")
+        return self.events
+
+    def step(self, observer: SnapshotSource) -> Decision:
+        now = self._clock()
+        for exited in self.pool.reap():
+            level = logging.INFO if exited.code == 0 else logging.WARNING
+            self._log.log(level, "worker %s exited with code %s", exited.name, exited.code)
+            self._started.pop(exited.name, None)
+            self._record("exited", exited.name, f"exit code {exited.code}")
+        snapshot = observer.snapshot()
+        workers = self.pool.workers()
+        active = [w for w in workers if not w.stopping]
+        self.running = len(active)
+        observation = Observation(
+            depth=snapshot.depth,
+            busy=snapshot.busy,
+            running=len(active),
+            starting=self._starting(active, snapshot, now),
+            stopping=len(workers) - len(active),
+        )
+        decision = decide(observation, self.limits, self.state, now)
+        self.state = decision.state
+        self._log.debug("autoscaler: %s -> %s (%s)", observation, decision.target, decision.reason)
+        delta = decision.target - len(active)
+        if delta == 0 and decision.reason != self._last_reason:
+            self._log.info("autoscaler: %d workers, %s", len(active), decision.reason)
+        self._last_reason = decision.reason
+        for _ in range(delta):
+            worker = self.pool.start_worker()
+            self._started[worker.name] = now
+            self.running += 1
+            self._record("start", worker.name, decision.reason)
+        if delta < 0:
+            for victim in self._victims(active, snapshot, -delta):
+                self.pool.stop_worker(victim.name)
+                self.running -= 1
+                self._record("stop", victim.name, decision.reason)
+        return decision
+
+    def _starting(self, active: list[PoolWorker], snapshot: Snapshot, now: float) -> int:
+        count = 0
+        for worker in active:
+            started = self._started.get(worker.name)
+            if started is None:
+                continue
+            if any(worker.owns(i) for i in snapshot.workers) or now - started > self._start_grace_s:
+                del self._started[worker.name]
+            else:
+                count += 1
+        return count
+
+    def _victims(self, active: list[PoolWorker], snapshot: Snapshot, n: int) -> list[PoolWorker]:
+        """Shard-less workers first, then the least busy, then the newest."""
+
+        def key(item: tuple[int, PoolWorker]) -> tuple[bool, float, int]:
+            index, worker = item
+            reports = [r for i, r in snapshot.workers.items() if worker.owns(i)]
+            holds = any(r.shards for r in reports)
+            busy = max((r.busy or 0.0 for r in reports), default=0.0)
+            return holds, busy, -index
+
+        ranked = sorted(enumerate(active), key=key)
+        return [worker for _, worker in ranked[:n]]
+
+    def _record(self, action: Action, worker: str, reason: str) -> None:
+        event = ScalingEvent(self._clock(), action, worker, self.running, reason)
+        self.events.append(event)
+        self._log.info("autoscaler: %s %s (%s); %d workers", action, worker, reason, self.running)

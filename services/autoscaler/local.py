@@ -1,0 +1,146 @@
+"""Workers as local processes: `splitmq worker CONFIG --id <name>`, for machines without Docker.
+
+Each worker runs in its own session (a Ctrl-C to the autoscaler is not also a SIGTERM to
+every worker) with the autoscaler's environment, so SPLITMQ_* overrides reach it. Its output
+goes to `<log_dir>/<name>.log`, or to the autoscaler's own output without a log directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import services
+from services.autoscaler.pool import Exited, PoolWorker
+
+
+def worker_env(base: Mapping[str, str]) -> dict[str, str]:
+    """`base`, plus unbuffered output and this checkout on PYTHONPATH (as `splitmq up`)."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(Path(services.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@dataclass
+class _Process:
+    worker: PoolWorker
+    process: subprocess.Popen[bytes]
+    log: IO[bytes] | None
+    stop_asked_at: float | None = None
+
+
+class LocalProcessPool:
+    """`WorkerPool` of child processes; worker ids are `<prefix>-<n>`."""
+
+    def __init__(
+        self,
+        config: Path,
+        env: Mapping[str, str],
+        *,
+        prefix: str,
+        log_dir: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        python: str = sys.executable,
+        stop_timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self._config = config
+        self._env = worker_env(env)
+        self._prefix = prefix
+        self._log_dir = log_dir
+        self._extra = extra_args
+        self._python = python
+        self._stop_timeout_s = stop_timeout_s
+        self._clock = clock
+        self._log = logger or logging.getLogger("splitmq.autoscaler")
+        self._next = 0
+        self._children: dict[str, _Process] = {}
+        self.exit_codes: dict[str, int] = {}  # every worker that ended, by name
+
+    def workers(self) -> list[PoolWorker]:
+        return [
+            PoolWorker(c.worker.name, c.worker.key, stopping=c.stop_asked_at is not None)
+            for c in self._children.values()
+        ]
+
+    def start_worker(self) -> PoolWorker:
+        name = f"{self._prefix}-{self._next}"
+        self._next += 1
+        argv = [self._python, "-m", "services.cli.main", "worker", str(self._config)]
+        argv += ["--id", name, *self._extra]
+        log: IO[bytes] | None = None
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            log = (self._log_dir / f"{name}.log").open("ab")
+        try:
+            process = subprocess.Popen(
+                argv,
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT if log is not None else None,
+                start_new_session=True,
+            )
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
+        worker = PoolWorker(name, name)
+        self._children[name] = _Process(worker, process, log)
+        return worker
+
+    def stop_worker(self, name: str) -> None:
+        child = self._children[name]
+        if child.stop_asked_at is None:
+            child.stop_asked_at = self._clock()
+            _signal(child.process, signal.SIGTERM)
+
+    def reap(self) -> list[Exited]:
+        gone = []
+        for name, child in list(self._children.items()):
+            code = child.process.poll()
+            if code is None:
+                continue
+            del self._children[name]
+            if child.log is not None:
+                child.log.close()
+            self.exit_codes[name] = code
+            gone.append(Exited(name, code))
+        return gone
+
+    def close(self) -> None:
+        """Stop every worker gracefully; one still running after `stop_timeout_s` is killed
+        (the autoscaler is going away; a killed worker's batches are redelivered, design §7)."""
+        for name in list(self._children):
+            self.stop_worker(name)
+        deadline = self._clock() + self._stop_timeout_s
+        for name, child in list(self._children.items()):
+            try:
+                child.process.wait(max(0.1, deadline - self._clock()))
+            except subprocess.TimeoutExpired:
+                self._log.warning(
+                    "worker %s still running %.0f s after SIGTERM; killing it",
+                    name,
+                    self._stop_timeout_s,
+                )
+                _signal(child.process, signal.SIGKILL)
+                child.process.wait()
+        self.reap()
+
+
+def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except (ProcessLookupError, OSError):
+        pass  # it exited meanwhile

@@ -1,0 +1,125 @@
+"""The scaling rule: a pure function of what was observed, the limits, the time and its state.
+
+Rules, first match wins:
+1. fewer workers than `min` (or more than `max`): go to the bound, cool-down or not;
+2. within `cooldown_s` of the last change: hold;
+3. workers still starting (no heartbeat yet) or stopping (handing over): hold, their effect
+   is not visible yet;
+4. pressure (ready depth above `target_depth` per worker, or mean busy fraction at least
+   `up_busy`): grow to cover the depth, by one at least, up to `max`;
+5. slack (depth below one worker's `target_depth` and busy at most `down_busy`, or no worker
+   reporting busy at all) sustained for `down_after_s`: shrink by one, down to `min`;
+6. otherwise hold.
+Pressure and slack thresholds differ (hysteresis), and slack must last, so a short pause between
+rounds does not shed the workers that the next round needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from services.config.autoscaler import AutoscalerSection
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_workers: int
+    max_workers: int
+    target_depth: int
+    up_busy: float
+    down_busy: float
+    cooldown_s: float
+    down_after_s: float
+
+    @classmethod
+    def from_settings(cls, section: AutoscalerSection, shards: int) -> Limits:
+        """The configured limits, `max` capped at the job's shard count S (and `min` with it):
+        a worker beyond S would hold no shard."""
+        top = min(section.max_workers, shards)
+        return cls(
+            min_workers=min(section.min_workers, top),
+            max_workers=top,
+            target_depth=section.target_depth_per_worker,
+            up_busy=section.scale_up_busy,
+            down_busy=section.scale_down_busy,
+            cooldown_s=section.cooldown_s,
+            down_after_s=section.scale_down_after_s,
+        )
+
+
+@dataclass(frozen=True)
+class Observation:
+    depth: int  # ready messages over the job's shard queues
+    busy: float | None  # mean busy fraction of the workers that report one
+    running: int  # workers up and not asked to stop (including those still starting)
+    starting: int = 0  # of those, not yet heartbeating in the store
+    stopping: int = 0  # asked to stop, not exited yet
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    last_change_at: float | None = None
+    slack_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    target: int
+    reason: str
+    state: PolicyState
+
+    def delta(self, running: int) -> int:
+        return self.target - running
+
+
+def decide(obs: Observation, limits: Limits, state: PolicyState, now: float) -> Decision:
+    running = obs.running
+    slack = _slack(obs, limits)
+    state = replace(
+        state,
+        slack_since=(state.slack_since if state.slack_since is not None else now)
+        if slack
+        else None,
+    )
+
+    def change(target: int, reason: str) -> Decision:
+        return Decision(target, reason, PolicyState(last_change_at=now, slack_since=None))
+
+    def hold(reason: str) -> Decision:
+        return Decision(running, reason, state)
+
+    if running < limits.min_workers:
+        return change(limits.min_workers, f"below the minimum of {limits.min_workers}")
+    if running > limits.max_workers:
+        return change(limits.max_workers, f"above the maximum of {limits.max_workers}")
+    if state.last_change_at is not None and now - state.last_change_at < limits.cooldown_s:
+        return hold("cooling down")
+    if obs.starting or obs.stopping:
+        return hold(f"waiting for {obs.starting} to start, {obs.stopping} to stop")
+    pressure = _pressure(obs, limits)
+    if pressure:
+        if running >= limits.max_workers:
+            return hold(f"at the maximum of {limits.max_workers} ({pressure})")
+        wanted = max(running + 1, math.ceil(obs.depth / limits.target_depth))
+        return change(min(limits.max_workers, wanted), pressure)
+    if slack and state.slack_since is not None:
+        if running <= limits.min_workers:
+            return hold(f"at the minimum of {limits.min_workers}")
+        if now - state.slack_since >= limits.down_after_s:
+            return change(running - 1, f"idle for {now - state.slack_since:.0f} s")
+        return hold("idle, not for long enough")
+    return hold("within the band")
+
+
+def _pressure(obs: Observation, limits: Limits) -> str:
+    """Why more workers are needed ("" when they are not)."""
+    if obs.depth > limits.target_depth * obs.running:
+        return f"{obs.depth} ready for {obs.running} workers"
+    if obs.busy is not None and obs.busy >= limits.up_busy:
+        return f"workers {obs.busy:.0%} busy"
+    return ""
+
+
+def _slack(obs: Observation, limits: Limits) -> bool:
+    return obs.depth < limits.target_depth and (obs.busy is None or obs.busy <= limits.down_busy)

@@ -1,0 +1,75 @@
+"""`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why.
+
+coordinator, aggregator, worker and client are healthy while their health key
+(`services.runtime.health`) is live in the store: by default one refreshed from this host (a
+container's hostname is its own), or the instance named with `--id`, or any with `--anywhere`.
+broker and store are probed: RabbitMQ declares and publishes, Redis writes and reads.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Protocol
+
+import click
+
+from broker.errors import SplitMQError
+from services.config.root import Settings
+from services.runtime.backends import Backends
+from services.runtime.doctor import check_broker, check_store
+from services.runtime.health import Verdict, assess
+
+ROLES = ("coordinator", "aggregator", "worker", "client")
+PROBED = ("broker", "store")
+
+
+class _HasSettings(Protocol):
+    def settings(self) -> Settings: ...
+
+
+def check_role(settings: Settings, role: str, *, instance: str | None, host: str | None) -> Verdict:
+    backends = Backends(settings.broker, settings.store)
+    kinds = {"broker": settings.broker.kind, "store": settings.store.kind}
+    if kinds.get(role) == "memory":
+        return Verdict(False, f"{role}.kind is memory: it lives inside one process, none to check")
+    if role in PROBED:
+        probe = check_broker if role == "broker" else check_store
+        result = probe(backends)
+        return Verdict(result.ok, result.detail)
+    if settings.store.kind != "redis":
+        where = 'set store.kind = "redis" (SPLITMQ_STORE=redis)'
+        return Verdict(
+            False, f"a {role} outside this process can only be seen in a shared store: {where}"
+        )
+    job = settings.job.name
+    try:
+        store = backends.open_store()
+        try:
+            members = store.live_members(job)
+        finally:
+            store.close()
+    except SplitMQError as exc:
+        return Verdict(False, f"store unreachable, cannot see the {role}: {exc}")
+    return assess(members, role, job=job, host=host, instance=instance)
+
+
+@click.command()
+@click.argument("role", type=click.Choice([*ROLES, *PROBED]))
+@click.option("--id", "instance", default=None, help="Check this instance (worker or client id).")
+@click.option("--anywhere", is_flag=True, help="Any live instance, not only one on this host.")
+@click.pass_obj
+def check(group: _HasSettings, role: str, instance: str | None, anywhere: bool) -> None:
+    """Exit 0 if ROLE is healthy, 1 if not, with the reason on one line.
+
+    ROLE is a role (coordinator, aggregator, worker, client: is its health key live in the
+    store?) or a service (broker, store: does it answer?). Made for container healthchecks:
+
+    \b
+      splitmq --config job.toml check worker
+    """
+    settings = group.settings()
+    host = None if anywhere or instance else socket.gethostname()
+    verdict = check_role(settings, role, instance=instance, host=host)
+    click.echo(f"{'healthy' if verdict.ok else 'unhealthy'}: {verdict.reason}")
+    if not verdict.ok:
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,67 @@
+"""`splitmq dashboard CONFIG`: the live dashboard of a job, in a process of its own."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import click
+
+from services.cli.common import (
+    config_argument,
+    json_logs,
+    load,
+    log_options,
+    pick_log_level,
+    stop_on_signals,
+)
+from services.runtime.backends import Backends
+from services.runtime.logs import configured_logging
+from services.runtime.observe import observed
+
+
+@click.command()
+@config_argument
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="The run directory whose report to show (default: the job's newest under report.dir).",
+)
+@log_options
+def dashboard(
+    config: Path | None, run_dir: Path | None, log_json: bool, log_level: str | None
+) -> None:
+    """Serve a job's dashboard (and /metrics) until Ctrl-C.
+
+    Over RabbitMQ and Redis it follows the running job live: members joining and leaving,
+    versions, accuracy, throughput, queue depth and workers. With the embedded broker (a
+    `splitmq run` that is over) it shows the run directory's final report. The coordinator
+    and `splitmq run` serve the same page themselves.
+    """
+    _, settings = load(config)
+    if not settings.metrics.enabled:
+        raise click.ClickException("metrics.enabled is false in the config: nothing to serve")
+    live = settings.broker.kind == "rabbitmq" and settings.store.kind == "redis"
+    json_lines = json_logs(settings, log_json)
+    context = {"role": "dashboard", "job": settings.job.name}
+    with configured_logging(
+        pick_log_level(settings, log_level), json_lines=json_lines, context=context
+    ):
+        stop = threading.Event()
+        backends = Backends(settings.broker, settings.store)
+        watch = observed(
+            settings,
+            "dashboard",
+            backends,
+            echo=click.echo,
+            dashboard=True,
+            live=live,
+            run_dir=run_dir,
+        )
+        with stop_on_signals(stop), watch as seen:
+            if not seen.url:
+                raise click.ClickException("no free port for the dashboard (see [metrics])")
+            if not live:
+                click.echo("embedded broker and store: showing the run directory's report")
+            stop.wait()

@@ -1,0 +1,110 @@
+"""`splitmq experiment NAME`: run an experiment's grid and write its section of the results."""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from services.cli.common import stop_on_signals
+from services.config.loading import ConfigError
+from services.data.errors import DataError
+from services.experiments.registry import EXPERIMENTS, get_experiment
+from services.report.rundir import command_line
+from services.runtime.logs import configured_logging
+
+DEFAULT_OUT = Path("docs/results.md")
+# A smoke run must not replace real results unless asked to.
+QUICK_OUT = Path("runs/experiments/results-quick.md")
+
+
+@click.command()
+@click.argument("name", type=click.Choice(sorted(EXPERIMENTS)))
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the full datasets are (default: $SPLITMQ_DATA_DIR).",
+)
+@click.option("--quick", is_flag=True, help="Smoke size: a tiny grid, a few steps.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"Markdown file to write the section to (default {DEFAULT_OUT}; {QUICK_OUT} "
+    "with --quick); figures go to results/ beside it.",
+)
+@click.option(
+    "--runs-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("runs/experiments"),
+    show_default=True,
+    help="Where each run's report directory goes.",
+)
+@click.option(
+    "--reuse", is_flag=True, help="Read back runs already finished with the same settings."
+)
+@click.option("--only", default=None, help="Run only the labels matching this glob.")
+def experiment(
+    name: str,
+    data_dir: Path | None,
+    quick: bool,
+    out: Path | None,
+    runs_dir: Path,
+    reuse: bool,
+    only: str | None,
+) -> None:
+    """Run the experiment NAME and write its tables and plots.
+
+    Every run goes through the embedded service in this process (or the in-process
+    centralized loop); progress is printed per round. The section NAME of the results file
+    is replaced; the rest of the file is kept.
+    """
+    # Imported here: every role process imports the CLI, and none of them needs these.
+    from services.experiments.document import Context, machine_line, sizes_line, write_results
+    from services.experiments.runner import build_settings, run_experiment
+
+    target = out or (QUICK_OUT if quick else DEFAULT_OUT)
+    started = time.monotonic()
+    machine = machine_line()
+    stop = threading.Event()
+    with configured_logging("WARNING"), stop_on_signals(stop):
+        try:
+            spec = get_experiment(name)
+            results = run_experiment(
+                spec,
+                runs_dir=runs_dir,
+                quick=quick,
+                data_dir=str(data_dir) if data_dir else None,
+                reuse=reuse,
+                command=command_line(),
+                echo=click.echo,
+                stop=stop,
+                only=(lambda run: fnmatch.fnmatch(run.label, only)) if only else None,
+            )
+        except (ConfigError, DataError, FileNotFoundError) as exc:
+            raise click.ClickException(str(exc)) from None
+    if stop.is_set():
+        click.echo(
+            f"stopped after {len(results)} runs; {target} left unchanged "
+            "(rerun with --reuse to continue)",
+            err=True,
+        )
+        raise click.exceptions.Exit(130)
+    sizes = [sizes_line(build_settings(spec, r, quick=quick, data_dir=None)) for r in results.runs]
+    context = Context(
+        command=command_line(),
+        machine=machine,
+        quick=quick,
+        wall_s=time.monotonic() - started,
+        sizes="; ".join(dict.fromkeys(sizes)),  # distinct, in run order
+    )
+    write_results(spec, results, context, target)
+    click.echo(f"wrote section {name!r} of {target}")
+    failed = [r.label for r in results if not r.complete]
+    if failed:
+        click.echo(f"runs that did not finish: {', '.join(failed)}", err=True)
+        raise click.exceptions.Exit(1)

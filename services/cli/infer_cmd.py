@@ -1,0 +1,230 @@
+"""`splitmq infer CONFIG --sweep 0,0.1,0.5,1,2`: split inference of a SplitGP run, E_th sweep.
+
+Reads a version (default: the newest) of the job's weights from the store and, for each client
+with personalised blobs, answers test samples with its own head where the head's entropy is at
+most E_th and with theta elsewhere; theta answers through the broker, as InferRequests to the
+job's workers (`--serve` starts an inference server in this process for a job whose workers
+are gone), or in this process (`--local`). Prints the mean over clients of the accuracy and of
+the fraction offloaded, on the clients' own classes (local) and on every test row (global);
+`--out` writes the per-client rows as CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import threading
+from pathlib import Path
+
+import click
+
+from broker.store import SERVER_PART, BlobRef
+from broker.transport import Broker
+from models.parts import ServerModel
+from models.state import load_partial
+from services.algorithms.base import serves_inference
+from services.algorithms.registry import build_strategy
+from services.cli.common import config_argument, load
+from services.client.data import JobData
+from services.client.inference import BrokerTheta, LocalTheta, ServerLogits
+from services.client.inference_sweep import SweepRow, mean_rows, personal_clients, sweep_clients
+from services.config.root import Settings
+from services.runtime.backends import Backends
+from services.runtime.jobmodel import job_model
+from workers.inference import InferenceServer
+
+MEMORY_STORE = (
+    "splitmq infer reads a run's weights from the store, and an embedded `splitmq run` keeps "
+    "them in memory only: run the job with `splitmq up` (Redis keeps the last versions). A "
+    "`splitmq run` reports the same sweep for every version in its metrics.json / metrics.csv "
+    "(the splitgp.sweep.<E_th>.* columns)."
+)
+
+
+def parse_thresholds(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give comma-separated numbers") from None
+    if not values or any(v < 0 for v in values):
+        raise click.BadParameter(f"{text!r}: give one or more thresholds >= 0")
+    return values
+
+
+@click.command()
+@config_argument
+@click.option(
+    "--sweep",
+    "sweep_text",
+    default="0,0.1,0.25,0.5,1,2",
+    show_default=True,
+    help="Entropy thresholds E_th (nats), comma-separated.",
+)
+@click.option("--version", "version", type=int, default=0, help="Weights version (0: newest).")
+@click.option(
+    "--clients",
+    "max_clients",
+    type=int,
+    default=0,
+    help="Sweep only the first N clients with personalised weights (0: all).",
+)
+@click.option(
+    "--rows",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Test samples per client (0: the whole test split).",
+)
+@click.option(
+    "--local",
+    "in_process",
+    is_flag=True,
+    help="Run theta in this process instead of asking the workers.",
+)
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Answer the InferRequests with an inference server in this process (for a "
+    "job whose workers have stopped).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the workers' answer to one request.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the per-client rows to this CSV file.",
+)
+def infer(
+    config: Path | None,
+    sweep_text: str,
+    version: int,
+    max_clients: int,
+    rows: int,
+    in_process: bool,
+    serve: bool,
+    timeout_s: float,
+    out: Path | None,
+) -> None:
+    """Split inference (SplitGP) of a run's weights: accuracy and offloaded fraction vs E_th."""
+    thresholds = parse_thresholds(sweep_text)
+    _, settings = load(config)
+    strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
+    if not serves_inference(strategy):
+        raise click.ClickException(
+            f"algorithm {settings.algorithm.name!r} has no split inference (SplitGP has)"
+        )
+    if settings.store.kind == "memory":
+        raise click.ClickException(MEMORY_STORE)
+    backends = Backends(settings.broker, settings.store)
+    store = backends.open_store()
+    try:
+        job = settings.job.name
+        version = version or store.current_version(job)
+        if version == 0:
+            raise click.ClickException(f"job {job!r} has no published version in the store")
+        clients = personal_clients(store, job, version)
+        if max_clients:
+            clients = clients[:max_clients]
+        if not clients:
+            raise click.ClickException(f"version {version} of {job!r} has no personalised clients")
+        click.echo(f"job {job} version {version}: {len(clients)} clients, E_th {thresholds}")
+        data = JobData(settings)
+        with ThetaSource(settings, backends, version, in_process, serve, timeout_s) as theta:
+            results = sweep_clients(
+                settings,
+                store,
+                data,
+                theta,
+                version=version,
+                thresholds=thresholds,
+                clients=clients,
+                rows=rows,
+            )
+    finally:
+        store.close()
+    click.echo(table(results))
+    if out is not None:
+        write_csv(out, results)
+        click.echo(f"per-client rows: {out}")
+
+
+class ThetaSource:
+    """Where theta's logits come from for the sweep, and what to stop afterwards."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        version: int,
+        in_process: bool,
+        serve: bool,
+        timeout_s: float,
+    ) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._version = version
+        self._in_process = in_process
+        self._serve = serve
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._broker: Broker | None = None
+
+    def __enter__(self) -> ServerLogits:
+        settings = self._settings
+        if self._in_process:
+            store = self._backends.open_store()
+            try:
+                blob = store.read_blob(settings.job.name, self._version, BlobRef(SERVER_PART))
+            finally:
+                store.close()
+            theta = ServerModel(job_model(settings), settings.model.cut)
+            load_partial(theta, blob)
+            return LocalTheta(theta)
+        if self._serve:
+            server = InferenceServer(
+                settings,
+                self._backends,
+                worker_id="splitmq-infer",
+                model_factory=lambda: job_model(settings),
+                logger=logging.getLogger("splitmq.infer"),
+            )
+            self._thread = threading.Thread(target=server.run, args=(self._stop,), daemon=True)
+            self._thread.start()
+        broker = self._backends.open_broker("splitmq-infer-client")
+        self._broker = broker
+        return BrokerTheta(
+            broker, settings.job.name, version=self._version, timeout_s=self._timeout_s
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._broker is not None:
+            self._broker.close()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+
+def table(results: list[SweepRow]) -> str:
+    lines = [f"{'E_th':>6}  {'set':<6}  {'accuracy':>8}  {'offloaded':>9}  clients"]
+    for threshold, rows_set, accuracy, offloaded, clients in mean_rows(results):
+        lines.append(
+            f"{threshold:>6g}  {rows_set:<6}  {accuracy:>8.1%}  {offloaded:>9.1%}  {clients:>7}"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, results: list[SweepRow]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["client", "set", "threshold", "accuracy", "offloaded", "rows"])
+        for r in results:
+            writer.writerow([r.client, r.rows_set, r.threshold, r.accuracy, r.offloaded, r.rows])

@@ -1,0 +1,263 @@
+"""Split inference on a client (SplitGP): answer with the client's own head when it is sure
+enough, else ask the workers for theta's answer.
+
+For a batch x: `z = phi_k(x)`, head logits `h_k(z)`, entropy `E = -sum p log p` of their
+softmax; rows with `E <= E_th` are answered by the head, the others' `z` go to the workers as
+one `InferRequest` per chunk and come back as `InferReply` logits of theta. `ServerLogits` is
+where those come from: `BrokerTheta` (the service: RabbitMQ or the in-memory broker, answered
+by `workers.inference`) or `LocalTheta` (theta run in this process, for offline sweeps).
+
+`entropy_sweep` measures accuracy and the offloaded fraction at several thresholds with one
+pass: the head runs on every row, theta only on the rows some threshold offloads.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from broker.codec import decode, encode
+from broker.errors import (
+    BackPressureError,
+    DecodeError,
+    SplitMQError,
+    StaleDeliveryError,
+    UnroutableError,
+)
+from broker.messages import Error, InferReply, InferRequest, new_message_id
+from broker.topology import SMASHED_EXCHANGE, infer_reply_queue, infer_routing_key
+from broker.transport import Broker
+from models.split import SplitNet
+from services.algorithms.splitgp_math import (
+    SweepPoint,
+    entropy,
+    split_predictions,
+    stays_local,
+    sweep,
+)
+
+# Rows per InferRequest: a chunk of cnn5 cut activations is well under a megabyte.
+DEFAULT_CHUNK = 256
+
+
+class InferenceError(SplitMQError):
+    """The server could not answer (refused the request, or no answer in time)."""
+
+
+class ServerLogits(Protocol):
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """theta's logits for the smashed data `z` (one row per row of `z`)."""
+        ...
+
+
+class LocalTheta:
+    """theta run in this process (no broker): for offline sweeps and tests."""
+
+    def __init__(self, theta: nn.Module) -> None:
+        self._theta = theta
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        was_training = self._theta.training
+        self._theta.eval()
+        with torch.no_grad():
+            logits: torch.Tensor = self._theta(z.to(torch.float32))
+        self._theta.train(was_training)
+        return logits
+
+
+class BrokerTheta:
+    """theta's logits from the job's workers, over the broker.
+
+    Opens a private reply queue (`<job>.reply.<requester>`, gone with the handle) on `broker`,
+    which it then owns: one thread, as every broker handle. Each call publishes its chunks as
+    InferRequests (all at once: the workers answer them in parallel) and gathers the replies
+    by seq; `version` names the weights version `z` was computed with (0: the newest), and
+    `last_version` holds the version that answered.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        job: str,
+        *,
+        requester: str | None = None,
+        version: int = 0,
+        timeout_s: float = 30.0,
+        chunk: int = DEFAULT_CHUNK,
+        wire_dtype: torch.dtype = torch.float32,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._broker = broker
+        self.job = job
+        self.requester = requester or f"infer-{uuid.uuid4().hex[:12]}"
+        self.version = version
+        self.last_version = 0
+        self._timeout_s = timeout_s
+        self._chunk = chunk
+        self._wire_dtype = wire_dtype
+        self._clock = clock
+        self._seq = 0
+        spec = infer_reply_queue(job, self.requester)
+        broker.declare([spec])
+        broker.subscribe(spec.name, prefetch=64)
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if z.shape[0] == 0:
+            raise ValueError("nothing to infer: z has no rows")
+        pending: dict[int, int] = {}  # seq -> chunk index
+        ids: dict[str, int] = {}  # message id -> seq, to match Error replies
+        chunks = list(z.detach().split(self._chunk))
+        for index, rows in enumerate(chunks):
+            self._seq += 1
+            request = InferRequest(
+                job=self.job,
+                client=self.requester,
+                message_id=new_message_id(),
+                version=self.version,
+                seq=self._seq,
+                activations=rows.to(device="cpu", dtype=self._wire_dtype).contiguous(),
+            )
+            self._publish(encode(request), request.message_id)
+            pending[self._seq] = index
+            ids[request.message_id] = self._seq
+        answers = self._gather(pending, ids, [int(c.shape[0]) for c in chunks])
+        return torch.cat([answers[i] for i in range(len(chunks))])
+
+    def _publish(self, body: bytes, message_id: str) -> None:
+        """Publish one request, waiting out a full infer queue until the timeout."""
+        deadline = self._clock() + self._timeout_s
+        delay = 0.05
+        while True:
+            try:
+                # Transient: a request is only worth answering while its requester waits.
+                self._broker.publish(
+                    SMASHED_EXCHANGE,
+                    infer_routing_key(self.job),
+                    body,
+                    message_id=message_id,
+                    persistent=False,
+                )
+                return
+            except UnroutableError:
+                raise InferenceError(
+                    f"job {self.job} has no infer queue: its service side (workers, "
+                    "coordinator, aggregator) has never run"
+                ) from None
+            except BackPressureError:
+                if self._clock() + delay > deadline:
+                    raise InferenceError(f"job {self.job}: the infer queue stays full") from None
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    def _gather(
+        self, pending: dict[int, int], ids: dict[str, int], rows: Sequence[int]
+    ) -> dict[int, torch.Tensor]:
+        answers: dict[int, torch.Tensor] = {}
+        deadline = self._clock() + self._timeout_s
+        while pending:
+            left = deadline - self._clock()
+            if left <= 0:
+                raise InferenceError(
+                    f"job {self.job}: no answer to {len(pending)} InferRequest(s) after "
+                    f"{self._timeout_s:.0f} s; is a worker of the job running?"
+                )
+            delivery = self._broker.get(min(left, 0.5))
+            if delivery is None:
+                continue
+            try:
+                message = decode(delivery.body)
+            except DecodeError:
+                message = None
+            # Our private queue: anything else is an old answer (seqs only rise), dropped.
+            try:
+                self._broker.ack(delivery)
+            except StaleDeliveryError:
+                pass
+            if isinstance(message, Error) and message.ref_message_id in ids:
+                raise InferenceError(f"inference refused: {message.code}: {message.reason}")
+            if not isinstance(message, InferReply) or message.seq not in pending:
+                continue
+            index = pending.pop(message.seq)
+            if tuple(message.logits.shape[:1]) != (rows[index],):
+                raise InferenceError(
+                    f"InferReply seq {message.seq}: {list(message.logits.shape)} logits for "
+                    f"{rows[index]} rows"
+                )
+            answers[index] = message.logits.to(torch.float32)
+            self.last_version = message.version
+        return answers
+
+
+@dataclass(frozen=True)
+class SplitPrediction:
+    labels: torch.Tensor
+    offloaded: torch.Tensor  # bool per row: answered by the server
+    entropy: torch.Tensor
+
+
+class SplitPredictor:
+    """A client's split inference with its `phi_k`, `h_k` (in `model`, at `cut`) and E_th."""
+
+    def __init__(self, model: SplitNet, cut: str, server: ServerLogits, threshold: float) -> None:
+        self._body = model.client_blocks(cut)
+        self._head = model.head(cut)
+        self.server = server
+        self.threshold = threshold
+
+    def head_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z, head logits) in eval mode."""
+        self._body.eval()
+        self._head.eval()
+        with torch.no_grad():
+            z = self._body(x)
+            return z, self._head(z)
+
+    def predict(self, x: torch.Tensor) -> SplitPrediction:
+        z, head_logits = self.head_pass(x)
+        e = entropy(head_logits)
+        local = stays_local(e, self.threshold)
+        offloaded = ~local
+        server_logits = (
+            self.server(z[offloaded])
+            if bool(offloaded.any())
+            else torch.empty(0, head_logits.shape[1])
+        )
+        labels = split_predictions(head_logits, server_logits, local)
+        return SplitPrediction(labels, offloaded, e)
+
+
+def entropy_sweep(
+    predictor: SplitPredictor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    thresholds: Sequence[float],
+    *,
+    chunk: int = 1024,
+) -> list[SweepPoint]:
+    """Accuracy and the offloaded fraction of split inference at each threshold on (x, y).
+
+    theta answers only the rows that the smallest threshold offloads (at a larger one, a row
+    is offloaded only if it was at the smallest), once each.
+    """
+    if not thresholds:
+        raise ValueError("no thresholds to sweep")
+    lowest = min(thresholds)
+    entropies, head_hits, server_hits = [], [], []
+    for start in range(0, len(y), chunk):
+        xs, ys = x[start : start + chunk], y[start : start + chunk]
+        z, head_logits = predictor.head_pass(xs)
+        e = entropy(head_logits)
+        asked = ~stays_local(e, lowest)
+        hits = torch.zeros_like(ys, dtype=torch.bool)
+        if bool(asked.any()):
+            hits[asked] = predictor.server(z[asked]).argmax(dim=1).to(ys.device) == ys[asked]
+        entropies.append(e)
+        head_hits.append(head_logits.argmax(dim=1) == ys)
+        server_hits.append(hits)
+    return sweep(torch.cat(entropies), torch.cat(head_hits), torch.cat(server_hits), thresholds)

@@ -1,0 +1,201 @@
+"""`JobWatcher`: follows one job for the dashboard and the job-wide gauges.
+
+On a thread of its own, with its own broker and store handles: it takes the job's events off
+the fanout (members joining and leaving, rounds, versions), and every `metrics.probe_s` reads
+the store (version, live clients and workers with their heartbeat info) and the depth of each
+shard queue; every few seconds it rereads the run directory. It reports the version, members
+and queue depths to its recorder, so the coordinator's, the aggregator's and the embedded
+runner's /metrics show them. A broker or store failure is logged and retried: watching never
+takes a role down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from broker.codec import decode
+from broker.errors import DecodeError, StaleDeliveryError
+from broker.messages import Event
+from broker.store import Member, WeightStore
+from broker.topology import QueueLimits, events_queue, job_queues, shard_queue_name
+from broker.transport import Broker, Delivery
+from services.config.root import Settings
+from services.coordinator.membership import MEMBER_PREFIX
+from services.dashboard.rundir import find_run_dir, read_report
+from services.dashboard.state import DashboardState, Probe, WorkerView
+from services.metrics.recorder import NO_METRICS, Metrics
+from services.runtime.backends import Backends
+from workers.leases import WORKER_PREFIX
+
+_RETRY_S = 5.0
+_REPORT_S = 2.0
+_EVENT_WAIT_S = 0.5
+# A run directory written to this long before the watch began can still be the current run
+# (`splitmq up` creates it before it starts the roles).
+_RUN_DIR_SLACK_S = 120.0
+
+
+def worker_view(member: Member) -> WorkerView:
+    info = member.info
+
+    def number(key: str, kind: Callable[[str], float | int]) -> float | int | None:
+        try:
+            return kind(info[key])
+        except (KeyError, ValueError):
+            return None
+
+    busy = number("busy", float)
+    samples = number("samples", int)
+    return WorkerView(
+        worker=member.member_id[len(WORKER_PREFIX) :],
+        shards=info.get("shards", ""),
+        busy=float(busy) if busy is not None else None,
+        samples=int(samples) if samples is not None else None,
+        metrics=info.get("metrics", ""),
+    )
+
+
+def split_members(members: Mapping[str, Member]) -> tuple[list[str], list[WorkerView]]:
+    clients = sorted(m[len(MEMBER_PREFIX) :] for m in members if m.startswith(MEMBER_PREFIX))
+    workers = [worker_view(v) for k, v in sorted(members.items()) if k.startswith(WORKER_PREFIX)]
+    return clients, workers
+
+
+class JobWatcher:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        *,
+        state: DashboardState | None = None,
+        metrics: Metrics = NO_METRICS,
+        events: bool = True,
+        live: bool = True,
+        run_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self._settings = settings
+        # Its own traffic is not the role's: unmetered handles.
+        self._backends = replace(backends, metrics=NO_METRICS)
+        self._state = state
+        self._metrics = metrics
+        self._events = events
+        self._live = live
+        self._run_dir = run_dir
+        self._clock = clock
+        self._wall = wall_clock
+        self._since = wall_clock() - _RUN_DIR_SLACK_S
+        self._log = logger or logging.getLogger("splitmq.dashboard")
+        self._job = settings.job.name
+        self._report_done = False
+
+    def run(self, stop: threading.Event) -> None:
+        if not self._live:
+            # Nothing to connect to (an embedded run is over): the run directory only.
+            self._since = 0.0
+            while not stop.is_set() and not self._report_done:
+                self.read_report()
+                stop.wait(_REPORT_S)
+            return
+        while not stop.is_set():
+            try:
+                self._watch(stop)
+            except Exception as exc:
+                self._log.warning("job %s: watching failed (%r); retrying", self._job, exc)
+                stop.wait(_RETRY_S)
+
+    def _watch(self, stop: threading.Event) -> None:
+        broker = self._backends.open_broker("splitmq-watch")
+        try:
+            store = self._backends.open_store()
+        except BaseException:
+            broker.close()
+            raise
+        try:
+            settings = self._settings
+            limits = QueueLimits(
+                settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
+            )
+            broker.declare(job_queues(self._job, settings.shards, limits))
+            if self._events and self._state is not None:
+                spec = events_queue(self._job, f"watch-{uuid.uuid4().hex[:12]}")
+                broker.declare([spec])
+                broker.subscribe(spec.name, prefetch=256)
+            self._loop(broker, store, stop)
+        finally:
+            try:
+                broker.close()
+            finally:
+                store.close()
+
+    def _loop(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
+        probe_s = self._settings.metrics.probe_s
+        next_probe = next_report = self._clock()
+        while not stop.is_set():
+            now = self._clock()
+            if now >= next_probe:
+                self.probe(broker, store)
+                next_probe = now + probe_s
+            if now >= next_report:
+                self.read_report()
+                next_report = now + _REPORT_S
+            wait = max(0.0, min(next_probe, next_report) - self._clock())
+            if self._events and self._state is not None:
+                delivery = broker.get(min(wait, _EVENT_WAIT_S))
+                if delivery is not None:
+                    self._on_delivery(broker, delivery)
+            else:
+                stop.wait(wait)
+
+    def probe(self, broker: Broker, store: WeightStore) -> Probe:
+        version = store.current_version(self._job)
+        clients, workers = split_members(store.live_members(self._job))
+        depths = {
+            shard: broker.queue_depth(shard_queue_name(self._job, shard))
+            for shard in range(self._settings.shards)
+        }
+        self._metrics.version(version)
+        self._metrics.members("client", len(clients))
+        self._metrics.members("worker", len(workers))
+        for shard, depth in depths.items():
+            self._metrics.queue_depth(shard, depth)
+        probe = Probe(self._wall(), version, clients, workers, depths)
+        if self._state is not None:
+            self._state.on_probe(probe)
+        return probe
+
+    def read_report(self) -> None:
+        if self._state is None or self._report_done:
+            return
+        if self._run_dir is None:
+            self._run_dir = find_run_dir(
+                Path(self._settings.report.dir), self._job, since=self._since
+            )
+            if self._run_dir is None:
+                return
+        report = read_report(self._run_dir)
+        if report is not None:
+            self._state.on_report(report)
+            # The report is final once the run ended and the summary is written.
+            self._report_done = report.status not in ("", "running") and bool(report.summary)
+
+    def _on_delivery(self, broker: Broker, delivery: Delivery) -> None:
+        try:
+            message = decode(delivery.body)
+        except DecodeError as exc:
+            self._log.debug("job %s: undecodable event: %s", self._job, exc.reason)
+            message = None
+        if isinstance(message, Event) and self._state is not None:
+            self._state.on_event(message, self._wall())
+        try:
+            broker.ack(delivery)
+        except StaleDeliveryError:
+            pass  # a reconnect requeued it; events are best-effort anyway

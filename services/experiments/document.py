@@ -1,0 +1,135 @@
+"""docs/results.md: one section per experiment between `<!-- name -->` markers.
+
+Each `splitmq experiment NAME` rewrites only its own section (and its figures under
+`results/` beside the file), so experiments never clobber each other or hand-written text
+outside the markers.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from services.config.root import Settings
+from services.experiments.figures import write_figure
+from services.experiments.results import ResultSet
+from services.experiments.spec import Experiment
+from services.experiments.tables import render_table, runs_table
+
+RESULTS_HEADER = (
+    "# Results\n\n"
+    "Experiments reproducing the seed papers' claims on SplitMQ. Every section is written by\n"
+    "`splitmq experiment NAME` (command, machine and wall times inside it); edit the experiment\n"
+    "modules in `services/experiments/`, not the numbers.\n"
+)
+FIGURES_DIR = "results"
+
+
+def machine_line() -> str:
+    """OS, CPU, cores, Python and torch, plus the load when the run started (shared hosts)."""
+    parts = [
+        platform.platform(),
+        platform.processor() or platform.machine(),
+        f"{os.cpu_count()} CPUs",
+        f"python {platform.python_version()}",
+        f"torch {torch.__version__}",
+    ]
+    try:
+        parts.append(f"load average at start {os.getloadavg()[0]:.1f}")
+    except OSError:
+        pass
+    return ", ".join(parts)
+
+
+def sizes_line(settings: Settings) -> str:
+    """The training budget of a run, in the numbers that decide its cost."""
+    algorithm, clients = settings.algorithm, settings.clients
+    if algorithm.max_steps_per_round:
+        local = f"at most {algorithm.max_steps_per_round} local steps"
+    else:
+        local = f"{algorithm.local_epochs} local epoch(s)"
+    tested = settings.data.eval_samples or "all"
+    return (
+        f"{settings.job.rounds} rounds of {local} (batch {algorithm.batch_size}) per client, "
+        f"{clients.count} clients ({clients.fraction:.0%} per round), {settings.data.dataset}, "
+        f"evaluation on {tested} test images"
+    )
+
+
+@dataclass(frozen=True)
+class Context:
+    """How the results were produced, stated in the section."""
+
+    command: str
+    machine: str
+    quick: bool
+    wall_s: float
+    sizes: str = ""  # `sizes_line` of the grid's runs
+
+
+def render_section(
+    experiment: Experiment, results: ResultSet, context: Context, figures: Sequence[Path], out: Path
+) -> str:
+    parts = [f"## {experiment.title}"]
+    if context.quick:
+        parts.append("> **Smoke run (`--quick`)**: tiny sizes, numbers mean nothing.")
+    parts += [
+        experiment.summary.strip(),
+        "**Paper's claim.** " + experiment.claim.strip(),
+        "**Scaling.** "
+        + experiment.scaling.strip()
+        + (f"  \n**Sizes as run.** {context.sizes}." if context.sizes else ""),
+        f"**Command.** `{context.command}`  \n**Machine.** {context.machine}  \n"
+        f"**Total wall time.** {context.wall_s / 60:.1f} min for {len(results)} runs.",
+    ]
+    parts += [render_table(table, results) for table in experiment.tables]
+    verdict = experiment.verdict(results)
+    if verdict:
+        parts.append(
+            "**Our numbers against the claim.**\n\n" + "\n".join(f"- {v}" for v in verdict)
+        )
+    if experiment.notes.strip():
+        parts.append(experiment.notes.strip())
+    parts += [
+        f"![{path.stem}]({os.path.relpath(path, out.parent).replace(os.sep, '/')})"
+        for path in figures
+    ]
+    parts.append("**Every run** (wall time per run; report directories under the runs folder)")
+    parts.append(runs_table(results.results))
+    return "\n\n".join(parts)
+
+
+def write_section(name: str, text: str, path: Path) -> None:
+    """Replace (or append) the section `name` of `path` with `text`."""
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    block = f"{start}\n{text.strip()}\n{end}\n"
+    current = path.read_text(encoding="utf-8") if path.exists() else RESULTS_HEADER
+    head, found, rest = current.partition(start)
+    if found:
+        _, closed, tail = rest.partition(end)
+        if not closed:
+            raise ValueError(f"{path}: {start} has no closing {end}")
+        tail = tail.lstrip("\n")
+        updated = head + block + ("\n" + tail if tail else "")
+    else:
+        updated = current.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(updated, encoding="utf-8")
+
+
+def write_results(experiment: Experiment, results: ResultSet, context: Context, out: Path) -> Path:
+    """Figures under `<out's folder>/results/`, then the section in `out`; returns `out`."""
+    figures_dir = out.parent / FIGURES_DIR
+    prefix = f"{experiment.name}-quick-" if context.quick else f"{experiment.name}-"
+    figures = []
+    for plot in experiment.plots:
+        made = write_figure(replace(plot, file=prefix + plot.file), results, figures_dir)
+        if made is not None:
+            figures.append(made)
+    write_section(experiment.name, render_section(experiment, results, context, figures, out), out)
+    return out

@@ -1,0 +1,232 @@
+"""Run every job of an experiment in this process and collect the results.
+
+Service runs go through the embedded runner (`services.runtime.embedded`: every role on a
+thread over the in-memory broker and store, the same code as a deployment); centralized runs
+through `services.experiments.centralized`. Each run writes an ordinary report directory
+(`<runs_dir>/<experiment>/<label>/`) plus `experiment.json` (its tags, wall time and config),
+and its metrics are read back from there, so the results come from what was recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from services.config.loading import ConfigError, deep_merge
+from services.config.root import Settings
+from services.data.loaders import Dataset, load_dataset
+from services.experiments.centralized import train_centralized
+from services.experiments.results import (
+    EXPERIMENT_JSON,
+    ResultSet,
+    RunResult,
+    load_result,
+    read_records,
+)
+from services.experiments.spec import Experiment, Run
+from services.report.filesink import FileSink
+from services.report.records import VersionRecord
+from services.report.rundir import write_atomic
+from services.report.sinks import EchoSink, TeeSink
+from services.runtime.embedded import run_embedded
+
+Echo = Callable[[str], None]
+# Settings that say where things are, not what is computed: a run is reusable across them.
+_LOCATION_KEYS = (("data", "dir"), ("report", "dir"))
+
+
+def slug(label: str) -> str:
+    """`label` as a directory and job name (`^[A-Za-z0-9_-]{1,64}$`)."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", label).strip("_")[:64] or "run"
+
+
+def build_settings(
+    experiment: Experiment, run: Run, *, quick: bool, data_dir: str | None
+) -> Settings:
+    """Base config, then the --quick overrides, then the run's own, then where the data is."""
+    merged = deep_merge(dict(experiment.base), experiment.quick if quick else {})
+    merged = deep_merge(merged, run.overrides)
+    merged = deep_merge(merged, {"job": {"name": slug(run.label)}, "data": {"dir": data_dir or ""}})
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"experiment {experiment.name}, run {run.label}: {problems}") from None
+
+
+def comparable(settings: Settings) -> dict[str, Any]:
+    """The settings that decide a run's numbers (locations left out)."""
+    dumped = settings.model_dump(mode="json")
+    for section, key in _LOCATION_KEYS:
+        dumped.get(section, {}).pop(key, None)
+    return dumped
+
+
+@dataclass
+class DataCache:
+    """Each dataset is loaded once per experiment and shared, read-only, by its runs."""
+
+    loaded: dict[tuple[str, str], Dataset] = field(default_factory=dict)
+
+    def get(self, settings: Settings) -> Dataset:
+        key = (settings.data.dataset, settings.data.dir)
+        if key not in self.loaded:
+            self.loaded[key] = load_dataset(settings.data.dataset, settings.data.dir or None)
+        return self.loaded[key]
+
+
+def reusable(run_dir: Path, settings: Settings) -> float | None:
+    """The wall time of a finished earlier run of exactly these settings, else None."""
+    try:
+        meta = json.loads((run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
+        info, records = read_records(run_dir)
+    except (OSError, ValueError):
+        return None
+    same = meta.get("config") == comparable(settings)
+    done = info.get("status") == "finished" and len(records) >= settings.job.rounds
+    return float(meta["wall_s"]) if same and done else None
+
+
+@contextmanager
+def linked(parent: threading.Event, poll_s: float = 0.2) -> Iterator[threading.Event]:
+    """A fresh event for one run that `parent` sets too.
+
+    The embedded runner sets its stop event itself when the job ends; the experiment's own
+    event (Ctrl-C) must survive that, and still reach the run in progress.
+    """
+    child = threading.Event()
+    done = threading.Event()
+
+    def relay() -> None:
+        while not done.is_set():
+            if parent.wait(poll_s):
+                child.set()
+                return
+
+    thread = threading.Thread(target=relay, name="experiment-stop-relay", daemon=True)
+    thread.start()
+    try:
+        yield child
+    finally:
+        done.set()
+        thread.join()
+
+
+class _Progress:
+    """A short line per round: which run, which round, accuracy so far."""
+
+    def __init__(self, echo: Echo, prefix: str, rounds: int) -> None:
+        self._inner = EchoSink(lambda line: echo(f"  {prefix} {line}"), rounds=rounds)
+
+    def record(self, record: VersionRecord) -> None:
+        self._inner.record(record)
+
+    def finish(self, status: str) -> None:
+        pass  # the runner prints the run's end with its wall time
+
+
+def execute(
+    run: Run,
+    settings: Settings,
+    dataset: Dataset,
+    run_dir: Path,
+    *,
+    command: str,
+    echo: Echo,
+    stop: threading.Event,
+) -> float:
+    """Run one job into `run_dir`; its wall time in seconds."""
+    sink = FileSink.create(settings, command=command, run_dir=run_dir)
+    tee = TeeSink([sink, _Progress(echo, f"[{run.label}]", settings.job.rounds)])
+    started = time.monotonic()
+    with linked(stop) as run_stop:
+        if run.kind == "centralized":
+            train_centralized(settings, dataset, tee, run_stop)
+        else:
+            run_embedded(settings, sink=tee, stop=run_stop, dataset=dataset)
+    wall_s = time.monotonic() - started
+    meta = {
+        "label": run.label,
+        "tags": dict(run.tags),
+        "kind": run.kind,
+        "wall_s": wall_s,
+        "config": comparable(settings),
+    }
+    write_atomic(run_dir / EXPERIMENT_JSON, json.dumps(meta, indent=2) + "\n")
+    return wall_s
+
+
+def _eta(done_s: float, done: int, total: int) -> str:
+    if done == 0:
+        return ""
+    left = done_s / done * (total - done)
+    return f", about {left / 60:.0f} min left" if left >= 60 else f", about {left:.0f} s left"
+
+
+def run_experiment(
+    experiment: Experiment,
+    *,
+    runs_dir: Path,
+    quick: bool = False,
+    data_dir: str | None = None,
+    reuse: bool = False,
+    command: str = "",
+    echo: Echo = print,
+    stop: threading.Event | None = None,
+    only: Callable[[Run], bool] | None = None,
+) -> ResultSet:
+    """Every run of the experiment (the --quick grid when `quick`), in order.
+
+    With `reuse`, a run whose directory already holds a finished run of the same settings is
+    read back instead of trained again (an interrupted experiment resumes where it stopped).
+    Stops early, with the results so far, when `stop` is set.
+    """
+    stop = stop or threading.Event()
+    grid = [r for r in experiment.grid(quick) if only is None or only(r)]
+    planned = [(r, build_settings(experiment, r, quick=quick, data_dir=data_dir)) for r in grid]
+    cache = DataCache()
+    base = runs_dir / experiment.name
+    results: list[RunResult] = []
+    trained_s, trained = 0.0, 0
+    for i, (run, settings) in enumerate(planned, start=1):
+        if stop.is_set():
+            break
+        run_dir = base / slug(run.label)
+        earlier = reusable(run_dir, settings) if reuse else None
+        if earlier is not None:
+            echo(f"[{i}/{len(planned)}] {run.label}: reusing {run_dir}")
+            results.append(load_result(run, run_dir, wall_s=earlier, reused=True))
+            continue
+        echo(f"[{i}/{len(planned)}] {run.label} ({_describe(run.tags)})")
+        wall_s = execute(
+            run,
+            settings,
+            cache.get(settings),
+            run_dir,
+            command=command,
+            echo=echo,
+            stop=stop,
+        )
+        result = load_result(run, run_dir, wall_s=wall_s)
+        results.append(result)
+        trained_s, trained = trained_s + wall_s, trained + 1
+        eta = _eta(trained_s, trained, trained + len(planned) - i)
+        final = 100 * result.metric("final_global")
+        echo(
+            f"  {run.label}: {result.status} in {wall_s:.1f} s, "
+            f"final global accuracy {final:.1f}%{eta}"
+        )
+    return ResultSet(results)
+
+
+def _describe(tags: Mapping[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in tags.items())

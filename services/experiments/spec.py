@@ -1,0 +1,122 @@
+"""What an experiment declares: its runs, the tables and plots of its results, the paper's claim.
+
+Runs carry *tags* (``algorithm``, ``r``, ``cut``...). Tables and plots select runs by tags; a
+run without a tag matches every value of it, so a baseline that does not depend on the cut
+(FedAvg, centralized) is one run that shows up in every cut's row and plot.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from services.experiments.results import ResultSet
+
+# Experiments are reproduced from a clone: their base configs sit beside the other examples.
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "experiments"
+
+RunKind = Literal["service", "centralized"]
+# Per-run summaries a table can show (see `results.RunResult.metric`).
+Metric = Literal["final_global", "best_global", "final_personal", "best_personal"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One job of an experiment.
+
+    `overrides` is a nested dict merged over the experiment's base config (same shape as the
+    TOML file). `kind="centralized"` trains the same model in-process on the union of the
+    clients' data instead of running the service (`services.experiments.centralized`).
+    """
+
+    label: str
+    tags: Mapping[str, str]
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    kind: RunKind = "service"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A markdown table: one row per combination of the `rows` tags, one column per value of
+    the `column` tag, each cell the run's `metric` in percent; `diffs` add columns `a − b`
+    (percentage points) between two column values."""
+
+    title: str
+    rows: tuple[str, ...]
+    column: str
+    metric: Metric = "final_global"
+    diffs: tuple[tuple[str, str], ...] = ()
+    columns: tuple[str, ...] = ()  # column order; default: the order runs were declared
+
+
+@dataclass(frozen=True)
+class CurvePlot:
+    """Metric vs round: one line per value of `lines`, one panel per value of `panels`,
+    among the runs matching `where`. `metric` is a `VersionRecord` field (accuracy in %)."""
+
+    file: str  # PNG name, written under the results' figure folder
+    title: str
+    lines: str
+    panels: str = ""
+    where: Mapping[str, str] = field(default_factory=dict)
+    metric: str = "global_accuracy"
+
+
+@dataclass(frozen=True)
+class FinalPlot:
+    """A run summary (`metric`) against the values of tag `x`: one line per value of `lines`,
+    one panel per value of `panels`."""
+
+    file: str
+    title: str
+    x: str
+    lines: str
+    panels: str = ""
+    where: Mapping[str, str] = field(default_factory=dict)
+    metric: Metric = "final_global"
+
+
+Plot = CurvePlot | FinalPlot
+Verdict = Callable[["ResultSet"], list[str]]
+
+
+def _no_verdict(_results: ResultSet) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A named, reproducible comparison; see the package docstring for how to add one."""
+
+    name: str
+    title: str
+    summary: str  # what is compared and how (markdown)
+    claim: str  # the paper's claim, quoted beside our numbers
+    scaling: str  # how the paper's setup was shrunk to fit the time budget
+    base: Mapping[str, Any]  # the config every run starts from (TOML shape)
+    runs: Sequence[Run]
+    quick_runs: Sequence[Run]  # the smoke-size grid of --quick
+    quick: Mapping[str, Any]  # overrides applied to every run under --quick
+    tables: Sequence[Table] = ()
+    plots: Sequence[Plot] = ()
+    verdict: Verdict = _no_verdict  # plain sentences from the numbers: agreement or not
+    notes: str = ""  # fixed remarks on how our setup differs from the paper's
+
+    def grid(self, quick: bool) -> Sequence[Run]:
+        return self.quick_runs if quick else self.runs
+
+
+def example_config(name: str, directory: Path = EXAMPLES_DIR) -> dict[str, Any]:
+    """The base config `examples/experiments/<name>.toml` as a nested dict."""
+    path = directory / f"{name}.toml"
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"experiment config {path} not found: experiments run from a SplitMQ source tree"
+        ) from None

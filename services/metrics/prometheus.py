@@ -1,0 +1,198 @@
+"""Recorders backed by one Prometheus `CollectorRegistry` per process.
+
+Every family carries `splitmq_job`, and the per-role ones `role` and `member`, so the embedded
+runner (every role in one process, one registry) keeps its workers apart. (`splitmq_job`, not
+`job`: Prometheus sets `job` on every scraped series itself.)
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.metrics.busy import BusyMeter
+from services.metrics.recorder import Metrics, NoMetrics
+
+ROLE_LABELS = ("splitmq_job", "role", "member")
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0)
+
+
+class _Families:
+    """The metric families of one registry (created once: a registry refuses duplicates)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.samples = Counter(
+            "splitmq_samples", "Training samples processed.", ROLE_LABELS, registry=r
+        )
+        self.step = Histogram(
+            "splitmq_step_latency_seconds",
+            "Server step latency: forward, backward, optimizer step and replies.",
+            ROLE_LABELS,
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "splitmq_staleness_versions",
+            "Version lag of arriving smashed batches (workers) and updates (aggregator).",
+            ROLE_LABELS,
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+        self.dead = Counter(
+            "splitmq_dead_lettered",
+            "Messages dead-lettered, by reason code.",
+            (*ROLE_LABELS, "reason"),
+            registry=r,
+        )
+        self.bytes_in = Counter(
+            "splitmq_bytes_in", "Message bytes received.", ROLE_LABELS, registry=r
+        )
+        self.bytes_out = Counter(
+            "splitmq_bytes_out", "Message bytes published.", ROLE_LABELS, registry=r
+        )
+        self.wait = Counter(
+            "splitmq_wait_seconds",
+            "Time spent waiting for work (1 - its rate is the busy fraction).",
+            ROLE_LABELS,
+            registry=r,
+        )
+        self.busy = Gauge(
+            "splitmq_busy_fraction",
+            "Fraction of the last ~10 s not spent waiting for work.",
+            ROLE_LABELS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "splitmq_queue_depth",
+            "Messages ready in a shard queue.",
+            ("splitmq_job", "shard"),
+            registry=r,
+        )
+        self.version = Gauge(
+            "splitmq_version", "The job's current weights version.", ("splitmq_job",), registry=r
+        )
+        self.members = Gauge(
+            "splitmq_members", "Live members by kind.", ("splitmq_job", "kind"), registry=r
+        )
+
+
+class PrometheusMeters:
+    """One per process: the registry, and a recorder per role the process runs."""
+
+    def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
+        self.job = job
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._families = _Families(self.registry)
+        self._lock = threading.Lock()
+        self._roles: dict[tuple[str, str], RoleRecorder] = {}
+        # Where this process serves /metrics, once it does (workers advertise it).
+        self.url = ""
+
+    def job_gauges(self) -> JobGauges:
+        """A recorder for the job-wide gauges only (version, members, queue depths): what a
+        watcher reports, without a role of its own."""
+        return JobGauges(self._families, self.job)
+
+    def role(self, kind: str, member: str = "") -> RoleRecorder:
+        with self._lock:
+            key = (kind, member or kind)
+            recorder = self._roles.get(key)
+            if recorder is None:
+                recorder = RoleRecorder(self, self._families, kind, member or kind)
+                self._roles[key] = recorder
+            return recorder
+
+
+class RoleRecorder:
+    """`Metrics` for one role (and member) of one job."""
+
+    def __init__(self, meters: PrometheusMeters, f: _Families, kind: str, member: str) -> None:
+        labels = (meters.job, kind, member)
+        self._meters = meters
+        self._job = meters.job
+        self._f = f
+        self._labels = labels
+        # Bound children up front: every family shows (at zero) from the first scrape.
+        self._samples = f.samples.labels(*labels)
+        self._step = f.step.labels(*labels)
+        self._staleness = f.staleness.labels(*labels)
+        self._bytes_in = f.bytes_in.labels(*labels)
+        self._bytes_out = f.bytes_out.labels(*labels)
+        self._wait = f.wait.labels(*labels)
+        self._busy = BusyMeter()
+        f.busy.labels(*labels).set_function(self._busy.fraction)
+        self._lock = threading.Lock()
+        self._samples_total = 0
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def samples(self, n: int) -> None:
+        self._samples.inc(n)
+        with self._lock:
+            self._samples_total += n
+
+    def step(self, seconds: float) -> None:
+        self._step.observe(seconds)
+
+    def staleness(self, lag: int) -> None:
+        self._staleness.observe(max(0, lag))
+
+    def dead_lettered(self, reason: str) -> None:
+        self._f.dead.labels(*self._labels, reason).inc()
+
+    def bytes_in(self, n: int) -> None:
+        self._bytes_in.inc(n)
+
+    def bytes_out(self, n: int) -> None:
+        self._bytes_out.inc(n)
+
+    def waited(self, seconds: float) -> None:
+        self._wait.inc(max(0.0, seconds))
+        self._busy.waited(seconds)
+
+    def queue_depth(self, shard: int, depth: int) -> None:
+        self._f.queue_depth.labels(self._job, str(shard)).set(depth)
+
+    def version(self, version: int) -> None:
+        self._f.version.labels(self._job).set(version)
+
+    def members(self, kind: str, count: int) -> None:
+        self._f.members.labels(self._job, kind).set(count)
+
+    def member_info(self) -> dict[str, str]:
+        with self._lock:
+            samples = self._samples_total
+        info = {"samples": str(samples)}
+        if self._meters.url:
+            info["metrics"] = self._meters.url
+        return info
+
+
+class JobGauges(NoMetrics):
+    """Sets the job-wide gauges; everything a role would report is ignored."""
+
+    def __init__(self, f: _Families, job: str) -> None:
+        self._f = f
+        self._job = job
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def queue_depth(self, shard: int, depth: int) -> None:
+        self._f.queue_depth.labels(self._job, str(shard)).set(depth)
+
+    def version(self, version: int) -> None:
+        self._f.version.labels(self._job).set(version)
+
+    def members(self, kind: str, count: int) -> None:
+        self._f.members.labels(self._job, kind).set(count)
+
+
+def _check(recorder: RoleRecorder, gauges: JobGauges) -> tuple[Metrics, Metrics]:
+    return recorder, gauges  # mypy: both satisfy the protocol

@@ -1,0 +1,149 @@
+"""Health keys: a role process says "alive" in the store; `splitmq check ROLE` reads it.
+
+Each role that `splitmq <role>` runs refreshes the store member `health:<role>:<instance>`
+every `REFRESH_S` with a TTL of `TTL_S`, its host and pid in the member info. Members expire
+like any heartbeat (design §6), and the roles that count members only look at their own
+prefixes (`client:`, `worker:`), so health members never count as clients or workers.
+
+The key says the process is up and reaches the store. A role whose work fails exits non-zero
+(and its restart policy brings it back); a process that cannot reach the store goes unhealthy
+within `TTL_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+
+from broker.errors import SplitMQError
+from broker.store import Member, WeightStore
+
+HEALTH_PREFIX = "health:"
+REFRESH_S = 5.0
+TTL_S = 15.0
+
+
+def health_member(role: str, instance: str) -> str:
+    return f"{HEALTH_PREFIX}{role}:{instance}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `splitmq check` prints (`reason`, one line) and whether it exits 0 (`ok`)."""
+
+    ok: bool
+    reason: str
+
+
+def assess(
+    members: Mapping[str, Member],
+    role: str,
+    *,
+    job: str,
+    host: str | None = None,
+    instance: str | None = None,
+    now: float | None = None,
+) -> Verdict:
+    """Is a `role` process alive: the one named `instance`, else one on `host`, else any."""
+    prefix = health_member(role, "")
+    found = {mid[len(prefix) :]: m for mid, m in members.items() if mid.startswith(prefix)}
+    if instance is not None:
+        mine = {i: m for i, m in found.items() if i == instance}
+        where = f"named {instance}"
+    elif host is not None:
+        mine = {i: m for i, m in found.items() if m.info.get("host") == host}
+        where = f"on host {host}"
+    else:
+        mine, where = found, "anywhere"
+    if not mine:
+        elsewhere = len(found)
+        note = f" ({elsewhere} live elsewhere)" if elsewhere else ""
+        return Verdict(False, f"no live {role} {where} in job {job}{note}")
+    name, member = max(mine.items(), key=lambda item: item[1].expires_at)
+    left = member.expires_at - (time.time() if now is None else now)
+    pid = member.info.get("pid", "?")
+    return Verdict(
+        True,
+        f"{role} {name} alive in job {job} (pid {pid} on {member.info.get('host', '?')}, "
+        f"health key expires in {max(0.0, left):.0f} s)",
+    )
+
+
+class HealthBeat:
+    """Refreshes one health key from a daemon thread until `stop`, then removes it.
+
+    A refresh that fails (store down) is logged and retried; the key then expires, which is
+    what makes the role unhealthy.
+    """
+
+    def __init__(
+        self,
+        open_store: Callable[[], WeightStore],
+        job: str,
+        role: str,
+        instance: str,
+        *,
+        refresh_s: float = REFRESH_S,
+        ttl_s: float = TTL_S,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if not 0 < refresh_s < ttl_s:
+            raise ValueError(f"refresh ({refresh_s} s) must be positive and below the TTL")
+        self._open_store = open_store
+        self._job = job
+        self._member = health_member(role, instance)
+        self._refresh_s = refresh_s
+        self._ttl_s = ttl_s
+        self._info = {"host": socket.gethostname(), "pid": str(os.getpid())}
+        self._log = logger or logging.getLogger("splitmq.health")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"health-{role}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> HealthBeat:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        store = self._open_store()
+        failing = False
+        try:
+            while True:
+                try:
+                    store.heartbeat(self._job, self._member, self._ttl_s, self._info)
+                    if failing:
+                        self._log.info("health key %s refreshed again", self._member)
+                    failing = False
+                except SplitMQError as exc:
+                    if not failing:  # once per outage, not every few seconds
+                        self._log.warning("cannot refresh health key %s: %s", self._member, exc)
+                    failing = True
+                if self._stop.wait(self._refresh_s):
+                    break
+            try:
+                store.remove_member(self._job, self._member)
+            except SplitMQError:
+                pass  # it expires on its own
+        finally:
+            store.close()

@@ -1,0 +1,213 @@
+"""The autoscaler's loop: observe, decide, act on a fake pool, with a fake clock."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from broker.memory_broker import InMemoryBroker
+from broker.store import Member
+from broker.topology import SMASHED_EXCHANGE, QueueLimits, shard_routing_key
+from services.autoscaler.controller import Autoscaler
+from services.autoscaler.observer import Observer, Snapshot, WorkerReport, parse_report
+from services.autoscaler.pool import Exited, PoolWorker
+from services.cli.main import cli
+from services.runtime.backends import Backends, Embedded
+from tests.unit.test_worker_support import make_settings
+
+
+@dataclass
+class FakePool:
+    workers_: list[PoolWorker] = field(default_factory=list)
+    exited: list[Exited] = field(default_factory=list)
+    started: int = 0
+    closed: bool = False
+
+    def workers(self) -> list[PoolWorker]:
+        return list(self.workers_)
+
+    def start_worker(self) -> PoolWorker:
+        worker = PoolWorker(f"w{self.started}", f"w{self.started}")
+        self.started += 1
+        self.workers_.append(worker)
+        return worker
+
+    def stop_worker(self, name: str) -> None:
+        self.workers_ = [
+            PoolWorker(w.name, w.key, stopping=True) if w.name == name else w for w in self.workers_
+        ]
+
+    def exit(self, name: str, code: int = 0) -> None:
+        self.workers_ = [w for w in self.workers_ if w.name != name]
+        self.exited.append(Exited(name, code))
+
+    def reap(self) -> list[Exited]:
+        gone, self.exited = self.exited, []
+        return gone
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeObserver:
+    snapshot_: Snapshot = field(default_factory=lambda: Snapshot({0: 0}, {}))
+
+    def snapshot(self) -> Snapshot:
+        return self.snapshot_
+
+    def set(self, depth: int = 0, **workers: tuple[tuple[int, ...], float | None]) -> None:
+        reports = {i: WorkerReport(i, shards, busy) for i, (shards, busy) in workers.items()}
+        self.snapshot_ = Snapshot({0: depth}, reports)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scaler(job: str, pool: FakePool, clock: Clock, **autoscaler: object) -> Autoscaler:
+    fields = {
+        "min_workers": 1,
+        "max_workers": 3,
+        "target_depth_per_worker": 10,
+        "scale_up_busy": 0.8,
+        "scale_down_busy": 0.2,
+        "cooldown_s": 5.0,
+        "scale_down_after_s": 10.0,
+        **autoscaler,
+    }
+    settings = make_settings(job, algorithm={"name": "sfl", "shards": 3}, autoscaler=fields)
+    backends = Backends(settings.broker, settings.store, Embedded())
+    return Autoscaler(settings, backends, pool, clock=clock, start_grace_s=60.0)
+
+
+def test_starts_the_minimum_then_waits_for_its_heartbeat_before_growing(job: str) -> None:
+    pool, clock, seen = FakePool(), Clock(), FakeObserver()
+    auto = scaler(job, pool, clock)
+    auto.step(seen)
+    assert [w.name for w in pool.workers()] == ["w0"]
+    seen.set(depth=100)  # a backlog, but w0 is not up yet: its effect is still to come
+    clock.now = 10
+    assert auto.step(seen).reason.startswith("waiting for 1 to start")
+    seen.set(depth=100, w0=((0, 1, 2), 1.0))
+    decision = auto.step(seen)
+    assert decision.target == 3 and pool.started == 3
+    assert [(e.action, e.worker, e.running) for e in auto.events] == [
+        ("start", "w0", 1),
+        ("start", "w1", 2),
+        ("start", "w2", 3),
+    ]
+    assert auto.running == 3
+
+
+def test_a_worker_that_never_heartbeats_stops_counting_as_starting(job: str) -> None:
+    pool, clock, seen = FakePool(), Clock(), FakeObserver()
+    auto = scaler(job, pool, clock)
+    auto.step(seen)
+    seen.set(depth=100)
+    clock.now = 61  # past start_grace_s: e.g. a FedAvg worker, with nothing to heartbeat for
+    assert auto.step(seen).target == 3
+
+
+def test_scales_down_the_idle_shardless_worker_and_waits_for_it_to_exit(job: str) -> None:
+    pool, clock, seen = FakePool(), Clock(), FakeObserver()
+    auto = scaler(job, pool, clock, min_workers=3)
+    auto.step(seen)
+    auto.limits = replace(auto.limits, min_workers=1)
+    # w1 holds no shard: it goes first although w2 is less busy and newer.
+    seen.set(w0=((0,), 0.1), w1=((), 0.15), w2=((1, 2), 0.0))
+    clock.now = 10
+    assert auto.step(seen).reason == "idle, not for long enough"
+    clock.now = 20
+    assert auto.step(seen).target == 2
+    assert [(w.name, w.stopping) for w in pool.workers()] == [
+        ("w0", False),
+        ("w1", True),
+        ("w2", False),
+    ]
+    # While w1 hands over, nothing else is decided, however long it takes.
+    clock.now = 100
+    held = auto.step(seen)
+    assert held.target == 2 and held.reason.startswith("waiting for 0 to start, 1 to stop")
+    pool.exit("w1", 0)
+    seen.set(w0=((0,), 0.1), w2=((1, 2), 0.0))
+    auto.step(seen)  # reaped; the idle clock starts again
+    clock.now = 111
+    assert auto.step(seen).target == 1
+    assert [w.name for w in pool.workers() if w.stopping] == ["w2"]  # the least busy
+    assert [(e.action, e.worker) for e in auto.events][-3:] == [
+        ("stop", "w1"),
+        ("exited", "w1"),
+        ("stop", "w2"),
+    ]
+
+
+def test_run_observes_the_real_queues_and_closes_the_pool(job: str) -> None:
+    pool, stop = FakePool(), threading.Event()
+    auto = scaler(job, pool, Clock(), poll_s=0.01)
+    thread = threading.Thread(target=auto.run, args=(stop,))
+    thread.start()
+    try:
+        for _ in range(500):
+            if pool.started:
+                break
+            stop.wait(0.01)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert pool.started == 1 and pool.closed
+
+
+def test_observer_reads_ready_depth_per_shard_and_the_workers_heartbeats(job: str) -> None:
+    embedded = Embedded()
+    broker = InMemoryBroker(embedded.hub)
+    store = embedded.store
+    observer = Observer(broker, store, job, 2, QueueLimits())
+    assert observer.snapshot().depths == {0: 0, 1: 0}  # declared the queues itself
+    for _ in range(3):
+        broker.publish(SMASHED_EXCHANGE, shard_routing_key(job, 1), b"x")
+    store.heartbeat(job, "worker:a", 30, {"shards": "0,1", "busy": "0.500"})
+    store.heartbeat(job, "worker:b", 30, {"shards": "", "busy": "0.1"})
+    store.heartbeat(job, "worker:c", 30, {"shards": ""})  # just started: no busy yet
+    store.heartbeat(job, "client:x", 30, {"shard": "1"})
+    store.heartbeat(job, "health:worker:a", 30, {"host": "h"})
+    snapshot = observer.snapshot()
+    assert snapshot.depths == {0: 0, 1: 3} and snapshot.depth == 3
+    assert sorted(snapshot.workers) == ["a", "b", "c"]
+    assert snapshot.workers["a"] == WorkerReport("a", (0, 1), 0.5)
+    assert snapshot.busy == 0.3
+    # Reading does not consume: the messages are still there for the workers.
+    assert observer.snapshot().depths == {0: 0, 1: 3}
+
+
+def test_unreadable_heartbeat_fields_read_as_absent() -> None:
+    report = parse_report(Member("worker:z", 0.0, {"shards": "1,x", "busy": "lots"}))
+    assert report == WorkerReport("z", (), None)
+    assert parse_report(Member("worker:z", 0.0, {"busy": "7"})) == WorkerReport("z", (), 1.0)
+    assert parse_report(Member("client:z", 0.0, {})) is None
+
+
+def test_autoscale_command_needs_the_real_services(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text('[job]\nname = "clitest"\n[autoscaler]\nmax_workers = 2\n')
+    env: dict[str, str | None] = {"SPLITMQ_CONFIG": None, "SPLITMQ_BROKER": None}
+    env |= {"SPLITMQ_STORE": None, "SPLITMQ_AMQP_URL": None, "SPLITMQ_REDIS_URL": None}
+    runner = CliRunner()
+    helped = runner.invoke(cli, ["autoscale", "--help"], env=env)
+    assert helped.exit_code == 0
+    assert "[CONFIG]" in helped.output and "--log-dir" in helped.output
+    result = runner.invoke(cli, ["autoscale", str(config)], env=env)
+    assert result.exit_code == 1
+    assert "it needs RabbitMQ and Redis" in result.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[autoscaler]\nmin_workers = 3\nmax_workers = 2\n")
+    result = runner.invoke(cli, ["autoscale", str(bad)], env=env)
+    assert result.exit_code == 1 and "min_workers (3) exceeds max_workers (2)" in result.output

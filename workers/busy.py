@@ -1,0 +1,39 @@
+"""How busy a worker is: the share of wall time it spent on anything but waiting for a delivery.
+
+The autoscaler reads it from the worker's heartbeat (`busy` in its `worker:<id>` member info):
+a worker whose shard queues keep it fed is close to 1, an idle one close to 0. Queue depth alone
+cannot tell: with a prefetch window a busy worker holds its backlog unacked, so the ready count
+stays near zero while it is saturated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class BusyMeter:
+    """Accumulates waiting time; `take` turns a window of it into a busy fraction."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._since = clock()
+        self._waited = 0.0
+        self._last: float | None = None
+
+    def waited(self, seconds: float) -> None:
+        self._waited += max(0.0, seconds)
+
+    def take(self, min_window_s: float = 0.0) -> float | None:
+        """The busy fraction since the previous `take`, then a new window starts.
+
+        A window shorter than `min_window_s` says too little (a worker that just started is
+        "busy" loading its replicas): the previous fraction is returned instead and the window
+        goes on; None until there is one.
+        """
+        now = self._clock()
+        elapsed = now - self._since
+        if elapsed <= 0 or elapsed < min_window_s:
+            return self._last
+        fraction = min(1.0, max(0.0, 1.0 - self._waited / elapsed))
+        self._since, self._waited, self._last = now, 0.0, fraction
+        return fraction

@@ -1,0 +1,322 @@
+"""Split inference at the workers: InferRequests answered with theta's logits, ahead of training.
+
+A worker of a strategy with split inference (SplitGP) runs an `InferenceServer` on a thread
+and a broker connection of its own, consuming the job's infer queue
+(`broker.topology.infer_queue`), while its main loop trains on the shard queues. A request
+therefore never queues behind training traffic, however deep the shard queues are: it waits
+only for the requests ahead of it and one forward pass. Every worker of the job consumes the
+infer queue, so inference scales with the pool.
+
+theta is the `server/global` blob of the version the request names (the client's `phi_k` of
+that version was trained with it), or the newest one when that version is gone (retention) or
+the request names 0; `InferReply.version` says which answered. A request the server cannot
+answer (wrong job, activations not of the cut's shape, no version yet) is dead-lettered with
+its reason and its requester gets an `Error` reply, so it does not wait in vain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from broker.codec import decode, encode
+from broker.errors import (
+    BackPressureError,
+    BrokerError,
+    DecodeError,
+    StaleDeliveryError,
+    VersionNotFoundError,
+)
+from broker.messages import Error, InferReply, InferRequest, Message, new_message_id
+from broker.store import NO_VERSION, SERVER_PART, BlobRef, WeightStore
+from broker.topology import (
+    REPLIES_EXCHANGE,
+    QueueLimits,
+    dead_queue,
+    infer_queue,
+    infer_queue_name,
+    reply_routing_key,
+)
+from broker.transport import Broker, Delivery
+from models.parts import ServerModel
+from models.split import SplitNet
+from models.state import load_partial
+from services.config.root import Settings
+from services.runtime.backends import Backends
+from workers.model import ModelFactory, pick_device
+
+SERVER = BlobRef(SERVER_PART)
+# Unacked requests per server: a few, so that requests spread over the workers of a job.
+INFER_PREFETCH = 4
+# Versions of theta kept loaded (a client may still ask with the previous version's phi_k).
+CACHED_VERSIONS = 2
+
+
+@dataclass
+class InferenceStats:
+    requests: int = 0  # answered with logits
+    rows: int = 0
+    errors: int = 0  # answered with an Error
+    undeliverable: int = 0  # the requester's reply queue was gone
+    dead_lettered: Counter[str] = field(default_factory=Counter)
+
+
+class ThetaCache:
+    """theta of the last few versions, in eval mode on `device`."""
+
+    def __init__(
+        self,
+        store: WeightStore,
+        job: str,
+        template: SplitNet,
+        cut: str,
+        device: torch.device,
+        size: int = CACHED_VERSIONS,
+    ) -> None:
+        self._store = store
+        self._job = job
+        self._template = template
+        self._cut = cut
+        self._device = device
+        self._size = size
+        self._models: OrderedDict[int, nn.Module] = OrderedDict()
+
+    def get(self, version: int) -> tuple[int, nn.Module] | None:
+        """(the version used, its theta): `version` if retained, else the newest; None when
+        nothing is published yet."""
+        wanted = version
+        if wanted == NO_VERSION or wanted not in self._models:
+            current = self._store.current_version(self._job)
+            if current == NO_VERSION:
+                return None
+            if wanted == NO_VERSION or wanted > current:
+                wanted = current
+        cached = self._models.get(wanted)
+        if cached is not None:
+            self._models.move_to_end(wanted)
+            return wanted, cached
+        try:
+            weights = self._store.read_blob(self._job, wanted, SERVER)
+        except VersionNotFoundError:  # expired by retention meanwhile: the newest answers
+            wanted = self._store.current_version(self._job)
+            weights = self._store.read_blob(self._job, wanted, SERVER)
+        theta = ServerModel(copy.deepcopy(self._template), self._cut)
+        load_partial(theta, weights)
+        theta.to(self._device).eval()
+        self._models[wanted] = theta
+        while len(self._models) > self._size:
+            self._models.popitem(last=False)
+        return wanted, theta
+
+
+def server_logits(theta: nn.Module, activations: torch.Tensor) -> torch.Tensor:
+    """theta's logits for smashed data `activations` (float32, on the CPU)."""
+    device = next(theta.parameters()).device
+    with torch.no_grad():
+        logits: torch.Tensor = theta(activations.to(device=device, dtype=torch.float32))
+    return logits.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+class InferenceServer:
+    """Answers a job's InferRequests; `run` it on a thread of its own."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Backends,
+        *,
+        worker_id: str,
+        model_factory: ModelFactory,
+        poll_s: float = 0.2,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._worker_id = worker_id
+        self._model_factory = model_factory
+        self._poll_s = poll_s
+        self._log = logger or logging.getLogger("splitmq.worker.inference")
+        self._job = settings.job.name
+        self._cut_shape: tuple[int, ...] = ()
+        self.stats = InferenceStats()
+
+    def run(self, stop: threading.Event) -> InferenceStats:
+        template = self._model_factory()
+        cut = self._settings.model.cut
+        self._cut_shape = tuple(template.cut_shape(cut))
+        store = self._backends.open_store()
+        try:
+            broker = self._backends.open_broker(f"splitmq-infer-{self._worker_id}")
+        except BaseException:
+            store.close()
+            raise
+        try:
+            limits = QueueLimits(
+                self._settings.broker.shard_queue_max_length,
+                self._settings.broker.shard_queue_max_bytes,
+            )
+            broker.declare([dead_queue(self._job), infer_queue(self._job, limits)])
+            broker.subscribe(infer_queue_name(self._job), prefetch=INFER_PREFETCH)
+            device = pick_device(self._settings.workers.device)
+            thetas = ThetaCache(store, self._job, template, cut, device)
+            while not stop.is_set():
+                delivery = broker.get(self._poll_s)
+                if delivery is not None:
+                    self._handle(broker, thetas, delivery, stop)
+        finally:
+            try:
+                broker.close()
+            finally:
+                store.close()
+        return self.stats
+
+    # --- one request ------------------------------------------------------------------------------
+    def _handle(
+        self, broker: Broker, thetas: ThetaCache, delivery: Delivery, stop: threading.Event
+    ) -> None:
+        try:
+            message = decode(delivery.body)
+        except DecodeError as exc:
+            self._reject(broker, delivery, "decode", exc.reason)
+            return
+        if not isinstance(message, InferRequest):
+            detail = f"{type(message).__name__} does not belong on the infer queue"
+            self._reject(broker, delivery, "wrong_type", detail)
+            return
+        problem = self._problem(message)
+        loaded = thetas.get(message.version) if problem is None else None
+        if problem is None and loaded is None:
+            problem = ("no_version", f"job {self._job} has no published version yet")
+        if problem is not None:
+            code, detail = problem
+            self._refuse(broker, message, code, detail, stop)
+            self._reject(broker, delivery, code, detail)
+            return
+        assert loaded is not None
+        version, theta = loaded
+        reply = InferReply(
+            job=message.job,
+            client=message.client,
+            message_id=new_message_id(),
+            version=version,
+            seq=message.seq,
+            logits=server_logits(theta, message.activations),
+        )
+        if self._send(broker, reply, stop):
+            self.stats.requests += 1
+            self.stats.rows += int(message.activations.shape[0])
+        self._ack(broker, delivery)
+
+    def _problem(self, message: InferRequest) -> tuple[str, str] | None:
+        if message.job != self._job:
+            return "wrong_job", f"job {message.job!r} on the infer queue of job {self._job!r}"
+        if not message.client:
+            return "bad_client", "InferRequest without a client id to answer"
+        z = message.activations
+        if tuple(z.shape[1:]) != self._cut_shape or z.shape[0] == 0:
+            want = ", ".join(str(d) for d in self._cut_shape)
+            got = list(z.shape)
+            return "bad_shape", f"activations of shape {got}; the cut expects [N>0, {want}]"
+        return None
+
+    def _refuse(
+        self,
+        broker: Broker,
+        request: InferRequest,
+        code: str,
+        detail: str,
+        stop: threading.Event,
+    ) -> None:
+        if not request.client:
+            return
+        error = Error(
+            job=request.job,
+            client=request.client,
+            message_id=new_message_id(),
+            version=request.version,
+            code=code,
+            reason=detail,
+            ref_message_id=request.message_id,
+        )
+        if self._send(broker, error, stop):
+            self.stats.errors += 1
+
+    def _send(self, broker: Broker, message: Message, stop: threading.Event) -> bool:
+        """Publish to the requester's reply queue; False when it cannot be delivered."""
+        body = encode(message)
+        key = reply_routing_key(message.job, message.client)
+        delay = 0.05
+        while True:
+            try:
+                # Transient, as gradients are: only worth anything while its requester waits.
+                broker.publish(
+                    REPLIES_EXCHANGE, key, body, message_id=message.message_id, persistent=False
+                )
+                return True
+            except BackPressureError:
+                if stop.wait(delay):
+                    return False
+                delay = min(2 * delay, 2.0)
+            except BrokerError as exc:  # unroutable (the requester left) or too large
+                self.stats.undeliverable += 1
+                self._log.warning("infer reply to %s not delivered: %s", message.client, exc)
+                return False
+
+    def _ack(self, broker: Broker, delivery: Delivery) -> None:
+        # A lost connection returns the request to the queue: answered twice, harmlessly.
+        with contextlib.suppress(StaleDeliveryError):
+            broker.ack(delivery)
+
+    def _reject(self, broker: Broker, delivery: Delivery, code: str, detail: str) -> None:
+        reason = f"{code}: {detail}"
+        try:
+            broker.dead_letter(delivery, reason)
+        except StaleDeliveryError:
+            return
+        except BackPressureError:
+            broker.nack(delivery, requeue=False)
+        self.stats.dead_lettered[code] += 1
+        self._log.warning("dead-lettered an InferRequest: %s", reason)
+
+
+class InferenceThread:
+    """An `InferenceServer` on a daemon thread, stopped and joined by `close`."""
+
+    def __init__(self, server: InferenceServer, name: str, logger: logging.Logger) -> None:
+        self.server = server
+        self._stop = threading.Event()
+        self._log = logger
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.server.run(self._stop)
+        except Exception:
+            # Training goes on without it; requesters get no answer and time out.
+            self._log.exception("split inference stopped after a failure")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+
+def start_inference(
+    settings: Settings,
+    backends: Backends,
+    *,
+    worker_id: str,
+    model_factory: ModelFactory,
+    logger: logging.Logger,
+) -> InferenceThread:
+    server = InferenceServer(
+        settings, backends, worker_id=worker_id, model_factory=model_factory, logger=logger
+    )
+    return InferenceThread(server, f"infer-{worker_id}", logger)
