@@ -14,6 +14,7 @@ touching tensor bytes, then returns zero-copy views into the body.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -54,6 +55,7 @@ SCHEMA_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
 _ZEROS = bytes(ALIGN)
 _RESERVED = frozenset({"v", "type"})
+_OFFSET = operator.attrgetter("offset")
 # Reason prefix when decode meets an exception it did not anticipate: still a DecodeError for
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
 UNEXPECTED = "unexpected decoder failure: "
@@ -163,7 +165,7 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
     header: dict[str, object] = {"v": SCHEMA_VERSION, "type": schema.name}
     max_bytes = limits.max_string_len
     for plan in _PLANS[schema.name]:
-        name = plan.spec.name
+        name = plan.name
         value = getattr(message, name)
         fast = plan.fast
         header[name] = (
@@ -276,7 +278,7 @@ def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> i
     previous: TensorSlot | None = None
     placed = [s for s in slots if s.nbytes]
     if len(placed) > 1:
-        placed.sort(key=_offset_of)
+        placed.sort(key=_OFFSET)
     for slot in placed:
         offset, end = slot.offset, slot.offset + slot.nbytes
         if offset % ALIGN:
@@ -297,10 +299,6 @@ def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> i
     if body_size != expected:
         raise DecodeError(f"body has {body_size} bytes, its layout accounts for {expected}")
     return data_start
-
-
-def _offset_of(slot: TensorSlot) -> int:
-    return slot.offset
 
 
 def _span(slot: TensorSlot) -> str:

@@ -53,6 +53,7 @@ FastCheck = Callable[[object, int], bool]
 class FieldPlan:
     """One field of a schema, prepared once: its spec, error path and fast check (if scalar)."""
 
+    name: str
     spec: FieldSpec
     path: str
     fast: FastCheck | None
@@ -61,7 +62,8 @@ class FieldPlan:
 def compile_fields(schema: MessageSchema) -> tuple[FieldPlan, ...]:
     """The per-field plans of `schema`, in field order; build once per schema, not per call."""
     return tuple(
-        FieldPlan(spec, f"{schema.name}.{spec.name}", _fast_check(spec)) for spec in schema.fields
+        FieldPlan(spec.name, spec, f"{schema.name}.{spec.name}", _fast_check(spec))
+        for spec in schema.fields
     )
 
 
@@ -243,7 +245,7 @@ class HeaderReader(_Walker):
         max_bytes = self.limits.max_string_len
         values: dict[str, object] = {}
         for plan in plans:
-            name = plan.spec.name
+            name = plan.name
             value = header[name]
             fast = plan.fast
             if fast is None or not fast(value, max_bytes):
@@ -259,7 +261,9 @@ class HeaderReader(_Walker):
         reason = tensor_reason(rule, slot.dtype.torch_dtype, slot.shape, path)
         if reason is not None:
             raise DecodeError(reason)
-        self.count_tensor(path)
+        self.tensor_count += 1
+        if self.tensor_count > limits.max_tensors:
+            raise DecodeError(f"{path}: more than {limits.max_tensors} tensors")
         self.slots.append(slot)
         return slot
 
@@ -271,8 +275,8 @@ def _key_problem(
     keys: frozenset[str],
 ) -> NoReturn:
     for plan in plans:
-        if plan.spec.name not in header:
-            raise DecodeError(f"{schema.name}: missing field {plan.spec.name!r}")
+        if plan.name not in header:
+            raise DecodeError(f"{schema.name}: missing field {plan.name!r}")
     unknown = sorted(repr(k) for k in header if k not in keys)
     if unknown:
         raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")

@@ -200,6 +200,13 @@ class ChannelKeeper:
         # Exchanges once per channel: `publisher` re-declares them on every new channel.
         if not self._exchanges_declared:
             self._declare_exchanges(channel)
+        if self._options.passive_declare:
+            # Without configure permission: the queues must exist (and be bound) already. The
+            # specs are still recorded, so dead_letter knows each queue's routing.
+            for spec in specs:
+                channel.queue_declare(spec.name, passive=True)
+                self._specs[spec.name] = spec
+            return
         for spec in specs:
             channel.queue_declare(
                 spec.name,
@@ -233,8 +240,9 @@ class ChannelKeeper:
         return True
 
     def _declare_exchanges(self, channel: Any) -> None:
+        passive = self._options.passive_declare
         for name, kind in EXCHANGES:
-            channel.exchange_declare(name, kind, durable=True)
+            channel.exchange_declare(name, kind, durable=True, passive=passive)
         self._exchanges_declared = True
 
     def _consume(self, channel: Any, queue: str, prefetch: int) -> None:

@@ -17,6 +17,7 @@ import pika
 import pika.exceptions
 
 from broker.errors import BrokerUnavailableError
+from broker.tls import TLSOptions, client_context
 from broker.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 # Failures of the credentials or vhost: a reconnect cannot fix them.
@@ -57,16 +58,28 @@ class RabbitMQOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Shown by `rabbitmqctl list_connections client_properties` (default: splitmq-<pid>-<random>).
     connection_name: str | None = None
+    # TLS for amqps:// URLs (None: system CAs, hostname checked); refused with amqp://.
+    tls: TLSOptions | None = None
+    # Only check that exchanges and queues exist (passive declares, no bindings): for a user
+    # without configure permission, whose queues an operator declared.
+    passive_declare: bool = False
 
 
 def connection_parameters(
     url: str, options: RabbitMQOptions, connection_name: str
 ) -> pika.URLParameters:
-    """pika parameters for an ``amqp://`` or ``amqps://`` URL (amqps verifies the server)."""
+    """pika parameters for an ``amqp://`` or ``amqps://`` URL (amqps verifies the server,
+    with `options.tls`)."""
     scheme = urlparse(url).scheme
     if scheme not in ("amqp", "amqps"):
         raise ValueError(f"RabbitMQ URL must start with amqp:// or amqps://, got {scheme!r}")
     params = pika.URLParameters(url)
+    if scheme == "amqps":
+        # pika's own default context has no server_hostname, so it cannot check the name.
+        context = client_context(options.tls or TLSOptions())
+        params.ssl_options = pika.SSLOptions(context, server_hostname=params.host)
+    elif options.tls is not None:
+        raise ValueError("TLS options are set but the RabbitMQ URL is amqp://: use amqps://")
     params.heartbeat = options.heartbeat
     params.blocked_connection_timeout = options.blocked_connection_timeout
     params.socket_timeout = options.socket_timeout

@@ -41,6 +41,7 @@ from broker.store_codec import (
     encode_meta,
 )
 from broker.store_publish import PublishingStore
+from broker.tls import TLSOptions, redis_ssl_kwargs
 from broker.weights import decode_verified, encode_weights, sha256_hex
 
 _SCAN_COUNT = 500
@@ -61,6 +62,8 @@ class RedisStoreOptions:
     pending_ttl_s: float = 600.0
     max_connections: int | None = None
     client_name: str = "splitmq-store"
+    # TLS for rediss:// URLs (None: system CAs, hostname checked); refused with redis://.
+    tls: TLSOptions | None = None
 
     def __post_init__(self) -> None:
         if self.keep_versions < 1:
@@ -150,6 +153,12 @@ class RedisWeightStore(PublishingStore):
             raise ValueError(f"expected a redis:// or rediss:// URL, got scheme {scheme!r}")
         self._options = options or RedisStoreOptions()
         opts = self._options
+        if scheme == "rediss":
+            tls: dict[str, Any] = redis_ssl_kwargs(opts.tls or TLSOptions())
+        elif opts.tls is not None:
+            raise ValueError("TLS options are set but the Redis URL is redis://: use rediss://")
+        else:
+            tls = {}
         # No connection is opened here: the first command connects.
         self._redis = redis.Redis.from_url(
             url,
@@ -160,6 +169,7 @@ class RedisWeightStore(PublishingStore):
             max_connections=opts.max_connections,
             client_name=opts.client_name,
             decode_responses=False,
+            **tls,
         )
         self._scripts = redis_scripts.register(self._redis)
 

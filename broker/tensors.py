@@ -74,6 +74,8 @@ class WireDtype:
     carrier: np.dtype[np.generic]
     itemsize: int
     bits: FloatBits | None  # floating-point formats only
+    # The dtype a tensor over the carrier must be viewed as (bfloat16, bool), else None.
+    view_as: torch.dtype | None
 
 
 def _wire(
@@ -81,7 +83,8 @@ def _wire(
 ) -> WireDtype:
     size = torch_dtype.itemsize
     bits = _bits(size, infinity, native) if infinity else None
-    return WireDtype(name, torch_dtype, np.dtype(carrier), size, bits)
+    view_as = torch_dtype if torch_dtype in (torch.bfloat16, torch.bool) else None
+    return WireDtype(name, torch_dtype, np.dtype(carrier), size, bits, view_as)
 
 
 WIRE_DTYPES: Mapping[str, WireDtype] = MappingProxyType(
@@ -211,7 +214,7 @@ def host_array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     """A numpy array sharing a CPU tensor's memory and strides (bfloat16 as int16)."""
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy()  # a dtype view never tracks gradients
-    return tensor.detach().numpy()
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 
 
 def wire_bytes(tensor: torch.Tensor) -> memoryview:
@@ -246,22 +249,14 @@ def sharing_read_only() -> AbstractContextManager[None]:
     return _SharingReadOnly()
 
 
-class _SharingReadOnly:
+class _SharingReadOnly(warnings.catch_warnings):
     # A class rather than a @contextmanager generator: this runs once per decoded body, and the
     # generator machinery cost as much as catch_warnings itself.
-    __slots__ = ("_catcher",)
-
-    def __init__(self) -> None:
-        self._catcher = warnings.catch_warnings()
-
     def __enter__(self) -> None:
-        self._catcher.__enter__()
+        super().__enter__()
         # What `warnings.filterwarnings` would insert, prebuilt: its validation, regex lookup
         # and duplicate scan cost three times the rest. The list is catch_warnings' own copy.
         cast("list[object]", warnings.filters).insert(0, _IGNORE_NOT_WRITABLE)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._catcher.__exit__(None, None, None)
 
 
 _IGNORE_NOT_WRITABLE = (
@@ -285,18 +280,17 @@ def view_from(
     """
     dtype = slot.dtype
     count = slot.nbytes // dtype.itemsize
-    array = np.frombuffer(body, dtype=dtype.carrier, count=count, offset=start + slot.offset)
+    array = np.frombuffer(body, dtype.carrier, count, start + slot.offset)
     # Checked on the array, before torch sees it: no tensor-to-numpy round trip per call.
     if finite and count and dtype.bits is not None and not finite_array(array, dtype.bits):
         raise DecodeError(f"{slot.path}: holds NaN or infinite values")
     tensor = torch.from_numpy(array.reshape(slot.shape))
-    if dtype.torch_dtype == torch.bool:
-        if count and int(_MAX(array, axis=None)) > 1:
-            raise DecodeError(f"{slot.path}: bool tensor holds bytes other than 0 and 1")
-        return tensor.view(torch.bool)
-    if tensor.dtype != dtype.torch_dtype:
-        return tensor.view(dtype.torch_dtype)
-    return tensor
+    view_as = dtype.view_as
+    if view_as is None:
+        return tensor
+    if view_as is torch.bool and count and int(_MAX(array)) > 1:
+        raise DecodeError(f"{slot.path}: bool tensor holds bytes other than 0 and 1")
+    return tensor.view(view_as)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -335,8 +329,12 @@ def finite_array(array: np.ndarray[Any, Any], bits: FloatBits) -> bool:
     where one pair of calls costs less than slicing).
     """
     size = array.nbytes
-    if size <= _SMALL and bits.native is not None:
-        return bool(_ALL(np.isfinite(array.view(bits.native)), axis=None))
+    native = bits.native
+    if size <= _SMALL and native is not None:
+        # Callers pass the float carrier itself (the decoder's, `host_array`'s); only another
+        # carrier needs a view.
+        floats = array if array.dtype is native else array.view(native)
+        return bool(_ALL(np.isfinite(floats), axis=None))
     if size <= _CHUNK or not array.flags.c_contiguous:
         return _finite_bits(array, bits)
     flat = array.reshape(-1)

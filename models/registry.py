@@ -14,12 +14,19 @@ from models.heads import HeadFactory, default_head, pooled_head
 from models.lenet5 import lenet5
 from models.resnet18 import resnet18
 from models.split import SplitNet
+from models.vgg_mini import vgg_mini
 from models.vgg_small import vgg_small
 
 Builder = Callable[..., SplitNet]
 
 BUILTIN_MODELS: Mapping[str, Builder] = MappingProxyType(
-    {"cnn5": cnn5, "lenet5": lenet5, "vgg_small": vgg_small, "resnet18": resnet18}
+    {
+        "cnn5": cnn5,
+        "lenet5": lenet5,
+        "vgg_small": vgg_small,
+        "vgg_mini": vgg_mini,
+        "resnet18": resnet18,
+    }
 )
 MODEL_NAMES: tuple[str, ...] = tuple(sorted(BUILTIN_MODELS))
 
@@ -37,9 +44,10 @@ def build_model(
     """Build model `name` (one of `MODEL_NAMES`, or a `"package.module:factory"` spec).
 
     `in_channels` and `input_size` (square inputs) default to the built-in model's own
-    (1x28x28 for cnn5, 3x32x32 for the others); a custom factory needs both. `head_pool` sets
-    the auxiliary heads' pooled size (see `models.heads`); `head_factory` replaces the default
-    head altogether. Other options go to the builder or factory as keywords.
+    (1x28x28 for cnn5 and vgg_mini, 3x32x32 for the others); a custom factory needs both.
+    `head_pool` sets the auxiliary heads' pooled size (see `models.heads`); `head_factory`
+    replaces the default head altogether. Other options go to the builder or factory as
+    keywords.
     """
     head_factory = _head_factory(head_pool, head_factory)
     if ":" in name:

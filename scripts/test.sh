@@ -17,6 +17,11 @@ bash scripts/services.sh || {
   echo "test: some services are missing; their tests will be skipped (set CI=true to fail instead)"
 }
 
+bash scripts/browser.sh || {
+  if [ "${CI:-}" = "true" ]; then echo "test: Chromium is missing (CI=true)" >&2; exit 1; fi
+  echo "test: Chromium is missing; the dashboard test will be skipped"
+}
+
 echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== mypy"; "$VENV/bin/mypy"
 echo "== pytest"

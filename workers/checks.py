@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from models.shapes import Shape
+from services.security.identity import client_id_problem
 
 Rejection = tuple[str, str]
 
@@ -51,6 +52,9 @@ def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | N
         return addressing
     if not message.client:
         return "bad_client", "SmashedBatch without a client id"
+    bad_id = client_id_problem(message.client)
+    if bad_id is not None:
+        return "bad_client", bad_id
     z, y = message.activations, message.labels
     shape = want.shape_of(message.cut)
     if shape is None:
@@ -80,6 +84,22 @@ def check_membership(
     if message.round == cohort_round and message.client not in cohort:
         return "not_in_cohort", (
             f"client {message.client!r} is not in the cohort of round {cohort_round}"
+        )
+    return None
+
+
+def check_marker(message: RoundStart | RoundEnd, current_version: int) -> Rejection | None:
+    """Round markers come from the aggregator: round r belongs to version r + 1, and only a
+    version already published can have a round (a marker from the future is forged)."""
+    kind = type(message).__name__
+    if message.round >= message.version:
+        return "bad_marker", (
+            f"{kind} of round {message.round} names version {message.version}; "
+            "round r trains version r + 1"
+        )
+    if message.version > current_version:
+        return "bad_marker", (
+            f"{kind} names version {message.version}, beyond the published {current_version}"
         )
     return None
 

@@ -35,6 +35,7 @@ from broker.errors import (
     VersionNotFoundError,
 )
 from broker.messages import Error, InferReply, InferRequest, Message, new_message_id
+from broker.rejection import Rejected, dead_letter_safely
 from broker.store import NO_VERSION, SERVER_PART, BlobRef, WeightStore
 from broker.topology import (
     REPLIES_EXCHANGE,
@@ -50,6 +51,7 @@ from models.split import SplitNet
 from models.state import load_partial
 from services.config.root import Settings
 from services.runtime.backends import Backends
+from services.security.identity import client_id_problem, sender_check
 from workers.model import ModelFactory, pick_device
 
 SERVER = BlobRef(SERVER_PART)
@@ -145,6 +147,7 @@ class InferenceServer:
         self._log = logger or logging.getLogger("splitmq.worker.inference")
         self._job = settings.job.name
         self._cut_shape: tuple[int, ...] = ()
+        self._senders = sender_check(settings)
         self.stats = InferenceStats()
 
     def run(self, stop: threading.Event) -> InferenceStats:
@@ -189,6 +192,12 @@ class InferenceServer:
         if not isinstance(message, InferRequest):
             detail = f"{type(message).__name__} does not belong on the infer queue"
             self._reject(broker, delivery, "wrong_type", detail)
+            return
+        # Nobody to answer: a client id that routes nowhere, or one the sender may not claim.
+        bad_id = client_id_problem(message.client) if message.client else None
+        forged = bad_id or self._senders.client_problem(delivery, message.client)
+        if forged is not None:
+            self._reject(broker, delivery, "bad_client" if bad_id else "impostor", forged)
             return
         problem = self._problem(message)
         loaded = thetas.get(message.version) if problem is None else None
@@ -276,12 +285,8 @@ class InferenceServer:
 
     def _reject(self, broker: Broker, delivery: Delivery, code: str, detail: str) -> None:
         reason = f"{code}: {detail}"
-        try:
-            broker.dead_letter(delivery, reason)
-        except StaleDeliveryError:
+        if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
             return
-        except BackPressureError:
-            broker.nack(delivery, requeue=False)
         self.stats.dead_lettered[code] += 1
         self._log.warning("dead-lettered an InferRequest: %s", reason)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.codec import decode
-from broker.errors import DecodeError, StaleDeliveryError
+from broker.errors import BrokerError, DecodeError, StaleDeliveryError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
@@ -25,10 +25,12 @@ from services.algorithms.base import Strategy, batch_cuts
 from services.config.root import Settings
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.runtime.logs import log_context
+from services.security.identity import sender_check
 from workers.busy import BusyMeter
 from workers.checks import ShardExpectations
 from workers.deadletter import reject
 from workers.leases import LeaseKeeper
+from workers.members import MemberCache
 from workers.model import ModelFactory, job_hyper, pick_device
 from workers.replica import Replica, open_replica
 from workers.replies import Replier
@@ -116,7 +118,9 @@ class WorkerSession:
             clock=self.clock,
             logger=self.log,
             metrics=spec.metrics,
+            known_client=MemberCache(self.store, self.job, self.clock),
         )
+        self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -195,8 +199,13 @@ class WorkerSession:
             return
         self.metrics.members("worker", workers)
         for queue, runner in self.runners.items():
-            self.metrics.queue_depth(runner.shard, self.broker.queue_depth(queue))
             self.metrics.version(runner.replica.version)
+            try:
+                depth = self.broker.queue_depth(queue)
+            except BrokerError as exc:  # a gauge is not worth a worker
+                self.log.debug("worker %s: no depth of %s: %r", self.worker_id, queue, exc)
+                continue
+            self.metrics.queue_depth(runner.shard, depth)
 
     def _heartbeat_info(self) -> dict[str, str]:
         """Who and how busy we are, for `splitmq check worker` and the autoscaler."""
@@ -302,6 +311,14 @@ class WorkerSession:
         if not isinstance(message, RoundStart | SmashedBatch | RoundEnd):
             detail = f"{type(message).__name__} does not belong on a shard queue"
             reject(self.broker, delivery, "wrong_type", detail, self.stats, self.log)
+            return
+        forged = (
+            self.senders.client_problem(delivery, message.client)
+            if isinstance(message, SmashedBatch)
+            else self.senders.service_problem(delivery, type(message).__name__)
+        )
+        if forged is not None:
+            reject(self.broker, delivery, "impostor", forged, self.stats, self.log)
             return
         context = log_context(shard=runner.shard, client=message.client or None)
         try:

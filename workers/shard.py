@@ -26,6 +26,7 @@ from workers.checks import (
     ShardExpectations,
     check_addressing,
     check_batch,
+    check_marker,
     check_membership,
     parse_cohort,
 )
@@ -65,6 +66,8 @@ class ShardServices:
     clock: Callable[[], float]
     logger: logging.Logger
     metrics: Metrics = NO_METRICS
+    # Whether the job's coordinator admitted a client (`workers.members.MemberCache`).
+    known_client: Callable[[str], bool] = lambda _client: True
 
 
 class ShardRunner:
@@ -109,6 +112,8 @@ class ShardRunner:
         )
         if problem is None and not self._io.strategy.splits:
             problem = ("no_server_side", f"algorithm {self._io.strategy.name} does not split")
+        if problem is None and not self._member(batch.client):
+            problem = ("unknown_client", f"client {batch.client!r} is not a member of the job")
         if problem is not None:
             self._reject(delivery, *problem)
             return
@@ -133,7 +138,21 @@ class ShardRunner:
             if len(self._fold) >= self._policy.batch_messages:
                 self.flush()
 
+    def _member(self, client: str) -> bool:
+        """Cohort members and clients already applied here are known without asking."""
+        replica = self.replica
+        return client in replica.cohort or client in replica.seqs or self._io.known_client(client)
+
+    def _marker_problem(self, message: RoundStart | RoundEnd) -> tuple[str, str] | None:
+        return check_addressing(message, self._want) or check_marker(
+            message, self._io.store.current_version(self._want.job)
+        )
+
     def _on_round_start(self, delivery: Delivery, message: RoundStart) -> None:
+        marker = self._marker_problem(message)
+        if marker is not None:
+            self._reject(delivery, *marker)
+            return
         cohort, problem = parse_cohort(message, self._want)
         if problem is not None or cohort is None:
             self._reject(delivery, *(problem or ("bad_cohort", "unusable participants")))
@@ -153,7 +172,7 @@ class ShardRunner:
         self._hold(delivery)
 
     def _on_round_end(self, delivery: Delivery, message: RoundEnd) -> None:
-        problem = check_addressing(message, self._want)
+        problem = self._marker_problem(message)
         if problem is not None:
             self._reject(delivery, *problem)
             return

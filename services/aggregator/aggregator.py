@@ -23,6 +23,7 @@ from services.report.records import MetricsSink, VersionRecord
 from services.runtime.backends import Backends
 from services.runtime.jobmodel import job_model
 from services.runtime.logs import log_context
+from services.security.identity import sender_check, service_stamped
 
 # Held (unacked) updates count against the prefetch: leave room for a whole cohort plus the
 # late and malformed ones that arrive meanwhile.
@@ -68,7 +69,8 @@ class Aggregator:
         Returns early when `stop` is set (the sink is told "stopped"); a failure of the broker
         or the store propagates after the sink is told "failed: ...".
         """
-        broker = self._backends.open_broker("aggregator")
+        # In the secured mode its round markers carry its AMQP user, which workers check.
+        broker = service_stamped(self._backends.open_broker("aggregator"), self._settings)
         store = self._backends.open_store()
         try:
             limits = QueueLimits(
@@ -86,6 +88,7 @@ class Aggregator:
                 self._log,
                 self.inbox_stats,
                 metrics=self._backends.metrics,
+                senders=sender_check(self._settings),
             )
             driver = RoundDriver(
                 self._settings,

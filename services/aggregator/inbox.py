@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from broker.codec import decode
 from broker.errors import DecodeError, StaleDeliveryError
 from broker.messages import WeightsUpdate
+from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
 from services.aggregator.gate import Gate, Verdict
 from services.coordinator.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
+from services.security.identity import SenderCheck, client_id_problem
 
 
 @dataclass
@@ -37,6 +39,7 @@ class UpdateInbox:
     stats: InboxStats = field(default_factory=InboxStats)
     held: list[Delivery] = field(default_factory=list)
     metrics: Metrics = NO_METRICS
+    senders: SenderCheck = field(default_factory=SenderCheck)
 
     def poll(self, timeout: float, gate: Gate, version: int) -> bool:
         """Handle at most one delivery (waiting up to `timeout`); whether there was one.
@@ -56,10 +59,11 @@ class UpdateInbox:
         if message.job != self.job:
             self._dead_letter(delivery, f"update for job {message.job!r}")
             return True
-        if delivery.user_id and delivery.user_id != message.client:
-            self._dead_letter(
-                delivery, f"client {message.client!r} is not AMQP user {delivery.user_id!r}"
-            )
+        sender = client_id_problem(message.client) or self.senders.client_problem(
+            delivery, message.client
+        )
+        if sender is not None:
+            self._dead_letter(delivery, sender)
             return True
         self.metrics.staleness(version - message.version)
         offer = gate.offer(message)
@@ -102,6 +106,7 @@ class UpdateInbox:
             self.logger.info("job %s: ack of an update on a lost connection", self.job)
 
     def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+        if dead_letter_safely(self.broker, delivery, reason) is Rejected.REDELIVERED:
+            return  # its connection is gone: it comes back and is judged again
         self.stats.dead_lettered += 1
         self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
-        self.broker.dead_letter(delivery, reason)

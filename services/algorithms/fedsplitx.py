@@ -51,8 +51,6 @@ from services.config.algorithms import FedSplitXSection
 CLIENT = BlobRef(CLIENT_PART)
 SERVER = BlobRef(SERVER_PART)
 AUX = BlobRef(AUX_PART)
-# Replies to local-loss batches carry no gradient: the client does not wait for one.
-NO_GRADIENT = torch.empty(0)
 
 
 def check_levels(model: SplitNet, levels: Sequence[str]) -> tuple[str, ...]:
@@ -277,7 +275,8 @@ class FedSplitX:
             with torch.no_grad():
                 loss = float(F.cross_entropy(output, y))
                 hits = int((output.argmax(dim=1) == y).sum())
-            results.append((NO_GRADIENT, loss, hits))
+            # No gradient goes back: the client does not wait for one.
+            results.append((torch.empty(0), loss, hits))
         if not bool(torch.isfinite(objective.detach())):
             # No step; the worker checks the reported losses, so a head's non-finite loss must
             # show there too (it rolls the replica back and dead-letters the batches).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -99,10 +100,12 @@ def pick_log_level(settings: Settings, override: str | None, default: str | None
 
 
 def default_member_id(prefix: str = "") -> str:
-    """hostname-pid: unique per process on a host, readable in logs and queue names."""
+    """hostname-pid-random: readable in logs and queue names, and unique even where processes
+    share both: containers on `network_mode: host` all carry the host's hostname, and each
+    container's role runs under the same small pid (e.g. 7, behind `init: true`)."""
     host = socket.gethostname().split(".")[0] or "host"
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)
-    return f"{prefix}{safe}-{os.getpid()}"
+    return f"{prefix}{safe}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @contextmanager

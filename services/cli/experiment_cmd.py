@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import threading
-import time
 from pathlib import Path
 
 import click
@@ -64,12 +64,10 @@ def experiment(
     is replaced; the rest of the file is kept.
     """
     # Imported here: every role process imports the CLI, and none of them needs these.
-    from services.experiments.document import Context, machine_line, sizes_line, write_results
+    from services.experiments.document import Context, sizes_line, write_results
     from services.experiments.runner import build_settings, run_experiment
 
     target = out or (QUICK_OUT if quick else DEFAULT_OUT)
-    started = time.monotonic()
-    machine = machine_line()
     stop = threading.Event()
     with configured_logging("WARNING"), stop_on_signals(stop):
         try:
@@ -97,9 +95,8 @@ def experiment(
     sizes = [sizes_line(build_settings(spec, r, quick=quick, data_dir=None)) for r in results.runs]
     context = Context(
         command=command_line(),
-        machine=machine,
+        data_source=_data_source(data_dir),
         quick=quick,
-        wall_s=time.monotonic() - started,
         sizes="; ".join(dict.fromkeys(sizes)),  # distinct, in run order
     )
     write_results(spec, results, context, target)
@@ -108,3 +105,10 @@ def experiment(
     if failed:
         click.echo(f"runs that did not finish: {', '.join(failed)}", err=True)
         raise click.exceptions.Exit(1)
+
+
+def _data_source(data_dir: Path | None) -> str:
+    """Where the datasets came from, in words that hold on any machine."""
+    if data_dir is not None:
+        return "--data-dir"
+    return "$SPLITMQ_DATA_DIR" if os.environ.get("SPLITMQ_DATA_DIR") else "the shipped sample"

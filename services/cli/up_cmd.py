@@ -51,6 +51,12 @@ from services.runtime.roles import worker_count
     help="Give up after this many seconds (0: wait for the job to finish).",
 )
 @click.option("--log-json", is_flag=True, help="Children log JSON lines.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default=None,
+    help="Children's log format (json: job, client, shard and version on every line).",
+)
 def up(
     config: Path | None,
     workers: int | None,
@@ -59,6 +65,7 @@ def up(
     report_dir: Path | None,
     timeout: float,
     log_json: bool,
+    log_format: str | None,
 ) -> None:
     """Run every role as a local process (RabbitMQ + Redis).
 
@@ -86,8 +93,9 @@ def up(
         f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
         f"{n_clients} client(s); run directory {run_dir}"
     )
+    json_lines = log_json or log_format == "json"
     procs = LocalProcesses(
-        path, specs, env, echo=click.echo, extra_args=("--log-json",) if log_json else ()
+        path, specs, env, echo=click.echo, extra_args=("--log-json",) if json_lines else ()
     )
     stop = threading.Event()
     with stop_on_signals(stop):

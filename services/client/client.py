@@ -137,8 +137,14 @@ class Client:
         finally:
             link.leave(reason)
             broker.close()
+        # The batch count is what compose/smoke.sh checks against the shards' applied counts.
         self._log.info(
-            "job %s client %s: %s after %d rounds", self._job, self.client_id, reason, stats.rounds
+            "job %s client %s: %s after %d rounds, %d batches sent",
+            self._job,
+            self.client_id,
+            reason,
+            stats.rounds,
+            stats.batches_sent,
         )
         return stats
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -26,6 +26,11 @@ class TLSSettings(_Section):
     key_file: str | None = None
     verify_hostname: bool = True
 
+    @property
+    def configured(self) -> bool:
+        """Whether anything differs from the defaults (system CAs, hostname checked)."""
+        return self != TLSSettings()
+
 
 class BrokerSettings(_Section):
     kind: Literal["memory", "rabbitmq"] = "memory"
@@ -39,6 +44,9 @@ class BrokerSettings(_Section):
     shard_queue_max_length: int = Field(default=10_000, gt=0)
     shard_queue_max_bytes: int = Field(default=1 << 30, gt=0)
     tls: TLSSettings = TLSSettings()
+    # Only check that exchanges and queues exist, never declare or bind: for a user without
+    # configure permission (the secured mode's clients, docs/deployment.md "Security").
+    passive_declare: bool = False
 
 
 class StoreSettings(_Section):
@@ -49,11 +57,32 @@ class StoreSettings(_Section):
     tls: TLSSettings = TLSSettings()
 
 
+class SecuritySettings(_Section):
+    """The secured deployment (design §3; docs/deployment.md "Security")."""
+
+    # One RabbitMQ user per client (`splitmq provision-clients`): clients stamp the AMQP
+    # user_id, which RabbitMQ validates, and services dead-letter a client message without
+    # one or whose `client` field names another user.
+    per_client_users: bool = False
+    # AMQP users whose RoundStart / RoundEnd markers workers accept in the secured mode,
+    # besides the user of this process's own broker.amqp_url (the services' user).
+    service_users: tuple[str, ...] = ()
+
+    @field_validator("service_users", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        # SPLITMQ_SECURITY__SERVICE_USERS="a,b": environment values arrive as one string.
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+
 class ConnectionSettings(_Section):
     """Where the broker and the store are."""
 
     broker: BrokerSettings = BrokerSettings()
     store: StoreSettings = StoreSettings()
+    security: SecuritySettings = SecuritySettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # "json": one JSON object per line with job, client, shard and version (--log-format).
     log_format: Literal["text", "json"] = "text"

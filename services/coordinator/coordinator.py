@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from broker.codec import decode
 from broker.errors import DecodeError
 from broker.messages import Heartbeat, Join, Leave, Message
+from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import WeightStore
 from broker.topology import QueueLimits, control_queue_name, job_queues
 from broker.transport import Broker, Delivery
@@ -26,6 +27,7 @@ from services.coordinator.membership import client_members, member_id
 from services.coordinator.outbox import Outbox
 from services.runtime.backends import Backends
 from services.runtime.logs import log_context
+from services.security.identity import client_id_problem, sender_check, service_stamped
 
 _PREFETCH = 32
 
@@ -64,6 +66,7 @@ class Coordinator:
         self.stats = CoordinatorStats()
         # Clients seen live at the last sweep, to announce the ones whose heartbeats stopped.
         self._known: set[str] = set()
+        self._senders = sender_check(settings)
 
     @property
     def job(self) -> str:
@@ -71,7 +74,7 @@ class Coordinator:
 
     def run(self, stop: threading.Event) -> CoordinatorStats:
         """Serve until `stop` is set; returns the counters."""
-        broker = self._backends.open_broker("coordinator")
+        broker = service_stamped(self._backends.open_broker("coordinator"), self._settings)
         store = self._backends.open_store()
         try:
             limits = QueueLimits(
@@ -134,10 +137,13 @@ class Coordinator:
                 self.stats.rejoined += outcome.rejoined
                 self.stats.refused += outcome.refused
             elif isinstance(message, Heartbeat):
-                self._heartbeat(store, outbox, message)
+                reason = self._heartbeat(store, outbox, message)
             elif isinstance(message, Leave):
-                self._leave(store, outbox, message)
-        broker.ack(delivery)
+                reason = self._leave(store, outbox, message)
+            if reason is not None:
+                self._dead_letter(broker, delivery, reason)
+                return
+        ack_safely(broker, delivery)
 
     def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:
         if not isinstance(message, Join | Heartbeat | Leave):
@@ -146,41 +152,50 @@ class Coordinator:
             return f"message for job {message.job!r} on job {self.job!r}'s control queue"
         if not message.client:
             return f"{type(message).__name__} without a client id"
-        # Design §3: in a secured deployment the broker vouches for user_id; the client field
-        # must not claim someone else's identity.
-        if delivery.user_id and delivery.user_id != message.client:
-            return f"client {message.client!r} does not match the AMQP user {delivery.user_id!r}"
+        bad_id = client_id_problem(message.client)
+        if bad_id is not None:
+            return bad_id
+        # Design §3: the broker vouches for user_id; the client field must not claim someone
+        # else's identity (and in the secured mode a client message must carry one).
+        impostor = self._senders.client_problem(delivery, message.client)
+        if impostor is not None:
+            return impostor
         if isinstance(message, Heartbeat) and message.role != "client":
             return f"heartbeat of role {message.role!r}: only clients are members"
         return None
 
-    def _heartbeat(self, store: WeightStore, outbox: Outbox, message: Heartbeat) -> None:
+    def _heartbeat(self, store: WeightStore, outbox: Outbox, message: Heartbeat) -> str | None:
+        """None once handled; the reason to dead-letter it otherwise."""
         mid = member_id(message.client)
         if mid not in store.live_members(self.job):
             self.stats.unknown_heartbeats += 1
             version = store.current_version(self.job)
-            outbox.error(
+            # An expired member rejoins when told; a stranger without a reply queue is not one.
+            told = outbox.error(
                 message.client,
                 version,
                 "unknown_member",
                 "unknown member, join first",
                 message.message_id,
             )
-            return
+            return None if told else f"heartbeat of unknown client {message.client!r}"
         self.stats.heartbeats += 1
         store.heartbeat(self.job, mid, self._settings.clients.heartbeat_ttl_s)
+        return None
 
-    def _leave(self, store: WeightStore, outbox: Outbox, message: Leave) -> None:
+    def _leave(self, store: WeightStore, outbox: Outbox, message: Leave) -> str | None:
+        """None once handled; the reason to dead-letter it otherwise."""
         mid = member_id(message.client)
         if mid not in store.live_members(self.job):
             self._log.info("job %s: leave from unknown client %s", self.job, message.client)
-            return
+            return f"Leave of client {message.client!r}, who is not a member"
         store.remove_member(self.job, mid)
         self._known.discard(message.client)
         self.stats.left += 1
         version = store.current_version(self.job)
         self._log.info("job %s: client %s left (%s)", self.job, message.client, message.reason)
         outbox.event("member_left", version, {"reason": message.reason or "leave"}, message.client)
+        return None
 
     def _sweep(self, store: WeightStore, outbox: Outbox) -> None:
         """Announce members whose heartbeats stopped (the store already dropped them)."""
@@ -195,6 +210,7 @@ class Coordinator:
         self._known = live
 
     def _dead_letter(self, broker: Broker, delivery: Delivery, reason: str) -> None:
+        if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
+            return  # its connection is gone: it comes back and is judged again
         self.stats.dead_lettered += 1
         self._log.warning("job %s: dead-lettering a control message: %s", self.job, reason)
-        broker.dead_letter(delivery, reason)

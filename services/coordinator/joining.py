@@ -84,7 +84,8 @@ class JoinDesk:
         else:
             assigned = self._assign(message, members)
             if assigned is None:
-                self._refuse(message, version, len(members))
+                if not self._refuse(message, version, len(members)):
+                    return JoinOutcome(unreachable=True)
                 return JoinOutcome(refused=True)
             info = assigned
         ttl = self._settings.clients.heartbeat_ttl_s
@@ -157,11 +158,12 @@ class JoinDesk:
         self._log.info("job %s: client %s joined after the job finished", self._job, message.client)
         return JoinOutcome(finished=True)
 
-    def _refuse(self, message: Join, version: int, live: int) -> None:
+    def _refuse(self, message: Join, version: int, live: int) -> bool:
+        """Tell the client the job is full; False when it has no reply queue to be told."""
         self._log.warning("job %s: refusing client %s: job full", self._job, message.client)
         count = self._settings.clients.count
         reason = f"job full: all {count} client slots are taken ({live} live)"
-        self._outbox.error(message.client, version, "job_full", reason, message.message_id)
+        return self._outbox.error(message.client, version, "job_full", reason, message.message_id)
 
     def _welcome(self, message: Join, info: MemberInfo, version: int) -> None:
         if self._weights is None or self._weights.version != version:

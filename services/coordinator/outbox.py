@@ -44,8 +44,8 @@ class Outbox:
         )
         return len(body)
 
-    def error(self, client: str, version: int, code: str, reason: str, ref: str = "") -> None:
-        """Best effort: an error for a client that cannot be reached is only logged."""
+    def error(self, client: str, version: int, code: str, reason: str, ref: str = "") -> bool:
+        """Best effort: an error for a client that cannot be reached is only logged (False)."""
         message = Error(self._job, client, new_message_id(), version, code, reason, ref)
         try:
             self.reply(client, message)
@@ -53,6 +53,8 @@ class Outbox:
             self._log.warning(
                 "job %s: cannot send error %r to client %s: no reply queue", self._job, code, client
             )
+            return False
+        return True
 
     def to_shard(self, shard: int, message: Message, stop: threading.Event) -> bool:
         """Publish on a shard queue, waiting out back-pressure; False if `stop` came first."""

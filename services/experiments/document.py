@@ -8,15 +8,12 @@ outside the markers.
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from services.config.root import Settings
-from services.experiments.figures import write_figure
+from services.experiments.figures import FigureSlot, write_figure
 from services.experiments.results import ResultSet
 from services.experiments.spec import Experiment
 from services.experiments.tables import render_table, runs_table
@@ -28,22 +25,6 @@ RESULTS_HEADER = (
     "modules in `services/experiments/`, not the numbers.\n"
 )
 FIGURES_DIR = "results"
-
-
-def machine_line() -> str:
-    """OS, CPU, cores, Python and torch, plus the load when the run started (shared hosts)."""
-    parts = [
-        platform.platform(),
-        platform.processor() or platform.machine(),
-        f"{os.cpu_count()} CPUs",
-        f"python {platform.python_version()}",
-        f"torch {torch.__version__}",
-    ]
-    try:
-        parts.append(f"load average at start {os.getloadavg()[0]:.1f}")
-    except OSError:
-        pass
-    return ", ".join(parts)
 
 
 def sizes_line(settings: Settings) -> str:
@@ -66,15 +47,23 @@ class Context:
     """How the results were produced, stated in the section."""
 
     command: str
-    machine: str
     quick: bool
-    wall_s: float
+    data_source: str = ""  # "--data-dir", "$SPLITMQ_DATA_DIR"...
     sizes: str = ""  # `sizes_line` of the grid's runs
 
 
 def render_section(
-    experiment: Experiment, results: ResultSet, context: Context, figures: Sequence[Path], out: Path
+    experiment: Experiment,
+    results: ResultSet,
+    context: Context,
+    figures: Sequence[Path],
+    out: Path,
+    extras: Sequence[str] = (),
 ) -> str:
+    """The section's markdown; `extras` (the experiment's own blocks) follow its tables."""
+    machines = "; ".join(dict.fromkeys(r.machine for r in results if r.machine)) or "unknown"
+    total_s = sum(r.wall_s for r in results)
+    data = f" (datasets from `{context.data_source}`)" if context.data_source else ""
     parts = [f"## {experiment.title}"]
     if context.quick:
         parts.append("> **Smoke run (`--quick`)**: tiny sizes, numbers mean nothing.")
@@ -84,10 +73,12 @@ def render_section(
         "**Scaling.** "
         + experiment.scaling.strip()
         + (f"  \n**Sizes as run.** {context.sizes}." if context.sizes else ""),
-        f"**Command.** `{context.command}`  \n**Machine.** {context.machine}  \n"
-        f"**Total wall time.** {context.wall_s / 60:.1f} min for {len(results)} runs.",
+        f"**Command.** `{context.command}`{data}  \n**Machine.** {machines}  \n"
+        f"**Total wall time.** {total_s / 60:.1f} min for {len(results)} runs "
+        "(the machine was shared: see the load at each run's start below).",
     ]
     parts += [render_table(table, results) for table in experiment.tables]
+    parts += [block.strip() for block in extras if block.strip()]
     verdict = experiment.verdict(results)
     if verdict:
         parts.append(
@@ -131,5 +122,8 @@ def write_results(experiment: Experiment, results: ResultSet, context: Context, 
         made = write_figure(replace(plot, file=prefix + plot.file), results, figures_dir)
         if made is not None:
             figures.append(made)
-    write_section(experiment.name, render_section(experiment, results, context, figures, out), out)
+    slot = FigureSlot(figures_dir, prefix, out.parent)
+    extras = experiment.extras(results, slot) if experiment.extras else ()
+    section = render_section(experiment, results, context, figures, out, extras)
+    write_section(experiment.name, section, out)
     return out

@@ -7,7 +7,9 @@ matplotlib's object API on an explicit Agg canvas, imported on first use, as in
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +105,57 @@ def write_figure(plot: Plot, results: ResultSet, directory: Path) -> Path | None
         return None  # only tag-less baselines fit: nothing of this plot's own was run
     draw = _curve(plot, results) if isinstance(plot, CurvePlot) else _final(plot, results)
     return _figure(directory / plot.file, plot.title, _panels(plot, results), plot.panels, draw)
+
+
+@dataclass(frozen=True)
+class FigureSlot:
+    """Where an experiment's own figures (`Experiment.extras`) go, and how the section links
+    them: files `<directory>/<prefix><name>`, links relative to the results file's folder."""
+
+    directory: Path
+    prefix: str
+    base: Path
+
+    def path(self, name: str) -> Path:
+        return self.directory / (self.prefix + name)
+
+    def link(self, path: Path) -> str:
+        return f"![{path.stem}]({os.path.relpath(path, self.base).replace(os.sep, '/')})"
+
+
+PanelDraw = Callable[[Any, str], bool]
+
+
+def panel_figure(
+    path: Path, title: str, panels: Sequence[str], draw: PanelDraw, *, ylabel: str = ""
+) -> Path | None:
+    """One row of panels titled by `panels`, each filled by `draw(axes, panel)` (True when it
+    drew something, with labelled lines); None, and no file, when nothing was drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not panels:
+        return None
+    figure = Figure(figsize=(4.2 * len(panels) + 0.6, 3.8), dpi=100)
+    FigureCanvasAgg(figure)
+    drawn = False
+    for axes, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        if draw(axes, panel):
+            drawn = True
+            axes.grid(True, alpha=0.3)
+            axes.legend(fontsize="small")
+        axes.set_title(panel)
+        if ylabel:
+            axes.set_ylabel(ylabel)
+    if not drawn:
+        return None
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
+    return path
+
+
+def line_style(i: int) -> dict[str, Any]:
+    """Marker and dash of the i-th line, as the harness's own plots draw them."""
+    return _style(i)

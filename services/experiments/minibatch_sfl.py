@@ -155,10 +155,10 @@ percentages as accuracy points.
 """
 
 SCALING = """
-Training stops after a fixed, small budget instead of at convergence (about one pass over
-the 60,000 training images in all; sizes below), and accuracy is measured on the first 5,000
-of the 10,000 test images (`eval_samples`): these are early-training accuracies, below
-converged ones, on a grid of 22 runs that fits in about 15 minutes on 2 CPU cores.
+Training stops after a fixed, small budget instead of at convergence (three quarters of a
+pass over the 60,000 training images in all; sizes below), and accuracy is measured on the
+first 5,000 of the 10,000 test images (`eval_samples`): these are early-training accuracies,
+below converged ones, on a grid of 22 runs meant to fit in about 15 minutes on 2 CPU cores.
 """
 
 NOTES = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from services.report.tables import record_from_dict
 
 # Written by the experiment runner beside metrics.json: what the report directory lacks.
 EXPERIMENT_JSON = "experiment.json"
+# The experiment's `final_eval` of the run's last version, where it has one.
+FINAL_JSON = "final.json"
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class RunResult:
     rounds: int  # rounds the config asked for
     records: tuple[VersionRecord, ...]
     reused: bool = False  # taken from an earlier invocation (--reuse)
+    machine: str = ""  # `host.machine_line()` where it ran
+    load: float = math.nan  # 1-minute load average when it started
+    final: Mapping[str, float] = field(default_factory=dict)  # `Experiment.final_eval`'s
 
     @property
     def label(self) -> str:
@@ -56,16 +61,31 @@ def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ..
     return dict(doc.get("run", {})), records
 
 
-def load_result(run: Run, run_dir: Path, *, wall_s: float, reused: bool = False) -> RunResult:
+def read_final(run_dir: Path) -> dict[str, float]:
+    """The run's `final.json` (its last version's final evaluation); {} when it has none."""
+    try:
+        doc = json.loads((run_dir / FINAL_JSON).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    return {str(k): float(v) for k, v in doc.items()}
+
+
+def load_result(run: Run, run_dir: Path, *, reused: bool = False) -> RunResult:
+    """The run's records from metrics.json and its wall time and host from experiment.json."""
     info, records = read_records(run_dir)
+    meta = json.loads((run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
+    load = meta.get("load")
     return RunResult(
         run=run,
         run_dir=run_dir,
         status=str(info.get("status", "unknown")),
-        wall_s=wall_s,
+        wall_s=float(meta["wall_s"]),
         rounds=int(info.get("rounds", 0)),
         records=records,
         reused=reused,
+        machine=str(meta.get("machine", "")),
+        load=float(load) if load is not None else math.nan,
+        final=read_final(run_dir),
     )
 
 

@@ -10,6 +10,7 @@ and its metrics are read back from there, so the results come from what was reco
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -25,19 +26,21 @@ from services.config.loading import ConfigError, deep_merge
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.experiments.centralized import train_centralized
+from services.experiments.final import run_service
+from services.experiments.host import load_average, machine_line
 from services.experiments.results import (
     EXPERIMENT_JSON,
+    FINAL_JSON,
     ResultSet,
     RunResult,
     load_result,
     read_records,
 )
-from services.experiments.spec import Experiment, Run
+from services.experiments.spec import Experiment, FinalEval, Run
 from services.report.filesink import FileSink
 from services.report.records import VersionRecord
 from services.report.rundir import write_atomic
 from services.report.sinks import EchoSink, TeeSink
-from services.runtime.embedded import run_embedded
 
 Echo = Callable[[str], None]
 # Settings that say where things are, not what is computed: a run is reusable across them.
@@ -84,16 +87,15 @@ class DataCache:
         return self.loaded[key]
 
 
-def reusable(run_dir: Path, settings: Settings) -> float | None:
-    """The wall time of a finished earlier run of exactly these settings, else None."""
+def reusable(run_dir: Path, settings: Settings) -> bool:
+    """Whether `run_dir` holds a finished earlier run of exactly these settings."""
     try:
         meta = json.loads((run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
         info, records = read_records(run_dir)
     except (OSError, ValueError):
-        return None
+        return False
     same = meta.get("config") == comparable(settings)
-    done = info.get("status") == "finished" and len(records) >= settings.job.rounds
-    return float(meta["wall_s"]) if same and done else None
+    return same and info.get("status") == "finished" and len(records) >= settings.job.rounds
 
 
 @contextmanager
@@ -143,22 +145,27 @@ def execute(
     command: str,
     echo: Echo,
     stop: threading.Event,
+    final_eval: FinalEval | None = None,
 ) -> float:
-    """Run one job into `run_dir`; its wall time in seconds."""
+    """Run one job into `run_dir`; its wall time in seconds (a service run's `final_eval`
+    included)."""
     sink = FileSink.create(settings, command=command, run_dir=run_dir)
     tee = TeeSink([sink, _Progress(echo, f"[{run.label}]", settings.job.rounds)])
+    load = load_average()
     started = time.monotonic()
     with linked(stop) as run_stop:
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, run_stop)
         else:
-            run_embedded(settings, sink=tee, stop=run_stop, dataset=dataset)
+            run_service(settings, dataset, tee, run_stop, run_dir, final_eval)
     wall_s = time.monotonic() - started
     meta = {
         "label": run.label,
         "tags": dict(run.tags),
         "kind": run.kind,
         "wall_s": wall_s,
+        "machine": machine_line(),
+        "load": load if math.isfinite(load) else None,
         "config": comparable(settings),
     }
     write_atomic(run_dir / EXPERIMENT_JSON, json.dumps(meta, indent=2) + "\n")
@@ -201,10 +208,11 @@ def run_experiment(
         if stop.is_set():
             break
         run_dir = base / slug(run.label)
-        earlier = reusable(run_dir, settings) if reuse else None
-        if earlier is not None:
+        # A run the experiment evaluates at its end is reusable only with that evaluation.
+        evaluated = experiment.final_eval is None or run.kind != "service"
+        if reuse and reusable(run_dir, settings) and (evaluated or (run_dir / FINAL_JSON).exists()):
             echo(f"[{i}/{len(planned)}] {run.label}: reusing {run_dir}")
-            results.append(load_result(run, run_dir, wall_s=earlier, reused=True))
+            results.append(load_result(run, run_dir, reused=True))
             continue
         echo(f"[{i}/{len(planned)}] {run.label} ({_describe(run.tags)})")
         wall_s = execute(
@@ -215,8 +223,9 @@ def run_experiment(
             command=command,
             echo=echo,
             stop=stop,
+            final_eval=experiment.final_eval,
         )
-        result = load_result(run, run_dir, wall_s=wall_s)
+        result = load_result(run, run_dir)
         results.append(result)
         trained_s, trained = trained_s + wall_s, trained + 1
         eta = _eta(trained_s, trained, trained + len(planned) - i)

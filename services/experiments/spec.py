@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from services.algorithms.base import VersionWeights
+    from services.config.root import Settings
+    from services.data.loaders import Dataset
+    from services.experiments.figures import FigureSlot
     from services.experiments.results import ResultSet
 
 # Experiments are reproduced from a clone: their base configs sit beside the other examples.
@@ -82,6 +86,14 @@ class FinalPlot:
 
 Plot = CurvePlot | FinalPlot
 Verdict = Callable[["ResultSet"], list[str]]
+# Metrics of a finished service run's last version (e.g. every client's model on its own
+# classes and on the others, which the aggregator evaluates for the round's cohort only),
+# computed in the experiment's process from the weights the embedded store still holds.
+# Kept in the run directory as `final.json`; a run's `RunResult.final`.
+FinalEval = Callable[["Settings", "Dataset", "VersionWeights"], Mapping[str, float]]
+# Markdown blocks an experiment adds after its tables (its own tables over `RunResult.final`
+# or the records' extras, links to figures it draws into the `FigureSlot`).
+Extras = Callable[["ResultSet", "FigureSlot"], Sequence[str]]
 
 
 def _no_verdict(_results: ResultSet) -> list[str]:
@@ -105,6 +117,8 @@ class Experiment:
     plots: Sequence[Plot] = ()
     verdict: Verdict = _no_verdict  # plain sentences from the numbers: agreement or not
     notes: str = ""  # fixed remarks on how our setup differs from the paper's
+    final_eval: FinalEval | None = None  # service runs only; see `FinalEval`
+    extras: Extras | None = None  # see `Extras`
 
     def grid(self, quick: bool) -> Sequence[Run]:
         return self.quick_runs if quick else self.runs

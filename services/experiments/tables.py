@@ -65,6 +65,7 @@ def runs_table(results: Sequence[RunResult]) -> str:
         "final acc %",
         "best acc %",
         "wall s",
+        "load at start",
     ]
     rows = []
     for r in results:
@@ -78,6 +79,7 @@ def runs_table(results: Sequence[RunResult]) -> str:
                 percent(r.metric("final_global")),
                 percent(r.metric("best_global")),
                 f"{r.wall_s:.1f}",
+                MISSING if not math.isfinite(r.load) else f"{r.load:.1f}",
             ]
         )
     return markdown_table(header, rows)

@@ -11,10 +11,24 @@ from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import RabbitMQOptions
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
 from broker.store import WeightStore
+from broker.tls import TLSOptions
 from broker.transport import Broker
-from services.config.settings import BrokerSettings, StoreSettings
+from services.config.settings import BrokerSettings, StoreSettings, TLSSettings
 from services.metrics.broker import MeteredBroker
 from services.metrics.recorder import NO_METERS, NO_METRICS, Meters, Metrics
+
+
+def tls_options(settings: TLSSettings) -> TLSOptions | None:
+    """The broker layer's TLS options; None when the section keeps its defaults, so a plain
+    amqp:// or redis:// URL stays valid, and amqps:// or rediss:// get the defaults."""
+    if not settings.configured:
+        return None
+    return TLSOptions(
+        ca_file=settings.ca_file,
+        cert_file=settings.cert_file,
+        key_file=settings.key_file,
+        verify_hostname=settings.verify_hostname,
+    )
 
 
 @dataclass
@@ -58,6 +72,8 @@ class Backends:
             give_up_after=give_up_after or settings.reconnect_give_up_s,
             max_message_bytes=settings.max_message_bytes,
             connection_name=name or None,
+            tls=tls_options(settings.tls),
+            passive_declare=settings.passive_declare,
         )
         return RabbitMQBroker(settings.amqp_url, options)
 
@@ -66,7 +82,9 @@ class Backends:
         if settings.kind == "memory":
             return self._embedded().store
         options = RedisStoreOptions(
-            socket_timeout_s=settings.socket_timeout_s, keep_versions=settings.keep_versions
+            socket_timeout_s=settings.socket_timeout_s,
+            keep_versions=settings.keep_versions,
+            tls=tls_options(settings.tls),
         )
         return RedisWeightStore(settings.redis_url, options)
 

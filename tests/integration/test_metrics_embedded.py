@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from broker.topology import CONTROL_EXCHANGE, SMASHED_EXCHANGE, shard_routing_key
-from broker.topology import updates_routing_key
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    SMASHED_EXCHANGE,
+    shard_routing_key,
+    updates_routing_key,
+)
 from services.config.loading import load_settings
 from services.report.records import ListSink
 from services.runtime.backends import Backends, Embedded
@@ -100,7 +104,9 @@ def test_embedded_run_serves_every_metric(tmp_path: Path) -> None:
         assert total(mid, "splitmq_members", kind="client") == 3
         assert total(mid, "splitmq_members", kind="worker") == 2
         assert {("shard", "0"), ("shard", "1")} <= {
-            label for (name, labels), _ in mid.items() if name == "splitmq_queue_depth"
+            label
+            for (name, labels), _ in mid.items()
+            if name == "splitmq_queue_depth"
             for label in labels
         }
 
@@ -114,8 +120,7 @@ def test_embedded_run_serves_every_metric(tmp_path: Path) -> None:
         assert total(end, "splitmq_staleness_versions_count", role="aggregator") >= 3 * 3
         assert total(end, "splitmq_dead_lettered_total", role="worker", reason="decode") == 1
         assert (
-            total(end, "splitmq_dead_lettered_total", role="aggregator", reason="undecodable")
-            == 1
+            total(end, "splitmq_dead_lettered_total", role="aggregator", reason="undecodable") == 1
         )
 
         # Queue depth is the real queue's: nobody consumes shard 1 any more.

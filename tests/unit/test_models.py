@@ -29,6 +29,7 @@ EXPECTED_CUTS = {
     "cnn5": ("block1", "block2", "block3"),
     "lenet5": ("block1", "block2", "block3", "block4"),
     "vgg_small": ("stage1", "stage2", "stage3", "fc1"),
+    "vgg_mini": ("stage1", "stage2", "stage3", "stage4", "fc1"),
     "resnet18": ("stem", "layer1", "layer2", "layer3", "layer4"),
 }
 
@@ -301,6 +302,17 @@ def test_vgg_small_parameter_count() -> None:
     expected = convs + linear(128 * side * side, 256) + linear(256, 10)
     assert block_params(net) == expected
     assert net.cut_shape("stage3") == (128, side, side)
+
+
+def test_vgg_mini_has_four_conv_layers_before_stage3() -> None:
+    net = build_model("vgg_mini")
+    client = net.client_blocks("stage3")
+    convs = [m for m in client.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 16, 32, 32]
+    widths = [1, 8, 16, 32, 32, 64]
+    expected = sum(conv(a, b, 3, False) + bn(b) for a, b in itertools.pairwise(widths))
+    assert block_params(net) == expected + linear(64, 64) + linear(64, 10)
+    assert net.cut_shape("stage3") == (32, 3, 3)
 
 
 def test_resnet18_parameter_count(nets: dict[str, SplitNet]) -> None:

@@ -1,0 +1,51 @@
+"""Client-side TLS for the AMQP and Redis connections (amqps://, rediss://).
+
+One `TLSOptions` per connection; `client_context` turns it into the `ssl.SSLContext` pika
+wants, `redis_ssl_kwargs` into redis-py's keyword arguments. The server is always verified
+(system CAs, or `ca_file`); `verify_hostname=False` only skips the name check, for servers
+reached by an address their certificate does not name.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TLSOptions:
+    ca_file: str | None = None  # None: the system's trusted CAs
+    cert_file: str | None = None  # a client certificate (mutual TLS), PEM
+    key_file: str | None = None  # its private key (None: in cert_file)
+    verify_hostname: bool = True
+
+    def __post_init__(self) -> None:
+        if self.key_file and not self.cert_file:
+            raise ValueError("TLS key_file given without cert_file")
+
+
+def client_context(options: TLSOptions) -> ssl.SSLContext:
+    """A context that verifies the server (and presents a client certificate if given)."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=options.ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if options.cert_file:
+        context.load_cert_chain(options.cert_file, options.key_file)
+    # check_hostname first: verify_mode cannot drop below CERT_REQUIRED while it is on.
+    context.check_hostname = options.verify_hostname
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def redis_ssl_kwargs(options: TLSOptions) -> dict[str, object]:
+    """redis-py's `ssl_*` connection arguments for a rediss:// URL."""
+    kwargs: dict[str, object] = {
+        "ssl_cert_reqs": "required",
+        "ssl_check_hostname": options.verify_hostname,
+        "ssl_min_version": ssl.TLSVersion.TLSv1_2,
+    }
+    if options.ca_file:
+        kwargs["ssl_ca_certs"] = options.ca_file
+    if options.cert_file:
+        kwargs["ssl_certfile"] = options.cert_file
+        kwargs["ssl_keyfile"] = options.key_file
+    return kwargs

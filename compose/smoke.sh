@@ -1,0 +1,398 @@
+#!/usr/bin/env bash
+# compose/smoke.sh: the Docker deployment end to end, from nothing, on a Debian 12 host (root)
+# that reaches Debian's and PyPI's package archives but no image registry.
+#
+#   1. installs docker.io, docker-compose (1.29) and debootstrap if missing, and starts dockerd
+#      (--iptables=false --bridge=none) if none answers;
+#   2. makes a base image: debootstrap --variant=minbase bookworm + Python, `docker import`;
+#   3. serves the wheels (the CPU torch wheel of the local package index, every dependency)
+#      on 127.0.0.1 as a package index for the image build;
+#   4. builds stand-ins for the rabbitmq and redis images from Debian's packages
+#      (compose/local-images/) and the SplitMQ image (compose/Dockerfile);
+#   5. brings the stack up (compose/docker-compose.yml + docker-compose.hostnet.yml: host
+#      networking, RabbitMQ on 5673, Redis on 6380, beside the host's own) with 2 workers and
+#      3 clients on compose/smoke.toml, waits for 2 versions, scales the workers to 3 and back
+#      to 1 while training runs, and waits for the job to finish;
+#   6. checks that no batch was lost (the clients' sent batches = the shard checkpoints'
+#      applied counts), that nothing was dead-lettered, and that accuracy rose;
+#   7. tears the stack down (volumes included), also on failure.
+#
+# Every step skips what is already there (the base image, the rootfs, downloaded wheels,
+# cached image layers), so a rerun takes minutes. Settings (environment):
+#   SPLITMQ_SMOKE_CACHE      rootfs, wheels, logs       (/var/cache/splitmq-smoke)
+#   SPLITMQ_SMOKE_TIMEOUT_S  the whole run's deadline   (3600)
+#   SPLITMQ_SMOKE_WHEEL_PORT the local package index    (8765)
+#   SPLITMQ_SMOKE_KEEP=1     leave the stack running (no teardown) to look around
+#   SPLITMQ_SMOKE_KEEP_DOCKERD=1  leave a dockerd this script started running
+# Exit code 0 only when every check passed; the last lines are the summary.
+set -Eeuo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(dirname "$HERE")
+CACHE=${SPLITMQ_SMOKE_CACHE:-/var/cache/splitmq-smoke}
+TIMEOUT_S=${SPLITMQ_SMOKE_TIMEOUT_S:-3600}
+WHEEL_PORT=${SPLITMQ_SMOKE_WHEEL_PORT:-8765}
+PROJECT=splitmq-smoke
+SUITE=bookworm
+BASE_IMAGE=splitmq-local/debian:$SUITE-python3.11
+RABBITMQ_IMAGE=splitmq-local/rabbitmq:3-management
+REDIS_IMAGE=splitmq-local/redis:7
+TAG=smoke
+WORKERS=2
+WORKERS_UP=3
+WORKERS_DOWN=1
+CLIENTS=3
+# Must match compose/smoke.toml and compose/docker-compose.hostnet.yml.
+JOB=compose-smoke
+REDIS_PORT=6380
+
+START=$(date +%s)
+RUN_DIR=$CACHE/runs/$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$RUN_DIR"
+STARTED_DOCKERD=""
+WHEEL_SERVER_PID=""
+EVENTS_PID=""
+STACK_UP=""
+declare -a SUMMARY=()
+declare -a FAILURES=()
+
+elapsed() { echo $(($(date +%s) - START)); }
+step() { printf '\n== [%5ss] %s\n' "$(elapsed)" "$*"; }
+note() { printf '   [%5ss] %s\n' "$(elapsed)" "$*"; }
+die() {
+    FAILURES+=("$*")
+    printf 'FAILED: %s\n' "$*" >&2
+    exit 1
+}
+check() { # check NAME CONDITION-EXIT-CODE DETAIL
+    if [ "$2" -eq 0 ]; then
+        SUMMARY+=("PASS  $1: $3")
+    else
+        SUMMARY+=("FAIL  $1: $3")
+        FAILURES+=("$1")
+    fi
+}
+deadline_left() { echo $((TIMEOUT_S - $(elapsed))); }
+
+compose() {
+    docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" \
+        -f "$HERE/docker-compose.hostnet.yml" "$@"
+}
+rcli() { redis-cli -p "$REDIS_PORT" --raw "$@"; }
+
+# poll TIMEOUT_S COMMAND...: runs COMMAND every 5 s until it succeeds (0) or time is up (1).
+poll() {
+    local until=$(($(date +%s) + $1))
+    shift
+    while ! "$@"; do
+        if [ "$(date +%s)" -ge "$until" ] || [ "$(deadline_left)" -le 0 ]; then
+            return 1
+        fi
+        sleep 5
+    done
+}
+# wait_for DESCRIPTION TIMEOUT_S COMMAND...: poll, and fail the run on a timeout.
+wait_for() {
+    local what=$1 limit=$2
+    shift 2
+    poll "$limit" "$@" || die "timed out after ${limit}s waiting for $what"
+}
+
+# Every container's log into $RUN_DIR/logs/, also of those that a scale-down removes.
+declare -A FOLLOWED=()
+follow_logs() {
+    local id name
+    mkdir -p "$RUN_DIR/logs"
+    for id in $(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do
+        [ -n "${FOLLOWED[$id]:-}" ] && continue
+        name=$(docker inspect -f '{{.Name}}' "$id")
+        docker logs -f --timestamps "$id" >"$RUN_DIR/logs/${name#/}.log" 2>&1 &
+        FOLLOWED[$id]=$!
+    done
+}
+
+# --- teardown -----------------------------------------------------------------------------
+finish() {
+    local code=$?
+    set +e
+    trap - EXIT INT TERM
+    if [ -n "$STACK_UP" ]; then
+        compose ps >"$RUN_DIR/ps.txt" 2>&1
+        compose logs --no-color --timestamps >"$RUN_DIR/compose.log" 2>&1
+        if [ "${SPLITMQ_SMOKE_KEEP:-}" = 1 ]; then
+            note "SPLITMQ_SMOKE_KEEP=1: the stack stays up (compose -p $PROJECT ... down -v)"
+        else
+            step "teardown: compose down -v"
+            timeout 300 docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" \
+                -f "$HERE/docker-compose.hostnet.yml" down -v --remove-orphans -t 60 \
+                >>"$RUN_DIR/teardown.log" 2>&1 || note "compose down failed (see teardown.log)"
+        fi
+    fi
+    [ -n "$WHEEL_SERVER_PID" ] && kill "$WHEEL_SERVER_PID" 2>/dev/null
+    [ -n "$EVENTS_PID" ] && kill "$EVENTS_PID" 2>/dev/null
+    local pid
+    for pid in "${FOLLOWED[@]}"; do kill "$pid" 2>/dev/null; done
+    if [ -n "$STARTED_DOCKERD" ] && [ "${SPLITMQ_SMOKE_KEEP_DOCKERD:-}" != 1 ] \
+        && [ "${SPLITMQ_SMOKE_KEEP:-}" != 1 ]; then
+        kill "$STARTED_DOCKERD" 2>/dev/null
+        wait "$STARTED_DOCKERD" 2>/dev/null
+    fi
+    [ "$code" -ne 0 ] && [ ${#FAILURES[@]} -eq 0 ] && FAILURES+=("exit code $code")
+    printf '\n==================== compose/smoke.sh summary ====================\n'
+    printf 'date      %s\n' "$(date -u '+%Y-%m-%d %H:%M UTC')"
+    printf 'duration  %ss\n' "$(elapsed)"
+    printf 'logs      %s\n' "$RUN_DIR"
+    local line
+    for line in "${SUMMARY[@]}"; do printf '%s\n' "$line"; done
+    if [ ${#FAILURES[@]} -eq 0 ]; then
+        printf 'RESULT    PASS\n'
+        exit 0
+    fi
+    printf 'RESULT    FAIL (%s)\n' "${FAILURES[*]}"
+    exit 1
+}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+# --- 1. tools and the Docker engine -----------------------------------------------------------
+[ "$(id -u)" -eq 0 ] || die "run as root (apt-get, dockerd, debootstrap)"
+step "tools: docker.io, docker-compose, debootstrap, redis-tools"
+missing=()
+command -v dockerd >/dev/null || missing+=(docker.io)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v redis-cli >/dev/null || missing+=(redis-tools)
+if [ ${#missing[@]} -gt 0 ]; then
+    note "installing ${missing[*]}"
+    apt-get update -q >"$RUN_DIR/apt.log" 2>&1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >>"$RUN_DIR/apt.log" 2>&1 \
+        || die "apt-get install ${missing[*]} failed (see $RUN_DIR/apt.log)"
+else
+    note "already installed"
+fi
+
+step "docker engine"
+if docker info >/dev/null 2>&1; then
+    note "a Docker engine answers already: using it"
+else
+    # No bridge and no iptables: this host's containers share its network (network_mode: host).
+    dockerd --iptables=false --bridge=none >"$CACHE/dockerd.log" 2>&1 &
+    STARTED_DOCKERD=$!
+    wait_for "dockerd to answer" 120 docker info
+    note "started dockerd (pid $STARTED_DOCKERD, log $CACHE/dockerd.log)"
+fi
+SUMMARY+=("info  docker engine $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short 2>/dev/null | head -1 | sed 's/^/compose /')")
+
+# --- 2. base image --------------------------------------------------------------------------
+step "base image $BASE_IMAGE"
+if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    note "exists: skipped"
+else
+    rootfs=$CACHE/rootfs-$SUITE
+    if [ ! -d "$rootfs" ]; then
+        note "debootstrap --variant=minbase $SUITE (a few minutes)"
+        rm -rf "$rootfs.partial"
+        debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+            "$SUITE" "$rootfs.partial" http://deb.debian.org/debian >"$RUN_DIR/debootstrap.log" 2>&1 \
+            || die "debootstrap failed (see $RUN_DIR/debootstrap.log)"
+        rm -f "$rootfs.partial"/var/cache/apt/archives/*.deb
+        mv "$rootfs.partial" "$rootfs"
+    fi
+    tar -C "$rootfs" -c . | docker import \
+        -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        -c 'CMD ["/bin/bash"]' - "$BASE_IMAGE" >/dev/null
+    note "imported from $rootfs"
+fi
+
+# --- 3. wheels ------------------------------------------------------------------------------
+step "wheels: torch==2.13.0 (CPU, local package index) and the dependencies of $ROOT"
+wheels=$CACHE/wheels
+index=$CACHE/simple
+mkdir -p "$wheels"
+# pip skips what is already in $wheels; the host's pip configuration brings the CPU build.
+python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
+    "torch==2.13.0" "setuptools>=68" wheel "$ROOT" >"$RUN_DIR/pip-download.log" 2>&1 \
+    || die "pip download failed (see $RUN_DIR/pip-download.log)"
+compgen -G "$wheels/torch-2.13.0+cpu-*.whl" >/dev/null || die "no CPU torch wheel in $wheels"
+# A PEP 503 index: one directory per normalised project name, listed by http.server.
+rm -rf "$index" && mkdir -p "$index"
+for whl in "$wheels"/*.whl; do
+    file=$(basename "$whl")
+    project=$(echo "${file%%-*}" | tr 'A-Z' 'a-z' | sed -E 's/[-_.]+/-/g')
+    mkdir -p "$index/$project"
+    ln -sf "$whl" "$index/$project/$file"
+done
+python3 -m http.server --bind 127.0.0.1 --directory "$index" "$WHEEL_PORT" \
+    >"$RUN_DIR/wheel-server.log" 2>&1 &
+WHEEL_SERVER_PID=$!
+wait_for "the package index on 127.0.0.1:$WHEEL_PORT" 30 \
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$WHEEL_PORT/torch/')"
+note "$(ls "$wheels" | wc -l) wheels served on http://127.0.0.1:$WHEEL_PORT/"
+
+# --- 4. images ------------------------------------------------------------------------------
+export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
+step "stand-in images $RABBITMQ_IMAGE, $REDIS_IMAGE (Debian packages)"
+for pair in "rabbitmq:$RABBITMQ_IMAGE" "redis:$REDIS_IMAGE"; do
+    name=${pair%%:*}
+    docker build --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+        -f "$HERE/local-images/$name.Dockerfile" -t "${pair#*:}" "$HERE/local-images" \
+        >"$RUN_DIR/build-$name.log" 2>&1 || die "building $name failed (see build-$name.log)"
+done
+note "built (cached layers reused)"
+
+export SPLITMQ_TAG=$TAG
+export SPLITMQ_BASE_IMAGE=$BASE_IMAGE
+export SPLITMQ_TORCH_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
+export SPLITMQ_PIP_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
+export SPLITMQ_RABBITMQ_IMAGE=$RABBITMQ_IMAGE
+export SPLITMQ_REDIS_IMAGE=$REDIS_IMAGE
+export SPLITMQ_JOB_FILE=./smoke.toml
+export SPLITMQ_CLIENTS=$CLIENTS
+export SPLITMQ_HEALTH_INTERVAL=15s
+export SPLITMQ_CLIENT_HEALTH_INTERVAL=60s
+
+step "image splitmq:$TAG (compose/Dockerfile, BASE_IMAGE=$BASE_IMAGE)"
+# Every role service shares this one image; building one of them builds it.
+compose build coordinator >"$RUN_DIR/build-splitmq.log" 2>&1 \
+    || die "building splitmq:$TAG failed (see $RUN_DIR/build-splitmq.log)"
+user=$(docker image inspect -f '{{.Config.User}}' "splitmq:$TAG")
+tools=$(docker run --rm --network none --entrypoint sh "splitmq:$TAG" -c \
+    'for t in gcc cc make pip pip3; do command -v $t; done; ls /opt/venv/bin | grep -x "pip.*"' \
+    2>/dev/null || true)
+size=$(docker image inspect -f '{{.Size}}' "splitmq:$TAG")
+check "image" "$([ "$user" != "" ] && [ "$user" != root ] && [ "${user%%:*}" != 0 ] && [ -z "$tools" ]; echo $?)" \
+    "splitmq:$TAG, user $user, $((size / 1048576)) MiB, build tools: ${tools:-none}"
+
+# --- 5. the stack ---------------------------------------------------------------------------
+step "stack up: $WORKERS workers, $CLIENTS clients (project $PROJECT)"
+STACK_UP=1
+compose down -v --remove-orphans >"$RUN_DIR/predown.log" 2>&1 || true
+# Exit codes of every container, also of the workers a scale-down removes.
+docker events --filter "label=com.docker.compose.project=$PROJECT" --filter event=die \
+    --format '{{.Actor.Attributes.name}} exitCode={{.Actor.Attributes.exitCode}}' \
+    >"$RUN_DIR/exits.log" 2>&1 &
+EVENTS_PID=$!
+# Compose waits for the health of each dependency (rabbitmq, redis, then the coordinator for
+# the clients) before starting its dependants.
+timeout 900 docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" \
+    -f "$HERE/docker-compose.hostnet.yml" up -d --no-build \
+    --scale worker=$WORKERS --scale client=$CLIENTS >"$RUN_DIR/up.log" 2>&1 \
+    || die "compose up failed (see $RUN_DIR/up.log)"
+follow_logs
+note "$(docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Names}}' | sort | tr '\n' ' ')"
+
+version() { local v; v=$(rcli GET "splitmq:$JOB:version" 2>/dev/null); echo "${v:-0}"; }
+live() { # live PREFIX: live members of the job whose id starts with PREFIX
+    rcli ZRANGEBYSCORE "splitmq:$JOB:members" "$(date +%s)" +inf 2>/dev/null | grep -c "^$1" || true
+}
+version_at_least() { [ "$(version)" -ge "$1" ]; }
+live_workers_are() { [ "$(live worker:)" -eq "$1" ]; }
+aggregator_exited() {
+    [ "$(docker inspect -f '{{.State.Status}}' "$(compose ps -q aggregator)")" = exited ]
+}
+progress() { note "version $(version), live workers $(live worker:), live clients $(live client:)"; }
+
+# The aggregator publishes version 1 (the initial model) and one version per round.
+wait_for "the initial version" 900 version_at_least 1
+progress
+wait_for "2 trained versions" 1200 version_at_least 3
+progress
+v_scale=$(version)
+
+step "scale workers to $WORKERS_UP while training runs"
+compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_UP worker \
+    >>"$RUN_DIR/up.log" 2>&1 || die "scaling up failed"
+follow_logs
+wait_for "$WORKERS_UP live workers" 600 live_workers_are $WORKERS_UP
+progress
+wait_for "a version trained with $WORKERS_UP workers" 1200 version_at_least $((v_scale + 1))
+progress
+
+step "scale workers back to $WORKERS_DOWN while training runs"
+compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_DOWN worker \
+    >>"$RUN_DIR/up.log" 2>&1 || die "scaling down failed"
+wait_for "$WORKERS_DOWN live worker" 300 live_workers_are $WORKERS_DOWN
+progress
+v_down=$(version)
+
+step "wait for the job to finish"
+wait_for "the aggregator to finish the job" "$(deadline_left)" aggregator_exited
+progress
+
+# --- 6. checks ------------------------------------------------------------------------------
+step "checks"
+agg=$(compose ps -q aggregator)
+agg_code=$(docker inspect -f '{{.State.ExitCode}}' "$agg")
+rounds=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["job"]["rounds"])' \
+    "$HERE/smoke.toml")
+final=$(version)
+check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((rounds + 1)) ]; echo $?)" \
+    "aggregator exit $agg_code, version $final after $rounds rounds (scaled up after v$v_scale, down after v$v_down)"
+
+# Clients log "... N batches sent" as they leave; they leave when the job is over.
+clients_done() {
+    local id
+    for id in $(compose ps -q client); do
+        [ "$(docker inspect -f '{{.State.Status}}' "$id")" = exited ] || return 1
+    done
+}
+wait_for "the clients to leave" 300 clients_done
+sent=0
+client_codes=""
+for id in $(compose ps -q client); do
+    n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
+    [ -n "$n" ] || die "client container $id logged no batch count"
+    sent=$((sent + n))
+    client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
+done
+shards=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["algorithm"]["shards"])' \
+    "$HERE/smoke.toml")
+applied_total() {
+    local s total=0 n
+    for ((s = 0; s < shards; s++)); do
+        n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
+        total=$((total + ${n:-0}))
+    done
+    echo "$total"
+}
+# The remaining worker checkpoints every 2 s; stopping it checkpoints once more.
+applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
+poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the worker"
+compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
+applied=$(applied_total)
+per_shard=$(for ((s = 0; s < shards; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
+check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
+    "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
+
+dead=$(compose exec -T rabbitmq rabbitmqctl -q list_queues name messages 2>/dev/null \
+    | awk -v q="$JOB.dead" '$1 == q {print $2}')
+check "nothing dead-lettered" "$([ "${dead:-0}" -eq 0 ]; echo $?)" "queue $JOB.dead holds ${dead:-0} messages"
+
+docker cp "$agg:/var/lib/splitmq/runs" "$RUN_DIR/report" >/dev/null
+metrics=$(find "$RUN_DIR/report" -name metrics.json | head -1)
+[ -n "$metrics" ] || die "no metrics.json in the aggregator's report"
+accuracy=$(python3 - "$metrics" <<'EOF'
+import json, sys
+records = json.load(open(sys.argv[1]))["records"]
+acc = [r["global_accuracy"] for r in records]
+print(f"{acc[0]:.3f} {acc[-1]:.3f} {len(acc)} " + ",".join(f"{a:.2f}" for a in acc))
+EOF
+)
+read -r acc_first acc_last n_records acc_curve <<<"$accuracy"
+check "accuracy rose" "$(python3 -c "import sys; sys.exit(not $acc_last > $acc_first)"; echo $?)" \
+    "global accuracy $acc_first after round 1 -> $acc_last after round $n_records ($acc_curve)"
+
+restarts=""
+for service in coordinator aggregator worker client; do
+    for id in $(compose ps -q "$service"); do
+        restarts+="$(docker inspect -f '{{.Name}}={{.RestartCount}}' "$id" | sed 's#^/##') "
+    done
+done
+SUMMARY+=("info  restarts: ${restarts% }")
+sleep 2 # the last die events
+# Compose v1 names containers project_worker_N, v2 project-worker-N.
+worker_exits=$(grep -E "[-_]worker[-_][0-9]+ " "$RUN_DIR/exits.log" | sed -E "s/^${PROJECT}[-_]//" | tr '\n' ' ')
+bad_exits=$(grep -E "[-_]worker[-_][0-9]+ " "$RUN_DIR/exits.log" | grep -vc 'exitCode=0$' || true)
+check "workers stopped gracefully" "$([ "$bad_exits" -eq 0 ]; echo $?)" "${worker_exits% }"
+SUMMARY+=("info  report: $(dirname "$metrics")")
+[ ${#FAILURES[@]} -eq 0 ] || exit 1

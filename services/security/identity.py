@@ -1,0 +1,161 @@
+"""Who may send what: client ids, the AMQP user a message came from, stamping our own.
+
+RabbitMQ validates the `user_id` property against the publishing connection's user, so a
+delivery's `user_id`, when present, is the broker's word for who sent it. Consumers hold each
+message to it through a `SenderCheck`:
+
+- a client's message (Join, Leave, Heartbeat, SmashedBatch, WeightsUpdate, InferRequest) whose
+  `user_id` names someone other than its `client` field is refused, in every mode;
+- in the secured mode (`security.per_client_users`) one without a `user_id` is refused too,
+  and a round marker (RoundStart / RoundEnd) must come from a service user.
+
+Client ids also become parts of queue names, routing keys (at most 255 bytes) and store keys,
+so every service refuses a client field that is not a plain id.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+from broker.transport import Broker, Delivery, Headers, QueueSpec
+from services.config.settings import ConnectionSettings
+
+# The rule `services.client.Client` applies to its own id.
+CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+DEFAULT_AMQP_USER = "guest"  # pika's default credentials when the URL names none
+
+
+def client_id_problem(client: str) -> str | None:
+    """Why `client` cannot be a client id (None when it can)."""
+    if CLIENT_ID.match(client):
+        return None
+    return f"client id {client[:80]!r} is not 1-64 letters, digits, '_' or '-'"
+
+
+def amqp_user(url: str) -> str:
+    """The user an AMQP URL logs in as."""
+    name = urlparse(url).username
+    return unquote(name) if name else DEFAULT_AMQP_USER
+
+
+@dataclass(frozen=True)
+class SenderCheck:
+    """How one consumer judges the `user_id` of what it receives."""
+
+    secured: bool = False
+    services: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, secured: bool, amqp_url: str, service_users: Iterable[str] = ()) -> SenderCheck:
+        """The check of a service connecting with `amqp_url`: that URL's user is a service."""
+        return cls(secured, frozenset({amqp_user(amqp_url), *service_users}))
+
+    def client_problem(self, delivery: Delivery, client: str) -> str | None:
+        """Why a client's message may not claim to come from `client` (None: it may)."""
+        user = delivery.user_id
+        if user:
+            if user != client:
+                return f"client {client!r} does not match the AMQP user {user!r}"
+            return None
+        if self.secured:
+            return (
+                f"no AMQP user_id on a message of client {client!r}: the secured mode "
+                "(security.per_client_users) requires one"
+            )
+        return None
+
+    def service_problem(self, delivery: Delivery, what: str) -> str | None:
+        """Why `what` (a service's message) may not come from this delivery's sender."""
+        if not self.secured or delivery.user_id in self.services:
+            return None
+        return (
+            f"{what} from AMQP user {delivery.user_id!r}; only service users "
+            f"{sorted(self.services)} may send it"
+        )
+
+
+class StampedBroker:
+    """A `Broker` whose publishes carry `user` as their AMQP user_id, unless given another.
+
+    RabbitMQ refuses a user_id that is not the connection's user, so stamping is what lets a
+    consumer trust it (design §3)."""
+
+    def __init__(self, inner: Broker, user: str) -> None:
+        self._inner = inner
+        self.user = user
+
+    @property
+    def inner(self) -> Broker:
+        return self._inner
+
+    def declare(self, queues: Sequence[QueueSpec]) -> None:
+        self._inner.declare(queues)
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        user_id: str | None = None,
+        persistent: bool = True,
+    ) -> None:
+        self._inner.publish(
+            exchange,
+            routing_key,
+            body,
+            headers=headers,
+            message_id=message_id,
+            user_id=user_id or self.user,
+            persistent=persistent,
+        )
+
+    def subscribe(self, queue: str, *, prefetch: int) -> None:
+        self._inner.subscribe(queue, prefetch=prefetch)
+
+    def unsubscribe(self, queue: str) -> None:
+        self._inner.unsubscribe(queue)
+
+    def get(self, timeout: float) -> Delivery | None:
+        return self._inner.get(timeout)
+
+    def ack(self, delivery: Delivery) -> None:
+        self._inner.ack(delivery)
+
+    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
+        self._inner.nack(delivery, requeue=requeue)
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self._inner.dead_letter(delivery, reason)
+
+    def queue_depth(self, queue: str) -> int:
+        return self._inner.queue_depth(queue)
+
+    def delete_queue(self, queue: str) -> None:
+        self._inner.delete_queue(queue)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def stamped(broker: Broker, user: str, secured: bool) -> Broker:
+    """`broker` stamping `user` on its publishes in the secured mode; as it is otherwise."""
+    return StampedBroker(broker, user) if secured else broker
+
+
+def sender_check(settings: ConnectionSettings) -> SenderCheck:
+    """The check a service of these settings applies to what it consumes."""
+    security = settings.security
+    return SenderCheck.of(
+        security.per_client_users, settings.broker.amqp_url, security.service_users
+    )
+
+
+def service_stamped(broker: Broker, settings: ConnectionSettings) -> Broker:
+    """A service's handle: in the secured mode its publishes carry its AMQP user."""
+    return stamped(broker, amqp_user(settings.broker.amqp_url), settings.security.per_client_users)

@@ -1,0 +1,130 @@
+"""The FedDeper experiment without training: its grid, and the verdict's numbers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from services.experiments import feddeper
+from services.experiments.results import ResultSet, RunResult
+from services.experiments.runner import build_settings
+from services.experiments.spec import Run
+from services.report.records import VersionRecord
+
+
+def record(i: int, global_acc: float, personal: float, extra: dict[str, float]) -> VersionRecord:
+    return VersionRecord(
+        version=i + 2,
+        round=i,
+        elapsed_s=float(i + 1),
+        participants=10,
+        global_accuracy=global_acc,
+        global_loss=1.0,
+        personal_accuracy=personal,
+        train_loss=1.0,
+        train_accuracy=0.5,
+        samples=10,
+        samples_per_s=10.0,
+        bytes_up=0,
+        bytes_down=0,
+        extra=extra,
+    )
+
+
+def result(
+    tags: dict[str, str],
+    global_accs: list[float],
+    personal: list[float],
+    extra: dict[str, float] | None = None,
+) -> RunResult:
+    records = tuple(
+        record(i, g, p, dict(extra or {}))
+        for i, (g, p) in enumerate(zip(global_accs, personal, strict=True))
+    )
+    return RunResult(
+        run=Run(f"run-{len(global_accs)}-{tags}", tags),
+        run_dir=Path("/nowhere"),
+        status="finished",
+        wall_s=1.0,
+        rounds=len(records),
+        records=records,
+    )
+
+
+def test_grid_is_n10_all_and_n100_sampled_with_a_rho_sweep() -> None:
+    experiment = feddeper.build()
+    seen = set()
+    for run in experiment.runs:
+        s = build_settings(experiment, run, quick=False, data_dir=None)
+        n = int(run.tags["n"])
+        assert s.clients.count == s.clients.min_to_start == n
+        assert s.clients.fraction == (1.0 if n == 10 else 0.1)
+        assert (s.data.dataset, s.data.partition, s.data.shards_per_client) == (
+            "fashion_mnist",
+            "shards",
+            2,
+        )
+        # Every training image is dealt: n clients x 2 shards.
+        assert n * 2 * s.data.shard_size == 60_000
+        if run.tags["method"] == feddeper.FEDAVG:
+            assert s.algorithm.name == "fedavg" and "rho" not in run.tags
+        else:
+            assert s.algorithm.name == "feddeper"
+            assert s.algorithm.feddeper.rho == float(run.tags["rho"])
+            assert s.algorithm.feddeper.lam == 0.5
+        seen.add((run.tags["n"], run.tags["method"]))
+    methods = {feddeper.FEDAVG, "FedDeper rho=0.1", "FedDeper rho=1"}
+    assert seen == {(n, m) for n in ("10", "100") for m in methods}
+
+
+def test_quick_is_smaller_than_the_real_grid() -> None:
+    experiment = feddeper.build()
+    run = experiment.quick_runs[0]
+    full = build_settings(experiment, run, quick=False, data_dir=None)
+    quick = build_settings(experiment, run, quick=True, data_dir=None)
+    assert quick.job.rounds < full.job.rounds
+    assert quick.algorithm.max_steps_per_round < full.algorithm.max_steps_per_round
+
+
+def test_summaries_of_a_run() -> None:
+    run = result({"n": "10"}, [0.1, 0.3, 0.2, 0.6, 0.5, 0.7, 0.8], [0.5] * 7)
+    assert feddeper.round_mean(run) == pytest.approx(3.2 / 7)
+    assert feddeper.late_mean(run) == pytest.approx((0.2 + 0.6 + 0.5 + 0.7 + 0.8) / 5)
+    # |0.2| + |0.1| + |0.4| + |0.1| + |0.2| + |0.1| over 6 steps
+    assert feddeper.swing(run) == pytest.approx(1.1 / 6)
+    assert feddeper.global_on_local(run) == 0.5  # FedAvg: its personalised number
+    deper = result({"n": "10"}, [0.1], [0.9], {feddeper.GLOBAL_ON_LOCAL: 0.4})
+    assert feddeper.global_on_local(deper) == 0.4
+    empty = result({"n": "10"}, [], [])
+    assert math.isnan(feddeper.round_mean(empty)) and math.isnan(feddeper.swing(empty))
+
+
+def test_verdict_compares_each_rho_with_fedavg_of_the_same_n() -> None:
+    fedavg = result({"n": "10", "method": "FedAvg"}, [0.2, 0.4, 0.6], [0.3, 0.5, 0.7])
+    better = result(
+        {"n": "10", "method": "FedDeper rho=0.1", "rho": "0.1"},
+        [0.3, 0.5, 0.7],
+        [0.8, 0.9, 1.0],
+        {feddeper.GLOBAL_ON_LOCAL: 0.65},
+    )
+    worse = result(
+        {"n": "10", "method": "FedDeper rho=1", "rho": "1"},
+        [0.1, 0.2, 0.3],
+        [0.4, 0.5, 0.6],
+    )
+    lines = feddeper.verdict(ResultSet([fedavg, better, worse]))
+    assert len(lines) == 4
+    rho01_global, rho01_personal, rho1_global, rho1_personal = lines
+    assert "rho=0.1" in rho01_global and "agrees" in rho01_global
+    assert "50.0% vs FedAvg 40.0% (+10.0 points)" in rho01_global
+    assert "90.0%" in rho01_personal and "50.0% (+40.0 points)" in rho01_personal
+    assert "last round's local test sets: 65.0%" in rho01_personal
+    assert "**disagrees**" in rho1_global and "(-20.0 points)" in rho1_global
+    assert "(+0.0 points)" in rho1_personal
+
+
+def test_verdict_without_fedavg_says_nothing() -> None:
+    alone = result({"n": "100", "method": "FedDeper rho=1", "rho": "1"}, [0.5], [0.9])
+    assert feddeper.verdict(ResultSet([alone])) == []

@@ -1,0 +1,65 @@
+"""Whether a client is a member of the job, as the store says, read sparingly.
+
+A shard refuses smashed data from a stranger (a client the coordinator never admitted), but it
+must never refuse a member's: a hit is trusted for `ttl_s`, and a miss always asks the store
+again, unless that very client was found missing less than `negative_ttl_s` ago (a stranger
+flooding the queue then costs one store read per id and interval, not one per message).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from broker.store import WeightStore
+from services.coordinator.membership import MEMBER_PREFIX
+
+# Strangers remembered at once; the oldest is forgotten first.
+_MAX_STRANGERS = 4096
+
+
+class MemberCache:
+    def __init__(
+        self,
+        store: WeightStore,
+        job: str,
+        clock: Callable[[], float],
+        *,
+        ttl_s: float = 2.0,
+        negative_ttl_s: float = 1.0,
+    ) -> None:
+        self._store = store
+        self._job = job
+        self._clock = clock
+        self._ttl_s = ttl_s
+        self._negative_ttl_s = negative_ttl_s
+        self._members: frozenset[str] = frozenset()
+        self._read_at: float | None = None
+        self._strangers: OrderedDict[str, float] = OrderedDict()  # client -> when found missing
+        self.reads = 0
+
+    def __call__(self, client: str) -> bool:
+        now = self._clock()
+        fresh = self._read_at is not None and now - self._read_at < self._ttl_s
+        if client in self._members and fresh:
+            return True
+        missed_at = self._strangers.get(client)
+        if missed_at is not None and now - missed_at < self._negative_ttl_s:
+            return False
+        self._refresh(now)
+        if client in self._members:
+            self._strangers.pop(client, None)
+            return True
+        self._strangers[client] = now
+        self._strangers.move_to_end(client)
+        while len(self._strangers) > _MAX_STRANGERS:
+            self._strangers.popitem(last=False)
+        return False
+
+    def _refresh(self, now: float) -> None:
+        members = self._store.live_members(self._job)
+        self._members = frozenset(
+            m[len(MEMBER_PREFIX) :] for m in members if m.startswith(MEMBER_PREFIX)
+        )
+        self._read_at = now
+        self.reads += 1
