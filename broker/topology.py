@@ -129,7 +129,8 @@ def updates_queue(job: str) -> QueueSpec:
 
 def events_queue(job: str, subscriber: str) -> QueueSpec:
     """One subscriber's private view of the fanout: gone when its connection closes. The
-    fanout carries every job's events; subscribers filter on `Event.job`."""
+    fanout carries every job's events; subscribers filter on `Event.job`, and dead-letter
+    what is no event at all to `<job>.dead`."""
     return QueueSpec(
         name=events_queue_name(job, subscriber),
         exchange=EVENTS_EXCHANGE,
@@ -137,6 +138,7 @@ def events_queue(job: str, subscriber: str) -> QueueSpec:
         durable=False,
         exclusive=True,
         auto_delete=True,
+        dead_letter_routing_key=job,
     )
 
 
@@ -163,6 +165,7 @@ def infer_reply_queue(job: str, requester: str) -> QueueSpec:
         durable=False,
         exclusive=True,
         auto_delete=True,
+        dead_letter_routing_key=job,
     )
 
 

@@ -40,6 +40,7 @@ from services.client.errors import (
 from services.client.link import Backoff, ClientLink
 from services.client.plan import RoundPlan, config_int
 from services.client.round import Membership, RoundRunner, weights_problem
+from services.client.secured import secured_client_broker
 from services.client.stats import ClientStats
 from services.config.root import Settings
 from services.data.loaders import Dataset
@@ -103,7 +104,9 @@ class Client:
         data partition, the service side missing).
         """
         stats = ClientStats()
-        broker = self._backends.open_broker(f"splitmq-client-{self.client_id}")
+        broker = secured_client_broker(
+            self._settings, self._backends, self.client_id, f"splitmq-client-{self.client_id}"
+        )
         link = ClientLink(
             broker,
             job=self._job,

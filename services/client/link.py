@@ -28,6 +28,7 @@ from broker.messages import (
     Welcome,
     new_message_id,
 )
+from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.topology import CONTROL_EXCHANGE, reply_queue
 from broker.transport import Broker, Delivery
 from services.client.errors import ClientError, ClientStopped, RoundAborted
@@ -252,7 +253,8 @@ class ClientLink:
         if reason is not None:
             self._refuse(delivery, reason)
             raise RefusedMessage(reason)
-        self._broker.ack(delivery)
+        if not ack_safely(self._broker, delivery):
+            return None  # its connection is gone: it comes back, and is taken then
         return message
 
     def _envelope_problem(self, message: Message) -> str | None:
@@ -266,11 +268,12 @@ class ClientLink:
         return None
 
     def _refuse(self, delivery: Delivery, reason: str) -> None:
+        if dead_letter_safely(self._broker, delivery, reason) is Rejected.REDELIVERED:
+            return  # its connection is gone: it comes back and is judged again
         self._stats.dead_lettered += 1
         self._log.warning(
             "job %s client %s: dead-lettering a reply: %s", self.job, self.client, reason
         )
-        self._broker.dead_letter(delivery, reason)
 
     def _until_heartbeat(self) -> float:
         if self._next_heartbeat is None:

@@ -20,7 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from broker.codec import decode
-from broker.errors import DecodeError, StaleDeliveryError
+from broker.errors import DecodeError
+from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.messages import Event
 from broker.store import Member, WeightStore
 from broker.topology import QueueLimits, events_queue, job_queues, shard_queue_name
@@ -191,11 +192,17 @@ class JobWatcher:
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._log.debug("job %s: undecodable event: %s", self._job, exc.reason)
-            message = None
-        if isinstance(message, Event) and self._state is not None:
+            self._reject(broker, delivery, f"undecodable: {exc.reason}")
+            return
+        if not isinstance(message, Event):
+            self._reject(broker, delivery, f"{type(message).__name__} is not an Event")
+            return
+        if self._state is not None:
             self._state.on_event(message, self._wall())
-        try:
-            broker.ack(delivery)
-        except StaleDeliveryError:
-            pass  # a reconnect requeued it; events are best-effort anyway
+        # A reconnect requeued it if this fails; events are best-effort anyway.
+        ack_safely(broker, delivery)
+
+    def _reject(self, broker: Broker, delivery: Delivery, reason: str) -> None:
+        if dead_letter_safely(broker, delivery, reason) is not Rejected.REDELIVERED:
+            self.dead_lettered += 1
+            self._log.warning("job %s: dead-lettered an event: %s", self._job, reason)
