@@ -458,8 +458,9 @@ at a time and appends each read to a `bytes` frame buffer (32 reads and ~2 MiB o
 128 KiB frame); RabbitMQBroker reads a frame at a time (`rabbitmq_connection.tune_receive`),
 which is why ours and bytes/broker beat raw pika there. At small sizes, the codec's fixed cost
 per message (schema checks, msgpack header, tensor views, finite check) dominates: compare ours
-with bytes/broker. The finite check runs on numpy on the calling thread: torch's OpenMP pool
-(the previous `aminmax`) stalled for tens of ms per call on this shared 2-core host.
+with bytes/broker, and see the codec section for that cost alone. The finite check runs on
+numpy on the calling thread: torch's OpenMP pool (the previous `aminmax`) stalled for tens of
+ms per call on this shared 2-core host.
 """
 
 

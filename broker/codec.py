@@ -166,13 +166,7 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
     max_bytes = limits.max_string_len
     for plan in _PLANS[schema.name]:
         name = plan.name
-        value = getattr(message, name)
-        fast = plan.fast
-        header[name] = (
-            value
-            if fast is not None and fast(value, max_bytes)
-            else writer.value(plan.spec, value, plan.path)
-        )
+        header[name] = plan.check(writer, getattr(message, name), max_bytes)
     reason = consistency_error(message)
     if reason is not None:
         raise EncodeError(reason)
@@ -205,7 +199,8 @@ def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Messag
     with sharing_read_only() if reader.slots and view.readonly else nullcontext():
         for spec in _TENSOR_FIELDS[schema.name]:
             values[spec.name] = _materialise(spec, values[spec.name], view, data_start)
-    message: Message = schema.cls(**values)
+    # Positional: `values` holds every field in declaration order (the plans' order).
+    message: Message = schema.cls(*values.values())
     reason = consistency_error(message)
     if reason is not None:
         raise DecodeError(reason)

@@ -57,12 +57,28 @@ class FieldPlan:
     spec: FieldSpec
     path: str
     fast: FastCheck | None
+    tensor: TensorRule | None  # set for a plain (required, single) tensor field
+
+    def check(self, walker: _Walker, value: object, max_bytes: int) -> object:
+        """`value` as it travels, checked: the fast path, a tensor, or the generic walk."""
+        fast = self.fast
+        if fast is not None and fast(value, max_bytes):
+            return value
+        if self.tensor is not None:
+            return walker.tensor(value, self.tensor, self.path)
+        return walker.value(self.spec, value, self.path)
 
 
 def compile_fields(schema: MessageSchema) -> tuple[FieldPlan, ...]:
     """The per-field plans of `schema`, in field order; build once per schema, not per call."""
     return tuple(
-        FieldPlan(spec.name, spec, f"{schema.name}.{spec.name}", _fast_check(spec))
+        FieldPlan(
+            spec.name,
+            spec,
+            f"{schema.name}.{spec.name}",
+            _fast_check(spec),
+            spec.tensor if spec.kind is Kind.TENSOR else None,
+        )
         for spec in schema.fields
     )
 
@@ -246,11 +262,7 @@ class HeaderReader(_Walker):
         values: dict[str, object] = {}
         for plan in plans:
             name = plan.name
-            value = header[name]
-            fast = plan.fast
-            if fast is None or not fast(value, max_bytes):
-                value = self.value(plan.spec, value, plan.path)
-            values[name] = value
+            values[name] = plan.check(self, header[name], max_bytes)
         return values
 
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:

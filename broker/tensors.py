@@ -55,14 +55,6 @@ class FloatBits:
     native: np.dtype[np.generic] | None
 
 
-def _bits(width: int, infinity: int, native: str | None) -> FloatBits:
-    signed, unsigned = np.dtype(f"<i{width}"), np.dtype(f"<u{width}")
-    negative = infinity | 1 << (8 * width - 1)
-    return FloatBits(
-        signed, unsigned, infinity, negative, None if native is None else np.dtype(native)
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class WireDtype:
     """A whitelisted dtype: its wire name, torch dtype and the numpy dtype its bytes ride in."""
@@ -78,11 +70,16 @@ class WireDtype:
     view_as: torch.dtype | None
 
 
-def _wire(
-    name: str, torch_dtype: torch.dtype, carrier: str, infinity: int = 0, native: str | None = None
-) -> WireDtype:
+def _wire(name: str, torch_dtype: torch.dtype, carrier: str, infinity: int = 0) -> WireDtype:
+    """`infinity`: the bits of +inf, for floats."""
     size = torch_dtype.itemsize
-    bits = _bits(size, infinity, native) if infinity else None
+    bits = None
+    if infinity:
+        native = np.dtype(carrier) if torch_dtype in (torch.float32, torch.float64) else None
+        sign = 1 << (8 * size - 1)
+        bits = FloatBits(
+            np.dtype(f"<i{size}"), np.dtype(f"<u{size}"), infinity, sign | infinity, native
+        )
     view_as = torch_dtype if torch_dtype in (torch.bfloat16, torch.bool) else None
     return WireDtype(name, torch_dtype, np.dtype(carrier), size, bits, view_as)
 
@@ -91,8 +88,8 @@ WIRE_DTYPES: Mapping[str, WireDtype] = MappingProxyType(
     {
         d.name: d
         for d in (
-            _wire("float64", torch.float64, "<f8", 0x7FF0_0000_0000_0000, "<f8"),
-            _wire("float32", torch.float32, "<f4", 0x7F80_0000, "<f4"),
+            _wire("float64", torch.float64, "<f8", 0x7FF0_0000_0000_0000),
+            _wire("float32", torch.float32, "<f4", 0x7F80_0000),
             _wire("float16", torch.float16, "<f2", 0x7C00),
             _wire("bfloat16", torch.bfloat16, "<i2", 0x7F80),
             _wire("int64", torch.int64, "<i8"),

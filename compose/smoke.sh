@@ -214,6 +214,26 @@ python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
     "torch==2.13.0" "setuptools>=68" wheel "$ROOT" >"$RUN_DIR/pip-download.log" 2>&1 \
     || die "pip download failed (see $RUN_DIR/pip-download.log)"
 compgen -G "$wheels/torch-2.13.0+cpu-*.whl" >/dev/null || die "no CPU torch wheel in $wheels"
+# The image's Python may need more than the host's: markers such as python_full_version <
+# "3.11.3" (redis wants async-timeout on Debian's 3.11.2). So resolve with the image's own
+# interpreter against these wheels alone, offline, fetch what it misses with the host's pip
+# (which knows this host's package index), and repeat.
+project=$CACHE/project
+rm -rf "$project" && mkdir -p "$project"
+cp "$ROOT/pyproject.toml" "$ROOT/README.md" "$project/"
+for attempt in 1 2 3 4 5 6; do
+    if out=$(docker run --rm --network none -v "$wheels:/wheels:ro" -v "$project:/project" \
+        "$BASE_IMAGE" python3 -m pip download --no-index --find-links /wheels \
+        --only-binary=:all: -d /tmp/resolved "torch==2.13.0" /project 2>&1); then
+        break
+    fi
+    wanted=$(sed -nE 's/^ERROR: Could not find a version that satisfies the requirement ([^;( ]+).*/\1/p' \
+        <<<"$out" | head -1)
+    [ -n "$wanted" ] && [ "$attempt" -lt 6 ] || die "the image's Python cannot resolve the wheels: $out"
+    note "the image's Python also needs $wanted"
+    python3 -m pip download --quiet --only-binary=:all: -d "$wheels" "$wanted" \
+        >>"$RUN_DIR/pip-download.log" 2>&1 || die "pip download $wanted failed"
+done
 # A PEP 503 index: one directory per normalised project name, listed by http.server.
 rm -rf "$index" && mkdir -p "$index"
 for whl in "$wheels"/*.whl; do
@@ -225,8 +245,11 @@ done
 python3 -m http.server --bind 127.0.0.1 --directory "$index" "$WHEEL_PORT" \
     >"$RUN_DIR/wheel-server.log" 2>&1 &
 WHEEL_SERVER_PID=$!
-wait_for "the package index on 127.0.0.1:$WHEEL_PORT" 30 \
-    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$WHEEL_PORT/torch/')"
+index_answers() {
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$WHEEL_PORT/torch/')" \
+        2>/dev/null
+}
+wait_for "the package index on 127.0.0.1:$WHEEL_PORT" 30 index_answers
 note "$(ls "$wheels" | wc -l) wheels served on http://127.0.0.1:$WHEEL_PORT/"
 
 # --- 4. images ------------------------------------------------------------------------------

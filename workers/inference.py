@@ -221,6 +221,12 @@ class InferenceServer:
         if self._send(broker, reply, stop):
             self.stats.requests += 1
             self.stats.rows += int(message.activations.shape[0])
+        elif not stop.is_set():
+            # Nobody to answer (the requester never had a reply queue, or is gone): not lost
+            # work but not served either; the dead-letter queue says whose it was.
+            detail = f"the answer to {message.client!r} cannot be delivered (no reply queue)"
+            self._reject(broker, delivery, "undeliverable", detail)
+            return
         self._ack(broker, delivery)
 
     def _problem(self, message: InferRequest) -> tuple[str, str] | None:

@@ -106,6 +106,9 @@ class WorkerSession:
             checkpoint_every_s=settings.workers.checkpoint_every_s,
             pending_limit=max(1, self.prefetch - margin),
             barrier_timeout_s=settings.workers.step_barrier_timeout_s,
+            async_max_staleness=(
+                settings.asynchronous.worker_max_staleness if settings.asynchronous_mode else None
+            ),
         )
         self.services = ShardServices(
             broker=broker,

@@ -21,6 +21,7 @@ from broker.store import WeightStore
 from broker.transport import Broker, Delivery
 from services.algorithms.base import Strategy
 from services.metrics.recorder import NO_METRICS, Metrics
+from workers.async_shard import AsyncShard
 from workers.barrier import StepBarrier
 from workers.checks import (
     ShardExpectations,
@@ -50,6 +51,8 @@ class ShardPolicy:
     checkpoint_every_s: float
     pending_limit: int  # checkpoint before this many unacked deliveries: prefetch is finite
     barrier_timeout_s: float
+    # Async mode (docs/async.md): the bound on smashed data's staleness; None in sync mode.
+    async_max_staleness: int | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class ShardRunner:
         self._dirty = False
         self._fold: list[Item] = []
         self._barrier: StepBarrier[Item] = StepBarrier(policy.barrier_timeout_s)
+        self._async = self._async_shard()
 
     @property
     def shard(self) -> int:
@@ -97,7 +101,18 @@ class ShardRunner:
         return self._barrier.deadline()
 
     # --- deliveries ---------------------------------------------------------------------------
+    def _async_shard(self) -> AsyncShard | None:
+        bound = self._policy.async_max_staleness
+        if bound is None:
+            return None
+        io = self._io
+        return AsyncShard(self.replica, io.store, self._want.job, bound, io.stats, io.logger)
+
     def handle(self, delivery: Delivery, message: ShardMessage) -> None:
+        if self._async is not None and not isinstance(message, SmashedBatch):
+            # Async mode has no rounds: a marker would reset the replica's sample count.
+            self._reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
+            return
         if isinstance(message, SmashedBatch):
             self._on_batch(delivery, message)
         elif isinstance(message, RoundStart):
@@ -123,8 +138,15 @@ class ShardRunner:
             return
         if self._replaces_buffered(delivery, batch):
             return
-        self._io.metrics.staleness(replica.version - batch.version)
-        if batch.version > replica.version:
+        if self._async is not None:
+            stale = self._async.too_stale(batch)
+            if stale is not None:
+                self._hold(delivery)  # valid, just too old: acked with the next checkpoint
+                self._async.refuse(batch, stale, self._io.replier)
+                return
+        newest = replica.version if self._async is None else self._async.known_version
+        self._io.metrics.staleness(newest - batch.version)
+        if self._async is None and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
                 self._reject(delivery, "unknown_version", f"version {batch.version} not found")
@@ -263,6 +285,7 @@ class ShardRunner:
         self._barrier.clear()
         io.redeliver(self.shard)
         fresh = self.replica.reset(io.store, self._want.job)
+        self._async = self._async_shard()  # measured from the state it went back to
         io.stats.rollbacks += 1
         self._steps_since, self._dirty = 0, False
         self._say(logging.ERROR, "non-finite step; back to %s, %d redelivered", fresh, returned)
@@ -324,7 +347,13 @@ class ShardRunner:
         io = self._io
         if not io.renew_lease(self.shard):
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
-        io.store.save_checkpoint(self._want.job, self.replica.checkpoint())
+        if self._async is None:
+            io.store.save_checkpoint(self._want.job, self.replica.checkpoint())
+        else:
+            self._async.rebase()
+            saved = self._async.stamped(self.replica.checkpoint())
+            io.store.save_checkpoint(self._want.job, saved)
+            self._async.saved(saved)
         io.stats.checkpoints += 1
         for delivery in self._pending:
             try:

@@ -24,6 +24,8 @@ class WorkerStats:
     shards_acquired: int = 0
     shards_released: int = 0
     shards_lost: int = 0
+    too_stale: int = 0  # async mode: smashed data refused as too stale (GradientReply rejected)
+    rebases: int = 0  # async mode: replica moved onto a newer version (workers.async_shard)
 
     @property
     def dead_lettered_total(self) -> int:

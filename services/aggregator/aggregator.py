@@ -12,9 +12,11 @@ from collections.abc import Callable
 from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, updates_queue_name
 from services.aggregator.bootstrap import ensure_initial_version
+from services.aggregator.buffered import AsyncStats, BufferedDriver
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.inbox import InboxStats, UpdateInbox
 from services.aggregator.rounds import RoundDriver, RoundStats
+from services.algorithms.async_fold import supports_async
 from services.algorithms.base import Strategy, for_model
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
@@ -58,6 +60,10 @@ class Aggregator:
         self._poll_s = poll_s
         self.round_stats = RoundStats()
         self.inbox_stats = InboxStats()
+        self.async_stats = AsyncStats()
+        refusal = supports_async(self._strategy) if settings.asynchronous_mode else None
+        if refusal is not None:
+            raise ValueError(f"rounds.mode = 'async' is not possible: {refusal}")
 
     @property
     def job(self) -> str:
@@ -104,7 +110,10 @@ class Aggregator:
                 logger=self._log,
                 poll_s=self._poll_s,
             )
-            records, status = self._rounds(store, driver, stop)
+            if self._settings.asynchronous_mode:
+                records, status = self._buffered(store, outbox, inbox, stop)
+            else:
+                records, status = self._rounds(store, driver, stop)
         except Exception as exc:
             self._sink.finish(f"failed: {type(exc).__name__}: {exc}")
             raise
@@ -113,6 +122,26 @@ class Aggregator:
             store.close()
         self._sink.finish(status)
         return records
+
+    def _buffered(
+        self, store: WeightStore, outbox: Outbox, inbox: UpdateInbox, stop: threading.Event
+    ) -> tuple[list[VersionRecord], str]:
+        """Async mode (docs/async.md): a version whenever K updates are buffered."""
+        ensure_initial_version(store, self._settings, self._strategy, self._log)
+        return BufferedDriver(
+            self._settings,
+            store,
+            outbox,
+            inbox,
+            self._strategy,
+            stats=self.async_stats,
+            sink=self._sink,
+            evaluator=self._evaluator,
+            clock=self._clock,
+            stop=stop,
+            logger=self._log,
+            poll_s=self._poll_s,
+        ).run()
 
     def _rounds(
         self, store: WeightStore, driver: RoundDriver, stop: threading.Event

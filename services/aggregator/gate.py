@@ -31,6 +31,8 @@ class Verdict(enum.Enum):
 class Offer:
     verdict: Verdict
     reason: str = ""
+    # The Error code a LATE update is answered with (async mode: "too_stale").
+    code: str = "round_closed"
 
 
 class Decision(enum.Enum):

@@ -79,10 +79,13 @@ class UpdateInbox:
             self.logger.info(
                 "job %s: late update from %s for round %d", self.job, message.client, message.round
             )
-            self._ack(delivery)
-            self.outbox.error(
-                message.client, version, "round_closed", offer.reason, message.message_id
+            told = self.outbox.error(
+                message.client, version, offer.code, offer.reason, message.message_id
             )
+            if told:
+                self._ack(delivery)
+            else:  # a stranger's (no reply queue): nobody to tell, so nothing was handled
+                self._dead_letter(delivery, f"{offer.reason}; client {message.client!r} unknown")
         else:
             self._dead_letter(delivery, offer.reason)
         return True

@@ -1,8 +1,10 @@
 """`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why.
 
-coordinator, aggregator, worker and client are healthy while their health key
+coordinator, aggregator and worker are healthy while their health key
 (`services.runtime.health`) is live in the store: by default one refreshed from this host (a
 container's hostname is its own), or the instance named with `--id`, or any with `--anywhere`.
+A client, which holds no store credentials, is healthy while its health file on this machine
+is fresh (`services.runtime.health_file`).
 broker and store are probed: RabbitMQ declares and publishes, Redis writes and reads.
 """
 
@@ -18,6 +20,7 @@ from services.config.root import Settings
 from services.runtime.backends import Backends
 from services.runtime.doctor import check_broker, check_store
 from services.runtime.health import Verdict, assess
+from services.runtime.health_file import assess_files
 
 ROLES = ("coordinator", "aggregator", "worker", "client")
 PROBED = ("broker", "store")
@@ -36,6 +39,9 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
         probe = check_broker if role == "broker" else check_store
         result = probe(backends)
         return Verdict(result.ok, result.detail)
+    if role == "client":
+        # Edge clients never touch Redis (design §3): their health is a file on their machine.
+        return assess_files(settings.job.name, role, instance=instance)
     if settings.store.kind != "redis":
         where = 'set store.kind = "redis" (SPLITMQ_STORE=redis)'
         return Verdict(
@@ -61,8 +67,9 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
 def check(group: _HasSettings, role: str, instance: str | None, anywhere: bool) -> None:
     """Exit 0 if ROLE is healthy, 1 if not, with the reason on one line.
 
-    ROLE is a role (coordinator, aggregator, worker, client: is its health key live in the
-    store?) or a service (broker, store: does it answer?). Made for container healthchecks:
+    ROLE is a role (coordinator, aggregator, worker: is its health key live in the store?
+    client: is its health file on this machine fresh?) or a service (broker, store: does it
+    answer?). Made for container healthchecks:
 
     \b
       splitmq --config job.toml check worker

@@ -13,6 +13,7 @@ from services.cli.dashboard_cmd import dashboard
 from services.cli.doctor_cmd import doctor
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
+from services.cli.provision_cmd import provision_clients
 from services.cli.role_cmds import aggregator, client, coordinator, worker
 from services.cli.run_cmd import run
 from services.cli.up_cmd import up
@@ -64,6 +65,7 @@ for command in (check, autoscale):
 
 cli.add_command(dashboard)
 cli.add_command(infer)
+cli.add_command(provision_clients)
 
 
 def main() -> None:

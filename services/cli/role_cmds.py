@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import click
@@ -30,16 +31,19 @@ from services.report.sinks import EchoSink, TeeSink
 from services.report.summary import banner
 from services.runtime.backends import Backends
 from services.runtime.health import HealthBeat
+from services.runtime.health_file import FileHealthBeat
 from services.runtime.logs import ContextValue, configured_logging
 from services.runtime.observe import observe_role
 from services.runtime.roles import build_aggregator, build_client, build_coordinator, build_worker
 from services.runtime.supervise import Role, RoleKind
+from services.security.identity import amqp_user
 
 RoleFactory = Callable[[Settings, Backends], Role]
 
 
 def _require_services(settings: Settings, kind: RoleKind) -> None:
-    if settings.broker.kind == "rabbitmq" and settings.store.kind == "redis":
+    # Clients talk only to the broker (design §3): they need no store at all.
+    if settings.broker.kind == "rabbitmq" and (kind == "client" or settings.store.kind == "redis"):
         return
     raise click.ClickException(
         f"`splitmq {kind}` runs as its own process, so it needs a shared broker and store: "
@@ -69,7 +73,11 @@ def _serve(
         backends = Backends(settings.broker, settings.store)
         # `splitmq check <kind>` (the containers' healthcheck) reads this key.
         instance = str(context.get(kind) or default_member_id(f"{kind}-"))
-        health = HealthBeat(backends.open_store, settings.job.name, kind, instance)
+        health: AbstractContextManager[object] = (
+            FileHealthBeat(settings.job.name, kind, instance)  # no Redis for edge clients
+            if kind == "client"
+            else HealthBeat(backends.open_store, settings.job.name, kind, instance)
+        )
         observation = observe_role(settings, kind, backends, echo=click.echo)
         with stop_on_signals(stop), health, observation as seen:
             try:
@@ -141,7 +149,11 @@ def client(
     returned gradients and uploads its weights at the end of each round.
     """
     _, settings = load(config)
-    cid = client_id or default_member_id("client-")
+    # In the secured mode a client is its RabbitMQ user (`splitmq provision-clients`).
+    secured = settings.security.per_client_users
+    cid = client_id or (
+        amqp_user(settings.broker.amqp_url) if secured else default_member_id("client-")
+    )
 
     def factory(s: Settings, b: Backends) -> Role:
         return build_client(s, b, client_id=cid, partition=partition)

@@ -26,7 +26,8 @@ from broker.messages import (
     new_message_id,
 )
 from broker.topology import SMASHED_EXCHANGE, shard_routing_key
-from services.client.errors import ClientError, RoundAborted
+from services.algorithms.staleness import TOO_STALE
+from services.client.errors import ClientError, RoundAborted, StaleWeights
 from services.client.link import ClientLink
 from services.client.stats import ClientStats
 
@@ -205,6 +206,8 @@ class BrokerChannel:
             # barrier) and saw our republished copy: its real answer is on the way.
             self._stats.stale_replies += 1
             return None
+        if reply.status == "rejected" and reply.reason.startswith(TOO_STALE):
+            raise StaleWeights(f"round {self._ctx.round}: {reply.reason}")
         if reply.status != "ok":
             raise RoundAborted(
                 f"round {self._ctx.round} step {batch.step}: shard {self._ctx.shard} answered "

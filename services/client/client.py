@@ -28,6 +28,7 @@ from broker.topology import CONTROL_EXCHANGE, updates_routing_key
 from models.split import SplitNet
 from models.state import load_partial
 from services.algorithms.registry import build_strategy
+from services.client.async_loop import AsyncLoop, is_async
 from services.client.channel import SeqBook
 from services.client.data import JobData
 from services.client.errors import (
@@ -96,6 +97,7 @@ class Client:
         self._rng = rng or random.Random()
         self._log = logger or logging.getLogger("splitmq.client")
         self._job = settings.job.name
+        self._welcome: Welcome | None = None  # the last Welcome: async mode's first weights
 
     def run(self, stop: threading.Event) -> ClientStats:
         """Join, train every assigned round, leave; returns when the job finishes or on stop.
@@ -130,7 +132,10 @@ class Client:
             job_hyper(self._settings).client_optimizer(model.parameters())
             link.validate_with(lambda m: self._problem(m, model))
             member = self._join(link, model, stats)
-            if member is not None:
+            welcome = self._welcome
+            if member is not None and welcome is not None and is_async(welcome.config):
+                self._serve_async(link, model, member, welcome, stats)
+            elif member is not None:
                 self._serve(link, model, member, stats)
         except ClientStopped:
             reason = "stopped"
@@ -228,6 +233,7 @@ class Client:
             # The coordinator records samples and classes from a Join: send the right ones.
             self._send_join(link, index, stats)
         plan = RoundPlan.from_settings(self._settings).updated(welcome.config)
+        self._welcome = welcome
         load_partial(model, welcome.client_weights)
         load_partial(model, welcome.aux_weights)
         link.version = welcome.version
@@ -247,10 +253,30 @@ class Client:
 
     # --- rounds -----------------------------------------------------------------------------------
 
-    def _serve(
-        self, link: ClientLink, model: SplitNet, member: Membership, stats: ClientStats
+    def _serve_async(
+        self,
+        link: ClientLink,
+        model: SplitNet,
+        member: Membership,
+        welcome: Welcome,
+        stats: ClientStats,
     ) -> None:
-        runner = RoundRunner(
+        """Async mode (docs/async.md): local rounds back to back, no assignments awaited."""
+        runner = self._runner(link, model, stats)
+        AsyncLoop(
+            link=link,
+            runner=runner,
+            member=member,
+            stats=stats,
+            rejoin=lambda: self._send_join(link, member.partition, stats),
+            note=lambda message: self._note(message, stats, runner.seqs),
+            answer_timeout_s=self._settings.clients.reply_timeout_s,
+            clock=self._clock,
+            logger=self._log,
+        ).run(welcome)
+
+    def _runner(self, link: ClientLink, model: SplitNet, stats: ClientStats) -> RoundRunner:
+        return RoundRunner(
             job=self._job,
             client=self.client_id,
             seed=self._settings.job.seed,
@@ -264,6 +290,11 @@ class Client:
             clock=self._clock,
             logger=self._log,
         )
+
+    def _serve(
+        self, link: ClientLink, model: SplitNet, member: Membership, stats: ClientStats
+    ) -> None:
+        runner = self._runner(link, model, stats)
         last_round = -1
         while True:
             message = link.poll(IDLE_POLL_S, deferred=True)

@@ -24,3 +24,9 @@ class ClientStopped(ClientError):
 class RoundAborted(ClientError):
     """The current round cannot finish (error reply, superseded, bad gradient); the client
     drops it without publishing an update and waits for the next assignment."""
+
+
+class StaleWeights(RoundAborted):
+    """Async mode: a worker refused smashed data as computed with too old weights
+    (GradientReply "rejected", reason "too_stale: ..."); the client drops the local round and
+    fetches the newest weights."""

@@ -27,10 +27,10 @@ from broker.errors import (
     BackPressureError,
     DecodeError,
     SplitMQError,
-    StaleDeliveryError,
     UnroutableError,
 )
-from broker.messages import Error, InferReply, InferRequest, new_message_id
+from broker.messages import Error, InferReply, InferRequest, Message, new_message_id
+from broker.rejection import ack_safely, dead_letter_safely
 from broker.topology import SMASHED_EXCHANGE, infer_reply_queue, infer_routing_key
 from broker.transport import Broker
 from models.split import SplitNet
@@ -171,14 +171,16 @@ class BrokerTheta:
             if delivery is None:
                 continue
             try:
-                message = decode(delivery.body)
-            except DecodeError:
-                message = None
+                message: Message | None = decode(delivery.body)
+            except DecodeError as exc:
+                dead_letter_safely(self._broker, delivery, f"undecodable: {exc.reason}")
+                continue
+            if not isinstance(message, InferReply | Error):
+                kind = type(message).__name__
+                dead_letter_safely(self._broker, delivery, f"{kind} is no answer to inference")
+                continue
             # Our private queue: anything else is an old answer (seqs only rise), dropped.
-            try:
-                self._broker.ack(delivery)
-            except StaleDeliveryError:
-                pass
+            ack_safely(self._broker, delivery)
             if isinstance(message, Error) and message.ref_message_id in ids:
                 raise InferenceError(f"inference refused: {message.code}: {message.reason}")
             if not isinstance(message, InferReply) or message.seq not in pending:

@@ -25,3 +25,4 @@ class ClientStats:
     bytes_up: int = 0
     bytes_down: int = 0
     finished: bool = False  # the job told this client it is over
+    stale_rounds: int = 0  # async mode: local rounds dropped because a worker said too_stale

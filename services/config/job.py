@@ -155,11 +155,35 @@ class ClientsSection(_Section):
 
 
 class RoundsSection(_Section):
+    # "sync": rounds (cohort, deadline, quorum); "async": no rounds, a new version whenever
+    # [asynchronous] buffer_size updates have arrived (FedBuff; docs/async.md).
+    mode: Literal["sync", "async"] = "sync"
     # A round closes when every participant reported, or at the deadline with a quorum.
     deadline_s: float = Field(default=120.0, gt=0)
     quorum: float = Field(default=0.5, gt=0, le=1)
     # How long the aggregator waits for shard replicas after signalling the end of a round.
     replica_timeout_s: float = Field(default=60.0, gt=0)
+
+
+# Algorithms that need rounds: MiniBatch-SFL's worker takes one step per step index over the
+# whole cohort, a barrier that has no meaning without a cohort (docs/async.md).
+SYNC_ONLY_ALGORITHMS = frozenset({"minibatch_sfl"})
+
+
+class AsynchronousSection(_Section):
+    """FedBuff-style asynchronous mode (`rounds.mode = "async"`); ignored in sync mode."""
+
+    # K: the aggregator folds the buffered updates into a new version when this many arrived.
+    buffer_size: int = Field(default=4, ge=1)
+    # s(tau) of services/algorithms/staleness.py: constant, polynomial (1+tau)^-a, hinge.
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    a: float = Field(default=0.5, ge=0)
+    b: int = Field(default=4, ge=0)  # hinge: no discount up to b versions
+    # An update more than this many versions behind is refused (Error "too_stale").
+    max_staleness: int = Field(default=4, ge=0)
+    # Workers drop smashed data computed with client weights more than this many versions
+    # behind (GradientReply "rejected", reason "too_stale: ..."); the client fetches newer ones.
+    worker_max_staleness: int = Field(default=4, ge=0)
 
 
 class WorkersSection(_Section):
@@ -187,6 +211,7 @@ class JobConfig(_Section):
     algorithm: AlgorithmSection = AlgorithmSection()
     clients: ClientsSection = ClientsSection()
     rounds: RoundsSection = RoundsSection()
+    asynchronous: AsynchronousSection = AsynchronousSection()
     workers: WorkersSection = WorkersSection()
     report: ReportSection = ReportSection()
 
@@ -198,6 +223,27 @@ class JobConfig(_Section):
                 f"({self.clients.count})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _async_fits(self) -> JobConfig:
+        if self.rounds.mode != "async":
+            return self
+        if self.algorithm.name in SYNC_ONLY_ALGORITHMS:
+            raise ValueError(
+                f"rounds.mode = 'async': algorithm {self.algorithm.name} stays synchronous "
+                "(its worker steps once per step index over the round's whole cohort, a "
+                "barrier that needs rounds); use rounds.mode = 'sync'"
+            )
+        if self.asynchronous.buffer_size > self.clients.count:
+            raise ValueError(
+                f"asynchronous.buffer_size ({self.asynchronous.buffer_size}) exceeds "
+                f"clients.count ({self.clients.count}): the buffer could never fill"
+            )
+        return self
+
+    @property
+    def asynchronous_mode(self) -> bool:
+        return self.rounds.mode == "async"
 
     @property
     def shards(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import model_validator
+
 from services.config.autoscaler import AutoscalerSection
 from services.config.job import JobConfig
 from services.config.metrics import MetricsSection
@@ -13,3 +15,15 @@ class Settings(ConnectionSettings, JobConfig):
 
     autoscaler: AutoscalerSection = AutoscalerSection()
     metrics: MetricsSection = MetricsSection()
+
+    @model_validator(mode="after")
+    def _versions_kept_for_async(self) -> Settings:
+        # An async update is rebased against the version it started from, which the store must
+        # still hold: the newest and max_staleness older ones.
+        kept, bound = self.store.keep_versions, self.asynchronous.max_staleness
+        if self.asynchronous_mode and bound >= kept:
+            raise ValueError(
+                f"asynchronous.max_staleness ({bound}) must be below store.keep_versions "
+                f"({kept}): an update is folded against the version it started from"
+            )
+        return self

@@ -35,6 +35,8 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
         "smashed_dtype": algo.smashed_dtype,
         "partition": partition,
         "shards": settings.shards,
+        # Async mode: the Welcome is the first assignment, each upload answered with the next.
+        **({"mode": "async"} if settings.asynchronous_mode else {}),
     }
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from broker.codec import decode
 from broker.errors import DecodeError
-from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.messages import Event
+from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import Member, WeightStore
 from broker.topology import QueueLimits, events_queue, job_queues, shard_queue_name
 from broker.transport import Broker, Delivery
@@ -97,6 +97,7 @@ class JobWatcher:
         self._log = logger or logging.getLogger("splitmq.dashboard")
         self._job = settings.job.name
         self._report_done = False
+        self.dead_lettered = 0  # deliveries on the events queue that were no Event
 
     def run(self, stop: threading.Event) -> None:
         if not self._live:

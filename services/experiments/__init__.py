@@ -35,6 +35,13 @@ Adding an experiment
      where not (`ResultSet.value(metric, **tags)` looks a number up).
    Metrics an algorithm reports beyond the standard ones (`VersionRecord.extra`) are in each
    run's `records`; a verdict or a custom table can read them from there.
+   - `final_eval(settings, dataset, blobs) -> {name: value}` (optional): evaluates a service
+     run's last version once the job has ended (`final`: the embedded store is kept for it),
+     e.g. every client's model, not only the last cohort's (`client_eval`); kept in the run
+     directory's `final.json` and read back as `RunResult.final`.
+   - `extras(results, slot) -> [markdown]` (optional): the experiment's own tables and
+     figures (drawn into `slot.path(name)`, linked with `slot.link(path)`; `figures.
+     panel_figure` draws one row of panels), placed after the `tables`.
 3. One line in `registry.EXPERIMENTS`: `<name>.NAME: <name>.build`.
 
 Then `splitmq experiment <name> --quick --out /tmp/r.md` for a smoke run, and

@@ -101,24 +101,26 @@ def local_test_accuracy(
     """Each client's model on its local test set exactly as the client measures it itself
     (`JobData.local_test`: the test rows of its classes, capped at `data.eval_samples`), as
     `local.<id>`, with `own.<id>` = 1 when the model is the client's own (personal blobs) and 0
-    when it is the global one. The global model is evaluated once, on every row any client
-    needs."""
+    when it is the global one. The global model is evaluated once, on the rows the clients
+    without their own model need."""
     data = JobData(settings, dataset)
     test = dataset.test
-    out: dict[str, float] = {}
     model = job_model(settings)
-    shared: torch.Tensor | None = None
-    for k in range(data.clients):
-        client = client_id(k)
-        rows = torch.from_numpy(data.local_test(k))
+    rows = {client_id(k): torch.from_numpy(data.local_test(k)) for k in range(data.clients)}
+    shared_rows = [r for c, r in rows.items() if not has_own(blobs, c)]
+    shared = torch.zeros(len(test), dtype=torch.bool)  # hits of the global model, by test row
+    if shared_rows:
+        needed = torch.unique(torch.cat(shared_rows))
+        global_weights = full_model_weights(blobs)
+        shared[needed] = predictions(model, global_weights, test.x[needed]) == test.y[needed]
+    out: dict[str, float] = {}
+    for client, picked in rows.items():
         own = has_own(blobs, client)
         if own:
             weights = full_model_weights(blobs, client)
-            hits = predictions(model, weights, test.x[rows]) == test.y[rows]
+            hits = predictions(model, weights, test.x[picked]) == test.y[picked]
         else:
-            if shared is None:
-                shared = predictions(model, full_model_weights(blobs), test.x) == test.y
-            hits = shared[rows]
-        out[f"local.{client}"] = float(hits.float().mean()) if len(rows) else float("nan")
+            hits = shared[picked]
+        out[f"local.{client}"] = float(hits.float().mean()) if len(picked) else float("nan")
         out[f"own.{client}"] = 1.0 if own else 0.0
     return out

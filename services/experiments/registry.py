@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from services.experiments import feddeper, minibatch_sfl, subfedavg
+from services.experiments import feddeper, fedsplitx, minibatch_sfl, splitgp, subfedavg
 from services.experiments.spec import Experiment
 
 EXPERIMENTS: Mapping[str, Callable[[], Experiment]] = MappingProxyType(
@@ -13,6 +13,8 @@ EXPERIMENTS: Mapping[str, Callable[[], Experiment]] = MappingProxyType(
         minibatch_sfl.NAME: minibatch_sfl.build,
         feddeper.NAME: feddeper.build,
         subfedavg.NAME: subfedavg.build,
+        splitgp.NAME: splitgp.build,
+        fedsplitx.NAME: fedsplitx.build,
     }
 )
 

@@ -307,15 +307,16 @@ Pruning under Data Heterogeneity").
 """
 
 SCALING = """
-30 rounds instead of training to convergence: each client takes part about 3 times. A round's
-local training is capped at 50 steps of 10 images (one pass over the client's 500 images)
-instead of E = 5 passes; Sub-FedAvg keeps E = 5 for where it derives the first-epoch mask
-(after a fifth of the round's steps). Since a client prunes at most once per round it takes
-part in, each adoption prunes 35% of the alive weights (the paper: 10% per round over many
-more rounds), cut to land exactly on the target. Local test sets are the first 500 test images
-of the client's classes (`eval_samples`); the per-round global accuracy uses the first 500
-test images.
+20 rounds instead of training to convergence: each client takes part about twice (about 12
+of the 100 never). A round's local training is capped at 50 steps of 10 images (one pass over
+the client's 500 images) instead of E = 5 passes; Sub-FedAvg keeps E = 5 for where it derives
+the first-epoch mask (after a fifth of the round's steps). Since a client prunes at most once
+per round it takes part in, each adoption prunes 50% of the alive weights (the paper: 10% per
+round over many more rounds), cut to land exactly on the target, so two adoptions reach 70%.
+Local test sets are the first 500 test images of the client's classes (`eval_samples`); the
+per-round global accuracy uses the first 500 test images.
 """
+
 
 NOTES = """
 **How our setup differs from the paper's.**
@@ -340,7 +341,7 @@ def build() -> Experiment:
         scaling=SCALING,
         base=base,
         runs=grid(DATASETS, VARIANTS),
-        quick_runs=grid(DATASETS[1:], (VARIANTS[1], VARIANTS[3])),
+        quick_runs=grid(DATASETS[1:], VARIANTS[1:2]),
         quick={
             "job": {"rounds": 2},
             "clients": {"count": 10, "min_to_start": 10, "fraction": 0.5},

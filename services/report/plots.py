@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.report.records import VersionRecord
+from services.report.staleness import STALENESS_PNG, write_staleness_plot
 
 Series = tuple[str, Callable[[VersionRecord], float]]
 
@@ -93,5 +94,7 @@ def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
             title="Loss",
             ylabel="cross-entropy",
         ),
+        # Async runs only (docs/async.md): how stale the folded updates were.
+        write_staleness_plot(run_dir / STALENESS_PNG, records),
     ]
     return [p for p in made if p is not None]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.report.tomlwrite import dumps, redact
 
@@ -20,6 +21,16 @@ CONFIG_FILE = "config.toml"
 METRICS_JSON = "metrics.json"
 METRICS_CSV = "metrics.csv"
 SUMMARY_FILE = "summary.txt"
+
+
+def cut_label(settings: Settings) -> str:
+    """Where the model is split, as the banner shows it; empty when the algorithm doesn't split."""
+    algorithm = settings.algorithm
+    if not build_strategy(algorithm.name, algorithm.params()).splits:
+        return ""
+    if algorithm.name == "fedsplitx":
+        return f"levels {algorithm.fedsplitx.cuts or 'at every cut'}"
+    return settings.model.cut
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class RunInfo:
             torch=str(torch.__version__),
             algorithm=settings.algorithm.name,
             model=settings.model.name,
-            cut=settings.model.cut,
+            cut=cut_label(settings),
             dataset=settings.data.dataset,
             clients=settings.clients.count,
             shards=settings.shards,

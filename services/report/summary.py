@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.report.records import VersionRecord
 from services.report.rundir import RunInfo
+from services.report.staleness import staleness_histogram
 
 # More rows than this and the table shows the first and last few, to stay on one screen.
 _MAX_ROWS = 12
@@ -37,7 +38,12 @@ def size(n: float) -> str:
 
 
 def banner(info: RunInfo) -> str:
-    cut = "no split" if info.algorithm in ("fedavg", "feddeper") else f"cut {info.cut}"
+    if not info.cut:
+        cut = "no split"
+    elif info.cut.startswith("levels"):
+        cut = info.cut
+    else:
+        cut = f"cut {info.cut}"
     return (
         f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
         f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"
@@ -133,6 +139,9 @@ def summary_text(
             f"   ({totals.samples:,} samples trained)",
             f"  bytes up / down          {size(totals.bytes_up)} / {size(totals.bytes_down)}",
         ]
+        stale = staleness_histogram(records)
+        if stale is not None:
+            lines.append(f"  staleness (async)        {stale.line()}")
     if run_dir is not None:
         lines.append(f"  run directory            {run_dir}")
     return "\n".join(lines) + "\n"

@@ -395,3 +395,239 @@ def _dockerignore_match(pattern: str, path: str) -> bool:
     regex = re.escape(pattern.lstrip("/")).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
     regex = regex.replace(r"\?", "[^/]").replace(r"\[", "[").replace(r"\]", "]")
     return re.fullmatch(regex, path) is not None
+
+
+# --- compose v1 compatibility, build arguments, the job file --------------------------------
+
+HOSTNET_FILE = COMPOSE_DIR / "docker-compose.hostnet.yml"
+HOSTNET_RABBITMQ_CONF = COMPOSE_DIR / "hostnet-rabbitmq.conf"
+SMOKE_SH = COMPOSE_DIR / "smoke.sh"
+SMOKE_TOML = COMPOSE_DIR / "smoke.toml"
+LOCAL_IMAGES = COMPOSE_DIR / "local-images"
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Compose's merge for what these files override: mappings key by key, volumes added
+    (by container path), the rest replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        elif key == "volumes" and isinstance(value, list):
+            targets = {spec.split(":")[1] for spec in value}
+            kept = [spec for spec in out.get(key, []) if spec.split(":")[1] not in targets]
+            out[key] = kept + value
+        else:
+            out[key] = value
+    return out
+
+
+def conf_values(path: Path) -> dict[str, str]:
+    pairs = (
+        line.split("=", 1)
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    )
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def dockerfile_args(text: str) -> set[str]:
+    return {m.group(1) for m in re.finditer(r"^ARG ([A-Z_]+)", text, re.MULTILINE)}
+
+
+def test_files_stay_within_what_compose_v1_accepts() -> None:
+    """Debian's docker-compose 1.29 (compose/smoke.sh) rejects these Compose v2 additions."""
+    for path in (BASE_FILE, GPU_FILE, HOSTNET_FILE):
+        data = yaml.safe_load(path.read_text())
+        assert "name" not in data, f"{path.name}: top-level name (use -p)"
+        for name, service in data["services"].items():
+            if isinstance(service, dict):
+                assert "start_interval" not in service.get("healthcheck", {}), (path.name, name)
+    anchor = yaml.safe_load(BASE_FILE.read_text())["x-role"]["healthcheck"]
+    assert "start_interval" not in anchor
+
+
+def test_every_build_argument_is_declared_by_the_dockerfile(compose: dict[str, Any]) -> None:
+    declared = dockerfile_args(DOCKERFILE.read_text())
+    for _, service in role_services(compose):
+        assert set(service["build"]["args"]) <= declared
+    assert set(load_compose(GPU_FILE)["services"]["worker"]["build"]["args"]) <= declared
+    assert {"BASE_IMAGE", "TORCH_INDEX_URL", "PIP_INDEX_URL", "EXTRAS"} <= declared
+
+
+def test_dockerfile_works_without_a_registry_and_ships_no_installer() -> None:
+    text = DOCKERFILE.read_text()
+    # BuildKit would pull a `# syntax=` frontend from a registry.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE)
+    instructions = [line.strip() for line in text.splitlines() if line.strip()]
+    builder = instructions[instructions.index("FROM interpreter AS builder") :]
+    end = next(i for i, line in enumerate(builder) if i > 0 and line.startswith("FROM "))
+    builder = builder[:end]
+    assert any("pip uninstall --yes pip setuptools wheel" in line for line in builder)
+    # The extras go into the one `pip install` of the project.
+    assert any('pip install "/src${EXTRAS:+[$EXTRAS]}"' in line for line in builder)
+
+
+def test_the_job_file_follows_the_environment(tmp_path: Path) -> None:
+    smoke = load_compose(BASE_FILE, {"SPLITMQ_JOB_FILE": "./smoke.toml", "SPLITMQ_CLIENTS": "3"})
+    for role in ROLES:
+        service = smoke["services"][role]
+        mounts = Mounts.of(service, tmp_path)
+        assert mounts.host(CONTAINER_CONFIG) == SMOKE_TOML.resolve(), role
+        name, _ = parse_cli(mounts.translate(service["command"]))
+        assert name == role
+        settings = load_settings(SMOKE_TOML, environment(service))
+        assert settings.clients.count == settings.clients.min_to_start == 3
+
+
+def test_health_intervals_follow_the_environment() -> None:
+    tuned = load_compose(
+        BASE_FILE, {"SPLITMQ_HEALTH_INTERVAL": "15s", "SPLITMQ_CLIENT_HEALTH_INTERVAL": "60s"}
+    )
+    services = tuned["services"]
+    assert {services[r]["healthcheck"]["interval"] for r in ROLES if r != "client"} == {"15s"}
+    assert services["client"]["healthcheck"]["interval"] == "60s"
+    for role in ROLES:
+        assert re.fullmatch(r"\d+(ms|s|m|h)", services[role]["healthcheck"]["timeout"]), role
+
+
+def test_infrastructure_images_can_be_replaced(compose: dict[str, Any]) -> None:
+    local = load_compose(
+        BASE_FILE, {"SPLITMQ_RABBITMQ_IMAGE": "local/rabbitmq", "SPLITMQ_REDIS_IMAGE": "local/redis"}
+    )
+    assert local["services"]["rabbitmq"]["image"] == "local/rabbitmq"
+    assert local["services"]["redis"]["image"] == "local/redis"
+
+
+# --- host networking (compose/docker-compose.hostnet.yml) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hostnet(compose: dict[str, Any]) -> dict[str, Any]:
+    override = load_compose(HOSTNET_FILE)
+    services = {
+        name: merge(compose["services"][name], override["services"].get(name, {}))
+        for name in compose["services"]
+    }
+    return {"services": services, "override": override}
+
+
+def test_hostnet_puts_every_service_on_the_host_network(hostnet: dict[str, Any]) -> None:
+    assert set(hostnet["override"]["services"]) == set(hostnet["services"])
+    for name, service in hostnet["services"].items():
+        assert service["network_mode"] == "host", name
+    for name, service in role_services(hostnet):
+        assert service["build"]["network"] == "host", name
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_hostnet_roles_reach_the_stacks_own_rabbitmq_and_redis(
+    hostnet: dict[str, Any], role: str, tmp_path: Path
+) -> None:
+    services = hostnet["services"]
+    service = services[role]
+    settings = service_settings(service)
+    amqp = urlparse(settings.broker.amqp_url)
+    redis = urlparse(settings.store.redis_url)
+    # The AMQP listener of hostnet-rabbitmq.conf, off the host's own 5672.
+    listener = conf_values(HOSTNET_RABBITMQ_CONF)["listeners.tcp.default"]
+    assert f"{amqp.hostname}:{amqp.port}" == listener
+    assert amqp.port != 5672
+    rabbit_env = environment(services["rabbitmq"])
+    assert (amqp.username, amqp.password) == (
+        rabbit_env["RABBITMQ_DEFAULT_USER"],
+        rabbit_env["RABBITMQ_DEFAULT_PASS"],
+    )
+    # Redis: the port its command listens on and its healthcheck pings, off the host's 6379.
+    command = services["redis"]["command"]
+    port = int(command[command.index("--port") + 1])
+    assert (redis.hostname, redis.port) == ("127.0.0.1", port) and port != 6379
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "-p", str(port), "ping"]
+    # The merged service still runs a command the CLI accepts.
+    name, _ = parse_cli(Mounts.of(service, tmp_path).translate(service["command"]))
+    assert name == role
+
+
+def test_hostnet_rabbitmq_keeps_off_the_hosts_erlang_ports(hostnet: dict[str, Any]) -> None:
+    rabbitmq = hostnet["services"]["rabbitmq"]
+    env = environment(rabbitmq)
+    assert int(env["ERL_EPMD_PORT"]) != 4369
+    assert int(env["RABBITMQ_DIST_PORT"]) != 25672
+    conf = conf_values(HOSTNET_RABBITMQ_CONF)
+    assert int(conf["management.tcp.port"]) != 15672
+    assert conf["management.tcp.ip"] == "127.0.0.1"
+    mounted = [v.split(":") for v in rabbitmq["volumes"] if v.startswith("./hostnet-rabbitmq")]
+    assert len(mounted) == 1 and mounted[0][1].startswith("/etc/rabbitmq/conf.d/")
+    # conf.d files load in name order: this one after the image's defaults and rabbitmq.conf.
+    base_conf = next(v.split(":")[1] for v in rabbitmq["volumes"] if v.startswith("./rabbitmq."))
+    assert Path(mounted[0][1]).name > Path(base_conf).name
+
+
+# --- compose/smoke.sh and its job --------------------------------------------------------------
+
+
+def smoke_settings() -> dict[str, str]:
+    """The NAME=value assignments at the top level of smoke.sh."""
+    found = re.findall(r"^([A-Z_]+)=([^\s$]+)$", SMOKE_SH.read_text(), re.MULTILINE)
+    return dict(found)
+
+
+def test_smoke_script_matches_its_job_and_the_hostnet_file(hostnet: dict[str, Any]) -> None:
+    script = smoke_settings()
+    settings = load_settings(SMOKE_TOML, {})
+    assert script["JOB"] == settings.job.name
+    assert int(script["CLIENTS"]) == settings.clients.count == settings.clients.min_to_start
+    # Scaling 2 -> 3 -> 1 means something only when every worker can hold a shard.
+    assert settings.shards >= int(script["WORKERS_UP"]) > int(script["WORKERS"])
+    assert int(script["WORKERS_DOWN"]) < int(script["WORKERS"])
+    redis_env = environment(hostnet["services"]["worker"])
+    assert urlparse(redis_env["SPLITMQ_REDIS_URL"]).port == int(script["REDIS_PORT"])
+    # Enough rounds to wait for 2 versions, then train with 3 workers and with 1.
+    assert settings.job.rounds >= 5
+    assert settings.data.dataset == "fashion_mnist_sample" and settings.model.name == "cnn5"
+
+
+def test_smoke_script_tears_down_on_any_exit() -> None:
+    text = SMOKE_SH.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -Eeuo pipefail" in text
+    assert re.search(r"^trap finish EXIT$", text, re.MULTILINE)
+    finish = text[text.index("finish() {") : text.index("trap finish EXIT")]
+    assert "down -v" in finish
+    assert SMOKE_SH.stat().st_mode & 0o111, "smoke.sh is not executable"
+    # Every compose file the script names exists.
+    for name in re.findall(r"\$HERE/([\w./-]+\.(?:yml|Dockerfile))", text):
+        assert (COMPOSE_DIR / name).exists(), name
+
+
+def test_local_images_run_as_non_root() -> None:
+    for name in ("rabbitmq", "redis"):
+        text = (LOCAL_IMAGES / f"{name}.Dockerfile").read_text()
+        assert re.search(r"^ARG BASE_IMAGE=", text, re.MULTILINE)
+        users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+        assert users and users[-1] not in ("root", "0"), name
+    entrypoint = LOCAL_IMAGES / "rabbitmq-entrypoint.sh"
+    assert entrypoint.stat().st_mode & 0o111
+    assert "RABBITMQ_DEFAULT_USER" in entrypoint.read_text()
+
+
+# --- member ids under host networking -------------------------------------------------------
+
+
+def test_default_member_ids_differ_where_hostname_and_pid_are_shared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Containers on network_mode: host share the hostname, and `init: true` gives each role
+    the same small pid: the default ids of two such workers must still differ."""
+    import os
+    import socket
+
+    from services.cli.common import default_member_id
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "vm.example")
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    ids = {default_member_id("worker-") for _ in range(50)}
+    assert len(ids) == 50
+    for member in ids:
+        assert re.fullmatch(r"worker-vm-7-[0-9a-f]{6}", member), member

@@ -1,0 +1,173 @@
+"""Async mode's server side: folding the continuously training shard replicas into versions.
+
+Without rounds there is no RoundEnd at which a worker hands its replica in. Replicas keep
+training; at each version the aggregator reads every shard's latest checkpoint and folds in
+its *fresh* progress, the part no earlier version holds. A checkpoint's `meta` says where its
+weights are measured from: `version`, the version the replica is anchored at (it loaded or
+last rebased onto it), and `anchor_applied`, the `applied` count of the checkpoint of its own
+that this anchor version had folded (-1: none). Each version records, per shard, the
+checkpoint it folded last (`server.<s>` = "applied:anchor:samples"), from which
+
+- a checkpoint with the same anchor as the last folded one: fresh = w - w_last_folded;
+- one anchored at a version that folded the last folded one: fresh = w - server(anchor);
+- anything else (the worker has not rebased onto the newest fold yet): skipped this time.
+
+The fresh progress, replayed on the current server weights, goes to the strategy's
+`aggregate` as a `ShardReplica` weighted by its fresh samples; with one shard the new server
+blob is the replica's checkpoint. The worker side is `workers.async_shard`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from broker.errors import VersionNotFoundError
+from broker.store import SERVER_PART, BlobRef, Checkpoint, WeightStore
+from services.algorithms.async_fold import rebased_replica
+from services.algorithms.base import ShardReplica
+
+SERVER = BlobRef(SERVER_PART)
+META_PREFIX = "server."
+NEVER = -1  # anchor_applied of a replica that never rebased onto a fold of its own
+
+State = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FoldedCheckpoint:
+    applied: int
+    anchor: int  # the version the checkpoint's weights are measured from
+    samples: int  # the replica's samples trained in all, as of this checkpoint
+    cut_samples: Mapping[str, int] = field(default_factory=dict)
+    weights: State | None = None  # None when known from a manifest only (after a restart)
+
+    def describe(self) -> str:
+        return f"{self.applied}:{self.anchor}:{self.samples}"
+
+    @classmethod
+    def parse(cls, text: str) -> FoldedCheckpoint | None:
+        try:
+            applied, anchor, samples = (int(part) for part in text.split(":"))
+        except ValueError:
+            return None
+        return cls(applied, anchor, samples)
+
+
+def _int(meta: Mapping[str, Any], key: str, default: int) -> int:
+    value = meta.get(key, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _cuts(meta: Mapping[str, Any]) -> dict[str, int]:
+    raw = meta.get("cut_samples")
+    if not isinstance(raw, Mapping):
+        return {}
+    return {str(c): n for c, n in raw.items() if isinstance(n, int)}
+
+
+def folded_of(meta: Mapping[str, str]) -> dict[int, FoldedCheckpoint]:
+    """The per-shard `server.<s>` entries of a version's manifest meta."""
+    out: dict[int, FoldedCheckpoint] = {}
+    for key, value in meta.items():
+        if key.startswith(META_PREFIX) and key[len(META_PREFIX) :].isdigit():
+            parsed = FoldedCheckpoint.parse(value)
+            if parsed is not None:
+                out[int(key[len(META_PREFIX) :])] = parsed
+    return out
+
+
+@dataclass
+class ServerLedger:
+    store: WeightStore
+    job: str
+    shards: int
+    logger: logging.Logger
+    folded: dict[int, FoldedCheckpoint] = field(default_factory=dict)
+    skipped: int = 0  # checkpoints left for later: their worker had not rebased yet
+
+    def restore(self, meta: Mapping[str, str]) -> None:
+        """Resume from the newest version's manifest (a restarted aggregator)."""
+        self.folded = folded_of(meta)
+
+    def fresh(self, current: State) -> tuple[list[ShardReplica], dict[int, FoldedCheckpoint]]:
+        """The shards' fresh progress replayed on `current` (the current server weights), and
+        the checkpoints it came from, to `commit` once the version is published."""
+        replicas: list[ShardReplica] = []
+        taken: dict[int, FoldedCheckpoint] = {}
+        for shard in range(self.shards):
+            checkpoint = self.store.load_checkpoint(self.job, shard)
+            if checkpoint is None:
+                continue
+            found = self._fresh_one(checkpoint, current)
+            if found is not None:
+                replicas.append(found[0])
+                taken[shard] = found[1]
+        return replicas, taken
+
+    def _fresh_one(
+        self, checkpoint: Checkpoint, current: State
+    ) -> tuple[ShardReplica, FoldedCheckpoint] | None:
+        meta = checkpoint.meta
+        now = FoldedCheckpoint(
+            applied=checkpoint.applied,
+            anchor=_int(meta, "version", 0),
+            samples=_int(meta, "round_samples", 0),
+            cut_samples=_cuts(meta),
+            weights=checkpoint.weights,
+        )
+        last = self.folded.get(checkpoint.shard)
+        if last is not None and now.applied == last.applied:
+            return None  # nothing new since the last fold
+        base = self._base(checkpoint.shard, now, _int(meta, "anchor_applied", NEVER), last)
+        if base is None:
+            self.skipped += 1
+            return None
+        samples = now.samples - (last.samples if last is not None else 0)
+        if samples <= 0:
+            return None
+        cuts = {
+            c: n - (last.cut_samples.get(c, 0) if last is not None else 0)
+            for c, n in now.cut_samples.items()
+        }
+        replica = rebased_replica(
+            checkpoint.shard,
+            checkpoint.weights,
+            base,
+            current,
+            samples,
+            {c: n for c, n in cuts.items() if n > 0},
+        )
+        return replica, now
+
+    def _base(
+        self, shard: int, now: FoldedCheckpoint, anchor_applied: int, last: FoldedCheckpoint | None
+    ) -> State | None:
+        """What the fresh progress of `now` is measured from, or None if it cannot be told."""
+        if last is not None and last.weights is not None and now.anchor == last.anchor:
+            return last.weights
+        if anchor_applied == (last.applied if last is not None else NEVER):
+            try:
+                return self.store.read_blob(self.job, now.anchor, SERVER)
+            except VersionNotFoundError:
+                self.logger.info(
+                    "job %s: shard %d anchored at version %d, no longer kept; waiting for it to "
+                    "rebase",
+                    self.job,
+                    shard,
+                    now.anchor,
+                )
+        return None
+
+    def commit(self, taken: Mapping[int, FoldedCheckpoint]) -> None:
+        self.folded.update(taken)
+
+    def meta(self, taken: Mapping[int, FoldedCheckpoint]) -> dict[str, str]:
+        """The `server.<s>` entries of the version about to be published: every shard's last
+        folded checkpoint, these ones included."""
+        merged = {**self.folded, **taken}
+        return {f"{META_PREFIX}{s}": merged[s].describe() for s in sorted(merged)}

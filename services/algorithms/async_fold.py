@@ -1,0 +1,131 @@
+"""Asynchronous aggregation as a wrapper around any strategy's `aggregate` (pure functions).
+
+A buffered update was trained from the weights the client was handed at its base version; the
+aggregator is at a newer version by then. Rather than a second aggregation rule per algorithm,
+each update is *rebased*: its change is scaled by the staleness weight and replayed on what
+the client would be handed now,
+
+    w' = w_now + s(tau) * (w - w_base)
+
+and the K rebased updates go to the strategy's own `aggregate` with the current version as
+`previous`. For the averaging strategies this is FedBuff's step with a server learning rate of
+1: `x_new = x_now + sum_k alpha_k s(tau_k) (w_k - w_base_k)`, alpha_k by samples; with tau = 0
+for every update it is exactly the synchronous rule. Masks (Sub-FedAvg), partial uploads
+(FedSplitX) and personal blobs (SplitGP) pass through unchanged: only the tensors an update
+holds are rebased, each against the blob of the same part the client was (or would be) handed.
+
+Shard replicas are rebased the same way (weight 1: a worker's step is never stale, it trains
+on the newest smashed data it gets), from their last folded state: see `rebased_replica`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.algorithms.base import ClientUpdate, ShardReplica, Strategy, VersionWeights
+from services.algorithms.staleness import StalenessRule
+
+State = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StaleUpdate:
+    """A buffered update with what it started from and what it would start from now."""
+
+    update: ClientUpdate
+    tau: int
+    base_client: State  # the client-side weights it was handed at its base version
+    base_aux: State
+    current_client: State  # what it would be handed at the current version
+    current_aux: State
+
+
+def rebase_state(
+    update: State, base: State, current: State, weight: float
+) -> dict[str, torch.Tensor]:
+    """`current + weight * (update - base)` per floating tensor of `update`.
+
+    Tensors missing from `base` or `current`, and integer ones (BatchNorm's counters), keep the
+    update's value. Accumulated in float64, cast back to the update's dtype.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in update.items():
+        b, c = base.get(name), current.get(name)
+        if b is None or c is None or not tensor.is_floating_point() or b.shape != tensor.shape:
+            out[name] = tensor
+            continue
+        delta = tensor.detach().to(torch.float64) - b.detach().to(torch.float64)
+        out[name] = (c.detach().to(torch.float64) + weight * delta).to(tensor.dtype)
+    return out
+
+
+def rebased_update(stale: StaleUpdate, rule: StalenessRule) -> ClientUpdate:
+    """The update as if trained from the current version, its change scaled by s(tau)."""
+    if stale.tau == 0:
+        return stale.update  # base and current are the same blobs: nothing to replay
+    weight = rule.weight(stale.tau)
+    u = stale.update
+    return replace(
+        u,
+        client_weights=rebase_state(
+            u.client_weights, stale.base_client, stale.current_client, weight
+        ),
+        aux_weights=rebase_state(u.aux_weights, stale.base_aux, stale.current_aux, weight),
+    )
+
+
+def rebased_replica(
+    shard: int,
+    weights: State,
+    base: State,
+    current: State,
+    samples: int,
+    cut_samples: Mapping[str, int] | None = None,
+) -> ShardReplica:
+    """A shard's fresh progress (`weights - base`) replayed on the current server weights."""
+    return ShardReplica(
+        shard=shard,
+        samples=samples,
+        weights=rebase_state(weights, base, current, 1.0),
+        cut_samples=dict(cut_samples or {}),
+    )
+
+
+def fold(
+    strategy: Strategy,
+    current: VersionWeights,
+    updates: Sequence[StaleUpdate],
+    rule: StalenessRule,
+    replicas: Sequence[ShardReplica] = (),
+) -> VersionWeights:
+    """The next version from the buffered `updates` (and fresh `replicas`), by the strategy's
+    own aggregation of their rebased forms."""
+    if not updates:
+        raise ValueError("nothing buffered to fold")
+    for stale in updates:
+        if not rule.accepts(stale.tau):
+            raise ValueError(
+                f"update of {stale.update.client} is {stale.tau} versions stale, "
+                f"beyond max_staleness {rule.max_staleness}"
+            )
+    return strategy.aggregate(current, [rebased_update(s, rule) for s in updates], replicas)
+
+
+def supports_async(strategy: object) -> str | None:
+    """Why `strategy` cannot run asynchronously, or None when it can.
+
+    A per-step barrier over a cohort (MiniBatch-SFL's `server_barrier`) needs rounds; any
+    strategy may also opt out with a false `asynchronous` attribute.
+    """
+    name = getattr(strategy, "name", type(strategy).__name__)
+    if getattr(strategy, "server_barrier", False) is True:
+        return (
+            f"{name} takes one server step per step index over the whole cohort: that barrier "
+            "needs a cohort, i.e. rounds"
+        )
+    if getattr(strategy, "asynchronous", True) is not True:
+        return f"{name} declares itself synchronous only"
+    return None

@@ -1,0 +1,101 @@
+"""`splitmq provision-clients CONFIG --count N`: one RabbitMQ user per client (secured mode)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from broker.errors import BrokerError
+from services.cli.common import config_argument, load
+from services.runtime.backends import Backends
+from services.security.admin import AdminError, pick_admin
+from services.security.provision import client_names, provision, revoke, vhost_of
+
+
+@click.command("provision-clients")
+@config_argument
+@click.option("--count", type=click.IntRange(min=1), required=True, help="How many clients.")
+@click.option("--prefix", default="client-", show_default=True, help="Client ids: PREFIX0, ...")
+@click.option("--start", type=click.IntRange(min=0), default=0, help="First client number.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("secrets/clients"),
+    show_default=True,
+    help="Where each client's env file (<id>.env, mode 600) goes.",
+)
+@click.option(
+    "--admin",
+    "admin_kind",
+    type=click.Choice(["auto", "http", "rabbitmqctl"]),
+    default="auto",
+    show_default=True,
+    help="How to manage users: the management HTTP API (with the config's AMQP credentials, "
+    "which need the administrator tag), rabbitmqctl on this host, or whichever works.",
+)
+@click.option("--management-url", default=None, help="Default: http(s)://<AMQP host>:15672.")
+@click.option(
+    "--client-url",
+    default=None,
+    help="The AMQP URL clients connect to (default: the config's broker.amqp_url); "
+    "its credentials are replaced by each client's.",
+)
+@click.option("--revoke", "revoke_users", is_flag=True, help="Delete these users instead.")
+def provision_clients(
+    config: Path | None,
+    count: int,
+    prefix: str,
+    start: int,
+    out_dir: Path,
+    admin_kind: str,
+    management_url: str | None,
+    client_url: str | None,
+    revoke_users: bool,
+) -> None:
+    """Create a RabbitMQ user for each of COUNT clients (the secured mode, design §3).
+
+    Each may publish to the smashed and control exchanges with its own AMQP user_id, and read
+    only its own reply queue; its credentials go to OUT/<id>.env, to be set in the client's
+    environment (they also turn security.per_client_users on there). Run the services with
+    security.per_client_users = true, and the clients with `--id <id>`.
+    """
+    _, settings = load(config)
+    if settings.broker.kind != "rabbitmq":
+        raise click.ClickException('per-client users need broker.kind = "rabbitmq"')
+    job = settings.job.name
+    try:
+        names = client_names(prefix, count, start)
+        admin = pick_admin(admin_kind, settings.broker.amqp_url, management_url)
+    except (ValueError, AdminError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if revoke_users:
+        try:
+            revoke(admin, names)
+        except AdminError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"deleted {len(names)} users with {admin.name}: {', '.join(names)}")
+        return
+    broker = Backends(settings.broker, settings.store).open_broker("splitmq-provision")
+    try:
+        written = provision(
+            admin,
+            broker,
+            job=job,
+            clients=names,
+            vhost=vhost_of(settings.broker.amqp_url),
+            url_template=client_url or settings.broker.amqp_url,
+            out_dir=out_dir,
+        )
+    except (AdminError, BrokerError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        broker.close()
+    click.echo(f"job {job}: {len(written)} client users provisioned with {admin.name}")
+    for creds in written:
+        click.echo(f"  {creds.client}: {creds.path}")
+    click.echo(
+        "clients: set a file's variables, then `splitmq client CONFIG --id <id>`; services: "
+        "set security.per_client_users = true"
+    )

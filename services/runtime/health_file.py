@@ -1,0 +1,130 @@
+"""Health of an edge client: a file on its own machine, never a key in Redis.
+
+Clients talk only to RabbitMQ (design §3): they hold no Redis credentials, so `splitmq client`
+proves it is alive by refreshing `<tmp>/splitmq-health/<job>/client-<instance>.json` (its host,
+pid and the time) every `REFRESH_S`, and `splitmq check client` reads it on the same machine,
+which is where a container healthcheck runs. A file older than `TTL_S`, or whose process is
+gone, is unhealthy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from services.runtime.health import REFRESH_S, TTL_S, Verdict
+
+
+def health_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "splitmq-health"
+
+
+def health_file(job: str, role: str, instance: str, base: Path | None = None) -> Path:
+    return (base or health_dir()) / job / f"{role}-{instance}.json"
+
+
+class FileHealthBeat:
+    """Refreshes one health file from a daemon thread until stopped, then removes it."""
+
+    def __init__(
+        self,
+        job: str,
+        role: str,
+        instance: str,
+        *,
+        base: Path | None = None,
+        refresh_s: float = REFRESH_S,
+        clock: Callable[[], float] = time.time,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.path = health_file(job, role, instance, base)
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._info = {"host": socket.gethostname(), "pid": os.getpid(), "instance": instance}
+        self._log = logger or logging.getLogger("splitmq.health")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"health-{role}", daemon=True)
+
+    def __enter__(self) -> FileHealthBeat:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+        self.path.unlink(missing_ok=True)
+
+    def beat(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = self.path.with_suffix(".tmp")
+        scratch.write_text(json.dumps({**self._info, "at": self._clock()}))
+        scratch.replace(self.path)  # atomic: a reader never sees half a file
+
+    def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                self.beat()
+                failing = False
+            except OSError as exc:
+                if not failing:
+                    self._log.warning("cannot write health file %s: %s", self.path, exc)
+                failing = True
+            if self._stop.wait(self._refresh_s):
+                return
+
+
+def assess_files(
+    job: str,
+    role: str,
+    *,
+    instance: str | None = None,
+    base: Path | None = None,
+    now: float | None = None,
+    ttl_s: float = TTL_S,
+) -> Verdict:
+    """Is a `role` process of `job` alive on this machine (the one named `instance`, or any)?"""
+    folder = (base or health_dir()) / job
+    pattern = f"{role}-{instance}.json" if instance is not None else f"{role}-*.json"
+    now = time.time() if now is None else now
+    stale = 0
+    for path in sorted(folder.glob(pattern)):
+        try:
+            info = json.loads(path.read_text())
+            age = now - float(info["at"])
+            pid = int(info["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if age <= ttl_s and _running(pid):
+            name = info.get("instance", path.stem)
+            return Verdict(
+                True, f"{role} {name} alive in job {job} (pid {pid}, beat {age:.0f} s ago)"
+            )
+        stale += 1
+    which = f"named {instance}" if instance is not None else "on this machine"
+    note = f" ({stale} stale health file(s) in {folder})" if stale else ""
+    return Verdict(False, f"no live {role} {which} in job {job}{note}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, but alive
+    return True

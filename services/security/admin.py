@@ -1,0 +1,192 @@
+"""Managing RabbitMQ users: through the management HTTP API, or `rabbitmqctl` on the broker's host.
+
+Both do the same three things (`RabbitAdmin`): create a user or reset its password, set its
+permissions in one vhost, delete it. The HTTP API needs the management plugin and an
+administrator's credentials; `rabbitmqctl` needs to run on the broker's machine with the right
+to talk to the node (root, or the rabbitmq user). Passwords never appear on a command line:
+`rabbitmqctl` reads them from standard input.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import quote, urlparse
+
+from services.security.identity import amqp_user
+
+MANAGEMENT_PORT = 15672
+_TIMEOUT_S = 30.0
+
+
+class AdminError(RuntimeError):
+    """RabbitMQ refused or could not be asked; the message says which tool and why."""
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """configure / write / read regular expressions of one user in one vhost."""
+
+    configure: str
+    write: str
+    read: str
+
+
+class RabbitAdmin(Protocol):
+    name: str
+
+    def put_user(self, user: str, password: str) -> None:
+        """Create `user`, or set its password if it exists (no tags: not an administrator)."""
+        ...
+
+    def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None: ...
+
+    def delete_user(self, user: str) -> None:
+        """Delete `user` (its connections are closed); a missing user is not an error."""
+        ...
+
+
+Runner = Callable[[Sequence[str], str], subprocess.CompletedProcess[str]]
+
+
+def _run(argv: Sequence[str], stdin: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+class RabbitmqctlAdmin:
+    """`rabbitmqctl` against the local node (or `node`)."""
+
+    name = "rabbitmqctl"
+
+    def __init__(
+        self, *, executable: str = "rabbitmqctl", node: str | None = None, run: Runner = _run
+    ) -> None:
+        self._base = [executable, *(["--node", node] if node else [])]
+        self._run = run
+
+    @staticmethod
+    def available(executable: str = "rabbitmqctl") -> bool:
+        return shutil.which(executable) is not None
+
+    def put_user(self, user: str, password: str) -> None:
+        done = self._run([*self._base, "add_user", user], password)
+        if done.returncode != 0 and "already_exists" in done.stdout + done.stderr:
+            done = self._run([*self._base, "change_password", user], password)
+        self._check(done, f"create user {user!r}")
+
+    def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
+        p = permissions
+        argv = [*self._base, "set_permissions", "--vhost", vhost, user]
+        argv += [p.configure, p.write, p.read]
+        self._check(self._run(argv, ""), f"set the permissions of {user!r}")
+
+    def delete_user(self, user: str) -> None:
+        done = self._run([*self._base, "delete_user", user], "")
+        if done.returncode != 0 and "no_such_user" in done.stdout + done.stderr:
+            return
+        self._check(done, f"delete user {user!r}")
+
+    @staticmethod
+    def _check(done: subprocess.CompletedProcess[str], what: str) -> None:
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip().splitlines()
+            raise AdminError(f"rabbitmqctl could not {what}: {' / '.join(detail[-3:])}")
+
+
+Opener = Callable[[urllib.request.Request, float], bytes]
+
+
+def _open(request: urllib.request.Request, timeout: float) -> bytes:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body: bytes = response.read()
+        return body
+
+
+class ManagementAdmin:
+    """The management plugin's HTTP API at `base_url` (e.g. ``http://host:15672``)."""
+
+    name = "management API"
+
+    def __init__(self, base_url: str, user: str, password: str, *, opener: Opener = _open) -> None:
+        scheme = urlparse(base_url).scheme
+        if scheme not in ("http", "https"):
+            raise ValueError(f"management URL must be http:// or https://, got {base_url!r}")
+        self._base = base_url.rstrip("/")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        self._auth = f"Basic {token}"
+        self._open = opener
+
+    def available(self) -> bool:
+        """Whether the API answers these credentials (GET /api/whoami)."""
+        try:
+            self._call("GET", "/api/whoami")
+        except AdminError:
+            return False
+        return True
+
+    def put_user(self, user: str, password: str) -> None:
+        body = {"password": password, "tags": ""}
+        self._call("PUT", f"/api/users/{quote(user, safe='')}", body)
+
+    def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
+        p = permissions
+        path = f"/api/permissions/{quote(vhost, safe='')}/{quote(user, safe='')}"
+        self._call("PUT", path, {"configure": p.configure, "write": p.write, "read": p.read})
+
+    def delete_user(self, user: str) -> None:
+        try:
+            self._call("DELETE", f"/api/users/{quote(user, safe='')}")
+        except AdminError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+
+    def _call(self, method: str, path: str, body: object = None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self._base + path, data=data, method=method)
+        request.add_header("Authorization", self._auth)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            return self._open(request, _TIMEOUT_S)
+        except urllib.error.HTTPError as exc:
+            raise AdminError(f"{method} {path}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise AdminError(f"{method} {path}: {exc}") from None
+
+
+def management_url_for(amqp_url: str) -> str:
+    """The management API on the broker's host, over https when AMQP is amqps."""
+    parsed = urlparse(amqp_url)
+    scheme = "https" if parsed.scheme == "amqps" else "http"
+    return f"{scheme}://{parsed.hostname or '127.0.0.1'}:{MANAGEMENT_PORT}"
+
+
+def pick_admin(kind: str, amqp_url: str, management_url: str | None = None) -> RabbitAdmin:
+    """The admin tool asked for: "http", "rabbitmqctl", or "auto" (the API if it answers the
+    services' credentials, else rabbitmqctl if installed here)."""
+    parsed = urlparse(amqp_url)
+    http = ManagementAdmin(
+        management_url or management_url_for(amqp_url),
+        amqp_user(amqp_url),
+        parsed.password or "guest",
+    )
+    if kind == "http":
+        return http
+    if kind == "rabbitmqctl" or (kind == "auto" and not http.available()):
+        if not RabbitmqctlAdmin.available():
+            raise AdminError(
+                "no way to manage RabbitMQ users: the management API does not answer at "
+                f"{management_url or management_url_for(amqp_url)} and rabbitmqctl is not "
+                "installed here (run this on the broker's host, or enable rabbitmq_management)"
+            )
+        return RabbitmqctlAdmin()
+    return http
