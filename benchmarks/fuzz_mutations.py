@@ -464,7 +464,9 @@ def update_cases(ctx: Context, rng: random.Random) -> list[Fuzzed]:
     ghost = ctx.ghost(rng)
     member = rng.choice(list(ctx.members)) if ctx.members else ghost
     names = {f"{n}.evil": t for n, t in ctx.client_weights.items()}
-    shapes = {n: torch.zeros(*(d + 1 for d in t.shape)) for n, t in ctx.client_weights.items()}
+    shapes = {
+        n: torch.zeros(tuple(d + 1 for d in t.shape) or (2,)) for n, t in ctx.client_weights.items()
+    }
     future = 10**6
 
     def update(**changes: Any) -> WeightsUpdate:

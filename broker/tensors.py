@@ -222,11 +222,6 @@ def wire_bytes(tensor: torch.Tensor) -> memoryview:
     return host_array(tensor).data
 
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a `to_wire` tensor, sharing its memory."""
-    return host_array(tensor).reshape(-1).view(np.uint8).data
-
-
 def copy_into(buffer: bytearray, start: int, tensor: torch.Tensor) -> None:
     """Copy `tensor` (any device, any strides) into `buffer[start:]` in one pass."""
     if tensor.numel() == 0:
@@ -294,8 +289,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """True unless a floating-point tensor holds NaN or ±inf.
 
     CPU tensors of the wire's float dtypes are scanned by numpy on the calling thread
-    (`finite_array`), never by torch: torch splits a large scan over its OpenMP pool, and on a
-    host also busy with RabbitMQ and the other end of the link, that pool's barrier and
+    (`finite_array`), never by torch: torch splits a large scan over its OpenMP pool, and on
+    a host also busy with RabbitMQ and the other end of the link, that pool's barrier and
     spinning threads cost far more than the scan (1.5 MiB: 0.05 ms idle, 20+ ms on a loaded
     2-core host; see docs/benchmarks.md). Other devices and float dtypes use one `aminmax`
     (NaN propagates, an infinity is an extreme).

@@ -74,9 +74,23 @@ check() { # check NAME CONDITION-EXIT-CODE DETAIL
 }
 deadline_left() { echo $((TIMEOUT_S - $(elapsed))); }
 
-compose() {
-    docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" \
-        -f "$HERE/docker-compose.hostnet.yml" "$@"
+COMPOSE=(docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" -f "$HERE/docker-compose.hostnet.yml")
+compose() { "${COMPOSE[@]}" "$@"; }
+
+# The two compose files merged into one: Compose v1 (docker-py) refuses a service with both
+# network_mode: host and ports (v2 only warns), and an override cannot remove the base file's
+# `ports:`. So the merged file, with the ports of host-network services dropped, is what runs.
+write_stack_file() {
+    local stack=$RUN_DIR/stack.yml
+    compose config >"$stack.merged" || die "docker-compose config failed"
+    /usr/bin/python3 -c 'import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+for service in doc["services"].values():
+    if service.get("network_mode") == "host":
+        service.pop("ports", None)
+yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)' "$stack.merged" "$stack" \
+        || die "could not write $stack"
+    COMPOSE=(docker-compose -p "$PROJECT" --project-directory "$HERE" -f "$stack")
 }
 rcli() { redis-cli -p "$REDIS_PORT" --raw "$@"; }
 
@@ -123,8 +137,7 @@ finish() {
             note "SPLITMQ_SMOKE_KEEP=1: the stack stays up (compose -p $PROJECT ... down -v)"
         else
             step "teardown: compose down -v"
-            timeout 300 docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" \
-                -f "$HERE/docker-compose.hostnet.yml" down -v --remove-orphans -t 60 \
+            timeout 300 "${COMPOSE[@]}" down -v --remove-orphans -t 60 \
                 >>"$RUN_DIR/teardown.log" 2>&1 || note "compose down failed (see teardown.log)"
         fi
     fi
@@ -151,271 +164,289 @@ finish() {
     printf 'RESULT    FAIL (%s)\n' "${FAILURES[*]}"
     exit 1
 }
-trap finish EXIT
-trap 'exit 130' INT TERM
+# The wheels of the image, into $wheels: the host's pip fetches (its configuration knows the
+# local index with the CPU torch build), the image's own Python resolves.
+fetch_wheels() {
+    # pip skips what is already in $wheels; the host's pip configuration brings the CPU build.
+    python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
+        "torch==2.13.0" "setuptools>=68" wheel "$ROOT" >"$RUN_DIR/pip-download.log" 2>&1 \
+        || die "pip download failed (see $RUN_DIR/pip-download.log)"
+    compgen -G "$wheels/torch-2.13.0+cpu-*.whl" >/dev/null || die "no CPU torch wheel in $wheels"
+    # The image's Python may need more than the host's: markers such as python_full_version <
+    # "3.11.3" (redis wants async-timeout on Debian's 3.11.2). So resolve with the image's own
+    # interpreter against these wheels alone, offline, fetch what it misses with the host's pip
+    # (which knows this host's package index), and repeat.
+    project=$CACHE/project
+    rm -rf "$project" && mkdir -p "$project"
+    cp "$ROOT/pyproject.toml" "$ROOT/README.md" "$project/"
+    for attempt in 1 2 3 4 5 6; do
+        if out=$(docker run --rm --network none -v "$wheels:/wheels:ro" -v "$project:/project" \
+            "$BASE_IMAGE" python3 -m pip download --no-index --find-links /wheels \
+            --only-binary=:all: -d /tmp/resolved "torch==2.13.0" /project 2>&1); then
+            break
+        fi
+        wanted=$(sed -nE 's/^ERROR: Could not find a version that satisfies the requirement ([^;( ]+).*/\1/p' \
+            <<<"$out" | head -1)
+        [ -n "$wanted" ] && [ "$attempt" -lt 6 ] || die "the image's Python cannot resolve the wheels: $out"
+        note "the image's Python also needs $wanted"
+        python3 -m pip download --quiet --only-binary=:all: -d "$wheels" "$wanted" \
+            >>"$RUN_DIR/pip-download.log" 2>&1 || die "pip download $wanted failed"
+    done
+}
 
-# --- 1. tools and the Docker engine -----------------------------------------------------------
-[ "$(id -u)" -eq 0 ] || die "run as root (apt-get, dockerd, debootstrap)"
-step "tools: docker.io, docker-compose, debootstrap, redis-tools"
-missing=()
-command -v dockerd >/dev/null || missing+=(docker.io)
-command -v docker-compose >/dev/null || missing+=(docker-compose)
-command -v debootstrap >/dev/null || missing+=(debootstrap)
-command -v redis-cli >/dev/null || missing+=(redis-tools)
-if [ ${#missing[@]} -gt 0 ]; then
-    note "installing ${missing[*]}"
-    apt-get update -q >"$RUN_DIR/apt.log" 2>&1
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >>"$RUN_DIR/apt.log" 2>&1 \
-        || die "apt-get install ${missing[*]} failed (see $RUN_DIR/apt.log)"
-else
-    note "already installed"
-fi
+# Bash reads a script as it runs it: with the work in a function, the whole file is parsed
+# before anything starts, so editing it during a run cannot derail that run.
+main() {
+    trap finish EXIT
+    trap 'exit 130' INT TERM
 
-step "docker engine"
-if docker info >/dev/null 2>&1; then
-    note "a Docker engine answers already: using it"
-else
-    # No bridge and no iptables: this host's containers share its network (network_mode: host).
-    dockerd --iptables=false --bridge=none >"$CACHE/dockerd.log" 2>&1 &
-    STARTED_DOCKERD=$!
-    wait_for "dockerd to answer" 120 docker info
-    note "started dockerd (pid $STARTED_DOCKERD, log $CACHE/dockerd.log)"
-fi
-SUMMARY+=("info  docker engine $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short 2>/dev/null | head -1 | sed 's/^/compose /')")
-
-# --- 2. base image --------------------------------------------------------------------------
-step "base image $BASE_IMAGE"
-if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-    note "exists: skipped"
-else
-    rootfs=$CACHE/rootfs-$SUITE
-    if [ ! -d "$rootfs" ]; then
-        note "debootstrap --variant=minbase $SUITE (a few minutes)"
-        rm -rf "$rootfs.partial"
-        debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
-            "$SUITE" "$rootfs.partial" http://deb.debian.org/debian >"$RUN_DIR/debootstrap.log" 2>&1 \
-            || die "debootstrap failed (see $RUN_DIR/debootstrap.log)"
-        rm -f "$rootfs.partial"/var/cache/apt/archives/*.deb
-        mv "$rootfs.partial" "$rootfs"
+    # --- 1. tools and the Docker engine -----------------------------------------------------------
+    [ "$(id -u)" -eq 0 ] || die "run as root (apt-get, dockerd, debootstrap)"
+    step "tools: docker.io, docker-compose, debootstrap, redis-tools"
+    missing=()
+    command -v dockerd >/dev/null || missing+=(docker.io)
+    command -v docker-compose >/dev/null || missing+=(docker-compose)
+    command -v debootstrap >/dev/null || missing+=(debootstrap)
+    command -v redis-cli >/dev/null || missing+=(redis-tools)
+    if [ ${#missing[@]} -gt 0 ]; then
+        note "installing ${missing[*]}"
+        apt-get update -q >"$RUN_DIR/apt.log" 2>&1
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >>"$RUN_DIR/apt.log" 2>&1 \
+            || die "apt-get install ${missing[*]} failed (see $RUN_DIR/apt.log)"
+    else
+        note "already installed"
     fi
-    tar -C "$rootfs" -c . | docker import \
-        -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-        -c 'CMD ["/bin/bash"]' - "$BASE_IMAGE" >/dev/null
-    note "imported from $rootfs"
-fi
 
-# --- 3. wheels ------------------------------------------------------------------------------
-step "wheels: torch==2.13.0 (CPU, local package index) and the dependencies of $ROOT"
-wheels=$CACHE/wheels
-index=$CACHE/simple
-mkdir -p "$wheels"
-# pip skips what is already in $wheels; the host's pip configuration brings the CPU build.
-python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
-    "torch==2.13.0" "setuptools>=68" wheel "$ROOT" >"$RUN_DIR/pip-download.log" 2>&1 \
-    || die "pip download failed (see $RUN_DIR/pip-download.log)"
-compgen -G "$wheels/torch-2.13.0+cpu-*.whl" >/dev/null || die "no CPU torch wheel in $wheels"
-# The image's Python may need more than the host's: markers such as python_full_version <
-# "3.11.3" (redis wants async-timeout on Debian's 3.11.2). So resolve with the image's own
-# interpreter against these wheels alone, offline, fetch what it misses with the host's pip
-# (which knows this host's package index), and repeat.
-project=$CACHE/project
-rm -rf "$project" && mkdir -p "$project"
-cp "$ROOT/pyproject.toml" "$ROOT/README.md" "$project/"
-for attempt in 1 2 3 4 5 6; do
-    if out=$(docker run --rm --network none -v "$wheels:/wheels:ro" -v "$project:/project" \
-        "$BASE_IMAGE" python3 -m pip download --no-index --find-links /wheels \
-        --only-binary=:all: -d /tmp/resolved "torch==2.13.0" /project 2>&1); then
-        break
+    step "docker engine"
+    if docker info >/dev/null 2>&1; then
+        note "a Docker engine answers already: using it"
+    else
+        # No bridge and no iptables: this host's containers share its network (network_mode: host).
+        dockerd --iptables=false --bridge=none >"$CACHE/dockerd.log" 2>&1 &
+        STARTED_DOCKERD=$!
+        wait_for "dockerd to answer" 120 docker info
+        note "started dockerd (pid $STARTED_DOCKERD, log $CACHE/dockerd.log)"
     fi
-    wanted=$(sed -nE 's/^ERROR: Could not find a version that satisfies the requirement ([^;( ]+).*/\1/p' \
-        <<<"$out" | head -1)
-    [ -n "$wanted" ] && [ "$attempt" -lt 6 ] || die "the image's Python cannot resolve the wheels: $out"
-    note "the image's Python also needs $wanted"
-    python3 -m pip download --quiet --only-binary=:all: -d "$wheels" "$wanted" \
-        >>"$RUN_DIR/pip-download.log" 2>&1 || die "pip download $wanted failed"
-done
-# A PEP 503 index: one directory per normalised project name, listed by http.server.
-rm -rf "$index" && mkdir -p "$index"
-for whl in "$wheels"/*.whl; do
-    file=$(basename "$whl")
-    project=$(echo "${file%%-*}" | tr 'A-Z' 'a-z' | sed -E 's/[-_.]+/-/g')
-    mkdir -p "$index/$project"
-    ln -sf "$whl" "$index/$project/$file"
-done
-python3 -m http.server --bind 127.0.0.1 --directory "$index" "$WHEEL_PORT" \
-    >"$RUN_DIR/wheel-server.log" 2>&1 &
-WHEEL_SERVER_PID=$!
-index_answers() {
-    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$WHEEL_PORT/torch/')" \
-        2>/dev/null
-}
-wait_for "the package index on 127.0.0.1:$WHEEL_PORT" 30 index_answers
-note "$(ls "$wheels" | wc -l) wheels served on http://127.0.0.1:$WHEEL_PORT/"
+    SUMMARY+=("info  docker engine $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short 2>/dev/null | head -1 | sed 's/^/compose /')")
 
-# --- 4. images ------------------------------------------------------------------------------
-export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
-step "stand-in images $RABBITMQ_IMAGE, $REDIS_IMAGE (Debian packages)"
-for pair in "rabbitmq:$RABBITMQ_IMAGE" "redis:$REDIS_IMAGE"; do
-    name=${pair%%:*}
-    docker build --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
-        -f "$HERE/local-images/$name.Dockerfile" -t "${pair#*:}" "$HERE/local-images" \
-        >"$RUN_DIR/build-$name.log" 2>&1 || die "building $name failed (see build-$name.log)"
-done
-note "built (cached layers reused)"
+    # --- 2. base image --------------------------------------------------------------------------
+    step "base image $BASE_IMAGE"
+    if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+        note "exists: skipped"
+    else
+        rootfs=$CACHE/rootfs-$SUITE
+        if [ ! -d "$rootfs" ]; then
+            note "debootstrap --variant=minbase $SUITE (a few minutes)"
+            rm -rf "$rootfs.partial"
+            debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+                "$SUITE" "$rootfs.partial" http://deb.debian.org/debian >"$RUN_DIR/debootstrap.log" 2>&1 \
+                || die "debootstrap failed (see $RUN_DIR/debootstrap.log)"
+            rm -f "$rootfs.partial"/var/cache/apt/archives/*.deb
+            mv "$rootfs.partial" "$rootfs"
+        fi
+        tar -C "$rootfs" -c . | docker import \
+            -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+            -c 'CMD ["/bin/bash"]' - "$BASE_IMAGE" >/dev/null
+        note "imported from $rootfs"
+    fi
 
-export SPLITMQ_TAG=$TAG
-export SPLITMQ_BASE_IMAGE=$BASE_IMAGE
-export SPLITMQ_TORCH_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
-export SPLITMQ_PIP_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
-export SPLITMQ_RABBITMQ_IMAGE=$RABBITMQ_IMAGE
-export SPLITMQ_REDIS_IMAGE=$REDIS_IMAGE
-export SPLITMQ_JOB_FILE=./smoke.toml
-export SPLITMQ_CLIENTS=$CLIENTS
-export SPLITMQ_HEALTH_INTERVAL=15s
-export SPLITMQ_CLIENT_HEALTH_INTERVAL=60s
+    # --- 3. wheels ------------------------------------------------------------------------------
+    step "wheels: torch==2.13.0 (CPU, local package index) and the dependencies of $ROOT"
+    wheels=$CACHE/wheels
+    index=$CACHE/simple
+    mkdir -p "$wheels"
+    # Done once per pyproject.toml and base image: the stamp names both.
+    stamp=$wheels/.resolved-$(cat "$ROOT/pyproject.toml" <(docker image inspect -f '{{.Id}}' \
+        "$BASE_IMAGE") | sha256sum | cut -c1-16)
+    if [ -e "$stamp" ]; then
+        note "resolved before for this pyproject.toml and base image: skipped"
+    else
+        fetch_wheels
+        touch "$stamp"
+    fi
+    # A PEP 503 index: one directory per normalised project name, listed by http.server.
+    rm -rf "$index" && mkdir -p "$index"
+    for whl in "$wheels"/*.whl; do
+        file=$(basename "$whl")
+        project=$(echo "${file%%-*}" | tr 'A-Z' 'a-z' | sed -E 's/[-_.]+/-/g')
+        mkdir -p "$index/$project"
+        ln -sf "$whl" "$index/$project/$file"
+    done
+    python3 -m http.server --bind 127.0.0.1 --directory "$index" "$WHEEL_PORT" \
+        >"$RUN_DIR/wheel-server.log" 2>&1 &
+    WHEEL_SERVER_PID=$!
+    index_answers() {
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$WHEEL_PORT/torch/')" \
+            2>/dev/null
+    }
+    wait_for "the package index on 127.0.0.1:$WHEEL_PORT" 30 index_answers
+    note "$(ls "$wheels" | wc -l) wheels served on http://127.0.0.1:$WHEEL_PORT/"
 
-step "image splitmq:$TAG (compose/Dockerfile, BASE_IMAGE=$BASE_IMAGE)"
-# Every role service shares this one image; building one of them builds it.
-compose build coordinator >"$RUN_DIR/build-splitmq.log" 2>&1 \
-    || die "building splitmq:$TAG failed (see $RUN_DIR/build-splitmq.log)"
-user=$(docker image inspect -f '{{.Config.User}}' "splitmq:$TAG")
-tools=$(docker run --rm --network none --entrypoint sh "splitmq:$TAG" -c \
-    'for t in gcc cc make pip pip3; do command -v $t; done; ls /opt/venv/bin | grep -x "pip.*"' \
-    2>/dev/null || true)
-size=$(docker image inspect -f '{{.Size}}' "splitmq:$TAG")
-check "image" "$([ "$user" != "" ] && [ "$user" != root ] && [ "${user%%:*}" != 0 ] && [ -z "$tools" ]; echo $?)" \
-    "splitmq:$TAG, user $user, $((size / 1048576)) MiB, build tools: ${tools:-none}"
+    # --- 4. images ------------------------------------------------------------------------------
+    export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
+    step "stand-in images $RABBITMQ_IMAGE, $REDIS_IMAGE (Debian packages)"
+    for pair in "rabbitmq:$RABBITMQ_IMAGE" "redis:$REDIS_IMAGE"; do
+        name=${pair%%:*}
+        docker build --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+            -f "$HERE/local-images/$name.Dockerfile" -t "${pair#*:}" "$HERE/local-images" \
+            >"$RUN_DIR/build-$name.log" 2>&1 || die "building $name failed (see build-$name.log)"
+    done
+    note "built (cached layers reused)"
 
-# --- 5. the stack ---------------------------------------------------------------------------
-step "stack up: $WORKERS workers, $CLIENTS clients (project $PROJECT)"
-STACK_UP=1
-compose down -v --remove-orphans >"$RUN_DIR/predown.log" 2>&1 || true
-# Exit codes of every container, also of the workers a scale-down removes.
-docker events --filter "label=com.docker.compose.project=$PROJECT" --filter event=die \
-    --format '{{.Actor.Attributes.name}} exitCode={{.Actor.Attributes.exitCode}}' \
-    >"$RUN_DIR/exits.log" 2>&1 &
-EVENTS_PID=$!
-# Compose waits for the health of each dependency (rabbitmq, redis, then the coordinator for
-# the clients) before starting its dependants.
-timeout 900 docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" \
-    -f "$HERE/docker-compose.hostnet.yml" up -d --no-build \
-    --scale worker=$WORKERS --scale client=$CLIENTS >"$RUN_DIR/up.log" 2>&1 \
-    || die "compose up failed (see $RUN_DIR/up.log)"
-follow_logs
-note "$(docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Names}}' | sort | tr '\n' ' ')"
+    export SPLITMQ_TAG=$TAG
+    export SPLITMQ_BASE_IMAGE=$BASE_IMAGE
+    export SPLITMQ_TORCH_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
+    export SPLITMQ_PIP_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
+    export SPLITMQ_RABBITMQ_IMAGE=$RABBITMQ_IMAGE
+    export SPLITMQ_REDIS_IMAGE=$REDIS_IMAGE
+    export SPLITMQ_JOB_FILE=./smoke.toml
+    export SPLITMQ_CLIENTS=$CLIENTS
+    export SPLITMQ_HEALTH_INTERVAL=15s
+    export SPLITMQ_CLIENT_HEALTH_INTERVAL=60s
+    write_stack_file
 
-version() { local v; v=$(rcli GET "splitmq:$JOB:version" 2>/dev/null); echo "${v:-0}"; }
-live() { # live PREFIX: live members of the job whose id starts with PREFIX
-    rcli ZRANGEBYSCORE "splitmq:$JOB:members" "$(date +%s)" +inf 2>/dev/null | grep -c "^$1" || true
-}
-version_at_least() { [ "$(version)" -ge "$1" ]; }
-live_workers_are() { [ "$(live worker:)" -eq "$1" ]; }
-aggregator_exited() {
-    [ "$(docker inspect -f '{{.State.Status}}' "$(compose ps -q aggregator)")" = exited ]
-}
-progress() { note "version $(version), live workers $(live worker:), live clients $(live client:)"; }
+    step "image splitmq:$TAG (compose/Dockerfile, BASE_IMAGE=$BASE_IMAGE)"
+    # Every role service shares this one image; building one of them builds it.
+    compose build coordinator >"$RUN_DIR/build-splitmq.log" 2>&1 \
+        || die "building splitmq:$TAG failed (see $RUN_DIR/build-splitmq.log)"
+    # Earlier builds of the tag, left untagged: only SplitMQ's own (its image label).
+    docker image prune -f --filter "label=org.opencontainers.image.title=splitmq" >/dev/null
+    user=$(docker image inspect -f '{{.Config.User}}' "splitmq:$TAG")
+    tools=$(docker run --rm --network none --entrypoint sh "splitmq:$TAG" -c \
+        'for t in gcc cc c++ make ld; do command -v $t; done; ls /opt/venv/bin | grep "^pip"' \
+        2>/dev/null || true)
+    size=$(docker image inspect -f '{{.Size}}' "splitmq:$TAG")
+    check "image" "$([ "$user" != "" ] && [ "$user" != root ] && [ "${user%%:*}" != 0 ] && [ -z "$tools" ]; echo $?)" \
+        "splitmq:$TAG, user $user, $((size / 1048576)) MiB, build tools: ${tools:-none}"
 
-# The aggregator publishes version 1 (the initial model) and one version per round.
-wait_for "the initial version" 900 version_at_least 1
-progress
-wait_for "2 trained versions" 1200 version_at_least 3
-progress
-v_scale=$(version)
+    # --- 5. the stack ---------------------------------------------------------------------------
+    step "stack up: $WORKERS workers, $CLIENTS clients (project $PROJECT)"
+    STACK_UP=1
+    compose down -v --remove-orphans >"$RUN_DIR/predown.log" 2>&1 || true
+    # Exit codes of every container, also of the workers a scale-down removes.
+    docker events --filter "label=com.docker.compose.project=$PROJECT" --filter event=die \
+        --format '{{.Actor.Attributes.name}} exitCode={{.Actor.Attributes.exitCode}}' \
+        >"$RUN_DIR/exits.log" 2>&1 &
+    EVENTS_PID=$!
+    # Compose waits for the health of each dependency (rabbitmq, redis, then the coordinator for
+    # the clients) before starting its dependants.
+    timeout 900 "${COMPOSE[@]}" up -d --no-build \
+        --scale worker=$WORKERS --scale client=$CLIENTS >"$RUN_DIR/up.log" 2>&1 \
+        || die "compose up failed (see $RUN_DIR/up.log)"
+    follow_logs
+    note "$(docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Names}}' | sort | tr '\n' ' ')"
 
-step "scale workers to $WORKERS_UP while training runs"
-compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_UP worker \
-    >>"$RUN_DIR/up.log" 2>&1 || die "scaling up failed"
-follow_logs
-wait_for "$WORKERS_UP live workers" 600 live_workers_are $WORKERS_UP
-progress
-wait_for "a version trained with $WORKERS_UP workers" 1200 version_at_least $((v_scale + 1))
-progress
+    version() { local v; v=$(rcli GET "splitmq:$JOB:version" 2>/dev/null); echo "${v:-0}"; }
+    live() { # live PREFIX: live members of the job whose id starts with PREFIX
+        rcli ZRANGEBYSCORE "splitmq:$JOB:members" "$(date +%s)" +inf 2>/dev/null | grep -c "^$1" || true
+    }
+    version_at_least() { [ "$(version)" -ge "$1" ]; }
+    live_workers_are() { [ "$(live worker:)" -eq "$1" ]; }
+    aggregator_exited() {
+        [ "$(docker inspect -f '{{.State.Status}}' "$(compose ps -q aggregator)")" = exited ]
+    }
+    progress() { note "version $(version), live workers $(live worker:), live clients $(live client:)"; }
 
-step "scale workers back to $WORKERS_DOWN while training runs"
-compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_DOWN worker \
-    >>"$RUN_DIR/up.log" 2>&1 || die "scaling down failed"
-wait_for "$WORKERS_DOWN live worker" 300 live_workers_are $WORKERS_DOWN
-progress
-v_down=$(version)
+    # The aggregator publishes version 1 (the initial model) and one version per round.
+    wait_for "the initial version" 900 version_at_least 1
+    progress
+    wait_for "2 trained versions" 1200 version_at_least 3
+    progress
+    v_scale=$(version)
 
-step "wait for the job to finish"
-wait_for "the aggregator to finish the job" "$(deadline_left)" aggregator_exited
-progress
+    step "scale workers to $WORKERS_UP while training runs"
+    compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_UP worker \
+        >>"$RUN_DIR/up.log" 2>&1 || die "scaling up failed"
+    follow_logs
+    wait_for "$WORKERS_UP live workers" 600 live_workers_are $WORKERS_UP
+    progress
+    wait_for "a version trained with $WORKERS_UP workers" 1200 version_at_least $((v_scale + 1))
+    progress
 
-# --- 6. checks ------------------------------------------------------------------------------
-step "checks"
-agg=$(compose ps -q aggregator)
-agg_code=$(docker inspect -f '{{.State.ExitCode}}' "$agg")
-rounds=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["job"]["rounds"])' \
-    "$HERE/smoke.toml")
-final=$(version)
-check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((rounds + 1)) ]; echo $?)" \
-    "aggregator exit $agg_code, version $final after $rounds rounds (scaled up after v$v_scale, down after v$v_down)"
+    step "scale workers back to $WORKERS_DOWN while training runs"
+    compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_DOWN worker \
+        >>"$RUN_DIR/up.log" 2>&1 || die "scaling down failed"
+    wait_for "$WORKERS_DOWN live worker" 300 live_workers_are $WORKERS_DOWN
+    progress
+    v_down=$(version)
 
-# Clients log "... N batches sent" as they leave; they leave when the job is over.
-clients_done() {
-    local id
+    step "wait for the job to finish"
+    wait_for "the aggregator to finish the job" "$(deadline_left)" aggregator_exited
+    progress
+
+    # --- 6. checks ------------------------------------------------------------------------------
+    step "checks"
+    agg=$(compose ps -q aggregator)
+    agg_code=$(docker inspect -f '{{.State.ExitCode}}' "$agg")
+    rounds=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["job"]["rounds"])' \
+        "$HERE/smoke.toml")
+    final=$(version)
+    check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((rounds + 1)) ]; echo $?)" \
+        "aggregator exit $agg_code, version $final after $rounds rounds (scaled up after v$v_scale, down after v$v_down)"
+
+    # Clients log "... N batches sent" as they leave; they leave when the job is over.
+    clients_done() {
+        local id
+        for id in $(compose ps -q client); do
+            [ "$(docker inspect -f '{{.State.Status}}' "$id")" = exited ] || return 1
+        done
+    }
+    wait_for "the clients to leave" 300 clients_done
+    sent=0
+    client_codes=""
     for id in $(compose ps -q client); do
-        [ "$(docker inspect -f '{{.State.Status}}' "$id")" = exited ] || return 1
+        n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
+        [ -n "$n" ] || die "client container $id logged no batch count"
+        sent=$((sent + n))
+        client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
     done
+    shards=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["algorithm"]["shards"])' \
+        "$HERE/smoke.toml")
+    applied_total() {
+        local s total=0 n
+        for ((s = 0; s < shards; s++)); do
+            n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
+            total=$((total + ${n:-0}))
+        done
+        echo "$total"
+    }
+    # The remaining worker checkpoints every 2 s; stopping it checkpoints once more.
+    applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
+    poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the worker"
+    compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
+    applied=$(applied_total)
+    per_shard=$(for ((s = 0; s < shards; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
+    check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
+        "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
+
+    dead=$(compose exec -T rabbitmq rabbitmqctl -q list_queues name messages 2>/dev/null \
+        | awk -v q="$JOB.dead" '$1 == q {print $2}')
+    check "nothing dead-lettered" "$([ "${dead:-0}" -eq 0 ]; echo $?)" "queue $JOB.dead holds ${dead:-0} messages"
+
+    docker cp "$agg:/var/lib/splitmq/runs" "$RUN_DIR/report" >/dev/null
+    metrics=$(find "$RUN_DIR/report" -name metrics.json | head -1)
+    [ -n "$metrics" ] || die "no metrics.json in the aggregator's report"
+    accuracy=$(python3 -c 'import json, sys
+acc = [r["global_accuracy"] for r in json.load(open(sys.argv[1]))["records"]]
+print(f"{acc[0]:.3f} {acc[-1]:.3f} {len(acc)} " + ",".join(f"{a:.2f}" for a in acc))' "$metrics")
+    read -r acc_first acc_last n_records acc_curve <<<"$accuracy"
+    check "accuracy rose" "$(python3 -c "import sys; sys.exit(not $acc_last > $acc_first)"; echo $?)" \
+        "global accuracy $acc_first after round 1 -> $acc_last after round $n_records ($acc_curve)"
+
+    restarts=""
+    for service in coordinator aggregator worker client; do
+        for id in $(compose ps -q "$service"); do
+            restarts+="$(docker inspect -f '{{.Name}}={{.RestartCount}}' "$id" | sed 's#^/##') "
+        done
+    done
+    SUMMARY+=("info  restarts: ${restarts% }")
+    sleep 2 # the last die events
+    # Compose v1 names containers project_worker_N, v2 project-worker-N.
+    worker_exits=$(grep -E "[-_]worker[-_][0-9]+ " "$RUN_DIR/exits.log" | sed -E "s/^${PROJECT}[-_]//" | tr '\n' ' ')
+    bad_exits=$(grep -E "[-_]worker[-_][0-9]+ " "$RUN_DIR/exits.log" | grep -vc 'exitCode=0$' || true)
+    check "workers stopped gracefully" "$([ "$bad_exits" -eq 0 ]; echo $?)" "${worker_exits% }"
+    SUMMARY+=("info  report: $(dirname "$metrics")")
+    [ ${#FAILURES[@]} -eq 0 ] || exit 1
 }
-wait_for "the clients to leave" 300 clients_done
-sent=0
-client_codes=""
-for id in $(compose ps -q client); do
-    n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
-    [ -n "$n" ] || die "client container $id logged no batch count"
-    sent=$((sent + n))
-    client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
-done
-shards=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["algorithm"]["shards"])' \
-    "$HERE/smoke.toml")
-applied_total() {
-    local s total=0 n
-    for ((s = 0; s < shards; s++)); do
-        n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
-        total=$((total + ${n:-0}))
-    done
-    echo "$total"
-}
-# The remaining worker checkpoints every 2 s; stopping it checkpoints once more.
-applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
-poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the worker"
-compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
-applied=$(applied_total)
-per_shard=$(for ((s = 0; s < shards; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
-check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
-    "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
 
-dead=$(compose exec -T rabbitmq rabbitmqctl -q list_queues name messages 2>/dev/null \
-    | awk -v q="$JOB.dead" '$1 == q {print $2}')
-check "nothing dead-lettered" "$([ "${dead:-0}" -eq 0 ]; echo $?)" "queue $JOB.dead holds ${dead:-0} messages"
-
-docker cp "$agg:/var/lib/splitmq/runs" "$RUN_DIR/report" >/dev/null
-metrics=$(find "$RUN_DIR/report" -name metrics.json | head -1)
-[ -n "$metrics" ] || die "no metrics.json in the aggregator's report"
-accuracy=$(python3 - "$metrics" <<'EOF'
-import json, sys
-records = json.load(open(sys.argv[1]))["records"]
-acc = [r["global_accuracy"] for r in records]
-print(f"{acc[0]:.3f} {acc[-1]:.3f} {len(acc)} " + ",".join(f"{a:.2f}" for a in acc))
-EOF
-)
-read -r acc_first acc_last n_records acc_curve <<<"$accuracy"
-check "accuracy rose" "$(python3 -c "import sys; sys.exit(not $acc_last > $acc_first)"; echo $?)" \
-    "global accuracy $acc_first after round 1 -> $acc_last after round $n_records ($acc_curve)"
-
-restarts=""
-for service in coordinator aggregator worker client; do
-    for id in $(compose ps -q "$service"); do
-        restarts+="$(docker inspect -f '{{.Name}}={{.RestartCount}}' "$id" | sed 's#^/##') "
-    done
-done
-SUMMARY+=("info  restarts: ${restarts% }")
-sleep 2 # the last die events
-# Compose v1 names containers project_worker_N, v2 project-worker-N.
-worker_exits=$(grep -E "[-_]worker[-_][0-9]+ " "$RUN_DIR/exits.log" | sed -E "s/^${PROJECT}[-_]//" | tr '\n' ' ')
-bad_exits=$(grep -E "[-_]worker[-_][0-9]+ " "$RUN_DIR/exits.log" | grep -vc 'exitCode=0$' || true)
-check "workers stopped gracefully" "$([ "$bad_exits" -eq 0 ]; echo $?)" "${worker_exits% }"
-SUMMARY+=("info  report: $(dirname "$metrics")")
-[ ${#FAILURES[@]} -eq 0 ] || exit 1
+main "$@"

@@ -16,6 +16,10 @@ Two jobs (docs/async.md, "Server side"):
   several, each replica picks up the others' progress. The optimizer state is kept: the
   replica keeps training, it does not start a new model.
 
+Besides the usual cadence (`checkpoint_every_steps`, `checkpoint_every_s`), a replica
+checkpoints as soon as it sees a newer version, so each fold finds recent server progress:
+a version's server blob is the replicas as of their last checkpoint.
+
 The weights of recent checkpoints are kept (`_ring`, by applied count, in the replica's
 current frame), so a fold of a checkpoint older than the last one still rebases exactly.
 """
@@ -63,6 +67,7 @@ class AsyncShard:
         self._stats = stats
         self._log = logger
         self.known_version = replica.version
+        self._checkpointed_at = replica.version  # known_version at the last checkpoint
         self.anchor_applied = NEVER
         self._ring: dict[int, State] = {}
         self._start()
@@ -84,8 +89,18 @@ class AsyncShard:
             pass  # anchored at a version no longer kept: rebase from a later checkpoint
 
     # --- smashed data ------------------------------------------------------------------------
+    def unknown_version(self, batch: SmashedBatch) -> str | None:
+        """Why `batch` names a version that was never published (dead-lettered), or None.
+        The store is asked only when a batch names a version newer than any seen: a forged
+        one must not make every honest batch look stale."""
+        if batch.version > self.known_version:
+            self.known_version = max(self.known_version, self._store.current_version(self._job))
+        if batch.version > self.known_version:
+            return f"version {batch.version} not found (newest {self.known_version})"
+        return None
+
     def too_stale(self, batch: SmashedBatch) -> str | None:
-        """Why `batch` is too stale to train on, or None."""
+        """Why `batch` is too stale to train on, or None (after `unknown_version`)."""
         self.known_version = max(self.known_version, batch.version)
         tau = self.known_version - batch.version
         if tau <= self._max_staleness:
@@ -154,7 +169,13 @@ class AsyncShard:
         """The checkpoint with its anchor, for the aggregator's fold."""
         return replace(checkpoint, meta={**checkpoint.meta, "anchor_applied": self.anchor_applied})
 
+    def due(self) -> bool:
+        """A newer version appeared since the last checkpoint: the aggregator folded, and the
+        next fold should find this replica's newest progress (and it may rebase now)."""
+        return self.known_version > self._checkpointed_at
+
     def saved(self, checkpoint: Checkpoint) -> None:
+        self._checkpointed_at = self.known_version
         self._ring[checkpoint.applied] = checkpoint.weights
         # The anchor's own entry stays: a version may fold no newer checkpoint of this shard.
         others = [k for k in sorted(self._ring) if k != self.anchor_applied]

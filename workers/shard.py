@@ -138,12 +138,8 @@ class ShardRunner:
             return
         if self._replaces_buffered(delivery, batch):
             return
-        if self._async is not None:
-            stale = self._async.too_stale(batch)
-            if stale is not None:
-                self._hold(delivery)  # valid, just too old: acked with the next checkpoint
-                self._async.refuse(batch, stale, self._io.replier)
-                return
+        if self._async is not None and self._async_refused(delivery, batch, self._async):
+            return
         newest = replica.version if self._async is None else self._async.known_version
         self._io.metrics.staleness(newest - batch.version)
         if self._async is None and batch.version > replica.version:
@@ -159,6 +155,20 @@ class ShardRunner:
             self._fold.append(item)
             if len(self._fold) >= self._policy.batch_messages:
                 self.flush()
+
+    def _async_refused(self, delivery: Delivery, batch: SmashedBatch, mode: AsyncShard) -> bool:
+        """Async mode: a batch of an unknown version is dead-lettered, a too stale one
+        answered "too_stale" (valid, just too old: acked with the next checkpoint)."""
+        unknown = mode.unknown_version(batch)
+        if unknown is not None:
+            self._reject(delivery, "unknown_version", unknown)
+            return True
+        stale = mode.too_stale(batch)
+        if stale is None:
+            return False
+        self._hold(delivery)
+        mode.refuse(batch, stale, self._io.replier)
+        return True
 
     def _member(self, client: str) -> bool:
         """Cohort members and clients already applied here are known without asking."""
@@ -233,6 +243,7 @@ class ShardRunner:
             self._steps_since >= self._policy.checkpoint_every_steps
             or len(self._pending) >= self._policy.pending_limit
             or now - self._pending_since >= self._policy.checkpoint_every_s
+            or (self._async is not None and self._async.due())
         ):
             self.checkpoint()
 

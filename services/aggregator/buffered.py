@@ -110,7 +110,7 @@ class BufferedDriver:
         self._log = logger
         self._poll_s = poll_s
         self._job = settings.job.name
-        self._k = settings.asynchronous.buffer_size
+        self._k = settings.buffer_size
         self._rule = staleness_rule(settings)
         self.stats = stats
         self._members: dict[str, MemberInfo] = {}

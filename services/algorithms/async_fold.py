@@ -43,18 +43,35 @@ class StaleUpdate:
     current_aux: State
 
 
+# Normalisation statistics are running estimates, not trained parameters: replaying their
+# change on other weights can even make a variance negative. They keep the update's own value
+# (the strategy then averages them as in sync mode).
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def is_statistic(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in STATISTICS
+
+
 def rebase_state(
     update: State, base: State, current: State, weight: float
 ) -> dict[str, torch.Tensor]:
     """`current + weight * (update - base)` per floating tensor of `update`.
 
-    Tensors missing from `base` or `current`, and integer ones (BatchNorm's counters), keep the
-    update's value. Accumulated in float64, cast back to the update's dtype.
+    Tensors missing from `base` or `current`, integer ones and normalisation statistics
+    (`is_statistic`) keep the update's value. Accumulated in float64, cast back to the
+    update's dtype.
     """
     out: dict[str, torch.Tensor] = {}
     for name, tensor in update.items():
         b, c = base.get(name), current.get(name)
-        if b is None or c is None or not tensor.is_floating_point() or b.shape != tensor.shape:
+        if (
+            b is None
+            or c is None
+            or not tensor.is_floating_point()
+            or b.shape != tensor.shape
+            or is_statistic(name)
+        ):
             out[name] = tensor
             continue
         delta = tensor.detach().to(torch.float64) - b.detach().to(torch.float64)

@@ -48,6 +48,13 @@ QUICK_OUT = Path("runs/experiments/results-quick.md")
     "--reuse", is_flag=True, help="Read back runs already finished with the same settings."
 )
 @click.option("--only", default=None, help="Run only the labels matching this glob.")
+@click.option(
+    "--torch-threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="torch intra-op threads of this process (the roles already run on many threads).",
+)
 def experiment(
     name: str,
     data_dir: Path | None,
@@ -56,6 +63,7 @@ def experiment(
     runs_dir: Path,
     reuse: bool,
     only: str | None,
+    torch_threads: int,
 ) -> None:
     """Run the experiment NAME and write its tables and plots.
 
@@ -68,6 +76,13 @@ def experiment(
     from services.experiments.runner import build_settings, run_experiment
 
     target = out or (QUICK_OUT if quick else DEFAULT_OUT)
+    # Each role of a run is a thread that calls torch; intra-op threads on top of that
+    # oversubscribe the cores, and on a loaded 2-core host a cnn5 step ran 20-50x slower
+    # with 2 intra-op threads than with 1 (threads spin at barriers waiting for each other).
+    # This is the process's edge: the setting is for the whole command.
+    import torch
+
+    torch.set_num_threads(torch_threads)
     stop = threading.Event()
     with configured_logging("WARNING"), stop_on_signals(stop):
         try:

@@ -94,12 +94,13 @@ class AsyncLoop:
         local = 0
         while base is not None:
             local = max(local, base.next_round)
-            self._train(base, local)
+            uploaded = self._train(base, local)
             local += 1
-            base = self._next_base(local)
+            base = self._next_base(local, ask=not uploaded)
 
     # --- one local round -----------------------------------------------------------------------
-    def _train(self, base: Base, local: int) -> None:
+    def _train(self, base: Base, local: int) -> bool:
+        """One local round from `base`; whether its update was uploaded."""
         link, job, client = self._link, self._link.job, self._link.client
         link.version = base.version
         member = self._member = self._updated(self._member, base.config)
@@ -120,11 +121,11 @@ class AsyncLoop:
         except StaleWeights as exc:
             self._stats.stale_rounds += 1
             self._dropped(local, base.version, exc)
-            return
+            return False
         except (RoundAborted, EncodeError) as exc:
             self._stats.rounds_aborted += 1
             self._dropped(local, base.version, exc)
-            return
+            return False
         self._stats.rounds += 1
         self._log.info(
             "job %s client %s: local round %d uploaded (version %d): %s",
@@ -134,17 +135,17 @@ class AsyncLoop:
             base.version,
             {k: round(v, 4) for k, v in update.metrics.items()},
         )
+        return True
 
     def _dropped(self, local: int, version: int, exc: Exception) -> None:
         self._log.warning(
-            "job %s client %s: local round %d (version %d) dropped: %s; asking for newer weights",
+            "job %s client %s: local round %d (version %d) dropped: %s",
             self._link.job,
             self._link.client,
             local,
             version,
             exc,
         )
-        self._rejoin()
 
     def _updated(self, member: Membership, config: Mapping[str, ConfigValue]) -> Membership:
         plan = member.plan.updated(config)
@@ -158,19 +159,23 @@ class AsyncLoop:
         )
 
     # --- between local rounds ------------------------------------------------------------------
-    def _next_base(self, local: int) -> Base | None:
-        """The weights the service answers with; None when the job is over."""
-        deadline = self._clock() + self._answer_timeout_s
+    def _next_base(self, local: int, *, ask: bool) -> Base | None:
+        """The weights the service answers with; None when the job is over. `ask`: nothing
+        was uploaded, so nothing will be answered unless we ask (by joining again) — unless
+        what ended the round (the job's end, say) is already here."""
+        deadline = self._clock() + (0.0 if ask else self._answer_timeout_s)
         while True:
             message = self._link.poll(max(0.0, deadline - self._clock()), deferred=True)
             if message is None:
                 if self._clock() >= deadline:
-                    self._log.warning(
-                        "job %s client %s: no new weights after %.0f s; asking again",
-                        self._link.job,
-                        self._link.client,
-                        self._answer_timeout_s,
-                    )
+                    if not ask:
+                        self._log.warning(
+                            "job %s client %s: no new weights after %.0f s; asking again",
+                            self._link.job,
+                            self._link.client,
+                            self._answer_timeout_s,
+                        )
+                    ask = False
                     self._rejoin()
                     deadline = self._clock() + self._answer_timeout_s
                 continue

@@ -173,7 +173,8 @@ SYNC_ONLY_ALGORITHMS = frozenset({"minibatch_sfl"})
 class AsynchronousSection(_Section):
     """FedBuff-style asynchronous mode (`rounds.mode = "async"`); ignored in sync mode."""
 
-    # K: the aggregator folds the buffered updates into a new version when this many arrived.
+    # K: the aggregator folds the buffered updates into a new version when this many arrived
+    # (at most clients.count).
     buffer_size: int = Field(default=4, ge=1)
     # s(tau) of services/algorithms/staleness.py: constant, polynomial (1+tau)^-a, hinge.
     staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
@@ -234,16 +235,17 @@ class JobConfig(_Section):
                 "(its worker steps once per step index over the round's whole cohort, a "
                 "barrier that needs rounds); use rounds.mode = 'sync'"
             )
-        if self.asynchronous.buffer_size > self.clients.count:
-            raise ValueError(
-                f"asynchronous.buffer_size ({self.asynchronous.buffer_size}) exceeds "
-                f"clients.count ({self.clients.count}): the buffer could never fill"
-            )
         return self
 
     @property
     def asynchronous_mode(self) -> bool:
         return self.rounds.mode == "async"
+
+    @property
+    def buffer_size(self) -> int:
+        """K as the aggregator uses it: never more than the job's client slots (a buffer of
+        more could never fill)."""
+        return min(self.asynchronous.buffer_size, self.clients.count)
 
     @property
     def shards(self) -> int:

@@ -142,8 +142,23 @@ def _personal_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> 
     ]
 
 
+def short_rounds(result: RunResult) -> int:
+    """Rounds that closed with fewer participants than the run's fullest round (a client
+    dropped or late: its numbers then rest on a smaller cohort)."""
+    counts = [r.participants for r in result.records]
+    return sum(1 for c in counts if c < max(counts)) if counts else 0
+
+
+def participation(results: ResultSet) -> list[str]:
+    short = {r.label: n for r in results if (n := short_rounds(r))}
+    if not short:
+        return ["Every round of every run closed with its full cohort."]
+    listing = ", ".join(f"`{label}` {n}" for label, n in short.items())
+    return [f"Rounds that closed with a smaller cohort than the run's fullest: {listing}."]
+
+
 def verdict(results: ResultSet) -> list[str]:
-    lines: list[str] = []
+    lines: list[str] = participation(results) if len(results) else []
     for n in results.values("n"):
         fedavg = results.one({"n": n, "method": FEDAVG})
         if fedavg is None:

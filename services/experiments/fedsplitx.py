@@ -18,6 +18,7 @@ the cnn5's cuts block1/block2/block3 as the partition points. The baselines:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,9 @@ FULL_ACCURACY = "full_accuracy"
 CLIENT_ACCURACY = "client_accuracy."
 # Per-round extras written by the FedSplitX strategy (services/algorithms/fedsplitx.py).
 SERVER_FLOPS = "server_flops."
+LEVEL_OF = "level.client"  # `level.<client id>`: a participant's level that round
+# Rounds averaged for the "late" accuracy: a single round's value swings by a few points.
+LATE_ROUNDS = 5
 PAPER = "arXiv 2310.14579"
 
 
@@ -175,10 +179,37 @@ def _clients_line(result: RunResult) -> str:
     return f"{count} (all at level {result.tags.get('level', '?')})"
 
 
+def late_mean(curve: Sequence[float]) -> float:
+    """Mean of the last `LATE_ROUNDS` finite values of a per-round curve (NaN: none)."""
+    tail = [v for v in curve[-LATE_ROUNDS:] if math.isfinite(v)]
+    return sum(tail) / len(tail) if tail else math.nan
+
+
+def full_curve(result: RunResult) -> list[float]:
+    return [r.global_accuracy for r in result.records]
+
+
+def has_full_model(result: RunResult) -> bool:
+    """Whether the run's full model is one of the compared models (EXC-level-3's is not: its
+    server side is one layer trained on 18 clients' features, no baseline of the paper)."""
+    return result.tags["method"] in (FEDSPLITX, EXC1, ALL3)
+
+
+def model_rows(result: RunResult) -> list[tuple[int | None, float, list[float]]]:
+    """The models a run yields: (level, or None for the full model; final accuracy on the
+    whole test set; accuracy per round on the evaluation rows)."""
+    rows: list[tuple[int | None, float, list[float]]] = []
+    for cut in run_cuts(result):
+        level = LEVEL_CUTS.index(cut) + 1
+        rows.append((level, client_accuracy(result, level), level_curve(result, level)))
+    if has_full_model(result):
+        rows.append((None, full_accuracy(result), full_curve(result)))
+    return rows
+
+
 def accuracy_table(results: ResultSet) -> str:
     """One row per (run, model it yields): the final version on the whole test set."""
-    model = _cnn5()
-    costs = {c.cut: c for c in level_costs(model, LEVEL_CUTS)}
+    costs = {c.cut: c for c in level_costs(_cnn5(), LEVEL_CUTS)}
     fed = _find(results, FEDSPLITX)
     fed_full = full_accuracy(fed)
     header = [
@@ -187,50 +218,51 @@ def accuracy_table(results: ResultSet) -> str:
         "model evaluated",
         "client fwd FLOPs/sample",
         "final accuracy %",
+        f"mean of last {LATE_ROUNDS} rounds %",
         "best over rounds %",
-        "vs FedSplitX same model",
+        "this − FedSplitX same model",
         "FedSplitX full − this",
     ]
     rows: list[list[str]] = []
     for result in results:
-        for cut in run_cuts(result):
-            level = LEVEL_CUTS.index(cut) + 1
-            acc = client_accuracy(result, level)
-            curve = [v for v in level_curve(result, level) if math.isfinite(v)]
-            same = client_accuracy(fed, level)
+        for level, acc, curve in model_rows(result):
+            if level is None:
+                what, flops, same = "full model (client side + server side)", "", fed_full
+            else:
+                cut = LEVEL_CUTS[level - 1]
+                what = f"level-{level} client model (blocks to {cut} + head)"
+                flops, same = f"{costs[cut].client_flops:,}", client_accuracy(fed, level)
+            finite = [v for v in curve if math.isfinite(v)]
+            own = result is fed
             rows.append(
                 [
                     result.tags["method"],
                     _clients_line(result),
-                    f"level-{level} client model (blocks to {cut} + head)",
-                    f"{costs[cut].client_flops:,}",
+                    what,
+                    flops,
                     percent(acc),
-                    percent(max(curve)) if curve else "–",
-                    "" if result is fed else points(acc - same),
-                    points(fed_full - acc),
-                ]
-            )
-        if result.tags["method"] in (FEDSPLITX, EXC1, ALL3):
-            best = [r.global_accuracy for r in result.records if math.isfinite(r.global_accuracy)]
-            acc = full_accuracy(result)
-            rows.append(
-                [
-                    result.tags["method"],
-                    _clients_line(result),
-                    "full model (client side + server side)",
-                    "",
-                    percent(acc),
-                    percent(max(best)) if best else "–",
-                    "" if result is fed else points(acc - fed_full),
-                    points(fed_full - acc) if result is not fed else "",
+                    percent(late_mean(curve)),
+                    percent(max(finite)) if finite else "–",
+                    "" if own else points(acc - same),
+                    "" if own and level is None else points(fed_full - acc),
                 ]
             )
     caption = (
         "**Accuracy of every model the runs yield** (final version on all 10,000 test images; "
-        "best over the rounds on the evaluation rows; differences in points: *vs FedSplitX "
-        "same model* is this number minus FedSplitX's model of the same depth)"
+        f"the mean of the last {LATE_ROUNDS} rounds and the best round on the evaluation rows; "
+        "differences in points, from the final accuracies)"
     )
     return caption + "\n\n" + markdown_table(header, rows)
+
+
+def level_draws(result: RunResult) -> dict[int, int]:
+    """How many (round, participant) pairs of the run were at each level."""
+    counts: dict[int, int] = {}
+    for record in result.records:
+        for key, value in record.extra.items():
+            if key.startswith(LEVEL_OF):
+                counts[int(value)] = counts.get(int(value), 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def flops_table(results: ResultSet) -> str:
@@ -266,15 +298,29 @@ def flops_table(results: ResultSet) -> str:
         f"level {c.level} ({c.cut}): client {c.client_flops:,} / server {c.server_flops:,}"
         for c in level_costs(model, LEVEL_CUTS)
     )
-    expected = expected_server_flops(MIX, model)
     caption = (
         "**Server compute** (forward FLOPs per trained sample, from each round's "
         "`server_flops.<client>`; a training step costs about three forwards). Per level, "
         f"forward FLOPs per sample: {per_level}; local-loss SFL at block1 leaves the server "
-        f"{level_costs(model, ['block1'])[0].server_flops:,}. For the 16/16/18 population "
-        f"training equal rows the server's mean is {expected:,.0f}."
+        f"{level_costs(model, ['block1'])[0].server_flops:,}."
     )
+    fed = _find(results, FEDSPLITX)
+    mix = population(fed) if fed is not None else ()
+    if fed is not None and mix:
+        draws = level_draws(fed)
+        caption += (
+            f" For FedSplitX's population ({'/'.join(map(str, mix))} clients at levels 1/2/3) "
+            f"training equal rows the expected mean is {expected_server_flops(mix, model):,.0f}; "
+            f"its {sum(draws.values())} (round, participant) pairs were at levels 1/2/3 "
+            f"{'/'.join(str(draws.get(m, 0)) for m in (1, 2, 3))} times."
+        )
     return caption + "\n\n" + markdown_table(header, rows)
+
+
+def population(result: RunResult) -> tuple[int, ...]:
+    """The run's clients per declared level (its `clients.capability_mix`); () if none."""
+    mix = str(result.run.overrides.get("clients", {}).get("capability_mix", ""))
+    return tuple(int(n) for n in mix.split(",")) if mix else ()
 
 
 def _cnn5() -> SplitNet:
@@ -348,8 +394,9 @@ def _bars(results: ResultSet, slot: FigureSlot) -> str:
             axes.bar_label(drawn, fmt="%.1f" if panel == "accuracy" else "%.0f", fontsize=7)
         axes.set_xticks(range(len(bars)), [label for _, label, _ in bars], fontsize="small")
         axes.set_ylabel("final accuracy (%)" if panel == "accuracy" else "kFLOPs / sample")
-        if panel == "accuracy":
-            axes.set_ylim(0, 115)  # room for the legend above the bars
+        # Room for the legend above the bars.
+        top = max(v for _, _, v in bars if math.isfinite(v))
+        axes.set_ylim(0, 1.6 * top)
         return True
 
     made = panel_figure(
@@ -394,58 +441,102 @@ def _ahead(gain: float, what: str) -> str:
     )
 
 
+def _late(result: RunResult, level: int | None) -> float:
+    curve = full_curve(result) if level is None else level_curve(result, level)
+    return late_mean(curve)
+
+
+def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
+    name = f"EXC-level-{level}"
+    full, theirs = full_accuracy(fed), client_accuracy(exc, level)
+    late = f"mean of the last {LATE_ROUNDS} rounds {_pct(_late(fed, None))} vs " + _pct(
+        _late(exc, level)
+    )
+    lines = []
+    judged = _ahead(full - theirs, name)
+    if judged:
+        lines.append(
+            f"FedSplitX's full model {_pct(full)} vs {name}'s global model (the level-{level} "
+            f"model) {_pct(theirs)} ({_pts(full - theirs)}; {late}): {judged}."
+        )
+    own = client_accuracy(fed, level)
+    if math.isfinite(own - theirs):
+        word = "better" if own > theirs else "**not better**"
+        lines.append(
+            f"Level-{level} client model: FedSplitX's {_pct(own)} vs {name}'s {_pct(theirs)} "
+            f"({_pts(own - theirs)}; mean of the last {LATE_ROUNDS} rounds "
+            f"{_pct(_late(fed, level))} vs {_pct(_late(exc, level))}): the client-side model "
+            f"FedSplitX gives level-{level} clients is {word} than the one exclusive learning "
+            "trains."
+        )
+    return lines
+
+
+def _accsfl_lines(fed: RunResult, accsfl: RunResult) -> list[str]:
+    lines = []
+    ours, theirs = server_flops(fed), server_flops(accsfl)
+    if math.isfinite(ours) and math.isfinite(theirs) and theirs > 0:
+        less = ours < theirs
+        lines.append(
+            f"Server load: FedSplitX {ours:,.0f} forward FLOPs per sample vs local-loss SFL at "
+            f"block1 {theirs:,.0f} ({ours / theirs:.0%}): "
+            + ("agrees, FedSplitX leaves the server less work." if less else "**disagrees**.")
+        )
+    full, acc_full = full_accuracy(fed), full_accuracy(accsfl)
+    if math.isfinite(acc_full) and math.isfinite(full):
+        word = "ahead of" if full > acc_full else "**behind**"
+        lines.append(
+            f"Full model: FedSplitX {_pct(full)} vs local-loss SFL at block1 {_pct(acc_full)} "
+            f"({_pts(full - acc_full)}; mean of the last {LATE_ROUNDS} rounds "
+            f"{_pct(_late(fed, None))} vs {_pct(_late(accsfl, None))}): FedSplitX is {word} "
+            "local-loss SFL with the early cut, whose server trains everything after block1 "
+            "on every row."
+        )
+    return lines
+
+
+def swing(curve: Sequence[float]) -> float:
+    """Mean absolute change between consecutive rounds of a per-round curve."""
+    values = [v for v in curve if math.isfinite(v)]
+    steps = [abs(b - a) for a, b in itertools.pairwise(values)]
+    return sum(steps) / len(steps) if steps else math.nan
+
+
+def _swing_lines(results: ResultSet) -> list[str]:
+    parts = [
+        f"{result.tags['method']} {100 * swing(full_curve(result)):.1f} points"
+        for result in results
+        if has_full_model(result)
+    ]
+    if len(parts) < 2:
+        return []
+    return [
+        "Round-to-round swing of the full model's accuracy (mean absolute change, evaluation "
+        "rows): " + ", ".join(parts) + "."
+    ]
+
+
 def verdict(results: ResultSet) -> list[str]:
     fed = _find(results, FEDSPLITX)
     if fed is None:
         return []
     lines: list[str] = []
-    full = full_accuracy(fed)
     for method, level in ((EXC1, 1), (EXC3, 3)):
         exc = _find(results, method)
-        if exc is None:
-            continue
-        theirs = client_accuracy(exc, level)
-        name = "EXC-level-1" if level == 1 else "EXC-level-3"
-        gain = full - theirs
-        verdict_text = _ahead(gain, name)
-        if verdict_text:
-            lines.append(
-                f"FedSplitX's full model {_pct(full)} vs {name}'s global model (the level-{level} "
-                f"model) {_pct(theirs)} ({_pts(gain)}): {verdict_text}."
-            )
-        own = client_accuracy(fed, level)
-        side = own - theirs
-        if math.isfinite(side):
-            word = "better" if side > 0 else "**not better**"
-            lines.append(
-                f"Level-{level} client model: FedSplitX's {_pct(own)} vs {name}'s {_pct(theirs)} "
-                f"({_pts(side)}): the client-side model FedSplitX gives level-{level} clients is "
-                f"{word} than the one exclusive learning trains."
-            )
+        if exc is not None:
+            lines += _exc_lines(fed, exc, level)
     accsfl = _find(results, EXC1)
     if accsfl is not None:
-        ours, theirs = server_flops(fed), server_flops(accsfl)
-        if math.isfinite(ours) and math.isfinite(theirs) and theirs > 0:
-            less = ours < theirs
-            lines.append(
-                f"Server load: FedSplitX {ours:,.0f} forward FLOPs per sample vs local-loss SFL "
-                f"at block1 {theirs:,.0f} ({ours / theirs:.0%}): "
-                + ("agrees, FedSplitX leaves the server less work." if less else "**disagrees**.")
-            )
-        acc_full = full_accuracy(accsfl)
-        if math.isfinite(acc_full) and math.isfinite(full):
-            lines.append(
-                f"Full model: FedSplitX {_pct(full)} vs local-loss SFL at block1 "
-                f"{_pct(acc_full)} ({_pts(full - acc_full)})."
-            )
+        lines += _accsfl_lines(fed, accsfl)
+    lines += _swing_lines(results)
     every = _find(results, ALL3)
     exc3 = _find(results, EXC3)
     if every is not None and exc3 is not None:
         lost = client_accuracy(every, 3) - client_accuracy(exc3, 3)
         if math.isfinite(lost):
             lines.append(
-                f"What exclusion costs at level 3: all 50 clients at level 3 reach "
-                f"{_pct(client_accuracy(every, 3))} with the level-3 model, the 18 capable "
+                f"What exclusion costs at level 3: all clients at level 3 reach "
+                f"{_pct(client_accuracy(every, 3))} with the level-3 model, the capable "
                 f"clients alone {_pct(client_accuracy(exc3, 3))} ({_pts(lost)})."
             )
     return lines
@@ -497,27 +588,34 @@ per sampled client (10 of 50 per round: 76,800 samples trained in a FedSplitX ru
 over the training images; 4 of 18 per round for EXC-level-3: 30,720), each version evaluated on
 the first 2,000 test images and the final one on all 10,000. These are accuracies after a short
 budget, not converged ones. Every client trains 12 × 32 = 384 rows a round, fewer than the
-1,200 it holds, so the server FLOPs per sample are plain means over (round, participant). The
-EXC-level-3 run partitions the training set over its 18 clients (3,333 images each, IID): no
-client trains on more than 2,000 rows in the whole run, so it is the number of clients per
-round, not the data each holds, that exclusion takes away here. CIFAR-10 was not run (time).
+1,200 it holds, so the server FLOPs per sample are plain means over (round, participant).
+**Exclusion is not strict here**: the EXC-level-3 run splits the whole training set over its
+18 clients (3,333 images each) instead of leaving the 32 weaker clients' 38,400 images out;
+with about 1,700 rows trained per client in the run (IID), this favours EXC-level-3 a little
+(fewer repeated images), and what it takes away is mainly clients per round (4 instead of 10).
+CIFAR-10 was not run (time).
 """
 
 NOTES = """
 **How to read these numbers.**
 - With the cnn5, the level-3 client model (convs, FC 50 and a linear head) has the same shape
   as the full model (the server side of a level-3 client is one 50→10 layer). The paper's
-  point, a global model larger than any client can train, shows here only against EXC-level-1
-  and EXC-level-2 sized models; against EXC-level-3 the comparison is about who trains the
-  model (18 clients vs all 50 through the server), not its size.
-- FedSplitX's full model gets every sampled client's rows through the server's blocks, but
-  its client blocks are trained only by the clients at or below their depth, and the heads'
-  local losses (not the output's) are what trains them: no gradient of the output's loss ever
-  reaches block1 or block2.
-- The measured server FLOPs depend on which levels each round's sample drew; the expected mean
-  for the population is in the caption.
+  point, a global model larger than any client can train, shows here only against the
+  EXC-level-1 model; against EXC-level-3 the comparison is about who trains the model (18
+  clients vs all 50 through the server), not its size.
+- Where FedSplitX trails (our reading, not measured separately): its middle blocks have two
+  kinds of holders that train them differently, the clients on their local heads and the
+  server's replica on the deeper heads and the output, and heteroavg averages the copies
+  every round; the output layer is trained on the replica's block3 only, then sees the
+  averaged one. Local-loss SFL at block1 has one holder per tensor (clients for block1 and its
+  head, the replica for the rest), so its server side is plain sequential SGD on every row;
+  EXC-level-3 and All-level-3 average only client copies trained the same way.
+- No gradient of the output's loss reaches the client blocks in FedSplitX or in local-loss
+  SFL: the client blocks learn from the auxiliary heads only.
+- The measured server FLOPs depend on which levels each round's sample drew; the caption of
+  the server table gives the draws and the population's expected mean.
 - One seed per run: differences of a point or two are within what another seed could change
-  (not measured here).
+  (not measured here); the last-rounds means are less noisy than the final values.
 """
 
 

@@ -10,14 +10,14 @@ import torch
 
 
 def machine_line() -> str:
-    """OS, CPU, cores, Python and torch."""
+    """OS, CPU, cores, Python, torch and its intra-op threads."""
     return ", ".join(
         [
             platform.platform(),
             platform.processor() or platform.machine(),
             f"{os.cpu_count()} CPUs",
             f"python {platform.python_version()}",
-            f"torch {torch.__version__}",
+            f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads)",
         ]
     )
 

@@ -21,7 +21,8 @@ from services.cli.main import cli
 from services.experiments import fedsplitx
 from services.experiments.runner import slug
 
-pytestmark = pytest.mark.slow
+# About 20 s of CPU; the timeout is for a machine shared with other work.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +92,7 @@ def test_quick_fedsplitx_reports_levels_full_model_and_server_flops(
     assert exc3_row[1] == "2 (all at level 3)"  # only the level-3 clients take part
     assert exc3_row[4] == f"{100 * exc3:.1f}"
     gain = 100 * fed_final[fedsplitx.FULL_ACCURACY] - float(exc3_row[4])
-    assert float(exc3_row[7]) == pytest.approx(gain, abs=0.11)
+    assert float(exc3_row[8]) == pytest.approx(gain, abs=0.11)
     assert full[4] == f"{100 * fed_final[fedsplitx.FULL_ACCURACY]:.1f}"
 
     # Server FLOPs: every client trains the same rows each round, so FedSplitX's mean is the

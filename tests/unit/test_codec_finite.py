@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,14 +50,14 @@ def patterns(dtype: torch.dtype) -> tuple[int, int, int, int]:
     return PATTERNS[dtype.itemsize][str(dtype).removeprefix("torch.")]
 
 
-def common() -> dict[str, object]:
+def common() -> dict[str, Any]:
     return {"job": "j", "client": "c", "message_id": "m", "version": 1}
 
 
 def smashed(activations: torch.Tensor) -> SmashedBatch:
     rows = activations.shape[0]
     return SmashedBatch(
-        **common(),  # type: ignore[arg-type]
+        **common(),
         seq=1,
         shard=0,
         round=0,
@@ -201,14 +202,14 @@ def test_decoder_refuses_a_bad_value_in_any_chunk(
 
 def test_decoder_checks_every_finite_field_and_every_tensor_of_a_map() -> None:
     weights = {"a": torch.ones(3), "b": torch.ones(2, 2, dtype=torch.float16), "n": torch.tensor(2)}
-    update = WeightsUpdate(**common(), round=0, samples=1, client_weights=weights, aux_weights={})  # type: ignore[arg-type]
+    update = WeightsUpdate(**common(), round=0, samples=1, client_weights=weights, aux_weights={})
     body = bytearray(encode(update))
-    # The last float16 of "b" is the data section's last float: patch it to -inf.
-    struct.pack_into("<H", body, len(body) - 64 - 2, 0xFC00)
+    # Data: "a" at 0, "b" at 64, int64 "n" at 128 (8 bytes, the end): make b's last value -inf.
+    struct.pack_into("<H", body, len(body) - 8 - 64 + 6, 0xFC00)
     with pytest.raises(DecodeError, match=r"client_weights\['b'\]: holds NaN or infinite values"):
         decode(bytes(body))
     reply = GradientReply(
-        **common(),  # type: ignore[arg-type]
+        **common(),
         seq=1,
         status="ok",
         loss=0.0,

@@ -592,7 +592,9 @@ def test_smoke_script_tears_down_on_any_exit() -> None:
     text = SMOKE_SH.read_text()
     assert text.startswith("#!/usr/bin/env bash\n")
     assert "set -Eeuo pipefail" in text
-    assert re.search(r"^trap finish EXIT$", text, re.MULTILINE)
+    assert re.search(r"^\s*trap finish EXIT$", text, re.MULTILINE)
+    # The work runs in a function, so bash parses the whole file before it starts.
+    assert text.rstrip().endswith('main "$@"')
     finish = text[text.index("finish() {") : text.index("trap finish EXIT")]
     assert "down -v" in finish
     assert SMOKE_SH.stat().st_mode & 0o111, "smoke.sh is not executable"

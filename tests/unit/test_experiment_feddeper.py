@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,9 @@ def test_verdict_compares_each_rho_with_fedavg_of_the_same_n() -> None:
         [0.4, 0.5, 0.6],
     )
     lines = feddeper.verdict(ResultSet([fedavg, better, worse]))
-    assert len(lines) == 4
-    rho01_global, rho01_personal, rho1_global, rho1_personal = lines
+    assert len(lines) == 5
+    full, rho01_global, rho01_personal, rho1_global, rho1_personal = lines
+    assert full == "Every round of every run closed with its full cohort."
     assert "rho=0.1" in rho01_global and "agrees" in rho01_global
     assert "50.0% vs FedAvg 40.0% (+10.0 points)" in rho01_global
     assert "90.0%" in rho01_personal and "50.0% (+40.0 points)" in rho01_personal
@@ -125,6 +127,19 @@ def test_verdict_compares_each_rho_with_fedavg_of_the_same_n() -> None:
     assert "(+0.0 points)" in rho1_personal
 
 
-def test_verdict_without_fedavg_says_nothing() -> None:
+def test_verdict_without_fedavg_compares_nothing() -> None:
     alone = result({"n": "100", "method": "FedDeper rho=1", "rho": "1"}, [0.5], [0.9])
-    assert feddeper.verdict(ResultSet([alone])) == []
+    assert feddeper.verdict(ResultSet([alone])) == [
+        "Every round of every run closed with its full cohort."
+    ]
+    assert feddeper.verdict(ResultSet([])) == []
+
+
+def test_rounds_with_a_smaller_cohort_are_named() -> None:
+    run = result({"n": "10"}, [0.1, 0.2, 0.3], [0.5] * 3)
+    shrunk = replace(run, records=(run.records[0], replace(run.records[1], participants=7)))
+    assert feddeper.short_rounds(run) == 0
+    assert feddeper.short_rounds(shrunk) == 1
+    assert feddeper.participation(ResultSet([run, shrunk])) == [
+        f"Rounds that closed with a smaller cohort than the run's fullest: `{shrunk.label}` 1."
+    ]

@@ -122,12 +122,18 @@ def check(args: list[str]) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-@pytest.mark.parametrize("role", ["coordinator", "aggregator", "worker", "client"])
+@pytest.mark.parametrize("role", ["coordinator", "aggregator", "worker"])
 def test_check_of_a_role_needs_a_shared_store(memory_config: Path, role: str) -> None:
     code, out = check(["--config", str(memory_config), "check", role])
     assert code == 1
     assert out.startswith(f"unhealthy: a {role} outside this process can only be seen")
     assert len(out.strip().splitlines()) == 1
+
+
+def test_check_of_a_client_reads_its_health_file_not_the_store(memory_config: Path) -> None:
+    # Clients hold no store credentials (design §3): no store is needed to check one.
+    code, out = check(["--config", str(memory_config), "check", "client", "--id", "nobody-here"])
+    assert (code, out.strip()) == (1, "unhealthy: no live client named nobody-here in job clitest")
 
 
 @pytest.mark.parametrize("role", ["broker", "store"])

@@ -1,0 +1,179 @@
+"""The secured mode against the real RabbitMQ: one user per client (design §3).
+
+`splitmq provision-clients` creates two client users (with the management API if the plugin
+answers, else `rabbitmqctl` on this host) and their env files. Then, with the coordinator
+running with `security.per_client_users = true`:
+
+- client A can consume its own reply queue, but not B's (ACCESS_REFUSED), cannot declare
+  anything, and cannot publish to the replies exchange (it could forge a gradient there);
+- a Join published by A that claims to be B is dead-lettered with the reason, and so is one
+  without a user_id; A's own Join, stamped with its user, is welcomed.
+
+The users are deleted again at the end (`--revoke`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from broker.codec import decode, encode
+from broker.errors import BrokerError
+from broker.messages import Join, Welcome, new_message_id
+from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    REPLIES_EXCHANGE,
+    dead_queue_name,
+    reply_queue,
+    reply_queue_name,
+    reply_routing_key,
+)
+from broker.transport import REASON_HEADER, USER_HEADER, Broker
+from services.aggregator import ensure_initial_version
+from services.algorithms.registry import build_strategy
+from services.cli.main import cli
+from services.config.loading import load_settings
+from services.config.root import Settings
+from services.coordinator import Coordinator
+from services.runtime.backends import Backends
+from services.security.admin import AdminError, pick_admin
+from services.security.identity import StampedBroker, amqp_user
+from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis]
+
+CONFIG = """
+[broker]
+kind = "rabbitmq"
+amqp_url = "{amqp_url}"
+[store]
+kind = "redis"
+redis_url = "{redis_url}"
+[security]
+per_client_users = true
+[job]
+name = "{job}"
+[clients]
+count = 2
+min_to_start = 2
+"""
+
+
+def admin_or_skip(amqp_url: str) -> None:
+    try:
+        pick_admin("auto", amqp_url)
+    except AdminError as exc:
+        if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+            pytest.fail(f"cannot manage RabbitMQ users (CI=true): {exc}")
+        pytest.skip(f"cannot manage RabbitMQ users here: {exc}")
+
+
+@pytest.fixture
+def provisioned(
+    job: str, amqp_url: str, redis_url: str, tmp_path: Path
+) -> Iterator[tuple[Settings, dict[str, dict[str, str]]]]:
+    """The services' settings and, per client user, the variables of its env file."""
+    admin_or_skip(amqp_url)
+    config = tmp_path / "job.toml"
+    config.write_text(CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=job))
+    settings = load_settings(config, {})
+    backends = Backends(settings.broker, settings.store)
+    declare_all(backends, settings, [])
+    args = ["provision-clients", str(config), "--count", "2", "--prefix", f"{job}-"]
+    out = tmp_path / "secrets"
+    result = CliRunner().invoke(cli, [*args, "--out", str(out)], catch_exceptions=False)
+    names = [f"{job}-0", f"{job}-1"]
+    try:
+        assert result.exit_code == 0, result.output
+        envs = {}
+        for name in names:
+            lines = (out / f"{name}.env").read_text().splitlines()
+            envs[name] = dict(line.split("=", 1) for line in lines if "=" in line)
+        yield settings, envs
+    finally:
+        revoked = CliRunner().invoke(cli, [*args, "--revoke"], catch_exceptions=False)
+        delete_all(backends, settings, names)
+        assert revoked.exit_code == 0, revoked.output
+
+
+def client_handle(env: dict[str, str], name: str) -> RabbitMQBroker:
+    settings = load_settings(None, env)
+    assert settings.broker.passive_declare and settings.security.per_client_users
+    options = RabbitMQOptions(passive_declare=True, give_up_after=10.0, connection_name=name)
+    return RabbitMQBroker(settings.broker.amqp_url, options)
+
+
+def dead_letters(broker: Broker, job: str) -> dict[str, tuple[str, str]]:
+    """message id → (reason, original user) of the job's dead letters so far."""
+    broker.subscribe(dead_queue_name(job), prefetch=100)
+    found: dict[str, tuple[str, str]] = {}
+    while (delivery := broker.get(1.0)) is not None:
+        broker.ack(delivery)
+        reason = str(delivery.headers.get(REASON_HEADER, ""))
+        found[delivery.message_id or ""] = (reason, str(delivery.headers.get(USER_HEADER, "")))
+    return found
+
+
+def test_clients_are_confined_and_impostors_dead_lettered(
+    provisioned: tuple[Settings, dict[str, dict[str, str]]],
+) -> None:
+    settings, envs = provisioned
+    job = settings.job.name
+    a, b = sorted(envs)
+    backends = Backends(settings.broker, settings.store)
+    store = backends.open_store()
+    services = backends.open_broker("test-services")
+    alice = client_handle(envs[a], "test-client-a")
+    try:
+        # Confinement: own queue yes, anyone else's no; no declaring, no forged replies.
+        alice.declare([reply_queue(job, a)])  # passive: provisioning declared it
+        alice.subscribe(reply_queue_name(job, a), prefetch=10)
+        with pytest.raises(BrokerError, match="ACCESS_REFUSED") as refused:
+            alice.subscribe(reply_queue_name(job, b), prefetch=10)
+        assert f"user '{a}'" in str(refused.value)
+        declaring = RabbitMQBroker(envs[a]["SPLITMQ_AMQP_URL"], RabbitMQOptions(give_up_after=10))
+        try:
+            with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
+                declaring.declare([reply_queue(job, a)])  # not passive: needs configure
+        finally:
+            declaring.close()
+        with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
+            alice.publish(REPLIES_EXCHANGE, reply_routing_key(job, b), b"forged gradient")
+
+        strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
+        ensure_initial_version(store, settings, strategy, logging.getLogger("test"))
+        coordinator = Coordinator(settings, backends, poll_s=0.05)
+        stamped = StampedBroker(alice, a)
+        with running([coordinator.run]):
+            claims_b = Join(job, b, new_message_id(), 0, 10)
+            stamped.publish(CONTROL_EXCHANGE, job, encode(claims_b), message_id="claims-b")
+            anonymous = Join(job, a, new_message_id(), 0, 10)
+            alice.publish(CONTROL_EXCHANGE, job, encode(anonymous), message_id="anonymous")
+            honest = Join(job, a, new_message_id(), 0, 10)
+            stamped.publish(CONTROL_EXCHANGE, job, encode(honest), message_id="honest")
+            delivery = alice.get(WAIT_S)
+            assert delivery is not None, "no Welcome for the honest Join"
+            alice.ack(delivery)
+            welcome = decode(delivery.body)
+            # The coordinator stamps what it sends with the services' user, too.
+            assert delivery.user_id == amqp_user(settings.broker.amqp_url)
+
+        assert isinstance(welcome, Welcome) and welcome.client == a
+        found = dead_letters(services, job)
+        assert found["claims-b"] == (
+            f"client {b!r} does not match the AMQP user {a!r}",
+            a,
+        )
+        assert "no AMQP user_id" in found["anonymous"][0]
+        assert "honest" not in found
+        assert coordinator.stats.dead_lettered == 2 and coordinator.stats.joined == 1
+    finally:
+        alice.close()
+        services.close()
+        store.close()

@@ -1,0 +1,466 @@
+"""The secured deployment without a server: settings, TLS parameters, who may send what,
+per-client permissions and their provisioning, client health without Redis.
+
+The same against the real RabbitMQ: tests/integration/test_secured_mode.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import ssl
+import stat
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from broker.codec import encode
+from broker.errors import BrokerError
+from broker.memory_broker import InMemoryBroker
+from broker.memory_hub import InMemoryHub
+from broker.messages import Heartbeat, new_message_id
+from broker.rabbitmq_connection import RabbitMQOptions, connection_parameters
+from broker.redis_store import RedisStoreOptions, RedisWeightStore
+from broker.store import WeightStore
+from broker.tls import TLSOptions
+from broker.topology import CONTROL_EXCHANGE, control_queue, reply_queue_name
+from broker.transport import Delivery
+from services.cli.role_cmds import _require_services
+from services.client.errors import ClientError
+from services.client.secured import secured_client_broker
+from services.config.loading import load_settings
+from services.config.root import Settings
+from services.config.settings import TLSSettings
+from services.report.sinks import RecordsOnly
+from services.runtime.backends import Backends, Embedded, tls_options
+from services.runtime.embedded import run_embedded
+from services.runtime.health_file import FileHealthBeat, assess_files
+from services.runtime.roles import embedded_roles
+from services.security.admin import ManagementAdmin, Permissions, RabbitmqctlAdmin
+from services.security.identity import (
+    SenderCheck,
+    StampedBroker,
+    amqp_user,
+    client_id_problem,
+    sender_check,
+    service_stamped,
+)
+from services.security.provision import (
+    client_names,
+    client_permissions,
+    client_url,
+    provision,
+    vhost_of,
+)
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def test_the_security_section_and_its_environment_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[security]\nper_client_users = true\nservice_users = ["ops"]\n')
+    settings = load_settings(path, {})
+    assert settings.security.per_client_users is True
+    assert settings.security.service_users == ("ops",)
+    env = {
+        "SPLITMQ_SECURITY__SERVICE_USERS": "svc, other ,",
+        "SPLITMQ_BROKER__PASSIVE_DECLARE": "1",
+    }
+    settings = load_settings(path, env)
+    assert settings.security.service_users == ("svc", "other")
+    assert settings.broker.passive_declare is True
+    assert load_settings(None, {}).security.per_client_users is False
+
+
+# --- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate and its key (openssl, as an operator would make one)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=broker.test", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_amqps_verifies_the_server_with_the_configured_files(
+    certificate: tuple[Path, Path],
+) -> None:
+    cert, key = certificate
+    tls = TLSOptions(ca_file=str(cert), cert_file=str(cert), key_file=str(key))
+    params = connection_parameters(
+        "amqps://u:p@broker.test:5671/%2F", RabbitMQOptions(tls=tls), "name"
+    )
+    options = params.ssl_options
+    assert options is not None and options.server_hostname == "broker.test"
+    context = options.context
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
+    # The CA file is the only trust anchor loaded besides nothing: it holds our certificate.
+    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "broker.test"),),)]
+    assert params.port == 5671
+
+
+def test_amqps_without_options_uses_the_system_cas_and_checks_the_name() -> None:
+    params = connection_parameters("amqps://u:p@h.example:5671/%2F", RabbitMQOptions(), "n")
+    assert params.ssl_options is not None
+    assert params.ssl_options.server_hostname == "h.example"
+    assert params.ssl_options.context.check_hostname
+    no_name = TLSOptions(verify_hostname=False)
+    params = connection_parameters("amqps://u:p@10.0.0.1/%2F", RabbitMQOptions(tls=no_name), "n")
+    assert params.ssl_options is not None
+    context = params.ssl_options.context
+    assert not context.check_hostname and context.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_tls_files_with_a_plain_url_are_refused() -> None:
+    with pytest.raises(ValueError, match="use amqps://"):
+        connection_parameters("amqp://u:p@h/%2F", RabbitMQOptions(tls=TLSOptions()), "n")
+    with pytest.raises(ValueError, match="use rediss://"):
+        RedisWeightStore("redis://h:6379/0", RedisStoreOptions(tls=TLSOptions()))
+    with pytest.raises(ValueError, match="key_file"):
+        TLSOptions(key_file="k.pem")
+
+
+def test_rediss_gets_the_configured_files(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    tls = TLSOptions(ca_file=str(cert), cert_file=str(cert), key_file=str(key))
+    store = RedisWeightStore("rediss://redis.test:6380/0", RedisStoreOptions(tls=tls))
+    pool = store._redis.connection_pool
+    assert pool.connection_class is redis.connection.SSLConnection
+    kwargs = pool.connection_kwargs
+    assert (kwargs["ssl_ca_certs"], kwargs["ssl_certfile"], kwargs["ssl_keyfile"]) == (
+        str(cert),
+        str(cert),
+        str(key),
+    )
+    assert kwargs["ssl_cert_reqs"] == "required" and kwargs["ssl_check_hostname"] is True
+    connection = pool.make_connection()  # builds the SSL context the way a connect would
+    assert connection.ca_certs == str(cert) and connection.check_hostname is True
+
+
+def test_the_settings_reach_both_connections(certificate: tuple[Path, Path]) -> None:
+    cert, _ = certificate
+    assert tls_options(TLSSettings()) is None  # defaults: plain URLs keep working
+    section = TLSSettings(ca_file=str(cert), verify_hostname=False)
+    assert tls_options(section) == TLSOptions(ca_file=str(cert), verify_hostname=False)
+    settings = Settings.model_validate(
+        {
+            "store": {"kind": "redis", "redis_url": "rediss://r.test:6380/0", "tls": section},
+        }
+    )
+    store = Backends(settings.broker, settings.store).open_store()
+    assert isinstance(store, RedisWeightStore)
+    kwargs = store._redis.connection_pool.connection_kwargs
+    assert kwargs["ssl_ca_certs"] == str(cert) and kwargs["ssl_check_hostname"] is False
+
+
+# --- who sent it ----------------------------------------------------------------------------------
+
+
+def delivery(user: str | None) -> Delivery:
+    return Delivery(b"", "q", "k", 1, user_id=user)
+
+
+@pytest.mark.parametrize(
+    ("secured", "user", "client", "problem"),
+    [
+        (False, None, "a", None),  # the open mode: nobody vouches, nothing to check
+        (False, "a", "a", None),
+        (False, "mallory", "a", "does not match the AMQP user 'mallory'"),
+        (True, "a", "a", None),
+        (True, None, "a", "no AMQP user_id"),
+        (True, "mallory", "a", "does not match"),
+    ],
+)
+def test_client_messages_must_come_from_their_client(
+    secured: bool, user: str | None, client: str, problem: str | None
+) -> None:
+    found = SenderCheck.of(secured, "amqp://svc:pw@h/%2F").client_problem(delivery(user), client)
+    assert (found is None) if problem is None else (problem in (found or ""))
+
+
+def test_round_markers_must_come_from_a_service_user_in_the_secured_mode() -> None:
+    check = SenderCheck.of(True, "amqp://svc:pw@h/%2F", ["ops"])
+    assert check.service_problem(delivery("svc"), "RoundEnd") is None
+    assert check.service_problem(delivery("ops"), "RoundEnd") is None
+    assert "only service users ['ops', 'svc']" in (check.service_problem(delivery("a"), "X") or "")
+    assert check.service_problem(delivery(None), "X") is not None
+    assert SenderCheck.of(False, "amqp://h/").service_problem(delivery("a"), "X") is None
+
+
+def test_client_ids_are_plain_names() -> None:
+    assert client_id_problem("client-7_b") is None
+    for bad in ("", "a.b", "a b", "x" * 65, "é", "a/b", "a\n"):
+        assert client_id_problem(bad) is not None, bad
+    assert amqp_user("amqp://client%2D1:pw@h/%2F") == "client-1"
+    assert amqp_user("amqp://h:5672/%2F") == "guest"
+
+
+def test_stamped_handles_publish_as_their_user() -> None:
+    hub = InMemoryHub()
+    reader = InMemoryBroker(hub)
+    reader.declare([control_queue("j")])
+    reader.subscribe("j.control", prefetch=10)
+    settings = Settings.model_validate(
+        {"broker": {"amqp_url": "amqp://svc:pw@h/%2F"}, "security": {"per_client_users": True}}
+    )
+    stamped = service_stamped(InMemoryBroker(hub), settings)
+    assert isinstance(stamped, StampedBroker) and stamped.user == "svc"
+    stamped.publish(CONTROL_EXCHANGE, "j", b"1")
+    stamped.publish(CONTROL_EXCHANGE, "j", b"2", user_id="other")  # explicit wins
+    got = [reader.get(1.0) for _ in range(2)]
+    assert [d.user_id for d in got if d] == ["svc", "other"]
+    open_mode = Settings.model_validate({})
+    assert not isinstance(service_stamped(InMemoryBroker(hub), open_mode), StampedBroker)
+    assert sender_check(settings).secured and sender_check(open_mode).services == {"guest"}
+
+
+def test_a_secured_client_must_log_in_as_itself() -> None:
+    settings = Settings.model_validate(
+        {
+            "broker": {"kind": "rabbitmq", "amqp_url": "amqp://client-1:pw@127.0.0.1:1/%2F"},
+            "security": {"per_client_users": True},
+        }
+    )
+    backends = Backends(settings.broker, settings.store)
+    with pytest.raises(ClientError, match="logs in to RabbitMQ as 'client-1'"):
+        secured_client_broker(settings, backends, "client-2", "n")
+
+
+def test_a_secured_client_declares_passively_and_stamps(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[Any] = []
+
+    class Recording(Backends):
+        def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Any:
+            opened.append(self.broker_settings)
+            return InMemoryBroker(InMemoryHub())
+
+    settings = Settings.model_validate(
+        {
+            "broker": {"kind": "rabbitmq", "amqp_url": "amqp://c1:pw@h/%2F"},
+            "security": {"per_client_users": True},
+        }
+    )
+    broker = secured_client_broker(settings, Recording(settings.broker, settings.store), "c1", "n")
+    assert isinstance(broker, StampedBroker) and broker.user == "c1"
+    assert opened[0].passive_declare is True
+
+
+# --- permissions and provisioning -----------------------------------------------------------------
+
+
+def test_a_client_may_write_the_client_exchanges_and_read_only_its_reply_queue() -> None:
+    p = client_permissions("job.1", "c-1")
+    assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job.1.reply.c-1")
+    for exchange in ("splitmq.smashed", "splitmq.control", "splitmq.dead"):
+        assert re.search(p.write, exchange), exchange
+    for other in ("splitmq.replies", "splitmq.events", "amq.default", "", "job.1.reply.c-1"):
+        assert not re.search(p.write, other), other
+    assert re.search(p.read, reply_queue_name("job.1", "c-1"))
+    for other in ("job.1.reply.c-10", "job.1.reply.c-2", "jobx1.reply.c-1", "job.1.control",
+                  "splitmq.replies", "job.1.dead"):  # fmt: skip
+        assert not re.search(p.read, other), other
+
+
+class FakeAdmin:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.users: dict[str, str] = {}
+        self.permissions: dict[tuple[str, str], Permissions] = {}
+
+    def put_user(self, user: str, password: str) -> None:
+        self.users[user] = password
+
+    def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
+        self.permissions[(vhost, user)] = permissions
+
+    def delete_user(self, user: str) -> None:
+        self.users.pop(user, None)
+
+
+def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> None:
+    admin, hub = FakeAdmin(), InMemoryHub()
+    services = InMemoryBroker(hub)
+    names = client_names("edge-", 2, start=3)
+    written = provision(
+        admin, services, job="j", clients=names, vhost="/", url_template="amqps://svc:x@mq:5671/",
+        out_dir=tmp_path,
+    )  # fmt: skip
+    assert names == ["edge-3", "edge-4"] and set(admin.users) == set(names)
+    assert admin.permissions[("/", "edge-3")] == client_permissions("j", "edge-3")
+    for creds in written:
+        text = creds.path.read_text()
+        assert stat.S_IMODE(os.stat(creds.path).st_mode) == 0o600
+        assert (
+            f"SPLITMQ_AMQP_URL=amqps://{creds.client}:{admin.users[creds.client]}@mq:5671/%2F"
+            in text
+        )
+        assert "SPLITMQ_SECURITY__PER_CLIENT_USERS=true" in text
+        env = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+        settings = load_settings(None, env)
+        assert amqp_user(settings.broker.amqp_url) == creds.client
+        assert settings.broker.passive_declare and settings.security.per_client_users
+    # The reply queues exist, so the clients' passive declares find them.
+    assert services.queue_depth(reply_queue_name("j", "edge-4")) == 0
+    assert len({admin.users[n] for n in names}) == 2  # a password each
+
+
+def test_urls_and_vhosts() -> None:
+    assert client_url("amqp://a:b@h:5672/v", "c", "p/w") == "amqp://c:p%2Fw@h:5672/v"
+    assert client_url("amqp://h", "c", "p") == "amqp://c:p@h/%2F"
+    assert vhost_of("amqp://h/%2F") == "/" and vhost_of("amqp://h/team") == "team"
+    assert vhost_of("amqp://h") == "/"
+    with pytest.raises(ValueError, match="bad client id"):
+        client_names("a.", 1)
+
+
+def test_rabbitmqctl_gets_passwords_on_stdin_and_resets_existing_users() -> None:
+    calls: list[tuple[list[str], str]] = []
+
+    def run(argv: Sequence[str], stdin: str) -> subprocess.CompletedProcess[str]:
+        calls.append((list(argv), stdin))
+        exists = argv[1] == "add_user" and argv[2] == "old"
+        return subprocess.CompletedProcess(
+            argv, 70 if exists else 0, "", "Error: user_already_exists: old" if exists else ""
+        )
+
+    admin = RabbitmqctlAdmin(run=run)
+    admin.put_user("new", "s3cret")
+    admin.put_user("old", "pw2")
+    admin.set_permissions("/", "new", Permissions("^$", "^w$", "^r$"))
+    assert calls[0] == (["rabbitmqctl", "add_user", "new"], "s3cret")
+    assert calls[2] == (["rabbitmqctl", "change_password", "old"], "pw2")
+    assert calls[3][0] == [
+        "rabbitmqctl",
+        "set_permissions",
+        "--vhost",
+        "/",
+        "new",
+        "^$",
+        "^w$",
+        "^r$",
+    ]
+    assert all("s3cret" not in arg for argv, _ in calls for arg in argv)
+
+
+def test_the_management_api_is_called_with_basic_auth() -> None:
+    seen: list[urllib.request.Request] = []
+
+    def opener(request: urllib.request.Request, timeout: float) -> bytes:
+        seen.append(request)
+        return b"{}"
+
+    admin = ManagementAdmin("http://mq:15672/", "admin", "pw", opener=opener)
+    admin.put_user("c/1", "x")
+    admin.set_permissions("/", "c/1", Permissions("^$", "^w$", "^r$"))
+    assert [(r.get_method(), r.full_url) for r in seen] == [
+        ("PUT", "http://mq:15672/api/users/c%2F1"),
+        ("PUT", "http://mq:15672/api/permissions/%2F/c%2F1"),
+    ]
+    assert seen[0].get_header("Authorization") == "Basic YWRtaW46cHc="
+    assert seen[1].data == b'{"configure": "^$", "write": "^w$", "read": "^r$"}'
+
+
+# --- clients and Redis ----------------------------------------------------------------------------
+
+
+class NoStore(Backends):
+    """Backends whose store must never be opened."""
+
+    def open_store(self) -> WeightStore:
+        raise AssertionError("a client opened the store")
+
+
+def test_a_client_role_never_opens_the_store() -> None:
+    settings = Settings.model_validate(
+        {
+            "job": {"name": "nostore", "rounds": 1},
+            "model": {"name": "cnn5", "cut": "block1"},
+            "data": {"dataset": "fashion_mnist_sample"},
+            "algorithm": {"name": "sfl_v2", "batch_size": 16, "max_steps_per_round": 3},
+            "clients": {"count": 2, "min_to_start": 2},
+        }
+    )
+    backends = Backends(settings.broker, settings.store, Embedded())
+
+    def roles(s: Settings, b: Backends, sink: Any, data: Any) -> Any:
+        specs = list(embedded_roles(s, b, sink, data))
+        guarded = NoStore(b.broker_settings, b.store_settings, b.embedded)
+        for i, spec in enumerate(specs):
+            if spec.kind == "client":
+                from services.runtime.roles import build_client
+
+                role = build_client(s, guarded, client_id=spec.name, partition=int(spec.name[-1]))
+                specs[i] = type(spec)(spec.name, spec.kind, role)
+        return specs
+
+    records: list[Any] = []
+
+    class Sink:
+        def record(self, record: Any) -> None:
+            records.append(record)
+
+        def finish(self, status: str) -> None:
+            pass
+
+    outcome = run_embedded(
+        settings, sink=RecordsOnly(Sink()), stop=threading.Event(), build_roles=roles,
+        backends=backends,
+    )  # fmt: skip
+    assert outcome.ok, outcome.traceback
+    assert len(records) == 1
+
+
+def test_clients_need_only_the_broker_to_run_as_a_process() -> None:
+    settings = Settings.model_validate({"broker": {"kind": "rabbitmq"}})
+    _require_services(settings, "client")  # no store configured: fine for a client
+    import click
+
+    with pytest.raises(click.ClickException, match="shared broker and store"):
+        _require_services(settings, "worker")
+
+
+def test_client_health_is_a_local_file(tmp_path: Path) -> None:
+    clock = [1000.0]
+    beat = FileHealthBeat("j", "client", "c7", base=tmp_path, clock=lambda: clock[0])
+    assert not assess_files("j", "client", base=tmp_path, now=1000.0).ok
+    with beat:
+        beat.beat()
+        verdict = assess_files("j", "client", instance="c7", base=tmp_path, now=1005.0)
+        assert verdict.ok and "client c7 alive" in verdict.reason
+        assert not assess_files("j", "client", instance="c8", base=tmp_path, now=1005.0).ok
+        stale = assess_files("j", "client", base=tmp_path, now=1100.0)
+        assert not stale.ok and "1 stale" in stale.reason
+    assert not beat.path.exists()  # removed when the client stops
+
+
+def test_a_dead_clients_file_is_unhealthy(tmp_path: Path) -> None:
+    path = tmp_path / "j" / "client-x.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"pid": 999999999, "at": 1000.0, "instance": "x"}')  # no such pid
+    assert not assess_files("j", "client", base=tmp_path, now=1001.0).ok
+
+
+def test_impostor_heartbeats_cannot_be_published_as_someone_else() -> None:
+    hub = InMemoryHub()
+    alice = InMemoryBroker(hub, user="alice")
+    alice.declare([control_queue("j")])
+    body = encode(Heartbeat("j", "bob", new_message_id(), 0))
+    with pytest.raises(BrokerError, match="user_id 'bob' differs"):
+        alice.publish(CONTROL_EXCHANGE, "j", body, user_id="bob")
