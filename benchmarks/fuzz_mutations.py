@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -509,14 +509,3 @@ def reply_cases(ctx: Context, client: str, rng: random.Random) -> list[Fuzzed]:
 
 def event_cases(ctx: Context, rng: random.Random) -> list[Fuzzed]:
     return _wrong_types(ctx, rng, (Event,))
-
-
-def mixed(
-    rng: random.Random, seeds: Sequence[bytes], semantic: Sequence[Fuzzed]
-) -> Iterator[Fuzzed]:
-    """An endless mix: half mutations of `seeds`, half the `semantic` cases."""
-    while True:
-        if semantic and rng.random() < 0.5:
-            yield rng.choice(semantic)
-        else:
-            yield mutations(rng, rng.choice(seeds))

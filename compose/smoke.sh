@@ -52,6 +52,7 @@ mkdir -p "$RUN_DIR"
 STARTED_DOCKERD=""
 WHEEL_SERVER_PID=""
 EVENTS_PID=""
+FOLLOW_PID=""
 STACK_UP=""
 declare -a SUMMARY=()
 declare -a FAILURES=()
@@ -112,16 +113,20 @@ wait_for() {
     poll "$limit" "$@" || die "timed out after ${limit}s waiting for $what"
 }
 
-# Every container's log into $RUN_DIR/logs/, also of those that a scale-down removes.
-declare -A FOLLOWED=()
+# Every container's log into $RUN_DIR/logs/, also of those that a scale-down removes: a
+# background loop follows each new container (`docker logs -f` ends with its container).
 follow_logs() {
     local id name
+    declare -A followed=()
     mkdir -p "$RUN_DIR/logs"
-    for id in $(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do
-        [ -n "${FOLLOWED[$id]:-}" ] && continue
-        name=$(docker inspect -f '{{.Name}}' "$id")
-        docker logs -f --timestamps "$id" >"$RUN_DIR/logs/${name#/}.log" 2>&1 &
-        FOLLOWED[$id]=$!
+    while true; do
+        for id in $(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do
+            [ -n "${followed[$id]:-}" ] && continue
+            name=$(docker inspect -f '{{.Name}}' "$id" 2>/dev/null) || continue
+            docker logs -f --timestamps "$id" >"$RUN_DIR/logs/${name#/}.log" 2>&1 &
+            followed[$id]=1
+        done
+        sleep 5
     done
 }
 
@@ -143,8 +148,7 @@ finish() {
     fi
     [ -n "$WHEEL_SERVER_PID" ] && kill "$WHEEL_SERVER_PID" 2>/dev/null
     [ -n "$EVENTS_PID" ] && kill "$EVENTS_PID" 2>/dev/null
-    local pid
-    for pid in "${FOLLOWED[@]}"; do kill "$pid" 2>/dev/null; done
+    [ -n "$FOLLOW_PID" ] && kill "$FOLLOW_PID" 2>/dev/null
     if [ -n "$STARTED_DOCKERD" ] && [ "${SPLITMQ_SMOKE_KEEP_DOCKERD:-}" != 1 ] \
         && [ "${SPLITMQ_SMOKE_KEEP:-}" != 1 ]; then
         kill "$STARTED_DOCKERD" 2>/dev/null
@@ -301,8 +305,10 @@ main() {
     export SPLITMQ_REDIS_IMAGE=$REDIS_IMAGE
     export SPLITMQ_JOB_FILE=./smoke.toml
     export SPLITMQ_CLIENTS=$CLIENTS
-    export SPLITMQ_HEALTH_INTERVAL=15s
-    export SPLITMQ_CLIENT_HEALTH_INTERVAL=60s
+    # This host is shared and loaded: a check (a Python start that imports torch) may take
+    # minutes, and a check that times out counts as failed.
+    export SPLITMQ_HEALTH_INTERVAL=20s SPLITMQ_HEALTH_TIMEOUT=300s
+    export SPLITMQ_CLIENT_HEALTH_INTERVAL=120s
     write_stack_file
 
     step "image splitmq:$TAG (compose/Dockerfile, BASE_IMAGE=$BASE_IMAGE)"
@@ -328,12 +334,13 @@ main() {
         --format '{{.Actor.Attributes.name}} exitCode={{.Actor.Attributes.exitCode}}' \
         >"$RUN_DIR/exits.log" 2>&1 &
     EVENTS_PID=$!
+    follow_logs >/dev/null 2>&1 &
+    FOLLOW_PID=$!
     # Compose waits for the health of each dependency (rabbitmq, redis, then the coordinator for
     # the clients) before starting its dependants.
     timeout 900 "${COMPOSE[@]}" up -d --no-build \
         --scale worker=$WORKERS --scale client=$CLIENTS >"$RUN_DIR/up.log" 2>&1 \
         || die "compose up failed (see $RUN_DIR/up.log)"
-    follow_logs
     note "$(docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Names}}' | sort | tr '\n' ' ')"
 
     version() { local v; v=$(rcli GET "splitmq:$JOB:version" 2>/dev/null); echo "${v:-0}"; }
@@ -357,7 +364,6 @@ main() {
     step "scale workers to $WORKERS_UP while training runs"
     compose up -d --no-build --no-recreate --no-deps --scale worker=$WORKERS_UP worker \
         >>"$RUN_DIR/up.log" 2>&1 || die "scaling up failed"
-    follow_logs
     wait_for "$WORKERS_UP live workers" 600 live_workers_are $WORKERS_UP
     progress
     wait_for "a version trained with $WORKERS_UP workers" 1200 version_at_least $((v_scale + 1))

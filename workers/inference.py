@@ -193,9 +193,13 @@ class InferenceServer:
             detail = f"{type(message).__name__} does not belong on the infer queue"
             self._reject(broker, delivery, "wrong_type", detail)
             return
-        # Nobody to answer: a client id that routes nowhere, or one the sender may not claim.
+        # Nobody to answer: a client id that routes nowhere, or one the sender may not claim
+        # (a service user, e.g. `splitmq infer`, asks for requesters of any name).
         bad_id = client_id_problem(message.client) if message.client else None
-        forged = bad_id or self._senders.client_problem(delivery, message.client)
+        service = delivery.user_id in self._senders.services
+        forged = bad_id or (
+            None if service else self._senders.client_problem(delivery, message.client)
+        )
         if forged is not None:
             self._reject(broker, delivery, "bad_client" if bad_id else "impostor", forged)
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shlex
 import threading
 from pathlib import Path
 
@@ -13,7 +14,6 @@ from services.cli.common import stop_on_signals
 from services.config.loading import ConfigError
 from services.data.errors import DataError
 from services.experiments.registry import EXPERIMENTS, get_experiment
-from services.report.rundir import command_line
 from services.runtime.logs import configured_logging
 
 DEFAULT_OUT = Path("docs/results.md")
@@ -93,7 +93,7 @@ def experiment(
                 quick=quick,
                 data_dir=str(data_dir) if data_dir else None,
                 reuse=reuse,
-                command=command_line(),
+                command=_command(name, quick, data_dir, out, only, torch_threads),
                 echo=click.echo,
                 stop=stop,
                 only=(lambda run: fnmatch.fnmatch(run.label, only)) if only else None,
@@ -109,7 +109,7 @@ def experiment(
         raise click.exceptions.Exit(130)
     sizes = [sizes_line(build_settings(spec, r, quick=quick, data_dir=None)) for r in results.runs]
     context = Context(
-        command=command_line(),
+        command=_command(name, quick, data_dir, out, only, torch_threads),
         data_source=_data_source(data_dir),
         quick=quick,
         sizes="; ".join(dict.fromkeys(sizes)),  # distinct, in run order
@@ -127,3 +127,25 @@ def _data_source(data_dir: Path | None) -> str:
     if data_dir is not None:
         return "--data-dir"
     return "$SPLITMQ_DATA_DIR" if os.environ.get("SPLITMQ_DATA_DIR") else "the shipped sample"
+
+
+def _command(
+    name: str,
+    quick: bool,
+    data_dir: Path | None,
+    out: Path | None,
+    only: str | None,
+    torch_threads: int,
+) -> str:
+    """The command that reproduces the results, from the options that decide them.
+
+    Built from the parsed options rather than argv (which is a test runner's under pytest);
+    --reuse and --runs-dir are left out: a reused run is a run of the very same settings.
+    """
+    args = ["splitmq", "experiment", name]
+    args += ["--quick"] if quick else []
+    args += ["--data-dir", str(data_dir)] if data_dir is not None else []
+    args += ["--out", str(out)] if out is not None else []
+    args += ["--only", only] if only else []
+    args += ["--torch-threads", str(torch_threads)] if torch_threads != 1 else []
+    return shlex.join(args)

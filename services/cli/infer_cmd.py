@@ -31,6 +31,7 @@ from services.client.inference_sweep import SweepRow, mean_rows, personal_client
 from services.config.root import Settings
 from services.runtime.backends import Backends
 from services.runtime.jobmodel import job_model
+from services.security.identity import service_stamped
 from workers.inference import InferenceServer
 
 MEMORY_STORE = (
@@ -198,7 +199,8 @@ class ThetaSource:
             )
             self._thread = threading.Thread(target=server.run, args=(self._stop,), daemon=True)
             self._thread.start()
-        broker = self._backends.open_broker("splitmq-infer-client")
+        # In the secured mode its requests carry the services' AMQP user (workers check it).
+        broker = service_stamped(self._backends.open_broker("splitmq-infer-client"), settings)
         self._broker = broker
         return BrokerTheta(
             broker, settings.job.name, version=self._version, timeout_s=self._timeout_s

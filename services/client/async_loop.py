@@ -94,13 +94,16 @@ class AsyncLoop:
         local = 0
         while base is not None:
             local = max(local, base.next_round)
-            uploaded = self._train(base, local)
+            dropped = self._train(base, local)
             local += 1
-            base = self._next_base(local, ask=not uploaded)
+            version = base.version
+            base = self._next_base(local, ask=dropped is not None)
+            if dropped is not None and base is not None:  # not merely the job's end
+                self._dropped(local - 1, version, dropped)
 
     # --- one local round -----------------------------------------------------------------------
-    def _train(self, base: Base, local: int) -> bool:
-        """One local round from `base`; whether its update was uploaded."""
+    def _train(self, base: Base, local: int) -> Exception | None:
+        """One local round from `base`; None once its update is uploaded, else why not."""
         link, job, client = self._link, self._link.job, self._link.client
         link.version = base.version
         member = self._member = self._updated(self._member, base.config)
@@ -120,12 +123,10 @@ class AsyncLoop:
             link.send(CONTROL_EXCHANGE, updates_routing_key(job), update)
         except StaleWeights as exc:
             self._stats.stale_rounds += 1
-            self._dropped(local, base.version, exc)
-            return False
+            return exc
         except (RoundAborted, EncodeError) as exc:
             self._stats.rounds_aborted += 1
-            self._dropped(local, base.version, exc)
-            return False
+            return exc
         self._stats.rounds += 1
         self._log.info(
             "job %s client %s: local round %d uploaded (version %d): %s",
@@ -135,10 +136,13 @@ class AsyncLoop:
             base.version,
             {k: round(v, 4) for k, v in update.metrics.items()},
         )
-        return True
+        return None
 
     def _dropped(self, local: int, version: int, exc: Exception) -> None:
-        self._log.warning(
+        # Too stale is async mode working as meant; anything else is worth a warning.
+        level = logging.INFO if isinstance(exc, StaleWeights) else logging.WARNING
+        self._log.log(
+            level,
             "job %s client %s: local round %d (version %d) dropped: %s",
             self._link.job,
             self._link.client,

@@ -62,7 +62,11 @@ def render_section(
 ) -> str:
     """The section's markdown; `extras` (the experiment's own blocks) follow its tables."""
     machines = "; ".join(dict.fromkeys(r.machine for r in results if r.machine)) or "unknown"
+    unrecorded = sum(1 for r in results if not r.machine)
+    if unrecorded:
+        machines += f" ({unrecorded} runs ran before their machine line was recorded)"
     total_s = sum(r.wall_s for r in results)
+    reused = sum(1 for r in results if r.reused)
     data = f" (datasets from `{context.data_source}`)" if context.data_source else ""
     parts = [f"## {experiment.title}"]
     if context.quick:
@@ -75,7 +79,13 @@ def render_section(
         + (f"  \n**Sizes as run.** {context.sizes}." if context.sizes else ""),
         f"**Command.** `{context.command}`{data}  \n**Machine.** {machines}  \n"
         f"**Total wall time.** {total_s / 60:.1f} min for {len(results)} runs "
-        "(the machine was shared: see the load at each run's start below).",
+        "(the machine was shared: see the load at each run's start below)"
+        + (
+            f"; {reused} runs were read back (`--reuse`) from an earlier invocation with the "
+            "same settings."
+            if reused
+            else "."
+        ),
     ]
     parts += [render_table(table, results) for table in experiment.tables]
     parts += [block.strip() for block in extras if block.strip()]

@@ -30,6 +30,12 @@ GLOBAL_ON_LOCAL = "global_personal_accuracy"
 # Rounds averaged for the "late" accuracy: the final value alone swings by several points
 # from round to round under label-skewed sampling.
 LATE_ROUNDS = 5
+# A run publishing no version for this long is stopped (`Experiment.stall_s`): a diverged
+# model's NaN updates are refused by every client and its round reopens for ever. Above the
+# round deadline (120 s) plus a slow round on a busy host.
+STALL_S = 240.0
+# A final train loss this many times the run's lowest one: the run diverged.
+DIVERGED = 100.0
 
 
 def feddeper_label(rho: str) -> str:
@@ -157,8 +163,27 @@ def participation(results: ResultSet) -> list[str]:
     return [f"Rounds that closed with a smaller cohort than the run's fullest: {listing}."]
 
 
+def unfinished(result: RunResult) -> str | None:
+    """A sentence on a run that did not complete its rounds, else None."""
+    if result.complete:
+        return None
+    losses = _finite([r.train_loss for r in result.records])
+    sentence = (
+        f"`{result.label}` did not finish ({result.status} after {len(result.records)} of "
+        f"{result.rounds} rounds; a run is stopped on Ctrl-C or when it publishes no version "
+        f"for {STALL_S:.0f} s)"
+    )
+    if losses and losses[-1] >= DIVERGED * min(losses):
+        sentence += (
+            f": its aggregated model had diverged, train loss {min(losses):.3g} at best and "
+            f"{losses[-1]:.3g} in its last round"
+        )
+    return sentence + "."
+
+
 def verdict(results: ResultSet) -> list[str]:
     lines: list[str] = participation(results) if len(results) else []
+    lines += [s for r in results if (s := unfinished(r))]
     for n in results.values("n"):
         fedavg = results.one({"n": n, "method": FEDAVG})
         if fedavg is None:
@@ -290,4 +315,5 @@ def build() -> Experiment:
         ),
         verdict=verdict,
         notes=NOTES,
+        stall_s=STALL_S,
     )

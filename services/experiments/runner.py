@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from services.config.loading import ConfigError, deep_merge
 from services.config.root import Settings
+from services.config.settings import ConnectionSettings
 from services.data.loaders import Dataset, load_dataset
 from services.experiments.centralized import train_centralized
 from services.experiments.final import run_service
@@ -37,6 +38,7 @@ from services.experiments.results import (
     read_records,
 )
 from services.experiments.spec import Experiment, FinalEval, Run
+from services.experiments.watchdog import watchdog
 from services.report.filesink import FileSink
 from services.report.records import VersionRecord
 from services.report.rundir import write_atomic
@@ -67,11 +69,36 @@ def build_settings(
 
 
 def comparable(settings: Settings) -> dict[str, Any]:
-    """The settings that decide a run's numbers (locations left out)."""
-    dumped = settings.model_dump(mode="json")
+    """The settings that decide a run's numbers: no locations, no connections (an experiment
+    runs on the in-memory broker and store whatever the file says)."""
+    return _numbers_only(settings.model_dump(mode="json"))
+
+
+def _numbers_only(dumped: dict[str, Any]) -> dict[str, Any]:
+    dumped = {k: dict(v) if isinstance(v, dict) else v for k, v in dumped.items()}
+    for key in ConnectionSettings.model_fields:
+        dumped.pop(key, None)
     for section, key in _LOCATION_KEYS:
         dumped.get(section, {}).pop(key, None)
     return dumped
+
+
+def same_settings(stored: Any, current: Any, defaults: Any) -> bool:
+    """Whether a run recorded with `stored` settings is a run of `current`.
+
+    A setting added to SplitMQ since that run is absent from `stored`; it matches when
+    `current` leaves it at its default, which keeps the behaviour the run had.
+    """
+    if not (isinstance(stored, dict) and isinstance(current, dict)):
+        return bool(stored == current)
+    default = defaults if isinstance(defaults, dict) else {}
+    for key, value in current.items():
+        if key in stored:
+            if not same_settings(stored[key], value, default.get(key)):
+                return False
+        elif key not in default or value != default[key]:
+            return False
+    return all(key in current for key in stored)
 
 
 @dataclass
@@ -94,7 +121,11 @@ def reusable(run_dir: Path, settings: Settings) -> bool:
         info, records = read_records(run_dir)
     except (OSError, ValueError):
         return False
-    same = meta.get("config") == comparable(settings)
+    defaults = comparable(Settings())
+    stored = meta.get("config")
+    if not isinstance(stored, dict):
+        return False
+    same = same_settings(_numbers_only(stored), comparable(settings), defaults)
     return same and info.get("status") == "finished" and len(records) >= settings.job.rounds
 
 
@@ -146,14 +177,23 @@ def execute(
     echo: Echo,
     stop: threading.Event,
     final_eval: FinalEval | None = None,
+    stall_s: float = 0.0,
 ) -> float:
     """Run one job into `run_dir`; its wall time in seconds (a service run's `final_eval`
-    included)."""
+    included). A run that publishes no version for `stall_s` seconds is stopped (0: never)."""
     sink = FileSink.create(settings, command=command, run_dir=run_dir)
     tee = TeeSink([sink, _Progress(echo, f"[{run.label}]", settings.job.rounds)])
     load = load_average()
     started = time.monotonic()
-    with linked(stop) as run_stop:
+
+    def stalled() -> None:
+        echo(f"  [{run.label}] no new version for {stall_s:.0f} s: stopping the run")
+
+    with (
+        linked(stop) as run_stop,
+        watchdog(run_stop, stall_s, on_stall=stalled) as beat,
+    ):
+        tee = TeeSink([tee, beat])
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, run_stop)
         else:
@@ -224,6 +264,7 @@ def run_experiment(
             echo=echo,
             stop=stop,
             final_eval=experiment.final_eval,
+            stall_s=experiment.stall_s,
         )
         result = load_result(run, run_dir)
         results.append(result)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -702,14 +703,8 @@ def test_the_table_covers_every_consumer() -> None:
         assert len(cases) == len(set(cases)), consumer
 
 
-def test_table_markdown() -> None:
-    """The table as docs/reliability.md prints it (kept in step with the code)."""
-    text = markdown()
+def test_the_docs_print_this_table() -> None:
+    """docs/reliability.md shows every row (kept in step with the code)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
     for row in TABLE:
-        assert row.case in text
-
-
-def markdown() -> str:
-    lines = ["| consumer | bad input | behaviour | reason says |", "|---|---|---|---|"]
-    lines += [f"| {r.consumer} | {r.case} | {r.behaviour} | {r.reason or '-'} |" for r in TABLE]
-    return "\n".join(lines)
+        assert f"| {row.case} |" in doc, row.case

@@ -143,3 +143,22 @@ def test_rounds_with_a_smaller_cohort_are_named() -> None:
     assert feddeper.participation(ResultSet([run, shrunk])) == [
         f"Rounds that closed with a smaller cohort than the run's fullest: `{shrunk.label}` 1."
     ]
+
+
+def test_an_unfinished_run_is_named_and_a_divergence_said() -> None:
+    diverged = replace(result({"n": "10"}, [0.5, 0.6, 0.1], [0.9] * 3), status="stopped", rounds=30)
+    diverged = replace(
+        diverged,
+        records=tuple(
+            replace(r, train_loss=loss)
+            for r, loss in zip(diverged.records, [0.5, 0.3, 40.0], strict=True)
+        ),
+    )
+    sentence = feddeper.unfinished(diverged)
+    assert sentence is not None
+    assert f"`{diverged.label}` did not finish (stopped after 3 of 30 rounds" in sentence
+    assert "diverged, train loss 0.3 at best and 40 in its last round" in sentence
+    stalled = replace(diverged, records=diverged.records[:2])
+    assert "diverged" not in (feddeper.unfinished(stalled) or "")
+    finished = result({"n": "10"}, [0.5], [0.9])
+    assert feddeper.unfinished(finished) is None

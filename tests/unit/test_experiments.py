@@ -24,7 +24,7 @@ from services.experiments.centralized import (
 from services.experiments.document import write_section
 from services.experiments.registry import EXPERIMENTS, get_experiment
 from services.experiments.results import ResultSet, RunResult, matches
-from services.experiments.runner import build_settings, comparable, linked, slug
+from services.experiments.runner import build_settings, comparable, linked, same_settings, slug
 from services.experiments.spec import Run, Table
 from services.experiments.tables import render_table
 from services.report.records import ListSink, VersionRecord
@@ -173,6 +173,15 @@ def test_reuse_ignores_where_the_data_lives() -> None:
     c = build_settings(experiment, experiment.runs[1], quick=False, data_dir="/one")
     assert comparable(a) == comparable(b)
     assert comparable(a) != comparable(c)
+
+
+def test_reuse_accepts_settings_added_since_at_their_default() -> None:
+    defaults = {"a": {"x": 1, "new": 0}, "b": 2}
+    stored = {"a": {"x": 5}, "b": 2}
+    assert same_settings(stored, {"a": {"x": 5, "new": 0}, "b": 2}, defaults)
+    assert not same_settings(stored, {"a": {"x": 5, "new": 1}, "b": 2}, defaults)
+    assert not same_settings(stored, {"a": {"x": 6, "new": 0}, "b": 2}, defaults)
+    assert not same_settings({**stored, "gone": 1}, {"a": {"x": 5, "new": 0}, "b": 2}, defaults)
 
 
 def test_linked_stop_reaches_the_child_but_not_back() -> None:
