@@ -107,7 +107,9 @@ def coordinator(config: Path | None, log_json: bool, log_level: str | None) -> N
 
 @click.command()
 @config_argument
-@click.option("--id", "worker_id", default=None, help="Worker id (default: worker-HOSTNAME-PID-RANDOM).")
+@click.option(
+    "--id", "worker_id", default=None, help="Worker id (default: worker-HOSTNAME-PID-RANDOM)."
+)
 @log_options
 def worker(
     config: Path | None, worker_id: str | None, log_json: bool, log_level: str | None
@@ -128,7 +130,9 @@ def worker(
 
 @click.command()
 @config_argument
-@click.option("--id", "client_id", default=None, help="Client id (default: client-HOSTNAME-PID-RANDOM).")
+@click.option(
+    "--id", "client_id", default=None, help="Client id (default: client-HOSTNAME-PID-RANDOM)."
+)
 @click.option(
     "--partition",
     type=click.IntRange(min=0),

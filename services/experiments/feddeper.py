@@ -254,6 +254,17 @@ NOTES = """
 - One seed per run: differences of a point or two are within what another seed could change
   (not measured here). Our reading of the rule may differ from the paper's
   (docs/algorithms.md, "FedDeper").
+
+**Why the aggregated model can be pushed away under our reading** (our arithmetic on a toy
+model, not a statement about the paper). Take a client whose loss is `h/2 ||w - o||^2` along
+one direction (curvature h, optimum o). In a round, u moves a share `c = 1 - (1 - eta h)^tau`
+of the way from x to o, while v, kept across rounds, settles where `g(v) + rho (v - x) = 0`,
+i.e. `v - x = h / (h + rho) (o - x)`. The upload `y = u - lam (v - x)` then moves x by
+`(c - lam h / (h + rho)) (o - x)`: towards the clients' optima only when `c > lam h / (h +
+rho)`. With eta = 0.05 and tau = 10, `c` is about `0.5 h` for small h, against `5 h` at rho =
+0.1 and about `0.5 h / (1 + h)` at rho = 1 (lam = 0.5): at rho = 0.1 the flat directions push
+x away from where the clients are, more so as each v_k settles over the rounds; at rho = 1
+they barely pull it in. FedAvg is the case lam = 0.
 """
 
 

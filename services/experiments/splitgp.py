@@ -14,6 +14,7 @@ of rows offloaded to the server.
 from __future__ import annotations
 
 import math
+import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -260,6 +261,42 @@ def verdict(results: ResultSet) -> list[str]:
                 + "; ".join(lost)
                 + "."
             )
+    return lines + offload_lines(results)
+
+
+def configured_threshold(result: RunResult) -> float:
+    """The run's E_th, from the config its report directory recorded (NaN when unreadable)."""
+    try:
+        with (result.run_dir / "config.toml").open("rb") as fh:
+            return float(tomllib.load(fh)["algorithm"]["splitgp"]["entropy_threshold"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return math.nan
+
+
+def offload_lines(results: ResultSet) -> list[str]:
+    """How much split inference at the configured E_th sent to the server."""
+    lines = []
+    for dataset in results.values("dataset"):
+        found = results.one({"dataset": dataset, "method": SPLITGP})
+        if found is None or not found.final:
+            continue
+        local, ood = _pair(found, "splitgp.offload")
+        head, _ = _pair(found, "splitgp.head")
+        whole, _ = _pair(found, "full")
+        if not (math.isfinite(local) and math.isfinite(ood)):
+            continue
+        line = (
+            f"{dataset}: at E_th = {configured_threshold(found):g} nats split "
+            f"inference offloads {100 * local:.1f}% of a client's own-class rows and "
+            f"{100 * ood:.1f}% of the others"
+        )
+        if local > 0.9:
+            line += (
+                ": the heads are rarely that sure this early in training, so SplitGP answers "
+                f"nearly everything with theta(phi_k) (own classes: head alone {100 * head:.1f}%, "
+                f"whole model {100 * whole:.1f}%)"
+            )
+        lines.append(line + ".")
     return lines
 
 

@@ -70,7 +70,7 @@ class FileHealthBeat:
 
     def beat(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = self.path.with_suffix(".tmp")
+        scratch = self.path.with_suffix(f".{threading.get_ident()}.tmp")  # one per writer
         scratch.write_text(json.dumps({**self._info, "at": self._clock()}))
         scratch.replace(self.path)  # atomic: a reader never sees half a file
 

@@ -30,6 +30,7 @@ def load(name: str) -> Settings:
         ("fedsplitx.toml", "fedsplitx", 1),
         ("local_loss_sfl.toml", "local_loss_sfl", 1),
         ("feddeper.toml", "feddeper", 1),
+        ("async.toml", "sfl", 2),
     ],
 )
 def test_example_loads(name: str, algorithm: str, shards: int) -> None:
@@ -53,6 +54,7 @@ def test_every_example_is_covered() -> None:
         "fedsplitx.toml",
         "local_loss_sfl.toml",
         "feddeper.toml",
+        "async.toml",
     }
 
 
@@ -73,3 +75,9 @@ def test_service_example_is_the_quickstart_over_real_servers() -> None:
     assert service.broker.kind == "rabbitmq" and service.store.kind == "redis"
     assert service.model == quick.model and service.algorithm == quick.algorithm
     assert service.job.rounds == quick.job.rounds
+
+
+def test_the_async_example_runs_without_rounds() -> None:
+    s = load("async.toml")
+    assert s.asynchronous_mode and s.buffer_size == 4
+    assert s.asynchronous.max_staleness < s.store.keep_versions

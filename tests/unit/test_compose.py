@@ -493,7 +493,8 @@ def test_health_intervals_follow_the_environment() -> None:
 
 def test_infrastructure_images_can_be_replaced(compose: dict[str, Any]) -> None:
     local = load_compose(
-        BASE_FILE, {"SPLITMQ_RABBITMQ_IMAGE": "local/rabbitmq", "SPLITMQ_REDIS_IMAGE": "local/redis"}
+        BASE_FILE,
+        {"SPLITMQ_RABBITMQ_IMAGE": "local/rabbitmq", "SPLITMQ_REDIS_IMAGE": "local/redis"},
     )
     assert local["services"]["rabbitmq"]["image"] == "local/rabbitmq"
     assert local["services"]["redis"]["image"] == "local/redis"
