@@ -12,6 +12,7 @@ import torch
 
 from broker.memory_broker import InMemoryBroker
 from broker.memory_store import InMemoryWeightStore
+from services.coordinator.membership import member_id
 from services.runtime.backends import Backends, Embedded
 from tests.unit.test_worker_support import (
     ScriptedClient,
@@ -116,6 +117,8 @@ def test_two_workers_split_four_shards_and_hand_over_on_stop(job: str) -> None:
     model = seed_version(embedded.store, settings)
     client = ScriptedClient(InMemoryBroker(embedded.hub), job, shards=4)
     client.declare([f"c{s}" for s in range(4)])
+    for shard in range(4):  # admitted, as the coordinator would: workers refuse strangers
+        embedded.store.heartbeat(job, member_id(f"c{shard}"), 600.0)
     backends = Backends(settings.broker, settings.store, embedded)
     stops = {name: threading.Event() for name in ("a", "b")}
     results: dict[str, Any] = {}
