@@ -45,6 +45,8 @@ PAPER_OVER_STANDALONE = 20.0
 PAPER_OVER_FEDAVG = 30.0
 # Within this many points of the paper's gain we call it close.
 CLOSE_POINTS = 5.0
+# A gain smaller than this (one seed) is no lead at all.
+LEVEL_POINTS = 1.0
 
 
 def dataset_overrides(dataset: str, model: str) -> dict[str, object]:
@@ -250,6 +252,8 @@ def _judge(gain: float, paper: float, other: str) -> str:
         return ""
     if gain <= 0:
         return f"**disagrees**: Sub-FedAvg is not ahead of {other}"
+    if gain < LEVEL_POINTS:
+        return f"**disagrees**: level with {other} (the paper: ≈ +{paper:.0f})"
     if abs(gain - paper) <= CLOSE_POINTS:
         return f"close to the paper's ≈ +{paper:.0f}"
     if gain > paper:
