@@ -98,6 +98,11 @@ class Outcome:
     def best(self) -> float:
         return max((r.global_accuracy for r in self.records), default=float("nan"))
 
+    @property
+    def last_at(self) -> float:
+        """When the last version was published, since the aggregator started."""
+        return self.records[-1].elapsed_s if self.records else float("nan")
+
     def time_to(self, accuracy: float) -> float:
         return next(
             (r.elapsed_s for r in self.records if r.global_accuracy >= accuracy), float("nan")
@@ -130,15 +135,17 @@ def run(args: argparse.Namespace, mode: str, dataset: Dataset) -> Outcome:
 def table(outcomes: list[Outcome], target: float) -> str:
     lines = [
         "| mode | versions | client updates | final accuracy | best | "
-        f"time to {100 * target:.0f}% | wall time | staleness (folded: count by tau) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"time to {100 * target:.0f}% | last version at | wall time | "
+        "staleness (folded: count by tau) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for o in outcomes:
         hist = staleness_histogram(o.records)
         stale = "n/a (rounds)" if hist is None else hist.line()
         lines.append(
             f"| {o.mode} | {len(o.records)} | {o.updates} | {100 * o.final:.1f}% | "
-            f"{100 * o.best:.1f}% | {o.time_to(target):.0f} s | {o.wall_s:.0f} s | {stale} |"
+            f"{100 * o.best:.1f}% | {o.time_to(target):.0f} s | {o.last_at:.0f} s | "
+            f"{o.wall_s:.0f} s | {stale} |"
         )
     return "\n".join(lines)
 

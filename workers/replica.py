@@ -7,7 +7,8 @@ client. We add `steps` (optimizer steps), the current round's `cohort` with its 
 (`cohort_round`) and each cohort client's `progress` ([last step applied, steps]), so a
 MiniBatch-SFL barrier resumed on another worker knows whom to wait for, and `cut_samples`
 (round_samples by the cut the batches came from: FedSplitX weighs each layer by the rows that
-reached it).
+reached it), and `audit`: per client, [batches applied, sum of their seqs mod 2^61], from which
+`benchmarks/soak.py` proves every batch sent was applied exactly once across failovers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from models.split import SplitNet
 from models.state import load_partial
 
 SERVER = BlobRef(SERVER_PART)
+# Seq sums are kept modulo this (seqs start at the client's clock in microseconds).
+AUDIT_MODULUS = 1 << 61
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -64,6 +67,7 @@ class Replica:
         self.cohort_round = -1
         self.cohort: dict[str, int] = {}
         self.progress: dict[str, tuple[int, int]] = {}
+        self.audit: dict[str, tuple[int, int]] = {}
 
     # --- loading ------------------------------------------------------------------------------
     def load_version(self, store: WeightStore, job: str, version: int) -> None:
@@ -92,6 +96,7 @@ class Replica:
         self.cohort_round = _int(meta, "cohort_round", -1)
         self.cohort = _int_map(meta.get("cohort"))
         self.progress = _progress(meta.get("progress"))
+        self.audit = _progress(meta.get("audit"))
         if meta.get("handed_in") is True:
             self.start_counting()
 
@@ -137,6 +142,8 @@ class Replica:
         self.seqs[client] = max(seq, self.seqs.get(client, seq))
         self.progress[client] = (step, steps)
         self.applied += 1
+        count, seq_sum = self.audit.get(client, (0, 0))
+        self.audit[client] = (count + 1, (seq_sum + seq) % AUDIT_MODULUS)
         self.round_samples += rows
         key = cut or self.cut
         self.cut_samples[key] = self.cut_samples.get(key, 0) + rows
@@ -162,6 +169,7 @@ class Replica:
             "cohort": dict(self.cohort),
             "progress": {c: [s, n] for c, (s, n) in self.progress.items()},
             "handed_in": self.handed_in,
+            "audit": {c: [n, s] for c, (n, s) in self.audit.items()},
         }
         return Checkpoint(shard=self.shard, applied=self.applied, weights=weights, meta=meta)
 

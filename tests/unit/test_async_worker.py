@@ -6,6 +6,7 @@ the replica (it keeps training and rebases at its checkpoint), and round markers
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -72,6 +73,10 @@ def test_too_stale_smashed_data_is_refused_and_newer_versions_do_not_reload(job:
         for seq, version in ((1, 3), (2, 1), (3, 2), (4, 9)):
             client.batch("c0", seq, *batches[seq], version=version, round_=seq)
         replies = client.drain_replies("c0", 3)
+        give_up = time.monotonic() + 20
+        while client.broker.queue_depth(dead_queue_name(job)) < 1:  # the version-9 batch
+            assert time.monotonic() < give_up, "the batch of an unknown version was kept"
+            time.sleep(0.02)
     finally:
         stop.set()
         thread.join(20)

@@ -634,3 +634,19 @@ def test_default_member_ids_differ_where_hostname_and_pid_are_shared(
     assert len(ids) == 50
     for member in ids:
         assert re.fullmatch(r"worker-vm-7-[0-9a-f]{6}", member), member
+
+
+def test_smoke_script_reads_the_stores_real_keys() -> None:
+    """smoke.sh reads versions, members, checkpoints and leases with redis-cli: by the key
+    names broker/keys.py builds, so a renamed key fails here, not in a manual run."""
+    from broker import keys
+    from workers.leases import lease_name
+
+    used = set(re.findall(r'"(splitmq:\$JOB:[^"]+)"', SMOKE_SH.read_text()))
+    rendered = {key.replace("$JOB", "J").replace("$s", "0") for key in used}
+    assert rendered == {
+        keys.version_key("J"),
+        keys.members_key("J"),
+        keys.checkpoint_key("J", 0),
+        keys.lease_key("J", lease_name(0)),
+    }
