@@ -224,6 +224,15 @@ def test_async_service_with_clients_joining_and_leaving(
     doc = json.loads((run_dir / "metrics.json").read_text())
     assert doc["run"]["status"] == "finished"
     records = doc["records"]
+    # Shown with `pytest -s`: what each version got.
+    print(f"\nasync e2e: {LATE} started at version {joined_at}, leavers stopped at {gone}")
+    for r in records:
+        extra = r["extra"]
+        print(
+            f"  v{r['version']}: accuracy {r['global_accuracy']:.3f}, "
+            f"participants {members[r['version']]}, staleness mean "
+            f"{extra['staleness_mean']:.2f}, replicas {extra['replicas']:.0f}"
+        )
     assert [r["version"] for r in records] == list(range(2, VERSIONS + 2))
     assert records[-1]["global_accuracy"] > 0.5, [r["global_accuracy"] for r in records]
     histogram = [
