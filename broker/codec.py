@@ -89,13 +89,13 @@ def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
     plan = _plan(message, limits or DEFAULT_LIMITS)
     parts: list[bytes | memoryview] = [plan.prefix]
     position = len(plan.prefix)
-    for offset, tensor, host in plan.tensors:
+    for offset, nbytes, tensor, host in plan.tensors:
         start = plan.data_start + offset
         parts.append(_ZEROS[: start - position])
         # The finite check's numpy view of the tensor is its wire bytes when contiguous.
         contiguous = host is not None and host.flags.c_contiguous
         parts.append(host.data if host is not None and contiguous else wire_bytes(tensor))
-        position = start + tensor.nbytes
+        position = start + nbytes
     return b"".join(parts)
 
 
@@ -120,11 +120,11 @@ def encode_into(
     body = memoryview(buffer)[: plan.size]
     body[: len(plan.prefix)] = plan.prefix
     position = len(plan.prefix)
-    for offset, tensor, _ in plan.tensors:
+    for offset, nbytes, tensor, _ in plan.tensors:
         start = plan.data_start + offset
         body[position:start] = _ZEROS[: start - position]  # no stale bytes leak into padding
         copy_into(buffer, start, tensor)
-        position = start + tensor.nbytes
+        position = start + nbytes
     return body
 
 

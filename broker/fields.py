@@ -201,6 +201,7 @@ class Placed(NamedTuple):
     """A non-empty tensor laid out in the data section."""
 
     offset: int  # from the start of the data section
+    nbytes: int
     tensor: torch.Tensor
     host: np.ndarray[Any, Any] | None  # `host_array(tensor)` for a CPU tensor, else None
 
@@ -221,7 +222,7 @@ class HeaderWriter(_Walker):
             raise EncodeError(f"{path}: a {value.layout} {value.dtype} tensor cannot travel")
         shape = tuple(value.shape)
         reason = _rank_reason(shape, path, self.limits) or tensor_reason(
-            rule, value.dtype, shape, path
+            rule, dtype.torch_dtype, shape, path
         )
         if reason is not None:
             raise EncodeError(reason)
@@ -230,12 +231,12 @@ class HeaderWriter(_Walker):
         if rule.finite and not (all_finite(value) if host is None else host_finite(host, dtype)):
             raise EncodeError(f"{path}: holds NaN or infinite values")
         self.count_tensor(path)
-        nbytes = value.numel() * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         offset = 0
         if nbytes:
             offset = align(self.cursor)
             self.cursor = offset + nbytes
-            self.tensors.append(Placed(offset, value, host))
+            self.tensors.append(Placed(offset, nbytes, value, host))
         return tensor_header(dtype, shape, offset, nbytes)
 
 

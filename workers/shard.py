@@ -365,6 +365,10 @@ class ShardRunner:
             saved = self._async.stamped(self.replica.checkpoint())
             io.store.save_checkpoint(self._want.job, saved)
             self._async.saved(saved)
+        # The save may have waited out a store outage during which the lease expired and
+        # another worker loaded the older checkpoint: acking now would lose these batches.
+        if not io.renew_lease(self.shard):
+            raise LeaseLostError(f"shard {self.shard}: lease lost while saving the checkpoint")
         io.stats.checkpoints += 1
         for delivery in self._pending:
             try:

@@ -49,7 +49,7 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
         )
     job = settings.job.name
     try:
-        store = backends.open_store()
+        store = backends.open_store(wait=False)  # report an outage, don't sit through it
         try:
             members = store.live_members(job)
         finally:

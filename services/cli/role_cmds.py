@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 import click
@@ -76,7 +77,10 @@ def _serve(
         health: AbstractContextManager[object] = (
             FileHealthBeat(settings.job.name, kind, instance)  # no Redis for edge clients
             if kind == "client"
-            else HealthBeat(backends.open_store, settings.job.name, kind, instance)
+            # The health key must lapse during an outage: a raw store, no waiting.
+            else HealthBeat(
+                partial(backends.open_store, wait=False), settings.job.name, kind, instance
+            )
         )
         observation = observe_role(settings, kind, backends, echo=click.echo)
         with stop_on_signals(stop), health, observation as seen:

@@ -54,6 +54,9 @@ class StoreSettings(_Section):
     redis_url: str = DEFAULT_REDIS_URL
     keep_versions: int = Field(default=5, ge=1)
     socket_timeout_s: float = Field(default=30.0, gt=0)
+    # How long a role waits for Redis to come back (e.g. a restart) before failing; 0: never.
+    retry_for_s: float = Field(default=120.0, ge=0)
+    retry_max_backoff_s: float = Field(default=2.0, gt=0)
     tls: TLSSettings = TLSSettings()
 
 

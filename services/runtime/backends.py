@@ -10,6 +10,7 @@ from broker.memory_store import InMemoryWeightStore
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import RabbitMQOptions
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
+from broker.resilient_store import ResilientStore, RetryPolicy
 from broker.store import WeightStore
 from broker.tls import TLSOptions
 from broker.transport import Broker
@@ -77,16 +78,26 @@ class Backends:
         )
         return RabbitMQBroker(settings.amqp_url, options)
 
-    def open_store(self) -> WeightStore:
+    def open_store(self, *, wait: bool = True) -> WeightStore:
+        """`wait`: ride out a Redis outage for `retry_for_s` (roles); False for probes and
+        health checks, which must report an outage rather than sit through it."""
         settings = self.store_settings
         if settings.kind == "memory":
-            return self._embedded().store
+            return self._embedded().store  # never unavailable
         options = RedisStoreOptions(
             socket_timeout_s=settings.socket_timeout_s,
             keep_versions=settings.keep_versions,
             tls=tls_options(settings.tls),
         )
-        return RedisWeightStore(settings.redis_url, options)
+        store = RedisWeightStore(settings.redis_url, options)
+        if not wait or settings.retry_for_s == 0:
+            return store
+        policy = RetryPolicy(
+            retry_for_s=settings.retry_for_s,
+            first_backoff_s=min(0.1, settings.retry_max_backoff_s),
+            max_backoff_s=settings.retry_max_backoff_s,
+        )
+        return ResilientStore(store, policy)
 
     def _embedded(self) -> Embedded:
         if self.embedded is None:

@@ -80,7 +80,7 @@ def check_store(backends: Backends) -> Check:
         return Check("store", ok, "in-memory weight store in this process")
     where = redact(settings.redis_url)
     try:
-        store = backends.open_store()
+        store = backends.open_store(wait=False)
         assert isinstance(store, RedisWeightStore)
         info = store.server_info()
     except SplitMQError as exc:
