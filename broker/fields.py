@@ -33,10 +33,9 @@ from broker.schema import (
 )
 from broker.tensors import (
     TensorSlot,
+    WireDtype,
     align,
-    all_finite,
     host_array,
-    host_finite,
     parse_tensor_header,
     tensor_header,
     wire_dtype,
@@ -198,12 +197,16 @@ _EXACT_TYPES: Mapping[Kind, type] = {
 
 
 class Placed(NamedTuple):
-    """A non-empty tensor laid out in the data section."""
+    """A non-empty tensor laid out in the data section, not yet checked for NaN and ±inf: the
+    codec does that while it copies the tensor into the body (`finite`: must it?)."""
 
     offset: int  # from the start of the data section
     nbytes: int
     tensor: torch.Tensor
     host: np.ndarray[Any, Any] | None  # `host_array(tensor)` for a CPU tensor, else None
+    dtype: WireDtype
+    finite: bool
+    path: str
 
 
 @dataclass
@@ -226,17 +229,16 @@ class HeaderWriter(_Walker):
         )
         if reason is not None:
             raise EncodeError(reason)
-        # One numpy view of a CPU tensor serves the finite check and then the encoder's copy.
-        host = host_array(value) if value.is_cpu else None
-        if rule.finite and not (all_finite(value) if host is None else host_finite(host, dtype)):
-            raise EncodeError(f"{path}: holds NaN or infinite values")
         self.count_tensor(path)
         nbytes = math.prod(shape) * dtype.itemsize
         offset = 0
         if nbytes:
             offset = align(self.cursor)
             self.cursor = offset + nbytes
-            self.tensors.append(Placed(offset, nbytes, value, host))
+            # One numpy view of a CPU tensor serves the finite check and the copy.
+            host = host_array(value) if value.is_cpu else None
+            finite = rule.finite and dtype.bits is not None
+            self.tensors.append(Placed(offset, nbytes, value, host, dtype, finite, path))
         return tensor_header(dtype, shape, offset, nbytes)
 
 

@@ -222,13 +222,31 @@ def wire_bytes(tensor: torch.Tensor) -> memoryview:
     return host_array(tensor).data
 
 
-def copy_into(buffer: bytearray, start: int, tensor: torch.Tensor) -> None:
-    """Copy `tensor` (any device, any strides) into `buffer[start:]` in one pass."""
-    if tensor.numel() == 0:
-        return
-    dst = torch.frombuffer(buffer, dtype=torch.uint8, count=tensor.nbytes, offset=start)
-    # One torch copy handles strides, devices and bfloat16 and runs on torch's thread pool.
-    dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+def copy_checked(
+    dst: np.ndarray[Any, np.dtype[np.uint8]],
+    tensor: torch.Tensor,
+    host: np.ndarray[Any, Any] | None,
+    finite: FloatBits | None,
+) -> bool:
+    """Copy `tensor`'s wire bytes into `dst` (uint8, exactly `tensor.nbytes` long); with
+    `finite`, also check them for NaN and ±inf and return False if there are any.
+
+    A contiguous CPU tensor (`host` is its `host_array`) is copied by numpy in `_CHUNK`-byte
+    pieces, each checked right after its copy, while it is still in the core's cache: the
+    source is read from memory once. Others (strided, other devices) take one torch copy,
+    which handles strides, devices and bfloat16, and a check of the copy.
+    """
+    if host is not None and host.flags.c_contiguous:
+        source = host.reshape(-1).view(np.uint8)
+        for start in range(0, dst.size, _CHUNK):
+            piece = dst[start : start + _CHUNK]
+            np.copyto(piece, source[start : start + _CHUNK])
+            if finite is not None and not finite_array(piece.view(host.dtype), finite):
+                return False
+        return True
+    copy = torch.from_numpy(dst).view(tensor.dtype).view(tensor.shape)
+    copy.copy_(tensor.detach())
+    return finite is None or all_finite(copy)
 
 
 def sharing_read_only() -> AbstractContextManager[None]:
@@ -303,11 +321,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor.detach())
     return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
-def host_finite(array: np.ndarray[Any, Any], dtype: WireDtype) -> bool:
-    """`all_finite` of a CPU tensor of `dtype` whose `host_array` is `array`."""
-    return dtype.bits is None or array.size == 0 or finite_array(array, dtype.bits)
 
 
 def finite_array(array: np.ndarray[Any, Any], bits: FloatBits) -> bool:

@@ -11,10 +11,12 @@
 #      (compose/local-images/) and the SplitMQ image (compose/Dockerfile);
 #   5. brings the stack up (compose/docker-compose.yml + docker-compose.hostnet.yml: host
 #      networking, RabbitMQ on 5673, Redis on 6380, beside the host's own) with 2 workers and
-#      3 clients on compose/smoke.toml, waits for 2 versions, scales the workers to 3 and back
-#      to 1 while training runs, and waits for the job to finish;
+#      3 clients on compose/smoke.toml, waits for 2 versions, scales the workers to 3 (until
+#      each holds a shard, for 2 more versions) and back to 1 (until it holds them all, for 2
+#      more) while training runs, and waits for the job to finish;
 #   6. checks that no batch was lost (the clients' sent batches = the shard checkpoints'
-#      applied counts), that nothing was dead-lettered, and that accuracy rose;
+#      applied counts), that accuracy rose and that every worker stopped with exit code 0,
+#      and reports the dead letters with their logged reasons;
 #   7. tears the stack down (volumes included), also on failure.
 #
 # Every step skips what is already there (the base image, the rootfs, downloaded wheels,

@@ -121,16 +121,16 @@ def _global_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> li
     if not (math.isfinite(late) and math.isfinite(speed)):
         return []
     if late > 0 and speed > 0:
-        word = "agrees"
+        word = "agrees with"
     elif late <= 0 and speed <= 0:
-        word = "**disagrees**"
+        word = "**disagrees** with"
     else:
-        word = "is mixed"
+        word = "is mixed evidence for"
     return [
         f"n = {n}, {label}, aggregated model: mean global accuracy over the last "
         f"{LATE_ROUNDS} rounds {_pct(late_mean(deper))} vs FedAvg {_pct(late_mean(fedavg))} "
         f"({_pts(late)}); over all rounds (speed of convergence) {_pct(round_mean(deper))} vs "
-        f"{_pct(round_mean(fedavg))} ({_pts(speed)}): {word} with the claim of faster "
+        f"{_pct(round_mean(fedavg))} ({_pts(speed)}): {word} the claim of faster "
         f"convergence. Round-to-round swing {_pct(swing(deper))} vs {_pct(swing(fedavg))}."
     ]
 
@@ -148,18 +148,20 @@ def _personal_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> 
     ]
 
 
-def short_rounds(result: RunResult) -> int:
-    """Rounds that closed with fewer participants than the run's fullest round (a client
-    dropped or late: its numbers then rest on a smaller cohort)."""
+def short_rounds(result: RunResult) -> list[int]:
+    """The rounds (from 1) that closed with fewer participants than the run's fullest round
+    (a client dropped, late, or refused to send: its numbers rest on a smaller cohort)."""
     counts = [r.participants for r in result.records]
-    return sum(1 for c in counts if c < max(counts)) if counts else 0
+    return [r.round + 1 for r in result.records if r.participants < max(counts)]
 
 
 def participation(results: ResultSet) -> list[str]:
-    short = {r.label: n for r in results if (n := short_rounds(r))}
+    short = {r.label: rounds for r in results if (rounds := short_rounds(r))}
     if not short:
         return ["Every round of every run closed with its full cohort."]
-    listing = ", ".join(f"`{label}` {n}" for label, n in short.items())
+    listing = "; ".join(
+        f"`{label}` round(s) {', '.join(map(str, rounds))}" for label, rounds in short.items()
+    )
     return [f"Rounds that closed with a smaller cohort than the run's fullest: {listing}."]
 
 
@@ -235,8 +237,10 @@ takes part in about 3 rounds), global accuracy on the first 2,000 of the 10,000 
 (`eval_samples`). A client evaluates v_k on all 2,000 test images of its 2 classes; the
 aggregator evaluates the global model on those classes among the first 2,000 test images
 (about 400 per client): the same distribution, a smaller sample. These are accuracies after
-a short budget, not converged ones; the grid (6 runs) fits in about 15 minutes on 2 otherwise
-idle CPU cores.
+a short budget, not converged ones. The grid (6 runs) is sized for about 15 minutes on 2
+otherwise idle CPU cores; the wall times below were measured on a host shared with other jobs
+(the load average at each run's start is in the runs table), and a diverged run adds the
+watchdog's wait.
 """
 
 NOTES = """

@@ -119,11 +119,11 @@ def test_verdict_compares_each_rho_with_fedavg_of_the_same_n() -> None:
     assert len(lines) == 5
     full, rho01_global, rho01_personal, rho1_global, rho1_personal = lines
     assert full == "Every round of every run closed with its full cohort."
-    assert "rho=0.1" in rho01_global and "agrees" in rho01_global
+    assert "rho=0.1" in rho01_global and "agrees with the claim" in rho01_global
     assert "50.0% vs FedAvg 40.0% (+10.0 points)" in rho01_global
     assert "90.0%" in rho01_personal and "50.0% (+40.0 points)" in rho01_personal
     assert "last round's local test sets: 65.0%" in rho01_personal
-    assert "**disagrees**" in rho1_global and "(-20.0 points)" in rho1_global
+    assert "**disagrees** with the claim" in rho1_global and "(-20.0 points)" in rho1_global
     assert "(+0.0 points)" in rho1_personal
 
 
@@ -138,10 +138,11 @@ def test_verdict_without_fedavg_compares_nothing() -> None:
 def test_rounds_with_a_smaller_cohort_are_named() -> None:
     run = result({"n": "10"}, [0.1, 0.2, 0.3], [0.5] * 3)
     shrunk = replace(run, records=(run.records[0], replace(run.records[1], participants=7)))
-    assert feddeper.short_rounds(run) == 0
-    assert feddeper.short_rounds(shrunk) == 1
+    assert feddeper.short_rounds(run) == []
+    assert feddeper.short_rounds(shrunk) == [2]
     assert feddeper.participation(ResultSet([run, shrunk])) == [
-        f"Rounds that closed with a smaller cohort than the run's fullest: `{shrunk.label}` 1."
+        "Rounds that closed with a smaller cohort than the run's fullest: "
+        f"`{shrunk.label}` round(s) 2."
     ]
 
 
