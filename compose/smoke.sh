@@ -206,8 +206,9 @@ fetch_wheels() {
     done
 }
 
-# Bash reads a script as it runs it: with the work in a function, the whole file is parsed
-# before anything starts, so editing it during a run cannot derail that run.
+# Bash reads a script as it runs it: with the work in a function, called on the file's last
+# line together with `exit`, the whole file is read before anything starts, so editing it
+# during a run cannot derail that run.
 main() {
     trap finish EXIT
     trap 'exit 130' INT TERM
@@ -486,4 +487,4 @@ print(f"{acc[0]:.3f} {acc[-1]:.3f} {len(acc)} " + ",".join(f"{a:.2f}" for a in a
     [ ${#FAILURES[@]} -eq 0 ] || exit 1
 }
 
-main "$@"
+main "$@"; exit

@@ -42,6 +42,9 @@ Adding an experiment
    - `extras(results, slot) -> [markdown]` (optional): the experiment's own tables and
      figures (drawn into `slot.path(name)`, linked with `slot.link(path)`; `figures.
      panel_figure` draws one row of panels), placed after the `tables`.
+   - `stall_s` (optional): a run that publishes no version for this long is stopped and
+     reported as such (`watchdog`); set it when a run can diverge, since a diverged sync job
+     reopens its round for ever once every client refuses to send NaN.
 3. One line in `registry.EXPERIMENTS`: `<name>.NAME: <name>.build`.
 
 Then `splitmq experiment <name> --quick --out /tmp/r.md` for a smoke run, and

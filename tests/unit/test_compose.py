@@ -595,7 +595,7 @@ def test_smoke_script_tears_down_on_any_exit() -> None:
     assert "set -Eeuo pipefail" in text
     assert re.search(r"^\s*trap finish EXIT$", text, re.MULTILINE)
     # The work runs in a function, so bash parses the whole file before it starts.
-    assert text.rstrip().endswith('main "$@"')
+    assert text.rstrip().endswith('main "$@"; exit')
     finish = text[text.index("finish() {") : text.index("trap finish EXIT")]
     assert "down -v" in finish
     assert SMOKE_SH.stat().st_mode & 0o111, "smoke.sh is not executable"
