@@ -19,10 +19,12 @@ import struct
 from collections.abc import Mapping
 from contextlib import nullcontext
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 
+from broker.bodies import fresh_body
 from broker.errors import DecodeError, EncodeError
 from broker.fields import FieldPlan, HeaderReader, HeaderWriter, Placed, compile_fields
 from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
@@ -31,7 +33,9 @@ from broker.tensors import (
     ALIGN,
     TensorSlot,
     align,
-    copy_into,
+    all_finite,
+    copy_checked,
+    finite_array,
     sharing_read_only,
     unpack_ext,
     view_from,
@@ -61,6 +65,8 @@ _OFFSET = operator.attrgetter("offset")
 UNEXPECTED = "unexpected decoder failure: "
 DEFAULT_LIMITS = CodecLimits()
 _PACK_BUFFER = 4096  # initial msgpack buffer; it grows for larger headers
+# Bodies from this size up are written in place (see `encode`); below, joining costs less.
+_IN_PLACE = 1 << 20
 # Each schema's field checks, prepared once rather than re-derived from its specs per message.
 _PLANS: Mapping[str, tuple[FieldPlan, ...]] = MappingProxyType(
     {name: compile_fields(schema) for name, schema in SCHEMAS.items()}
@@ -84,18 +90,37 @@ def message_type_name(message: Message) -> str:
 
 
 def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
-    """Validate and encode; tensor bytes are copied exactly once, into the joined body
-    (plus a device-to-host or contiguity copy for CUDA or strided tensors)."""
+    """Validate and encode; tensor bytes are copied exactly once, into the body (plus a
+    device-to-host or contiguity copy for CUDA or strided tensors).
+
+    A body of at least `_IN_PLACE` bytes is written in place (`bodies.fresh_body`), checking
+    each piece of a tensor for NaN and ±inf right after copying it; a smaller one is joined
+    from its parts after checking the tensors, which costs less per message.
+    """
     plan = _plan(message, limits or DEFAULT_LIMITS)
+    if plan.size >= _IN_PLACE:
+        fresh = fresh_body(plan.size)
+        if fresh is not None:
+            body, window = fresh
+            reason = _fill(window, plan)
+            del window  # before `body` goes anywhere: nothing may write to it afterwards
+            if reason is not None:
+                raise EncodeError(reason)
+            return body
     parts: list[bytes | memoryview] = [plan.prefix]
     position = len(plan.prefix)
-    for offset, nbytes, tensor, host in plan.tensors:
-        start = plan.data_start + offset
+    for placed in plan.tensors:
+        host, check = placed.host, placed.check
+        if check is not None and not (
+            all_finite(placed.tensor) if host is None else finite_array(host, check)
+        ):
+            raise EncodeError(_non_finite(placed))
+        start = plan.data_start + placed.offset
         parts.append(_ZEROS[: start - position])
         # The finite check's numpy view of the tensor is its wire bytes when contiguous.
         contiguous = host is not None and host.flags.c_contiguous
-        parts.append(host.data if host is not None and contiguous else wire_bytes(tensor))
-        position = start + nbytes
+        parts.append(host.data if host is not None and contiguous else wire_bytes(placed.tensor))
+        position = start + placed.nbytes
     return b"".join(parts)
 
 
@@ -105,9 +130,9 @@ def encode_into(
     """Validate and encode into a caller-owned buffer (grown when too small); returns the body,
     a view of `buffer` valid until the next call.
 
-    The tensor copy runs on torch's thread pool straight from the source tensor (any strides or
-    device), so on a multi-core host this is about twice as fast as `encode` for big tensors.
-    The buffer cannot grow while a view from an earlier call is alive.
+    Tensors are copied and checked piece by piece as `encode` does for big bodies, straight
+    from the source tensor (a torch copy for strided or non-CPU ones). The buffer cannot grow
+    while a view from an earlier call is alive.
     """
     plan = _plan(message, limits or DEFAULT_LIMITS)
     if len(buffer) < plan.size:
@@ -117,15 +142,12 @@ def encode_into(
             raise EncodeError(
                 "encode_into: the buffer must grow but an earlier view of it is still alive"
             ) from None
-    body = memoryview(buffer)[: plan.size]
-    body[: len(plan.prefix)] = plan.prefix
-    position = len(plan.prefix)
-    for offset, nbytes, tensor, _ in plan.tensors:
-        start = plan.data_start + offset
-        body[position:start] = _ZEROS[: start - position]  # no stale bytes leak into padding
-        copy_into(buffer, start, tensor)
-        position = start + nbytes
-    return body
+    window = np.frombuffer(buffer, np.uint8, plan.size)
+    reason = _fill(window, plan)
+    del window  # it pins the buffer's size
+    if reason is not None:
+        raise EncodeError(reason)
+    return memoryview(buffer)[: plan.size]
 
 
 def decode(body: bytes | bytearray | memoryview, limits: CodecLimits | None = None) -> Message:
@@ -166,7 +188,11 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
     max_bytes = limits.max_string_len
     for plan in _PLANS[schema.name]:
         name = plan.name
-        header[name] = plan.check(writer, getattr(message, name), max_bytes)
+        value = getattr(message, name)
+        fast = plan.fast
+        header[name] = (
+            value if fast is not None and fast(value, max_bytes) else plan.walk(writer, value)
+        )
     reason = consistency_error(message)
     if reason is not None:
         raise EncodeError(reason)
@@ -184,6 +210,30 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
             f"{schema.name}: body of {size} bytes exceeds the limit of {limits.max_body_bytes}"
         )
     return _Plan(prefix, data_start, size, writer.tensors)
+
+
+def _fill(window: np.ndarray[Any, np.dtype[np.uint8]], plan: _Plan) -> str | None:
+    """Write the body of `plan` into `window` (exactly `plan.size` bytes), checking tensors
+    as they are copied; the reason of the first check that fails, else None.
+
+    Returns rather than raises: a traceback would keep this frame, and with it `window` (and
+    the buffer it pins), alive.
+    """
+    prefix = plan.prefix
+    window[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+    position = len(prefix)
+    for placed in plan.tensors:
+        start = plan.data_start + placed.offset
+        window[position:start] = 0  # padding: no stale bytes of a reused buffer leak out
+        end = start + placed.nbytes
+        if not copy_checked(window[start:end], placed.tensor, placed.host, placed.check):
+            return _non_finite(placed)
+        position = end
+    return None
+
+
+def _non_finite(placed: Placed) -> str:
+    return f"{placed.path}: holds NaN or infinite values"
 
 
 # --- decoding -----------------------------------------------------------------------------------

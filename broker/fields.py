@@ -32,8 +32,8 @@ from broker.schema import (
     tensor_reason,
 )
 from broker.tensors import (
+    FloatBits,
     TensorSlot,
-    WireDtype,
     align,
     host_array,
     parse_tensor_header,
@@ -58,11 +58,8 @@ class FieldPlan:
     fast: FastCheck | None
     tensor: TensorRule | None  # set for a plain (required, single) tensor field
 
-    def check(self, walker: _Walker, value: object, max_bytes: int) -> object:
-        """`value` as it travels, checked: the fast path, a tensor, or the generic walk."""
-        fast = self.fast
-        if fast is not None and fast(value, max_bytes):
-            return value
+    def walk(self, walker: _Walker, value: object) -> object:
+        """`value` as it travels, checked the long way (when `fast` is None or said no)."""
         if self.tensor is not None:
             return walker.tensor(value, self.tensor, self.path)
         return walker.value(self.spec, value, self.path)
@@ -198,14 +195,13 @@ _EXACT_TYPES: Mapping[Kind, type] = {
 
 class Placed(NamedTuple):
     """A non-empty tensor laid out in the data section, not yet checked for NaN and ±inf: the
-    codec does that while it copies the tensor into the body (`finite`: must it?)."""
+    codec does that as it copies the tensor into the body."""
 
     offset: int  # from the start of the data section
     nbytes: int
     tensor: torch.Tensor
     host: np.ndarray[Any, Any] | None  # `host_array(tensor)` for a CPU tensor, else None
-    dtype: WireDtype
-    finite: bool
+    check: FloatBits | None  # the float format to check when its rule wants finite values
     path: str
 
 
@@ -237,8 +233,8 @@ class HeaderWriter(_Walker):
             self.cursor = offset + nbytes
             # One numpy view of a CPU tensor serves the finite check and the copy.
             host = host_array(value) if value.is_cpu else None
-            finite = rule.finite and dtype.bits is not None
-            self.tensors.append(Placed(offset, nbytes, value, host, dtype, finite, path))
+            check = dtype.bits if rule.finite else None
+            self.tensors.append(Placed(offset, nbytes, value, host, check, path))
         return tensor_header(dtype, shape, offset, nbytes)
 
 
@@ -265,7 +261,11 @@ class HeaderReader(_Walker):
         values: dict[str, object] = {}
         for plan in plans:
             name = plan.name
-            values[name] = plan.check(self, header[name], max_bytes)
+            value = header[name]
+            fast = plan.fast
+            values[name] = (
+                value if fast is not None and fast(value, max_bytes) else plan.walk(self, value)
+            )
         return values
 
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:

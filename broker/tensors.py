@@ -356,8 +356,9 @@ def _finite_bits(array: np.ndarray[Any, Any], bits: FloatBits) -> bool:
 
 _MAX = np.maximum.reduce
 _ALL = np.logical_and.reduce
-# About one core's L2 cache (1 MiB on the Zen 4 hosts measured; 1-2 MiB on current x86).
-_CHUNK = 1 << 20
+# Half a core's L2 cache (1 MiB on the Zen 4 hosts measured; 1-2 MiB on current x86), so a
+# piece and its copy fit there together (16 MiB encode + decode: ~5% faster than 1 MiB).
+_CHUNK = 1 << 19
 # Up to here `isfinite`'s bool mask (a quarter of this for float32) is a small allocation
 # that malloc serves from its heap, not fresh pages.
 _SMALL = 1 << 18
