@@ -3,8 +3,8 @@ after copying it, while the piece is still in the core's cache.
 
 `bytes.join` is the only standard way to build a body without a second copy, and it makes all
 its copies in one call, so the encoder's finite check has to read every source tensor on its
-own: one more pass over memory than the copy itself (a 16 MiB encode + decode: ~3.9 ms with
-`join`, ~2.9 ms written in place, on the 2-core benchmark host; see docs/benchmarks.md).
+own: one more pass over memory than the copy itself. A 16 MiB encode + decode takes about a
+quarter less time written in place (docs/benchmarks.md, codec section: the "body joined" row).
 
 `fresh_body` allocates the body uninitialised, as C code builds a bytes object
 (`PyBytes_FromStringAndSize(NULL, n)`), and hands out a writable numpy view of its storage.

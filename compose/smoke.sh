@@ -176,6 +176,7 @@ finish() {
     printf 'RESULT    FAIL (%s)\n' "${FAILURES[*]}"
     exit 1
 }
+
 # The wheels of the image, into $wheels: the host's pip fetches (its configuration knows the
 # local index with the CPU torch build), the image's own Python resolves.
 fetch_wheels() {
@@ -237,7 +238,8 @@ main() {
         # No bridge and no iptables: this host's containers share its network (network_mode: host).
         dockerd --iptables=false --bridge=none >"$CACHE/dockerd.log" 2>&1 &
         STARTED_DOCKERD=$!
-        wait_for "dockerd to answer" 120 docker info
+        docker_answers() { docker info >/dev/null 2>&1; }
+        wait_for "dockerd to answer" 120 docker_answers
         note "started dockerd (pid $STARTED_DOCKERD, log $CACHE/dockerd.log)"
     fi
     SUMMARY+=("info  docker engine $(docker version -f '{{.Server.Version}}'), $(docker-compose version --short 2>/dev/null | head -1 | sed 's/^/compose /')")

@@ -650,3 +650,18 @@ def test_smoke_script_reads_the_stores_real_keys() -> None:
         keys.checkpoint_key("J", 0),
         keys.lease_key("J", lease_name(0)),
     }
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_subcommands_answer_help(compose: dict[str, Any], role: str) -> None:
+    """The subcommands the containers run exist in the installed CLI: `--help` exits 0 and
+    shows their usage (the parse tests above check the arguments themselves)."""
+    from click.testing import CliRunner
+
+    service = compose["services"][role]
+    for argv in (service["command"], healthcheck_argv(service)[1:]):
+        # The first word that is neither an option nor a path (the config) is the subcommand.
+        subcommand = next(a for a in argv if not a.startswith(("-", "/")))
+        result = CliRunner().invoke(cli, [subcommand, "--help"], prog_name="splitmq")
+        assert result.exit_code == 0, (argv, result.output)
+        assert f"Usage: splitmq {subcommand} " in result.output
