@@ -61,6 +61,10 @@ class StoreUnavailableError(StoreError):
     """The store cannot be reached."""
 
 
+class LeaseNotHeldError(StoreError):
+    """A write guarded by a lease was refused: the writer does not hold that lease (any more)."""
+
+
 class VersionConflictError(StoreError):
     """A compare-and-set version bump lost the race: the current version is not the expected one."""
 

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from broker import keys
-from broker.errors import StoreError, VersionConflictError, VersionNotFoundError
+from broker.errors import (
+    LeaseNotHeldError,
+    StoreError,
+    VersionConflictError,
+    VersionNotFoundError,
+)
 from broker.store import NO_VERSION, BlobRef, Checkpoint, Manifest, Member
 from broker.store_codec import (
     PreparedBlob,
@@ -221,7 +226,9 @@ class InMemoryWeightStore(PublishingStore):
             }
 
     # --- shard checkpoints --------------------------------------------------------------------
-    def save_checkpoint(self, job: str, checkpoint: Checkpoint) -> None:
+    def save_checkpoint(
+        self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
+    ) -> None:
         keys.validate_job(job)
         data = encode_weights(checkpoint.weights)
         stored = _StoredCheckpoint(
@@ -232,7 +239,15 @@ class InMemoryWeightStore(PublishingStore):
             saved_at=self._clock(),
         )
         with self._lock:
-            self._state(job, create=True).checkpoints[int(checkpoint.shard)] = stored
+            state = self._state(job, create=True)
+            if holder is not None:
+                lease = state.leases.get(holder[0])
+                if lease is None or lease.owner != holder[1] or lease.expires_at <= self._clock():
+                    raise LeaseNotHeldError(
+                        f"checkpoint of shard {checkpoint.shard} not saved: {holder[1]!r} does "
+                        f"not hold lease {holder[0]!r}"
+                    )
+            state.checkpoints[int(checkpoint.shard)] = stored
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
         with self._lock:

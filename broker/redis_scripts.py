@@ -72,6 +72,9 @@ return n
 SAVE_CHECKPOINT = (
     _NOW
     + """
+if #KEYS > 1 and redis.call('GET', KEYS[2]) ~= ARGV[5] then
+  return -1
+end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'weights', ARGV[1], 'sha256', ARGV[2], 'applied', ARGV[3],
            'meta', ARGV[4], 'saved_at', now)

@@ -23,6 +23,7 @@ from redis.retry import Retry
 
 from broker import keys, redis_scripts
 from broker.errors import (
+    LeaseNotHeldError,
     StoreError,
     StoreUnavailableError,
     VersionConflictError,
@@ -294,7 +295,9 @@ class RedisWeightStore(PublishingStore):
         return {k: None if t == -1 else t / 1000 for k, t in pairs if t != -2}
 
     # --- shard checkpoints --------------------------------------------------------------------
-    def save_checkpoint(self, job: str, checkpoint: Checkpoint) -> None:
+    def save_checkpoint(
+        self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
+    ) -> None:
         key = keys.checkpoint_key(job, checkpoint.shard)
         data = encode_weights(checkpoint.weights)
         args: list[bytes | str | int] = [
@@ -303,8 +306,17 @@ class RedisWeightStore(PublishingStore):
             int(checkpoint.applied),
             encode_meta(checkpoint.meta),
         ]
+        script_keys = [key]
+        if holder is not None:
+            script_keys.append(keys.lease_key(job, holder[0]))
+            args.append(holder[1])
         with _redis_errors("checkpoint save"):
-            self._scripts.save_checkpoint(keys=[key], args=args)
+            saved = self._scripts.save_checkpoint(keys=script_keys, args=args)
+        if holder is not None and saved == -1:  # the script returns -1 (an integer) or a time
+            raise LeaseNotHeldError(
+                f"checkpoint of shard {checkpoint.shard} not saved: {holder[1]!r} does not hold "
+                f"lease {holder[0]!r}"
+            )
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
         key = keys.checkpoint_key(job, shard)

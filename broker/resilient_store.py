@@ -181,10 +181,15 @@ class ResilientStore:
         return self._call("versions", lambda: self._inner.versions(job))
 
     # --- shard checkpoints --------------------------------------------------------------------
-    def save_checkpoint(self, job: str, checkpoint: Checkpoint) -> None:
-        # A replace: idempotent. Whether the writer still holds the shard after a long outage
-        # is the caller's question (workers.shard re-checks its lease before acking).
-        self._call("save_checkpoint", lambda: self._inner.save_checkpoint(job, checkpoint))
+    def save_checkpoint(
+        self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
+    ) -> None:
+        # A replace: idempotent; with `holder` the store itself refuses a writer that lost the
+        # lease during the outage.
+        self._call(
+            "save_checkpoint",
+            lambda: self._inner.save_checkpoint(job, checkpoint, holder=holder),
+        )
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
         return self._call("load_checkpoint", lambda: self._inner.load_checkpoint(job, shard))

@@ -116,8 +116,16 @@ class WeightStore(Protocol):
         ...
 
     # --- shard checkpoints --------------------------------------------------------------------
-    def save_checkpoint(self, job: str, checkpoint: Checkpoint) -> None:
-        """Atomically replace the shard's checkpoint."""
+    def save_checkpoint(
+        self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
+    ) -> None:
+        """Atomically replace the shard's checkpoint.
+
+        With `holder` = (lease name, owner) the save happens only while `owner` holds that
+        lease, checked in the same atomic step; otherwise `LeaseNotHeldError` and nothing is
+        written. A worker whose lease ran out mid-save must never overwrite the checkpoint of
+        the worker that took the shard over (that one may already have acked on top of it).
+        """
         ...
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None: ...

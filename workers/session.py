@@ -29,7 +29,7 @@ from services.security.identity import sender_check
 from workers.busy import BusyMeter
 from workers.checks import ShardExpectations
 from workers.deadletter import reject
-from workers.leases import LeaseKeeper
+from workers.leases import LeaseKeeper, lease_name
 from workers.members import MemberCache
 from workers.model import ModelFactory, job_hyper, pick_device
 from workers.replica import Replica, open_replica
@@ -122,6 +122,7 @@ class WorkerSession:
             logger=self.log,
             metrics=spec.metrics,
             known_client=MemberCache(self.store, self.job, self.clock),
+            lease_holder=lambda shard: (lease_name(shard), self.worker_id),
         )
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)

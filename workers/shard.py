@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.errors import StaleDeliveryError, VersionNotFoundError
+from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.transport import Broker, Delivery
@@ -71,6 +71,8 @@ class ShardServices:
     metrics: Metrics = NO_METRICS
     # Whether the job's coordinator admitted a client (`workers.members.MemberCache`).
     known_client: Callable[[str], bool] = lambda _client: True
+    # (lease name, owner) this worker saves checkpoints under; None: unguarded saves.
+    lease_holder: Callable[[int], tuple[str, str]] | None = None
 
 
 class ShardRunner:
@@ -358,13 +360,19 @@ class ShardRunner:
         io = self._io
         if not io.renew_lease(self.shard):
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
-        if self._async is None:
-            io.store.save_checkpoint(self._want.job, self.replica.checkpoint())
-        else:
-            self._async.rebase()
-            saved = self._async.stamped(self.replica.checkpoint())
-            io.store.save_checkpoint(self._want.job, saved)
-            self._async.saved(saved)
+        holder = None if io.lease_holder is None else io.lease_holder(self.shard)
+        try:
+            if self._async is None:
+                io.store.save_checkpoint(self._want.job, self.replica.checkpoint(), holder=holder)
+            else:
+                self._async.rebase()
+                saved = self._async.stamped(self.replica.checkpoint())
+                io.store.save_checkpoint(self._want.job, saved, holder=holder)
+                self._async.saved(saved)
+        except LeaseNotHeldError as exc:
+            # The lease ran out before the save landed and another worker may own the shard:
+            # its checkpoint stays, our unacked batches are redelivered to it.
+            raise LeaseLostError(f"shard {self.shard}: {exc}") from exc
         # The save may have waited out a store outage during which the lease expired and
         # another worker loaded the older checkpoint: acking now would lose these batches.
         if not io.renew_lease(self.shard):

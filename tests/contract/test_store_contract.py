@@ -26,6 +26,7 @@ from broker import keys
 from broker.errors import (
     DecodeError,
     EncodeError,
+    LeaseNotHeldError,
     StoreError,
     StoreUnavailableError,
     VersionConflictError,
@@ -399,6 +400,24 @@ def test_invalid_weights_publish_nothing(store: Any, job: str) -> None:
 
 
 # --- checkpoints ------------------------------------------------------------------------------
+
+
+def test_a_lease_guarded_save_needs_the_lease(store: Any, job: str) -> None:
+    # Worker "a" lost shard 0's lease to "b", which saved on top: a late save by "a" must not
+    # overwrite b's checkpoint (b may already have acked the batches it covers).
+    assert store.acquire_lease(job, "shard-0", "b", 30.0)
+    mine = Checkpoint(0, 7, _weights(1)[SERVER], {"by": "b"})
+    store.save_checkpoint(job, mine, holder=("shard-0", "b"))
+    late = Checkpoint(0, 3, _weights(2)[SERVER], {"by": "a"})
+    with pytest.raises(LeaseNotHeldError, match="does not hold"):
+        store.save_checkpoint(job, late, holder=("shard-0", "a"))
+    with pytest.raises(LeaseNotHeldError):  # nobody holds shard-1's lease
+        store.save_checkpoint(
+            job, Checkpoint(1, 1, _weights(2)[SERVER], {}), holder=("shard-1", "a")
+        )
+    kept = store.load_checkpoint(job, 0)
+    assert kept is not None and (kept.applied, dict(kept.meta)) == (7, {"by": "b"})
+    assert store.load_checkpoint(job, 1) is None
 
 
 def test_checkpoint_round_trip_and_overwrite(harness: Harness, store: Any, job: str) -> None:
