@@ -163,7 +163,7 @@ def test_the_settings_reach_both_connections(certificate: tuple[Path, Path]) -> 
             "store": {"kind": "redis", "redis_url": "rediss://r.test:6380/0", "tls": section},
         }
     )
-    store = Backends(settings.broker, settings.store).open_store()
+    store = Backends(settings.broker, settings.store).open_store(wait=False)
     assert isinstance(store, RedisWeightStore)
     kwargs = store._redis.connection_pool.connection_kwargs
     assert kwargs["ssl_ca_certs"] == str(cert) and kwargs["ssl_check_hostname"] is False
