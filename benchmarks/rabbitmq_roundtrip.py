@@ -460,7 +460,10 @@ which is why ours and bytes/broker beat raw pika there. At small sizes, the code
 per message (schema checks, msgpack header, tensor views, finite check) dominates: compare ours
 with bytes/broker, and see the codec section for that cost alone. The finite check runs on
 numpy on the calling thread: torch's OpenMP pool (the previous `aminmax`) stalled for tens of
-ms per call on this shared 2-core host.
+ms per call on this shared 2-core host. In the round trip that cost is mostly cold-cache cost
+(each process wakes from a socket wait), several times the codec section's hot-loop figures.
+At 100 KiB the ratio moves by several hundredths from run to run on this shared host (six
+runs of the same code: 1.09-1.21), so one run's verdict there is not conclusive.
 """
 
 

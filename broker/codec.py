@@ -75,10 +75,19 @@ _PLANS: Mapping[str, tuple[FieldPlan, ...]] = MappingProxyType(
 _KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
     {name: frozenset(s.name for s in schema.fields) | _RESERVED for name, schema in SCHEMAS.items()}
 )
-# The fields that decoding must turn from slots into tensor views; the rest pass through as is.
-_TENSOR_FIELDS: Mapping[str, tuple[FieldSpec, ...]] = MappingProxyType(
+# The fields (position, spec) that decoding must turn from slots into tensor views; the rest
+# pass through as they are.
+_TENSOR_FIELDS: Mapping[str, tuple[tuple[int, FieldSpec], ...]] = MappingProxyType(
     {
-        name: tuple(s for s in schema.fields if s.tensor is not None)
+        name: tuple((i, s) for i, s in enumerate(schema.fields) if s.tensor is not None)
+        for name, schema in SCHEMAS.items()
+    }
+)
+# A header of each type before its fields are filled in: every key in place, in field order,
+# so filling it never resizes the dict.
+_HEADERS: Mapping[str, dict[str, object]] = MappingProxyType(
+    {
+        name: {"v": SCHEMA_VERSION, "type": name} | dict.fromkeys(s.name for s in schema.fields)
         for name, schema in SCHEMAS.items()
     }
 )
@@ -98,30 +107,15 @@ def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
     from its parts after checking the tensors, which costs less per message.
     """
     plan = _plan(message, limits or DEFAULT_LIMITS)
-    if plan.size >= _IN_PLACE:
-        fresh = fresh_body(plan.size)
-        if fresh is not None:
-            body, window = fresh
-            reason = _fill(window, plan)
-            del window  # before `body` goes anywhere: nothing may write to it afterwards
-            if reason is not None:
-                raise EncodeError(reason)
-            return body
-    parts: list[bytes | memoryview] = [plan.prefix]
-    position = len(plan.prefix)
-    for placed in plan.tensors:
-        host, check = placed.host, placed.check
-        if check is not None and not (
-            all_finite(placed.tensor) if host is None else finite_array(host, check)
-        ):
-            raise EncodeError(_non_finite(placed))
-        start = plan.data_start + placed.offset
-        parts.append(_ZEROS[: start - position])
-        # The finite check's numpy view of the tensor is its wire bytes when contiguous.
-        contiguous = host is not None and host.flags.c_contiguous
-        parts.append(host.data if host is not None and contiguous else wire_bytes(placed.tensor))
-        position = start + placed.nbytes
-    return b"".join(parts)
+    fresh = fresh_body(plan.size) if plan.size >= _IN_PLACE else None
+    if fresh is None:
+        return _joined(plan)
+    body, window = fresh
+    reason = _fill(window, plan)
+    del window  # before `body` goes anywhere: nothing may write to it afterwards
+    if reason is not None:
+        raise EncodeError(reason)
+    return body
 
 
 def encode_into(
@@ -184,7 +178,7 @@ def _schema_of_message(message: object) -> MessageSchema:
 def _plan(message: Message, limits: CodecLimits) -> _Plan:
     schema = _schema_of_message(message)
     writer = HeaderWriter(limits, encoding=True)
-    header: dict[str, object] = {"v": SCHEMA_VERSION, "type": schema.name}
+    header = _HEADERS[schema.name].copy()
     max_bytes = limits.max_string_len
     for plan in _PLANS[schema.name]:
         name = plan.name
@@ -210,6 +204,25 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
             f"{schema.name}: body of {size} bytes exceeds the limit of {limits.max_body_bytes}"
         )
     return _Plan(prefix, data_start, size, writer.tensors)
+
+
+def _joined(plan: _Plan) -> bytes:
+    """The body of `plan` by `bytes.join`, its tensors checked first."""
+    parts: list[bytes | memoryview] = [plan.prefix]
+    position = len(plan.prefix)
+    for placed in plan.tensors:
+        host, check = placed.host, placed.check
+        if check is not None and not (
+            all_finite(placed.tensor) if host is None else finite_array(host, check)
+        ):
+            raise EncodeError(_non_finite(placed))
+        start = plan.data_start + placed.offset
+        parts.append(_ZEROS[: start - position])
+        # The finite check's numpy view of the tensor is its wire bytes when contiguous.
+        data = None if host is None else host.data
+        parts.append(data if data is not None and data.c_contiguous else wire_bytes(placed.tensor))
+        position = start + placed.nbytes
+    return b"".join(parts)
 
 
 def _fill(window: np.ndarray[Any, np.dtype[np.uint8]], plan: _Plan) -> str | None:
@@ -247,10 +260,9 @@ def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Messag
     values = reader.fields(schema, _PLANS[schema.name], header, _KEYS[schema.name])
     data_start = _check_layout(reader.slots, header_end, len(view))
     with sharing_read_only() if reader.slots and view.readonly else nullcontext():
-        for spec in _TENSOR_FIELDS[schema.name]:
-            values[spec.name] = _materialise(spec, values[spec.name], view, data_start)
-    # Positional: `values` holds every field in declaration order (the plans' order).
-    message: Message = schema.cls(*values.values())
+        for index, spec in _TENSOR_FIELDS[schema.name]:
+            values[index] = _materialise(spec, values[index], view, data_start)
+    message: Message = schema.cls(*values)  # every field, in declaration order
     reason = consistency_error(message)
     if reason is not None:
         raise DecodeError(reason)

@@ -251,19 +251,18 @@ class HeaderReader(_Walker):
         plans: tuple[FieldPlan, ...],
         header: dict[object, object],
         keys: frozenset[str],
-    ) -> dict[str, object]:
-        """Raw field values; `plans` is `compile_fields(schema)`; `keys` names every key
-        `header` must have: the fields and the reserved keys that are not fields (`v`,
-        `type`)."""
+    ) -> list[object]:
+        """Raw field values, in field order; `plans` is `compile_fields(schema)`; `keys` names
+        every key `header` must have: the fields and the reserved keys that are not fields
+        (`v`, `type`)."""
         if header.keys() != keys:  # one C-level set comparison
             _key_problem(schema, plans, header, keys)
         max_bytes = self.limits.max_string_len
-        values: dict[str, object] = {}
+        values: list[object] = []
         for plan in plans:
-            name = plan.name
-            value = header[name]
+            value = header[plan.name]
             fast = plan.fast
-            values[name] = (
+            values.append(
                 value if fast is not None and fast(value, max_bytes) else plan.walk(self, value)
             )
         return values

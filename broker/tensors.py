@@ -281,24 +281,25 @@ _IGNORE_NOT_WRITABLE = (
 def view_from(
     body: memoryview, start: int, slot: TensorSlot, *, finite: bool = False
 ) -> torch.Tensor:
-    """A zero-copy tensor over `body[start + slot.offset:]`; checks bool bytes are 0 or 1 and,
-    when `finite`, that floating-point values are neither NaN nor infinite (raising
-    `DecodeError` naming the slot's path).
+    """A zero-copy tensor over `body[start + slot.offset:]` (a fresh one when empty); checks
+    bool bytes are 0 or 1 and, when `finite`, that floating-point values are neither NaN nor
+    infinite (raising `DecodeError` naming the slot's path).
 
     Call inside `sharing_read_only()` when `body` is read-only. torch cannot mark a tensor
     read-only: callers that modify decoded tensors in place must clone them first.
     """
     dtype = slot.dtype
-    count = slot.nbytes // dtype.itemsize
-    array = np.frombuffer(body, dtype.carrier, count, start + slot.offset)
+    if not slot.nbytes:  # may lie past the end of a body without a data section
+        return torch.empty(slot.shape, dtype=dtype.torch_dtype)
+    array: np.ndarray[Any, Any] = np.ndarray(slot.shape, dtype.carrier, body, start + slot.offset)
     # Checked on the array, before torch sees it: no tensor-to-numpy round trip per call.
-    if finite and count and dtype.bits is not None and not finite_array(array, dtype.bits):
+    if finite and dtype.bits is not None and not finite_array(array, dtype.bits):
         raise DecodeError(f"{slot.path}: holds NaN or infinite values")
-    tensor = torch.from_numpy(array.reshape(slot.shape))
+    tensor = torch.from_numpy(array)
     view_as = dtype.view_as
     if view_as is None:
         return tensor
-    if view_as is torch.bool and count and int(_MAX(array)) > 1:
+    if view_as is torch.bool and int(_MAX(array, axis=None)) > 1:
         raise DecodeError(f"{slot.path}: bool tensor holds bytes other than 0 and 1")
     return tensor.view(view_as)
 
