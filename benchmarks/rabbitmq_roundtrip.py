@@ -32,6 +32,8 @@ import multiprocessing
 import multiprocessing.process
 import multiprocessing.synchronize
 import os
+import statistics
+import sys
 import time
 import uuid
 import warnings
@@ -309,6 +311,22 @@ class Timings:
     def faults_per_trip(self, key: tuple[str, str]) -> float:
         return self.faults[key] / len(self.wall[key])
 
+    def ratio(self, path: Path, size: str) -> float:
+        """Median wall time of `path` over raw pika's."""
+        raw = summarise(self.wall[RAW.name, size]).median
+        return summarise(self.wall[path.name, size]).median / raw
+
+    def absorb(self, other: Timings) -> None:
+        """Pool `other`'s samples into these."""
+        for key, values in other.wall.items():
+            self.wall.setdefault(key, []).extend(values)
+        for key, values in other.client_cpu.items():
+            self.client_cpu.setdefault(key, []).extend(values)
+        for key, used in other.worker_cpu.items():
+            self.worker_cpu[key] = self.worker_cpu.get(key, 0.0) + used
+        for key, count in other.faults.items():
+            self.faults[key] = self.faults.get(key, 0) + count
+
 
 def measure(
     clients: dict[Client, int], sizes: list[str], reps: int, block: int, warmup: int
@@ -352,14 +370,29 @@ def measure(
     return timings
 
 
-def table(timings: Timings, paths: list[Path], sizes: list[str]) -> tuple[str, bool]:
+def per_run_lines(runs: list[Timings], sizes: list[str]) -> tuple[str, bool]:
+    """One line per size with ours/raw of every run and their median; whether every median
+    meets the target. The verdict rests on the median of runs because a single run's ratio at
+    small sizes moves by several hundredths with the host's other load."""
+    lines, passed = [], True
+    for size in sizes:
+        ratios = [run.ratio(OURS, size) for run in runs]
+        middle = statistics.median(ratios)
+        passed &= middle <= ACCEPT
+        lines.append(
+            f"- {size}: ours / raw per run {', '.join(f'{r:.3f}' for r in ratios)}; "
+            f"median **{middle:.3f}**"
+        )
+    return "\n".join(lines), passed
+
+
+def table(timings: Timings, paths: list[Path], sizes: list[str]) -> str:
     lines = [
         "| tensor | path | median ms | p90 ms | x raw (medians) "
         "| CPU ms per trip: client (median) + worker (mean) | x raw (CPU) "
         "| page faults per trip |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    passed = True
     for size in sizes:
         raw = summarise(timings.wall[RAW.name, size]).median
         raw_cpu = sum(timings.cpu_per_trip((RAW.name, size)))
@@ -367,8 +400,6 @@ def table(timings: Timings, paths: list[Path], sizes: list[str]) -> tuple[str, b
             wall = summarise(timings.wall[path.name, size])
             client_cpu, worker_cpu = timings.cpu_per_trip((path.name, size))
             ratio = wall.median / raw
-            if path == OURS:
-                passed &= ratio <= ACCEPT
             name = f"**{path.name}**" if path in (OURS, RAW) else path.name
             lines.append(
                 f"| {size} | {name} | {wall.median * 1e3:.2f} | {wall.p90 * 1e3:.2f} "
@@ -376,7 +407,7 @@ def table(timings: Timings, paths: list[Path], sizes: list[str]) -> tuple[str, b
                 f"| {(client_cpu + worker_cpu) / raw_cpu:.3f} "
                 f"| {timings.faults_per_trip((path.name, size)):.0f} |"
             )
-    return "\n".join(lines), passed
+    return "\n".join(lines)
 
 
 @contextmanager
@@ -418,27 +449,38 @@ def run(args: argparse.Namespace) -> str:
                 client = Client(args.url, job, path)
                 stack.callback(client.close)
                 clients[client] = stack.enter_context(worker_process(args.url, job, path))
-            timings = measure(clients, args.sizes, args.reps, args.block, args.warmup)
+            runs = []
+            for number in range(args.runs):
+                print(f"run {number + 1} of {args.runs}", file=sys.stderr, flush=True)
+                runs.append(measure(clients, args.sizes, args.reps, args.block, args.warmup))
     finally:
         # A fresh handle: one left idle through the run would have missed its heartbeats.
         with RabbitMQBroker(args.url) as admin:
             for spec in specs:
                 admin.delete_queue(spec.name)
     load_after = os.getloadavg()[0]
-    body, passed = table(timings, paths, args.sizes)
+    timings = Timings()
+    for each in runs:
+        timings.absorb(each)
+    body = table(timings, paths, args.sizes)
+    by_run, passed = per_run_lines(runs, args.sizes)
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     notes = (
         f"machine: {machine_line(f'torch {torch.__version__}')}; 1-minute load average "
         f"{load_before:.1f} before the run, {load_after:.1f} after\n\n"
         f"{info.product} {info.version} on {args.url.rsplit('@', 1)[-1]}, "
-        f"pika {pika.__version__}; round trips per path: "
-        f"{', '.join(f'{timings.count(s)} at {s}' for s in args.sizes)}, after "
-        f"{args.warmup} warm-up ones, interleaved in blocks of {args.block}; allocator "
+        f"pika {pika.__version__}; {args.runs} runs, each of "
+        f"{', '.join(f'{runs[0].count(s)} at {s}' for s in args.sizes)} round trips per path "
+        f"after {args.warmup} warm-up ones, interleaved in blocks of {args.block}; the table "
+        f"pools all runs; allocator "
         f"environment: {malloc or 'glibc defaults'} (the same for every path).\n\n"
         f"command: `{command_line('benchmarks.rabbitmq_roundtrip')}`"
     )
-    verdict = f"ours within {ACCEPT}x of raw pika at every size: {'yes' if passed else 'NO'}"
-    return f"{body}\n\n{verdict}\n\n{notes}\n"
+    verdict = (
+        f"ours within {ACCEPT}x of raw pika at every size (median of runs): "
+        f"{'yes' if passed else 'NO'}"
+    )
+    return f"{body}\n\n{by_run}\n\n{verdict}\n\n{notes}\n"
 
 
 LEGEND = """\
@@ -462,8 +504,9 @@ with bytes/broker, and see the codec section for that cost alone. The finite che
 numpy on the calling thread: torch's OpenMP pool (the previous `aminmax`) stalled for tens of
 ms per call on this shared 2-core host. In the round trip that cost is mostly cold-cache cost
 (each process wakes from a socket wait), several times the codec section's hot-loop figures.
-At 100 KiB the ratio moves by several hundredths from run to run on this shared host (six
-runs of the same code: 1.09-1.21), so one run's verdict there is not conclusive.
+At 100 KiB the ratio moves by several hundredths from run to run on this shared host, so the
+benchmark repeats the whole measurement (`--runs`, default 5) and judges the median of the
+runs' ratios; the table pools every run's samples.
 """
 
 
@@ -474,6 +517,9 @@ def main() -> None:
         type=int,
         default=60,
         help="round trips per path at 16MiB (x2 at 1.5MiB, x4 at 100KiB)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=5, help="repeat the whole measurement; verdict on the median"
     )
     parser.add_argument("--block", type=int, default=3, help="round trips per interleaved block")
     parser.add_argument("--warmup", type=int, default=3, help="untimed round trips per path/size")

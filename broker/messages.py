@@ -9,8 +9,8 @@ Messages holding tensors compare by identity (`eq=False`): tensor `==` is elemen
 generated `__eq__` would raise instead of answering.
 """
 
+import os
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -30,8 +30,9 @@ from broker.schema import (
 
 
 def new_message_id() -> str:
-    """A fresh random message id (uuid4 hex)."""
-    return uuid.uuid4().hex
+    """A fresh random message id: 128 random bits as 32 hex digits (the uuid4 hex format
+    without its version bits; a third of uuid4's cost when the caches are cold)."""
+    return os.urandom(16).hex()
 
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})

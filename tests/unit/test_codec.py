@@ -875,7 +875,7 @@ def test_unanticipated_failures_still_surface_as_decode_errors(
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
-def test_message_ids_are_fresh_uuid4_hex() -> None:
+def test_message_ids_are_fresh_128_bit_hex() -> None:
     ids = {new_message_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
