@@ -22,12 +22,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker.forwarding import ForwardingBroker
 from broker.topology import REPLIES_EXCHANGE
-from broker.transport import Broker, Delivery, Headers, QueueSpec
+from broker.transport import Broker, Headers
 from services.cli.common import stop_on_signals
 from services.config.loading import load_settings
 from services.runtime.backends import Backends
@@ -39,18 +40,15 @@ from workers.worker import Worker
 Reply = tuple[float, str, int, float]
 
 
-class RecordingBroker:
+class RecordingBroker(ForwardingBroker):
     """A `Broker` that delegates everything and timestamps confirmed GradientReplies."""
 
     def __init__(
         self, inner: Broker, replies: list[Reply], clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._replies = replies
         self._clock = clock
-
-    def declare(self, queues: Sequence[QueueSpec]) -> None:
-        self._inner.declare(queues)
 
     def publish(
         self,
@@ -64,7 +62,7 @@ class RecordingBroker:
         persistent: bool = True,
     ) -> None:
         started = self._clock()
-        self._inner.publish(
+        super().publish(
             exchange,
             routing_key,
             body,
@@ -76,33 +74,6 @@ class RecordingBroker:
         if exchange == REPLIES_EXCHANGE:
             done = self._clock()
             self._replies.append((done, routing_key, len(body), done - started))
-
-    def subscribe(self, queue: str, *, prefetch: int) -> None:
-        self._inner.subscribe(queue, prefetch=prefetch)
-
-    def unsubscribe(self, queue: str) -> None:
-        self._inner.unsubscribe(queue)
-
-    def get(self, timeout: float) -> Delivery | None:
-        return self._inner.get(timeout)
-
-    def ack(self, delivery: Delivery) -> None:
-        self._inner.ack(delivery)
-
-    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
-        self._inner.nack(delivery, requeue=requeue)
-
-    def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        self._inner.dead_letter(delivery, reason)
-
-    def queue_depth(self, queue: str) -> int:
-        return self._inner.queue_depth(queue)
-
-    def delete_queue(self, queue: str) -> None:
-        self._inner.delete_queue(queue)
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 @dataclass(frozen=True)

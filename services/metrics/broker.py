@@ -8,26 +8,19 @@ busy fraction is the rest), and each dead letter by its reason code.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
-from broker.transport import Broker, Delivery, Headers, QueueSpec
+from broker.forwarding import ForwardingBroker
+from broker.transport import Broker, Delivery, Headers
 from services.metrics.recorder import Metrics, reason_code
 
 # A delivery rejected without a reason goes to the dead-letter queue by the queue's own routing.
 NACK_REASON = "nack"
 
 
-class MeteredBroker:
+class MeteredBroker(ForwardingBroker):
     def __init__(self, inner: Broker, metrics: Metrics) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._metrics = metrics
-
-    @property
-    def inner(self) -> Broker:
-        return self._inner
-
-    def declare(self, queues: Sequence[QueueSpec]) -> None:
-        self._inner.declare(queues)
 
     def publish(
         self,
@@ -40,7 +33,7 @@ class MeteredBroker:
         user_id: str | None = None,
         persistent: bool = True,
     ) -> None:
-        self._inner.publish(
+        super().publish(
             exchange,
             routing_key,
             body,
@@ -51,12 +44,6 @@ class MeteredBroker:
         )
         self._metrics.bytes_out(len(body))
 
-    def subscribe(self, queue: str, *, prefetch: int) -> None:
-        self._inner.subscribe(queue, prefetch=prefetch)
-
-    def unsubscribe(self, queue: str) -> None:
-        self._inner.unsubscribe(queue)
-
     def get(self, timeout: float) -> Delivery | None:
         started = time.perf_counter()
         delivery = self._inner.get(timeout)
@@ -64,9 +51,6 @@ class MeteredBroker:
         if delivery is not None:
             self._metrics.bytes_in(len(delivery.body))
         return delivery
-
-    def ack(self, delivery: Delivery) -> None:
-        self._inner.ack(delivery)
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
         self._inner.nack(delivery, requeue=requeue)
@@ -76,16 +60,3 @@ class MeteredBroker:
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self._inner.dead_letter(delivery, reason)
         self._metrics.dead_lettered(reason_code(reason))
-
-    def queue_depth(self, queue: str) -> int:
-        return self._inner.queue_depth(queue)
-
-    def delete_queue(self, queue: str) -> None:
-        self._inner.delete_queue(queue)
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-def _check(broker: MeteredBroker) -> Broker:
-    return broker  # mypy: MeteredBroker satisfies the protocol

@@ -16,11 +16,12 @@ so every service refuses a client field that is not a plain id.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
-from broker.transport import Broker, Delivery, Headers, QueueSpec
+from broker.forwarding import ForwardingBroker
+from broker.transport import Broker, Delivery, Headers
 from services.config.settings import ConnectionSettings
 
 # The rule `services.client.Client` applies to its own id.
@@ -77,22 +78,15 @@ class SenderCheck:
         )
 
 
-class StampedBroker:
+class StampedBroker(ForwardingBroker):
     """A `Broker` whose publishes carry `user` as their AMQP user_id, unless given another.
 
     RabbitMQ refuses a user_id that is not the connection's user, so stamping is what lets a
     consumer trust it (design §3)."""
 
     def __init__(self, inner: Broker, user: str) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.user = user
-
-    @property
-    def inner(self) -> Broker:
-        return self._inner
-
-    def declare(self, queues: Sequence[QueueSpec]) -> None:
-        self._inner.declare(queues)
 
     def publish(
         self,
@@ -105,7 +99,7 @@ class StampedBroker:
         user_id: str | None = None,
         persistent: bool = True,
     ) -> None:
-        self._inner.publish(
+        super().publish(
             exchange,
             routing_key,
             body,
@@ -114,33 +108,6 @@ class StampedBroker:
             user_id=user_id or self.user,
             persistent=persistent,
         )
-
-    def subscribe(self, queue: str, *, prefetch: int) -> None:
-        self._inner.subscribe(queue, prefetch=prefetch)
-
-    def unsubscribe(self, queue: str) -> None:
-        self._inner.unsubscribe(queue)
-
-    def get(self, timeout: float) -> Delivery | None:
-        return self._inner.get(timeout)
-
-    def ack(self, delivery: Delivery) -> None:
-        self._inner.ack(delivery)
-
-    def nack(self, delivery: Delivery, *, requeue: bool) -> None:
-        self._inner.nack(delivery, requeue=requeue)
-
-    def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        self._inner.dead_letter(delivery, reason)
-
-    def queue_depth(self, queue: str) -> int:
-        return self._inner.queue_depth(queue)
-
-    def delete_queue(self, queue: str) -> None:
-        self._inner.delete_queue(queue)
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 def stamped(broker: Broker, user: str, secured: bool) -> Broker:
