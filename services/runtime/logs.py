@@ -90,18 +90,20 @@ class ContextFilter(logging.Filter):
 
 
 class DropPikaReturns(logging.Filter):
-    """Drops pika's warning for a returned (unroutable) publish.
+    """Drops pika's warnings for a returned (unroutable) or refused (nacked) publish.
 
     `broker.rabbitmq` turns a return into `UnroutableError` and the caller decides: an event
     on the fanout with no subscriber is normal and dropped quietly, a lost reply is logged
-    with its job and client. pika's own warning would repeat every one of them, body and all.
+    with its job and client. A nack is a full queue refusing the message (`BackPressureError`):
+    the client backs off, retries and counts it (`back-pressure refusals` in its exit line).
+    pika's own warning would repeat every one of them: thousands in a run held back by
+    back-pressure (docs/reliability.md).
     """
 
+    _DROPPED = ("Published message was returned", "Message was Nack'ed by broker")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.name.startswith("pika")
-            and str(record.msg).startswith("Published message was returned")
-        )
+        return not (record.name.startswith("pika") and str(record.msg).startswith(self._DROPPED))
 
 
 def make_handler(

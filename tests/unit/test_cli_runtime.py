@@ -16,7 +16,7 @@ from services.report.records import ListSink, MetricsSink
 from services.runtime.backends import Backends
 from services.runtime.embedded import embedded_settings, run_embedded
 from services.runtime.logs import configured_logging
-from services.runtime.supervise import RoleSpec, Supervisor
+from services.runtime.supervise import JobFailedError, RoleSpec, Supervisor
 
 
 class Serve:
@@ -80,6 +80,32 @@ def test_job_finishes_when_aggregator_returns_and_others_are_stopped() -> None:
     assert outcome.aggregator_result == ["v2"]
     assert worker.saw_stop and coordinator.saw_stop
     assert outcome.stuck == ()
+
+
+class FailJob:
+    """An aggregator that ends the job as failed (after dismissing the clients: `dismissed`)."""
+
+    def __init__(self, dismissed: threading.Event) -> None:
+        self.dismissed = dismissed
+
+    def run(self, stop: threading.Event) -> None:
+        self.dismissed.set()
+        raise JobFailedError("3 consecutive attempts at round 0 without one valid update")
+
+
+def test_a_failed_job_ends_like_a_finished_one_with_its_reason() -> None:
+    dismissed = threading.Event()
+    worker, client = Serve(), Finish(result="left", go=dismissed)
+    roles = [
+        RoleSpec("aggregator", "aggregator", FailJob(dismissed)),
+        RoleSpec("worker-0", "worker", worker),
+        RoleSpec("client-0", "client", client),
+    ]
+    outcome = Supervisor(roles, threading.Event(), client_grace_s=5).run()
+    assert outcome.status == "failed: 3 consecutive attempts at round 0 without one valid update"
+    assert (outcome.ok, outcome.exit_code, outcome.failed_role) == (False, 1, "")
+    assert outcome.traceback == "" and outcome.stuck == ()
+    assert worker.saw_stop
 
 
 def test_clients_that_do_not_leave_are_stopped_after_the_grace() -> None:
@@ -208,14 +234,16 @@ def test_human_logs_are_one_readable_line() -> None:
     assert "WARNING splitmq.worker: shard 2 lost" in text
 
 
-def test_pika_return_warnings_are_dropped_but_other_pika_warnings_kept() -> None:
+def test_pika_return_and_nack_warnings_are_dropped_but_other_pika_warnings_kept() -> None:
     stream = io.StringIO()
     pika_log = logging.getLogger("pika.adapters.blocking_connection")
     with configured_logging("INFO", stream=stream):
         pika_log.warning("Published message was returned: _delivery_confirmation=True; ...")
+        pika_log.warning("Message was Nack'ed by broker: nack=%r; channel=%s; ", "<Nack>", 1)
         pika_log.warning("Connection lost")
         pika_log.info("chatter")
     text = stream.getvalue()
     assert "returned" not in text
+    assert "Nack" not in text
     assert "Connection lost" in text
     assert "chatter" not in text
