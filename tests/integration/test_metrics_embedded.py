@@ -1,9 +1,15 @@
 """The embedded runner's /metrics during a real (short) run: every listed metric is there and
-non-zero where the run makes it so, dead letters by reason, queue depth from the real queue."""
+non-zero where the run makes it so, dead letters by reason, queue depth from the real queue.
+
+"During" is made certain, not hoped for: the sink holds the aggregator inside `record` of one
+version, so the job cannot finish while the test pokes and scrapes (a short run on a loaded
+machine used to end first, leaving the poisoned update unconsumed).
+"""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -15,7 +21,7 @@ from broker.topology import (
     updates_routing_key,
 )
 from services.config.loading import load_settings
-from services.report.records import ListSink
+from services.report.records import ListSink, VersionRecord
 from services.runtime.backends import Backends, Embedded
 from services.runtime.embedded import run_embedded
 from services.runtime.observe import observed
@@ -53,6 +59,28 @@ probe_s = 0.3
 """
 
 
+# The run is held after its second version (of three): one round is still to run.
+HOLD_AT = 2
+
+
+@dataclass
+class HoldingSink(ListSink):
+    """Keeps the records, and holds the aggregator inside the `hold_at`-th one until `resume`
+    is set. The aggregator calls `record` before it opens the next round, so while it is held
+    the job cannot end and no assignment of the next round has gone out."""
+
+    hold_at: int = HOLD_AT
+    held: threading.Event = field(default_factory=threading.Event)
+    resume: threading.Event = field(default_factory=threading.Event)
+
+    def record(self, record: VersionRecord) -> None:
+        super().record(record)
+        if len(self.records) == self.hold_at:
+            self.held.set()
+            # Bounded: a test that never resumes (it failed) must not leave the run hanging.
+            self.resume.wait(120)
+
+
 @pytest.mark.timeout(300)
 def test_embedded_run_serves_every_metric(tmp_path: Path) -> None:
     path = tmp_path / "job.toml"
@@ -61,7 +89,7 @@ def test_embedded_run_serves_every_metric(tmp_path: Path) -> None:
     job = settings.job.name
     backends = Backends(settings.broker, settings.store, Embedded())
     printed: list[str] = []
-    sink = ListSink()
+    sink = HoldingSink()
     outcome: list[Outcome] = []
     with observed(settings, "run", backends, echo=printed.append, watch=True) as seen:
         assert seen.url and printed == [f"metrics: {seen.url}/metrics"]
@@ -73,20 +101,25 @@ def test_embedded_run_serves_every_metric(tmp_path: Path) -> None:
 
         runner = threading.Thread(target=run)
         runner.start()
+        poke = backends.open_broker()
         try:
-            wait_for("the first trained version", lambda: len(sink.records) >= 1, 180)
-            # Poison one smashed batch and one update: both consumers dead-letter them.
-            poke = backends.open_broker()
+            assert sink.held.wait(180), "the run never published its second version"
+            assert runner.is_alive() and not outcome
+            # Poison one smashed batch and one update: both consumers dead-letter them. The
+            # workers consume while the aggregator is held. The update queues ahead of every
+            # update of the last round (not assigned yet), and that round only closes on an
+            # update it accepted, so the aggregator must judge the poison before the job ends.
             poke.publish(SMASHED_EXCHANGE, shard_routing_key(job, 0), b"not msgpack")
             poke.publish(CONTROL_EXCHANGE, updates_routing_key(job), b"not an update")
 
-            def trained() -> bool:
+            def worker_dead_lettered() -> bool:
                 _, samples = scrape(url)
-                return total(samples, "splitmq_samples_total", role="worker") > 0
+                return total(samples, "splitmq_dead_lettered_total", role="worker") > 0
 
-            wait_for("worker samples", trained, 60)
+            wait_for("the worker's dead letter", worker_dead_lettered, 60)
             text, mid = scrape(url)
         finally:
+            sink.resume.set()
             runner.join(240)
         assert outcome and outcome[0].ok, outcome
         assert missing(text) == []

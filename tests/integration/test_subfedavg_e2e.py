@@ -2,7 +2,8 @@
 own connections, as in a deployment, training cnn5 on two-label clients of the shipped sample.
 
 Checked: the job finishes; the personalised models (the global model under each client's
-mask) beat the floor on the clients' local test sets; the clients' pruned models are
+mask) beat, on the clients' local test sets, a floor and the same version's shared global
+model (a paired baseline: the run's own noise hits both); the clients' pruned models are
 reported per client; the masks reached a real sparsity and cut FLOPs; the published
 personal blobs are pruned where the global model is not. The full-model scope (FL, as in the
 paper, unstructured) and the split client side (hybrid, SFL-V2 server) each run once.
@@ -17,7 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from broker.store import CLIENT_PART, BlobRef
+from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef, WeightStore
+from services.aggregator.bootstrap import build_evaluator
+from services.aggregator.closing import read_version
+from services.client.data import JobData
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
@@ -35,7 +39,18 @@ ROUNDS = 4
 CLIENTS = 4
 RUN_LIMIT_S = 150.0
 # Two labels per client: its local test set has two classes, the model predicts among ten.
-PERSONAL_FLOOR = 0.75
+# Measured personal accuracy of the last version (job seed 0, OMP_NUM_THREADS=1, the 2-core
+# machine shared with other work, load 1-21): full scope 0.867 in 5 of 5 runs (FL only:
+# deterministic); hybrid/client 0.625-0.849 over 37 runs (mean 0.79) and 0.66 once in CI. Its
+# SFL-V2 server trains on the four clients' smashed batches in arrival order, which thread
+# timing decides, and one client's swings by 0.2-0.4 between runs. So the hybrid floor only says
+# "tells its two labels apart" (guessing between them scores 0.5); the paired check below is
+# the one that needs Sub-FedAvg to work.
+PERSONAL_FLOOR = {"full": 0.75, "client": 0.55}
+# Personalised minus shared global accuracy on the same local test sets, same version, must be
+# above 0. Measured: full 0.28 (every run); hybrid 0.027-0.304 over 32 runs (mean 0.17). Broken
+# masks fail it: with no personalisation it is exactly 0, and with each client evaluated under
+# another client's mask it was -0.29 to -0.038 in 22 of those runs.
 GLOBAL_FLOOR = 0.2  # chance is 0.1; pathological non-IID keeps the global model modest
 
 
@@ -92,6 +107,23 @@ def cleanup() -> Iterator[list[tuple[Backends, Settings]]]:
         delete_all(backends, settings, [f"client-{i}" for i in range(settings.clients.count)])
 
 
+def local_accuracies(
+    store: WeightStore, settings: Settings, dataset: Dataset
+) -> tuple[float, float]:
+    """Mean accuracy on the clients' local test sets of the last version's personalised models,
+    and of its shared global model alone."""
+    job = settings.job.name
+    blobs = read_version(store, job, store.current_version(job))
+    data = JobData(settings, dataset)
+    classes = {f"client-{i}": data.classes(i) for i in range(settings.clients.count)}
+    evaluator = build_evaluator(settings, dataset.test)
+    shared = {ref: weights for ref, weights in blobs.items() if ref.owner == GLOBAL_OWNER}
+    return (
+        evaluator.evaluate(blobs, classes).personal_accuracy,
+        evaluator.evaluate(shared, classes).personal_accuracy,
+    )
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("mode", "scope"), [("unstructured", "full"), ("hybrid", "client")])
 def test_subfedavg_learns_and_prunes_over_rabbitmq_and_redis(
@@ -120,7 +152,8 @@ def test_subfedavg_learns_and_prunes_over_rabbitmq_and_redis(
     records = sink.records
     assert [r.version for r in records] == [v + 2 for v in range(ROUNDS)]
     last = records[-1]
-    assert last.personal_accuracy > PERSONAL_FLOOR, [r.personal_accuracy for r in records]
+    floor = PERSONAL_FLOOR[scope]
+    assert last.personal_accuracy > floor, [r.personal_accuracy for r in records]
     assert last.global_accuracy > GLOBAL_FLOOR, [r.global_accuracy for r in records]
 
     extra: dict[str, Any] = last.extra
@@ -129,17 +162,21 @@ def test_subfedavg_learns_and_prunes_over_rabbitmq_and_redis(
     assert 0.0 < extra["param_reduction"] <= 0.75
     assert extra["flop_reduction"] > 0.0
     if scope == "full":
-        assert extra["local_accuracy"] > PERSONAL_FLOOR
+        assert extra["local_accuracy"] > floor
     else:
         assert extra["channel_reduction"] > 0.0
 
     store = backends.open_store()
     try:
+        personal, shared_only = local_accuracies(store, settings, dataset)
         final = store.current_version(job)
         shared = store.read_blob(job, final, BlobRef(CLIENT_PART))
         own = store.read_blob(job, final, BlobRef(CLIENT_PART, clients[0]))
     finally:
         store.close()
+    # The same evaluation as the record's (same clients, same local test sets).
+    assert personal == pytest.approx(last.personal_accuracy)
+    assert personal > shared_only, (personal, shared_only)
     name = "blocks.0.conv.weight"
     assert torch.count_nonzero(shared[name]) == shared[name].numel()  # someone keeps each one
     assert torch.count_nonzero(own[name]) < own[name].numel()  # client-0's subnetwork
