@@ -11,8 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from broker import keys
 from broker.errors import (
@@ -29,7 +28,10 @@ from broker.store_codec import (
     encode_meta,
 )
 from broker.store_publish import PublishingStore
-from broker.weights import decode_verified, encode_weights, sha256_hex
+
+# torch, and `broker.weights` with it, are imported where weights move, as in the Redis store.
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_KEEP_VERSIONS = 5
 DEFAULT_PENDING_TTL_S = 600.0
@@ -210,6 +212,8 @@ class InMemoryWeightStore(PublishingStore):
                 raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
             data = blob.data
         entry = record.manifest.entries[ref]
+        from broker.weights import decode_verified
+
         return decode_verified(data, entry.sha256, entry.nbytes, key)
 
     def versions(self, job: str) -> list[int]:
@@ -229,6 +233,8 @@ class InMemoryWeightStore(PublishingStore):
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
+        from broker.weights import encode_weights, sha256_hex
+
         keys.validate_job(job)
         data = encode_weights(checkpoint.weights)
         stored = _StoredCheckpoint(
@@ -255,6 +261,8 @@ class InMemoryWeightStore(PublishingStore):
         if stored is None:
             return None
         what = f"checkpoint {keys.checkpoint_key(job, shard)}"
+        from broker.weights import decode_verified
+
         weights = decode_verified(stored.weights, stored.sha256, len(stored.weights), what)
         return Checkpoint(
             shard=int(shard),

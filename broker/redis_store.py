@@ -13,11 +13,10 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import redis
-import torch
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -43,7 +42,11 @@ from broker.store_codec import (
 )
 from broker.store_publish import PublishingStore
 from broker.tls import TLSOptions, redis_ssl_kwargs
-from broker.weights import decode_verified, encode_weights, sha256_hex
+
+# torch, and `broker.weights` with it, are imported where weights move, not here: a store
+# opened only for members and health keys (`splitmq check`, every few seconds) starts fast.
+if TYPE_CHECKING:
+    import torch
 
 _SCAN_COUNT = 500
 _DELETE_BATCH = 500
@@ -87,6 +90,8 @@ class RedisServerInfo:
     maxmemory_policy: str
     used_memory_bytes: int
     problems: tuple[str, ...]
+    # appendfsync ("always", "everysec", "no"; "unknown" where CONFIG is not allowed).
+    aof_fsync: str = "unknown"
 
     @property
     def healthy(self) -> bool:
@@ -272,6 +277,8 @@ class RedisWeightStore(PublishingStore):
         if data is None:
             # Retention removed the version between the manifest read and this one.
             raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
+        from broker.weights import decode_verified
+
         return decode_verified(_as_bytes(data), entry.sha256, entry.nbytes, key)
 
     def versions(self, job: str) -> list[int]:
@@ -298,6 +305,8 @@ class RedisWeightStore(PublishingStore):
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
+        from broker.weights import encode_weights, sha256_hex
+
         key = keys.checkpoint_key(job, checkpoint.shard)
         data = encode_weights(checkpoint.weights)
         args: list[bytes | str | int] = [
@@ -332,6 +341,8 @@ class RedisWeightStore(PublishingStore):
             saved_at = float(fields[b"saved_at"])
         except (KeyError, ValueError) as exc:
             raise StoreError(f"malformed checkpoint {key}: {exc!r}") from exc
+        from broker.weights import decode_verified
+
         return Checkpoint(
             shard=int(shard),
             applied=applied,
@@ -403,6 +414,7 @@ class RedisWeightStore(PublishingStore):
             persistence = self._redis.info("persistence")
             memory = self._redis.info("memory")
             can_write, can_read, probe_problem = self._probe()
+            fsync = self._aof_fsync()
         problems = [] if probe_problem is None else [probe_problem]
         aof_enabled = bool(int(persistence.get("aof_enabled", 0)))
         aof_status = str(persistence.get("aof_last_write_status", "unknown"))
@@ -412,6 +424,11 @@ class RedisWeightStore(PublishingStore):
             problems.append("AOF is off: a Redis crash loses recently published versions")
         elif aof_status != "ok":
             problems.append(f"AOF last write status is {aof_status}")
+        elif fsync in ("everysec", "no"):
+            problems.append(
+                f"appendfsync {fsync}: a crash can lose acknowledged writes (announced versions, "
+                "checkpoints whose batches are acked); use appendfsync always"
+            )
         if maxmemory and policy != "noeviction":
             problems.append(
                 f"maxmemory-policy {policy} may evict weights or leases; use noeviction"
@@ -427,7 +444,18 @@ class RedisWeightStore(PublishingStore):
             maxmemory_policy=policy,
             used_memory_bytes=int(memory.get("used_memory", 0)),
             problems=tuple(problems),
+            aof_fsync=fsync,
         )
+
+    def _aof_fsync(self) -> str:
+        try:
+            found: Any = self._redis.config_get("appendfsync")
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except redis.RedisError:  # CONFIG renamed away or denied by an ACL (managed Redis)
+            return "unknown"
+        values = {_text(k): _text(v) for k, v in dict(found).items()}
+        return values.get("appendfsync", "unknown")
 
     def _probe(self) -> tuple[bool, bool, str | None]:
         token = uuid.uuid4().hex

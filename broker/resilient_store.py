@@ -27,12 +27,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from broker.errors import StoreUnavailableError, VersionConflictError, VersionNotFoundError
 from broker.store import BlobRef, Checkpoint, Manifest, Member, Weights, WeightStore
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-import torch
+if TYPE_CHECKING:
+    # Only named in annotations: opening a store to read members or leases (`splitmq check`,
+    # a healthcheck every few seconds) must not pay for importing torch.
+    import torch
 
-Weights = Mapping[str, torch.Tensor]
+Weights: TypeAlias = "Mapping[str, torch.Tensor]"
 
 # Part names of design §6.
 CLIENT_PART = "client"

@@ -16,7 +16,6 @@ import msgpack
 from broker import keys
 from broker.errors import DecodeError, EncodeError, StoreError
 from broker.store import BlobRef, ManifestEntry, Weights
-from broker.weights import encode_weights, sha256_hex
 
 BLOB_FIELD_PREFIX = "blob:"
 
@@ -37,6 +36,10 @@ def prepare_blobs(
     samples: Mapping[BlobRef, int] | None,
 ) -> list[PreparedBlob]:
     """Serialise and hash every blob (the CPU-heavy part, done before touching the store)."""
+    # Here, not at the top: the stores import this module, and a store opened only for members
+    # (`splitmq check`) must not import torch.
+    from broker.weights import encode_weights, sha256_hex
+
     samples = dict(samples or {})
     unknown = set(samples) - set(blobs)
     if unknown:

@@ -79,6 +79,16 @@ def infer_routing_key(job: str) -> str:
     return f"{job}.infer"
 
 
+def infer_reply_queue_name(job: str, requester: str) -> str:
+    return f"{job}.infer-reply.{requester}"
+
+
+def infer_reply_routing_key(job: str, requester: str) -> str:
+    # Three dot-separated parts: job names and client ids have no dots, so no training reply
+    # key (`<job>.<client>`) of any job equals it.
+    return f"{job}.infer-reply.{requester}"
+
+
 def shard_queue(job: str, shard: int, limits: QueueLimits | None = None) -> QueueSpec:
     limits = limits or QueueLimits()
     return QueueSpec(
@@ -156,15 +166,30 @@ def reply_queue(job: str, client: str) -> QueueSpec:
 
 
 def infer_reply_queue(job: str, requester: str) -> QueueSpec:
-    """A split-inference requester's private reply queue (`reply_queue_name`, so workers answer
-    it as any client): gone with its connection, as the requester's waits are."""
+    """An ad-hoc split-inference requester's private reply queue (a service user, e.g.
+    `splitmq infer`): gone with its connection, as the requester's waits are. Apart from the
+    training reply queue, so a client may ask for inference while its training loop consumes
+    `<job>.reply.<client>`."""
     return QueueSpec(
-        name=reply_queue_name(job, requester),
+        name=infer_reply_queue_name(job, requester),
         exchange=REPLIES_EXCHANGE,
-        routing_key=reply_routing_key(job, requester),
+        routing_key=infer_reply_routing_key(job, requester),
         durable=False,
         exclusive=True,
         auto_delete=True,
+        dead_letter_routing_key=job,
+    )
+
+
+def client_infer_reply_queue(job: str, client: str) -> QueueSpec:
+    """A client user's inference reply queue in the secured mode: same name and binding as
+    `infer_reply_queue`, but durable and shared-access, because the client may not declare (or
+    bind) a queue: `splitmq provision-clients` declares it for the client with the services'
+    connection, and the client only checks that it exists."""
+    return QueueSpec(
+        name=infer_reply_queue_name(job, client),
+        exchange=REPLIES_EXCHANGE,
+        routing_key=infer_reply_routing_key(job, client),
         dead_letter_routing_key=job,
     )
 

@@ -12,6 +12,11 @@ that version was trained with it), or the newest one when that version is gone (
 the request names 0; `InferReply.version` says which answered. A request the server cannot
 answer (wrong job, activations not of the cut's shape, no version yet) is dead-lettered with
 its reason and its requester gets an `Error` reply, so it does not wait in vain.
+
+Answers go to the requester's inference reply queue, `<job>.infer-reply.<requester>`. A
+request whose `client` is not the AMQP user that sent it is dead-lettered (`impostor`), in the
+secured mode also one without a user_id; only a service user (e.g. `splitmq infer`) may ask
+under any requester name.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from broker.topology import (
     dead_queue,
     infer_queue,
     infer_queue_name,
-    reply_routing_key,
+    infer_reply_routing_key,
 )
 from broker.transport import Broker, Delivery
 from models.parts import ServerModel
@@ -268,9 +273,10 @@ class InferenceServer:
             self.stats.errors += 1
 
     def _send(self, broker: Broker, message: Message, stop: threading.Event) -> bool:
-        """Publish to the requester's reply queue; False when it cannot be delivered."""
+        """Publish to the requester's inference reply queue (not its training reply queue: a
+        client's training loop consumes that one); False when it cannot be delivered."""
         body = encode(message)
-        key = reply_routing_key(message.job, message.client)
+        key = infer_reply_routing_key(message.job, message.client)
         delay = 0.05
         while True:
             try:

@@ -25,6 +25,7 @@ from services.report.records import MetricsSink, VersionRecord
 from services.runtime.backends import Backends
 from services.runtime.jobmodel import job_model
 from services.runtime.logs import log_context
+from services.runtime.supervise import JobFailedError
 from services.security.identity import sender_check, service_stamped
 
 # Held (unacked) updates count against the prefetch: leave room for a whole cohort plus the
@@ -73,7 +74,8 @@ class Aggregator:
         """Run the job's rounds; the records of the versions this aggregator published.
 
         Returns early when `stop` is set (the sink is told "stopped"); a failure of the broker
-        or the store propagates after the sink is told "failed: ...".
+        or the store propagates after the sink is told "failed: ...". Rounds that cannot make
+        progress (`rounds.max_empty_attempts`) dismiss the clients and raise `JobFailedError`.
         """
         # In the secured mode its round markers carry its AMQP user, which workers check.
         broker = service_stamped(self._backends.open_broker("aggregator"), self._settings)
@@ -114,6 +116,9 @@ class Aggregator:
                 records, status = self._buffered(store, outbox, inbox, stop)
             else:
                 records, status = self._rounds(store, driver, stop)
+        except JobFailedError as exc:  # ended by decision; the clients were dismissed
+            self._sink.finish(f"failed: {exc}")
+            raise
         except Exception as exc:
             self._sink.finish(f"failed: {type(exc).__name__}: {exc}")
             raise
@@ -154,7 +159,11 @@ class Aggregator:
                 driver.finish(version)
                 return records, "finished"
             with log_context(version=version, round=version - 1):
-                record = driver.run_round(version)
+                try:
+                    record = driver.run_round(version)
+                except JobFailedError as exc:
+                    driver.fail(version, str(exc))
+                    raise
             if record is not None:
                 records.append(record)
         return records, "stopped"

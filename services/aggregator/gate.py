@@ -33,6 +33,8 @@ class Offer:
     reason: str = ""
     # The Error code a LATE update is answered with (async mode: "too_stale").
     code: str = "round_closed"
+    # What kind of refusal a REJECT is, counted per round attempt (`services.aggregator.empty`).
+    kind: str = "rejected"
 
 
 class Decision(enum.Enum):
@@ -99,7 +101,7 @@ class ClosedGate:
     def offer(self, update: WeightsUpdate) -> Offer:
         if update.round <= self.last:
             return Offer(Verdict.LATE, f"round {update.round} is closed")
-        return Offer(Verdict.REJECT, f"round {update.round} is not open")
+        return Offer(Verdict.REJECT, f"round {update.round} is not open", kind="not_open")
 
 
 def _cast(state: Mapping[str, torch.Tensor], reference: Reference) -> dict[str, torch.Tensor]:
@@ -129,16 +131,18 @@ class OpenRound:
         if update.round < self.round:
             return Offer(Verdict.LATE, f"round {update.round} is closed")
         if update.round > self.round:
-            return Offer(Verdict.REJECT, f"round {update.round} is not open (open: {self.round})")
+            reason = f"round {update.round} is not open (open: {self.round})"
+            return Offer(Verdict.REJECT, reason, kind="not_open")
         if update.client in self.updates:
             return Offer(Verdict.DUPLICATE)
         if update.client not in self.cohort:
             if update.client in self.earlier:
                 return Offer(Verdict.LATE, f"round {self.round} was reopened without you")
-            return Offer(Verdict.REJECT, f"client {update.client!r} is not in round {self.round}")
+            reason = f"client {update.client!r} is not in round {self.round}"
+            return Offer(Verdict.REJECT, reason, kind="not_in_cohort")
         problem = self._problem(update)
         if problem is not None:
-            return Offer(Verdict.REJECT, problem)
+            return problem
         self.updates[update.client] = ClientUpdate(
             client=update.client,
             samples=update.samples,
@@ -150,20 +154,28 @@ class OpenRound:
         )
         return Offer(Verdict.ACCEPT)
 
-    def _problem(self, update: WeightsUpdate) -> str | None:
+    def _problem(self, update: WeightsUpdate) -> Offer | None:
+        """The refusal of an update of a cohort member for this round, or None."""
         if update.version != self.version:
-            return (
+            reason = (
                 f"update based on version {update.version}; "
                 f"round {self.round} trains version {self.version}"
             )
+            return Offer(Verdict.REJECT, reason, kind="wrong_version")
         if update.samples < 1:
-            return "an update must report at least one training sample"
-        bad_masks = masks_problem(update.masks, update.client_weights)
-        if bad_masks is not None:
-            return bad_masks
-        return weights_problem(
-            update.client_weights, self.client_ref, "client_weights", subset=self.partial_clients
-        ) or weights_problem(update.aux_weights, self.aux_ref, "aux_weights", subset=True)
+            reason = "an update must report at least one training sample"
+            return Offer(Verdict.REJECT, reason, kind="no_samples")
+        bad = (
+            masks_problem(update.masks, update.client_weights)
+            or weights_problem(
+                update.client_weights,
+                self.client_ref,
+                "client_weights",
+                subset=self.partial_clients,
+            )
+            or weights_problem(update.aux_weights, self.aux_ref, "aux_weights", subset=True)
+        )
+        return None if bad is None else Offer(Verdict.REJECT, bad, kind="wrong_tensors")
 
     def waiting(self) -> set[str]:
         """Cohort members whose update has not arrived and who are still live."""

@@ -7,6 +7,7 @@ aggregator that dies mid-round loses no update: the broker hands them to its suc
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from broker.codec import decode
@@ -40,6 +41,9 @@ class UpdateInbox:
     held: list[Delivery] = field(default_factory=list)
     metrics: Metrics = NO_METRICS
     senders: SenderCheck = field(default_factory=SenderCheck)
+    # Dead-lettered updates by kind (`refusal_kind`) since the round driver last cleared it:
+    # why an attempt at a round got no valid update.
+    refusals: Counter[str] = field(default_factory=Counter)
 
     def poll(self, timeout: float, gate: Gate, version: int) -> bool:
         """Handle at most one delivery (waiting up to `timeout`); whether there was one.
@@ -50,20 +54,20 @@ class UpdateInbox:
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._dead_letter(delivery, f"undecodable: {exc.reason}")
+            self._dead_letter(delivery, f"undecodable: {exc.reason}", decode_kind(exc.reason))
             return True
         if not isinstance(message, WeightsUpdate):
             reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
-            self._dead_letter(delivery, reason)
+            self._dead_letter(delivery, reason, "wrong_type")
             return True
         if message.job != self.job:
-            self._dead_letter(delivery, f"update for job {message.job!r}")
+            self._dead_letter(delivery, f"update for job {message.job!r}", "wrong_job")
             return True
         sender = client_id_problem(message.client) or self.senders.client_problem(
             delivery, message.client
         )
         if sender is not None:
-            self._dead_letter(delivery, sender)
+            self._dead_letter(delivery, sender, "bad_sender")
             return True
         self.metrics.staleness(version - message.version)
         offer = gate.offer(message)
@@ -85,9 +89,10 @@ class UpdateInbox:
             if told:
                 self._ack(delivery)
             else:  # a stranger's (no reply queue): nobody to tell, so nothing was handled
-                self._dead_letter(delivery, f"{offer.reason}; client {message.client!r} unknown")
+                reason = f"{offer.reason}; client {message.client!r} unknown"
+                self._dead_letter(delivery, reason, "unknown_client")
         else:
-            self._dead_letter(delivery, offer.reason)
+            self._dead_letter(delivery, offer.reason, offer.kind)
         return True
 
     def drain(self, gate: Gate, version: int) -> None:
@@ -108,8 +113,16 @@ class UpdateInbox:
             # The connection dropped meanwhile: the broker redelivers it, and it will be late.
             self.logger.info("job %s: ack of an update on a lost connection", self.job)
 
-    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+    def _dead_letter(self, delivery: Delivery, reason: str, kind: str) -> None:
         if dead_letter_safely(self.broker, delivery, reason) is Rejected.REDELIVERED:
             return  # its connection is gone: it comes back and is judged again
         self.stats.dead_lettered += 1
+        self.refusals[kind] += 1
         self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
+
+
+def decode_kind(reason: str) -> str:
+    """The refusal kind of an undecodable update: `non_finite` when its weights hold NaN or
+    infinities (a client whose model diverged), else `undecodable`."""
+    # The codec's wording (broker/tensors.py, broker/codec.py); a test pins it end to end.
+    return "non_finite" if "NaN or infinite" in reason else "undecodable"

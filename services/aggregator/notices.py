@@ -88,14 +88,26 @@ def assign_round(
     return out
 
 
+# Longest job status a dismissal carries (a failure's reasons are short; this bounds them).
+_STATUS_CHARS = 500
+
+
 def dismiss(
-    outbox: Outbox, settings: Settings, version: int, clients: list[str], logger: logging.Logger
+    outbox: Outbox,
+    settings: Settings,
+    version: int,
+    clients: list[str],
+    logger: logging.Logger,
+    *,
+    status: str = "finished",
 ) -> None:
-    """The job is over: `participate=False, finished` to each client."""
+    """The job is over: `participate=False, finished` to each client, with the job's `status`
+    ("finished", or "failed: <reason>")."""
     job, rounds = settings.job.name, settings.job.rounds
+    config: dict[str, ConfigValue] = {"finished": True, "status": status[:_STATUS_CHARS]}
     for client in clients:
         done = WeightsAssignment(
-            job, client, new_message_id(), version, rounds, False, {}, {}, {"finished": True}
+            job, client, new_message_id(), version, rounds, False, {}, {}, config
         )
         try:
             outbox.reply(client, done)

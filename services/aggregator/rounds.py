@@ -16,6 +16,7 @@ from broker.errors import VersionConflictError
 from broker.store import WeightStore
 from services.aggregator.closing import aggregate_and_publish
 from services.aggregator.cohort import sample_cohort
+from services.aggregator.empty import EmptyAttempt, EmptyStreak
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import ClosedGate, Decision, OpenRound, reference_of
 from services.aggregator.inbox import UpdateInbox
@@ -39,6 +40,7 @@ from services.coordinator.handout import WeightsCache
 from services.coordinator.membership import MemberInfo, client_members
 from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
+from services.runtime.supervise import JobFailedError
 
 # How often the members' liveness is re-read while a round waits for updates.
 _MEMBER_CHECK_S = 1.0
@@ -91,6 +93,8 @@ class RoundDriver:
         self._job = settings.job.name
         self._started = clock()
         self.stats = stats
+        # Members already reported as not ready (no training samples): logged once each.
+        self._unready: set[str] = set()
 
     def run_round(self, version: int) -> VersionRecord | None:
         """Train version `version` into the next; the record, or None when stopped or when
@@ -101,6 +105,7 @@ class RoundDriver:
         )
         earlier: frozenset[str] = frozenset()
         attempt = 0
+        streak = EmptyStreak(self._settings.rounds.max_empty_attempts)
         while not self._stop.is_set():
             state = self._open(version, attempt, earlier, ledger)
             if state is None:
@@ -110,8 +115,19 @@ class RoundDriver:
                 return self._close(state, ledger)
             if decision is None:
                 return None
+            empty = EmptyAttempt.of(state, self._inbox.refusals)
+            if streak.add(empty):
+                raise JobFailedError(streak.failure(r, empty))
             self.stats.reopened += 1
-            self._log.warning("job %s: round %d got no update; reopening it", self._job, r)
+            self._log.warning(
+                "job %s: round %d got no valid update (%s; %d of %s empty attempts in a row); "
+                "reopening it",
+                self._job,
+                r,
+                empty.reasons(),
+                streak.count,
+                streak.limit or "unlimited",
+            )
             earlier = earlier | frozenset(state.cohort)
             attempt += 1
         return None
@@ -124,13 +140,28 @@ class RoundDriver:
         need = clients.min_to_start if r == 0 else 1
         since = self._clock()
         while not self._stop.is_set():
-            live = client_members(self._store, self._job)
+            ready = self._ready(client_members(self._store, self._job))
             timed_out = self._clock() - since >= clients.start_timeout_s
-            if len(live) >= need or (live and timed_out):
-                return live
+            if len(ready) >= need or (ready and timed_out):
+                return ready
             # Polling the updates queue doubles as the wait, and answers late updates meanwhile.
             self._inbox.poll(self._poll_s, gate, version)
         return None
+
+    def _ready(self, live: dict[str, MemberInfo]) -> dict[str, MemberInfo]:
+        """The members a round can count on: those with training samples (`MemberInfo.ready`).
+        The others wait out of the cohorts (and are dismissed with the rest at the end)."""
+        ready = {c: m for c, m in live.items() if m.ready}
+        for client in sorted(live.keys() - ready.keys() - self._unready):
+            self._unready.add(client)
+            self._log.info(
+                "job %s: client %s (partition %d) has no training samples (yet): it is left "
+                "out of the cohorts until it reports some",
+                self._job,
+                client,
+                live[client].partition,
+            )
+        return ready
 
     def _open(
         self, version: int, attempt: int, earlier: frozenset[str], ledger: _Ledger
@@ -156,6 +187,8 @@ class RoundDriver:
             self._outbox, self._job, version, cohort, self._stop
         ):
             return None
+        # Refusals count per attempt: the ones before it belong to an earlier one.
+        self._inbox.refusals.clear()
         state = OpenRound(
             round=r,
             version=version,
@@ -285,5 +318,16 @@ class RoundDriver:
         rounds = self._settings.job.rounds
         members = sorted(client_members(self._store, self._job))
         dismiss(self._outbox, self._settings, version, members, self._log)
-        self._outbox.event("job_finished", version, {"rounds": rounds})
+        self._outbox.event("job_finished", version, {"rounds": rounds, "status": "finished"})
         self._log.info("job %s: finished after %d rounds (version %d)", self._job, rounds, version)
+
+    def fail(self, version: int, reason: str) -> None:
+        """End the job as failed: every live member is dismissed as when it finishes, with the
+        status in the dismissal, so clients stop the same way."""
+        status = f"failed: {reason}"
+        members = sorted(client_members(self._store, self._job))
+        dismiss(self._outbox, self._settings, version, members, self._log, status=status)
+        self._outbox.event(
+            "job_finished", version, {"rounds": self._settings.job.rounds, "status": status}
+        )
+        self._log.error("job %s %s (version %d)", self._job, status, version)

@@ -17,7 +17,6 @@ from services.cli.common import (
 )
 from services.runtime.backends import Backends
 from services.runtime.logs import configured_logging
-from services.runtime.observe import observed
 
 
 @click.command()
@@ -39,6 +38,8 @@ def dashboard(
     `splitmq run` that is over) it shows the run directory's final report. The coordinator
     and `splitmq run` serve the same page themselves.
     """
+    from services.runtime.observe import observed  # torch: only for this command
+
     _, settings = load(config)
     if not settings.metrics.enabled:
         raise click.ClickException("metrics.enabled is false in the config: nothing to serve")

@@ -15,24 +15,22 @@ import csv
 import logging
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from broker.store import SERVER_PART, BlobRef
 from broker.transport import Broker
-from models.parts import ServerModel
-from models.state import load_partial
-from services.algorithms.base import serves_inference
-from services.algorithms.registry import build_strategy
 from services.cli.common import config_argument, load
-from services.client.data import JobData
-from services.client.inference import BrokerTheta, LocalTheta, ServerLogits
-from services.client.inference_sweep import SweepRow, mean_rows, personal_clients, sweep_clients
 from services.config.root import Settings
 from services.runtime.backends import Backends
-from services.runtime.jobmodel import job_model
 from services.security.identity import service_stamped
-from workers.inference import InferenceServer
+
+# The models, the algorithms and the sweep (torch) are imported where they are used: every
+# `splitmq` command, the `splitmq check` healthcheck included, imports this module.
+if TYPE_CHECKING:
+    from services.client.inference import ServerLogits
+    from services.client.inference_sweep import SweepRow
 
 MEMORY_STORE = (
     "splitmq infer reads a run's weights from the store, and an embedded `splitmq run` keeps "
@@ -114,6 +112,11 @@ def infer(
     out: Path | None,
 ) -> None:
     """Split inference (SplitGP) of a run's weights: accuracy and offloaded fraction vs E_th."""
+    from services.algorithms.base import serves_inference
+    from services.algorithms.registry import build_strategy
+    from services.client.data import JobData
+    from services.client.inference_sweep import personal_clients, sweep_clients
+
     thresholds = parse_thresholds(sweep_text)
     _, settings = load(config)
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
@@ -179,6 +182,12 @@ class ThetaSource:
         self._broker: Broker | None = None
 
     def __enter__(self) -> ServerLogits:
+        from models.parts import ServerModel
+        from models.state import load_partial
+        from services.client.inference import BrokerTheta, LocalTheta
+        from services.runtime.jobmodel import job_model
+        from workers.inference import InferenceServer
+
         settings = self._settings
         if self._in_process:
             store = self._backends.open_store()
@@ -215,6 +224,8 @@ class ThetaSource:
 
 
 def table(results: list[SweepRow]) -> str:
+    from services.client.inference_sweep import mean_rows
+
     lines = [f"{'E_th':>6}  {'set':<6}  {'accuracy':>8}  {'offloaded':>9}  clients"]
     for threshold, rows_set, accuracy, offloaded, clients in mean_rows(results):
         lines.append(

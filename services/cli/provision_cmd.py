@@ -57,8 +57,9 @@ def provision_clients(
     """Create a RabbitMQ user for each of COUNT clients (the secured mode, design §3).
 
     Each may publish to the smashed and control exchanges with its own AMQP user_id, and read
-    only its own reply queue; its credentials go to OUT/<id>.env, to be set in the client's
-    environment (they also turn security.per_client_users on there). Run the services with
+    only its own reply queues (training and split inference); its credentials go to
+    OUT/<id>.env, to be set in the client's environment (they also turn
+    security.per_client_users on there). Run the services with
     security.per_client_users = true, and the clients with `--id <id>`.
     """
     _, settings = load(config)

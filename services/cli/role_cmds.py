@@ -13,6 +13,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
+from typing import TypeAlias
 
 import click
 
@@ -26,20 +27,16 @@ from services.cli.common import (
     stop_on_signals,
 )
 from services.config.root import Settings
-from services.report.filesink import FileSink
-from services.report.rundir import command_line
-from services.report.sinks import EchoSink, TeeSink
-from services.report.summary import banner
 from services.runtime.backends import Backends
 from services.runtime.health import HealthBeat
 from services.runtime.health_file import FileHealthBeat
 from services.runtime.logs import ContextValue, configured_logging
-from services.runtime.observe import observe_role
-from services.runtime.roles import build_aggregator, build_client, build_coordinator, build_worker
-from services.runtime.supervise import Role, RoleKind
+from services.runtime.supervise import JobFailedError, Role, RoleKind
 from services.security.identity import amqp_user
 
-RoleFactory = Callable[[Settings, Backends], Role]
+# The roles, the report and the metrics (torch, the models) are imported inside the commands:
+# every `splitmq` invocation imports this module, the `splitmq check` healthcheck included.
+RoleFactory: TypeAlias = Callable[[Settings, Backends], Role]
 
 
 def _require_services(settings: Settings, kind: RoleKind) -> None:
@@ -82,10 +79,16 @@ def _serve(
                 partial(backends.open_store, wait=False), settings.job.name, kind, instance
             )
         )
+        from services.runtime.observe import observe_role
+
         observation = observe_role(settings, kind, backends, echo=click.echo)
         with stop_on_signals(stop), health, observation as seen:
             try:
                 factory(settings, seen.backends).run(stop)
+            except JobFailedError as exc:
+                # The job ended (its report says failed, `splitmq up` exits non-zero on it): exit
+                # 0, since a restart (compose's on-failure) would only wait for dismissed clients.
+                log.error("job %s failed: %s", settings.job.name, exc)
             except Exception:
                 log.exception("%s of job %s died", kind, settings.job.name)
                 raise click.exceptions.Exit(1) from None
@@ -103,6 +106,8 @@ def coordinator(config: Path | None, log_json: bool, log_level: str | None) -> N
     It admits clients (Join → Welcome with shard, cut and weights), tracks heartbeats and
     drops members whose heartbeats stop.
     """
+    from services.runtime.roles import build_coordinator
+
     _, settings = load(config)
     _serve(
         settings, "coordinator", build_coordinator, log_json=log_json, level=log_level, context={}
@@ -127,6 +132,8 @@ def worker(
     wid = worker_id or default_member_id("worker-")
 
     def factory(s: Settings, b: Backends) -> Role:
+        from services.runtime.roles import build_worker
+
         return build_worker(s, b, worker_id=wid)
 
     _serve(settings, "worker", factory, log_json=log_json, level=log_level, context={"worker": wid})
@@ -164,6 +171,8 @@ def client(
     )
 
     def factory(s: Settings, b: Backends) -> Role:
+        from services.runtime.roles import build_client
+
         return build_client(s, b, client_id=cid, partition=partition)
 
     _serve(settings, "client", factory, log_json=log_json, level=log_level, context={"client": cid})
@@ -194,6 +203,12 @@ def aggregator(
     It opens and closes rounds, aggregates client updates and shard replicas into version
     v+1, evaluates it and writes the run directory.
     """
+    from services.report.filesink import FileSink
+    from services.report.rundir import command_line
+    from services.report.sinks import EchoSink, TeeSink
+    from services.report.summary import banner
+    from services.runtime.roles import build_aggregator
+
     _, settings = load(config)
     _require_services(settings, "aggregator")
     files = FileSink.create(settings, command=command_line(), base_dir=report_dir, run_dir=run_dir)

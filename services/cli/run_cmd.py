@@ -18,14 +18,8 @@ from services.cli.common import (
     stop_on_signals,
 )
 from services.data.errors import DataError
-from services.report.filesink import FileSink
-from services.report.rundir import command_line
-from services.report.sinks import EchoSink, TeeSink
-from services.report.summary import banner
 from services.runtime.backends import Backends, Embedded
-from services.runtime.embedded import force_embedded, load_job_dataset, run_embedded
 from services.runtime.logs import configured_logging
-from services.runtime.observe import observed
 
 
 @click.command()
@@ -57,6 +51,15 @@ def run(
     round and a summary, and writes the run directory. Serves /metrics and the live
     dashboard while it runs (see [metrics]).
     """
+    # Imported here, not at the top: every `splitmq` command (the `splitmq check` healthcheck
+    # too) imports this module, and these import torch and the models.
+    from services.report.filesink import FileSink
+    from services.report.rundir import command_line
+    from services.report.sinks import EchoSink, TeeSink
+    from services.report.summary import banner
+    from services.runtime.embedded import force_embedded, load_job_dataset, run_embedded
+    from services.runtime.observe import observed
+
     _, settings = load(config)
     # Progress lines say what happens; role logs below WARNING would drown them.
     level = pick_log_level(settings, log_level, default="WARNING")

@@ -14,8 +14,6 @@ import click
 from services.cli.common import config_argument, load, stop_on_signals
 from services.config.loading import ConfigError, load_settings
 from services.config.root import Settings
-from services.report.rundir import METRICS_JSON, SUMMARY_FILE, RunInfo, create_run_dir
-from services.report.summary import summary_text
 from services.report.tables import record_from_dict
 from services.runtime.processes import (
     LocalProcesses,
@@ -24,7 +22,9 @@ from services.runtime.processes import (
     clear_job,
     preflight,
 )
-from services.runtime.roles import worker_count
+
+# The report and the roles (torch, the models) are imported inside the functions: every
+# `splitmq` command, the `splitmq check` healthcheck included, imports this module.
 
 
 @click.command()
@@ -72,6 +72,9 @@ def up(
     Starts the aggregator, the coordinator, the workers and the clients, prefixes their
     output with their names, waits for the job to finish, stops them and prints the summary.
     """
+    from services.report.rundir import create_run_dir
+    from services.runtime.roles import worker_count
+
     path, file_settings = load(config)
     n_workers = workers or file_settings.workers.count
     if not worker_count(file_settings):
@@ -131,6 +134,8 @@ def _children_settings(
 
 
 def _reported_status(run_dir: Path) -> str:
+    from services.report.rundir import METRICS_JSON
+
     try:
         doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -140,6 +145,9 @@ def _reported_status(run_dir: Path) -> str:
 
 def _summary(run_dir: Path) -> str:
     """summary.txt when the aggregator wrote it, else one rebuilt from metrics.json."""
+    from services.report.rundir import METRICS_JSON, SUMMARY_FILE, RunInfo
+    from services.report.summary import summary_text
+
     summary = run_dir / SUMMARY_FILE
     if summary.is_file():
         return summary.read_text(encoding="utf-8")

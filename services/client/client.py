@@ -121,6 +121,13 @@ class Client:
             rng=self._rng,
             route_wait_s=self._route_wait_s,
             logger=self._log,
+            # Heartbeats from a thread and connection of their own (services/client/beat.py).
+            open_beat_broker=lambda: secured_client_broker(
+                self._settings,
+                self._backends,
+                self.client_id,
+                f"splitmq-client-{self.client_id}-heartbeat",
+            ),
         )
         reason = "finished"
         try:
@@ -145,14 +152,16 @@ class Client:
         finally:
             link.leave(reason)
             broker.close()
-        # The batch count is what compose/smoke.sh checks against the shards' applied counts.
+        # The batch count is what compose/smoke.sh checks against the shards' applied counts;
+        # benchmarks/backpressure_memory.py sums the refusals.
         self._log.info(
-            "job %s client %s: %s after %d rounds, %d batches sent",
+            "job %s client %s: %s after %d rounds, %d batches sent, %d back-pressure refusals",
             self._job,
             self.client_id,
             reason,
             stats.rounds,
             stats.batches_sent,
+            stats.backpressure_retries,
         )
         return stats
 
@@ -311,6 +320,11 @@ class Client:
                 continue
             if message.config.get("finished") is True:
                 stats.finished = True
+                status = message.config.get("status", "finished")
+                if status != "finished":  # e.g. "failed: ..." when no round could make progress
+                    self._log.warning(
+                        "job %s client %s: the job ended: %s", self._job, self.client_id, status
+                    )
                 return
             if not message.participate or message.round <= last_round:
                 continue

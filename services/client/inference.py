@@ -13,6 +13,7 @@ pass: the head runs on every row, theta only on the rows some threshold offloads
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,7 +32,12 @@ from broker.errors import (
 )
 from broker.messages import Error, InferReply, InferRequest, Message, new_message_id
 from broker.rejection import ack_safely, dead_letter_safely
-from broker.topology import SMASHED_EXCHANGE, infer_reply_queue, infer_routing_key
+from broker.topology import (
+    SMASHED_EXCHANGE,
+    client_infer_reply_queue,
+    infer_reply_queue,
+    infer_routing_key,
+)
 from broker.transport import Broker
 from models.split import SplitNet
 from services.algorithms.splitgp_math import (
@@ -44,6 +50,8 @@ from services.algorithms.splitgp_math import (
 
 # Rows per InferRequest: a chunk of cnn5 cut activations is well under a megabyte.
 DEFAULT_CHUNK = 256
+# Random start of a handle's seqs: 2^48 apart on average, far from any earlier handle's range.
+SEQ_BASE_BITS = 48
 
 
 class InferenceError(SplitMQError):
@@ -74,11 +82,16 @@ class LocalTheta:
 class BrokerTheta:
     """theta's logits from the job's workers, over the broker.
 
-    Opens a private reply queue (`<job>.reply.<requester>`, gone with the handle) on `broker`,
-    which it then owns: one thread, as every broker handle. Each call publishes its chunks as
-    InferRequests (all at once: the workers answer them in parallel) and gathers the replies
-    by seq; `version` names the weights version `z` was computed with (0: the newest), and
-    `last_version` holds the version that answered.
+    Consumes the requester's inference reply queue (`<job>.infer-reply.<requester>`) on
+    `broker`, which it then owns (one thread, as every broker handle; `close` closes it). By
+    default that queue is private: declared here, gone with the handle. A client user of the
+    secured mode may declare nothing, so with `provisioned` it uses the durable queue
+    `splitmq provision-clients` declared for it (`requester` is then its client id, which the
+    workers hold to its AMQP user; see `services.client.secured.client_theta`).
+
+    Each call publishes its chunks as InferRequests (all at once: the workers answer them in
+    parallel) and gathers the replies by seq; `version` names the weights version `z` was
+    computed with (0: the newest), and `last_version` holds the version that answered.
     """
 
     def __init__(
@@ -87,6 +100,7 @@ class BrokerTheta:
         job: str,
         *,
         requester: str | None = None,
+        provisioned: bool = False,
         version: int = 0,
         timeout_s: float = 30.0,
         chunk: int = DEFAULT_CHUNK,
@@ -102,10 +116,20 @@ class BrokerTheta:
         self._chunk = chunk
         self._wire_dtype = wire_dtype
         self._clock = clock
-        self._seq = 0
-        spec = infer_reply_queue(job, self.requester)
+        if provisioned and requester is None:
+            raise ValueError("a provisioned reply queue belongs to a client: name the requester")
+        # Seqs start at a random point: a provisioned queue outlives its consumers, so answers
+        # to an earlier handle's requests (same requester, seqs from 1) may still be in it.
+        self._seq = secrets.randbits(SEQ_BASE_BITS)
+        if provisioned:
+            spec = client_infer_reply_queue(job, self.requester)
+        else:
+            spec = infer_reply_queue(job, self.requester)
         broker.declare([spec])
         broker.subscribe(spec.name, prefetch=64)
+
+    def close(self) -> None:
+        self._broker.close()
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if z.shape[0] == 0:
@@ -179,7 +203,7 @@ class BrokerTheta:
                 kind = type(message).__name__
                 dead_letter_safely(self._broker, delivery, f"{kind} is no answer to inference")
                 continue
-            # Our private queue: anything else is an old answer (seqs only rise), dropped.
+            # Our own queue: anything else answers an earlier call or handle, dropped.
             ack_safely(self._broker, delivery)
             if isinstance(message, Error) and message.ref_message_id in ids:
                 raise InferenceError(f"inference refused: {message.code}: {message.reason}")

@@ -1,9 +1,10 @@
-"""The client's one broker handle: its reply queue in, publishes out, heartbeats on the side.
+"""The client's broker handle: its reply queue in, publishes out; heartbeats on the side.
 
 Everything a client does with the broker goes through a `ClientLink`, on the client's own
-thread: a pika connection is not thread-safe, and keeping heartbeats on the same thread (sent
-from inside every wait) avoids a second connection per simulated client. Every wait also
-watches the stop event, so a stop interrupts the client wherever it is blocked.
+thread (a pika connection is not thread-safe). Membership heartbeats are the exception: they
+go out from a thread and a handle of their own (`services.client.beat`), so that a long
+training step cannot starve them. Every wait watches the stop event, so a stop interrupts the
+client wherever it is blocked.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from broker.errors import BackPressureError, BrokerError, DecodeError, Unroutabl
 from broker.messages import (
     Error,
     GradientReply,
-    Heartbeat,
     InferReply,
     Leave,
     Message,
@@ -29,8 +29,9 @@ from broker.messages import (
     new_message_id,
 )
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
-from broker.topology import CONTROL_EXCHANGE, reply_queue
+from broker.topology import CONTROL_EXCHANGE, reply_queue, reply_queue_name
 from broker.transport import Broker, Delivery
+from services.client.beat import HeartbeatThread
 from services.client.errors import ClientError, ClientStopped, RoundAborted
 from services.client.stats import ClientStats
 
@@ -43,7 +44,7 @@ REPLY_TYPES: tuple[type[Message], ...] = (
     InferReply,
 )
 REPLY_PREFETCH = 16
-# Longest single broker wait, so a stop or a due heartbeat is never held up for long.
+# Longest single broker wait, so a stop is never held up for long.
 MAX_POLL_S = 0.25
 
 Check = Callable[[Message], str | None]
@@ -82,7 +83,9 @@ class ClientLink:
         rng: random.Random,
         route_wait_s: float,
         logger: logging.Logger,
+        open_beat_broker: Callable[[], Broker] | None = None,
     ) -> None:
+        """`open_beat_broker` opens the heartbeat thread's own handle (`start_heartbeats`)."""
         self._broker = broker
         self.job = job
         self.client = client
@@ -96,8 +99,12 @@ class ClientLink:
         self._log = logger
         self._deferred: deque[Message] = deque()
         self._validator: Check | None = None
-        self._next_heartbeat: float | None = None  # None: not a member yet, no heartbeats
-        self.version = 0  # the latest weights version this client knows; heartbeats carry it
+        self._open_beat_broker = open_beat_broker
+        self._beat: HeartbeatThread | None = None  # None: not a member yet, no heartbeats
+        self._next_keep_alive = 0.0
+        # The latest weights version this client knows; the heartbeat thread reads it (an int
+        # attribute: its reads and writes are atomic).
+        self.version = 0
         self.io_s = 0.0  # time spent blocked on the broker (publishing, waiting, backing off)
 
     # --- set-up ---------------------------------------------------------------------------------
@@ -113,9 +120,20 @@ class ClientLink:
         self._validator = validator
 
     def start_heartbeats(self) -> None:
-        if self._next_heartbeat is None:
-            self._next_heartbeat = self._clock()
-            self.heartbeat_if_due()
+        """Start beating (once a member), every `heartbeat_s`, until `leave`."""
+        if self._beat is not None:
+            return
+        if self._open_beat_broker is None:
+            raise ValueError("this link has no heartbeat handle (open_beat_broker)")
+        self._beat = HeartbeatThread(
+            self._open_beat_broker,
+            job=self.job,
+            client=self.client,
+            interval_s=self._heartbeat_s,
+            version=lambda: self.version,
+            logger=self._log,
+        )
+        self._beat.start()
 
     # --- publishing -----------------------------------------------------------------------------
 
@@ -159,29 +177,26 @@ class ClientLink:
             self.sleep(self._backoff.delay(attempt, self._rng))
             attempt += 1
 
-    def heartbeat_if_due(self) -> None:
-        if self._next_heartbeat is None:
-            return
+    def keep_alive(self) -> None:
+        """Between local steps that never touch the broker (whole-model algorithms): every
+        `heartbeat_s`, one cheap round trip on this handle, so that RabbitMQ does not drop an
+        idle connection (AMQP heartbeats are only serviced while the handle is called)."""
         now = self._clock()
-        if now < self._next_heartbeat:
+        if now < self._next_keep_alive:
             return
-        self._next_heartbeat = now + self._heartbeat_s
-        message = Heartbeat(self.job, self.client, new_message_id(), self.version)
-        body = encode(message)
-        try:
-            self._broker.publish(CONTROL_EXCHANGE, self.job, body, message_id=message.message_id)
-        except (BackPressureError, UnroutableError) as exc:
-            # The next one will do; retrying here would delay the training it interrupts.
-            self._log.debug("%s: heartbeat not delivered: %s", self.client, exc)
-            return
-        self._stats.heartbeats_sent += 1
-        self._stats.bytes_up += len(body)
+        self._next_keep_alive = now + self._heartbeat_s
+        self._broker.queue_depth(reply_queue_name(self.job, self.client))
 
     def leave(self, reason: str) -> None:
         """Best effort: a client that cannot say goodbye is dropped by heartbeat expiry."""
-        if self._next_heartbeat is None:
+        beat, self._beat = self._beat, None
+        if beat is None:
             return
-        self._next_heartbeat = None
+        # Heartbeats end first: one behind the Leave would find no member.
+        if not beat.stop():
+            self._log.warning("%s: heartbeat thread still publishing at leave", self.client)
+        self._stats.heartbeats_sent += beat.sent
+        self._stats.bytes_up += beat.bytes_sent
         message = Leave(self.job, self.client, new_message_id(), self.version, reason=reason)
         try:
             body = encode(message)
@@ -212,8 +227,7 @@ class ClientLink:
         try:
             while True:
                 self._check_stop()
-                self.heartbeat_if_due()
-                wait = min(max(0.0, end - self._clock()), MAX_POLL_S, self._until_heartbeat())
+                wait = min(max(0.0, end - self._clock()), MAX_POLL_S)
                 delivery = self._broker.get(wait)
                 if delivery is not None:
                     message = self._accept(delivery, check)
@@ -225,14 +239,13 @@ class ClientLink:
             self.io_s += self._clock() - started
 
     def sleep(self, seconds: float) -> None:
-        """Sleep, keeping heartbeats going; raises `ClientStopped` when stopped meanwhile."""
+        """Sleep; raises `ClientStopped` when stopped meanwhile."""
         started = self._clock()
         end = started + seconds
         try:
             while (left := end - self._clock()) > 0:
-                if self._stop.wait(min(left, self._until_heartbeat())):
+                if self._stop.wait(left):
                     raise ClientStopped("stop requested")
-                self.heartbeat_if_due()
         finally:
             self.io_s += self._clock() - started
 
@@ -274,11 +287,6 @@ class ClientLink:
         self._log.warning(
             "job %s client %s: dead-lettering a reply: %s", self.job, self.client, reason
         )
-
-    def _until_heartbeat(self) -> float:
-        if self._next_heartbeat is None:
-            return MAX_POLL_S
-        return max(0.0, self._next_heartbeat - self._clock())
 
     def _check_stop(self) -> None:
         if self._stop.is_set():

@@ -150,9 +150,10 @@ class RoundRunner:
         )
 
     def _ticking(self, batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Heartbeats between local steps, for algorithms that never wait on the broker."""
+        """Keeps the broker connection serviced between local steps, for algorithms that never
+        wait on the broker (membership heartbeats have a thread of their own)."""
         for x, y in batches:
-            self.link.heartbeat_if_due()
+            self.link.keep_alive()
             yield x, y
 
     def _tallied(

@@ -4,6 +4,7 @@ Each client logs in as its own RabbitMQ user, named like the client. Such a user
 configure anything, so its handle only checks that the exchanges and its reply queue exist
 (`splitmq provision-clients` declared them); and every publish carries the user as its AMQP
 user_id, which RabbitMQ validates and the services compare with the message's `client`.
+`client_theta` is the same handle asking the workers for split inference (SplitGP).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import replace
 
 from broker.transport import Broker
 from services.client.errors import ClientError
+from services.client.inference import BrokerTheta
 from services.config.root import Settings
 from services.runtime.backends import Backends
 from services.security.identity import amqp_user, stamped
@@ -36,3 +38,29 @@ def secured_client_broker(
             passive = broker_settings.model_copy(update={"passive_declare": True})
             backends = replace(backends, broker_settings=passive)
     return stamped(backends.open_broker(name), client_id, True)
+
+
+def client_theta(
+    settings: Settings,
+    backends: Backends,
+    client_id: str,
+    *,
+    version: int = 0,
+    timeout_s: float = 30.0,
+) -> BrokerTheta:
+    """Split inference as client `client_id`: InferRequests in its name (stamped with its user
+    in the secured mode), answers on its own inference reply queue, which in the secured mode is
+    the durable one provisioned for it. `close` the result to close its connection."""
+    broker = secured_client_broker(settings, backends, client_id, f"splitmq-infer-{client_id}")
+    try:
+        return BrokerTheta(
+            broker,
+            settings.job.name,
+            requester=client_id,
+            provisioned=settings.security.per_client_users,
+            version=version,
+            timeout_s=timeout_s,
+        )
+    except BaseException:
+        broker.close()
+        raise

@@ -163,6 +163,10 @@ class RoundsSection(_Section):
     quorum: float = Field(default=0.5, gt=0, le=1)
     # How long the aggregator waits for shard replicas after signalling the end of a round.
     replica_timeout_s: float = Field(default=60.0, gt=0)
+    # A round that got no valid update is reopened with a new cohort; this many such attempts
+    # in a row fail the job, with their reasons (e.g. every model diverged: NaN updates are
+    # refused). An attempt whose whole cohort left does not count. 0: reopen for ever.
+    max_empty_attempts: int = Field(default=3, ge=0)
 
 
 # Algorithms that need rounds: MiniBatch-SFL's worker takes one step per step index over the

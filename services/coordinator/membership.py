@@ -45,6 +45,15 @@ class MemberInfo:
     classes: tuple[int, ...] = ()
     joined_at: float = 0.0
 
+    @property
+    def ready(self) -> bool:
+        """Whether it can train: it reported training samples. A client started without a
+        partition joins with 0 (it learns its partition from the Welcome, then joins again with
+        its count), and one whose partition is empty stays at 0; a round must not count either:
+        the RoundStart would name it with 0 samples, which a worker dead-letters (`bad_cohort`).
+        """
+        return self.samples > 0
+
     def to_info(self) -> dict[str, str]:
         return {
             "shard": str(self.shard),

@@ -11,34 +11,38 @@ The dispatcher ``partition.partition(labels, spec)`` is deliberately not re-expo
 a package attribute named ``partition`` would shadow the ``partition`` submodule.
 """
 
-from services.data.batches import Batch, ClientBatches, epoch_order
-from services.data.errors import (
-    DataError,
-    DataFormatError,
-    DatasetNotFoundError,
-    PartitionError,
-    UnknownDatasetError,
-)
-from services.data.loaders import (
-    DATA_DIR_ENV,
-    Dataset,
-    Split,
-    load_dataset,
-    load_split_arrays,
-    resolve_data_dir,
-    to_tensor,
-)
-from services.data.partition import (
-    PartitionSpec,
-    client_classes,
-    dirichlet,
-    iid,
-    label_counts,
-    label_ratio,
-    local_test_indices,
-    shards,
-)
-from services.data.registry import DATASETS, DatasetSpec, get_spec
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.data.batches import Batch, ClientBatches, epoch_order
+    from services.data.errors import (
+        DataError,
+        DataFormatError,
+        DatasetNotFoundError,
+        PartitionError,
+        UnknownDatasetError,
+    )
+    from services.data.loaders import (
+        DATA_DIR_ENV,
+        Dataset,
+        Split,
+        load_dataset,
+        load_split_arrays,
+        resolve_data_dir,
+        to_tensor,
+    )
+    from services.data.partition import (
+        PartitionSpec,
+        client_classes,
+        dirichlet,
+        iid,
+        label_counts,
+        label_ratio,
+        local_test_indices,
+        shards,
+    )
+    from services.data.registry import DATASETS, DatasetSpec, get_spec
 
 __all__ = [
     "DATASETS",
@@ -68,3 +72,44 @@ __all__ = [
     "shards",
     "to_tensor",
 ]
+
+# Importing `services.data.errors` runs this file first, and the config imports the errors: the
+# names below load their submodules (numpy, torch) on first use, so that reading a config (the
+# `splitmq check` healthcheck, `splitmq --help`) does not import torch.
+_HOMES = {
+    "Batch": "batches",
+    "ClientBatches": "batches",
+    "epoch_order": "batches",
+    "DataError": "errors",
+    "DataFormatError": "errors",
+    "DatasetNotFoundError": "errors",
+    "PartitionError": "errors",
+    "UnknownDatasetError": "errors",
+    "DATA_DIR_ENV": "loaders",
+    "Dataset": "loaders",
+    "Split": "loaders",
+    "load_dataset": "loaders",
+    "load_split_arrays": "loaders",
+    "resolve_data_dir": "loaders",
+    "to_tensor": "loaders",
+    "PartitionSpec": "partition",
+    "client_classes": "partition",
+    "dirichlet": "partition",
+    "iid": "partition",
+    "label_counts": "partition",
+    "label_ratio": "partition",
+    "local_test_indices": "partition",
+    "shards": "partition",
+    "DATASETS": "registry",
+    "DatasetSpec": "registry",
+    "get_spec": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -45,7 +45,7 @@ Adding an experiment
    - `stall_s` (optional): a run that publishes no version for this long is stopped and
      reported as such (`watchdog`); set it when a run can diverge, since a diverged sync job
      reopens its round for ever once every client refuses to send NaN.
-3. One line in `registry.EXPERIMENTS`: `<name>.NAME: <name>.build`.
+3. Its name in `registry._NAMES` (the module is imported when the experiment is built).
 
 Then `splitmq experiment <name> --quick --out /tmp/r.md` for a smoke run, and
 `splitmq experiment <name>` for the real one (`--reuse` skips runs already finished with the

@@ -31,8 +31,9 @@ GLOBAL_ON_LOCAL = "global_personal_accuracy"
 # from round to round under label-skewed sampling.
 LATE_ROUNDS = 5
 # A run publishing no version for this long is stopped (`Experiment.stall_s`): a diverged
-# model's NaN updates are refused by every client and its round reopens for ever. Above the
-# round deadline (120 s) plus a slow round on a busy host.
+# model's NaN updates are refused by every client and its round reopens until
+# rounds.max_empty_attempts fail the job (6 deadlines). Above the round deadline (120 s) plus a
+# slow round on a busy host.
 STALL_S = 240.0
 # A final train loss this many times the run's lowest one: the run diverged.
 DIVERGED = 100.0

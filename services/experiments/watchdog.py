@@ -1,8 +1,9 @@
 """Stop an experiment run that no longer publishes versions.
 
-A synchronous job whose model has diverged never ends on its own: every client refuses to
-send an update holding NaN, the round gets no update and reopens, and no version is published
-again. An experiment must still finish and report the rounds it got, so a run that publishes
+A synchronous job whose model has diverged publishes no version again: every client refuses to
+send an update holding NaN, the round gets no update and reopens, until
+`rounds.max_empty_attempts` empty attempts (each twice the round deadline) fail the job. An
+experiment must still finish and report the rounds it got, and sooner, so a run that publishes
 nothing for `stall_s` seconds is stopped (its status is then "stopped", its records kept).
 """
 

@@ -7,15 +7,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse, urlunparse
 
-import torch
-
 from broker.errors import SplitMQError
 from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisWeightStore
 from broker.transport import ServerInfo
 from services.config.root import Settings
 from services.data.errors import DataError
-from services.data.loaders import resolve_data_dir
 from services.data.registry import get_spec
 from services.runtime.backends import Backends, Embedded
 
@@ -96,12 +93,17 @@ def check_store(backends: Backends) -> Check:
     ok = info.can_write and info.can_read
     detail = (
         f"Redis {info.version} at {where}; write {'ok' if info.can_write else 'REFUSED'}, "
-        f"read {'ok' if info.can_read else 'REFUSED'}, AOF {'on' if info.aof_enabled else 'off'}"
+        f"read {'ok' if info.can_read else 'REFUSED'}, "
+        + (f"AOF on (appendfsync {info.aof_fsync})" if info.aof_enabled else "AOF off")
     )
     return Check("store", ok, detail, "; ".join(info.problems), warning=ok and bool(info.problems))
 
 
 def check_data(settings: Settings, env: Mapping[str, str]) -> Check:
+    # torch (via the loaders) is imported by the checks that need it, not by this module:
+    # `splitmq check` uses check_broker and check_store as a frequent container healthcheck.
+    from services.data.loaders import resolve_data_dir
+
     try:
         spec = get_spec(settings.data.dataset)
         path = resolve_data_dir(spec, settings.data.dir or None, env)
@@ -111,6 +113,8 @@ def check_data(settings: Settings, env: Mapping[str, str]) -> Check:
 
 
 def check_torch() -> Check:
+    import torch
+
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "CPU only"
     return Check("torch", True, f"torch {torch.__version__}, {device}")

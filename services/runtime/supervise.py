@@ -1,9 +1,10 @@
 """Run role objects on threads and watch them: the job ends, a role dies, or someone says stop.
 
-The job is over when the aggregator's `run` returns (it returns once the last round closed);
-clients then get a short grace period to take their final assignment and leave, and everything
-else is stopped through the shared event. A role that raises stops the whole run: an
-embedded run with a dead worker or coordinator would otherwise just hang until a deadline.
+The job is over when the aggregator's `run` returns (it returns once the last round closed) or
+raises `JobFailedError` (the job failed, its clients were dismissed); clients then get a short
+grace period to take their final assignment and leave, and everything else is stopped through
+the shared event. A role that raises anything else stops the whole run: an embedded run with
+a dead worker or coordinator would otherwise just hang until a deadline.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ RoleKind = Literal["coordinator", "aggregator", "worker", "client"]
 _POLL_S = 0.25
 
 
+class JobFailedError(Exception):
+    """A role ended the job as failed by its own decision (the aggregator, when no round can
+    make progress), after telling the clients the job is over: not a crash. The message is the
+    reason; the run's status is `failed: <reason>`."""
+
+
 class Role(Protocol):
     def run(self, stop: threading.Event) -> object: ...
 
@@ -36,7 +43,8 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # "finished", "stopped", "interrupted", "failed: <role>: <error>"
+    # "finished", "stopped", "interrupted", "failed: <role>: <error>", "failed: <reason>"
+    status: str
     failed_role: str = ""
     traceback: str = ""
     aggregator_result: object = None
@@ -61,6 +69,7 @@ class _RoleThread:
         self.done = False
         self.result: object = None
         self.error: BaseException | None = None
+        self.job_failure = ""  # the reason of a `JobFailedError`: the job ended, as failed
         self.traceback = ""
         # Daemon: a role that ignores the stop event must not keep the process alive forever.
         self.thread = threading.Thread(target=self._main, name=spec.name, daemon=True)
@@ -73,6 +82,8 @@ class _RoleThread:
             )
             with log_context(role=self.spec.kind, **member):
                 self.result = self.spec.role.run(self._stop)
+        except JobFailedError as exc:
+            self.job_failure = str(exc) or "job failed"
         except BaseException as exc:  # reported to the supervisor, not lost
             self.error = exc
             self.traceback = traceback.format_exc()
@@ -135,13 +146,16 @@ class Supervisor:
                 return f"failed: {failed.spec.name}: {failed.error!r}", failed
             if self._stop.is_set():
                 return "stopped", None
-            if not any(t.done for t in self._threads if t.spec.kind == "aggregator"):
+            aggregator = next(t for t in self._threads if t.spec.kind == "aggregator")
+            if not aggregator.done:
                 continue
             if finished_at is None:
                 finished_at = self._clock()
+            # A failed job ends like a finished one: its clients were dismissed and leave.
             clients = [t for t in self._threads if t.spec.kind == "client"]
             if all(t.done for t in clients) or self._clock() - finished_at > self._client_grace_s:
-                return "finished", None
+                failure = aggregator.job_failure
+                return (f"failed: {failure}" if failure else "finished"), None
 
     def _join(self) -> tuple[str, ...]:
         deadline = self._clock() + self._join_timeout_s

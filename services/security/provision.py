@@ -8,7 +8,8 @@ A client's user may
   requests), `splitmq.control` (Join, Heartbeat, Leave, WeightsUpdate) and `splitmq.dead` (to
   dead-letter a bad reply with its reason), and nothing else: not the replies or events
   exchanges, so it can forge neither a gradient nor an event;
-- **read** its own reply queue, `<job>.reply.<client>`, and no other queue.
+- **read** its own reply queue, `<job>.reply.<client>`, and its own inference reply queue,
+  `<job>.infer-reply.<client>` (split inference, SplitGP), and no other queue.
 
 Its publishes carry its user as the AMQP `user_id`, which RabbitMQ validates, and the services
 dead-letter a client message without one, or whose `client` field names another user.
@@ -28,10 +29,12 @@ from broker.topology import (
     CONTROL_EXCHANGE,
     DEAD_EXCHANGE,
     SMASHED_EXCHANGE,
+    client_infer_reply_queue,
+    infer_reply_queue_name,
     reply_queue,
     reply_queue_name,
 )
-from broker.transport import Broker
+from broker.transport import Broker, QueueSpec
 from services.security.admin import Permissions, RabbitAdmin
 from services.security.identity import client_id_problem
 
@@ -40,11 +43,15 @@ CLIENT_EXCHANGES = (SMASHED_EXCHANGE, CONTROL_EXCHANGE, DEAD_EXCHANGE)
 
 def client_permissions(job: str, client: str) -> Permissions:
     write = "|".join(re.escape(name) for name in CLIENT_EXCHANGES)
-    return Permissions(
-        configure="^$",
-        write=f"^({write})$",
-        read=f"^{re.escape(reply_queue_name(job, client))}$",
-    )
+    queues = (reply_queue_name(job, client), infer_reply_queue_name(job, client))
+    read = "|".join(re.escape(name) for name in queues)
+    return Permissions(configure="^$", write=f"^({write})$", read=f"^({read})$")
+
+
+def client_queues(job: str, client: str) -> list[QueueSpec]:
+    """The queues a client user reads, declared for it (it may not): training replies and
+    split-inference replies."""
+    return [reply_queue(job, client), client_infer_reply_queue(job, client)]
 
 
 @dataclass(frozen=True)
@@ -113,9 +120,9 @@ def provision(
     url_template: str,
     out_dir: Path,
 ) -> list[Credentials]:
-    """Create (or reset) each client's user and permissions, declare its reply queue with the
+    """Create (or reset) each client's user and permissions, declare its reply queues with the
     services' handle, and write its env file; returns what was written."""
-    services.declare([reply_queue(job, client) for client in clients])
+    services.declare([spec for client in clients for spec in client_queues(job, client)])
     written: list[Credentials] = []
     for client in clients:
         password = secrets.token_urlsafe(24)

@@ -8,43 +8,60 @@ running with `security.per_client_users = true`:
   anything, and cannot publish to the replies exchange (it could forge a gradient there);
 - a Join published by A that claims to be B is dead-lettered with the reason, and so is one
   without a user_id; A's own Join, stamped with its user, is welcomed.
+- split inference (SplitGP): A's InferRequests are answered on its own inference reply queue;
+  one A sends claiming to be B is dead-lettered with the reason; A may not consume B's
+  inference replies, nor the infer queue itself.
 
 The users are deleted again at the end (`--revoke`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
+from torch.testing import assert_close
 
 from broker.codec import decode, encode
 from broker.errors import BrokerError
-from broker.messages import Join, Welcome, new_message_id
+from broker.messages import InferRequest, Join, Welcome, new_message_id
 from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
+from broker.store import SERVER_PART, BlobRef
 from broker.topology import (
     CONTROL_EXCHANGE,
     REPLIES_EXCHANGE,
+    SMASHED_EXCHANGE,
     dead_queue_name,
+    infer_queue_name,
+    infer_reply_queue_name,
+    infer_routing_key,
     reply_queue,
     reply_queue_name,
     reply_routing_key,
 )
 from broker.transport import REASON_HEADER, USER_HEADER, Broker
+from models.parts import ServerModel
+from models.state import load_partial
 from services.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.cli.main import cli
+from services.client.inference import BrokerTheta
+from services.client.secured import client_theta
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.runtime.backends import Backends
+from services.runtime.jobmodel import job_model
 from services.security.admin import AdminError, pick_admin
 from services.security.identity import StampedBroker, amqp_user
 from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running
+from workers.inference import InferenceServer
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis]
 
@@ -59,6 +76,8 @@ redis_url = "{redis_url}"
 per_client_users = true
 [job]
 name = "{job}"
+[algorithm]
+name = "{algorithm}"
 [clients]
 count = 2
 min_to_start = 2
@@ -76,12 +95,15 @@ def admin_or_skip(amqp_url: str) -> None:
 
 @pytest.fixture
 def provisioned(
-    job: str, amqp_url: str, redis_url: str, tmp_path: Path
+    request: pytest.FixtureRequest, job: str, amqp_url: str, redis_url: str, tmp_path: Path
 ) -> Iterator[tuple[Settings, dict[str, dict[str, str]]]]:
-    """The services' settings and, per client user, the variables of its env file."""
+    """The services' settings and, per client user, the variables of its env file (the config
+    is `tmp_path / "job.toml"`; its algorithm is the indirect parameter, default sfl_v2)."""
     admin_or_skip(amqp_url)
     config = tmp_path / "job.toml"
-    config.write_text(CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=job))
+    algorithm = getattr(request, "param", "sfl_v2")
+    text = CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=job, algorithm=algorithm)
+    config.write_text(text)
     settings = load_settings(config, {})
     backends = Backends(settings.broker, settings.store)
     declare_all(backends, settings, [])
@@ -99,7 +121,17 @@ def provisioned(
     finally:
         revoked = CliRunner().invoke(cli, [*args, "--revoke"], catch_exceptions=False)
         delete_all(backends, settings, names)
+        delete_infer_replies(backends, job, names)
         assert revoked.exit_code == 0, revoked.output
+
+
+def delete_infer_replies(backends: Backends, job: str, clients: list[str]) -> None:
+    broker = backends.open_broker("test-teardown-infer")
+    try:
+        for client in clients:
+            broker.delete_queue(infer_reply_queue_name(job, client))
+    finally:
+        broker.close()
 
 
 def client_handle(env: dict[str, str], name: str) -> RabbitMQBroker:
@@ -174,6 +206,64 @@ def test_clients_are_confined_and_impostors_dead_lettered(
         assert "honest" not in found
         assert coordinator.stats.dead_lettered == 2 and coordinator.stats.joined == 1
     finally:
+        alice.close()
+        services.close()
+        store.close()
+
+
+@pytest.mark.parametrize("provisioned", ["splitgp"], indirect=True)
+def test_split_inference_answers_a_client_in_its_own_name_only(
+    provisioned: tuple[Settings, dict[str, dict[str, str]]], tmp_path: Path
+) -> None:
+    """SplitGP's split inference in the secured mode: client A's requests are answered on its
+    provisioned inference reply queue; a request A sends claiming to be B is dead-lettered
+    with the reason (B gets nothing); A can read neither B's answers nor the infer queue."""
+    settings, envs = provisioned
+    job = settings.job.name
+    a, b = sorted(envs)
+    backends = Backends(settings.broker, settings.store)
+    store = backends.open_store()
+    services = backends.open_broker("test-services")
+    alice = client_handle(envs[a], "test-client-a")
+    theta: BrokerTheta | None = None
+    try:
+        strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
+        version = ensure_initial_version(store, settings, strategy, logging.getLogger("test"))
+        model = job_model(settings)
+        expected_theta = ServerModel(copy.deepcopy(model), settings.model.cut).eval()
+        load_partial(expected_theta, store.read_blob(job, version, BlobRef(SERVER_PART)))
+        z = torch.randn(5, *model.cut_shape(settings.model.cut))
+        server = InferenceServer(
+            settings, backends, worker_id="w-secured", model_factory=lambda: model, poll_s=0.05
+        )
+        with running([server.run]):
+            # Published first: the one server handles it before A's own requests below.
+            claims_b = InferRequest(job, b, new_message_id(), 0, 1, z)
+            StampedBroker(alice, a).publish(
+                SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_b), message_id="claims-b"
+            )
+            # A as a client process does it: its env file over the job's config.
+            client_settings = load_settings(tmp_path / "job.toml", envs[a])
+            client_backends = Backends(client_settings.broker, client_settings.store)
+            theta = client_theta(client_settings, client_backends, a, timeout_s=WAIT_S)
+            logits = theta(z)
+        with torch.no_grad():
+            assert_close(logits, expected_theta(z))
+        assert theta.last_version == version
+        found = dead_letters(services, job)
+        assert found["claims-b"] == (
+            f"impostor: client {b!r} does not match the AMQP user {a!r}",
+            a,
+        )
+        assert server.stats.requests == 1 and server.stats.dead_lettered["impostor"] == 1
+        assert services.queue_depth(infer_reply_queue_name(job, b)) == 0
+        # Confinement: neither B's answers nor the requests of others (their activations).
+        for queue in (infer_reply_queue_name(job, b), infer_queue_name(job)):
+            with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
+                alice.subscribe(queue, prefetch=10)
+    finally:
+        if theta is not None:
+            theta.close()
         alice.close()
         services.close()
         store.close()

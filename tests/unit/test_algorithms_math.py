@@ -91,9 +91,7 @@ def test_weighted_step_concat_equals_separate_without_batch_coupling() -> None:
     zs = [torch.randn(4, 6), torch.randn(2, 6)]
     ys = [torch.tensor([0, 1, 2, 0]), torch.tensor([2, 2])]
     a = weighted_step(server, torch.optim.SGD(server.parameters(), lr=0.1), zs, ys, [4, 2])
-    b = weighted_step(
-        twin, torch.optim.SGD(twin.parameters(), lr=0.1), zs, ys, [4, 2], concat=True
-    )
+    b = weighted_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1), zs, ys, [4, 2], concat=True)
     for ga, gb in zip(a.grads, b.grads, strict=True):
         torch.testing.assert_close(ga, gb)
     for pa, pb in zip(server.parameters(), twin.parameters(), strict=True):

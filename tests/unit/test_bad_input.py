@@ -63,9 +63,11 @@ from broker.topology import (
     EVENTS_EXCHANGE,
     REPLIES_EXCHANGE,
     SMASHED_EXCHANGE,
+    client_infer_reply_queue,
     dead_queue,
     dead_queue_name,
     events_queue,
+    infer_reply_queue_name,
     infer_routing_key,
     job_queues,
     reply_queue,
@@ -404,7 +406,7 @@ def test_worker_infer_queue(job: str) -> None:
     model = seed_version(embedded.store, settings)
     rng = random.Random(2)
     broker = InMemoryBroker(embedded.hub)
-    broker.declare([*job_queues(job, 1), reply_queue(job, "asker")])
+    broker.declare([*job_queues(job, 1), client_infer_reply_queue(job, "asker")])
     key = infer_routing_key(job)
     z = torch.randn(3, *model.cut_shape(CUT))
     seed = encode(InferRequest(job, "asker", new_message_id(), 1, 1, z))
@@ -436,7 +438,7 @@ def test_worker_infer_queue(job: str) -> None:
     thread.start()
     try:
         answers = wait_for(
-            lambda: drain(broker, reply_queue_name(job, "asker"), 0.2),
+            lambda: drain(broker, infer_reply_queue_name(job, "asker"), 0.2),
             lambda got: any(isinstance(m, InferReply) for m in got),
         )
     finally:

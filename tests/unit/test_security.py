@@ -30,7 +30,12 @@ from broker.rabbitmq_connection import RabbitMQOptions, connection_parameters
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
 from broker.store import WeightStore
 from broker.tls import TLSOptions
-from broker.topology import CONTROL_EXCHANGE, control_queue, reply_queue_name
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    control_queue,
+    infer_reply_queue_name,
+    reply_queue_name,
+)
 from broker.transport import Delivery
 from services.cli.role_cmds import _require_services
 from services.client.errors import ClientError
@@ -272,8 +277,10 @@ def test_a_client_may_write_the_client_exchanges_and_read_only_its_reply_queue()
     for other in ("splitmq.replies", "splitmq.events", "amq.default", "", "job.1.reply.c-1"):
         assert not re.search(p.write, other), other
     assert re.search(p.read, reply_queue_name("job.1", "c-1"))
+    assert re.search(p.read, infer_reply_queue_name("job.1", "c-1"))  # split inference answers
     for other in ("job.1.reply.c-10", "job.1.reply.c-2", "jobx1.reply.c-1", "job.1.control",
-                  "splitmq.replies", "job.1.dead"):  # fmt: skip
+                  "splitmq.replies", "job.1.dead", "job.1.infer", "job.1.infer-reply.c-2",
+                  "job.1.infer-reply.c-10", "job.1.reply.c-1|job.1.infer-reply.c-1"):  # fmt: skip
         assert not re.search(p.read, other), other
 
 
@@ -318,6 +325,7 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
         assert settings.broker.passive_declare and settings.security.per_client_users
     # The reply queues exist, so the clients' passive declares find them.
     assert services.queue_depth(reply_queue_name("j", "edge-4")) == 0
+    assert services.queue_depth(infer_reply_queue_name("j", "edge-4")) == 0
     assert len({admin.users[n] for n in names}) == 2  # a password each
 
 

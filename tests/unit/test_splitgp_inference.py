@@ -14,10 +14,20 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from broker.codec import decode
+from broker.codec import decode, encode
 from broker.memory_broker import InMemoryBroker
-from broker.messages import InferRequest
-from broker.topology import dead_queue_name, reply_queue_name, shard_queue_name
+from broker.messages import InferReply, InferRequest, new_message_id
+from broker.topology import (
+    REPLIES_EXCHANGE,
+    SMASHED_EXCHANGE,
+    dead_queue_name,
+    infer_reply_queue_name,
+    infer_reply_routing_key,
+    infer_routing_key,
+    job_queues,
+    reply_queue_name,
+    shard_queue_name,
+)
 from broker.transport import REASON_HEADER
 from models.parts import ServerModel
 from models.split import SplitNet
@@ -31,6 +41,8 @@ from services.client.inference import (
     entropy_sweep,
 )
 from services.runtime.backends import Backends, Embedded
+from services.security.identity import StampedBroker
+from services.security.provision import client_queues
 from tests.unit.test_worker_support import (
     CUT,
     ScriptedClient,
@@ -186,3 +198,59 @@ def test_a_job_without_service_side_is_a_clear_error() -> None:
     remote = BrokerTheta(InMemoryBroker(), "nojob", timeout_s=1)
     with pytest.raises(InferenceError, match="no infer queue"):
         remote(torch.zeros(1, 10, 12, 12))
+
+
+def test_a_secured_client_is_answered_on_its_own_queue_and_may_not_ask_as_another(
+    job: str,
+) -> None:
+    settings = make_settings(
+        job, algorithm={"name": "splitgp", "lr": 0.05}, security={"per_client_users": True}
+    )
+    embedded = Embedded()
+    model = seed_version(embedded.store, settings)
+    services = InMemoryBroker(embedded.hub)
+    # What `splitmq provision-clients` declares for c0 and c1.
+    services.declare([*job_queues(job, 1), *client_queues(job, "c0"), *client_queues(job, "c1")])
+    # An answer left over from an earlier handle of c0 (seqs from 1): not taken for this one's.
+    stale = InferReply(job, "c0", new_message_id(), 1, 1, torch.zeros(1, 10))
+    services.publish(
+        REPLIES_EXCHANGE, infer_reply_routing_key(job, "c0"), encode(stale), persistent=False
+    )
+    alice = StampedBroker(InMemoryBroker(embedded.hub, user="c0"), "c0")
+    z, _ = random_batch(model, torch.Generator().manual_seed(8), rows=3)
+    claims_c1 = InferRequest(job, "c1", new_message_id(), 0, 1, z)
+    alice.publish(SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_c1), message_id="c1")
+    anonymous = InferRequest(job, "c0", new_message_id(), 0, 1, z)
+    InMemoryBroker(embedded.hub).publish(
+        SMASHED_EXCHANGE, infer_routing_key(job), encode(anonymous), message_id="anonymous"
+    )
+    backends = Backends(settings.broker, settings.store, embedded)
+    server = InferenceServer(settings, backends, worker_id="w1", model_factory=lambda: model)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.run, args=(stop,))
+    thread.start()
+    try:
+        remote = BrokerTheta(alice, job, requester="c0", provisioned=True, timeout_s=10)
+        logits = remote(z)  # handled after the two forged requests: one consumer, in order
+    finally:
+        stop.set()
+        thread.join(10)
+    with torch.no_grad():
+        assert_close(logits, theta_of(model)(z))
+    reasons = {}
+    services.subscribe(dead_queue_name(job), prefetch=10)
+    while (delivery := services.get(0.2)) is not None:
+        reasons[delivery.message_id] = str(delivery.headers[REASON_HEADER])
+    assert reasons == {
+        "c1": "impostor: client 'c1' does not match the AMQP user 'c0'",
+        "anonymous": (
+            "impostor: no AMQP user_id on a message of client 'c0': the secured mode "
+            "(security.per_client_users) requires one"
+        ),
+    }
+    assert server.stats.requests == 1
+    # Nothing reached c1, nor c0's training reply queue.
+    assert services.queue_depth(infer_reply_queue_name(job, "c1")) == 0
+    assert services.queue_depth(reply_queue_name(job, "c0")) == 0
+    with pytest.raises(ValueError, match="name the requester"):
+        BrokerTheta(InMemoryBroker(embedded.hub), job, provisioned=True)

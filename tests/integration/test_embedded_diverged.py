@@ -1,0 +1,71 @@
+"""An embedded job whose clients' models diverge ends failed, and its clients stop as when a job
+finishes (`rounds.max_empty_attempts`, services/aggregator/empty.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from services.client.stats import ClientStats
+from services.config.root import Settings
+from services.data.loaders import Dataset
+from services.report.records import ListSink, MetricsSink
+from services.runtime.backends import Backends
+from services.runtime.embedded import run_embedded
+from services.runtime.roles import embedded_roles
+from services.runtime.supervise import RoleSpec
+
+pytestmark = pytest.mark.slow
+
+
+class Kept:
+    """A role whose `run` result is kept (the supervisor only reports the aggregator's)."""
+
+    def __init__(self, role: object, results: dict[str, object], name: str) -> None:
+        self._role = role
+        self._results = results
+        self._name = name
+
+    def run(self, stop: threading.Event) -> object:
+        result = self._role.run(stop)  # type: ignore[attr-defined]
+        self._results[self._name] = result
+        return result
+
+
+def test_a_job_whose_clients_diverge_fails_and_the_clients_stop(job: str) -> None:
+    settings = Settings.model_validate(
+        {
+            "job": {"name": job, "rounds": 3},
+            "data": {"dataset": "fashion_mnist_sample", "eval_samples": 200},
+            # An absurd learning rate: NaN weights within the first round's few steps, which
+            # every client then refuses to send.
+            "algorithm": {"name": "fedavg", "batch_size": 32, "lr": 1e30, "max_steps_per_round": 3},
+            "clients": {"count": 2, "min_to_start": 2},
+            # An empty attempt lasts twice the deadline: three of them take ~6 s.
+            "rounds": {"deadline_s": 1.0, "max_empty_attempts": 3},
+        }
+    )
+    results: dict[str, object] = {}
+
+    def build(
+        s: Settings, backends: Backends, sink: MetricsSink, data: Dataset
+    ) -> Sequence[RoleSpec]:
+        specs = embedded_roles(s, backends, sink, data)
+        return [RoleSpec(r.name, r.kind, Kept(r.role, results, r.name)) for r in specs]
+
+    sink = ListSink()
+    outcome = run_embedded(settings, sink=sink, stop=threading.Event(), build_roles=build)
+
+    reason = (
+        "3 consecutive attempts at round 0 without one valid update; last reasons: no_update ×2"
+    )
+    assert outcome.status == f"failed: {reason}" and outcome.exit_code == 1
+    assert (outcome.failed_role, outcome.stuck) == ("", ())
+    assert sink.status == outcome.status and sink.records == []
+    for name in ("client-0", "client-1"):
+        stats = results[name]
+        assert isinstance(stats, ClientStats)
+        # Dismissed (not stopped by the runner): each took the job's end and left.
+        assert stats.finished and stats.rounds == 0 and stats.rounds_aborted >= 1

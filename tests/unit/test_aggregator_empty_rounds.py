@@ -1,0 +1,212 @@
+"""Rounds that get no valid update: reopened a few times, then the job fails with the reasons
+(`rounds.max_empty_attempts`, services/aggregator/empty.py)."""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from broker.codec import decode, encode
+from broker.errors import DecodeError
+from broker.messages import Event, WeightsAssignment
+from broker.topology import events_queue
+from services.aggregator import Aggregator
+from services.aggregator.empty import EmptyAttempt, EmptyStreak
+from services.aggregator.gate import OpenRound
+from services.aggregator.inbox import decode_kind
+from services.coordinator.membership import MemberInfo
+from services.report.records import ListSink, VersionRecord
+from services.runtime.supervise import JobFailedError
+from tests.unit.test_aggregator import Job, wait_until
+from tests.unit.test_aggregator_peers import (
+    WAIT_S,
+    FakeClient,
+    ManualClock,
+    client_loop,
+    make_settings,
+    running,
+    worker_loop,
+)
+
+DEADLINE_S = 60.0
+# A value no tensor of a real update holds: its float32 bytes are patched to NaN on the wire.
+POISON = 1234.5
+
+
+def nan_update(fake: FakeClient, assignment: WeightsAssignment) -> bytes:
+    """`fake`'s update with every float weight NaN, as a diverged client's would be: the codec
+    refuses to encode NaN, so the bytes are patched after encoding."""
+    body = encode(fake.update(assignment, value=POISON))
+    poisoned = body.replace(struct.pack("<f", POISON), struct.pack("<f", math.nan))
+    assert poisoned != body
+    return poisoned
+
+
+def always_nan(fake: FakeClient, assignment: WeightsAssignment) -> list[bytes]:
+    return [nan_update(fake, assignment)]
+
+
+def run_until_failed(
+    j: Job, aggregator: Aggregator, attempts: int
+) -> tuple[JobFailedError, list[Event]]:
+    """Run the job; each attempt, once every client's NaN update was dead-lettered, move the
+    clock past twice the deadline. The aggregator must fail after `attempts` of them."""
+    failures: list[JobFailedError] = []
+    done = threading.Event()
+    events = j.backends.open_broker("events")
+    events.declare([events_queue(j.name, "test")])
+    events.subscribe(events_queue(j.name, "test").name, prefetch=100)
+    clock = aggregator_clock(aggregator)
+
+    def aggregate(stop: threading.Event) -> None:
+        try:
+            aggregator.run(stop)
+        except JobFailedError as exc:
+            failures.append(exc)
+        done.set()
+
+    peers = [client_loop(j.backends, j.name, f) for f in j.clients.values()]
+    peers.append(worker_loop(j.backends, j.name, j.settings.shards, j.worker))
+    clients = len(j.clients)
+    with running([*peers, aggregate]):
+        for attempt in range(1, attempts + 1):
+            wait_until(dead_lettered(aggregator, attempt * clients), f"attempt {attempt}'s NaNs")
+            clock.advance(2 * DEADLINE_S + 1)
+        assert done.wait(WAIT_S), "the aggregator did not end the job"
+    seen: list[Event] = []
+    while (delivery := events.get(0.0)) is not None:
+        message = decode(delivery.body)
+        assert isinstance(message, Event)
+        seen.append(message)
+    events.close()
+    assert failures, "the job did not fail"
+    return failures[0], seen
+
+
+def dead_lettered(aggregator: Aggregator, count: int) -> Callable[[], bool]:
+    return lambda: aggregator.inbox_stats.dead_lettered == count
+
+
+def aggregator_clock(aggregator: Aggregator) -> ManualClock:
+    clock = aggregator._clock
+    assert isinstance(clock, ManualClock)
+    return clock
+
+
+def test_clients_sending_only_nan_fail_the_job_after_max_empty_attempts(job: str) -> None:
+    settings = make_settings(job, rounds={"deadline_s": DEADLINE_S, "max_empty_attempts": 3})
+    j = Job(settings)
+    for fake in j.clients.values():
+        fake.script = always_nan
+    sink = ListSink()
+    aggregator = Aggregator(j.settings, j.backends, sink=sink, clock=ManualClock())
+
+    failure, events = run_until_failed(j, aggregator, attempts=3)
+
+    reason = (
+        "3 consecutive attempts at round 0 without one valid update; last reasons: non_finite ×3"
+    )
+    assert str(failure) == reason
+    assert sink.status == f"failed: {reason}" and sink.records == []
+    assert aggregator.round_stats.reopened == 2
+    assert j.store.versions(job) == [1]
+    # Every client was dismissed as when a job finishes, told why, and stopped.
+    for fake in j.clients.values():
+        last = fake.assignments()[-1]
+        assert (last.participate, last.config["finished"]) == (False, True)
+        assert last.config["status"] == f"failed: {reason}"
+        assert len(fake.assignments()) == 4  # three attempts at round 0, then the dismissal
+    ended = [e for e in events if e.kind == "job_finished"]
+    assert [e.data["status"] for e in ended] == [f"failed: {reason}"]
+    assert [e.data["attempt"] for e in events if e.kind == "round_opened"] == [0, 1, 2]
+
+
+def test_a_bad_attempt_followed_by_good_ones_does_not_fail_the_job(job: str) -> None:
+    # Each round's first attempt gets only NaN, its second valid updates: two empty attempts in
+    # all, as many as the limit, but never two in a row.
+    settings = make_settings(
+        job, job={"rounds": 2}, rounds={"deadline_s": DEADLINE_S, "max_empty_attempts": 2}
+    )
+    j = Job(settings)
+    seen: dict[str, list[int]] = {c: [] for c in j.clients}
+
+    def nan_first(fake: FakeClient, assignment: WeightsAssignment) -> list[bytes]:
+        seen[fake.client].append(assignment.round)
+        if seen[fake.client].count(assignment.round) == 1:
+            return [nan_update(fake, assignment)]
+        return [encode(fake.update(assignment))]
+
+    for fake in j.clients.values():
+        fake.script = nan_first
+    clock = ManualClock()
+    sink = ListSink()
+    aggregator = Aggregator(j.settings, j.backends, sink=sink, clock=clock)
+    clients = len(j.clients)
+
+    def past_each_bad_attempt() -> None:
+        for bad in (1, 2):
+            wait_until(dead_lettered(aggregator, bad * clients), f"bad attempt {bad}")
+            clock.advance(2 * DEADLINE_S + 1)
+
+    records: list[VersionRecord] = j.run(aggregator, past_each_bad_attempt)
+
+    assert sink.status == "finished"
+    assert [(r.version, r.round, r.participants) for r in records] == [(2, 0, 3), (3, 1, 3)]
+    assert aggregator.round_stats.reopened == 2
+    assert all(rounds == [0, 0, 1, 1] for rounds in seen.values()), seen
+
+
+def open_round(cohort: str) -> OpenRound:
+    members = {c: MemberInfo(c, 0, "block1", 10, i) for i, c in enumerate(cohort)}
+    return OpenRound(0, 1, members, 0.0, DEADLINE_S, 0.5, {}, {})
+
+
+def test_an_attempt_whose_whole_cohort_left_does_not_count() -> None:
+    state = open_round("ab")
+    state.drop({})  # both expired
+    gone = EmptyAttempt.of(state, {})
+    assert not gone.counts and gone.reasons() == "gone ×2"
+    # Refusals meanwhile (anyone's garbage) do not make it count either.
+    refused = EmptyAttempt.of(state, {"undecodable": 5})
+    assert not refused.counts and refused.reasons() == "undecodable ×5, gone ×2"
+    streak = EmptyStreak(limit=1)
+    assert not streak.add(gone) and not streak.add(refused) and streak.count == 0
+    # One member that stayed and sent nothing valid is enough.
+    state = open_round("ab")
+    state.drop({"a": 1})
+    stayed = EmptyAttempt.of(state, {"non_finite": 1})
+    assert stayed.counts and streak.add(stayed)
+    assert stayed.reasons() == "non_finite ×1, gone ×1"
+
+
+def test_reasons_say_which_members_sent_nothing() -> None:
+    state = open_round("abcd")
+    state.drop({"a": 1, "b": 1, "c": 1})  # d left
+    attempt = EmptyAttempt.of(state, {"non_finite": 1, "wrong_tensors": 1, "wrong_job": 0})
+    # Three still awaited, two refused updates: one member sent nothing.
+    assert attempt.reasons() == "non_finite ×1, wrong_tensors ×1, no_update ×1, gone ×1"
+    assert EmptyAttempt.of(open_round("ab"), {}).reasons() == "no_update ×2"
+
+
+@pytest.mark.parametrize("limit", [0, 3])
+def test_the_limit_counts_consecutive_empty_attempts(limit: int) -> None:
+    streak = EmptyStreak(limit)
+    silent = EmptyAttempt.of(open_round("a"), {})
+    fails = [streak.add(silent) for _ in range(5)]
+    assert fails == ([False] * 5 if limit == 0 else [False, False, True, True, True])
+    assert streak.failure(4, silent).startswith("5 consecutive attempts at round 4 without")
+
+
+def test_a_poisoned_body_is_refused_as_non_finite() -> None:
+    # The codec's wording, which `decode_kind` relies on.
+    fake = FakeClient("a", 10, lambda r: 1.0)
+    assignment = WeightsAssignment("j", "a", "m", 1, 0, True, {"w": torch.ones(3)}, {}, {})
+    with pytest.raises(DecodeError) as caught:
+        decode(nan_update(fake, assignment))
+    assert decode_kind(caught.value.reason) == "non_finite"
+    assert decode_kind("truncated prefix") == "undecodable"
