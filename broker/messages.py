@@ -71,6 +71,13 @@ Metrics = Mapping[str, float]
 Info = Mapping[str, str]
 
 REPLY_STATUSES = frozenset({"ok", "stale", "rejected"})
+# Why a client gives up its local round (`RoundDropped.reason`): its model diverged (weights or
+# activations hold NaN or infinities), or anything else ended the round (an error reply, no
+# gradient after every retry, a superseding assignment). A closed set, because the aggregator
+# counts drops by reason and quotes the counts in a failed job's status.
+NON_FINITE = "non_finite"
+ABORTED = "aborted"
+DROP_REASONS = frozenset({NON_FINITE, ABORTED})
 # A model's block (cut) names: models.split.check_name's rule, bounded in length.
 _CUT_NAME = re.compile(r"[A-Za-z0-9_]{1,128}\Z")
 
@@ -179,6 +186,23 @@ class WeightsUpdate:
     metrics: Metrics = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class RoundDropped:
+    """A client gives up its local round `round` (based on `version`) and says why, on the
+    updates queue, so the aggregator need not wait for its deadline to learn that no
+    WeightsUpdate is coming. `ref_message_id` names the WeightsAssignment it answers (a reopened
+    round's attempts share round and version); `detail` is for logs only."""
+
+    job: JobName
+    client: ClientId
+    message_id: MessageId
+    version: Count
+    round: Count
+    reason: Annotated[str, OneOf(DROP_REASONS)]
+    ref_message_id: str = ""
+    detail: str = ""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class WeightsAssignment:
     job: JobName
@@ -274,6 +298,7 @@ Message = (
     | SmashedBatch
     | GradientReply
     | WeightsUpdate
+    | RoundDropped
     | WeightsAssignment
     | InferRequest
     | InferReply

@@ -13,11 +13,17 @@
 #      networking, RabbitMQ on 5673, Redis on 6380, beside the host's own) with 2 workers and
 #      3 clients on compose/smoke.toml, waits for 2 versions, scales the workers to 3 (until
 #      each holds a shard, for 2 more versions) and back to 1 (until it holds them all, for 2
-#      more) while training runs, and waits for the job to finish;
-#   6. checks that no batch was lost (the clients' sent batches = the shard checkpoints'
-#      applied counts), that accuracy rose and that every worker stopped with exit code 0,
-#      and reports the dead letters with their logged reasons;
-#   7. tears the stack down (volumes included), also on failure.
+#      more) while training runs;
+#   6. starts the autoscaler (the `autoscaler` service of --profile autoscale: `splitmq
+#      autoscale` with the Docker backend, the Docker socket mounted) and waits until, under
+#      the clients' load, it has grown the pool to its maximum of 3 worker containers, each
+#      holding a shard; waits for the job to finish and the clients to leave, and then for
+#      the autoscaler to bring the idle pool back to its minimum of 1, and stops it;
+#   7. checks that no batch was lost over the whole run (the clients' sent batches = the shard
+#      checkpoints' applied counts), that accuracy rose and that every worker, the ones the
+#      autoscaler started and stopped included, stopped with exit code 0, and reports the
+#      dead letters with their logged reasons and the autoscaler's decisions;
+#   8. tears the stack down (volumes included), also on failure.
 #
 # Every step skips what is already there (the base image, the rootfs, downloaded wheels,
 # cached image layers), so a rerun takes minutes. Settings (environment):
@@ -44,6 +50,11 @@ WORKERS=2
 WORKERS_UP=3
 WORKERS_DOWN=1
 CLIENTS=3
+# The autoscaler's bounds: [autoscaler] min_workers and max_workers of compose/smoke.toml.
+AUTOSCALE_MIN=1
+AUTOSCALE_MAX=3
+# The autoscaler image has the Docker SDK: the project with this extra.
+EXTRAS=docker
 # Must match compose/smoke.toml and compose/docker-compose.hostnet.yml.
 JOB=compose-smoke
 REDIS_PORT=6380
@@ -79,6 +90,8 @@ deadline_left() { echo $((TIMEOUT_S - $(elapsed))); }
 
 COMPOSE=(docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" -f "$HERE/docker-compose.hostnet.yml")
 compose() { "${COMPOSE[@]}" "$@"; }
+# The autoscaler service is in the `autoscale` profile: commands that touch it enable it.
+compose_all() { "${COMPOSE[@]}" --profile autoscale "$@"; }
 
 # The two compose files merged into one: Compose v1 (docker-py) refuses a service with both
 # network_mode: host and ports (v2 only warns), and an override cannot remove the base file's
@@ -144,13 +157,13 @@ finish() {
     set +e
     trap - EXIT INT TERM
     if [ -n "$STACK_UP" ]; then
-        compose ps >"$RUN_DIR/ps.txt" 2>&1
-        compose logs --no-color --timestamps >"$RUN_DIR/compose.log" 2>&1
+        compose_all ps >"$RUN_DIR/ps.txt" 2>&1
+        compose_all logs --no-color --timestamps >"$RUN_DIR/compose.log" 2>&1
         if [ "${SPLITMQ_SMOKE_KEEP:-}" = 1 ]; then
             note "SPLITMQ_SMOKE_KEEP=1: the stack stays up (compose -p $PROJECT ... down -v)"
         else
             step "teardown: compose down -v"
-            timeout 300 "${COMPOSE[@]}" down -v --remove-orphans -t 60 \
+            timeout 300 "${COMPOSE[@]}" --profile autoscale down -v --remove-orphans -t 60 \
                 >>"$RUN_DIR/teardown.log" 2>&1 || note "compose down failed (see teardown.log)"
         fi
     fi
@@ -182,7 +195,7 @@ finish() {
 fetch_wheels() {
     # pip skips what is already in $wheels; the host's pip configuration brings the CPU build.
     python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
-        "torch==2.13.0" "setuptools>=68" wheel "$ROOT" >"$RUN_DIR/pip-download.log" 2>&1 \
+        "torch==2.13.0" "setuptools>=68" wheel "$ROOT[$EXTRAS]" >"$RUN_DIR/pip-download.log" 2>&1 \
         || die "pip download failed (see $RUN_DIR/pip-download.log)"
     compgen -G "$wheels/torch-2.13.0+cpu-*.whl" >/dev/null || die "no CPU torch wheel in $wheels"
     # The image's Python may need more than the host's: markers such as python_full_version <
@@ -195,7 +208,7 @@ fetch_wheels() {
     for attempt in 1 2 3 4 5 6; do
         if out=$(docker run --rm --network none -v "$wheels:/wheels:ro" -v "$project:/project" \
             "$BASE_IMAGE" python3 -m pip download --no-index --find-links /wheels \
-            --only-binary=:all: -d /tmp/resolved "torch==2.13.0" /project 2>&1); then
+            --only-binary=:all: -d /tmp/resolved "torch==2.13.0" "/project[$EXTRAS]" 2>&1); then
             break
         fi
         wanted=$(sed -nE 's/^ERROR: Could not find a version that satisfies the requirement ([^;( ]+).*/\1/p' \
@@ -266,13 +279,13 @@ main() {
     fi
 
     # --- 3. wheels ------------------------------------------------------------------------------
-    step "wheels: torch==2.13.0 (CPU, local package index) and the dependencies of $ROOT"
+    step "wheels: torch==2.13.0 (CPU, local package index) and the dependencies of $ROOT[$EXTRAS]"
     wheels=$CACHE/wheels
     index=$CACHE/simple
     mkdir -p "$wheels"
-    # Done once per pyproject.toml and base image: the stamp names both.
-    stamp=$wheels/.resolved-$(cat "$ROOT/pyproject.toml" <(docker image inspect -f '{{.Id}}' \
-        "$BASE_IMAGE") | sha256sum | cut -c1-16)
+    # Done once per pyproject.toml, extras and base image: the stamp names them.
+    stamp=$wheels/.resolved-$(cat "$ROOT/pyproject.toml" <(echo "$EXTRAS") <(docker image inspect \
+        -f '{{.Id}}' "$BASE_IMAGE") | sha256sum | cut -c1-16)
     if [ -e "$stamp" ]; then
         note "resolved before for this pyproject.toml and base image: skipped"
     else
@@ -320,6 +333,11 @@ main() {
     # minutes, and a check that times out counts as failed.
     export SPLITMQ_HEALTH_INTERVAL=20s SPLITMQ_HEALTH_TIMEOUT=300s
     export SPLITMQ_CLIENT_HEALTH_INTERVAL=120s
+    # The autoscaler service names its workers' project by COMPOSE_PROJECT_NAME, and runs as the
+    # image's own uid with the group of the Docker socket (root-equivalent either way).
+    export COMPOSE_PROJECT_NAME=$PROJECT
+    socket_gid=$(stat -c %g /var/run/docker.sock 2>/dev/null) && \
+        export SPLITMQ_AUTOSCALER_USER=10001:$socket_gid
     write_stack_file
 
     step "image splitmq:$TAG (compose/Dockerfile, BASE_IMAGE=$BASE_IMAGE)"
@@ -336,10 +354,23 @@ main() {
     check "image" "$([ "$user" != "" ] && [ "$user" != root ] && [ "${user%%:*}" != 0 ] && [ -z "$tools" ]; echo $?)" \
         "splitmq:$TAG, user $user, $((size / 1048576)) MiB, build tools: ${tools:-none}"
 
+    # The same Dockerfile with EXTRAS=docker: the torch layers come from the cache above.
+    step "image splitmq:$TAG-autoscaler (EXTRAS=$EXTRAS)"
+    built_at=$(elapsed)
+    compose_all build autoscaler >"$RUN_DIR/build-autoscaler.log" 2>&1 \
+        || die "building splitmq:$TAG-autoscaler failed (see $RUN_DIR/build-autoscaler.log)"
+    built_in=$(($(elapsed) - built_at))
+    docker image prune -f --filter "label=org.opencontainers.image.title=splitmq" >/dev/null
+    sdk=$(docker run --rm --network none --entrypoint python "splitmq:$TAG-autoscaler" -c \
+        'import docker; print(docker.__version__)' 2>&1) || sdk="missing: $sdk"
+    user=$(docker image inspect -f '{{.Config.User}}' "splitmq:$TAG-autoscaler")
+    check "autoscaler image" "$([[ "$sdk" =~ ^[0-9] ]] && [ "${user%%:*}" = 10001 ]; echo $?)" \
+        "splitmq:$TAG-autoscaler, user $user, docker SDK $sdk, built in ${built_in}s (torch layers cached)"
+
     # --- 5. the stack ---------------------------------------------------------------------------
     step "stack up: $WORKERS workers, $CLIENTS clients (project $PROJECT)"
     STACK_UP=1
-    compose down -v --remove-orphans >"$RUN_DIR/predown.log" 2>&1 || true
+    compose_all down -v --remove-orphans >"$RUN_DIR/predown.log" 2>&1 || true
     # Exit codes of every container, also of the workers a scale-down removes.
     docker events --filter "label=com.docker.compose.project=$PROJECT" --filter event=die \
         --format '{{.Actor.Attributes.name}} exitCode={{.Actor.Attributes.exitCode}}' \
@@ -410,18 +441,42 @@ main() {
     progress
     SUMMARY+=("info  scaling: $WORKERS workers until v$v_scale, $WORKERS_UP holding a shard each from v$v_up, $WORKERS_DOWN holding all from v$v_down")
 
+    # --- 6. the autoscaler ----------------------------------------------------------------------
+    step "autoscaler: $AUTOSCALE_MIN to $AUTOSCALE_MAX workers by load (docker backend) while training runs"
+    v_auto=$(version)
+    t_auto=$(elapsed)
+    compose_all up -d --no-build --no-recreate --no-deps autoscaler >>"$RUN_DIR/up.log" 2>&1 \
+        || die "starting the autoscaler failed (see $RUN_DIR/up.log)"
+    autoscaler=$(compose_all ps -q autoscaler)
+    [ -n "$autoscaler" ] || die "no autoscaler container"
+    running_workers() {
+        docker ps -q --filter "label=com.docker.compose.project=$PROJECT" \
+            --filter "label=com.docker.compose.service=worker" --filter status=running | grep -c . || true
+    }
+    # N worker containers running, N live in the store, and every shard held by one of them.
+    scaled_to() { [ "$(running_workers)" -eq "$1" ] && live_workers_are "$1" && lease_holders_are "$1"; }
+    autoscaler_alive() {
+        local state
+        state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$autoscaler")
+        [ "${state% *}" = running ] || die "the autoscaler container is $state (see $RUN_DIR/logs)"
+    }
+    # Its decisions, from its log: "autoscaler: start|stop|exited WORKER (REASON); N workers".
+    autoscaler_count() { docker logs "$autoscaler" 2>&1 | grep -c "autoscaler: $1 " || true; }
+    at_max_while_training() {
+        autoscaler_alive
+        ! aggregator_exited || die "the job finished before the autoscaler reached $AUTOSCALE_MAX workers"
+        scaled_to $AUTOSCALE_MAX
+    }
+    wait_for "the autoscaler to grow the pool to $AUTOSCALE_MAX workers" 900 at_max_while_training
+    v_auto_up=$(version)
+    t_auto_up=$(elapsed)
+    progress
+    wait_for "a round trained by the autoscaled workers" 1200 version_at_least $((v_auto_up + 1))
+    progress
+
     step "wait for the job to finish"
     wait_for "the aggregator to finish the job" "$(deadline_left)" aggregator_exited
     progress
-
-    # --- 6. checks ------------------------------------------------------------------------------
-    step "checks"
-    agg=$(compose ps -q aggregator)
-    agg_code=$(docker inspect -f '{{.State.ExitCode}}' "$agg")
-    final=$(version)
-    check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((ROUNDS + 1)) ]; echo $?)" \
-        "aggregator exit $agg_code, version $final after $ROUNDS rounds (scaled up after v$v_scale, down after v$v_down)"
-
     # Clients log "... N batches sent" as they leave; they leave when the job is over.
     clients_done() {
         local id
@@ -430,6 +485,43 @@ main() {
         done
     }
     wait_for "the clients to leave" 300 clients_done
+    t_idle=$(elapsed)
+
+    step "autoscaler: back to $AUTOSCALE_MIN worker once idle"
+    # ... and every worker it asked to stop has exited (and was removed).
+    at_min() {
+        autoscaler_alive
+        scaled_to $AUTOSCALE_MIN && [ "$(autoscaler_count stop)" -eq "$(autoscaler_count exited)" ]
+    }
+    wait_for "the autoscaler to shrink the pool to $AUTOSCALE_MIN worker" 600 at_min
+    t_auto_down=$(elapsed)
+    progress
+    # Stopped before the last worker, which it would otherwise replace (below its minimum).
+    compose_all stop -t 30 autoscaler >>"$RUN_DIR/up.log" 2>&1 || die "stopping the autoscaler failed"
+    starts=$(autoscaler_count start)
+    stops=$(autoscaler_count stop)
+    exit_codes=$(docker logs "$autoscaler" 2>&1 | sed -nE 's/.*autoscaler: exited [^ ]+ \(exit code ([^)]*)\).*/\1/p' | tr '\n' ' ')
+    check "autoscaler scaled up" "$([ "$starts" -ge $((AUTOSCALE_MAX - AUTOSCALE_MIN)) ]; echo $?)" \
+        "$AUTOSCALE_MIN -> $AUTOSCALE_MAX worker containers, each holding a shard, $((t_auto_up - t_auto))s after it started at v$v_auto (at v$v_auto_up; $starts started)"
+    check "autoscaler scaled down" "$([ "$stops" -ge $((AUTOSCALE_MAX - AUTOSCALE_MIN)) ] && ! grep -qv '^0$' <(tr ' ' '\n' <<<"${exit_codes% }"); echo $?)" \
+        "$AUTOSCALE_MAX -> $AUTOSCALE_MIN $((t_auto_down - t_idle))s after the clients left ($stops stopped, exit codes ${exit_codes% })"
+    # Each decision with its time on this run's clock.
+    while IFS= read -r line; do SUMMARY+=("info  autoscaler $line"); done < <(docker logs --timestamps "$autoscaler" 2>&1 \
+        | python3 -c 'import datetime, re, sys
+start = int(sys.argv[1])
+for line in sys.stdin:
+    m = re.match(r"(\S{19})\S* .*autoscaler: (start|stop|exited) (\S+) \((.*)\); (\d+) workers", line)
+    if m:
+        at = datetime.datetime.fromisoformat(m[1]).replace(tzinfo=datetime.timezone.utc)
+        print(f"{int(at.timestamp()) - start:5d}s {m[2]:<6} {m[3]} -> {m[5]} ({m[4]})")' "$START")
+
+    # --- 7. checks ------------------------------------------------------------------------------
+    step "checks"
+    agg=$(compose ps -q aggregator)
+    agg_code=$(docker inspect -f '{{.State.ExitCode}}' "$agg")
+    final=$(version)
+    check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((ROUNDS + 1)) ]; echo $?)" \
+        "aggregator exit $agg_code, version $final after $ROUNDS rounds (scaled up after v$v_scale, down after v$v_down, autoscaled from v$v_auto)"
     sent=0
     client_codes=""
     for id in $(compose ps -q client); do
@@ -462,6 +554,12 @@ main() {
     reasons=$(cat "$RUN_DIR"/logs/*.log 2>/dev/null | sed -nE 's/.*dead-lettered a message from [^:]+: ([a-z_]+).*/\1/p' \
         | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
     SUMMARY+=("info  dead letters: ${dead:-0} in $JOB.dead${reasons:+ (logged reasons: ${reasons% })}")
+    # Leases that expired under a worker (late renewals on a loaded host) rather than being
+    # handed over: the lease-fenced checkpoints must keep the count above exact regardless.
+    ttl=$(smoke_job workers lease_ttl_s)
+    lost=$(cat "$RUN_DIR"/logs/*worker*.log 2>/dev/null | grep -c "lost the lease" || true)
+    handed=$(cat "$RUN_DIR"/logs/*worker*.log 2>/dev/null | grep -c "handed over job" || true)
+    SUMMARY+=("info  shard leases (TTL ${ttl}s): $handed handed over, $lost expired under their holder")
 
     docker cp "$agg:/var/lib/splitmq/runs" "$RUN_DIR/report" >/dev/null
     metrics=$(find "$RUN_DIR/report" -name metrics.json | head -1)
@@ -474,8 +572,8 @@ print(f"{acc[0]:.3f} {acc[-1]:.3f} {len(acc)} " + ",".join(f"{a:.2f}" for a in a
         "global accuracy $acc_first after round 1 -> $acc_last after round $n_records ($acc_curve)"
 
     restarts=""
-    for service in coordinator aggregator worker client; do
-        for id in $(compose ps -q "$service"); do
+    for service in coordinator aggregator worker client autoscaler; do
+        for id in $(compose_all ps -q "$service"); do
             restarts+="$(docker inspect -f '{{.Name}}={{.RestartCount}}' "$id" | sed 's#^/##') "
         done
     done

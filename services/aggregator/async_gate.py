@@ -6,18 +6,23 @@ it started from and what it would start from now (`services.algorithms.async_fol
 staler one is valid but refused: acked, counted and answered with `Error("too_stale")`.
 Every member whose update was judged (buffered or too stale) is owed the newest weights,
 which the driver sends once it has folded what is due (`owed`).
+
+A member's `RoundDropped` notice is taken and counted, nothing more (the client asks for new
+weights itself). Notices and members' unusable updates since the last buffered update are
+`fruitless`, by reason: the driver fails the job when they pile up (a diverged job would
+otherwise retrain and drop for ever).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from broker.errors import VersionNotFoundError
-from broker.messages import WeightsUpdate
+from broker.messages import RoundDropped, WeightsUpdate
 from broker.store import WeightStore
 from services.aggregator.gate import (
     Offer,
@@ -71,6 +76,8 @@ class AsyncGate:
     buffer: list[Buffered] = field(default_factory=list)
     owed: list[Owed] = field(default_factory=list)
     too_stale: int = 0  # refused since the last fold
+    # Members' local rounds that came to nothing since the last buffered update, by reason.
+    fruitless: Counter[str] = field(default_factory=Counter)
     _seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _weights: dict[int, WeightsCache] = field(default_factory=dict)
     _client_ref: Reference = field(default_factory=dict)
@@ -109,7 +116,8 @@ class AsyncGate:
             return Offer(Verdict.REJECT, f"client {update.client!r} is not a member of the job")
         problem = self._problem(update)
         if problem is not None:
-            return Offer(Verdict.REJECT, problem)
+            self.fruitless["refused"] += 1
+            return Offer(Verdict.REJECT, problem, kind="refused")
         tau = self.version - update.version
         if not self.rule.accepts(tau):
             return self._refuse(
@@ -137,9 +145,21 @@ class AsyncGate:
             current_aux=current_aux,
         )
         self.buffer.append(Buffered(stale, update.message_id, info))
+        self.fruitless.clear()
         self.remember([update.message_id])
         self.owed.append(Owed(update.client, info.partition, update.round + 1))
         return Offer(Verdict.ACCEPT)
+
+    def offer_drop(self, drop: RoundDropped) -> Offer:
+        """A member's notice that a local round came to nothing: acked and counted."""
+        if drop.message_id in self._seen:
+            return Offer(Verdict.DUPLICATE)
+        if self.member(drop.client) is None:
+            reason = f"client {drop.client!r} is not a member of the job"
+            return Offer(Verdict.REJECT, reason, kind="not_member")
+        self.remember([drop.message_id])
+        self.fruitless[drop.reason] += 1
+        return Offer(Verdict.ACCEPT, kind=drop.reason)
 
     def _refuse(self, update: WeightsUpdate, info: MemberInfo, why: str) -> Offer:
         self.too_stale += 1

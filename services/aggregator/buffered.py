@@ -7,7 +7,9 @@ current weights with its change scaled by s(tau), then the strategy's own `aggre
 `services.algorithms.async_fold`), together with the shard replicas' fresh progress
 (`services.aggregator.server_fold`). Every client whose update was judged then gets the
 newest weights as a WeightsAssignment, so it trains its next local round without waiting
-for anyone. The job ends after `job.rounds` versions, as in sync mode.
+for anyone. The job ends after `job.rounds` versions, as in sync mode, or fails when
+`asynchronous.max_fruitless_per_client` local rounds per client in a row came to nothing
+(dropped by their client, or refused) with no update buffered in between.
 
 Buffered updates stay unacknowledged until the version holding them is published; each
 version's manifest names the message ids it folded, so a successor that gets them redelivered
@@ -46,6 +48,7 @@ from services.coordinator.handout import WeightsCache, client_config
 from services.coordinator.membership import MemberInfo, client_members
 from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
+from services.runtime.supervise import JobFailedError
 
 # How often the members' records are re-read (an unknown sender triggers a re-read at once).
 _MEMBER_CHECK_S = 1.0
@@ -111,6 +114,9 @@ class BufferedDriver:
         self._poll_s = poll_s
         self._job = settings.job.name
         self._k = settings.buffer_size
+        self._fruitless_limit = (
+            settings.asynchronous.max_fruitless_per_client * settings.clients.count
+        )
         self._rule = staleness_rule(settings)
         self.stats = stats
         self._members: dict[str, MemberInfo] = {}
@@ -138,6 +144,7 @@ class BufferedDriver:
                 self._finish(version)
                 return records, "finished"
             self._inbox.poll(self._poll_s, self._gate, version)
+            self._check_progress(version)
             if len(self._gate.buffer) >= self._k:
                 record = self._fold(version)
                 if record is not None:
@@ -312,6 +319,30 @@ class BufferedDriver:
                 self._log.info(
                     "job %s: client %s is gone; no new weights for it", self._job, o.client
                 )
+
+    def _check_progress(self, version: int) -> None:
+        """Fail the job (raising `JobFailedError`) when too many local rounds in a row came to
+        nothing: every client diverging, say, would retrain and drop for ever."""
+        fruitless = self._gate.fruitless
+        count = sum(fruitless.values())
+        if not self._fruitless_limit or count < self._fruitless_limit:
+            return
+        reasons = ", ".join(f"{kind} ×{n}" for kind, n in sorted(fruitless.items()))
+        reason = (
+            f"{count} local rounds in a row came to nothing, with no update buffered in "
+            f"between; reasons: {reasons}"
+        )
+        self._gate.take()
+        self._gate.owed.clear()
+        self._inbox.release()
+        status = f"failed: {reason}"
+        members = sorted(client_members(self._store, self._job))
+        dismiss(self._outbox, self._settings, version, members, self._log, status=status)
+        self._outbox.event(
+            "job_finished", version, {"rounds": self._settings.job.rounds, "status": status}
+        )
+        self._log.error("job %s %s (version %d)", self._job, status, version)
+        raise JobFailedError(reason)
 
     def _finish(self, version: int) -> None:
         """Dismiss every live member; updates still buffered are acked and dropped."""

@@ -1,8 +1,9 @@
 """Which WeightsUpdates a round takes: the verdict on each one (pure, no broker).
 
 An `OpenRound` accepts one update per cohort member, for its round and version, with the
-tensor names and shapes of the version's blobs; a `ClosedGate` stands in between rounds,
-when every update is either late (its round is over) or premature.
+tensor names and shapes of the version's blobs, or that member's `RoundDropped` notice (it
+stops waiting for the member and counts the reason); a `ClosedGate` stands in between rounds,
+when every update or notice is either late (its round is over) or premature.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from broker.messages import WeightsUpdate
+from broker.messages import RoundDropped, WeightsUpdate
 from services.aggregator.cohort import quorum_size
 from services.algorithms.base import ClientUpdate
 from services.coordinator.membership import MemberInfo
@@ -91,6 +92,8 @@ def masks_problem(
 class Gate(Protocol):
     def offer(self, update: WeightsUpdate) -> Offer: ...
 
+    def offer_drop(self, drop: RoundDropped) -> Offer: ...
+
 
 @dataclass(frozen=True)
 class ClosedGate:
@@ -102,6 +105,11 @@ class ClosedGate:
         if update.round <= self.last:
             return Offer(Verdict.LATE, f"round {update.round} is closed")
         return Offer(Verdict.REJECT, f"round {update.round} is not open", kind="not_open")
+
+    def offer_drop(self, drop: RoundDropped) -> Offer:
+        if drop.round <= self.last:
+            return Offer(Verdict.LATE, f"round {drop.round} is closed")
+        return Offer(Verdict.REJECT, f"round {drop.round} is not open", kind="not_open")
 
 
 def _cast(state: Mapping[str, torch.Tensor], reference: Reference) -> dict[str, torch.Tensor]:
@@ -126,23 +134,23 @@ class OpenRound:
     partial_clients: bool = False
     updates: dict[str, ClientUpdate] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)  # expired members no longer waited for
+    # Members that said they dropped this attempt (`RoundDropped`), with the reason.
+    declined: dict[str, str] = field(default_factory=dict)
+    # The message id of each member's WeightsAssignment of this attempt (a notice that answers
+    # another one belongs to an earlier attempt, or to a predecessor aggregator's).
+    assigned: dict[str, str] = field(default_factory=dict)
 
     def offer(self, update: WeightsUpdate) -> Offer:
-        if update.round < self.round:
-            return Offer(Verdict.LATE, f"round {update.round} is closed")
-        if update.round > self.round:
-            reason = f"round {update.round} is not open (open: {self.round})"
-            return Offer(Verdict.REJECT, reason, kind="not_open")
+        misplaced = self._misplaced(update.round, update.client)
+        if misplaced is not None:
+            return misplaced
         if update.client in self.updates:
             return Offer(Verdict.DUPLICATE)
-        if update.client not in self.cohort:
-            if update.client in self.earlier:
-                return Offer(Verdict.LATE, f"round {self.round} was reopened without you")
-            reason = f"client {update.client!r} is not in round {self.round}"
-            return Offer(Verdict.REJECT, reason, kind="not_in_cohort")
         problem = self._problem(update)
         if problem is not None:
             return problem
+        # A valid update outweighs an earlier notice that the round was dropped.
+        self.declined.pop(update.client, None)
         self.updates[update.client] = ClientUpdate(
             client=update.client,
             samples=update.samples,
@@ -153,6 +161,43 @@ class OpenRound:
             metrics=dict(update.metrics),
         )
         return Offer(Verdict.ACCEPT)
+
+    def offer_drop(self, drop: RoundDropped) -> Offer:
+        """A member's notice that it dropped this round: no longer awaited, and its reason
+        counts when the attempt ends without a valid update."""
+        misplaced = self._misplaced(drop.round, drop.client)
+        if misplaced is not None:
+            return misplaced
+        if drop.client in self.updates:
+            reason = f"client {drop.client!r} already sent its update for round {self.round}"
+            return Offer(Verdict.REJECT, reason, kind="contradicts_update")
+        if drop.client in self.declined:
+            return Offer(Verdict.DUPLICATE)
+        if drop.version != self.version:
+            reason = (
+                f"RoundDropped based on version {drop.version}; "
+                f"round {self.round} trains version {self.version}"
+            )
+            return Offer(Verdict.REJECT, reason, kind="wrong_version")
+        expected = self.assigned.get(drop.client)
+        if drop.ref_message_id and expected and drop.ref_message_id != expected:
+            return Offer(Verdict.LATE, f"it answers an earlier assignment of round {self.round}")
+        self.declined[drop.client] = drop.reason
+        return Offer(Verdict.ACCEPT, kind=drop.reason)
+
+    def _misplaced(self, round_index: int, client: str) -> Offer | None:
+        """The verdict on an update or notice not for this round's cohort, or None."""
+        if round_index < self.round:
+            return Offer(Verdict.LATE, f"round {round_index} is closed")
+        if round_index > self.round:
+            reason = f"round {round_index} is not open (open: {self.round})"
+            return Offer(Verdict.REJECT, reason, kind="not_open")
+        if client not in self.cohort:
+            if client in self.earlier:
+                return Offer(Verdict.LATE, f"round {self.round} was reopened without you")
+            reason = f"client {client!r} is not in round {self.round}"
+            return Offer(Verdict.REJECT, reason, kind="not_in_cohort")
+        return None
 
     def _problem(self, update: WeightsUpdate) -> Offer | None:
         """The refusal of an update of a cohort member for this round, or None."""
@@ -178,8 +223,9 @@ class OpenRound:
         return None if bad is None else Offer(Verdict.REJECT, bad, kind="wrong_tensors")
 
     def waiting(self) -> set[str]:
-        """Cohort members whose update has not arrived and who are still live."""
-        return set(self.cohort) - set(self.updates) - self.dropped
+        """Cohort members whose update has not arrived, who did not say they dropped the
+        round, and who are still live."""
+        return set(self.cohort) - set(self.updates) - set(self.declined) - self.dropped
 
     def drop(self, live: Mapping[str, object]) -> list[str]:
         """Stop waiting for members that are no longer `live`; the ones dropped now."""

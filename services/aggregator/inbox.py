@@ -2,6 +2,9 @@
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update: the broker hands them to its successor.
+A `RoundDropped` notice is acked once judged: it carries nothing to aggregate (and held ones
+would eat the prefetch across reopened attempts); a successor that never saw it waits for
+that member until the deadline, as before notices existed.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ from dataclasses import dataclass, field
 
 from broker.codec import decode
 from broker.errors import DecodeError, StaleDeliveryError
-from broker.messages import WeightsUpdate
+from broker.messages import RoundDropped, WeightsUpdate
 from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
-from services.aggregator.gate import Gate, Verdict
+from services.aggregator.gate import Gate, Offer, Verdict
 from services.coordinator.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.security.identity import SenderCheck, client_id_problem
@@ -29,6 +32,7 @@ class InboxStats:
     late: int = 0
     dead_lettered: int = 0
     accepted_bytes: int = 0
+    drops: int = 0  # RoundDropped notices taken (not their duplicates, late or refused ones)
 
 
 @dataclass
@@ -56,7 +60,7 @@ class UpdateInbox:
         except DecodeError as exc:
             self._dead_letter(delivery, f"undecodable: {exc.reason}", decode_kind(exc.reason))
             return True
-        if not isinstance(message, WeightsUpdate):
+        if not isinstance(message, WeightsUpdate | RoundDropped):
             reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
             self._dead_letter(delivery, reason, "wrong_type")
             return True
@@ -69,8 +73,16 @@ class UpdateInbox:
         if sender is not None:
             self._dead_letter(delivery, sender, "bad_sender")
             return True
+        if isinstance(message, RoundDropped):
+            self._on_drop(delivery, message, gate.offer_drop(message))
+        else:
+            self._on_update(delivery, message, gate.offer(message), version)
+        return True
+
+    def _on_update(
+        self, delivery: Delivery, message: WeightsUpdate, offer: Offer, version: int
+    ) -> None:
         self.metrics.staleness(version - message.version)
-        offer = gate.offer(message)
         if offer.verdict is Verdict.ACCEPT:
             self.stats.accepted += 1
             self.stats.accepted_bytes += len(delivery.body)
@@ -93,7 +105,33 @@ class UpdateInbox:
                 self._dead_letter(delivery, reason, "unknown_client")
         else:
             self._dead_letter(delivery, offer.reason, offer.kind)
-        return True
+
+    def _on_drop(self, delivery: Delivery, message: RoundDropped, offer: Offer) -> None:
+        if offer.verdict is Verdict.REJECT:
+            self._dead_letter(delivery, offer.reason, offer.kind)
+            return
+        if offer.verdict is Verdict.ACCEPT:
+            self.stats.drops += 1
+            self.logger.info(
+                "job %s: %s dropped round %d (%s): %s",
+                self.job,
+                message.client,
+                message.round,
+                message.reason,
+                message.detail or "no detail",
+            )
+        elif offer.verdict is Verdict.DUPLICATE:
+            self.stats.duplicates += 1
+        else:  # late: nothing to answer, the client has moved on
+            self.stats.late += 1
+            self.logger.info(
+                "job %s: late RoundDropped from %s for round %d: %s",
+                self.job,
+                message.client,
+                message.round,
+                offer.reason,
+            )
+        self._ack(delivery)
 
     def drain(self, gate: Gate, version: int) -> None:
         """Handle every delivery already waiting, without blocking."""

@@ -55,6 +55,8 @@ def end_round(
 class Assigned:
     bytes_sent: int = 0
     unreachable: list[str] = field(default_factory=list)
+    # Client → message id of its assignment, which its `RoundDropped` quotes.
+    message_ids: dict[str, str] = field(default_factory=dict)
 
 
 def assign_round(
@@ -82,6 +84,7 @@ def assign_round(
         )
         try:
             out.bytes_sent += outbox.reply(client, assignment)
+            out.message_ids[client] = assignment.message_id
         except UnroutableError:
             logger.warning("job %s: client %s has no reply queue; not waiting for it", job, client)
             out.unreachable.append(client)

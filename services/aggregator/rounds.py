@@ -204,6 +204,7 @@ class RoundDriver:
         assigned = assign_round(self._outbox, self._settings, weights, cohort, self._log)
         ledger.assignment_bytes += assigned.bytes_sent
         state.dropped.update(assigned.unreachable)
+        state.assigned.update(assigned.message_ids)
         self._log.info(
             "job %s: round %d opened (version %d, cohort %s)", self._job, r, version, sorted(cohort)
         )

@@ -10,6 +10,7 @@ holds, so nothing is decided on a picture that is about to change.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from services.config.root import Settings
 from services.runtime.backends import Backends
 
 Action = Literal["start", "stop", "exited"]
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 class SnapshotSource(Protocol):
@@ -125,9 +127,12 @@ class Autoscaler:
         self.state = decision.state
         self._log.debug("autoscaler: %s -> %s (%s)", observation, decision.target, decision.reason)
         delta = decision.target - len(active)
-        if delta == 0 and decision.reason != self._last_reason:
+        # A hold is logged when its rule changes, not each time its figures do ("at the
+        # maximum of 3 (workers 54% busy)" would otherwise be a line every poll).
+        gist = _NUMBER.sub("#", decision.reason)
+        if delta == 0 and gist != self._last_reason:
             self._log.info("autoscaler: %d workers, %s", len(active), decision.reason)
-        self._last_reason = decision.reason
+        self._last_reason = gist
         for _ in range(delta):
             worker = self.pool.start_worker()
             self._started[worker.name] = now

@@ -29,7 +29,8 @@ from broker.messages import (
 )
 from broker.topology import CONTROL_EXCHANGE, updates_routing_key
 from services.algorithms.registry import build_strategy
-from services.client.errors import RoundAborted, StaleWeights
+from services.client.drops import drop_notice
+from services.client.errors import RoundAborted, StaleWeights, Superseded
 from services.client.link import ClientLink
 from services.client.plan import config_int
 from services.client.round import Membership, RoundRunner
@@ -126,6 +127,11 @@ class AsyncLoop:
             return exc
         except (RoundAborted, EncodeError) as exc:
             self._stats.rounds_aborted += 1
+            # Counted by the aggregator (a job whose every local round fails ends failed). No
+            # real assignment was answered: the local one above never travelled.
+            if not isinstance(exc, Superseded):
+                notice = replace(drop_notice(job, client, assignment, exc), ref_message_id="")
+                link.send(CONTROL_EXCHANGE, updates_routing_key(job), notice)
             return exc
         self._stats.rounds += 1
         self._log.info(

@@ -27,7 +27,7 @@ from broker.messages import (
 )
 from broker.topology import SMASHED_EXCHANGE, shard_routing_key
 from services.algorithms.staleness import TOO_STALE
-from services.client.errors import ClientError, RoundAborted, StaleWeights
+from services.client.errors import ClientError, RoundAborted, StaleWeights, Superseded
 from services.client.link import ClientLink
 from services.client.stats import ClientStats
 
@@ -229,7 +229,7 @@ class BrokerChannel:
         if isinstance(message, WeightsAssignment) and (
             message.round > self._ctx.round or not message.participate
         ):
-            raise RoundAborted(
+            raise Superseded(
                 f"round {self._ctx.round} superseded by an assignment for round {message.round}"
             )
         if isinstance(message, Error) and message.ref_message_id == batch.message_id:

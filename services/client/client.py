@@ -31,12 +31,14 @@ from services.algorithms.registry import build_strategy
 from services.client.async_loop import AsyncLoop, is_async
 from services.client.channel import SeqBook
 from services.client.data import JobData
+from services.client.drops import drop_notice
 from services.client.errors import (
     ClientError,
     ClientStopped,
     JoinRejectedError,
     JoinTimeoutError,
     RoundAborted,
+    Superseded,
 )
 from services.client.link import Backoff, ClientLink
 from services.client.plan import RoundPlan, config_int
@@ -305,6 +307,10 @@ class Client:
     ) -> None:
         runner = self._runner(link, model, stats)
         last_round = -1
+        # The assignment whose round this client dropped last (None: it uploaded that round).
+        # The aggregator reopens a round that got no valid update with a new assignment for the
+        # same round: a dropped round is tried again then, an uploaded one never.
+        dropped: str | None = None
         while True:
             message = link.poll(IDLE_POLL_S, deferred=True)
             if isinstance(message, Error) and message.code == "unknown_member":
@@ -326,10 +332,14 @@ class Client:
                         "job %s client %s: the job ended: %s", self._job, self.client_id, status
                     )
                 return
-            if not message.participate or message.round <= last_round:
+            if not message.participate or message.round < last_round:
                 continue
+            retry = dropped is not None and message.message_id != dropped
+            if message.round == last_round and not retry:
+                continue  # a copy of an assignment already handled, or an uploaded round
             last_round = message.round
-            self._round(link, runner, member, message, stats)
+            uploaded = self._round(link, runner, member, message, stats)
+            dropped = None if uploaded else message.message_id
 
     def _round(
         self,
@@ -338,7 +348,8 @@ class Client:
         member: Membership,
         assignment: WeightsAssignment,
         stats: ClientStats,
-    ) -> None:
+    ) -> bool:
+        """Train the assigned round and upload it; False when it was dropped (and said so)."""
         link.version = assignment.version
         shard = config_int(assignment.config, "shard")
         plan = member.plan.updated(assignment.config)
@@ -356,12 +367,9 @@ class Client:
         try:
             update = runner.run(member, assignment)
             link.send(CONTROL_EXCHANGE, updates_routing_key(self._job), update)
-        except EncodeError as exc:  # non-finite weights: the local model diverged
-            self._dropped(stats, assignment, exc)
-            return
-        except RoundAborted as exc:
-            self._dropped(stats, assignment, exc)
-            return
+        except (EncodeError, RoundAborted) as exc:  # EncodeError: the local model diverged
+            self._dropped(link, stats, assignment, exc)
+            return False
         stats.rounds += 1
         self._log.info(
             "job %s client %s: round %d done at version %d: %s",
@@ -371,16 +379,24 @@ class Client:
             assignment.version,
             {k: round(v, 4) for k, v in update.metrics.items()},
         )
+        return True
 
-    def _dropped(self, stats: ClientStats, assignment: WeightsAssignment, exc: Exception) -> None:
+    def _dropped(
+        self, link: ClientLink, stats: ClientStats, assignment: WeightsAssignment, exc: Exception
+    ) -> None:
         stats.rounds_aborted += 1
+        notice = drop_notice(self._job, self.client_id, assignment, exc)
         self._log.warning(
-            "job %s client %s: round %d dropped: %s",
+            "job %s client %s: round %d dropped (%s): %s",
             self._job,
             self.client_id,
             assignment.round,
+            notice.reason,
             exc,
         )
+        if not isinstance(exc, Superseded):
+            # Said at once, so the round need not wait for its deadline to learn it.
+            link.send(CONTROL_EXCHANGE, updates_routing_key(self._job), notice)
 
     # --- checks and notes -------------------------------------------------------------------------
 

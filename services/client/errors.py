@@ -26,6 +26,11 @@ class RoundAborted(ClientError):
     drops it without publishing an update and waits for the next assignment."""
 
 
+class Superseded(RoundAborted):
+    """A newer assignment, or the job's end, arrived mid-round: the service has moved on, so
+    the dropped round is not worth a `RoundDropped` notice."""
+
+
 class StaleWeights(RoundAborted):
     """Async mode: a worker refused smashed data as computed with too old weights
     (GradientReply "rejected", reason "too_stale: ..."); the client drops the local round and

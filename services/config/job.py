@@ -189,6 +189,11 @@ class AsynchronousSection(_Section):
     # Workers drop smashed data computed with client weights more than this many versions
     # behind (GradientReply "rejected", reason "too_stale: ..."); the client fetches newer ones.
     worker_max_staleness: int = Field(default=4, ge=0)
+    # The job fails when this many local rounds per client (times clients.count) in a row come
+    # to nothing, with no update buffered in between: dropped by their client (RoundDropped,
+    # e.g. a diverged model) or refused as unusable. Async's counterpart of
+    # rounds.max_empty_attempts; too-stale updates do not count. 0: never.
+    max_fruitless_per_client: int = Field(default=3, ge=0)
 
 
 class WorkersSection(_Section):

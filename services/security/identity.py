@@ -4,8 +4,9 @@ RabbitMQ validates the `user_id` property against the publishing connection's us
 delivery's `user_id`, when present, is the broker's word for who sent it. Consumers hold each
 message to it through a `SenderCheck`:
 
-- a client's message (Join, Leave, Heartbeat, SmashedBatch, WeightsUpdate, InferRequest) whose
-  `user_id` names someone other than its `client` field is refused, in every mode;
+- a client's message (Join, Leave, Heartbeat, SmashedBatch, WeightsUpdate, RoundDropped,
+  InferRequest) whose `user_id` names someone other than its `client` field is refused, in
+  every mode;
 - in the secured mode (`security.per_client_users`) one without a `user_id` is refused too,
   and a round marker (RoundStart / RoundEnd) must come from a service user.
 

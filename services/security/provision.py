@@ -5,9 +5,9 @@ A client's user may
   let it copy another client's replies into a queue of its own); its handle only checks that
   they exist (`broker.passive_declare`), so `provision` declares them first;
 - **write** to the exchanges clients publish to: `splitmq.smashed` (smashed data, inference
-  requests), `splitmq.control` (Join, Heartbeat, Leave, WeightsUpdate) and `splitmq.dead` (to
-  dead-letter a bad reply with its reason), and nothing else: not the replies or events
-  exchanges, so it can forge neither a gradient nor an event;
+  requests), `splitmq.control` (Join, Heartbeat, Leave, WeightsUpdate, RoundDropped) and
+  `splitmq.dead` (to dead-letter a bad reply with its reason), and nothing else: not the
+  replies or events exchanges, so it can forge neither a gradient nor an event;
 - **read** its own reply queue, `<job>.reply.<client>`, and its own inference reply queue,
   `<job>.infer-reply.<client>` (split inference, SplitGP), and no other queue.
 

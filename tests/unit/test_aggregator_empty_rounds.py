@@ -13,11 +13,11 @@ import torch
 
 from broker.codec import decode, encode
 from broker.errors import DecodeError
-from broker.messages import Event, WeightsAssignment
+from broker.messages import Event, RoundDropped, WeightsAssignment, WeightsUpdate
 from broker.topology import events_queue
 from services.aggregator import Aggregator
 from services.aggregator.empty import EmptyAttempt, EmptyStreak
-from services.aggregator.gate import OpenRound
+from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict
 from services.aggregator.inbox import decode_kind
 from services.coordinator.membership import MemberInfo
 from services.report.records import ListSink, VersionRecord
@@ -210,3 +210,129 @@ def test_a_poisoned_body_is_refused_as_non_finite() -> None:
         decode(nan_update(fake, assignment))
     assert decode_kind(caught.value.reason) == "non_finite"
     assert decode_kind("truncated prefix") == "undecodable"
+
+
+# --- RoundDropped: a client says it has nothing to send -------------------------------------------
+
+
+def drop_of(
+    client: str,
+    *,
+    round_index: int = 0,
+    version: int = 1,
+    ref: str = "",
+    reason: str = "non_finite",
+) -> RoundDropped:
+    return RoundDropped("j", client, f"drop-{client}", version, round_index, reason, ref)
+
+
+def test_drops_end_an_attempt_at_once_and_count_by_reason() -> None:
+    state = open_round("abc")
+    assert state.offer_drop(drop_of("a")).verdict is Verdict.ACCEPT
+    assert state.offer_drop(drop_of("b", reason="aborted")).verdict is Verdict.ACCEPT
+    assert state.decide(0.0) is Decision.WAIT  # c is still awaited
+    assert state.offer_drop(drop_of("c")).verdict is Verdict.ACCEPT
+    # Every member answered, none with an update: reopen now, not at the deadline.
+    assert state.decide(0.0) is Decision.REOPEN
+    attempt = EmptyAttempt.of(state, {"non_finite": 1})  # and one NaN update dead-lettered
+    assert attempt.counts and attempt.reasons() == "non_finite ×3, aborted ×1"
+    # A replay is idempotent.
+    assert state.offer_drop(drop_of("a")).verdict is Verdict.DUPLICATE
+    assert state.declined == {"a": "non_finite", "b": "aborted", "c": "non_finite"}
+
+
+def test_an_attempt_whose_members_all_declined_or_left_counts() -> None:
+    state = open_round("ab")
+    state.offer_drop(drop_of("a"))
+    state.drop({})  # b expired
+    attempt = EmptyAttempt.of(state, {})
+    assert attempt.counts and attempt.reasons() == "non_finite ×1, gone ×1"
+
+
+def test_a_drop_and_an_update_of_one_member() -> None:
+    state = open_round("ab")
+    state.offer_drop(drop_of("a"))
+    update = WeightsUpdate("j", "a", "u-a", 1, 0, 5, {}, {})
+    # A valid update outweighs the notice (say, a retry that worked)...
+    assert state.offer(update).verdict is Verdict.ACCEPT
+    assert state.declined == {} and set(state.updates) == {"a"}
+    # ...and a notice after an update contradicts it.
+    late = state.offer_drop(drop_of("a"))
+    assert (late.verdict, late.kind) == (Verdict.REJECT, "contradicts_update")
+    assert state.offer_drop(drop_of("b")).verdict is Verdict.ACCEPT
+    assert state.decide(0.0) is Decision.CLOSE
+
+
+@pytest.mark.parametrize(
+    ("drop", "verdict", "kind", "reason"),
+    [
+        (drop_of("x"), Verdict.REJECT, "not_in_cohort", "client 'x' is not in round 0"),
+        (drop_of("a", round_index=1), Verdict.REJECT, "not_open", "round 1 is not open (open: 0)"),
+        (drop_of("a", version=2), Verdict.REJECT, "wrong_version", "based on version 2"),
+        (drop_of("e"), Verdict.LATE, "rejected", "round 0 was reopened without you"),
+        (drop_of("a", ref="old"), Verdict.LATE, "rejected", "an earlier assignment"),
+    ],
+)
+def test_drops_that_do_not_belong_to_the_attempt(
+    drop: RoundDropped, verdict: Verdict, kind: str, reason: str
+) -> None:
+    state = open_round("ab")
+    state.earlier = frozenset({"e"})
+    state.assigned = {"a": "now", "b": "now-b"}
+    offer = state.offer_drop(drop)
+    assert (offer.verdict, offer.kind) == (verdict, kind) and reason in offer.reason
+    assert state.declined == {} and state.waiting() == {"a", "b"}
+    # The notice that answers this attempt's assignment is taken.
+    assert state.offer_drop(drop_of("a", ref="now")).verdict is Verdict.ACCEPT
+
+
+def test_between_rounds_a_drop_is_late_or_premature() -> None:
+    gate = ClosedGate(last=2)
+    assert gate.offer_drop(drop_of("a", round_index=2)).verdict is Verdict.LATE
+    premature = gate.offer_drop(drop_of("a", round_index=3))
+    assert (premature.verdict, premature.kind) == (Verdict.REJECT, "not_open")
+
+
+def always_drop(fake: FakeClient, assignment: WeightsAssignment) -> list[bytes]:
+    drop = RoundDropped(
+        assignment.job,
+        fake.client,
+        f"drop-{fake.client}-{assignment.message_id}",
+        assignment.version,
+        assignment.round,
+        "non_finite",
+        assignment.message_id,
+        "client_weights['w']: holds NaN or infinite values",
+    )
+    return [encode(drop)]
+
+
+def test_clients_that_declare_their_drops_fail_the_job_without_waiting(job: str) -> None:
+    # The clock never moves: only the notices can end the attempts.
+    settings = make_settings(job, rounds={"deadline_s": DEADLINE_S, "max_empty_attempts": 3})
+    j = Job(settings)
+    for fake in j.clients.values():
+        fake.script = always_drop
+    sink = ListSink()
+    aggregator = Aggregator(j.settings, j.backends, sink=sink, clock=ManualClock())
+    failures: list[JobFailedError] = []
+
+    def aggregate(stop: threading.Event) -> None:
+        try:
+            aggregator.run(stop)
+        except JobFailedError as exc:
+            failures.append(exc)
+
+    peers = [client_loop(j.backends, j.name, f) for f in j.clients.values()]
+    peers.append(worker_loop(j.backends, j.name, j.settings.shards, j.worker))
+    with running([*peers, aggregate]):
+        wait_until(lambda: bool(failures), "the job's failure")
+
+    reason = (
+        "3 consecutive attempts at round 0 without one valid update; last reasons: non_finite ×3"
+    )
+    assert [str(f) for f in failures] == [reason]
+    assert sink.status == f"failed: {reason}"
+    assert aggregator.inbox_stats.drops == 9 and aggregator.inbox_stats.dead_lettered == 0
+    for fake in j.clients.values():
+        assert len(fake.assignments()) == 4  # three attempts at round 0, then the dismissal

@@ -16,7 +16,14 @@ from pydantic import ValidationError
 from torch.testing import assert_close
 
 from broker.codec import decode, encode
-from broker.messages import Error, Message, WeightsAssignment, WeightsUpdate, new_message_id
+from broker.messages import (
+    Error,
+    Message,
+    RoundDropped,
+    WeightsAssignment,
+    WeightsUpdate,
+    new_message_id,
+)
 from broker.store import CLIENT_PART, BlobRef
 from broker.topology import CONTROL_EXCHANGE, dead_queue_name, reply_queue_name, updates_routing_key
 from broker.transport import REASON_HEADER, Broker
@@ -27,6 +34,7 @@ from services.algorithms.staleness import TOO_STALE, polynomial
 from services.report.records import ListSink, VersionRecord
 from services.report.staleness import staleness_histogram
 from services.runtime.backends import Backends, Embedded
+from services.runtime.supervise import JobFailedError
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     add_member,
@@ -42,12 +50,13 @@ SAMPLES = {"a": 100, "b": 200, "c": 300}
 
 class AsyncJob:
     def __init__(self, job: str, **sections: dict[str, object]) -> None:
+        asynchronous = {"buffer_size": 2, "max_staleness": 1, **sections.pop("asynchronous", {})}
         self.settings = make_settings(
             job,
             job={"rounds": 3},
             rounds={"mode": "async"},
             algorithm={"name": "fedavg"},
-            asynchronous={"buffer_size": 2, "max_staleness": 1},
+            asynchronous=asynchronous,
             **sections,
         )
         self.job = job
@@ -243,3 +252,47 @@ def test_an_async_job_of_an_algorithm_with_a_step_barrier_is_refused(job: str) -
     backends = Backends(settings.broker, settings.store, Embedded())
     with pytest.raises(ValueError, match="barrier"):
         Aggregator(settings, backends, sink=ListSink(), strategy=build_strategy("minibatch_sfl"))
+
+
+def test_drops_are_counted_and_enough_in_a_row_fail_the_job(job: str) -> None:
+    # One fruitless local round per client (3 clients) in a row fails the job.
+    aj = AsyncJob(job, asynchronous={"max_fruitless_per_client": 1})
+    failures: list[JobFailedError] = []
+
+    def aggregate(stop: threading.Event) -> None:
+        try:
+            aj.aggregator.run(stop)
+        except JobFailedError as exc:
+            failures.append(exc)
+        aj.done.set()
+
+    def drop(client: str, reason: str = "non_finite", message_id: str = "") -> None:
+        notice = RoundDropped(aj.job, client, message_id or new_message_id(), 1, 0, reason)
+        aj.broker.publish(CONTROL_EXCHANGE, updates_routing_key(aj.job), encode(notice))
+
+    try:
+        with running([aggregate]):
+            drop("a")
+            drop("stranger")  # not a member: dead-lettered, not counted
+            aj.send("a", 1, 1.0)  # buffered: the count starts again
+            aj.replies("a", 1)
+            drop("b", "aborted", message_id="once")
+            drop("b", "aborted", message_id="once")  # a redelivery: not counted twice
+            drop("c")
+            assert not aj.done.wait(0.3)  # two in a row so far
+            drop("a")
+            assert aj.done.wait(WAIT_S)
+        reason = (
+            "3 local rounds in a row came to nothing, with no update buffered in between; "
+            "reasons: aborted ×1, non_finite ×2"
+        )
+        assert [str(f) for f in failures] == [reason]
+        assert aj.sink.status == f"failed: {reason}"
+        assert aj.aggregator.inbox_stats.drops == 4
+        assert aj.aggregator.inbox_stats.duplicates == 1
+        assert any("'stranger' is not a member" in r for r in dead_reasons(aj))
+        # Every member is dismissed with the status, as in sync mode.
+        last = [m for m in aj.replies("c", 1) if isinstance(m, WeightsAssignment)]
+        assert last and last[-1].config["status"] == f"failed: {reason}"
+    finally:
+        aj.broker.close()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from broker.memory_broker import InMemoryBroker
@@ -105,6 +107,27 @@ def test_starts_the_minimum_then_waits_for_its_heartbeat_before_growing(job: str
         ("start", "w2", 3),
     ]
     assert auto.running == 3
+
+
+def test_a_hold_is_logged_once_while_only_its_figures_change(
+    job: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool, clock, seen = FakePool(), Clock(), FakeObserver()
+    auto = scaler(job, pool, clock, max_workers=1)
+    auto.step(seen)
+    caplog.set_level(logging.INFO, logger="splitmq.autoscaler")
+    for busy in (0.91, 0.95, 0.97):  # at the maximum, for another reason each time
+        clock.now += 10
+        seen.set(w0=((0, 1, 2), busy))
+        assert auto.step(seen).reason.startswith("at the maximum of 1 (workers ")
+    clock.now += 10
+    seen.set(w0=((0, 1, 2), 0.5))
+    assert auto.step(seen).reason == "within the band"
+    holds = [r.getMessage() for r in caplog.records if "workers, " in r.getMessage()]
+    assert holds == [
+        "autoscaler: 1 workers, at the maximum of 1 (workers 91% busy)",
+        "autoscaler: 1 workers, within the band",
+    ]
 
 
 def test_a_worker_that_never_heartbeats_stops_counting_as_starting(job: str) -> None:

@@ -50,6 +50,7 @@ from broker.messages import (
     Join,
     Leave,
     Message,
+    RoundDropped,
     RoundEnd,
     RoundStart,
     SmashedBatch,
@@ -171,6 +172,11 @@ TABLE: tuple[Row, ...] = (
     Row("updates", "from a client outside the cohort", "is not in round"),
     Row("updates", "late, from a client without a reply queue", "unknown"),
     Row("updates", "a second update of one client (replay)", "", "ignored as a duplicate"),
+    Row("updates", "RoundDropped from a client outside the cohort", "is not in round"),
+    Row("updates", "RoundDropped for a round not open yet", "is not open"),
+    Row("updates", "RoundDropped based on another version", "based on version"),
+    Row("updates", "RoundDropped whose AMQP user_id is someone else", "does not match the AMQP"),
+    Row("updates", "a second RoundDropped of one client (replay)", "", "ignored as a duplicate"),
     # client, reply queue
     Row("reply", "SmashedBatch (wrong type)", "does not belong"),
     Row("reply", "Error of another job", "for job"),
@@ -535,7 +541,8 @@ def test_aggregator_updates_queue(job: str) -> None:
     gate = OpenRound(
         round=0,
         version=1,
-        cohort={"c0": member},
+        # c0 uploads, c2 says it dropped the round.
+        cohort={"c0": member, "c2": MemberInfo("c2", 0, CUT, 10, 2)},
         opened_at=0.0,
         deadline_s=60,
         quorum=1.0,
@@ -559,6 +566,13 @@ def test_aggregator_updates_queue(job: str) -> None:
         fields.update(kw)
         return encode(WeightsUpdate(**fields))
 
+    def dropped(client: str = "c2", **kw: Any) -> bytes:
+        fields: dict[str, Any] = dict(
+            job=job, client=client, message_id=mid(), version=1, round=0, reason="non_finite"
+        )
+        fields.update(kw)
+        return encode(RoundDropped(**fields))
+
     first = next(iter(weights))
     bodies = {
         "Join (wrong type)": encode(Join(job, "c0", mid(), 0, 1)),
@@ -573,13 +587,20 @@ def test_aggregator_updates_queue(job: str) -> None:
         "for a round not open yet": update(round=1),
         "from a client outside the cohort": update("c1"),
         "late, from a client without a reply queue": update("c9"),
+        "RoundDropped from a client outside the cohort": dropped("c1"),
+        "RoundDropped for a round not open yet": dropped(round=1),
+        "RoundDropped based on another version": dropped(version=2),
+    }
+    impostors = {
+        "update whose AMQP user_id is someone else": update(),
+        "RoundDropped whose AMQP user_id is someone else": dropped(),
     }
     mallory = InMemoryBroker(embedded.hub, user="mallory")
     key = updates_routing_key(job)
     for message_id, row in ids("updates").items():
-        if row.case == "update whose AMQP user_id is someone else":
+        if row.case in impostors:
             mallory.publish(
-                CONTROL_EXCHANGE, key, update(), message_id=message_id, user_id="mallory"
+                CONTROL_EXCHANGE, key, impostors[row.case], message_id=message_id, user_id="mallory"
             )
             continue
         body = bodies.get(row.case) or byte_body(row.case, update(), rng)
@@ -587,6 +608,9 @@ def test_aggregator_updates_queue(job: str) -> None:
     valid = update()
     publish(broker, CONTROL_EXCHANGE, key, valid, "valid")
     publish(broker, CONTROL_EXCHANGE, key, valid, "replay")
+    drop = dropped()
+    publish(broker, CONTROL_EXCHANGE, key, drop, "drop")
+    publish(broker, CONTROL_EXCHANGE, key, drop, "drop-replay")
 
     handle = InMemoryBroker(embedded.hub)
     handle.declare([dead_queue(job), updates_queue(job)])
@@ -597,8 +621,9 @@ def test_aggregator_updates_queue(job: str) -> None:
     expected = ids("updates")
     assert_dead_lettered(dead_letters(broker, job), expected)
     assert inbox.stats.dead_lettered == len(expected)
-    assert (inbox.stats.accepted, inbox.stats.duplicates) == (1, 1)
-    assert set(gate.updates) == {"c0"}
+    assert (inbox.stats.accepted, inbox.stats.drops, inbox.stats.duplicates) == (1, 1, 2)
+    assert set(gate.updates) == {"c0"} and gate.declined == {"c2": "non_finite"}
+    assert not gate.waiting()  # everyone answered: the round need not wait for its deadline
 
 
 # --- client: reply queue --------------------------------------------------------------------------

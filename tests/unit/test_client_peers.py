@@ -23,6 +23,7 @@ from broker.messages import (
     Join,
     Leave,
     Message,
+    RoundDropped,
     RoundStart,
     SmashedBatch,
     WeightsAssignment,
@@ -192,6 +193,7 @@ class PeerLog:
     heartbeats: int = 0
     leaves: list[Leave] = field(default_factory=list)
     updates: list[WeightsUpdate] = field(default_factory=list)
+    drops: list[RoundDropped] = field(default_factory=list)
     batches: list[tuple[int, str]] = field(default_factory=list)  # (seq, message_id) delivered
     welcomes: int = 0
     failure: BaseException | None = None
@@ -347,6 +349,9 @@ class ScriptedPeers(threading.Thread):
     # --- aggregator -----------------------------------------------------------------------------
 
     def _update(self, broker: Broker, message: Message) -> None:
+        if isinstance(message, RoundDropped):
+            self.log.drops.append(message)
+            return
         assert isinstance(message, WeightsUpdate)
         self.log.updates.append(message)
         if len(self.log.updates) < self.script.rounds:

@@ -43,6 +43,7 @@ from broker.messages import (
     Join,
     Leave,
     Message,
+    RoundDropped,
     RoundEnd,
     RoundStart,
     SmashedBatch,
@@ -137,6 +138,8 @@ def all_messages() -> list[Message]:
                 metrics={"accuracy": 0.75, "loss": float("nan")},
             )
         ),
+        RoundDropped(**common(round=4, reason="non_finite", ref_message_id="a1", detail="NaN")),
+        RoundDropped(**common(round=0, reason="aborted")),
         WeightsAssignment(
             **common(
                 round=5,
@@ -504,6 +507,16 @@ def test_wrong_field_values(field: str, value: object, reason: str) -> None:
     assert (
         reason_of(forged(Join(**common(samples=1)), lambda h: h.update({field: value}))) == reason
     )
+
+
+def test_a_round_dropped_reason_is_one_of_the_known_kinds() -> None:
+    # The aggregator counts drops by reason and quotes the counts: no free text there.
+    message = RoundDropped(**common(round=1, reason="non_finite"))
+    assert reason_of(forged(message, lambda h: h.update(reason="oops"))) == (
+        "RoundDropped.reason: 'oops' is not one of ['aborted', 'non_finite']"
+    )
+    with pytest.raises(EncodeError, match="is not one of"):
+        encode(RoundDropped(**common(round=1, reason="")))
 
 
 def test_wrong_scalar_types_in_other_kinds() -> None:

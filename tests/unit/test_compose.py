@@ -32,6 +32,8 @@ RABBITMQ_CONF = COMPOSE_DIR / "rabbitmq.conf"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 ROLES = ("coordinator", "aggregator", "worker", "client")
+# `splitmq autoscale` with the Docker backend, in the `autoscale` profile.
+AUTOSCALER = "autoscaler"
 SCALED = ("worker", "client")
 CONTAINER_CONFIG = "/etc/splitmq/job.toml"
 
@@ -175,10 +177,12 @@ def gpu() -> dict[str, Any]:
 def test_required_services_are_defined(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert {"rabbitmq", "redis", *ROLES} <= set(services)
-    assert {name for name, _ in role_services(compose)} == set(ROLES)
-    # One image for every role: the same tag and the same build.
-    images = {service["image"] for _, service in role_services(compose)}
-    builds = {repr(service["build"]) for _, service in role_services(compose)}
+    assert {name for name, _ in role_services(compose)} == {*ROLES, AUTOSCALER}
+    # One image for every role: the same tag and the same build (the autoscaler's own image,
+    # with the Docker SDK, is checked below).
+    roles = [service for name, service in role_services(compose) if name != AUTOSCALER]
+    images = {service["image"] for service in roles}
+    builds = {repr(service["build"]) for service in roles}
     assert len(images) == 1 and len(builds) == 1
     build = next(iter(role_services(compose)))[1]["build"]
     assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
@@ -326,6 +330,8 @@ def test_infrastructure_services(compose: dict[str, Any]) -> None:
     command = redis["command"]
     command = command.split() if isinstance(command, str) else command
     assert command[command.index("--appendonly") + 1] == "yes"
+    # Acked checkpoints and announced versions must survive a crash (docs/reliability.md).
+    assert command[command.index("--appendfsync") + 1] == "always"
     assert any(v.split(":")[0] in compose["volumes"] for v in redis["volumes"])
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     # Redis is internal (design §3): never published on the host.
@@ -544,6 +550,7 @@ def test_hostnet_roles_reach_the_stacks_own_rabbitmq_and_redis(
     port = int(command[command.index("--port") + 1])
     assert (redis.hostname, redis.port) == ("127.0.0.1", port) and port != 6379
     assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "-p", str(port), "ping"]
     # The merged service still runs a command the CLI accepts.
     name, _ = parse_cli(Mounts.of(service, tmp_path).translate(service["command"]))
@@ -665,3 +672,124 @@ def test_role_subcommands_answer_help(compose: dict[str, Any], role: str) -> Non
         result = CliRunner().invoke(cli, [subcommand, "--help"], prog_name="splitmq")
         assert result.exit_code == 0, (argv, result.output)
         assert f"Usage: splitmq {subcommand} " in result.output
+
+
+# --- the autoscaler service (--profile autoscale) ---------------------------------------------
+
+
+def test_autoscaler_command_is_accepted_by_the_cli(compose: dict[str, Any], tmp_path: Path) -> None:
+    service = compose["services"][AUTOSCALER]
+    argv = service["command"]
+    assert argv == ["autoscale", CONTAINER_CONFIG]
+    mounts = Mounts.of(service, tmp_path)
+    name, ctx = parse_cli(mounts.translate(argv))
+    assert name == "autoscale"
+    assert mounts.host(CONTAINER_CONFIG) == JOB_TOML.resolve()
+    assert [Path(v).resolve() for v in ctx.params.values() if isinstance(v, Path)] == [
+        JOB_TOML.resolve()
+    ]
+    # It copies running worker containers, so it waits for a healthy worker.
+    assert service["depends_on"]["worker"]["condition"] == "service_healthy"
+
+
+def test_autoscaler_is_off_unless_its_profile_is_enabled(compose: dict[str, Any]) -> None:
+    assert compose["services"][AUTOSCALER]["profiles"] == ["autoscale"]
+    for name, service in compose["services"].items():
+        assert name == AUTOSCALER or "profiles" not in service, name
+
+
+def test_autoscaler_sizes_this_projects_worker_service(compose: dict[str, Any]) -> None:
+    service = compose["services"][AUTOSCALER]
+    settings = service_settings(service)
+    section = settings.autoscaler
+    assert section.backend == "docker"
+    assert section.docker_service == "worker" and "worker" in compose["services"]
+    assert section.docker_project == "splitmq"  # the project the docs start
+    named = load_compose(BASE_FILE, {"COMPOSE_PROJECT_NAME": "team-a"})
+    assert service_settings(named["services"][AUTOSCALER]).autoscaler.docker_project == "team-a"
+    # The same broker, store and job as the workers it sizes.
+    worker = service_settings(compose["services"]["worker"])
+    assert settings.broker == worker.broker and settings.store == worker.store
+    assert settings.job.name == worker.job.name
+
+
+def test_autoscaler_reaches_the_docker_socket(compose: dict[str, Any]) -> None:
+    service = compose["services"][AUTOSCALER]
+    assert "/var/run/docker.sock:/var/run/docker.sock" in service["volumes"]
+    # The socket is root:docker 660: root unless told the socket's group.
+    assert service["user"] == "root"
+    tuned = load_compose(BASE_FILE, {"SPLITMQ_AUTOSCALER_USER": "10001:998"})
+    assert tuned["services"][AUTOSCALER]["user"] == "10001:998"
+    # No other service gets the socket.
+    for name, other in compose["services"].items():
+        if name != AUTOSCALER:
+            assert not any("docker.sock" in str(v) for v in other.get("volumes", [])), name
+
+
+def test_autoscaler_image_adds_the_docker_sdk_to_the_roles_build(compose: dict[str, Any]) -> None:
+    service = compose["services"][AUTOSCALER]
+    worker = compose["services"]["worker"]
+    args = service["build"]["args"]
+    assert args["EXTRAS"] == "docker"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(
+        d.startswith("docker") for d in pyproject["project"]["optional-dependencies"]["docker"]
+    )
+    # Otherwise the roles' build, so the torch layers are shared, under a tag of its own.
+    assert {k: v for k, v in args.items() if k != "EXTRAS"} == {
+        k: v for k, v in worker["build"]["args"].items() if k != "EXTRAS"
+    }
+    assert {k: v for k, v in service["build"].items() if k != "args"} == {
+        k: v for k, v in worker["build"].items() if k != "args"
+    }
+    assert service["image"] == f"{worker['image']}-autoscaler"
+    # The extra is declared after the torch layers (an ARG changes every later RUN's cache key).
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    assert lines.index('ARG EXTRAS=""') > next(
+        i for i, line in enumerate(lines) if line.startswith("RUN pip install --index-url")
+    )
+
+
+def test_autoscaler_subcommand_answers_help() -> None:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli, ["autoscale", "--help"], prog_name="splitmq")
+    assert result.exit_code == 0, result.output
+    assert "Usage: splitmq autoscale " in result.output
+
+
+def test_hostnet_autoscaler_reaches_the_stacks_own_rabbitmq_and_redis(
+    hostnet: dict[str, Any], tmp_path: Path
+) -> None:
+    services = hostnet["services"]
+    autoscaler = service_settings(services[AUTOSCALER])
+    worker = service_settings(services["worker"])
+    assert autoscaler.broker.amqp_url == worker.broker.amqp_url
+    assert autoscaler.store.redis_url == worker.store.redis_url
+    assert urlparse(autoscaler.broker.amqp_url).port != 5672
+    assert services[AUTOSCALER]["network_mode"] == "host"
+    name, _ = parse_cli(
+        Mounts.of(services[AUTOSCALER], tmp_path).translate(["autoscale", CONTAINER_CONFIG])
+    )
+    assert name == "autoscale"
+
+
+def test_smoke_autoscaler_settings_match_the_script() -> None:
+    script = smoke_settings()
+    settings = load_settings(SMOKE_TOML, {})
+    section = settings.autoscaler
+    assert section.backend == "docker"
+    assert section.docker_project == script["PROJECT"]
+    # The script exports the project name, which the compose file hands to the autoscaler.
+    assert "export COMPOSE_PROJECT_NAME=$PROJECT" in SMOKE_SH.read_text()
+    assert (section.min_workers, section.max_workers) == (
+        int(script["AUTOSCALE_MIN"]),
+        int(script["AUTOSCALE_MAX"]),
+    )
+    # The maximum is reachable (the autoscaler never runs more workers than shards) and is
+    # more than the minimum, or the phase would show nothing.
+    assert section.min_workers < section.max_workers <= settings.shards
+    assert script["EXTRAS"] == "docker"
+    # Short enough for a phase of minutes: hand-over within a lease, quick decisions.
+    assert settings.workers.lease_ttl_s <= 10
+    assert section.cooldown_s <= 10 and section.scale_down_after_s <= 30
