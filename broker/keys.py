@@ -93,6 +93,11 @@ def members_info_key(job: str) -> str:
     return job_prefix(job) + "members:info"
 
 
+def status_key(job: str) -> str:
+    """Hash: how the job ended (`state`, `detail`); absent while it runs."""
+    return job_prefix(job) + "status"
+
+
 def lease_key(job: str, name: str) -> str:
     return job_prefix(job) + f"lease:{validate_name('lease name', name)}"
 

@@ -20,7 +20,7 @@ from broker.errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from broker.store import NO_VERSION, BlobRef, Checkpoint, Manifest, Member
+from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, Member
 from broker.store_codec import (
     PreparedBlob,
     decode_meta,
@@ -73,6 +73,7 @@ class _JobState:
     checkpoints: dict[int, _StoredCheckpoint] = field(default_factory=dict)
     members: dict[str, Member] = field(default_factory=dict)
     leases: dict[str, _Lease] = field(default_factory=dict)
+    status: JobStatus | None = None
 
     def sweep(self, now: float) -> None:
         """Forget everything whose expiry has passed (Redis does this by itself)."""
@@ -320,6 +321,19 @@ class InMemoryWeightStore(PublishingStore):
         with self._lock:
             lease = self._state(job).leases.get(name)
         return None if lease is None else lease.owner
+
+    # --- how the job ended --------------------------------------------------------------------
+    def set_job_status(self, job: str, status: JobStatus) -> None:
+        with self._lock:  # frozen: stored as given
+            self._state(job, create=True).status = status
+
+    def job_status(self, job: str) -> JobStatus | None:
+        with self._lock:
+            return self._state(job).status
+
+    def clear_job_status(self, job: str) -> None:
+        with self._lock:
+            self._state(job).status = None
 
     # --- operations ---------------------------------------------------------------------------
     def delete_job(self, job: str) -> None:

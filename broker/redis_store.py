@@ -28,7 +28,15 @@ from broker.errors import (
     VersionConflictError,
     VersionNotFoundError,
 )
-from broker.store import NO_VERSION, BlobRef, Checkpoint, Manifest, ManifestEntry, Member
+from broker.store import (
+    NO_VERSION,
+    BlobRef,
+    Checkpoint,
+    JobStatus,
+    Manifest,
+    ManifestEntry,
+    Member,
+)
 from broker.store_codec import (
     BLOB_FIELD_PREFIX,
     PreparedBlob,
@@ -397,6 +405,31 @@ class RedisWeightStore(PublishingStore):
         with _redis_errors("lease owner"):
             raw = self._redis.get(keys.lease_key(job, name))
         return None if raw is None else _text(raw)
+
+    # --- how the job ended --------------------------------------------------------------------
+    def set_job_status(self, job: str, status: JobStatus) -> None:
+        key = keys.status_key(job)
+        with _redis_errors("set job status"):
+            # One MULTI/EXEC: a reader never sees a new state with an old detail.
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.hset(key, mapping={"state": status.state, "detail": status.detail})
+            pipe.execute()
+
+    def job_status(self, job: str) -> JobStatus | None:
+        key = keys.status_key(job)
+        with _redis_errors("job status"):
+            fields = _hash(self._redis.hgetall(key))
+        if not fields:
+            return None
+        try:
+            return JobStatus(_text(fields[b"state"]), _text(fields.get(b"detail", b"")))
+        except (KeyError, ValueError) as exc:
+            raise StoreError(f"malformed job status {key}: {exc!r}") from exc
+
+    def clear_job_status(self, job: str) -> None:
+        with _redis_errors("clear job status"):
+            self._redis.delete(keys.status_key(job))
 
     # --- operations ---------------------------------------------------------------------------
     def delete_job(self, job: str) -> None:

@@ -6,9 +6,11 @@ exponential backoff, logs when the store is back, and re-raises once a call has 
 
 Why each retry is safe (docs/reliability.md "Redis restart"):
 - reads (`current_version`, `manifest`, `read_blob`, `versions`, `load_checkpoint`,
-  `live_members`, `lease_owner`) change nothing, apart from pruning expired members;
-- `save_checkpoint`, `heartbeat`, `remove_member`, `release_lease`, `delete_job` replace or
-  delete by key, so running them twice leaves what running them once does;
+  `live_members`, `lease_owner`, `job_status`) change nothing, apart from pruning expired
+  members;
+- `save_checkpoint`, `heartbeat`, `remove_member`, `release_lease`, `set_job_status`,
+  `clear_job_status`, `delete_job` replace or delete by key, so running them twice leaves what
+  running them once does;
 - `acquire_lease` takes or renews the lease for the same owner: a retry after a lost reply
   finds the lease already ours and renews it;
 - `publish_version` is a compare-and-set, and its outcome after a disconnect is unknown. A blind
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from broker.errors import StoreUnavailableError, VersionConflictError, VersionNotFoundError
-from broker.store import BlobRef, Checkpoint, Manifest, Member, Weights, WeightStore
+from broker.store import BlobRef, Checkpoint, JobStatus, Manifest, Member, Weights, WeightStore
 
 if TYPE_CHECKING:
     import torch
@@ -218,6 +220,16 @@ class ResilientStore:
 
     def lease_owner(self, job: str, name: str) -> str | None:
         return self._call("lease_owner", lambda: self._inner.lease_owner(job, name))
+
+    # --- how the job ended --------------------------------------------------------------------
+    def set_job_status(self, job: str, status: JobStatus) -> None:
+        self._call("set_job_status", lambda: self._inner.set_job_status(job, status))
+
+    def job_status(self, job: str) -> JobStatus | None:
+        return self._call("job_status", lambda: self._inner.job_status(job))
+
+    def clear_job_status(self, job: str) -> None:
+        self._call("clear_job_status", lambda: self._inner.clear_job_status(job))
 
     # --- operations ---------------------------------------------------------------------------
     def delete_job(self, job: str) -> None:

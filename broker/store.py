@@ -75,6 +75,36 @@ class Checkpoint:
     saved_at: float = 0.0
 
 
+# Job states of a `JobStatus`: the job is over, either way.
+JOB_FINISHED = "finished"
+JOB_FAILED = "failed"
+JOB_STATES = (JOB_FINISHED, JOB_FAILED)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """How a job ended, recorded by its aggregator before it dismisses the members.
+
+    A job without one is running (or not started). It lives with the job's other keys, so
+    `delete_job` (what `splitmq up --fresh` runs) forgets it, and seeding version 1 clears it:
+    a job without any version is a new one.
+    """
+
+    state: str  # JOB_FINISHED or JOB_FAILED
+    detail: str = ""  # why it failed ("" when finished)
+
+    def __post_init__(self) -> None:
+        if self.state not in JOB_STATES:
+            raise ValueError(f"job state must be one of {JOB_STATES}, got {self.state!r}")
+
+    @property
+    def text(self) -> str:
+        """The status as a run reports it: "finished" or "failed: <detail>"."""
+        if self.state == JOB_FAILED:
+            return f"{JOB_FAILED}: {self.detail or 'no reason given'}"
+        return self.state
+
+
 @dataclass(frozen=True)
 class Member:
     member_id: str
@@ -154,6 +184,19 @@ class WeightStore(Protocol):
         ...
 
     def lease_owner(self, job: str, name: str) -> str | None: ...
+
+    # --- how the job ended --------------------------------------------------------------------
+    def set_job_status(self, job: str, status: JobStatus) -> None:
+        """Record that the job ended (replaces an earlier record whole)."""
+        ...
+
+    def job_status(self, job: str) -> JobStatus | None:
+        """How the job ended; None while it runs (or never ran)."""
+        ...
+
+    def clear_job_status(self, job: str) -> None:
+        """Forget how the job ended: a new run of the same job name starts (version 1)."""
+        ...
 
     # --- operations ---------------------------------------------------------------------------
     def delete_job(self, job: str) -> None:

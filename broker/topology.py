@@ -194,6 +194,12 @@ def client_infer_reply_queue(job: str, client: str) -> QueueSpec:
     )
 
 
+def client_queue_names(job: str, client: str) -> list[str]:
+    """The queues kept for one client across connections: its training reply queue and its
+    provisioned (durable) split-inference reply queue; what removing the client removes."""
+    return [reply_queue_name(job, client), infer_reply_queue_name(job, client)]
+
+
 def job_queues(job: str, shards: int, limits: QueueLimits | None = None) -> list[QueueSpec]:
     """The server-side queues of a job: dead letters first, so rejected messages have a home."""
     specs = [dead_queue(job), control_queue(job), updates_queue(job)]

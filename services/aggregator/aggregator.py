@@ -9,9 +9,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from broker.store import WeightStore
+from broker.store import JOB_FAILED, JobStatus, WeightStore
 from broker.topology import QueueLimits, job_queues, updates_queue_name
-from services.aggregator.bootstrap import ensure_initial_version
+from broker.transport import Broker
+from services.aggregator.bootstrap import ended_job, ensure_initial_version
 from services.aggregator.buffered import AsyncStats, BufferedDriver
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.inbox import InboxStats, UpdateInbox
@@ -76,46 +77,18 @@ class Aggregator:
         Returns early when `stop` is set (the sink is told "stopped"); a failure of the broker
         or the store propagates after the sink is told "failed: ...". Rounds that cannot make
         progress (`rounds.max_empty_attempts`) dismiss the clients and raise `JobFailedError`.
+        A job that ended before this aggregator started (its store records a `JobStatus`) is
+        left as it is: nothing is published, and the run ends as the job did.
         """
         # In the secured mode its round markers carry its AMQP user, which workers check.
         broker = service_stamped(self._backends.open_broker("aggregator"), self._settings)
         store = self._backends.open_store()
         try:
-            limits = QueueLimits(
-                self._settings.broker.shard_queue_max_length,
-                self._settings.broker.shard_queue_max_bytes,
-            )
-            broker.declare(job_queues(self.job, self._settings.shards, limits))
-            prefetch = self._settings.clients.count + _PREFETCH_SLACK
-            broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
-            outbox = Outbox(broker, self.job, self._log)
-            inbox = UpdateInbox(
-                broker,
-                outbox,
-                self.job,
-                self._log,
-                self.inbox_stats,
-                metrics=self._backends.metrics,
-                senders=sender_check(self._settings),
-            )
-            driver = RoundDriver(
-                self._settings,
-                store,
-                outbox,
-                inbox,
-                self._strategy,
-                stats=self.round_stats,
-                sink=self._sink,
-                evaluator=self._evaluator,
-                clock=self._clock,
-                stop=stop,
-                logger=self._log,
-                poll_s=self._poll_s,
-            )
-            if self._settings.asynchronous_mode:
-                records, status = self._buffered(store, outbox, inbox, stop)
+            ended = ended_job(store, self.job)
+            if ended is not None:
+                records, status = self._already_ended(ended)
             else:
-                records, status = self._rounds(store, driver, stop)
+                records, status = self._drive(broker, store, stop)
         except JobFailedError as exc:  # ended by decision; the clients were dismissed
             self._sink.finish(f"failed: {exc}")
             raise
@@ -127,6 +100,58 @@ class Aggregator:
             store.close()
         self._sink.finish(status)
         return records
+
+    def _already_ended(self, ended: JobStatus) -> tuple[list[VersionRecord], str]:
+        """A restart after the end (compose, `splitmq aggregator` again): reopening rounds would
+        only wait for clients that were dismissed. A failed job fails this run the same way."""
+        self._log.warning(
+            "job %s already ended (%s): not resuming it; delete the job's keys to run it again "
+            "(`splitmq up` does, compose `down -v`)",
+            self.job,
+            ended.text,
+        )
+        if ended.state == JOB_FAILED:
+            raise JobFailedError(ended.detail)
+        return [], ended.text
+
+    def _drive(
+        self, broker: Broker, store: WeightStore, stop: threading.Event
+    ) -> tuple[list[VersionRecord], str]:
+        """Declare and subscribe, then the sync or the async clock until the job's end."""
+        limits = QueueLimits(
+            self._settings.broker.shard_queue_max_length,
+            self._settings.broker.shard_queue_max_bytes,
+        )
+        broker.declare(job_queues(self.job, self._settings.shards, limits))
+        prefetch = self._settings.clients.count + _PREFETCH_SLACK
+        broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
+        outbox = Outbox(broker, self.job, self._log)
+        inbox = UpdateInbox(
+            broker,
+            outbox,
+            self.job,
+            self._log,
+            self.inbox_stats,
+            metrics=self._backends.metrics,
+            senders=sender_check(self._settings),
+        )
+        driver = RoundDriver(
+            self._settings,
+            store,
+            outbox,
+            inbox,
+            self._strategy,
+            stats=self.round_stats,
+            sink=self._sink,
+            evaluator=self._evaluator,
+            clock=self._clock,
+            stop=stop,
+            logger=self._log,
+            poll_s=self._poll_s,
+        )
+        if self._settings.asynchronous_mode:
+            return self._buffered(store, outbox, inbox, stop)
+        return self._rounds(store, driver, stop)
 
     def _buffered(
         self, store: WeightStore, outbox: Outbox, inbox: UpdateInbox, stop: threading.Event

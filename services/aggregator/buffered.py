@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 from broker.errors import UnroutableError, VersionConflictError, VersionNotFoundError
 from broker.messages import WeightsAssignment, new_message_id
-from broker.store import CLIENT_PART, SERVER_PART, BlobRef, WeightStore
+from broker.store import (
+    CLIENT_PART,
+    JOB_FAILED,
+    JOB_FINISHED,
+    SERVER_PART,
+    BlobRef,
+    JobStatus,
+    WeightStore,
+)
 from services.aggregator.async_gate import AsyncGate, Buffered
 from services.aggregator.closing import read_version
 from services.aggregator.evaluation import Evaluator
@@ -335,7 +343,10 @@ class BufferedDriver:
         self._gate.take()
         self._gate.owed.clear()
         self._inbox.release()
-        status = f"failed: {reason}"
+        ended = JobStatus(JOB_FAILED, reason)
+        status = ended.text
+        # Before the members are read: a later joiner is dismissed by the coordinator.
+        self._store.set_job_status(self._job, ended)
         members = sorted(client_members(self._store, self._job))
         dismiss(self._outbox, self._settings, version, members, self._log, status=status)
         self._outbox.event(
@@ -349,9 +360,12 @@ class BufferedDriver:
         self.stats.unfolded_at_end += len(self._gate.take())
         self._gate.owed.clear()
         self._inbox.release()
+        self._store.set_job_status(self._job, JobStatus(JOB_FINISHED))  # before the members
         members = sorted(client_members(self._store, self._job))
         dismiss(self._outbox, self._settings, version, members, self._log)
-        self._outbox.event("job_finished", version, {"rounds": self._settings.job.rounds})
+        self._outbox.event(
+            "job_finished", version, {"rounds": self._settings.job.rounds, "status": JOB_FINISHED}
+        )
         self._log.info(
             "job %s: finished after %d versions (version %d, %d updates left unfolded)",
             self._job,

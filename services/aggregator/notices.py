@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from broker.errors import UnroutableError
 from broker.messages import ConfigValue, RoundEnd, RoundStart, WeightsAssignment, new_message_id
 from services.config.root import Settings
-from services.coordinator.handout import WeightsCache, client_config
+from services.coordinator.handout import WeightsCache, client_config, dismissal
 from services.coordinator.membership import MemberInfo
 from services.coordinator.outbox import Outbox
 
@@ -91,10 +91,6 @@ def assign_round(
     return out
 
 
-# Longest job status a dismissal carries (a failure's reasons are short; this bounds them).
-_STATUS_CHARS = 500
-
-
 def dismiss(
     outbox: Outbox,
     settings: Settings,
@@ -106,13 +102,8 @@ def dismiss(
 ) -> None:
     """The job is over: `participate=False, finished` to each client, with the job's `status`
     ("finished", or "failed: <reason>")."""
-    job, rounds = settings.job.name, settings.job.rounds
-    config: dict[str, ConfigValue] = {"finished": True, "status": status[:_STATUS_CHARS]}
     for client in clients:
-        done = WeightsAssignment(
-            job, client, new_message_id(), version, rounds, False, {}, {}, config
-        )
         try:
-            outbox.reply(client, done)
+            outbox.reply(client, dismissal(settings, client, version, status))
         except UnroutableError:
-            logger.info("job %s: finished client %s has no reply queue", job, client)
+            logger.info("job %s: finished client %s has no reply queue", settings.job.name, client)

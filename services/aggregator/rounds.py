@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.errors import VersionConflictError
-from broker.store import WeightStore
+from broker.store import JOB_FAILED, JOB_FINISHED, JobStatus, WeightStore
 from services.aggregator.closing import aggregate_and_publish
 from services.aggregator.cohort import sample_cohort
 from services.aggregator.empty import EmptyAttempt, EmptyStreak
@@ -317,6 +317,9 @@ class RoundDriver:
     def finish(self, version: int) -> None:
         """Tell every live member the job is over (architecture step 7)."""
         rounds = self._settings.job.rounds
+        # Recorded before the members are read: a client that joins after this read is
+        # dismissed by the coordinator, which reads the record after writing the member.
+        self._store.set_job_status(self._job, JobStatus(JOB_FINISHED))
         members = sorted(client_members(self._store, self._job))
         dismiss(self._outbox, self._settings, version, members, self._log)
         self._outbox.event("job_finished", version, {"rounds": rounds, "status": "finished"})
@@ -325,7 +328,10 @@ class RoundDriver:
     def fail(self, version: int, reason: str) -> None:
         """End the job as failed: every live member is dismissed as when it finishes, with the
         status in the dismissal, so clients stop the same way."""
-        status = f"failed: {reason}"
+        ended = JobStatus(JOB_FAILED, reason)
+        status = ended.text
+        # Before the members are read, as in `finish`.
+        self._store.set_job_status(self._job, ended)
         members = sorted(client_members(self._store, self._job))
         dismiss(self._outbox, self._settings, version, members, self._log, status=status)
         self._outbox.event(

@@ -5,19 +5,28 @@ else the least busy, else the newest. A worker counts as starting from its start
 first heartbeat is in the store (or `start_grace_s` passed: a FedAvg worker never heartbeats,
 having nothing to serve), and as stopping until the backend saw it exit; meanwhile the policy
 holds, so nothing is decided on a picture that is about to change.
+
+Each poll that completes refreshes the health key `health:autoscaler:<instance>`
+(`services.runtime.health`, read by `splitmq check autoscaler`): from the loop itself, not a
+thread of its own as the other roles do, so an autoscaler that cannot observe or act (Redis,
+RabbitMQ or Docker unreachable, a call that hangs) goes unhealthy once the key expires.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from broker.errors import SplitMQError
+from broker.store import WeightStore
 from broker.topology import QueueLimits
 from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.observer import Observer, Snapshot
@@ -25,8 +34,10 @@ from services.autoscaler.policy import Decision, Limits, Observation, PolicyStat
 from services.autoscaler.pool import PoolWorker, WorkerPool
 from services.config.root import Settings
 from services.runtime.backends import Backends
+from services.runtime.health import TTL_S, health_member
 
 Action = Literal["start", "stop", "exited"]
+ROLE = "autoscaler"
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -53,6 +64,7 @@ class Autoscaler:
         pool: WorkerPool,
         *,
         start_grace_s: float = 300.0,
+        instance: str = ROLE,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -68,6 +80,10 @@ class Autoscaler:
         self._log = logger or logging.getLogger("splitmq.autoscaler")
         self._started: dict[str, float] = {}  # started by us, no heartbeat seen yet
         self._last_reason = ""
+        self._health = health_member(ROLE, instance)
+        self._health_info = {"host": socket.gethostname(), "pid": str(os.getpid())}
+        # A few polls' worth at least: a slow poll_s must not read as a dead autoscaler.
+        self._health_ttl_s = max(TTL_S, 3 * settings.autoscaler.poll_s)
 
     def run(self, stop: threading.Event) -> list[ScalingEvent]:
         """Until `stop`; then the pool is closed (local workers stop, containers stay)."""
@@ -81,9 +97,15 @@ class Autoscaler:
                 settings.autoscaler.max_workers,
             )
         try:
-            broker = self._backends.open_broker("splitmq-autoscaler")
-            store = self._backends.open_store()
-            try:
+            with ExitStack() as closing:  # closes each of them, last opened first
+                broker = self._backends.open_broker("splitmq-autoscaler")
+                closing.callback(broker.close)
+                store = self._backends.open_store()
+                closing.callback(store.close)
+                # The health key must lapse during an outage, and removing it at exit must not
+                # wait one out: a raw store for it, as the other roles' health beats use.
+                health = self._backends.open_store(wait=False)
+                closing.callback(self._forget_health, health)
                 limits = QueueLimits(
                     settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
                 )
@@ -91,19 +113,26 @@ class Autoscaler:
                 while not stop.is_set():
                     try:
                         self.step(observer)
+                        health.heartbeat(
+                            settings.job.name, self._health, self._health_ttl_s, self._health_info
+                        )
                     except (SplitMQError, DockerUnavailableError) as exc:
                         self._log.warning("autoscaler: %s; trying again", exc)
                     stop.wait(settings.autoscaler.poll_s)
-            finally:
-                try:
-                    broker.close()
-                finally:
-                    store.close()
         finally:
             self.pool.close()
             for exited in self.pool.reap():
                 self._record("exited", exited.name, f"exit code {exited.code}")
         return self.events
+
+    def _forget_health(self, store: WeightStore) -> None:
+        """Remove the health key (a stopped autoscaler is not alive), then close the store."""
+        try:
+            store.remove_member(self.settings.job.name, self._health)
+        except SplitMQError:
+            pass  # it expires on its own
+        finally:
+            store.close()
 
     def step(self, observer: SnapshotSource) -> Decision:
         now = self._clock()

@@ -73,4 +73,7 @@ def autoscale(
         pool = make_pool(settings, path, log_dir)
         stop = threading.Event()
         with stop_on_signals(stop):
-            Autoscaler(settings, Backends(settings.broker, settings.store), pool).run(stop)
+            backends = Backends(settings.broker, settings.store)
+            # `splitmq check autoscaler` (the compose healthcheck) reads its health key.
+            instance = default_member_id("autoscaler-")
+            Autoscaler(settings, backends, pool, instance=instance).run(stop)

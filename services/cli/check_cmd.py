@@ -1,7 +1,8 @@
 """`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why.
 
-coordinator, aggregator and worker are healthy while their health key
-(`services.runtime.health`) is live in the store: by default one refreshed from this host (a
+coordinator, aggregator, worker and autoscaler are healthy while their health key
+(`services.runtime.health`; the autoscaler refreshes its own after each poll) is live in the
+store: by default one refreshed from this host (a
 container's hostname is its own), or the instance named with `--id`, or any with `--anywhere`.
 A client, which holds no store credentials, is healthy while its health file on this machine
 is fresh (`services.runtime.health_file`).
@@ -22,7 +23,7 @@ from services.runtime.doctor import check_broker, check_store
 from services.runtime.health import Verdict, assess
 from services.runtime.health_file import assess_files
 
-ROLES = ("coordinator", "aggregator", "worker", "client")
+ROLES = ("coordinator", "aggregator", "worker", "autoscaler", "client")
 PROBED = ("broker", "store")
 
 
@@ -61,13 +62,14 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
 
 @click.command()
 @click.argument("role", type=click.Choice([*ROLES, *PROBED]))
-@click.option("--id", "instance", default=None, help="Check this instance (worker or client id).")
+@click.option("--id", "instance", default=None, help="Check this instance (its id).")
 @click.option("--anywhere", is_flag=True, help="Any live instance, not only one on this host.")
 @click.pass_obj
 def check(group: _HasSettings, role: str, instance: str | None, anywhere: bool) -> None:
     """Exit 0 if ROLE is healthy, 1 if not, with the reason on one line.
 
-    ROLE is a role (coordinator, aggregator, worker: is its health key live in the store?
+    ROLE is a role (coordinator, aggregator, worker, autoscaler: is its health key live in
+    the store?
     client: is its health file on this machine fresh?) or a service (broker, store: does it
     answer?). Made for container healthchecks:
 

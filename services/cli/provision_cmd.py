@@ -42,7 +42,12 @@ from services.security.provision import client_names, provision, revoke, vhost_o
     help="The AMQP URL clients connect to (default: the config's broker.amqp_url); "
     "its credentials are replaced by each client's.",
 )
-@click.option("--revoke", "revoke_users", is_flag=True, help="Delete these users instead.")
+@click.option(
+    "--revoke",
+    "revoke_users",
+    is_flag=True,
+    help="Delete these users and their reply queues instead.",
+)
 def provision_clients(
     config: Path | None,
     count: int,
@@ -71,15 +76,15 @@ def provision_clients(
         admin = pick_admin(admin_kind, settings.broker.amqp_url, management_url)
     except (ValueError, AdminError) as exc:
         raise click.ClickException(str(exc)) from None
-    if revoke_users:
-        try:
-            revoke(admin, names)
-        except AdminError as exc:
-            raise click.ClickException(str(exc)) from None
-        click.echo(f"deleted {len(names)} users with {admin.name}: {', '.join(names)}")
-        return
     broker = Backends(settings.broker, settings.store).open_broker("splitmq-provision")
     try:
+        if revoke_users:
+            revoke(admin, broker, job=job, clients=names)
+            click.echo(
+                f"deleted {len(names)} users with {admin.name} and their reply queues: "
+                f"{', '.join(names)}"
+            )
+            return
         written = provision(
             admin,
             broker,

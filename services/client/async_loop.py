@@ -8,6 +8,12 @@ it at once. When a worker refuses its smashed data as too stale (`StaleWeights`)
 round fails otherwise, the local round is dropped and the client asks for the newest weights
 by joining again (a live member's Join is answered with a Welcome of the current version).
 If no answer comes within `answer_timeout_s`, it asks the same way.
+
+A client whose partition holds no training samples trains and uploads nothing (its updates
+would report 0 samples, which the aggregator refuses as `no_samples`): it says so once and
+stays a member, as in sync mode, where such members are left out of every cohort, until the
+job's end dismisses it. Leaving early instead would read as a client that quit (and a
+supervisor restarting it would only have it join and leave again).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class AsyncLoop:
         runner: RoundRunner,
         member: Membership,
         stats: ClientStats,
+        samples: int,
         rejoin: Callable[[], object],
         note: Callable[[Message], None],
         answer_timeout_s: float,
@@ -83,6 +90,7 @@ class AsyncLoop:
         self._runner = runner
         self._member = member
         self._stats = stats
+        self._samples = samples  # training samples of the member's partition
         self._rejoin = rejoin
         self._note = note
         self._answer_timeout_s = answer_timeout_s
@@ -91,6 +99,9 @@ class AsyncLoop:
 
     def run(self, welcome: Welcome) -> None:
         """Train until the job is over (returns) or the client is stopped (raises)."""
+        if self._samples == 0:
+            self._idle()
+            return
         base: Base | None = Base.of(welcome, 0)
         local = 0
         while base is not None:
@@ -168,6 +179,33 @@ class AsyncLoop:
             strategy=member.strategy if same else build_strategy(plan.algorithm, plan.params),
         )
 
+    def _idle(self) -> None:
+        """No training samples: wait, a member still (heartbeats go on), for the job's end."""
+        self._log.warning(
+            "job %s client %s: partition %d has no training samples; not training, staying a "
+            "member until the job ends",
+            self._link.job,
+            self._link.client,
+            self._member.partition,
+        )
+        while True:
+            message = self._link.poll(self._answer_timeout_s, deferred=True)
+            if isinstance(message, WeightsAssignment):
+                if message.config.get("finished") is True:
+                    self._dismissed(message.config)
+                    return
+            elif message is not None and not isinstance(message, Welcome):
+                if isinstance(message, Error) and message.code == "unknown_member":
+                    self._rejoin()  # expired (a long outage, say): stay a member
+                self._note(message)
+
+    def _dismissed(self, config: Mapping[str, ConfigValue]) -> None:
+        status = self._stats.dismissed(config)
+        if status != "finished":
+            self._log.warning(
+                "job %s client %s: the job ended: %s", self._link.job, self._link.client, status
+            )
+
     # --- between local rounds ------------------------------------------------------------------
     def _next_base(self, local: int, *, ask: bool) -> Base | None:
         """The weights the service answers with; None when the job is over. `ask`: nothing
@@ -191,7 +229,14 @@ class AsyncLoop:
                 continue
             if isinstance(message, WeightsAssignment):
                 if message.config.get("finished") is True:
-                    self._stats.finished = True
+                    status = self._stats.dismissed(message.config)
+                    if status != "finished":
+                        self._log.warning(
+                            "job %s client %s: the job ended: %s",
+                            self._link.job,
+                            self._link.client,
+                            status,
+                        )
                     return None
                 if message.participate:
                     return Base.of(message, message.round)

@@ -190,7 +190,7 @@ class Client:
                 return self._welcomed(link, model, message, stats)
             if isinstance(message, WeightsAssignment):
                 if message.config.get("finished") is True:
-                    stats.finished = True
+                    self._ended(stats.dismissed(message.config))
                     return None
                 link.defer(message)  # raced ahead of the Welcome
             elif isinstance(message, Error) and message.ref_message_id in join_ids:
@@ -200,6 +200,12 @@ class Client:
                 )
             elif message is not None:
                 self._note(message, stats)
+
+    def _ended(self, status: str) -> None:
+        if status != "finished":  # e.g. "failed: ..." when no round could make progress
+            self._log.warning(
+                "job %s client %s: the job ended: %s", self._job, self.client_id, status
+            )
 
     def _send_join(self, link: ClientLink, index: int | None, stats: ClientStats) -> str:
         info: dict[str, str] = {}
@@ -279,6 +285,7 @@ class Client:
             runner=runner,
             member=member,
             stats=stats,
+            samples=len(self._data.indices(member.partition)),
             rejoin=lambda: self._send_join(link, member.partition, stats),
             note=lambda message: self._note(message, stats, runner.seqs),
             answer_timeout_s=self._settings.clients.reply_timeout_s,
@@ -325,12 +332,7 @@ class Client:
                     self._note(message, stats, runner.seqs)
                 continue
             if message.config.get("finished") is True:
-                stats.finished = True
-                status = message.config.get("status", "finished")
-                if status != "finished":  # e.g. "failed: ..." when no round could make progress
-                    self._log.warning(
-                        "job %s client %s: the job ended: %s", self._job, self.client_id, status
-                    )
+                self._ended(stats.dismissed(message.config))
                 return
             if not message.participate or message.round < last_round:
                 continue

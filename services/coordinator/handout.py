@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from broker.messages import ConfigValue
+from broker.messages import ConfigValue, WeightsAssignment, new_message_id
 from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, WeightStore
 from services.config.root import Settings
 
@@ -38,6 +38,19 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
         # Async mode: the Welcome is the first assignment, each upload answered with the next.
         **({"mode": "async"} if settings.asynchronous_mode else {}),
     }
+
+
+# Longest job status a dismissal carries (a failure's reasons are short; this bounds them).
+_STATUS_CHARS = 500
+
+
+def dismissal(settings: Settings, client: str, version: int, status: str) -> WeightsAssignment:
+    """The job is over: `participate=False, finished`, with the job's `status` ("finished", or
+    "failed: <reason>"). The aggregator sends it to its members at the end, the coordinator to
+    a client that joins later."""
+    job, rounds = settings.job.name, settings.job.rounds
+    config: dict[str, ConfigValue] = {"finished": True, "status": status[:_STATUS_CHARS]}
+    return WeightsAssignment(job, client, new_message_id(), version, rounds, False, {}, {}, config)
 
 
 def pick_ref(manifest: Manifest, part: str, client: str | None) -> BlobRef | None:

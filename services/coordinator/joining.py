@@ -2,7 +2,9 @@
 
 A re-Join of a live member (a client that restarted, or whose Welcome was lost) gets the same
 assignment again, so joining is idempotent; a Join when every data partition is taken is
-refused with an Error reply, not dropped.
+refused with an Error reply, not dropped. A Join after the job ended (finished, or failed:
+the store's `JobStatus`) gets the dismissal the members got, status included, so the client
+exits at once instead of waiting for a round that never comes.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from broker.errors import UnroutableError
-from broker.messages import ConfigValue, Join, WeightsAssignment, Welcome, new_message_id
-from broker.store import WeightStore
+from broker.messages import ConfigValue, Join, Welcome, new_message_id
+from broker.store import JOB_FINISHED, WeightStore
 from services.config.root import Settings
 from services.coordinator.assignment import choose_partition, choose_shard
-from services.coordinator.handout import WeightsCache, client_config
+from services.coordinator.handout import WeightsCache, client_config, dismissal
 from services.coordinator.levels import LevelDesk
 from services.coordinator.membership import MemberInfo, client_members, member_id, parse_classes
 from services.coordinator.outbox import Outbox
@@ -71,6 +73,9 @@ class JoinDesk:
         self._levels = LevelDesk(settings)
 
     def join(self, message: Join) -> JoinOutcome:
+        ended = self._store.job_status(self._job)
+        if ended is not None:  # over already: no slot is taken (a full job is no reason here)
+            return self._dismiss(message, self._store.current_version(self._job), ended.text)
         members = client_members(self._store, self._job)
         version = self._store.current_version(self._job)
         existing = members.get(message.client)
@@ -90,13 +95,15 @@ class JoinDesk:
             info = assigned
         ttl = self._settings.clients.heartbeat_ttl_s
         self._store.heartbeat(self._job, member_id(message.client), ttl, info.to_info())
-        # Read after the member write: the aggregator dismisses the members it finds once it
-        # has published the last version, so a client it cannot have seen is dismissed here
-        # (else it would wait for a round that never comes).
+        # Read again after the member write: the aggregator records the job's end, then
+        # dismisses the members it finds, so a client it cannot have seen is dismissed here
+        # (else it would wait for a round that never comes). The version check covers a job
+        # whose last version is out but whose end is not recorded yet.
+        ended = self._store.job_status(self._job)
         last = self._store.current_version(self._job)
-        if last - 1 >= self._settings.job.rounds:
+        if ended is not None or last - 1 >= self._settings.job.rounds:
             self._store.remove_member(self._job, member_id(message.client))
-            return self._dismiss(message, last)
+            return self._dismiss(message, last, ended.text if ended else JOB_FINISHED)
         try:
             self._welcome(message, info, version)
         except UnroutableError:
@@ -137,25 +144,18 @@ class JoinDesk:
             joined_at=self._wall_clock(),
         )
 
-    def _dismiss(self, message: Join, version: int) -> JoinOutcome:
-        """The job is over: the same `finished` assignment the aggregator's dismissal sends."""
-        rounds = self._settings.job.rounds
-        done = WeightsAssignment(
-            job=self._job,
-            client=message.client,
-            message_id=new_message_id(),
-            version=version,
-            round=rounds,
-            participate=False,
-            client_weights={},
-            aux_weights={},
-            config={"finished": True},
-        )
+    def _dismiss(self, message: Join, version: int, status: str) -> JoinOutcome:
+        """The job is over: the same `finished` assignment, with the job's `status`
+        ("finished" or "failed: <reason>"), that the aggregator's dismissal sends."""
         try:
-            self._outbox.reply(message.client, done)
+            self._outbox.reply(
+                message.client, dismissal(self._settings, message.client, version, status)
+            )
         except UnroutableError:
             return JoinOutcome(unreachable=True)
-        self._log.info("job %s: client %s joined after the job finished", self._job, message.client)
+        self._log.info(
+            "job %s: client %s joined after the job ended (%s)", self._job, message.client, status
+        )
         return JoinOutcome(finished=True)
 
     def _refuse(self, message: Join, version: int, live: int) -> bool:

@@ -53,6 +53,7 @@ class Probe:
     clients: Sequence[str]
     workers: Sequence[WorkerView]
     depths: Mapping[int, int]
+    ended: str = ""  # the store's `JobStatus` text once the job ended ("finished", "failed: ...")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,13 @@ class DashboardState:
                     if name in event.data:
                         row[name] = event.data[name]
             elif event.kind == "job_finished":
-                self._finished = {"t": at - self._started, "version": event.version}
+                status = event.data.get("status")
+                self._finished = {
+                    "t": at - self._started,
+                    "version": event.version,
+                    # "finished" or "failed: <reason>" (older aggregators sent none: finished).
+                    "status": status if isinstance(status, str) and status else "finished",
+                }
 
     def on_probe(self, probe: Probe) -> None:
         with self._lock:
@@ -202,7 +209,11 @@ class DashboardState:
     def _status(self) -> str:
         if self._report is not None and self._report.status not in ("", "running"):
             return self._report.status
-        return "finished" if self._finished is not None else "running"
+        if self._finished is not None:
+            return str(self._finished["status"])
+        if self._last is not None and self._last.ended:
+            return self._last.ended  # ended before this dashboard saw the event
+        return "running"
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the page draws, JSON-ready (times in seconds since the watch began)."""

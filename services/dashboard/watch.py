@@ -169,7 +169,8 @@ class JobWatcher:
         self._metrics.members("worker", len(workers))
         for shard, depth in depths.items():
             self._metrics.queue_depth(shard, depth)
-        probe = Probe(self._wall(), version, clients, workers, depths)
+        ended = store.job_status(self._job)
+        probe = Probe(self._wall(), version, clients, workers, depths, ended.text if ended else "")
         if self._state is not None:
             self._state.on_probe(probe)
         return probe

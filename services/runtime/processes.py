@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 import services
-from broker.topology import QueueLimits, job_queues, reply_queue_name
+from broker.topology import QueueLimits, client_queue_names, job_queues
 from services.config.root import Settings
 from services.runtime.backends import Backends
 from services.runtime.doctor import check_broker, check_store
@@ -99,17 +99,23 @@ def preflight(settings: Settings) -> list[str]:
     return problems
 
 
-def clear_job(settings: Settings, client_ids: Sequence[str]) -> None:
-    """Delete the job's queues and store keys, so a stale earlier run cannot leak into this one."""
+def clear_job(
+    settings: Settings, client_ids: Sequence[str], backends: Backends | None = None
+) -> None:
+    """Delete the job's queues and store keys, so a stale earlier run cannot leak into this one.
+
+    `backends`: where they live (default: the settings' servers; tests pass embedded ones)."""
     job = settings.job.name
     limits = QueueLimits(
         settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
     )
-    backends = Backends(settings.broker, settings.store)
+    backends = backends or Backends(settings.broker, settings.store)
     broker = backends.open_broker("splitmq-up", give_up_after=10.0)
     try:
         names = [q.name for q in job_queues(job, settings.shards, limits)]
-        names += [reply_queue_name(job, c) for c in client_ids]
+        # The inference reply queues too: `provision-clients` declares them durable, so a
+        # stale run's answers would otherwise wait there for this run's clients.
+        names += [name for c in client_ids for name in client_queue_names(job, c)]
         for name in names:
             broker.delete_queue(name)
     finally:

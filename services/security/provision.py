@@ -30,6 +30,7 @@ from broker.topology import (
     DEAD_EXCHANGE,
     SMASHED_EXCHANGE,
     client_infer_reply_queue,
+    client_queue_names,
     infer_reply_queue_name,
     reply_queue,
     reply_queue_name,
@@ -135,6 +136,10 @@ def provision(
     return written
 
 
-def revoke(admin: RabbitAdmin, clients: Sequence[str]) -> None:
+def revoke(admin: RabbitAdmin, services: Broker, *, job: str, clients: Sequence[str]) -> None:
+    """Delete each client's user and the queues `provision` declared for it: they are durable,
+    so they would otherwise outlive the user, holding whatever replies were left for it."""
     for client in clients:
         admin.delete_user(client)
+        for name in client_queue_names(job, client):
+            services.delete_queue(name)

@@ -34,7 +34,7 @@ from broker.errors import (
 )
 from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
-from broker.store import NO_VERSION, BlobRef, Checkpoint, WeightStore
+from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, WeightStore
 from broker.weights import sha256_hex
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -500,6 +500,36 @@ def test_leases_are_exclusive_and_expire(harness: Harness, store: Any, job: str)
     assert store.lease_owner(job, "shard-1") == "w2"
 
 
+# --- how the job ended ------------------------------------------------------------------------
+
+
+def test_job_status_is_recorded_replaced_and_cleared(store: Any, job: str) -> None:
+    neighbour = job + "x"
+    assert store.job_status(job) is None, "a job that never ran has not ended"
+    failed = JobStatus("failed", "3 consecutive attempts at round 2; non_finite ×4")
+    store.set_job_status(job, failed)
+    assert store.job_status(job) == failed
+    assert store.job_status(job).text == "failed: 3 consecutive attempts at round 2; non_finite ×4"
+    assert store.job_status(neighbour) is None
+
+    # Replaced whole: a finished job keeps no detail of an earlier failure.
+    store.set_job_status(job, JobStatus("finished"))
+    assert store.job_status(job) == JobStatus("finished", "")
+    assert store.job_status(job).text == "finished"
+
+    store.set_job_status(neighbour, JobStatus("finished"))
+    store.clear_job_status(job)
+    assert store.job_status(job) is None
+    store.clear_job_status(job)  # clearing twice is harmless
+    assert store.job_status(neighbour) == JobStatus("finished")
+
+
+def test_job_status_refuses_unknown_states() -> None:
+    with pytest.raises(ValueError, match="job state"):
+        JobStatus("running")
+    assert JobStatus("failed").text == "failed: no reason given"
+
+
 # --- operations -------------------------------------------------------------------------------
 
 
@@ -510,6 +540,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
         store.save_checkpoint(name, Checkpoint(0, 1, _weights(1)[SERVER]))
         store.heartbeat(name, "m", 60.0)
         assert store.acquire_lease(name, "shard-0", "w", 60.0)
+        store.set_job_status(name, JobStatus("failed", "diverged"))
 
     store.delete_job(job)
     assert store.current_version(job) == NO_VERSION
@@ -518,6 +549,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     assert store.load_checkpoint(job, 0) is None
     assert store.live_members(job) == {}
     assert store.lease_owner(job, "shard-0") is None
+    assert store.job_status(job) is None
     assert store.publish_version(job, NO_VERSION, _weights(2)) == 1, "the job starts afresh"
 
     assert store.current_version(neighbour) == 1
@@ -525,6 +557,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     assert store.load_checkpoint(neighbour, 0) is not None
     assert set(store.live_members(neighbour)) == {"m"}
     assert store.lease_owner(neighbour, "shard-0") == "w"
+    assert store.job_status(neighbour) == JobStatus("failed", "diverged")
 
 
 # --- Redis only: what a single process cannot show -----------------------------------------

@@ -12,7 +12,7 @@ running with `security.per_client_users = true`:
   one A sends claiming to be B is dead-lettered with the reason; A may not consume B's
   inference replies, nor the infer queue itself.
 
-The users are deleted again at the end (`--revoke`).
+The users are deleted again at the end (`--revoke`), and with them their reply queues.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from broker.topology import (
     CONTROL_EXCHANGE,
     REPLIES_EXCHANGE,
     SMASHED_EXCHANGE,
+    client_queue_names,
     dead_queue_name,
     infer_queue_name,
     infer_reply_queue_name,
@@ -120,18 +121,28 @@ def provisioned(
         yield settings, envs
     finally:
         revoked = CliRunner().invoke(cli, [*args, "--revoke"], catch_exceptions=False)
+        left = surviving_queues(backends, [q for n in names for q in client_queue_names(job, n)])
         delete_all(backends, settings, names)
-        delete_infer_replies(backends, job, names)
         assert revoked.exit_code == 0, revoked.output
+        # `--revoke` deletes the durable reply queues it declared, not only the users.
+        assert left == [], left
 
 
-def delete_infer_replies(backends: Backends, job: str, clients: list[str]) -> None:
-    broker = backends.open_broker("test-teardown-infer")
+def surviving_queues(backends: Backends, queues: list[str]) -> list[str]:
+    """Which of `queues` exist (and delete them, so a failed check leaves nothing behind)."""
+    broker = backends.open_broker("test-teardown-queues")
+    found = []
     try:
-        for client in clients:
-            broker.delete_queue(infer_reply_queue_name(job, client))
+        for queue in queues:
+            try:
+                broker.queue_depth(queue)
+            except BrokerError:
+                continue  # NOT_FOUND
+            found.append(queue)
+            broker.delete_queue(queue)
     finally:
         broker.close()
+    return found
 
 
 def client_handle(env: dict[str, str], name: str) -> RabbitMQBroker:

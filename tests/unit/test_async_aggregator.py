@@ -24,7 +24,7 @@ from broker.messages import (
     WeightsUpdate,
     new_message_id,
 )
-from broker.store import CLIENT_PART, BlobRef
+from broker.store import CLIENT_PART, BlobRef, JobStatus
 from broker.topology import CONTROL_EXCHANGE, dead_queue_name, reply_queue_name, updates_routing_key
 from broker.transport import REASON_HEADER, Broker
 from services.aggregator import Aggregator, ensure_initial_version
@@ -237,6 +237,7 @@ def test_the_job_ends_after_its_versions_and_dismisses_the_members(aj: AsyncJob)
             aj.wait_version(version + 1)
         assert aj.done.wait(WAIT_S)
     assert aj.sink.status == "finished"
+    assert aj.store.job_status(aj.job) == JobStatus("finished")
     assert [r.version for r in aj.records] == [2, 3, 4]
     assert all(r.extra["staleness.0"] == 2.0 for r in aj.records)
     finished = [m for m in aj.replies("c", 1) if isinstance(m, WeightsAssignment)]
@@ -288,6 +289,7 @@ def test_drops_are_counted_and_enough_in_a_row_fail_the_job(job: str) -> None:
         )
         assert [str(f) for f in failures] == [reason]
         assert aj.sink.status == f"failed: {reason}"
+        assert aj.store.job_status(aj.job) == JobStatus("failed", reason)
         assert aj.aggregator.inbox_stats.drops == 4
         assert aj.aggregator.inbox_stats.duplicates == 1
         assert any("'stranger' is not a member" in r for r in dead_reasons(aj))

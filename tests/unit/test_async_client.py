@@ -5,9 +5,12 @@ again, and leaves when the job is over."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
 from broker.codec import decode, encode
@@ -151,3 +154,55 @@ def test_an_async_client_trains_back_to_back_and_refreshes_stale_weights(
     steps = settings.algorithm.max_steps_per_round
     assert len(service.batches) == 3 * steps + 1  # the refused batch ended its round
     assert service.left.is_set()
+
+
+class EmptyPartition(JobData):
+    """Partition 3 holds no training samples (a Dirichlet split can leave one empty)."""
+
+    def indices(self, index: int) -> npt.NDArray[np.int64]:
+        return np.empty(0, dtype=np.int64) if index == 3 else super().indices(index)
+
+
+@dataclass
+class DismissingService(Service):
+    """Welcomes the client, then ends the job: the dismissal every live member gets."""
+
+    def handle(self, broker: Broker, message: Message) -> None:
+        super().handle(broker, message)
+        if isinstance(message, Join):
+            job = self.settings.job.name
+            dismissal = WeightsAssignment(
+                job, CLIENT, new_message_id(), self.version, 0, False, {}, {}, {"finished": True}
+            )
+            self.reply(broker, dismissal)
+
+
+def test_an_async_client_without_samples_uploads_nothing_and_waits_for_the_end(
+    job: str, dataset: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its updates would report 0 samples (refused as `no_samples`): it trains nothing, says
+    why once, stays a member, and leaves when the job's end dismisses it."""
+    settings = make_settings(job, rounds={"mode": "async"}, clients={"count": 4})
+    embedded = Embedded()
+    backends = Backends(settings.broker, settings.store, embedded)
+    service = DismissingService(settings)
+    halt, ready = threading.Event(), threading.Event()
+    peer = threading.Thread(
+        target=service.serve, args=(InMemoryBroker(embedded.hub), halt, ready), daemon=True
+    )
+    peer.start()
+    assert ready.wait(10)
+    data = EmptyPartition(settings, dataset)
+    client = Client(settings, backends, client_id=CLIENT, partition=3, dataset=data)
+    try:
+        with caplog.at_level(logging.INFO, "splitmq.client"):
+            stats = client.run(threading.Event())
+    finally:
+        halt.set()
+        peer.join(10)
+
+    assert stats.finished and stats.rounds == 0 and stats.rounds_aborted == 0
+    assert service.batches == [] and service.updates == []  # nothing trained, nothing uploaded
+    assert [j.samples for j in service.joins] == [0] and service.left.is_set()
+    said = [r.getMessage() for r in caplog.records if "no training samples" in r.getMessage()]
+    assert len(said) == 1 and f"client {CLIENT}: partition 3 " in said[0]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -14,10 +17,12 @@ from broker.memory_broker import InMemoryBroker
 from broker.store import Member
 from broker.topology import SMASHED_EXCHANGE, QueueLimits, shard_routing_key
 from services.autoscaler.controller import Autoscaler
+from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.observer import Observer, Snapshot, WorkerReport, parse_report
 from services.autoscaler.pool import Exited, PoolWorker
 from services.cli.main import cli
 from services.runtime.backends import Backends, Embedded
+from services.runtime.health import assess, health_member
 from tests.unit.test_worker_support import make_settings
 
 
@@ -234,3 +239,65 @@ def test_autoscale_command_needs_the_real_services(tmp_path: Path) -> None:
     bad.write_text("[autoscaler]\nmin_workers = 3\nmax_workers = 2\n")
     result = runner.invoke(cli, ["autoscale", str(bad)], env=env)
     assert result.exit_code == 1 and "min_workers (3) exceeds max_workers (2)" in result.output
+
+
+# --- health key (`splitmq check autoscaler`) -------------------------------------------------
+
+
+class DeadDockerPool(FakePool):
+    def start_worker(self) -> PoolWorker:
+        self.started += 1
+        raise DockerUnavailableError("no daemon at unix:///var/run/docker.sock")
+
+
+def run_until(auto: Autoscaler, done: Callable[[], bool]) -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=auto.run, args=(stop,))
+    thread.start()
+    try:
+        for _ in range(1000):
+            if done():
+                break
+            stop.wait(0.01)
+        assert done()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_each_completed_poll_refreshes_the_health_key_and_stopping_removes_it(job: str) -> None:
+    settings = make_settings(job, autoscaler={"max_workers": 2, "poll_s": 0.01})
+    embedded = Embedded()
+    backends = Backends(settings.broker, settings.store, embedded)
+    auto = Autoscaler(settings, backends, FakePool(), instance="auto-h-1", clock=Clock())
+    key = health_member("autoscaler", "auto-h-1")
+    seen: list[Member] = []
+
+    def healthy() -> bool:
+        member = embedded.store.live_members(job).get(key)
+        if member is not None:
+            seen.append(member)
+        return member is not None
+
+    run_until(auto, healthy)
+    verdict = assess({key: seen[-1]}, "autoscaler", job=job, host=socket.gethostname())
+    assert verdict.ok, verdict.reason
+    assert seen[-1].info["pid"] == str(os.getpid())
+    assert key not in embedded.store.live_members(job)  # stopped: no longer alive
+
+
+def test_a_poll_that_cannot_act_leaves_the_health_key_to_expire(job: str) -> None:
+    settings = make_settings(job, autoscaler={"min_workers": 1, "poll_s": 0.01})
+    embedded = Embedded()
+    pool = DeadDockerPool()
+    backends = Backends(settings.broker, settings.store, embedded)
+    auto = Autoscaler(settings, backends, pool, instance="a", clock=Clock())
+    keys: list[str] = []
+
+    def three_polls() -> bool:
+        keys.extend(embedded.store.live_members(job))
+        return pool.started >= 3
+
+    run_until(auto, three_polls)
+    assert keys == []  # three polls failed to start a worker: none refreshed the key

@@ -67,7 +67,7 @@ def test_help_does_not_import_torch(args: list[str]) -> None:
     assert heavy == []
 
 
-@pytest.mark.parametrize("role", ["worker", "coordinator", "aggregator"])
+@pytest.mark.parametrize("role", ["worker", "coordinator", "aggregator", "autoscaler"])
 def test_check_of_a_role_opens_the_store_without_importing_torch(
     redis_config: Path, role: str
 ) -> None:

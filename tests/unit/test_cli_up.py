@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.processes import ChildSpec, LocalProcesses, child_env, child_specs
+from broker.errors import BrokerError
+from broker.memory_broker import InMemoryBroker
+from broker.topology import client_infer_reply_queue, job_queues, reply_queue
+from services.config.root import Settings
+from services.runtime.backends import Backends, Embedded
+from services.runtime.processes import (
+    ChildSpec,
+    LocalProcesses,
+    child_env,
+    child_specs,
+    clear_job,
+)
 
 # Stand-in for `python -m services.cli.main <role> CONFIG ...`: argv[3] is the role.
 FAKE = """
@@ -119,3 +130,25 @@ def test_children_are_told_the_counts_and_the_real_servers(tmp_path: Path) -> No
     ]
     assert specs[0].args[:2] == ("--run-dir", str(tmp_path / "run"))
     assert specs[-1].args == ("--id", "client-2", "--partition", "2")
+
+
+def test_a_fresh_start_deletes_the_job_queues_and_every_client_reply_queue(job: str) -> None:
+    """`--fresh` (clear_job) also deletes the durable inference reply queues that
+    `provision-clients` declares: a stale run's answers would otherwise wait there."""
+    settings = Settings.model_validate({"job": {"name": job}, "clients": {"count": 2}})
+    embedded = Embedded()
+    broker = InMemoryBroker(embedded.hub)
+    clients = ["client-0", "client-1"]
+    specs = job_queues(job, settings.shards)
+    specs += [q for c in clients for q in (reply_queue(job, c), client_infer_reply_queue(job, c))]
+    other = reply_queue(f"{job}x", "client-0")  # another job's: left alone
+    broker.declare([*specs, other])
+    embedded.store.heartbeat(job, "client:client-0", 30.0)
+
+    clear_job(settings, clients, Backends(settings.broker, settings.store, embedded))
+
+    for spec in specs:
+        with pytest.raises(BrokerError, match="NOT_FOUND"):
+            broker.queue_depth(spec.name)
+    assert broker.queue_depth(other.name) == 0
+    assert embedded.store.live_members(job) == {}

@@ -213,7 +213,7 @@ def test_role_command_is_accepted_by_the_cli(
             assert mounts.host(arg) is not None, f"{role}: {arg} is not on a volume"
 
 
-@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("role", [*ROLES, AUTOSCALER])
 def test_role_healthcheck_is_accepted_by_the_cli(
     compose: dict[str, Any], role: str, tmp_path: Path
 ) -> None:
@@ -224,7 +224,7 @@ def test_role_healthcheck_is_accepted_by_the_cli(
     assert name in cli.commands
 
 
-@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("role", [*ROLES, AUTOSCALER])
 def test_role_healthcheck_checks_that_role(compose: dict[str, Any], role: str) -> None:
     argv = healthcheck_argv(compose["services"][role])
     assert argv == ["splitmq", "--config", CONTAINER_CONFIG, "check", role]
@@ -372,6 +372,10 @@ def test_dockerfile() -> None:
     users = [line.split()[1] for line in final if line.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert 'ENTRYPOINT ["splitmq"]' in final
+    # The image label names every role a compose service runs from it.
+    label = re.search(r'image\.description="SplitMQ roles: ([^"]*)"', text)
+    assert label is not None
+    assert set(label.group(1).split(", ")) == {*ROLES, AUTOSCALER}
     # torch pinned, from the CPU index unless a build arg says otherwise.
     assert re.search(r'"torch==2\.13\.0"', text)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in instructions
@@ -491,9 +495,10 @@ def test_health_intervals_follow_the_environment() -> None:
         BASE_FILE, {"SPLITMQ_HEALTH_INTERVAL": "15s", "SPLITMQ_CLIENT_HEALTH_INTERVAL": "60s"}
     )
     services = tuned["services"]
-    assert {services[r]["healthcheck"]["interval"] for r in ROLES if r != "client"} == {"15s"}
+    steady = [r for r in (*ROLES, AUTOSCALER) if r != "client"]
+    assert {services[r]["healthcheck"]["interval"] for r in steady} == {"15s"}
     assert services["client"]["healthcheck"]["interval"] == "60s"
-    for role in ROLES:
+    for role in (*ROLES, AUTOSCALER):
         assert re.fullmatch(r"\d+(ms|s|m|h)", services[role]["healthcheck"]["timeout"]), role
 
 

@@ -8,7 +8,7 @@ with no round left and waited forever.
 from __future__ import annotations
 
 from broker.messages import WeightsAssignment, Welcome
-from broker.store import BlobRef
+from broker.store import BlobRef, JobStatus
 from services.config.root import Settings
 from services.coordinator.membership import client_members
 from tests.unit.test_aggregator_peers import make_settings
@@ -37,7 +37,8 @@ def test_a_join_after_the_last_round_is_told_the_job_finished(job: str) -> None:
         reply = desk.reply("late")
 
     assert isinstance(reply, WeightsAssignment), reply
-    assert (reply.participate, reply.config, reply.version) == (False, {"finished": True}, 2)
+    expected = {"finished": True, "status": "finished"}  # as the aggregator's dismissal says
+    assert (reply.participate, reply.config, reply.version) == (False, expected, 2)
     # Not a member: nothing waits for it, and its slot is not held.
     assert set(client_members(desk.store, job)) == {"early"}
     assert desk.coordinator.stats.joined == 1
@@ -53,3 +54,24 @@ def test_a_join_before_the_last_round_closed_is_welcomed(job: str) -> None:
     assert isinstance(reply, Welcome), reply
     assert (reply.version, reply.round) == (2, 1)
     assert set(client_members(desk.store, job)) == {"late"}
+
+
+def test_a_join_after_the_job_failed_is_told_why_even_when_every_slot_is_taken(job: str) -> None:
+    desk = Desk(settings(job, rounds=5))
+    with desk.serving():
+        for i, client in enumerate(("a", "b", "c")):  # clients.count = 3: the job is full
+            desk.join(client, index=str(i))
+            assert isinstance(desk.reply(client), Welcome)
+        reason = "2 consecutive attempts at round 0 without one valid update"
+        desk.store.set_job_status(job, JobStatus("failed", reason))
+        desk.join("late")
+        reply = desk.reply("late")
+        desk.join("a")  # a member re-joining (a restarted client) is told the same
+        again = desk.reply("a")
+
+    for told in (reply, again):
+        assert isinstance(told, WeightsAssignment), told
+        assert (told.participate, told.version) == (False, 1)
+        assert told.config == {"finished": True, "status": f"failed: {reason}"}
+    assert "late" not in client_members(desk.store, job)
+    assert desk.coordinator.stats.refused == 0

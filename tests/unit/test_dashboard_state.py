@@ -53,6 +53,25 @@ def test_events_make_the_timeline_and_the_accuracy_curve() -> None:
     assert state.status() == "finished"
 
 
+def test_a_failed_job_shows_as_failed_with_its_reason() -> None:
+    state = DashboardState("job", clock=Clock())
+    state.on_event(event("version_published", 2, round=0, global_accuracy=0.5), 1002.0)
+    reason = "3 consecutive attempts at round 1 without one valid update; non_finite ×4"
+    state.on_event(event("job_finished", 2, rounds=5, status=f"failed: {reason}"), 1009.0)
+    snap = state.snapshot()
+    assert snap["status"] == f"failed: {reason}"
+    assert snap["finished"] == {"t": pytest.approx(9.0), "version": 2, "status": snap["status"]}
+
+
+def test_a_dashboard_started_after_the_end_reads_it_from_the_store() -> None:
+    state = DashboardState("job", clock=Clock())
+    state.on_probe(probe(1001.0, 3, {}, {}))
+    assert state.status() == "running"
+    ended = Probe(1002.0, 3, [], [], {}, ended="failed: diverged")
+    state.on_probe(ended)
+    assert state.status() == "failed: diverged"
+
+
 def test_probes_make_series_and_throughput_from_worker_counters() -> None:
     clock = Clock()
     state = DashboardState("job", clock=clock)

@@ -122,7 +122,7 @@ def check(args: list[str]) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-@pytest.mark.parametrize("role", ["coordinator", "aggregator", "worker"])
+@pytest.mark.parametrize("role", ["coordinator", "aggregator", "worker", "autoscaler"])
 def test_check_of_a_role_needs_a_shared_store(memory_config: Path, role: str) -> None:
     code, out = check(["--config", str(memory_config), "check", role])
     assert code == 1

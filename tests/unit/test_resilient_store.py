@@ -12,7 +12,7 @@ import torch
 from broker.errors import StoreError, StoreUnavailableError, VersionConflictError
 from broker.memory_store import InMemoryWeightStore
 from broker.resilient_store import PUBLISH_ID_KEY, ResilientStore, RetryPolicy
-from broker.store import NO_VERSION, BlobRef, Weights
+from broker.store import NO_VERSION, BlobRef, JobStatus, Weights
 
 JOB = "j"
 BLOBS: Mapping[BlobRef, Weights] = {BlobRef("client"): {"w": torch.ones(3)}}
@@ -155,3 +155,13 @@ def test_policy_rejects_nonsense() -> None:
         RetryPolicy(retry_for_s=-1)
     with pytest.raises(ValueError):
         RetryPolicy(first_backoff_s=3.0, max_backoff_s=1.0)
+
+
+def test_the_job_status_passes_through() -> None:
+    inner = FlakyStore()
+    store = resilient(inner, FakeClock())
+    store.set_job_status(JOB, JobStatus("failed", "diverged"))
+    assert inner.job_status(JOB) == JobStatus("failed", "diverged")
+    assert store.job_status(JOB) == JobStatus("failed", "diverged")
+    store.clear_job_status(JOB)
+    assert inner.job_status(JOB) is None and store.job_status(JOB) is None

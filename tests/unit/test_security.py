@@ -62,6 +62,7 @@ from services.security.provision import (
     client_permissions,
     client_url,
     provision,
+    revoke,
     vhost_of,
 )
 
@@ -327,6 +328,23 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
     assert services.queue_depth(reply_queue_name("j", "edge-4")) == 0
     assert services.queue_depth(infer_reply_queue_name("j", "edge-4")) == 0
     assert len({admin.users[n] for n in names}) == 2  # a password each
+
+
+def test_revoking_deletes_the_users_and_their_durable_reply_queues(tmp_path: Path) -> None:
+    admin, hub = FakeAdmin(), InMemoryHub()
+    services = InMemoryBroker(hub)
+    names = client_names("edge-", 2)
+    provision(
+        admin, services, job="j", clients=names, vhost="/", url_template="amqp://svc:x@mq/",
+        out_dir=tmp_path,
+    )  # fmt: skip
+    kept = [reply_queue_name("j", "edge-1"), infer_reply_queue_name("j", "edge-1")]
+    revoke(admin, services, job="j", clients=["edge-0"])
+    assert set(admin.users) == {"edge-1"}
+    for queue in (reply_queue_name("j", "edge-0"), infer_reply_queue_name("j", "edge-0")):
+        with pytest.raises(BrokerError, match="NOT_FOUND"):
+            services.queue_depth(queue)
+    assert [services.queue_depth(q) for q in kept] == [0, 0]  # only the revoked client's go
 
 
 def test_urls_and_vhosts() -> None:
