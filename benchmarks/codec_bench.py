@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,13 +180,37 @@ def fixed_table(costs: list[tuple[str, float, float]]) -> str:
     return "\n".join(lines)
 
 
+def headline_gbps(reps: int) -> float:
+    """encode + decode GB/s of the 16 MiB batch, as the table's first row measures it."""
+    message = batch(SHAPES["16 MiB"])
+    seconds = median_time(lambda: decode(encode(message)), reps)
+    return message.activations.nbytes / seconds / 1e9
+
+
+def headline_runs(runs: int, reps: int, threads: int) -> list[float]:
+    """`headline_gbps` in `runs` fresh interpreters, one after another.
+
+    One process's figure moves by ~20% from process to process on this shared host (where
+    the allocator's heap and the pages it hands out end up differ), more than within one
+    process: the verdict rests on the median of several processes.
+    """
+    command = [sys.executable, "-m", "benchmarks.codec_bench", "--headline-only"]
+    command += ["--reps", str(reps), "--threads", str(threads)]
+    found = []
+    for _ in range(runs):
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        found.append(float(done.stdout.strip()))
+    return found
+
+
 def run(args: argparse.Namespace) -> str:
     load_before = os.getloadavg()[0]
     rows = [row for size, shape in SHAPES.items() for row in measure(size, shape, args.reps)]
     costs = fixed_costs(args.reps)
+    runs = headline_runs(args.runs, args.reps, args.threads)
     load_after = os.getloadavg()[0]
-    headline = next(r for r in rows if r.case == HEADLINE and r.size == "16 MiB")
-    verdict = "yes" if headline.gbps >= ACCEPT_GBPS else "NO"
+    middle = statistics.median(runs)
+    verdict = "yes" if middle >= ACCEPT_GBPS else "NO"
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     torch_line = f"torch {torch.__version__} with {torch.get_num_threads()} threads"
     notes = (
@@ -195,8 +221,10 @@ def run(args: argparse.Namespace) -> str:
     )
     return (
         f"{throughput_table(rows)}\n\n"
-        f"encode + decode of 16 MiB at >= {ACCEPT_GBPS:g} GB/s: {verdict} "
-        f"({headline.gbps:.2f} GB/s)\n\n"
+        f"encode + decode of 16 MiB in {args.runs} fresh processes: "
+        f"{', '.join(f'{g:.2f}' for g in runs)} GB/s; median **{middle:.2f} GB/s**\n\n"
+        f"encode + decode of 16 MiB at >= {ACCEPT_GBPS:g} GB/s (median of processes): "
+        f"{verdict}\n\n"
         f"Fixed cost per message, median of {args.reps} blocks of {FIXED_CALLS} calls:\n\n"
         f"{fixed_table(costs)}\n\n{notes}\n"
     )
@@ -222,10 +250,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--runs", type=int, default=5, help="fresh processes timing the 16 MiB headline"
+    )
+    parser.add_argument("--headline-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.headline_only:
+        print(f"{headline_gbps(args.reps):.4f}")
+        return
     report = run(args)
     print(report)
     if args.write_docs:
