@@ -135,6 +135,8 @@ class Aggregator:
             metrics=self._backends.metrics,
             senders=sender_check(self._settings),
         )
+        if self._settings.asynchronous_mode:
+            return self._buffered(store, outbox, inbox, stop)
         driver = RoundDriver(
             self._settings,
             store,
@@ -149,8 +151,6 @@ class Aggregator:
             logger=self._log,
             poll_s=self._poll_s,
         )
-        if self._settings.asynchronous_mode:
-            return self._buffered(store, outbox, inbox, stop)
         return self._rounds(store, driver, stop)
 
     def _buffered(

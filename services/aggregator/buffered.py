@@ -40,7 +40,7 @@ from services.aggregator.closing import read_version
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.inbox import UpdateInbox
 from services.aggregator.metrics import RoundTraffic, build_record, event_data
-from services.aggregator.notices import dismiss
+from services.aggregator.notices import end_job
 from services.aggregator.server_fold import FoldedCheckpoint, ServerLedger
 from services.algorithms.async_fold import fold
 from services.algorithms.base import (
@@ -344,15 +344,8 @@ class BufferedDriver:
         self._gate.owed.clear()
         self._inbox.release()
         ended = JobStatus(JOB_FAILED, reason)
-        status = ended.text
-        # Before the members are read: a later joiner is dismissed by the coordinator.
-        self._store.set_job_status(self._job, ended)
-        members = sorted(client_members(self._store, self._job))
-        dismiss(self._outbox, self._settings, version, members, self._log, status=status)
-        self._outbox.event(
-            "job_finished", version, {"rounds": self._settings.job.rounds, "status": status}
-        )
-        self._log.error("job %s %s (version %d)", self._job, status, version)
+        end_job(self._store, self._outbox, self._settings, version, ended, self._log)
+        self._log.error("job %s %s (version %d)", self._job, ended.text, version)
         raise JobFailedError(reason)
 
     def _finish(self, version: int) -> None:
@@ -360,11 +353,8 @@ class BufferedDriver:
         self.stats.unfolded_at_end += len(self._gate.take())
         self._gate.owed.clear()
         self._inbox.release()
-        self._store.set_job_status(self._job, JobStatus(JOB_FINISHED))  # before the members
-        members = sorted(client_members(self._store, self._job))
-        dismiss(self._outbox, self._settings, version, members, self._log)
-        self._outbox.event(
-            "job_finished", version, {"rounds": self._settings.job.rounds, "status": JOB_FINISHED}
+        end_job(
+            self._store, self._outbox, self._settings, version, JobStatus(JOB_FINISHED), self._log
         )
         self._log.info(
             "job %s: finished after %d versions (version %d, %d updates left unfolded)",

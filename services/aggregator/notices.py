@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from broker.errors import UnroutableError
 from broker.messages import ConfigValue, RoundEnd, RoundStart, WeightsAssignment, new_message_id
+from broker.store import JobStatus, WeightStore
 from services.config.root import Settings
 from services.coordinator.handout import WeightsCache, client_config, dismissal
-from services.coordinator.membership import MemberInfo
+from services.coordinator.membership import MemberInfo, client_members
 from services.coordinator.outbox import Outbox
 
 
@@ -107,3 +108,23 @@ def dismiss(
             outbox.reply(client, dismissal(settings, client, version, status))
         except UnroutableError:
             logger.info("job %s: finished client %s has no reply queue", settings.job.name, client)
+
+
+def end_job(
+    store: WeightStore,
+    outbox: Outbox,
+    settings: Settings,
+    version: int,
+    ended: JobStatus,
+    logger: logging.Logger,
+) -> None:
+    """Record how the job ended, dismiss every live member with that status and announce it
+    (architecture step 7), in sync and async mode alike.
+
+    The record is written before the members are read: a client that joins after this read
+    is dismissed by the coordinator, which reads the record after writing the member.
+    """
+    store.set_job_status(settings.job.name, ended)
+    members = sorted(client_members(store, settings.job.name))
+    dismiss(outbox, settings, version, members, logger, status=ended.text)
+    outbox.event("job_finished", version, {"rounds": settings.job.rounds, "status": ended.text})

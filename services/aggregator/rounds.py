@@ -25,7 +25,7 @@ from services.aggregator.notices import (
     announce_round,
     assign_round,
     cohort_shards,
-    dismiss,
+    end_job,
     end_round,
 )
 from services.aggregator.replicas import gather_replicas
@@ -317,24 +317,14 @@ class RoundDriver:
     def finish(self, version: int) -> None:
         """Tell every live member the job is over (architecture step 7)."""
         rounds = self._settings.job.rounds
-        # Recorded before the members are read: a client that joins after this read is
-        # dismissed by the coordinator, which reads the record after writing the member.
-        self._store.set_job_status(self._job, JobStatus(JOB_FINISHED))
-        members = sorted(client_members(self._store, self._job))
-        dismiss(self._outbox, self._settings, version, members, self._log)
-        self._outbox.event("job_finished", version, {"rounds": rounds, "status": "finished"})
+        end_job(
+            self._store, self._outbox, self._settings, version, JobStatus(JOB_FINISHED), self._log
+        )
         self._log.info("job %s: finished after %d rounds (version %d)", self._job, rounds, version)
 
     def fail(self, version: int, reason: str) -> None:
         """End the job as failed: every live member is dismissed as when it finishes, with the
         status in the dismissal, so clients stop the same way."""
         ended = JobStatus(JOB_FAILED, reason)
-        status = ended.text
-        # Before the members are read, as in `finish`.
-        self._store.set_job_status(self._job, ended)
-        members = sorted(client_members(self._store, self._job))
-        dismiss(self._outbox, self._settings, version, members, self._log, status=status)
-        self._outbox.event(
-            "job_finished", version, {"rounds": self._settings.job.rounds, "status": status}
-        )
-        self._log.error("job %s %s (version %d)", self._job, status, version)
+        end_job(self._store, self._outbox, self._settings, version, ended, self._log)
+        self._log.error("job %s %s (version %d)", self._job, ended.text, version)
