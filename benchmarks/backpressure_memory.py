@@ -35,7 +35,12 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.common import machine_line, process_cpu_seconds, write_section
+from benchmarks.common import (
+    cnn5_sample_sections,
+    machine_line,
+    process_cpu_seconds,
+    write_section,
+)
 from benchmarks.soak import (
     Children,
     SoakReport,
@@ -214,24 +219,7 @@ def job_toml(cfg: PressureConfig, job: str, report_dir: Path) -> str:
 kind = "rabbitmq"
 amqp_url = "{cfg.amqp_url}"
 shard_queue_max_length = {cfg.max_length}
-
-[store]
-kind = "redis"
-redis_url = "{cfg.redis_url}"
-
-[job]
-name = "{job}"
-seed = {cfg.seed}
-rounds = {cfg.rounds}
-
-[model]
-name = "cnn5"
-cut = "block1"
-
-[data]
-dataset = "fashion_mnist_sample"
-partition = "iid"
-
+{cnn5_sample_sections(cfg.redis_url, job, cfg.seed, cfg.rounds)}
 [algorithm]
 name = "local_loss_sfl"
 batch_size = 32

@@ -104,3 +104,26 @@ def write_section(name: str, text: str, path: Path = DOCS_PATH) -> None:
         updated = current.rstrip("\n") + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(updated)
+
+
+def cnn5_sample_sections(redis_url: str, job: str, seed: int, rounds: int) -> str:
+    """The `[store]`, `[job]`, `[model]` and `[data]` TOML sections the service benchmarks
+    share: cnn5 cut after block1 on the shipped Fashion-MNIST sample, weights in Redis."""
+    return f"""
+[store]
+kind = "redis"
+redis_url = "{redis_url}"
+
+[job]
+name = "{job}"
+seed = {seed}
+rounds = {rounds}
+
+[model]
+name = "cnn5"
+cut = "block1"
+
+[data]
+dataset = "fashion_mnist_sample"
+partition = "iid"
+"""

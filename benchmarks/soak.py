@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from benchmarks.common import cnn5_sample_sections
 from broker.codec import decode
 from broker.errors import DecodeError
 from broker.messages import SmashedBatch
@@ -127,24 +128,7 @@ def job_toml(cfg: SoakConfig, job: str, report_dir: Path) -> str:
 kind = "rabbitmq"
 amqp_url = "{cfg.amqp_url}"
 reconnect_give_up_s = 300.0
-
-[store]
-kind = "redis"
-redis_url = "{cfg.redis_url}"
-
-[job]
-name = "{job}"
-seed = {cfg.seed}
-rounds = {cfg.rounds}
-
-[model]
-name = "cnn5"
-cut = "block1"
-
-[data]
-dataset = "fashion_mnist_sample"
-partition = "iid"
-
+{cnn5_sample_sections(cfg.redis_url, job, cfg.seed, cfg.rounds)}
 [algorithm]
 name = "sfl"
 shards = {cfg.shards}
