@@ -7,9 +7,10 @@ its own condition over that lock, so a publish wakes only the consumer it was di
 The rules are RabbitMQ's, because one contract suite holds both brokers to them: messages are
 pushed to consumers up to their prefetch (round-robin, or only the first-registered consumer of a
 single-active-consumer queue); `reject-publish` refuses a message when the queue would exceed
-its ready-message count or ready bytes; unsettled deliveries return to their original position,
-marked redelivered, when their consumer goes away; `nack(requeue=False)` dead-letters through the
-queue's declared routing, adding RabbitMQ's scalar ``x-first-death-*`` headers.
+its ready-message count or ready bytes, `drop-head` discards the oldest ready ones instead;
+unsettled deliveries return to their original position, marked redelivered, when their consumer
+goes away; `nack(requeue=False)` dead-letters through the queue's declared routing, adding
+RabbitMQ's scalar ``x-first-death-*`` headers.
 """
 
 from __future__ import annotations
@@ -97,7 +98,16 @@ def _declared_args(spec: QueueSpec) -> tuple[object, ...]:
         spec.single_active_consumer,
         spec.max_length,
         spec.max_length_bytes,
+        spec.overflow if spec.max_length is not None or spec.max_length_bytes is not None else None,
         spec.dead_letter_routing_key,
+    )
+
+
+def _overflows(queue: _Queue, size: int) -> bool:
+    """Whether one more ready message of `size` bytes would exceed the queue's bounds."""
+    spec = queue.spec
+    return (spec.max_length is not None and len(queue.ready) + 1 > spec.max_length) or (
+        spec.max_length_bytes is not None and queue.ready_bytes + size > spec.max_length_bytes
     )
 
 
@@ -225,13 +235,12 @@ class InMemoryHub:
         full: list[str] = []
         for name in targets:
             queue = self._queues[name]
-            spec = queue.spec
-            if (spec.max_length is not None and len(queue.ready) + 1 > spec.max_length) or (
-                spec.max_length_bytes is not None
-                and queue.ready_bytes + len(body) > spec.max_length_bytes
-            ):
-                full.append(name)
-                continue
+            if _overflows(queue, len(body)):
+                if queue.spec.overflow == "reject-publish":
+                    full.append(name)
+                    continue
+                if not self._drop_head(queue, len(body)):
+                    continue  # larger than the whole bound: RabbitMQ drops it as well
             message = _Message(
                 next(self._seq), body, exchange, routing_key, headers, message_id, user_id
             )
@@ -309,10 +318,12 @@ class InMemoryHub:
                 self._server_dead_letter(queue, message, key)
             self._settle(pending)
 
-    def _server_dead_letter(self, queue: _Queue, message: _Message, routing_key: str) -> None:
+    def _server_dead_letter(
+        self, queue: _Queue, message: _Message, routing_key: str, why: str = "rejected"
+    ) -> None:
         """RabbitMQ's x-dead-letter routing: best effort; an unroutable copy is dropped."""
         headers: dict[str, HeaderValue] = dict(message.headers)
-        headers.setdefault("x-first-death-reason", "rejected")
+        headers.setdefault("x-first-death-reason", why)
         headers.setdefault("x-first-death-queue", queue.spec.name)
         headers.setdefault("x-first-death-exchange", message.exchange)
         try:
@@ -423,6 +434,16 @@ class InMemoryHub:
                 queue.next_consumer = (index + 1) % count
                 return consumers[index]
         return None
+
+    def _drop_head(self, queue: _Queue, size: int) -> bool:
+        """Discard the oldest ready messages until one of `size` bytes fits (dead-lettering
+        them as "maxlen" where the queue has dead-letter routing); False if it never can."""
+        while queue.ready and _overflows(queue, size):
+            dropped = queue.ready.popleft()
+            queue.ready_bytes -= len(dropped.body)
+            if (key := queue.spec.dead_letter_routing_key) is not None:
+                self._server_dead_letter(queue, dropped, key, "maxlen")
+        return not _overflows(queue, size)
 
     def _requeue(self, queue: _Queue, messages: list[_Message]) -> None:
         if not messages:

@@ -11,8 +11,10 @@ already requeued it.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections import deque
@@ -48,6 +50,7 @@ from broker.transport import (
 __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
 
 _TRANSIENT, _PERSISTENT = 1, 2
+_log = logging.getLogger("splitmq.broker")
 
 
 class RabbitMQBroker:
@@ -106,7 +109,13 @@ class RabbitMQBroker:
     def declare(self, queues: Sequence[QueueSpec]) -> None:
         keeper = self._keeper
         names = ", ".join(spec.name for spec in queues) or "exchanges"
-        keeper.call(lambda: keeper.declare_on(keeper.publisher(), queues), f"declare {names}")
+        try:
+            keeper.call(lambda: keeper.declare_on(keeper.publisher(), queues), f"declare {names}")
+        except BrokerError as exc:
+            advice = _inequivalent_advice(exc.__cause__)
+            if advice is None:
+                raise
+            raise BrokerError(f"{exc}; {advice}") from exc.__cause__
 
     def publish(
         self,
@@ -195,6 +204,16 @@ class RabbitMQBroker:
                 f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
                 "declare its QueueSpec (with dead_letter_routing_key) here first"
             )
+        if self._options.dead_letter_by_nack:
+            # No write permission on the dead-letter exchange: the queue's x-dead-letter routing
+            # moves the message (RabbitMQ adds x-death); only this line keeps the reason.
+            _log.warning(
+                "dead-lettering a message from %s by nack (no reason header): %s",
+                delivery.queue,
+                reason,
+            )
+            self.nack(delivery, requeue=False)
+            return
         channel = self._outstanding(delivery)
         headers: dict[str, HeaderValue] = dict(delivery.headers)
         headers[REASON_HEADER] = reason
@@ -360,6 +379,23 @@ if TYPE_CHECKING:  # mypy proves the class satisfies the protocol
 
     def _conforms(broker: RabbitMQBroker) -> Broker:
         return broker
+
+
+def _inequivalent_advice(cause: BaseException | None) -> str | None:
+    """How to mend a queue that exists with other arguments (an older SplitMQ's, or other
+    limits): RabbitMQ never changes a declared queue's arguments."""
+    if not isinstance(cause, pika.exceptions.ChannelClosedByBroker) or cause.reply_code != 406:
+        return None
+    text = str(cause.reply_text)
+    found = re.search(r"for queue '([^']*)'", text)
+    if "inequivalent arg" not in text or found is None:
+        return None
+    queue = found.group(1)
+    return (
+        f"queue {queue!r} exists with other arguments than this SplitMQ declares (made by an "
+        f"older version or with other queue limits); delete it (`rabbitmqctl delete_queue "
+        f"{queue}`, losing its messages) or start the job afresh with `splitmq up --fresh`"
+    )
 
 
 def _text(value: object) -> str:

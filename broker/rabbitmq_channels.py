@@ -47,8 +47,7 @@ def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
     if spec.max_length_bytes is not None:
         args["x-max-length-bytes"] = spec.max_length_bytes
     if spec.max_length is not None or spec.max_length_bytes is not None:
-        # Refuse new messages (a nack to the publisher) rather than drop the oldest.
-        args["x-overflow"] = "reject-publish"
+        args["x-overflow"] = spec.overflow
     if spec.dead_letter_routing_key is not None:
         args["x-dead-letter-exchange"] = DEAD_EXCHANGE
         args["x-dead-letter-routing-key"] = spec.dead_letter_routing_key

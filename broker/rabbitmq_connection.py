@@ -63,6 +63,11 @@ class RabbitMQOptions:
     # Only check that exchanges and queues exist (passive declares, no bindings): for a user
     # without configure permission, whose queues an operator declared.
     passive_declare: bool = False
+    # Dead-letter by nack (requeue=False) instead of publishing a copy to `splitmq.dead`: for a
+    # user without write permission there. The queue's own x-dead-letter routing moves it and
+    # RabbitMQ records x-death, but our x-splitmq-reason/-queue/-user headers are lost (the
+    # reason is logged at WARNING instead).
+    dead_letter_by_nack: bool = False
 
 
 def connection_parameters(

@@ -28,10 +28,28 @@ EXCHANGES: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True)
 class QueueLimits:
-    """Bounds on a shard queue: a full queue refuses publishes (back-pressure)."""
+    """Bounds on every durable queue of a job: a client can publish into each of them, so none
+    may grow without limit. RabbitMQ (and the in-memory hub) count ready messages only.
 
-    max_length: int = 10_000
+    The shard, infer, control and updates queues refuse publishes when full (back-pressure: the
+    publisher backs off and retries, nothing is silently dropped). The dead-letter queue drops
+    its oldest letters instead: it is where rejection ends, so a full one refusing would make
+    every later rejection lose its reason (a flood of junk could then hide the next bad message's
+    reason), and the newest letters are the ones an operator looks for. Its default holds a
+    10,000-message fuzz run (benchmarks/fuzz_services.py) whole.
+
+    Every role declaring a job's queues must use equal limits: RabbitMQ refuses to re-declare a
+    queue with other arguments (PRECONDITION_FAILED).
+    """
+
+    max_length: int = 10_000  # shard and infer queues
     max_length_bytes: int = 1 << 30
+    control_max_length: int = 10_000  # joins, heartbeats, round notices: small messages
+    control_max_length_bytes: int = 64 << 20
+    updates_max_length: int = 10_000  # WeightsUpdates: a client's weights each
+    updates_max_length_bytes: int = 1 << 30
+    dead_max_length: int = 100_000
+    dead_max_length_bytes: int = 2 << 30
 
 
 def shard_queue_name(job: str, shard: int) -> str:
@@ -117,22 +135,28 @@ def infer_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
     )
 
 
-def control_queue(job: str) -> QueueSpec:
+def control_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
+    limits = limits or QueueLimits()
     return QueueSpec(
         name=control_queue_name(job),
         exchange=CONTROL_EXCHANGE,
         routing_key=job,
+        max_length=limits.control_max_length,
+        max_length_bytes=limits.control_max_length_bytes,
         dead_letter_routing_key=job,
     )
 
 
-def updates_queue(job: str) -> QueueSpec:
+def updates_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
     """WeightsUpdates, apart from `<job>.control` so the coordinator and the aggregator can be
     separate processes (two consumers of one queue would get each other's messages)."""
+    limits = limits or QueueLimits()
     return QueueSpec(
         name=updates_queue_name(job),
         exchange=CONTROL_EXCHANGE,
         routing_key=updates_routing_key(job),
+        max_length=limits.updates_max_length,
+        max_length_bytes=limits.updates_max_length_bytes,
         dead_letter_routing_key=job,
     )
 
@@ -152,8 +176,18 @@ def events_queue(job: str, subscriber: str) -> QueueSpec:
     )
 
 
-def dead_queue(job: str) -> QueueSpec:
-    return QueueSpec(name=dead_queue_name(job), exchange=DEAD_EXCHANGE, routing_key=job)
+def dead_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
+    """Where every rejected message of `job` ends (bound with the job name as key): drop-head
+    when full, see `QueueLimits`. `Broker.dead_letter` declares it again if it has gone."""
+    limits = limits or QueueLimits()
+    return QueueSpec(
+        name=dead_queue_name(job),
+        exchange=DEAD_EXCHANGE,
+        routing_key=job,
+        max_length=limits.dead_max_length,
+        max_length_bytes=limits.dead_max_length_bytes,
+        overflow="drop-head",
+    )
 
 
 def reply_queue(job: str, client: str) -> QueueSpec:
@@ -202,7 +236,7 @@ def client_queue_names(job: str, client: str) -> list[str]:
 
 def job_queues(job: str, shards: int, limits: QueueLimits | None = None) -> list[QueueSpec]:
     """The server-side queues of a job: dead letters first, so rejected messages have a home."""
-    specs = [dead_queue(job), control_queue(job), updates_queue(job)]
+    specs = [dead_queue(job, limits), control_queue(job, limits), updates_queue(job, limits)]
     specs.extend(shard_queue(job, s, limits) for s in range(shards))
     specs.append(infer_queue(job, limits))
     return specs

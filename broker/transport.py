@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 # No float: pika cannot encode floats in an AMQP field table, so a float header would work with
 # the in-memory broker and fail on RabbitMQ. Integers must fit in 64 signed bits.
@@ -22,6 +22,11 @@ SOURCE_QUEUE_HEADER = "x-splitmq-queue"
 # The original AMQP user_id of a dead-lettered message: the copy cannot keep the property because
 # RabbitMQ only accepts a user_id equal to the publishing connection's user.
 USER_HEADER = "x-splitmq-user"
+
+# What a bounded queue does when full. reject-publish refuses the new message (a nack to the
+# publisher: back-pressure, nothing silently lost); drop-head discards the oldest ready messages
+# to make room, so publishing into the queue never fails.
+Overflow = Literal["reject-publish", "drop-head"]
 
 # RabbitMQ 3.x's default max_message_size (4.x: 16 MiB); brokers refuse larger bodies up front.
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
@@ -38,6 +43,8 @@ class QueueSpec:
     single_active_consumer: bool = False
     max_length: int | None = None
     max_length_bytes: int | None = None
+    # Only with a bound (max_length or max_length_bytes); both count ready messages only.
+    overflow: Overflow = "reject-publish"
     # Where rejected messages go: routing key on the dead-letter exchange (None: not dead-lettered).
     dead_letter_routing_key: str | None = None
     exclusive: bool = False
