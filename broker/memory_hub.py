@@ -27,7 +27,13 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
+from broker.topology import (
+    BEST_EFFORT_EXCHANGES,
+    DEAD_EXCHANGE,
+    EXCHANGES,
+    dead_queue,
+    dead_queue_name,
+)
 from broker.transport import (
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
@@ -354,14 +360,15 @@ class InMemoryHub:
             headers[SOURCE_QUEUE_HEADER] = delivery.queue
             if message.user_id is not None:
                 headers[USER_HEADER] = message.user_id
-            full = self._route(
-                DEAD_EXCHANGE,
-                spec.dead_letter_routing_key,
-                message.body,
-                headers,
-                message.message_id,
-                None,
-            )
+            key = spec.dead_letter_routing_key
+            copy = (DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
+            try:
+                full = self._route(*copy)
+            except UnroutableError:
+                # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
+                dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
+                self._declare_queue(session, dead)
+                full = self._route(*copy)
             if full:
                 raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
             self._settle(self._take(session, delivery))

@@ -34,7 +34,14 @@ from broker.errors import (
 from broker.headers import outgoing_headers
 from broker.rabbitmq_channels import ChannelKeeper, queue_arguments
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
-from broker.topology import BEST_EFFORT_EXCHANGES, CONTROL_EXCHANGE, DEAD_EXCHANGE, EXCHANGES
+from broker.topology import (
+    BEST_EFFORT_EXCHANGES,
+    CONTROL_EXCHANGE,
+    DEAD_EXCHANGE,
+    EXCHANGES,
+    dead_queue,
+    dead_queue_name,
+)
 from broker.transport import (
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
@@ -224,19 +231,47 @@ class RabbitMQBroker:
             delivery_mode=_PERSISTENT, headers=headers, message_id=delivery.message_id
         )
         try:
+            # Confirmed copy first, then the ack: a crash in between duplicates, never loses.
+            self._copy_to_dead(delivery, spec.dead_letter_routing_key, properties)
+            channel.basic_ack(delivery.tag)
+        except PIKA_ERRORS as exc:
+            raise self._keeper.settle_failure(exc, delivery, "dead-letter") from exc
+        del self._unacked[delivery.tag]
+
+    def _copy_to_dead(self, delivery: Delivery, routing_key: str, properties: Any) -> None:
+        """Publish the dead letter's copy; if no queue takes it (`<job>.dead` was deleted),
+        declare the dead-letter queue again and retry once. Raises `UnroutableError` when it
+        cannot be declared (passive handle, no configure permission)."""
+        restored = False
+        while True:
             publisher = self._keeper.publisher()
             if delivery.generation != self._keeper.generation:
                 # Reopening the publisher reconnected: the original is requeued already, and a
                 # copy now would be a second one when it is dead-lettered again.
                 raise self._stale(delivery, "was lost with its connection before dead-lettering")
-            # Confirmed copy first, then the ack: a crash in between duplicates, never loses.
-            self._publish(
-                publisher, DEAD_EXCHANGE, spec.dead_letter_routing_key, delivery.body, properties
-            )
-            channel.basic_ack(delivery.tag)
-        except PIKA_ERRORS as exc:
-            raise self._keeper.settle_failure(exc, delivery, "dead-letter") from exc
-        del self._unacked[delivery.tag]
+            try:
+                self._publish(publisher, DEAD_EXCHANGE, routing_key, delivery.body, properties)
+                return
+            except UnroutableError as exc:
+                if restored:
+                    raise
+                refusal = self._restore_dead_queue(routing_key)
+                if refusal is not None:
+                    raise UnroutableError(f"{exc}; declaring it again failed: {refusal}") from exc
+                restored = True
+
+    def _restore_dead_queue(self, routing_key: str) -> str | None:
+        """Declare the dead-letter queue for `routing_key` again (with the spec this handle
+        declared, if any, so its limits match); why not, or None once it is back."""
+        spec = self._keeper.specs.get(dead_queue_name(routing_key)) or dead_queue(routing_key)
+        if self._options.passive_declare:
+            return f"this handle only checks queues (passive_declare), so {spec.name!r} stays gone"
+        _log.warning(
+            "dead-letter queue %s was gone; declaring it again (routing key %r)",
+            spec.name,
+            routing_key,
+        )
+        return self._keeper.try_declare([spec])
 
     def queue_depth(self, queue: str) -> int:
         def depth() -> int:

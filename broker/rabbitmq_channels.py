@@ -5,7 +5,8 @@ the *consumer* channel carries subscriptions and acks. A channel error (a bug, o
 declaration) closes only the channel it happened on, so a bad publish does not return the
 consumer's unacknowledged messages; a closed channel is reopened on next use, once, never in a
 loop. A lost connection is reopened by `call` with capped, jittered backoff; every new channel
-gets back what this handle declared and subscribed to.
+gets back what this handle declared and subscribed to. An outage logs one warning when it begins
+and one info line when the connection is back, never a line per attempt.
 
 Whenever the consumer channel goes, everything delivered on it is void (RabbitMQ requeues it):
 the generation is bumped and `on_void` tells the owner to drop its buffered and unacked state.
@@ -14,6 +15,7 @@ the generation is bumped and `on_void` tells the owner to drop its buffered and 
 from __future__ import annotations
 
 import functools
+import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ from broker.topology import DEAD_EXCHANGE, EXCHANGES
 from broker.transport import Delivery, QueueSpec
 
 T = TypeVar("T")
+_log = logging.getLogger("splitmq.broker")
 
 
 def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
@@ -85,6 +88,7 @@ class ChannelKeeper:
         self._specs: dict[str, QueueSpec] = {}
         self._prefetch: dict[str, int] = {}  # subscriptions to restore
         self._consumer_tags: dict[str, str] = {}  # queue -> tag on the current consumer channel
+        self._lost_at: float | None = None  # when the current outage began (None: connected)
 
     @property
     def specs(self) -> Mapping[str, QueueSpec]:
@@ -131,6 +135,7 @@ class ChannelKeeper:
                     outage = Outage(
                         self._options, clock=self._clock, sleep=self._sleep, rng=self._rng
                     )
+                    self._note_lost(exc, what)
                 outage.wait_or_give_up(exc, what)
 
     def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
@@ -144,6 +149,7 @@ class ChannelKeeper:
         """Map a failed ack/nack/dead-letter: stale if its channel went, else a channel error."""
         if self._connection_lost(exc):
             self._drop_connection()
+            self._note_lost(exc, what)
         elif self._consumer_channel is None or not self._consumer_channel.is_open:
             self._void_consumer()
         else:
@@ -216,6 +222,17 @@ class ChannelKeeper:
             )
             channel.queue_bind(spec.name, spec.exchange, routing_key=spec.routing_key)
             self._specs[spec.name] = spec
+
+    def try_declare(self, specs: Sequence[QueueSpec]) -> str | None:
+        """Declare `specs` on the publisher channel; RabbitMQ's refusal (a channel error such
+        as ACCESS_REFUSED), or None when declared. A lost connection raises as from pika."""
+        try:
+            self.declare_on(self.publisher(), specs)
+        except PIKA_ERRORS as exc:
+            if self._connection_lost(exc):
+                raise
+            return str(self.channel_failure(exc, "declare " + ", ".join(s.name for s in specs)))
+        return None
 
     def forget(self, queue: str) -> None:
         self._specs.pop(queue, None)
@@ -293,7 +310,38 @@ class ChannelKeeper:
             self._connection = pika.BlockingConnection(self._params)
             tune_receive(self._connection)
             self.connects += 1
+            if self._lost_at is not None:
+                _log.info(
+                    "%s RabbitMQ at %s after %.1f s",
+                    "reconnected to" if self.connects > 1 else "connected to",
+                    self._where(),
+                    self._clock() - self._lost_at,
+                )
+                self._lost_at = None
         return self._connection
+
+    def _note_lost(self, exc: BaseException, what: str) -> None:
+        """One warning per outage, however many attempts it takes (no traceback: the cause is
+        a network or server event, not a bug); `_ensure_connection` says when it is over."""
+        if self._lost_at is not None:
+            return
+        self._lost_at = self._clock()
+        if self.connects:
+            lost = f"lost the connection to RabbitMQ at {self._where()}"
+        else:
+            lost = f"cannot reach RabbitMQ at {self._where()}"
+        _log.warning(
+            "%s (%s, during %s); retrying for up to %.0f s",
+            lost,
+            describe(exc),
+            what,
+            self._options.give_up_after,
+        )
+
+    def _where(self) -> str:
+        vhost = self._params.virtual_host
+        suffix = "" if vhost == "/" else f" (vhost {vhost!r})"
+        return f"{self._params.host}:{self._params.port}{suffix}"
 
     def _connection_lost(self, exc: BaseException) -> bool:
         if isinstance(exc, pika.exceptions.AMQPConnectionError):

@@ -3,20 +3,27 @@
 Every consumer that meets bad input goes through `dead_letter_safely` and `ack_safely`: a
 connection lost between `get` and the settlement makes the broker redeliver the message (it is
 judged again then), and a full dead-letter queue falls back to the queue's own dead-letter
-routing, without the reason header but never requeued (a poison message must not loop).
+routing, without the reason header but never requeued (a poison message must not loop). So does
+a dead-letter queue that is gone and cannot be declared again (the broker tries), or any other
+refusal of the copy: one bad message must never end its consumer.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 
-from broker.errors import BackPressureError, StaleDeliveryError
+from broker.errors import BrokerError, StaleDeliveryError
 from broker.transport import Broker, Delivery
+
+_log = logging.getLogger("splitmq.broker")
 
 
 class Rejected(enum.Enum):
     DEAD_LETTERED = "dead-lettered"  # in the dead-letter queue with its reason
-    WITHOUT_REASON = "without reason"  # the dead-letter queue was full: nacked, no header
+    # The copy was refused (dead-letter queue full, gone for good, no permission): nacked
+    # without requeue, so the queue's own dead-letter routing takes it, without our header.
+    WITHOUT_REASON = "without reason"
     REDELIVERED = "redelivered"  # its connection was gone: it comes back and is judged again
 
 
@@ -26,7 +33,14 @@ def dead_letter_safely(broker: Broker, delivery: Delivery, reason: str) -> Rejec
         broker.dead_letter(delivery, reason)
     except StaleDeliveryError:
         return Rejected.REDELIVERED
-    except BackPressureError:
+    except BrokerError as exc:
+        _log.warning(
+            "could not dead-letter a message from %s with its reason (%s); rejecting it to "
+            "the queue's own dead-letter routing instead: %s",
+            delivery.queue,
+            exc,
+            reason,
+        )
         try:
             broker.nack(delivery, requeue=False)
         except StaleDeliveryError:

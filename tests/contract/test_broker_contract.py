@@ -21,12 +21,17 @@ from broker.errors import (
 )
 from broker.memory_broker import InMemoryBroker, InMemoryHub
 from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
+from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import (
     CONTROL_EXCHANGE,
+    DEAD_EXCHANGE,
     EVENTS_EXCHANGE,
     SMASHED_EXCHANGE,
+    QueueLimits,
     control_queue,
     dead_queue,
+    job_queues,
+    updates_queue,
 )
 from broker.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -256,6 +261,102 @@ def test_nack_without_requeue_follows_the_queue_dead_letter_routing(
     assert letter.headers["x-first-death-queue"] == control.name
     assert REASON_HEADER not in letter.headers
     broker.ack(letter)
+
+
+def test_dead_letter_declares_a_deleted_dead_letter_queue_again(
+    broker_factory: BrokerFactory,
+) -> None:
+    # An operator purging junk by deleting `<job>.dead`: the next bad message must neither
+    # crash its consumer nor stay unacked (issue 18, item 1).
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    broker_factory().delete_queue(dead.name)
+    consumer.publish(CONTROL_EXCHANGE, control.routing_key, b"\xc1 junk", message_id="j-1")
+    consumer.publish(CONTROL_EXCHANGE, control.routing_key, b"good")
+    consumer.subscribe(control.name, prefetch=1)
+
+    (junk,) = receive(consumer)
+    assert dead_letter_safely(consumer, junk, "undecodable: 0xc1") is Rejected.DEAD_LETTERED
+    (good,) = receive(consumer)  # the consumer goes on
+    consumer.ack(good)
+
+    assert consumer.queue_depth(control.name) == 0
+    operator = broker_factory()
+    operator.subscribe(dead.name, prefetch=5)
+    (letter,) = receive(operator)
+    assert (letter.body, letter.message_id) == (b"\xc1 junk", "j-1")
+    assert letter.headers[REASON_HEADER] == "undecodable: 0xc1"
+    operator.ack(letter)
+    # Declared again as the topology says (bounded, drop-head): re-declaring it is no clash.
+    broker_factory().declare([dead])
+
+
+def test_dead_letter_queue_drops_its_oldest_when_full(broker_factory: BrokerFactory) -> None:
+    # drop-head: a flood of junk never blocks dead-lettering, and the newest letters stay.
+    job = broker_factory.job
+    limits = QueueLimits(dead_max_length=2)
+    dead = broker_factory.track(dead_queue(job, limits))
+    control = broker_factory.track(control_queue(job, limits))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    for index in range(4):
+        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
+    consumer.subscribe(control.name, prefetch=4)
+
+    outcomes = [dead_letter_safely(consumer, d, "bad") for d in receive(consumer, 4)]
+
+    assert outcomes == [Rejected.DEAD_LETTERED] * 4
+    assert consumer.queue_depth(dead.name) == 2
+    operator = broker_factory()
+    operator.subscribe(dead.name, prefetch=5)
+    letters = receive(operator, 2)
+    assert [d.body for d in letters] == [b"bad-2", b"bad-3"]
+    for letter in letters:
+        operator.ack(letter)
+
+
+def test_dead_letter_queue_byte_bound_drops_its_oldest(broker_factory: BrokerFactory) -> None:
+    job = broker_factory.job
+    dead = broker_factory.track(dead_queue(job, QueueLimits(dead_max_length_bytes=100)))
+    broker = broker_factory()
+    broker.declare([dead])
+    for body in (b"a" * 60, b"b" * 40, b"c" * 30):
+        broker.publish(DEAD_EXCHANGE, job, body)  # never refused: the oldest made room
+
+    assert broker.queue_depth(dead.name) == 2
+    broker.subscribe(dead.name, prefetch=2)
+    letters = receive(broker, 2)
+    assert [d.body for d in letters] == [b"b" * 40, b"c" * 30]
+    for letter in letters:
+        broker.ack(letter)
+
+
+@pytest.mark.parametrize("which", ["control", "updates"])
+def test_control_and_updates_queues_push_back_when_full(
+    broker_factory: BrokerFactory, which: str
+) -> None:
+    # A client can publish into both: bounded, and full means refused (nothing dropped).
+    job = broker_factory.job
+    limits = QueueLimits(control_max_length=2, updates_max_length=2)
+    make = control_queue if which == "control" else updates_queue
+    spec = broker_factory.track(make(job, limits))
+    broker = broker_factory()
+    broker.declare([spec])
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"one")
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"two")
+
+    with pytest.raises(BackPressureError, match=spec.name):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"three")
+    assert broker.queue_depth(spec.name) == 2
+
+
+def test_every_job_queue_a_client_can_reach_is_bounded() -> None:
+    for spec in job_queues("j", 2):
+        assert spec.max_length is not None and spec.max_length_bytes is not None, spec.name
+        expected = "drop-head" if spec.exchange == DEAD_EXCHANGE else "reject-publish"
+        assert spec.overflow == expected, spec.name
 
 
 def test_dead_letter_needs_the_queue_declared_on_the_handle(

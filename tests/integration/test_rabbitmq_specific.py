@@ -1,4 +1,5 @@
-"""RabbitMQ-only behaviour: reconnects, stale deliveries, channel errors, credentials, doctor.
+"""RabbitMQ-only behaviour: reconnects, stale deliveries, channel errors, credentials, doctor,
+dead-lettering without the dead-letter exchange.
 
 The server kills connections through ``rabbitmqctl close_connection``, aimed at one connection by
 its ``connection_name`` client property: other tests share the server and must not notice.
@@ -6,6 +7,7 @@ its ``connection_name`` client property: other tests share the server and must n
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -18,8 +20,9 @@ import pytest
 
 from broker.errors import BrokerError, BrokerUnavailableError, StaleDeliveryError
 from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
-from broker.topology import CONTROL_EXCHANGE
-from broker.transport import QueueSpec
+from broker.rejection import Rejected, dead_letter_safely
+from broker.topology import CONTROL_EXCHANGE, control_queue, dead_queue
+from broker.transport import REASON_HEADER, QueueSpec
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -208,3 +211,108 @@ def test_server_info_reports_product_and_working_probe(
     assert info.product == "RabbitMQ"
     assert info.version.split(".")[0].isdigit()
     assert (info.can_declare, info.can_publish, info.detail) == (True, True, "")
+
+
+def test_an_outage_logs_one_warning_and_says_reconnected(
+    open_broker: Callable[..., RabbitMQBroker],
+    rabbitmqctl: Callable[..., str],
+    job: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = open_broker()
+    spec = work_queue(job)
+    broker.declare([spec])
+    try:
+        caplog.set_level(logging.INFO, logger="splitmq.broker")
+        kill_connection(rabbitmqctl, broker.connection_name)
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"after the outage")
+        assert broker.connects == 2
+
+        ours = [r for r in caplog.records if r.name == "splitmq.broker"]
+        assert [r.levelno for r in ours] == [logging.WARNING, logging.INFO], ours
+        lost, back = (r.getMessage() for r in ours)
+        assert "lost the connection to RabbitMQ at" in lost and "retrying" in lost
+        assert "CONNECTION_FORCED" in lost  # what happened, in one line
+        assert back.startswith("reconnected to RabbitMQ at") and " after " in back
+        assert not any(r.exc_info for r in ours)  # no traceback per attempt
+    finally:
+        broker.delete_queue(spec.name)
+
+
+def test_dead_letter_falls_back_to_nack_when_the_dead_queue_cannot_come_back(
+    open_broker: Callable[..., RabbitMQBroker], job: str
+) -> None:
+    # A handle without configure permission (passive_declare) cannot declare `<job>.dead`
+    # again: the message must still leave its queue (no poison loop) and the consumer go on.
+    dead, control = dead_queue(job), control_queue(job)
+    operator = open_broker("operator")
+    operator.declare([dead, control])
+    consumer = open_broker("consumer", passive_declare=True)
+    consumer.declare([dead, control])
+    operator.delete_queue(dead.name)
+    try:
+        operator.publish(CONTROL_EXCHANGE, control.routing_key, b"\xc1 junk")
+        operator.publish(CONTROL_EXCHANGE, control.routing_key, b"good")
+        consumer.subscribe(control.name, prefetch=1)
+        junk = consumer.get(WAIT)
+        assert junk is not None
+
+        assert dead_letter_safely(consumer, junk, "undecodable") is Rejected.WITHOUT_REASON
+        good = consumer.get(WAIT)
+        assert good is not None and good.body == b"good"  # not the junk again
+        consumer.ack(good)
+        assert consumer.get(QUIET) is None
+        assert operator.queue_depth(control.name) == 0
+    finally:
+        operator.delete_queue(control.name)
+        operator.delete_queue(dead.name)
+
+
+def test_dead_letter_by_nack_leaves_it_to_the_queue_routing(
+    open_broker: Callable[..., RabbitMQBroker], job: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # For a client user that may not publish to splitmq.dead: RabbitMQ moves the message
+    # (x-death, x-first-death-*), our reason header is lost and goes to the log instead.
+    dead, control = dead_queue(job), control_queue(job)
+    operator = open_broker("operator")
+    operator.declare([dead, control])
+    client = open_broker("client", dead_letter_by_nack=True)
+    client.declare([dead, control])
+    try:
+        operator.publish(CONTROL_EXCHANGE, control.routing_key, b"forged", message_id="f-1")
+        client.subscribe(control.name, prefetch=1)
+        delivery = client.get(WAIT)
+        assert delivery is not None
+        caplog.set_level(logging.WARNING, logger="splitmq.broker")
+
+        assert dead_letter_safely(client, delivery, "impostor: c9") is Rejected.DEAD_LETTERED
+
+        operator.subscribe(dead.name, prefetch=1)
+        letter = operator.get(WAIT)
+        assert letter is not None
+        assert (letter.body, letter.message_id) == (b"forged", "f-1")
+        assert REASON_HEADER not in letter.headers
+        assert letter.headers["x-first-death-queue"] == control.name
+        assert letter.headers["x-first-death-reason"] == "rejected"
+        operator.ack(letter)
+        assert any("impostor: c9" in r.getMessage() for r in caplog.records)
+    finally:
+        operator.delete_queue(control.name)
+        operator.delete_queue(dead.name)
+
+
+def test_an_inequivalent_queue_says_which_and_how_to_mend_it(
+    open_broker: Callable[..., RabbitMQBroker], job: str
+) -> None:
+    # A `<job>.dead` left by an older SplitMQ (no bounds): today's declare differs from it.
+    old = replace(dead_queue(job), max_length=None, max_length_bytes=None)
+    broker = open_broker()
+    broker.declare([old])
+    try:
+        with pytest.raises(BrokerError, match="PRECONDITION_FAILED") as excinfo:
+            broker.declare([dead_queue(job)])
+        text = str(excinfo.value)
+        assert f"queue '{job}.dead' exists with other arguments" in text
+        assert f"rabbitmqctl delete_queue {job}.dead" in text and "splitmq up --fresh" in text
+    finally:
+        broker.delete_queue(old.name)
