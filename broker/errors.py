@@ -31,6 +31,17 @@ class BrokerUnavailableError(BrokerError):
     """The broker cannot be reached (after retrying, where retrying applies)."""
 
 
+class BrokerAuthError(BrokerError):
+    """The broker refused the login (user, password) or the user's access to the vhost.
+
+    Never retried: waiting does not fix credentials.
+    """
+
+
+class ConnectionSettingsError(SplitMQError, ValueError):
+    """A broker or store URL (or its TLS options) that cannot work, refused before connecting."""
+
+
 class BackPressureError(BrokerError):
     """The broker refused a publish because the target queue is full.
 
@@ -59,6 +70,10 @@ class StoreError(SplitMQError):
 
 class StoreUnavailableError(StoreError):
     """The store cannot be reached."""
+
+
+class StoreAuthError(StoreError):
+    """The store refused the credentials of its URL; never retried."""
 
 
 class LeaseNotHeldError(StoreError):
