@@ -70,7 +70,11 @@ Config = Mapping[str, ConfigValue]
 Metrics = Mapping[str, float]
 Info = Mapping[str, str]
 
-REPLY_STATUSES = frozenset({"ok", "stale", "rejected"})
+# `GradientReply.status`: "ok" (applied; the gradient, for algorithms that wait for one),
+# "stale" (the worker holds the seq and its answer is still to come), "gone" (a copy of a seq
+# applied before whose gradient the worker no longer has: the client cannot wait it out),
+# "rejected" (not applied: `reason` says why, e.g. "too_stale: ...").
+REPLY_STATUSES = frozenset({"ok", "stale", "gone", "rejected"})
 # Why a client gives up its local round (`RoundDropped.reason`): its model diverged (weights or
 # activations hold NaN or infinities), or anything else ended the round (an error reply, no
 # gradient after every retry, a superseding assignment). A closed set, because the aggregator

@@ -1,14 +1,25 @@
-"""Publishing GradientReplies: back-pressure is waited out, a vanished client is not fatal."""
+"""Publishing GradientReplies: back-pressure is waited out, a vanished client is not fatal.
+
+Replies are transient (see `Replier.send`): a broker restart drops the ones not consumed yet.
+The client then publishes its batch again, and the worker, which applied it already, must not
+apply it twice nor leave the client without its gradient: the Replier keeps the last "ok"
+reply it sent each client and sends it again for a copy of that seq (`resend`). A sequential
+client has one batch in flight, so its last reply is the only one it can still be waiting for;
+the cache holds a reference to the reply the step built (no copy), one per client, at most
+`keep` clients (the least recently answered go first).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 
 from broker.codec import encode
 from broker.errors import BackPressureError, EncodeError, MessageTooLargeError, UnroutableError
-from broker.messages import GradientReply
+from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
 from broker.transport import Broker
 
@@ -25,6 +36,7 @@ class Replier:
         first_delay_s: float = 0.05,
         max_delay_s: float = 2.0,
         sleep: Callable[[float], None] | None = None,
+        keep: int = 1024,
     ) -> None:
         self._broker = broker
         self._stop = stop
@@ -33,9 +45,22 @@ class Replier:
         self._max_delay_s = max_delay_s
         # Waiting on the stop event, so a stopping worker does not sit out a long backoff.
         self._sleep = sleep or (lambda s: bool(stop.wait(s)))
+        self._keep = max(1, keep)
+        self._last: OrderedDict[tuple[str, str], GradientReply] = OrderedDict()
+
+    def resend(self, job: str, client: str, seq: int) -> bool | None:
+        """Send the reply last sent to `client` again, under a new message id, if it answers
+        `seq`: whether it went out; None when no such reply is kept (another worker applied
+        the batch, or the client has been answered for a later seq since)."""
+        kept = self._last.get((job, client))
+        if kept is None or kept.seq != seq:
+            return None
+        return self.send(replace(kept, message_id=new_message_id()))
 
     def send(self, reply: GradientReply) -> bool:
         """True once the broker confirmed it; False when it cannot be delivered at all."""
+        if reply.status == "ok":
+            self._remember(reply)
         what = f"job {reply.job} client {reply.client} seq {reply.seq}"
         try:
             body = encode(reply)
@@ -74,3 +99,10 @@ class Replier:
             except MessageTooLargeError as exc:
                 self._logger.error("reply to %s too large: %s", what, exc)
                 return False
+
+    def _remember(self, reply: GradientReply) -> None:
+        key = (reply.job, reply.client)
+        self._last[key] = reply
+        self._last.move_to_end(key)
+        while len(self._last) > self._keep:
+            self._last.popitem(last=False)

@@ -108,21 +108,32 @@ def serve(
 def answer_duplicate(
     batch: SmashedBatch, version: int, replier: Replier, stats: WorkerStats
 ) -> None:
-    """A client republishes a batch when its reply is late or lost; if lost, this tells it the
-    batch was applied, so it moves on instead of waiting (it ignores the answer otherwise)."""
+    """Answer a copy of a batch applied already (never applying it again).
+
+    A client publishes its batch again when no reply came within its timeout: the reply was
+    lost (a broker restart drops transient replies) or is late. Either way it is sent again:
+    the reply kept for this seq (`Replier.resend`), same seq and gradient, under a new message
+    id; a client that had it already drops the copy. Where no reply is kept (the batch was
+    applied by another worker before a failover, or the seq is not the client's last), the
+    client is told "gone": it cannot have that gradient, and waiting would not bring it."""
     stats.duplicates_skipped += 1
+    resent = replier.resend(batch.job, batch.client, batch.seq)
+    if resent is not None:
+        if resent:
+            stats.replies_resent += 1
+        return
     reply = GradientReply(
         job=batch.job,
         client=batch.client,
         message_id=new_message_id(),
         version=version,
         seq=batch.seq,
-        status="stale",
+        status="gone",
         loss=0.0,
         correct=0,
         samples=0,
         grad=None,
-        reason=f"duplicate: seq {batch.seq} was already applied",
+        reason=f"duplicate: seq {batch.seq} was already applied; its gradient is no longer kept",
     )
     if replier.send(reply):
-        stats.stale_replies += 1
+        stats.gone_replies += 1

@@ -114,7 +114,9 @@ class WorkerSession:
             broker=broker,
             store=self.store,
             strategy=spec.strategy,
-            replier=Replier(broker, stop, self.log),
+            # The last reply per client, for a copy of a batch whose reply was lost: room for
+            # every member (clients beyond `count` are refused) and for some that left.
+            replier=Replier(broker, stop, self.log, keep=2 * settings.clients.count),
             stats=stats,
             renew_lease=self.keeper.renew,
             redeliver=self.redeliver,

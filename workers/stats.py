@@ -16,7 +16,8 @@ class WorkerStats:
     dead_lettered: Counter[str] = field(default_factory=Counter)
     checkpoints: int = 0
     replies: int = 0  # status "ok"
-    stale_replies: int = 0  # answers to duplicates, so a client that lost its reply moves on
+    replies_resent: int = 0  # a duplicate answered with the reply kept for its seq
+    gone_replies: int = 0  # a duplicate answered "gone": applied, its gradient no longer kept
     replies_undeliverable: int = 0  # the client's reply queue is gone, or the reply too large
     stale_acks: int = 0  # deliveries whose connection was lost; redelivered and deduplicated
     reloads: int = 0  # replica (re)loaded from a published version

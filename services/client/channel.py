@@ -1,10 +1,15 @@
 """The `SmashedChannel` over the broker: SmashedBatch out to the shard, GradientReply back.
 
-Replies are matched by `seq`. A reply for another seq is a duplicate (a worker that took the
-shard over after a failover answers batches the client already got an answer for) and is
-dropped; a batch with no answer after `reply_timeout_s` is published again with the same seq,
-which the worker recognises if it had applied it (answering the copy with status "stale").
-After `max_republish` copies without an answer the round is given up.
+Replies are matched by `seq`. A reply for an earlier seq is a duplicate (a worker answering a
+redelivered or republished copy of a batch the client already got an answer for) and is
+dropped; one for a seq this client never sent (at or past its next seq) is dead-lettered, wherever
+it arrives (`SeqBook.reply_problem`, a validator of the link). A batch with no answer after
+`reply_timeout_s` is published again with the same seq; a worker that had applied it answers
+the copy with the reply it sent (a lost reply costs one timeout), or, where it no longer has
+that gradient (another worker applied the batch before a failover), with status "gone": the
+round cannot go on without it, and is dropped at once. "stale" (held, the answer is coming)
+keeps the client waiting. After `max_republish` copies without an answer the round is given
+up.
 """
 
 from __future__ import annotations
@@ -43,6 +48,17 @@ class SeqBook:
         seq = self.next_seq
         self.next_seq += 1
         return seq
+
+    def reply_problem(self, message: Message) -> str | None:
+        """Why a GradientReply cannot be an answer to this client, or None. Seqs only grow:
+        one at or past `next_seq` was never sent. (An earlier one may be a late copy of an
+        answer already taken, or a previous run's: a duplicate, not an invalid message.)"""
+        if isinstance(message, GradientReply) and message.seq >= self.next_seq:
+            return (
+                f"GradientReply for seq {message.seq}, never sent by this client "
+                f"(its next seq is {self.next_seq})"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -202,10 +218,19 @@ class BrokerChannel:
                 )
             return None
         if reply.status == "stale":
-            # The worker already holds this seq (applied, or waiting in MiniBatch-SFL's step
-            # barrier) and saw our republished copy: its real answer is on the way.
+            # The worker holds this seq (e.g. in MiniBatch-SFL's step barrier) and saw our
+            # republished copy: its real answer is on the way.
             self._stats.stale_replies += 1
             return None
+        if reply.status == "gone":
+            # Applied, but no worker has its gradient any more: no wait brings it. The batch
+            # counts on the server side; the client side cannot take this step, and every
+            # algorithm that waits needs it, so the round ends here (and says so at once).
+            self._stats.gone_replies += 1
+            raise RoundAborted(
+                f"round {self._ctx.round} step {batch.step}: shard {self._ctx.shard} applied "
+                f"seq {batch.seq}, its gradient is gone: {reply.reason or 'no reason'}"
+            )
         if reply.status == "rejected" and reply.reason.startswith(TOO_STALE):
             raise StaleWeights(f"round {self._ctx.round}: {reply.reason}")
         if reply.status != "ok":

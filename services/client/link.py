@@ -98,7 +98,7 @@ class ClientLink:
         self._route_wait_s = route_wait_s
         self._log = logger
         self._deferred: deque[Message] = deque()
-        self._validator: Check | None = None
+        self._validators: list[Check] = []
         self._open_beat_broker = open_beat_broker
         self._beat: HeartbeatThread | None = None  # None: not a member yet, no heartbeats
         self._next_keep_alive = 0.0
@@ -116,8 +116,9 @@ class ClientLink:
 
     def validate_with(self, validator: Check) -> None:
         """Dead-letter every reply for which `validator` gives a reason (e.g. weights that do
-        not fit the model), wherever it is received."""
-        self._validator = validator
+        not fit the model, a GradientReply for a seq never sent), wherever it is received.
+        Validators add up: each one added is asked, in order."""
+        self._validators.append(validator)
 
     def start_heartbeats(self) -> None:
         """Start beating (once a member), every `heartbeat_s`, until `leave`."""
@@ -257,8 +258,10 @@ class ClientLink:
             self._refuse(delivery, f"undecodable: {exc.reason}")
             return None
         reason = self._envelope_problem(message)
-        if reason is None and self._validator is not None:
-            reason = self._validator(message)
+        for validator in self._validators:
+            if reason is not None:
+                break
+            reason = validator(message)
         if reason is not None:
             self._refuse(delivery, reason)
             return None

@@ -67,6 +67,11 @@ class RoundRunner:
     memory: dict[str, torch.Tensor] = field(default_factory=dict)
     _memory_of: str = ""
 
+    def __post_init__(self) -> None:
+        # Before any state: a GradientReply for a seq this client never sent is dead-lettered
+        # wherever it is received (in a round or between rounds).
+        self.link.validate_with(self.seqs.reply_problem)
+
     def run(self, member: Membership, assignment: WeightsAssignment) -> WeightsUpdate:
         """Train one round from `assignment`; raises `RoundAborted` when the round is lost."""
         started, io_before = self.clock(), self.link.io_s

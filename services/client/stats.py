@@ -17,6 +17,7 @@ class ClientStats:
     replies_received: int = 0  # GradientReplies applied or tallied
     duplicates_dropped: int = 0  # GradientReplies for a seq no longer awaited
     stale_replies: int = 0  # "stale" answers to a republished copy of the awaited seq
+    gone_replies: int = 0  # "gone" answers: the awaited seq was applied, its gradient lost
     backpressure_retries: int = 0
     unroutable_retries: int = 0
     errors_received: int = 0  # Error replies (round_closed...)

@@ -126,3 +126,38 @@ def test_round_markers_are_refused_in_async_mode(job: str) -> None:
         "no_rounds: RoundEnd in async mode",
         "no_rounds: RoundStart in async mode",
     ]
+
+
+def test_a_copy_of_an_applied_batch_gets_its_gradient_again_in_async_mode(job: str) -> None:
+    # A lost reply: the client publishes the batch again; the worker must not train on it
+    # twice, nor answer without the gradient it computed. A worker taking over has none: "gone".
+    settings, embedded, model, client = setup(job)
+    gen = torch.Generator().manual_seed(4)
+    batches = [random_batch(model, gen) for _ in range(3)]
+    client.batch("c0", 0, *batches[0], version=1)
+    client.batch("c0", 1, *batches[1], version=1, round_=1)
+    client.batch("c0", 1, *batches[1], version=1, round_=1)  # republished
+    client.batch("c0", 0, *batches[0], version=1)  # an older seq: its gradient is not kept
+
+    def burst(worker_id: str) -> Any:
+        backends = Backends(settings.broker, settings.store, embedded)
+        return Worker(settings, backends, worker_id=worker_id).run(threading.Event(), burst=True)
+
+    first = burst("w1")
+    client.batch("c0", 1, *batches[1], version=1, round_=1)  # again, to a worker taking over
+    client.batch("c0", 2, *batches[2], version=1, round_=2)
+    second = burst("w2")
+
+    replies = client.replies("c0")
+    assert [(r.seq, r.status) for r in replies] == [
+        (0, "ok"), (1, "ok"), (1, "ok"), (0, "gone"), (1, "gone"), (2, "ok"),
+    ]  # fmt: skip
+    server, optimizer = reference_server(model, settings)
+    expected = [sequential_step(server, optimizer, *batch) for batch in batches]
+    assert_close(replies[1].grad, expected[1].grads[0])
+    assert_close(replies[2].grad, expected[1].grads[0])
+    assert replies[2].message_id != replies[1].message_id
+    assert all(r.grad is None for r in replies[3:5])
+    assert (first.batches_applied, first.duplicates_skipped, first.replies_resent) == (2, 2, 1)
+    assert (first.gone_replies, second.gone_replies, second.batches_applied) == (1, 1, 1)
+    assert_close(replies[5].grad, expected[2].grads[0])

@@ -13,7 +13,7 @@ from broker.errors import BackPressureError
 from broker.memory_broker import InMemoryBroker
 from broker.messages import Welcome, new_message_id
 from broker.topology import dead_queue_name, reply_routing_key
-from broker.transport import Broker
+from broker.transport import REASON_HEADER, Broker
 from services.client import Client, ClientStats, JobData, JoinTimeoutError
 from services.config.root import Settings
 from services.config.settings import BrokerSettings, StoreSettings
@@ -314,3 +314,41 @@ def test_stop_while_idle_sends_leave(job: str, dataset: Dataset) -> None:
 
     assert stats.rounds == 0 and not stats.finished
     assert [leave.reason for leave in log.leaves] == ["stopped"]
+
+
+def test_gone_answer_to_a_copy_drops_the_round_at_once(job: str, dataset: Dataset) -> None:
+    # The batch was applied, its reply lost, and the worker answering the copy no longer has
+    # the gradient: no wait brings it, so the round ends at the first answer, said at once.
+    settings = make_settings(job, clients={"reply_timeout_s": 0.2})
+    run = run_client(settings, dataset, PeerScript(gone_after_first=True), max_republish=5)
+
+    assert run.stats.republished == 1 and run.stats.gone_replies == 1
+    assert run.stats.rounds_aborted == 1 and run.stats.rounds == 0
+    assert [d.reason for d in run.log.drops] == ["aborted"]
+    assert "gradient is gone" in run.log.drops[0].detail
+    assert run.log.updates == [] and run.stats.finished
+
+
+def test_replies_for_seqs_never_sent_are_dead_lettered(job: str, dataset: Dataset) -> None:
+    settings = make_settings(job)
+    backends = memory_backends()
+    script = PeerScript(rounds=2, unsent_replies=True)
+    run = run_client(settings, dataset, script, backends=backends)
+
+    steps = settings.algorithm.max_steps_per_round
+    # One beside every gradient, one between the rounds: none applied, none taken as late.
+    unsent = 2 * steps + 1
+    assert run.stats.dead_lettered == unsent and run.stats.duplicates_dropped == 0
+    assert run.stats.replies_received == 2 * steps
+    expected = reference_split(settings, dataset, 3, rounds=2)
+    for update, reference in zip(run.log.updates, expected, strict=True):
+        assert max_diff(dict(update.client_weights), reference) <= TOL
+    assert backends.embedded is not None
+    dead = InMemoryBroker(backends.embedded.hub)
+    dead.subscribe(dead_queue_name(job), prefetch=100)
+    reasons = []
+    while (delivery := dead.get(0.2)) is not None:
+        dead.ack(delivery)
+        reasons.append(str(delivery.headers.get(REASON_HEADER)))
+    assert len(reasons) == unsent
+    assert all("never sent by this client" in r for r in reasons), reasons

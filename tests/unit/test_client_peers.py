@@ -178,6 +178,11 @@ class PeerScript:
     stale_before_ok: bool = False  # hold the first batch; answer its copy "stale", then "ok"
     silent_until_finish: int = 0  # never answer; finish the job at this many deliveries
     reject_batches: bool = False  # GradientReply status "rejected", then finish the job
+    # Apply the first batch without a reply (lost); answer its copy "gone"; finish on the drop.
+    gone_after_first: bool = False
+    # With each gradient, and before each later assignment, a GradientReply for a seq the
+    # client never sent (a bogus gradient: applying it would move the weights).
+    unsent_replies: bool = False
     bad_assignment: bool = False  # an assignment whose weights do not fit, before the real one
     shard_max_length: int | None = None
     filler: bool = False  # a RoundStart on the shard queue ahead of the round
@@ -225,6 +230,7 @@ class ScriptedPeers(threading.Thread):
         self.client_weights: Tensors = dict(initial[BlobRef(CLIENT_PART)])
         self.aux_weights: Tensors = dict(initial.get(BlobRef(AUX_PART), {}))
         self.server = copy.deepcopy(model.server_blocks(self.cut))
+        self.cut_shape = tuple(model.cut_shape(self.cut))
         self.server_opt = hyper(settings).server_optimizer(self.server.parameters())
         self.version = 1
         self.round = 0
@@ -351,6 +357,8 @@ class ScriptedPeers(threading.Thread):
     def _update(self, broker: Broker, message: Message) -> None:
         if isinstance(message, RoundDropped):
             self.log.drops.append(message)
+            if self.script.gone_after_first:
+                self._reply(broker, message.client, self._finished(message.client))
             return
         assert isinstance(message, WeightsUpdate)
         self.log.updates.append(message)
@@ -359,6 +367,8 @@ class ScriptedPeers(threading.Thread):
             self.client_weights = {k: v.clone() for k, v in message.client_weights.items()}
             self.version += 1
             self.round += 1
+            if self.script.unsent_replies:
+                self._reply(broker, message.client, self._unsent(message.client, 2**62))
             self._reply(broker, message.client, self._assignment(message.client))
         else:
             self._reply(broker, message.client, self._finished(message.client))
@@ -374,6 +384,16 @@ class ScriptedPeers(threading.Thread):
         if script.silent_until_finish:
             if delivered == script.silent_until_finish:
                 self._reply(broker, message.client, self._finished(message.client))
+            return
+        if script.gone_after_first:
+            if delivered == 1:
+                self.applied_seq = message.seq  # applied; its reply lost
+                return
+            gone = GradientReply(
+                self.job, message.client, new_message_id(), self.version, message.seq,
+                "gone", 0.0, 0, 0, None, "duplicate: its gradient is no longer kept",
+            )  # fmt: skip
+            self._reply(broker, message.client, gone)
             return
         if delivered == 1 and (script.ignore_first_batch or script.stale_before_ok):
             self.held = message if script.stale_before_ok else None
@@ -409,12 +429,21 @@ class ScriptedPeers(threading.Thread):
             result.losses[0], result.correct[0], int(message.labels.shape[0]), grad,
         )  # fmt: skip
         self._reply(broker, message.client, reply)
+        if self.script.unsent_replies:
+            self._reply(broker, message.client, self._unsent(message.client, message.seq + 10**9))
         if self.script.duplicate_replies:
             bogus = GradientReply(
                 self.job, message.client, new_message_id(), self.version, message.seq, "ok",
                 9.0, 0, int(message.labels.shape[0]), grad * 1000.0 + 1.0,
             )  # fmt: skip
             self._reply(broker, message.client, bogus)
+
+    def _unsent(self, client: str, seq: int) -> GradientReply:
+        shape = (self.settings.algorithm.batch_size, *self.cut_shape)
+        return GradientReply(
+            self.job, client, new_message_id(), self.version, seq, "ok", 9.0, 0, 1,
+            torch.full(shape, 1000.0),
+        )  # fmt: skip
 
 
 def peer_queue_names(job: str, client: str) -> list[str]:

@@ -525,7 +525,7 @@ def test_wrong_scalar_types_in_other_kinds() -> None:
         "GradientReply.loss: expected float, got int"
     )
     assert reason_of(forged(reply, lambda h: h.update(status="great"))) == (
-        "GradientReply.status: 'great' is not one of ['ok', 'rejected', 'stale']"
+        "GradientReply.status: 'great' is not one of ['gone', 'ok', 'rejected', 'stale']"
     )
     assignment = next(m for m in all_messages() if isinstance(m, WeightsAssignment))
     assert reason_of(forged(assignment, lambda h: h.update(participate=1))) == (

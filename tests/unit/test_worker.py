@@ -143,9 +143,21 @@ def test_duplicate_seqs_are_never_applied_twice(job: str) -> None:
     assert (first.batches_applied, first.duplicates_skipped) == (3, 1)
     assert (second.batches_applied, second.duplicates_skipped) == (1, 1)
     replies = client.replies("c0")
+    # The copy of seq 1 gets its gradient again (its reply may have been lost); the worker
+    # that took over has no gradient for seq 2 and says so ("gone"), it does not say "wait".
     assert [(r.seq, r.status) for r in replies] == [
-        (0, "ok"), (1, "ok"), (1, "stale"), (2, "ok"), (2, "stale"), (3, "ok"),
+        (0, "ok"), (1, "ok"), (1, "ok"), (2, "ok"), (2, "gone"), (3, "ok"),
     ]  # fmt: skip
+    original, again = replies[1], replies[2]
+    assert again.message_id != original.message_id
+    assert original.grad is not None and again.grad is not None
+    assert torch.equal(again.grad, original.grad)
+    assert (again.loss, again.samples, again.version) == (
+        original.loss, original.samples, original.version
+    )  # fmt: skip
+    assert (first.replies_resent, first.gone_replies) == (1, 0)
+    assert (second.replies_resent, second.gone_replies) == (0, 1)
+    assert replies[4].grad is None and "seq 2 was already applied" in replies[4].reason
     server, optimizer = reference_server(model, settings)
     for z, y in batches:
         sequential_step(server, optimizer, z, y)

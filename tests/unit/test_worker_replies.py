@@ -31,10 +31,10 @@ class SpyBroker:
             raise BackPressureError("full")
 
 
-def reply(seq: int = 7) -> GradientReply:
+def reply(seq: int = 7, client: str = "c1") -> GradientReply:
     return GradientReply(
         job="j",
-        client="c1",
+        client=client,
         message_id=new_message_id(),
         version=3,
         seq=seq,
@@ -46,12 +46,13 @@ def reply(seq: int = 7) -> GradientReply:
     )
 
 
-def replier(broker: SpyBroker, sleeps: list[float]) -> Replier:
+def replier(broker: SpyBroker, sleeps: list[float], keep: int = 1024) -> Replier:
     return Replier(
         broker,  # type: ignore[arg-type]  # only publish is used
         threading.Event(),
         logging.getLogger("test"),
         sleep=sleeps.append,
+        keep=keep,
     )
 
 
@@ -79,3 +80,49 @@ def test_a_vanished_client_is_not_fatal() -> None:
     broker, sleeps = SpyBroker(unroutable=True), list[float]()
     assert not replier(broker, sleeps).send(reply())
     assert len(broker.calls) == 1
+
+
+def test_the_last_reply_of_a_client_is_sent_again_for_its_seq() -> None:
+    broker, sleeps = SpyBroker(), list[float]()
+    replies = replier(broker, sleeps)
+    first = reply(seq=7)
+    assert replies.send(first)
+    assert replies.resend("j", "c1", 7) is True
+    (_, key, body, kwargs) = broker.calls[-1]
+    again = decode(body)
+    assert isinstance(again, GradientReply) and key == reply_routing_key("j", "c1")
+    assert again.message_id == kwargs["message_id"] != first.message_id
+    assert (again.seq, again.status, again.loss, again.samples) == (7, "ok", 0.5, 4)
+    assert first.grad is not None and again.grad is not None
+    assert torch.equal(again.grad, first.grad)
+    # Another seq, another client or another job: nothing kept to answer with.
+    assert replies.resend("j", "c1", 6) is None
+    assert replies.resend("j", "c2", 7) is None
+    assert replies.resend("k", "c1", 7) is None
+    assert len(broker.calls) == 2
+
+
+def test_only_gradients_are_kept_one_per_client_and_clients_are_bounded() -> None:
+    broker, sleeps = SpyBroker(), list[float]()
+    replies = replier(broker, sleeps, keep=2)
+    assert replies.send(reply(seq=1, client="a"))
+    refused = GradientReply(
+        job="j", client="a", message_id=new_message_id(), version=3, seq=2, status="rejected",
+        loss=0.0, correct=0, samples=0, grad=None, reason="too_stale: old",
+    )  # fmt: skip
+    assert replies.send(refused)
+    assert replies.resend("j", "a", 2) is None  # a refusal is not an answer to keep
+    assert replies.resend("j", "a", 1) is True
+    assert replies.send(reply(seq=5, client="a"))  # a later seq replaces the earlier one
+    assert replies.resend("j", "a", 1) is None
+    assert replies.send(reply(seq=1, client="b"))
+    assert replies.send(reply(seq=1, client="c"))  # a third client: the least recent goes
+    assert replies.resend("j", "a", 5) is None
+    assert replies.resend("j", "b", 1) is True and replies.resend("j", "c", 1) is True
+
+
+def test_a_resend_to_a_vanished_client_is_not_fatal() -> None:
+    broker, sleeps = SpyBroker(unroutable=True), list[float]()
+    replies = replier(broker, sleeps)
+    assert not replies.send(reply())
+    assert replies.resend("j", "c1", 7) is False
