@@ -1,4 +1,5 @@
-"""`splitmq provision-clients CONFIG --count N`: one RabbitMQ user per client (secured mode)."""
+"""`splitmq provision-clients CONFIG --count N`: one RabbitMQ user per client of the job
+(secured mode)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from broker.errors import BrokerError
 from services.cli.common import config_argument, load
 from services.runtime.backends import Backends
 from services.security.admin import AdminError, pick_admin
+from services.security.identity import client_user
 from services.security.provision import client_names, provision, revoke, vhost_of
 
 
@@ -24,7 +26,7 @@ from services.security.provision import client_names, provision, revoke, vhost_o
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("secrets/clients"),
     show_default=True,
-    help="Where each client's env file (<id>.env, mode 600) goes.",
+    help="Where each client's env file (<job>.<id>.env, mode 600) goes.",
 )
 @click.option(
     "--admin",
@@ -46,7 +48,13 @@ from services.security.provision import client_names, provision, revoke, vhost_o
     "--revoke",
     "revoke_users",
     is_flag=True,
-    help="Delete these users and their reply queues instead.",
+    help="Delete these users (of this job only) and their reply queues instead.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Reset users of this job that exist already (new passwords: clients holding the old "
+    "ones are locked out); without it they are refused.",
 )
 def provision_clients(
     config: Path | None,
@@ -58,12 +66,15 @@ def provision_clients(
     management_url: str | None,
     client_url: str | None,
     revoke_users: bool,
+    force: bool,
 ) -> None:
     """Create a RabbitMQ user for each of COUNT clients (the secured mode, design §3).
 
-    Each may publish to the smashed and control exchanges with its own AMQP user_id, and read
+    Client <id> of job <job> logs in as user <job>.<id>, so jobs sharing a broker and a
+    prefix never touch each other's users; existing users are refused without --force. Each
+    may publish to the smashed and control exchanges with its own AMQP user_id, and read
     only its own reply queues (training and split inference); its credentials go to
-    OUT/<id>.env, to be set in the client's environment (they also turn
+    OUT/<job>.<id>.env, to be set in the client's environment (they also turn
     security.per_client_users on there). Run the services with
     security.per_client_users = true, and the clients with `--id <id>`.
     """
@@ -81,8 +92,8 @@ def provision_clients(
         if revoke_users:
             revoke(admin, broker, job=job, clients=names)
             click.echo(
-                f"deleted {len(names)} users with {admin.name} and their reply queues: "
-                f"{', '.join(names)}"
+                f"job {job}: deleted {len(names)} users with {admin.name} and their reply "
+                f"queues: {', '.join(client_user(job, name) for name in names)}"
             )
             return
         written = provision(
@@ -93,6 +104,7 @@ def provision_clients(
             vhost=vhost_of(settings.broker.amqp_url),
             url_template=client_url or settings.broker.amqp_url,
             out_dir=out_dir,
+            force=force,
         )
     except (AdminError, BrokerError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -100,7 +112,7 @@ def provision_clients(
         broker.close()
     click.echo(f"job {job}: {len(written)} client users provisioned with {admin.name}")
     for creds in written:
-        click.echo(f"  {creds.client}: {creds.path}")
+        click.echo(f"  {creds.client} (user {creds.user}): {creds.path}")
     click.echo(
         "clients: set a file's variables, then `splitmq client CONFIG --id <id>`; services: "
         "set security.per_client_users = true"

@@ -32,7 +32,7 @@ from services.runtime.health import HealthBeat
 from services.runtime.health_file import FileHealthBeat
 from services.runtime.logs import ContextValue, configured_logging
 from services.runtime.supervise import JobFailedError, Role, RoleKind
-from services.security.identity import amqp_user
+from services.security.identity import default_client_id
 
 # The roles, the report and the metrics (torch, the models) are imported inside the commands:
 # every `splitmq` invocation imports this module, the `splitmq check` healthcheck included.
@@ -164,10 +164,10 @@ def client(
     returned gradients and uploads its weights at the end of each round.
     """
     _, settings = load(config)
-    # In the secured mode a client is its RabbitMQ user (`splitmq provision-clients`).
+    # In the secured mode a client is who its RabbitMQ user is (`splitmq provision-clients`).
     secured = settings.security.per_client_users
     cid = client_id or (
-        amqp_user(settings.broker.amqp_url) if secured else default_member_id("client-")
+        default_client_id(settings) if secured else default_member_id("client-")
     )
 
     def factory(s: Settings, b: Backends) -> Role:

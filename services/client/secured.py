@@ -1,9 +1,11 @@
 """A client's broker handle in the secured mode (design §3, docs/deployment.md "Security").
 
-Each client logs in as its own RabbitMQ user, named like the client. Such a user may not
-configure anything, so its handle only checks that the exchanges and its reply queue exist
-(`splitmq provision-clients` declared them); and every publish carries the user as its AMQP
-user_id, which RabbitMQ validates and the services compare with the message's `client`.
+Each client logs in as its own RabbitMQ user, `<job>.<client>` (`identity.client_user`). Such a
+user may not configure anything, so its handle only checks that the exchanges and its reply
+queue exist (`splitmq provision-clients` declared them); nor publish to `splitmq.dead`, so it
+dead-letters a bad reply by rejecting it, which the reply queue's own dead-letter exchange routes
+to `<job>.dead`; every publish carries the user as its AMQP user_id, which RabbitMQ validates
+and the services compare with the message's `client`.
 `client_theta` is the same handle asking the workers for split inference (SplitGP).
 """
 
@@ -16,7 +18,7 @@ from services.client.errors import ClientError
 from services.client.inference import BrokerTheta
 from services.config.root import Settings
 from services.runtime.backends import Backends
-from services.security.identity import amqp_user, stamped
+from services.security.identity import amqp_user, client_user, stamped
 
 
 def secured_client_broker(
@@ -26,18 +28,19 @@ def secured_client_broker(
     if not settings.security.per_client_users:
         return backends.open_broker(name)
     broker_settings = backends.broker_settings
+    user = client_user(settings.job.name, client_id)
     if broker_settings.kind == "rabbitmq":
-        user = amqp_user(broker_settings.amqp_url)
-        if user != client_id:
+        found = amqp_user(broker_settings.amqp_url)
+        if found != user:
             raise ClientError(
-                f"client {client_id!r} logs in to RabbitMQ as {user!r}: with "
-                "security.per_client_users each client must use its own user (the credentials "
-                "`splitmq provision-clients` wrote for it) and the same id"
+                f"client {client_id!r} of job {settings.job.name!r} logs in to RabbitMQ as "
+                f"{found!r}, not {user!r}: with security.per_client_users each client must use "
+                "its own user (the credentials `splitmq provision-clients` wrote for it)"
             )
-        if not broker_settings.passive_declare:
-            passive = broker_settings.model_copy(update={"passive_declare": True})
-            backends = replace(backends, broker_settings=passive)
-    return stamped(backends.open_broker(name), client_id, True)
+        # It may neither configure nor publish to splitmq.dead (its permissions, provision.py).
+        confined = {"passive_declare": True, "dead_letter_by_nack": True}
+        backends = replace(backends, broker_settings=broker_settings.model_copy(update=confined))
+    return stamped(backends.open_broker(name), user, True)
 
 
 def client_theta(

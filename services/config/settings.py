@@ -47,6 +47,9 @@ class BrokerSettings(_Section):
     # Only check that exchanges and queues exist, never declare or bind: for a user without
     # configure permission (the secured mode's clients, docs/deployment.md "Security").
     passive_declare: bool = False
+    # Dead-letter by rejecting (the queue's own dead-letter exchange routes it; the reason is
+    # only logged): for a user without write permission on splitmq.dead (the same clients).
+    dead_letter_by_nack: bool = False
 
 
 class StoreSettings(_Section):

@@ -75,6 +75,7 @@ class Backends:
             connection_name=name or None,
             tls=tls_options(settings.tls),
             passive_declare=settings.passive_declare,
+            dead_letter_by_nack=settings.dead_letter_by_nack,
         )
         return RabbitMQBroker(settings.amqp_url, options)
 

@@ -1,10 +1,10 @@
 """Managing RabbitMQ users: through the management HTTP API, or `rabbitmqctl` on the broker's host.
 
-Both do the same three things (`RabbitAdmin`): create a user or reset its password, set its
-permissions in one vhost, delete it. The HTTP API needs the management plugin and an
-administrator's credentials; `rabbitmqctl` needs to run on the broker's machine with the right
-to talk to the node (root, or the rabbitmq user). Passwords never appear on a command line:
-`rabbitmqctl` reads them from standard input.
+Both do the same four things (`RabbitAdmin`): list the users, create a user or reset its
+password, set its permissions in one vhost, delete it. The HTTP API needs the management plugin
+and an administrator's credentials; `rabbitmqctl` needs to run on the broker's machine with the
+right to talk to the node (root, or the rabbitmq user). Passwords never appear on a command
+line: `rabbitmqctl` reads them from standard input.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ class Permissions:
 class RabbitAdmin(Protocol):
     name: str
 
+    def users(self) -> frozenset[str]:
+        """The names of every user the broker has."""
+        ...
+
     def put_user(self, user: str, password: str) -> None:
         """Create `user`, or set its password if it exists (no tags: not an administrator)."""
         ...
@@ -77,9 +81,20 @@ class RabbitmqctlAdmin:
     def available(executable: str = "rabbitmqctl") -> bool:
         return shutil.which(executable) is not None
 
+    def users(self) -> frozenset[str]:
+        done = self._run([*self._base, "list_users", "--quiet", "--formatter", "json"], "")
+        self._check(done, "list the users")
+        try:
+            rows = json.loads(done.stdout)
+            return frozenset(str(row["user"]) for row in rows)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise AdminError(f"rabbitmqctl list_users: unexpected output ({exc})") from None
+
     def put_user(self, user: str, password: str) -> None:
         done = self._run([*self._base, "add_user", user], password)
-        if done.returncode != 0 and "already_exists" in done.stdout + done.stderr:
+        # "user_already_exists" (older releases) or 'User "x" already exists' (3.10)
+        said = (done.stdout + done.stderr).replace("_", " ")
+        if done.returncode != 0 and "already exists" in said:
             done = self._run([*self._base, "change_password", user], password)
         self._check(done, f"create user {user!r}")
 
@@ -132,6 +147,13 @@ class ManagementAdmin:
         except AdminError:
             return False
         return True
+
+    def users(self) -> frozenset[str]:
+        body = self._call("GET", "/api/users")
+        try:
+            return frozenset(str(row["name"]) for row in json.loads(body))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise AdminError(f"GET /api/users: unexpected answer ({exc})") from None
 
     def put_user(self, user: str, password: str) -> None:
         body = {"password": password, "tags": ""}

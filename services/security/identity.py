@@ -5,13 +5,18 @@ delivery's `user_id`, when present, is the broker's word for who sent it. Consum
 message to it through a `SenderCheck`:
 
 - a client's message (Join, Leave, Heartbeat, SmashedBatch, WeightsUpdate, RoundDropped,
-  InferRequest) whose `user_id` names someone other than its `client` field is refused, in
-  every mode;
+  InferRequest) whose `user_id` is not its `client` field's user in this job (`client_user`)
+  is refused, in every mode;
 - in the secured mode (`security.per_client_users`) one without a `user_id` is refused too,
   and a round marker (RoundStart / RoundEnd) must come from a service user.
 
 Client ids also become parts of queue names, routing keys (at most 255 bytes) and store keys,
 so every service refuses a client field that is not a plain id.
+
+A client's RabbitMQ user is `<job>.<client>` (`client_user`), not the bare client id: two jobs
+may both have a `client-0`, and provisioning or revoking one job's must not reset or delete the
+other's. Neither ids nor job names hold a '.', so the name says both unambiguously; every
+comparison of a `user_id` with a client id goes through `client_user` / `user_client`.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from urllib.parse import unquote, urlparse
 
 from broker.forwarding import ForwardingBroker
 from broker.transport import Broker, Delivery, Headers
+from services.config.root import Settings
 from services.config.settings import ConnectionSettings
 
 # The rule `services.client.Client` applies to its own id.
 CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 DEFAULT_AMQP_USER = "guest"  # pika's default credentials when the URL names none
+_JOB_SEPARATOR = "."  # in neither a job name nor a client id
 
 
 def client_id_problem(client: str) -> str | None:
@@ -35,6 +42,20 @@ def client_id_problem(client: str) -> str | None:
     if CLIENT_ID.match(client):
         return None
     return f"client id {client[:80]!r} is not 1-64 letters, digits, '_' or '-'"
+
+
+def client_user(job: str, client: str) -> str:
+    """The RabbitMQ user of client `client` of job `job` in the secured mode."""
+    return f"{job}{_JOB_SEPARATOR}{client}"
+
+
+def user_client(job: str, user: str) -> str | None:
+    """The client of `job` that RabbitMQ user `user` is (None: no client of that job)."""
+    prefix = f"{job}{_JOB_SEPARATOR}"
+    if not user.startswith(prefix):
+        return None
+    client = user[len(prefix) :]
+    return client if client_id_problem(client) is None else None
 
 
 def amqp_user(url: str) -> str:
@@ -49,17 +70,21 @@ class SenderCheck:
 
     secured: bool = False
     services: frozenset[str] = frozenset()
+    job: str = ""  # whose clients' users (`client_user`) may send
 
     @classmethod
-    def of(cls, secured: bool, amqp_url: str, service_users: Iterable[str] = ()) -> SenderCheck:
-        """The check of a service connecting with `amqp_url`: that URL's user is a service."""
-        return cls(secured, frozenset({amqp_user(amqp_url), *service_users}))
+    def of(
+        cls, secured: bool, amqp_url: str, service_users: Iterable[str] = (), *, job: str = ""
+    ) -> SenderCheck:
+        """The check of a service of `job` connecting with `amqp_url`: that URL's user is a
+        service."""
+        return cls(secured, frozenset({amqp_user(amqp_url), *service_users}), job)
 
     def client_problem(self, delivery: Delivery, client: str) -> str | None:
         """Why a client's message may not claim to come from `client` (None: it may)."""
         user = delivery.user_id
         if user:
-            if user != client:
+            if user != client_user(self.job, client):
                 return f"client {client!r} does not match the AMQP user {user!r}"
             return None
         if self.secured:
@@ -116,12 +141,22 @@ def stamped(broker: Broker, user: str, secured: bool) -> Broker:
     return StampedBroker(broker, user) if secured else broker
 
 
-def sender_check(settings: ConnectionSettings) -> SenderCheck:
+def sender_check(settings: Settings) -> SenderCheck:
     """The check a service of these settings applies to what it consumes."""
     security = settings.security
     return SenderCheck.of(
-        security.per_client_users, settings.broker.amqp_url, security.service_users
+        security.per_client_users,
+        settings.broker.amqp_url,
+        security.service_users,
+        job=settings.job.name,
     )
+
+
+def default_client_id(settings: Settings) -> str:
+    """A secured client's id when none is given: the client of this job its RabbitMQ user is
+    (else the user itself, which the client's handle then refuses, saying why)."""
+    user = amqp_user(settings.broker.amqp_url)
+    return user_client(settings.job.name, user) or user
 
 
 def service_stamped(broker: Broker, settings: ConnectionSettings) -> Broker:

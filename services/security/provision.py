@@ -1,13 +1,20 @@
-"""One RabbitMQ user per client (design §3): what each may do, and the files that say how.
+"""One RabbitMQ user per client and job (design §3): what each may do, and the files that say how.
+
+Client `c` of job `j` logs in as `j.c` (`identity.client_user`): jobs sharing a broker and a
+`--prefix` get users of their own, so provisioning or revoking one job never resets or deletes
+another's. Provisioning refuses a user that exists already unless told to reset it (`force`):
+a reset locks out whichever client holds the old password.
 
 A client's user may
 - **configure** nothing: it cannot declare, bind or delete any exchange or queue (a bind would
   let it copy another client's replies into a queue of its own); its handle only checks that
   they exist (`broker.passive_declare`), so `provision` declares them first;
 - **write** to the exchanges clients publish to: `splitmq.smashed` (smashed data, inference
-  requests), `splitmq.control` (Join, Heartbeat, Leave, WeightsUpdate, RoundDropped) and
-  `splitmq.dead` (to dead-letter a bad reply with its reason), and nothing else: not the
-  replies or events exchanges, so it can forge neither a gradient nor an event;
+  requests) and `splitmq.control` (Join, Heartbeat, Leave, WeightsUpdate, RoundDropped), and
+  nothing else: not the replies or events exchanges, so it can forge neither a gradient nor an
+  event, and not `splitmq.dead`, so it can neither forge dead letters nor fill a job's
+  dead-letter queue. It dead-letters a bad reply by rejecting it (`broker.dead_letter_by_nack`):
+  its reply queues' own dead-letter exchange, declared here with the services' handle, routes it;
 - **read** its own reply queue, `<job>.reply.<client>`, and its own inference reply queue,
   `<job>.infer-reply.<client>` (split inference, SplitGP), and no other queue.
 
@@ -27,7 +34,6 @@ from urllib.parse import quote, unquote, urlparse, urlunparse
 
 from broker.topology import (
     CONTROL_EXCHANGE,
-    DEAD_EXCHANGE,
     SMASHED_EXCHANGE,
     client_infer_reply_queue,
     client_queue_names,
@@ -36,10 +42,14 @@ from broker.topology import (
     reply_queue_name,
 )
 from broker.transport import Broker, QueueSpec
-from services.security.admin import Permissions, RabbitAdmin
-from services.security.identity import client_id_problem
+from services.security.admin import AdminError, Permissions, RabbitAdmin
+from services.security.identity import client_id_problem, client_user
 
-CLIENT_EXCHANGES = (SMASHED_EXCHANGE, CONTROL_EXCHANGE, DEAD_EXCHANGE)
+CLIENT_EXCHANGES = (SMASHED_EXCHANGE, CONTROL_EXCHANGE)
+
+
+class UsersExistError(AdminError):
+    """Provisioning would reset users that exist already (and lock their clients out)."""
 
 
 def client_permissions(job: str, client: str) -> Permissions:
@@ -57,10 +67,11 @@ def client_queues(job: str, client: str) -> list[QueueSpec]:
 
 @dataclass(frozen=True)
 class Credentials:
-    client: str  # also the RabbitMQ user
+    client: str
+    user: str  # its RabbitMQ user, `client_user(job, client)`
     password: str
     amqp_url: str  # the URL the client connects with (its user and password in it)
-    path: Path  # the env file holding them
+    path: Path  # the env file holding them, `<user>.env`
 
 
 def vhost_of(amqp_url: str) -> str:
@@ -91,14 +102,16 @@ def client_names(prefix: str, count: int, start: int = 0) -> list[str]:
 
 
 def env_file(job: str, creds_url: str, client: str) -> str:
-    """What a client of the secured mode sets (its id is its RabbitMQ user)."""
+    """What a client of the secured mode sets (its id follows from its RabbitMQ user)."""
     return (
-        f"# SplitMQ client {client} of job {job}: `splitmq client CONFIG` with these set.\n"
+        f"# SplitMQ client {client} of job {job} (RabbitMQ user {client_user(job, client)}):\n"
+        "# `splitmq client CONFIG` with these set.\n"
         "# Keep this file secret: it holds the client's RabbitMQ password.\n"
         "SPLITMQ_BROKER=rabbitmq\n"
         f"SPLITMQ_AMQP_URL={creds_url}\n"
         "SPLITMQ_SECURITY__PER_CLIENT_USERS=true\n"
         "SPLITMQ_BROKER__PASSIVE_DECLARE=true\n"
+        "SPLITMQ_BROKER__DEAD_LETTER_BY_NACK=true\n"
     )
 
 
@@ -120,26 +133,38 @@ def provision(
     vhost: str,
     url_template: str,
     out_dir: Path,
+    force: bool = False,
 ) -> list[Credentials]:
-    """Create (or reset) each client's user and permissions, declare its reply queues with the
-    services' handle, and write its env file; returns what was written."""
+    """Create each client's user and permissions, declare its reply queues with the services'
+    handle, and write its env file; returns what was written. Users of this job that exist
+    already are refused (`UsersExistError`, before anything is changed) unless `force`, which
+    gives them new passwords."""
+    users = {client: client_user(job, client) for client in clients}
+    existing = sorted(set(users.values()) & admin.users())
+    if existing and not force:
+        raise UsersExistError(
+            f"RabbitMQ users {', '.join(existing)} exist already (job {job} was provisioned "
+            "before); resetting them would lock out the clients holding their passwords. "
+            "Use --force to reset them anyway, or --revoke them first"
+        )
     services.declare([spec for client in clients for spec in client_queues(job, client)])
     written: list[Credentials] = []
     for client in clients:
-        password = secrets.token_urlsafe(24)
-        admin.put_user(client, password)
-        admin.set_permissions(vhost, client, client_permissions(job, client))
-        url = client_url(url_template, client, password)
-        path = out_dir / f"{client}.env"
+        user, password = users[client], secrets.token_urlsafe(24)
+        admin.put_user(user, password)
+        admin.set_permissions(vhost, user, client_permissions(job, client))
+        url = client_url(url_template, user, password)
+        path = out_dir / f"{user}.env"  # per job too: jobs may share `out_dir` and ids
         write_secret(path, env_file(job, url, client))
-        written.append(Credentials(client, password, url, path))
+        written.append(Credentials(client, user, password, url, path))
     return written
 
 
 def revoke(admin: RabbitAdmin, services: Broker, *, job: str, clients: Sequence[str]) -> None:
-    """Delete each client's user and the queues `provision` declared for it: they are durable,
-    so they would otherwise outlive the user, holding whatever replies were left for it."""
+    """Delete each client's user of this job, and the queues `provision` declared for it: they
+    are durable, so they would otherwise outlive the user, holding whatever replies were left
+    for it. Another job's users, even of the same client ids, are not touched."""
     for client in clients:
-        admin.delete_user(client)
+        admin.delete_user(client_user(job, client))
         for name in client_queue_names(job, client):
             services.delete_queue(name)

@@ -1,8 +1,8 @@
 """The secured mode against the real RabbitMQ: one user per client (design §3).
 
-`splitmq provision-clients` creates two client users (with the management API if the plugin
-answers, else `rabbitmqctl` on this host) and their env files. Then, with the coordinator
-running with `security.per_client_users = true`:
+`splitmq provision-clients` creates two client users, `<job>.<id>` (with the management API if
+the plugin answers, else `rabbitmqctl` on this host) and their env files. Then, with the
+coordinator running with `security.per_client_users = true`:
 
 - client A can consume its own reply queue, but not B's (ACCESS_REFUSED), cannot declare
   anything, and cannot publish to the replies exchange (it could forge a gradient there);
@@ -11,6 +11,12 @@ running with `security.per_client_users = true`:
 - split inference (SplitGP): A's InferRequests are answered on its own inference reply queue;
   one A sends claiming to be B is dead-lettered with the reason; A may not consume B's
   inference replies, nor the infer queue itself.
+- A may not publish to `splitmq.dead` (forged dead letters), yet a bad reply its handle
+  dead-letters still reaches `<job>.dead` (rejected, routed by the reply queue's own
+  dead-letter exchange).
+- two jobs provisioned with the same `--prefix` get users of their own: both clients log in and
+  read their queues, and revoking one job leaves the other's user working; provisioning a job's
+  existing users again is refused unless `--force`.
 
 The users are deleted again at the end (`--revoke`), and with them their reply queues.
 """
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from torch.testing import assert_close
 
 from broker.codec import decode, encode
@@ -35,6 +41,7 @@ from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
 from broker.store import SERVER_PART, BlobRef
 from broker.topology import (
     CONTROL_EXCHANGE,
+    DEAD_EXCHANGE,
     REPLIES_EXCHANGE,
     SMASHED_EXCHANGE,
     client_queue_names,
@@ -53,14 +60,14 @@ from services.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.cli.main import cli
 from services.client.inference import BrokerTheta
-from services.client.secured import client_theta
+from services.client.secured import client_theta, secured_client_broker
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.runtime.backends import Backends
 from services.runtime.jobmodel import job_model
 from services.security.admin import AdminError, pick_admin
-from services.security.identity import StampedBroker, amqp_user
+from services.security.identity import StampedBroker, amqp_user, client_user
 from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running
 from workers.inference import InferenceServer
 
@@ -114,11 +121,7 @@ def provisioned(
     names = [f"{job}-0", f"{job}-1"]
     try:
         assert result.exit_code == 0, result.output
-        envs = {}
-        for name in names:
-            lines = (out / f"{name}.env").read_text().splitlines()
-            envs[name] = dict(line.split("=", 1) for line in lines if "=" in line)
-        yield settings, envs
+        yield settings, {name: read_env(out, job, name) for name in names}
     finally:
         revoked = CliRunner().invoke(cli, [*args, "--revoke"], catch_exceptions=False)
         left = surviving_queues(backends, [q for n in names for q in client_queue_names(job, n)])
@@ -126,6 +129,12 @@ def provisioned(
         assert revoked.exit_code == 0, revoked.output
         # `--revoke` deletes the durable reply queues it declared, not only the users.
         assert left == [], left
+
+
+def read_env(out: Path, job: str, client: str) -> dict[str, str]:
+    """The variables of the env file `provision-clients` wrote for `client` of `job`."""
+    lines = (out / f"{client_user(job, client)}.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
 def surviving_queues(backends: Backends, queues: list[str]) -> list[str]:
@@ -179,7 +188,7 @@ def test_clients_are_confined_and_impostors_dead_lettered(
         alice.subscribe(reply_queue_name(job, a), prefetch=10)
         with pytest.raises(BrokerError, match="ACCESS_REFUSED") as refused:
             alice.subscribe(reply_queue_name(job, b), prefetch=10)
-        assert f"user '{a}'" in str(refused.value)
+        assert f"user '{client_user(job, a)}'" in str(refused.value)
         declaring = RabbitMQBroker(envs[a]["SPLITMQ_AMQP_URL"], RabbitMQOptions(give_up_after=10))
         try:
             with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
@@ -192,7 +201,7 @@ def test_clients_are_confined_and_impostors_dead_lettered(
         strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         ensure_initial_version(store, settings, strategy, logging.getLogger("test"))
         coordinator = Coordinator(settings, backends, poll_s=0.05)
-        stamped = StampedBroker(alice, a)
+        stamped = StampedBroker(alice, client_user(job, a))
         with running([coordinator.run]):
             claims_b = Join(job, b, new_message_id(), 0, 10)
             stamped.publish(CONTROL_EXCHANGE, job, encode(claims_b), message_id="claims-b")
@@ -210,8 +219,8 @@ def test_clients_are_confined_and_impostors_dead_lettered(
         assert isinstance(welcome, Welcome) and welcome.client == a
         found = dead_letters(services, job)
         assert found["claims-b"] == (
-            f"client {b!r} does not match the AMQP user {a!r}",
-            a,
+            f"client {b!r} does not match the AMQP user {client_user(job, a)!r}",
+            client_user(job, a),
         )
         assert "no AMQP user_id" in found["anonymous"][0]
         assert "honest" not in found
@@ -250,7 +259,7 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
         with running([server.run]):
             # Published first: the one server handles it before A's own requests below.
             claims_b = InferRequest(job, b, new_message_id(), 0, 1, z)
-            StampedBroker(alice, a).publish(
+            StampedBroker(alice, client_user(job, a)).publish(
                 SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_b), message_id="claims-b"
             )
             # A as a client process does it: its env file over the job's config.
@@ -263,8 +272,8 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
         assert theta.last_version == version
         found = dead_letters(services, job)
         assert found["claims-b"] == (
-            f"impostor: client {b!r} does not match the AMQP user {a!r}",
-            a,
+            f"impostor: client {b!r} does not match the AMQP user {client_user(job, a)!r}",
+            client_user(job, a),
         )
         assert server.stats.requests == 1 and server.stats.dead_lettered["impostor"] == 1
         assert services.queue_depth(infer_reply_queue_name(job, b)) == 0
@@ -278,3 +287,121 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
         alice.close()
         services.close()
         store.close()
+
+
+def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_queue(
+    provisioned: tuple[Settings, dict[str, dict[str, str]]], tmp_path: Path
+) -> None:
+    """`splitmq.dead` is not the clients' to write (forged dead letters, a flooded
+    `<job>.dead`); the client's own handle dead-letters a bad reply by rejecting it, and the
+    reply queue's x-dead-letter routing (declared by provisioning) still lands it there."""
+    settings, envs = provisioned
+    job = settings.job.name
+    a = sorted(envs)[0]
+    services = Backends(settings.broker, settings.store).open_broker("test-services")
+    forger = client_handle(envs[a], "test-forger")
+    client: Broker | None = None
+    try:
+        with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
+            forger.publish(DEAD_EXCHANGE, job, b"forged dead letter", user_id=client_user(job, a))
+        # A's handle as `splitmq client` opens it: its env file over the job's config.
+        client_settings = load_settings(tmp_path / "job.toml", envs[a])
+        backends = Backends(client_settings.broker, client_settings.store)
+        client = secured_client_broker(client_settings, backends, a, "test-client-a")
+        client.declare([reply_queue(job, a)])
+        client.subscribe(reply_queue_name(job, a), prefetch=10)
+        services.publish(
+            REPLIES_EXCHANGE, reply_routing_key(job, a), b"\x00garbage", message_id="bad-reply"
+        )
+        delivery = client.get(WAIT_S)
+        assert delivery is not None and delivery.message_id == "bad-reply"
+        client.dead_letter(delivery, "undecodable reply")
+        services.subscribe(dead_queue_name(job), prefetch=10)
+        dead = services.get(WAIT_S)
+        assert dead is not None, f"the bad reply never reached {dead_queue_name(job)}"
+        services.ack(dead)
+        assert (dead.message_id, dead.body) == ("bad-reply", b"\x00garbage")
+        # Rejected and routed by RabbitMQ, not published by A.
+        assert dead.headers.get("x-first-death-reason") == "rejected"
+        assert dead.headers.get("x-first-death-queue") == reply_queue_name(job, a)
+        assert services.queue_depth(reply_queue_name(job, a)) == 0
+    finally:
+        if client is not None:
+            client.close()
+        forger.close()
+        services.close()
+
+
+def provision_cli(config: Path, prefix: str, out: Path, *extra: str) -> Result:
+    args = ["provision-clients", str(config), "--count", "2", "--prefix", prefix]
+    return CliRunner().invoke(cli, [*args, "--out", str(out), *extra], catch_exceptions=False)
+
+
+def reads_its_reply_queue(env: dict[str, str], job: str, client: str, services: Broker) -> bool:
+    """Whether `client` of `job` logs in with `env` and gets what is sent to its reply queue
+    (False: RabbitMQ refused the login)."""
+    try:
+        handle = client_handle(env, f"test-{client}")
+    except BrokerError as exc:
+        assert "ACCESS_REFUSED" in str(exc) or "uthentication" in str(exc), exc
+        return False
+    try:
+        handle.subscribe(reply_queue_name(job, client), prefetch=10)
+        marker = new_message_id()
+        services.publish(REPLIES_EXCHANGE, reply_routing_key(job, client), b"r", message_id=marker)
+        delivery = handle.get(WAIT_S)
+        assert delivery is not None and delivery.message_id == marker
+        handle.ack(delivery)
+        return True
+    finally:
+        handle.close()
+
+
+def test_two_jobs_with_one_prefix_keep_their_own_users(
+    job: str, amqp_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Jobs X and Y provisioned with the same --prefix (and --out): both sets of clients log in
+    and read their queues; revoking Y leaves X's users working; provisioning X's existing
+    users again is refused without --force (nothing reset), and --force resets them."""
+    admin_or_skip(amqp_url)
+    prefix, out = f"{job}-", tmp_path / "secrets"
+    names = [f"{prefix}0", f"{prefix}1"]
+    jobs = {"x": f"{job}x", "y": f"{job}y"}
+    configs = {}
+    for key, name in jobs.items():
+        configs[key] = tmp_path / f"{key}.toml"
+        text = CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=name, algorithm="sfl_v2")
+        configs[key].write_text(text)
+    settings = load_settings(configs["x"], {})
+    services = Backends(settings.broker, settings.store).open_broker("test-services")
+    try:
+        for key in ("x", "y"):
+            done = provision_cli(configs[key], prefix, out)
+            assert done.exit_code == 0, done.output
+        envs = {(k, n): read_env(out, jobs[k], n) for k in jobs for n in names}
+        for (key, name), env in envs.items():
+            assert reads_its_reply_queue(env, jobs[key], name, services), (key, name)
+
+        revoked = provision_cli(configs["y"], prefix, out, "--revoke")
+        assert revoked.exit_code == 0, revoked.output
+        for name in names:
+            assert reads_its_reply_queue(envs["x", name], jobs["x"], name, services), name
+            assert not reads_its_reply_queue(envs["y", name], jobs["y"], name, services), name
+
+        again = provision_cli(configs["x"], prefix, out)
+        assert again.exit_code == 1
+        users = ", ".join(client_user(jobs["x"], n) for n in names)
+        assert f"RabbitMQ users {users} exist already" in again.output, again.output
+        assert "--force" in again.output and "Traceback" not in again.output
+        assert read_env(out, jobs["x"], names[0]) == envs["x", names[0]]  # file untouched
+        assert reads_its_reply_queue(envs["x", names[0]], jobs["x"], names[0], services)
+
+        forced = provision_cli(configs["x"], prefix, out, "--force")
+        assert forced.exit_code == 0, forced.output
+        new = read_env(out, jobs["x"], names[0])
+        assert not reads_its_reply_queue(envs["x", names[0]], jobs["x"], names[0], services)
+        assert reads_its_reply_queue(new, jobs["x"], names[0], services)
+    finally:
+        for key in ("x", "y"):
+            provision_cli(configs[key], prefix, out, "--revoke")
+        services.close()

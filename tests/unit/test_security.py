@@ -54,10 +54,14 @@ from services.security.identity import (
     StampedBroker,
     amqp_user,
     client_id_problem,
+    client_user,
+    default_client_id,
     sender_check,
     service_stamped,
+    user_client,
 )
 from services.security.provision import (
+    UsersExistError,
     client_names,
     client_permissions,
     client_url,
@@ -186,17 +190,20 @@ def delivery(user: str | None) -> Delivery:
     ("secured", "user", "client", "problem"),
     [
         (False, None, "a", None),  # the open mode: nobody vouches, nothing to check
-        (False, "a", "a", None),
+        (False, "j.a", "a", None),
         (False, "mallory", "a", "does not match the AMQP user 'mallory'"),
-        (True, "a", "a", None),
+        (True, "j.a", "a", None),
         (True, None, "a", "no AMQP user_id"),
         (True, "mallory", "a", "does not match"),
+        (True, "a", "a", "does not match the AMQP user 'a'"),  # not a user of job j
+        (True, "k.a", "a", "does not match the AMQP user 'k.a'"),  # job k's client a
     ],
 )
 def test_client_messages_must_come_from_their_client(
     secured: bool, user: str | None, client: str, problem: str | None
 ) -> None:
-    found = SenderCheck.of(secured, "amqp://svc:pw@h/%2F").client_problem(delivery(user), client)
+    check = SenderCheck.of(secured, "amqp://svc:pw@h/%2F", job="j")
+    found = check.client_problem(delivery(user), client)
     assert (found is None) if problem is None else (problem in (found or ""))
 
 
@@ -217,6 +224,19 @@ def test_client_ids_are_plain_names() -> None:
     assert amqp_user("amqp://h:5672/%2F") == "guest"
 
 
+def test_a_client_user_names_its_job_and_its_client() -> None:
+    assert client_user("job-1", "client-0") == "job-1.client-0"
+    assert user_client("job-1", "job-1.client-0") == "client-0"
+    for other in ("client-0", "job-2.client-0", "job-1.", "job-1.a.b", "job-10.client-0"):
+        assert user_client("job-1", other) is None, other
+    secured = {"security": {"per_client_users": True}, "job": {"name": "j"}}
+    url = {"broker": {"kind": "rabbitmq", "amqp_url": "amqp://j.c-3:pw@h/%2F"}}
+    assert default_client_id(Settings.model_validate({**secured, **url})) == "c-3"
+    # Not a client of this job: the user itself, which the client's handle then refuses.
+    plain = {"broker": {"kind": "rabbitmq", "amqp_url": "amqp://ops:pw@h/%2F"}}
+    assert default_client_id(Settings.model_validate({**secured, **plain})) == "ops"
+
+
 def test_stamped_handles_publish_as_their_user() -> None:
     hub = InMemoryHub()
     reader = InMemoryBroker(hub)
@@ -234,17 +254,20 @@ def test_stamped_handles_publish_as_their_user() -> None:
     open_mode = Settings.model_validate({})
     assert not isinstance(service_stamped(InMemoryBroker(hub), open_mode), StampedBroker)
     assert sender_check(settings).secured and sender_check(open_mode).services == {"guest"}
+    assert sender_check(settings).job == settings.job.name
 
 
-def test_a_secured_client_must_log_in_as_itself() -> None:
+@pytest.mark.parametrize("user", ["j.client-1", "client-2", "k.client-2"])
+def test_a_secured_client_must_log_in_as_itself(user: str) -> None:
     settings = Settings.model_validate(
         {
-            "broker": {"kind": "rabbitmq", "amqp_url": "amqp://client-1:pw@127.0.0.1:1/%2F"},
+            "broker": {"kind": "rabbitmq", "amqp_url": f"amqp://{user}:pw@127.0.0.1:1/%2F"},
             "security": {"per_client_users": True},
+            "job": {"name": "j"},
         }
     )
     backends = Backends(settings.broker, settings.store)
-    with pytest.raises(ClientError, match="logs in to RabbitMQ as 'client-1'"):
+    with pytest.raises(ClientError, match=f"as '{user}', not 'j.client-2'"):
         secured_client_broker(settings, backends, "client-2", "n")
 
 
@@ -258,13 +281,15 @@ def test_a_secured_client_declares_passively_and_stamps(monkeypatch: pytest.Monk
 
     settings = Settings.model_validate(
         {
-            "broker": {"kind": "rabbitmq", "amqp_url": "amqp://c1:pw@h/%2F"},
+            "broker": {"kind": "rabbitmq", "amqp_url": "amqp://j.c1:pw@h/%2F"},
             "security": {"per_client_users": True},
+            "job": {"name": "j"},
         }
     )
     broker = secured_client_broker(settings, Recording(settings.broker, settings.store), "c1", "n")
-    assert isinstance(broker, StampedBroker) and broker.user == "c1"
+    assert isinstance(broker, StampedBroker) and broker.user == "j.c1"
     assert opened[0].passive_declare is True
+    assert opened[0].dead_letter_by_nack is True  # no write permission on splitmq.dead
 
 
 # --- permissions and provisioning -----------------------------------------------------------------
@@ -273,9 +298,11 @@ def test_a_secured_client_declares_passively_and_stamps(monkeypatch: pytest.Monk
 def test_a_client_may_write_the_client_exchanges_and_read_only_its_reply_queue() -> None:
     p = client_permissions("job.1", "c-1")
     assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job.1.reply.c-1")
-    for exchange in ("splitmq.smashed", "splitmq.control", "splitmq.dead"):
+    for exchange in ("splitmq.smashed", "splitmq.control"):
         assert re.search(p.write, exchange), exchange
-    for other in ("splitmq.replies", "splitmq.events", "amq.default", "", "job.1.reply.c-1"):
+    # Not the dead-letter exchange: forged dead letters, a flooded `<job>.dead`.
+    for other in ("splitmq.replies", "splitmq.events", "splitmq.dead", "amq.default", "",
+                  "job.1.reply.c-1"):  # fmt: skip
         assert not re.search(p.write, other), other
     assert re.search(p.read, reply_queue_name("job.1", "c-1"))
     assert re.search(p.read, infer_reply_queue_name("job.1", "c-1"))  # split inference answers
@@ -289,17 +316,20 @@ class FakeAdmin:
     name = "fake"
 
     def __init__(self) -> None:
-        self.users: dict[str, str] = {}
+        self.passwords: dict[str, str] = {}
         self.permissions: dict[tuple[str, str], Permissions] = {}
 
+    def users(self) -> frozenset[str]:
+        return frozenset(self.passwords)
+
     def put_user(self, user: str, password: str) -> None:
-        self.users[user] = password
+        self.passwords[user] = password
 
     def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
         self.permissions[(vhost, user)] = permissions
 
     def delete_user(self, user: str) -> None:
-        self.users.pop(user, None)
+        self.passwords.pop(user, None)
 
 
 def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> None:
@@ -310,24 +340,27 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
         admin, services, job="j", clients=names, vhost="/", url_template="amqps://svc:x@mq:5671/",
         out_dir=tmp_path,
     )  # fmt: skip
-    assert names == ["edge-3", "edge-4"] and set(admin.users) == set(names)
-    assert admin.permissions[("/", "edge-3")] == client_permissions("j", "edge-3")
+    assert names == ["edge-3", "edge-4"] and admin.users() == {"j.edge-3", "j.edge-4"}
+    assert admin.permissions[("/", "j.edge-3")] == client_permissions("j", "edge-3")
     for creds in written:
         text = creds.path.read_text()
+        assert creds.user == f"j.{creds.client}" and creds.path.name == f"j.{creds.client}.env"
         assert stat.S_IMODE(os.stat(creds.path).st_mode) == 0o600
         assert (
-            f"SPLITMQ_AMQP_URL=amqps://{creds.client}:{admin.users[creds.client]}@mq:5671/%2F"
+            f"SPLITMQ_AMQP_URL=amqps://{creds.user}:{admin.passwords[creds.user]}@mq:5671/%2F"
             in text
         )
         assert "SPLITMQ_SECURITY__PER_CLIENT_USERS=true" in text
         env = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-        settings = load_settings(None, env)
-        assert amqp_user(settings.broker.amqp_url) == creds.client
+        settings = load_settings(None, {**env, "SPLITMQ_JOB__NAME": "j"})
+        assert amqp_user(settings.broker.amqp_url) == creds.user
+        assert default_client_id(settings) == creds.client  # `splitmq client` without --id
         assert settings.broker.passive_declare and settings.security.per_client_users
+        assert settings.broker.dead_letter_by_nack
     # The reply queues exist, so the clients' passive declares find them.
     assert services.queue_depth(reply_queue_name("j", "edge-4")) == 0
     assert services.queue_depth(infer_reply_queue_name("j", "edge-4")) == 0
-    assert len({admin.users[n] for n in names}) == 2  # a password each
+    assert len(set(admin.passwords.values())) == 2  # a password each
 
 
 def test_revoking_deletes_the_users_and_their_durable_reply_queues(tmp_path: Path) -> None:
@@ -340,11 +373,48 @@ def test_revoking_deletes_the_users_and_their_durable_reply_queues(tmp_path: Pat
     )  # fmt: skip
     kept = [reply_queue_name("j", "edge-1"), infer_reply_queue_name("j", "edge-1")]
     revoke(admin, services, job="j", clients=["edge-0"])
-    assert set(admin.users) == {"edge-1"}
+    assert admin.users() == {"j.edge-1"}
     for queue in (reply_queue_name("j", "edge-0"), infer_reply_queue_name("j", "edge-0")):
         with pytest.raises(BrokerError, match="NOT_FOUND"):
             services.queue_depth(queue)
     assert [services.queue_depth(q) for q in kept] == [0, 0]  # only the revoked client's go
+
+
+def test_jobs_sharing_a_prefix_get_users_of_their_own(tmp_path: Path) -> None:
+    admin, services = FakeAdmin(), InMemoryBroker(InMemoryHub())
+    names = client_names("edge-", 2)
+    x = provision(
+        admin, services, job="x", clients=names, vhost="/", url_template="amqp://svc:x@mq/",
+        out_dir=tmp_path,
+    )  # fmt: skip
+    x_passwords = dict(admin.passwords)
+    provision(
+        admin, services, job="y", clients=names, vhost="/", url_template="amqp://svc:x@mq/",
+        out_dir=tmp_path,
+    )  # fmt: skip
+    assert admin.users() == {"x.edge-0", "x.edge-1", "y.edge-0", "y.edge-1"}
+    assert {u: admin.passwords[u] for u in x_passwords} == x_passwords  # x's not reset
+    assert all(creds.path.exists() for creds in x)  # nor its env files overwritten
+    assert admin.permissions[("/", "x.edge-0")] == client_permissions("x", "edge-0")
+    revoke(admin, services, job="y", clients=names)
+    assert admin.users() == {"x.edge-0", "x.edge-1"}
+    assert services.queue_depth(reply_queue_name("x", "edge-0")) == 0
+
+
+def test_provisioning_refuses_existing_users_of_the_job_unless_forced(tmp_path: Path) -> None:
+    admin, services = FakeAdmin(), InMemoryBroker(InMemoryHub())
+    args: dict[str, Any] = {
+        "job": "j", "vhost": "/", "url_template": "amqp://svc:x@mq/", "out_dir": tmp_path,
+    }  # fmt: skip
+    provision(admin, services, clients=["edge-1"], **args)
+    before = dict(admin.passwords)
+    with pytest.raises(UsersExistError, match=r"users j\.edge-1 exist already .*--force"):
+        provision(admin, services, clients=["edge-0", "edge-1"], **args)
+    assert admin.passwords == before  # nothing created or reset: edge-0 neither
+    again = provision(admin, services, clients=["edge-0", "edge-1"], force=True, **args)
+    assert admin.users() == {"j.edge-0", "j.edge-1"}
+    assert admin.passwords["j.edge-1"] != before["j.edge-1"]
+    assert again[1].password == admin.passwords["j.edge-1"]
 
 
 def test_urls_and_vhosts() -> None:
@@ -361,10 +431,12 @@ def test_rabbitmqctl_gets_passwords_on_stdin_and_resets_existing_users() -> None
 
     def run(argv: Sequence[str], stdin: str) -> subprocess.CompletedProcess[str]:
         calls.append((list(argv), stdin))
-        exists = argv[1] == "add_user" and argv[2] == "old"
-        return subprocess.CompletedProcess(
-            argv, 70 if exists else 0, "", "Error: user_already_exists: old" if exists else ""
-        )
+        exists = {
+            "old": "Error: user_already_exists: old",
+            "j.c": 'Error:\nUser "j.c" already exists',  # RabbitMQ 3.10's words
+        }
+        said = exists.get(argv[2], "") if argv[1] == "add_user" else ""
+        return subprocess.CompletedProcess(argv, 70 if said else 0, "", said)
 
     admin = RabbitmqctlAdmin(run=run)
     admin.put_user("new", "s3cret")
@@ -383,6 +455,18 @@ def test_rabbitmqctl_gets_passwords_on_stdin_and_resets_existing_users() -> None
         "^r$",
     ]
     assert all("s3cret" not in arg for argv, _ in calls for arg in argv)
+    admin.put_user("j.c", "pw3")
+    assert calls[-1] == (["rabbitmqctl", "change_password", "j.c"], "pw3")
+
+
+def test_rabbitmqctl_lists_the_users_as_json() -> None:
+    listing = '[\n{"user":"guest","tags":["administrator"]},\n{"user":"j.c-0","tags":[]}\n]\n'
+
+    def run(argv: Sequence[str], stdin: str) -> subprocess.CompletedProcess[str]:
+        assert list(argv) == ["rabbitmqctl", "list_users", "--quiet", "--formatter", "json"]
+        return subprocess.CompletedProcess(argv, 0, listing, "")
+
+    assert RabbitmqctlAdmin(run=run).users() == {"guest", "j.c-0"}
 
 
 def test_the_management_api_is_called_with_basic_auth() -> None:
@@ -390,14 +474,17 @@ def test_the_management_api_is_called_with_basic_auth() -> None:
 
     def opener(request: urllib.request.Request, timeout: float) -> bytes:
         seen.append(request)
-        return b"{}"
+        listing = b'[{"name": "guest", "tags": ["administrator"]}]'
+        return listing if request.method == "GET" else b"{}"
 
     admin = ManagementAdmin("http://mq:15672/", "admin", "pw", opener=opener)
     admin.put_user("c/1", "x")
     admin.set_permissions("/", "c/1", Permissions("^$", "^w$", "^r$"))
+    assert admin.users() == {"guest"}
     assert [(r.get_method(), r.full_url) for r in seen] == [
         ("PUT", "http://mq:15672/api/users/c%2F1"),
         ("PUT", "http://mq:15672/api/permissions/%2F/c%2F1"),
+        ("GET", "http://mq:15672/api/users"),
     ]
     assert seen[0].get_header("Authorization") == "Basic YWRtaW46cHc="
     assert seen[1].data == b'{"configure": "^$", "write": "^w$", "read": "^r$"}'

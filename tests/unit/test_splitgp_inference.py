@@ -41,7 +41,7 @@ from services.client.inference import (
     entropy_sweep,
 )
 from services.runtime.backends import Backends, Embedded
-from services.security.identity import StampedBroker
+from services.security.identity import StampedBroker, client_user
 from services.security.provision import client_queues
 from tests.unit.test_worker_support import (
     CUT,
@@ -216,7 +216,8 @@ def test_a_secured_client_is_answered_on_its_own_queue_and_may_not_ask_as_anothe
     services.publish(
         REPLIES_EXCHANGE, infer_reply_routing_key(job, "c0"), encode(stale), persistent=False
     )
-    alice = StampedBroker(InMemoryBroker(embedded.hub, user="c0"), "c0")
+    user = client_user(job, "c0")  # c0's RabbitMQ user, as provisioned
+    alice = StampedBroker(InMemoryBroker(embedded.hub, user=user), user)
     z, _ = random_batch(model, torch.Generator().manual_seed(8), rows=3)
     claims_c1 = InferRequest(job, "c1", new_message_id(), 0, 1, z)
     alice.publish(SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_c1), message_id="c1")
@@ -242,7 +243,7 @@ def test_a_secured_client_is_answered_on_its_own_queue_and_may_not_ask_as_anothe
     while (delivery := services.get(0.2)) is not None:
         reasons[delivery.message_id] = str(delivery.headers[REASON_HEADER])
     assert reasons == {
-        "c1": "impostor: client 'c1' does not match the AMQP user 'c0'",
+        "c1": f"impostor: client 'c1' does not match the AMQP user '{user}'",
         "anonymous": (
             "impostor: no AMQP user_id on a message of client 'c0': the secured mode "
             "(security.per_client_users) requires one"
