@@ -387,7 +387,7 @@ def test_worker_shard_queue_in_the_secured_mode(job: str) -> None:
     publish(broker, SMASHED_EXCHANGE, key, start, "start", user_id="guest")
     publish(broker, SMASHED_EXCHANGE, key, batch(0), "anonymous")
     publish(broker, SMASHED_EXCHANGE, key, batch(1), "impostor", user_id="mallory")
-    publish(broker, SMASHED_EXCHANGE, key, batch(2), "valid", user_id="c0")
+    publish(broker, SMASHED_EXCHANGE, key, batch(2), "valid", user_id=f"{job}.c0")
     end = encode(RoundEnd(job, "", new_message_id(), 1, 0, 0))
     publish(broker, SMASHED_EXCHANGE, key, end, "end", user_id="guest")
 
