@@ -29,8 +29,10 @@ from broker.rabbitmq_connection import (
     PIKA_ERRORS,
     Outage,
     RabbitMQOptions,
+    auth_refused,
     describe,
     is_auth_failure,
+    server_url,
     tune_receive,
 )
 from broker.topology import DEAD_EXCHANGE, EXCHANGES
@@ -128,12 +130,14 @@ class ChannelKeeper:
                     raise self.channel_failure(exc, what) from exc
                 self._drop_connection()
                 if is_auth_failure(exc):
-                    raise BrokerError(
-                        f"{what}: RabbitMQ refused user {self.user!r}: {describe(exc)}"
-                    ) from exc
+                    raise auth_refused(exc, what, self._params) from exc
                 if outage is None:
                     outage = Outage(
-                        self._options, clock=self._clock, sleep=self._sleep, rng=self._rng
+                        self._options,
+                        clock=self._clock,
+                        sleep=self._sleep,
+                        rng=self._rng,
+                        where=server_url(self._params),
                     )
                     self._note_lost(exc, what)
                 outage.wait_or_give_up(exc, what)

@@ -8,15 +8,16 @@ retrying a wrong password or a conflicting declaration only hides the bug.
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import pika
 import pika.exceptions
 
-from broker.errors import BrokerUnavailableError
+from broker.errors import BrokerAuthError, BrokerUnavailableError, ConnectionSettingsError
 from broker.tls import TLSOptions, client_context
 from broker.transport import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -28,12 +29,15 @@ _AUTH_FAILURES = (
 )
 
 
-# Everything pika raises on purpose; the last two are not AMQPErrors but are usage faults we
-# still report as our BrokerError rather than leak.
+# Everything pika raises on purpose; ChannelError and ReentrancyError are not AMQPErrors but
+# are usage faults we still report as our BrokerError rather than leak. pika resolves the host
+# itself and lets a DNS failure through as it is: a compose service name resolves only once
+# its container exists, so that is an outage like a refused connection.
 PIKA_ERRORS = (
     pika.exceptions.AMQPError,
     pika.exceptions.ChannelError,
     pika.exceptions.ReentrancyError,
+    socket.gaierror,
 )
 
 
@@ -77,14 +81,23 @@ def connection_parameters(
     with `options.tls`)."""
     scheme = urlparse(url).scheme
     if scheme not in ("amqp", "amqps"):
-        raise ValueError(f"RabbitMQ URL must start with amqp:// or amqps://, got {scheme!r}")
-    params = pika.URLParameters(url)
+        got = f"{scheme}://" if scheme else "no scheme"
+        raise ConnectionSettingsError(
+            f"the RabbitMQ URL must start with amqp:// or amqps://, got {got} "
+            "(broker.amqp_url, SPLITMQ_AMQP_URL)"
+        )
+    try:
+        params = pika.URLParameters(url)
+    except ValueError as exc:  # e.g. a port that is not a number
+        raise ConnectionSettingsError(f"unusable RabbitMQ URL (broker.amqp_url): {exc}") from None
     if scheme == "amqps":
         # pika's own default context has no server_hostname, so it cannot check the name.
         context = client_context(options.tls or TLSOptions())
         params.ssl_options = pika.SSLOptions(context, server_hostname=params.host)
     elif options.tls is not None:
-        raise ValueError("TLS options are set but the RabbitMQ URL is amqp://: use amqps://")
+        raise ConnectionSettingsError(
+            "TLS options are set but the RabbitMQ URL is amqp://: use amqps://"
+        )
     params.heartbeat = options.heartbeat
     params.blocked_connection_timeout = options.blocked_connection_timeout
     params.socket_timeout = options.socket_timeout
@@ -128,10 +141,56 @@ def is_auth_failure(exc: BaseException) -> bool:
     return isinstance(exc, _AUTH_FAILURES)
 
 
+def server_url(params: pika.ConnectionParameters) -> str:
+    """Where `params` connect, as a URL without the password (safe to print)."""
+    scheme = "amqps" if params.ssl_options is not None else "amqp"
+    user = getattr(params.credentials, "username", "")
+    vhost = quote(params.virtual_host, safe="")
+    return f"{scheme}://{user}@{params.host}:{params.port}/{vhost}"
+
+
+def auth_refused(
+    exc: BaseException, what: str, params: pika.ConnectionParameters
+) -> BrokerAuthError:
+    """The error for a refused login or vhost, saying which of the two and what to fix."""
+    user = getattr(params.credentials, "username", "")
+    if isinstance(exc, pika.exceptions.ProbableAccessDeniedError):
+        problem = (
+            f"user {user!r} has no access to vhost {params.virtual_host!r} (or it does not exist)"
+        )
+    else:
+        problem = f"wrong password for user {user!r}, or no such user"
+    return BrokerAuthError(
+        f"{what}: RabbitMQ at {server_url(params)} refused user {user!r}: {problem} "
+        f"({_root_cause(exc)})"
+    )
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost reason pika wrapped: its connection errors nest their causes in args."""
+    seen = 0
+    while seen < 8 and exc.args and isinstance(exc.args[0], BaseException):
+        exc, seen = exc.args[0], seen + 1
+    inner = getattr(exc, "exception", None)  # AMQPConnectorSocketConnectError and kin
+    if isinstance(inner, BaseException):
+        exc = inner
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, pika.exceptions.ConnectionClosed):
+        return f"{exc.reply_code}: {exc.reply_text}"
+    if exc.args and isinstance(exc.args[0], str) and len(exc.args) == 1:
+        return exc.args[0]
+    return str(exc) or type(exc).__name__
+
+
 def describe(exc: BaseException) -> str:
     """A one-line account of a pika exception, with the broker's reply code and text if any."""
     if isinstance(exc, pika.exceptions.ConnectionClosed | pika.exceptions.ChannelClosed):
         return f"{type(exc).__name__} ({exc.reply_code}: {exc.reply_text})"
+    if isinstance(exc, pika.exceptions.AMQPConnectionError | OSError):
+        # Not pika's nesting of reprs ("AMQPConnectionError: (AMQPConnectorSocketConnectError:
+        # ConnectionRefusedError(111, 'Connection refused'),)"): the reason a person can act on.
+        return _root_cause(exc)
     text = str(exc) or repr(exc)
     return f"{type(exc).__name__}: {text}"
 
@@ -158,8 +217,10 @@ class Outage:
         clock: Callable[[], float],
         sleep: Callable[[float], None],
         rng: random.Random,
+        where: str = "",
     ) -> None:
         self._options = options
+        self._where = f" at {where}" if where else ""
         self._clock = clock
         self._sleep = sleep
         self._rng = rng
@@ -177,7 +238,7 @@ class Outage:
             elapsed + delay > self._options.give_up_after
         ):
             raise BrokerUnavailableError(
-                f"{what}: RabbitMQ unreachable after {self.attempts} attempt(s) in "
-                f"{elapsed:.1f}s: {describe(exc)}"
+                f"{what}: RabbitMQ unreachable{self._where} ({describe(exc)}); gave up "
+                f"after {self.attempts} attempt(s) in {elapsed:.1f} s"
             ) from exc
         self._sleep(delay)
