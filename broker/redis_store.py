@@ -22,7 +22,9 @@ from redis.retry import Retry
 
 from broker import keys, redis_scripts
 from broker.errors import (
+    ConnectionSettingsError,
     LeaseNotHeldError,
+    StoreAuthError,
     StoreError,
     StoreUnavailableError,
     VersionConflictError,
@@ -110,6 +112,10 @@ class RedisServerInfo:
 def _redis_errors(what: str) -> Iterator[None]:
     try:
         yield
+    except redis.AuthenticationError as exc:  # a ConnectionError to redis-py; retrying won't help
+        raise StoreAuthError(
+            f"Redis refused the credentials of store.redis_url during {what}: {exc}"
+        ) from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailableError(f"redis unreachable during {what}: {exc}") from exc
     except redis.RedisError as exc:
@@ -164,13 +170,19 @@ class RedisWeightStore(PublishingStore):
     def __init__(self, url: str, options: RedisStoreOptions | None = None) -> None:
         scheme = urlparse(url).scheme
         if scheme not in ("redis", "rediss"):
-            raise ValueError(f"expected a redis:// or rediss:// URL, got scheme {scheme!r}")
+            got = f"{scheme}://" if scheme else "no scheme"
+            raise ConnectionSettingsError(
+                f"the Redis URL must start with redis:// or rediss://, got {got} "
+                "(store.redis_url, SPLITMQ_REDIS_URL)"
+            )
         self._options = options or RedisStoreOptions()
         opts = self._options
         if scheme == "rediss":
             tls: dict[str, Any] = redis_ssl_kwargs(opts.tls or TLSOptions())
         elif opts.tls is not None:
-            raise ValueError("TLS options are set but the Redis URL is redis://: use rediss://")
+            raise ConnectionSettingsError(
+                "TLS options are set but the Redis URL is redis://: use rediss://"
+            )
         else:
             tls = {}
         # No connection is opened here: the first command connects.
