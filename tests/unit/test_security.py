@@ -159,7 +159,7 @@ def test_rediss_gets_the_configured_files(certificate: tuple[Path, Path]) -> Non
         str(key),
     )
     assert kwargs["ssl_cert_reqs"] == "required" and kwargs["ssl_check_hostname"] is True
-    connection = pool.make_connection()  # builds the SSL context the way a connect would
+    connection: Any = pool.make_connection()  # builds the SSL context the way a connect would
     assert connection.ca_certs == str(cert) and connection.check_hostname is True
 
 
@@ -496,7 +496,7 @@ def test_the_management_api_is_called_with_basic_auth() -> None:
 class NoStore(Backends):
     """Backends whose store must never be opened."""
 
-    def open_store(self) -> WeightStore:
+    def open_store(self, *, wait: bool = True) -> WeightStore:
         raise AssertionError("a client opened the store")
 
 
