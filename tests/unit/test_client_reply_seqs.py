@@ -1,0 +1,85 @@
+"""The client's reply queue, in the style of `test_bad_input`: a GradientReply for a seq the
+client never sent is dead-lettered with its reason before anything looks at it; one for an
+earlier seq (a late copy of an answer taken already) is a duplicate, passed on to be dropped."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import torch
+
+from broker.codec import encode
+from broker.memory_broker import InMemoryBroker
+from broker.messages import GradientReply, new_message_id
+from broker.topology import REPLIES_EXCHANGE, dead_queue, dead_queue_name, reply_routing_key
+from broker.transport import REASON_HEADER, Broker
+from services.client.channel import SeqBook
+from services.client.link import Backoff, ClientLink
+from services.client.stats import ClientStats
+from services.runtime.backends import Embedded
+
+LOG = logging.getLogger("test.client_reply_seqs")
+NEXT_SEQ = 1_000
+
+
+def dead_letters(broker: Broker, job: str) -> dict[str, list[str]]:
+    """message id -> reasons of everything in `<job>.dead`."""
+    broker.subscribe(dead_queue_name(job), prefetch=100)
+    found: dict[str, list[str]] = {}
+    while (delivery := broker.get(0.2)) is not None:
+        broker.ack(delivery)
+        reason = str(delivery.headers.get(REASON_HEADER, ""))
+        found.setdefault(delivery.message_id or "", []).append(reason)
+    broker.unsubscribe(dead_queue_name(job))
+    return found
+
+
+def reply(job: str, seq: int) -> bytes:
+    grad = torch.randn(2, 3)
+    return encode(GradientReply(job, "c0", new_message_id(), 1, seq, "ok", 0.1, 1, 2, grad))
+
+
+def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
+    embedded = Embedded()
+    broker = InMemoryBroker(embedded.hub)
+    broker.declare([dead_queue(job)])
+    stats = ClientStats()
+    link = ClientLink(
+        InMemoryBroker(embedded.hub),
+        job=job,
+        client="c0",
+        stats=stats,
+        stop=threading.Event(),
+        clock=time.monotonic,
+        heartbeat_s=60.0,
+        backoff=Backoff(),
+        rng=random.Random(0),
+        route_wait_s=1.0,
+        logger=LOG,
+    )
+    link.open()
+    seqs = SeqBook(NEXT_SEQ)
+    link.validate_with(seqs.reply_problem)  # as the client's RoundRunner does
+    key = reply_routing_key(job, "c0")
+    never_sent = {"next seq": NEXT_SEQ, "past next seq": NEXT_SEQ + 1, "far ahead": 2**62}
+    for message_id, seq in never_sent.items():
+        broker.publish(REPLIES_EXCHANGE, key, reply(job, seq), message_id=message_id)
+    broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ - 1), message_id="late copy")
+
+    message = link.poll(10.0)
+
+    assert isinstance(message, GradientReply) and message.seq == NEXT_SEQ - 1
+    found = dead_letters(broker, job)
+    assert sorted(found) == sorted(never_sent)
+    for message_id, seq in never_sent.items():
+        (reason,) = found[message_id]
+        assert f"seq {seq}, never sent by this client (its next seq is {NEXT_SEQ})" in reason
+    assert stats.dead_lettered == len(never_sent)
+    # Taking a seq moves the bound: the reply to it is valid once it was sent.
+    assert seqs.take() == NEXT_SEQ
+    broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ), message_id="answer")
+    answer = link.poll(10.0)
+    assert isinstance(answer, GradientReply) and answer.seq == NEXT_SEQ
