@@ -16,9 +16,11 @@ from services.aggregator.bootstrap import ended_job, ensure_initial_version
 from services.aggregator.buffered import AsyncStats, BufferedDriver
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.inbox import InboxStats, UpdateInbox
+from services.aggregator.members import MemberBook
 from services.aggregator.rounds import RoundDriver, RoundStats
+from services.aggregator.screen import UpdateScreen
 from services.algorithms.async_fold import supports_async
-from services.algorithms.base import Strategy, for_model
+from services.algorithms.base import Strategy, for_model, partial_client_updates
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.coordinator.outbox import Outbox
@@ -126,12 +128,18 @@ class Aggregator:
         prefetch = self._settings.clients.count + _PREFETCH_SLACK
         broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
         outbox = Outbox(broker, self.job, self._log)
+        version = ensure_initial_version(store, self._settings, self._strategy, self._log)
+        members = MemberBook(store, self.job, self._clock)
+        screen = UpdateScreen.of(
+            store, self.job, version, members, partial=partial_client_updates(self._strategy)
+        )
         inbox = UpdateInbox(
             broker,
             outbox,
             self.job,
             self._log,
-            self.inbox_stats,
+            screen=screen,
+            stats=self.inbox_stats,
             metrics=self._backends.metrics,
             senders=sender_check(self._settings),
         )
@@ -157,7 +165,6 @@ class Aggregator:
         self, store: WeightStore, outbox: Outbox, inbox: UpdateInbox, stop: threading.Event
     ) -> tuple[list[VersionRecord], str]:
         """Async mode (docs/async.md): a version whenever K updates are buffered."""
-        ensure_initial_version(store, self._settings, self._strategy, self._log)
         return BufferedDriver(
             self._settings,
             store,
@@ -177,7 +184,6 @@ class Aggregator:
         self, store: WeightStore, driver: RoundDriver, stop: threading.Event
     ) -> tuple[list[VersionRecord], str]:
         records: list[VersionRecord] = []
-        ensure_initial_version(store, self._settings, self._strategy, self._log)
         while not stop.is_set():
             version = store.current_version(self.job)
             if version - 1 >= self._settings.job.rounds:

@@ -1,9 +1,10 @@
 """Which WeightsUpdates the asynchronous aggregator buffers (async mode's `Gate`).
 
-There are no rounds: an update from a member, based on a version at most `max_staleness`
-behind the current one, with the version's tensor names and shapes, is buffered with what
-it started from and what it would start from now (`services.algorithms.async_fold`). A
-staler one is valid but refused: acked, counted and answered with `Error("too_stale")`.
+There are no rounds: an update from a member (screened by the inbox: the model's tensor
+names and shapes), based on a version at most `max_staleness` behind the current one, is
+buffered with what it started from and what it would start from now
+(`services.algorithms.async_fold`). A staler one is valid but refused: acked, counted and
+answered with `Error("too_stale")`.
 Every member whose update was judged (buffered or too stale) is owed the newest weights,
 which the driver sends once it has folded what is due (`owed`).
 
@@ -24,14 +25,7 @@ import torch
 from broker.errors import VersionNotFoundError
 from broker.messages import RoundDropped, WeightsUpdate
 from broker.store import WeightStore
-from services.aggregator.gate import (
-    Offer,
-    Reference,
-    Verdict,
-    masks_problem,
-    reference_of,
-    weights_problem,
-)
+from services.aggregator.gate import Offer, Reference, Verdict, reference_of
 from services.algorithms.async_fold import StaleUpdate
 from services.algorithms.base import ClientUpdate
 from services.algorithms.staleness import TOO_STALE, StalenessRule
@@ -71,7 +65,6 @@ class AsyncGate:
     rule: StalenessRule
     # Live member by id, or None (the driver re-reads the store for an unknown id).
     member: Callable[[str], MemberInfo | None]
-    partial_clients: bool = False
     version: int = 0
     buffer: list[Buffered] = field(default_factory=list)
     owed: list[Owed] = field(default_factory=list)
@@ -112,12 +105,8 @@ class AsyncGate:
                 f"update based on version {update.version}, beyond the current {self.version}",
             )
         info = self.member(update.client)
-        if info is None:
+        if info is None:  # the screen refuses strangers; this one's record is unreadable now
             return Offer(Verdict.REJECT, f"client {update.client!r} is not a member of the job")
-        problem = self._problem(update)
-        if problem is not None:
-            self.fruitless["refused"] += 1
-            return Offer(Verdict.REJECT, problem, kind="refused")
         tau = self.version - update.version
         if not self.rule.accepts(tau):
             return self._refuse(
@@ -161,22 +150,16 @@ class AsyncGate:
         self.fruitless[drop.reason] += 1
         return Offer(Verdict.ACCEPT, kind=drop.reason)
 
+    def refused(self, client: str) -> None:
+        """A member's unusable update: its local round came to nothing."""
+        self.fruitless["refused"] += 1
+
     def _refuse(self, update: WeightsUpdate, info: MemberInfo, why: str) -> Offer:
         self.too_stale += 1
         self.remember([update.message_id])
         self.owed.append(Owed(update.client, info.partition, update.round + 1))
         reason = f"{TOO_STALE}: update based on version {update.version}: {why}"
         return Offer(Verdict.LATE, reason, code=TOO_STALE)
-
-    def _problem(self, update: WeightsUpdate) -> str | None:
-        if update.samples < 1:
-            return "an update must report at least one training sample"
-        bad_masks = masks_problem(update.masks, update.client_weights)
-        if bad_masks is not None:
-            return bad_masks
-        return weights_problem(
-            update.client_weights, self._client_ref, "client_weights", subset=self.partial_clients
-        ) or weights_problem(update.aux_weights, self._aux_ref, "aux_weights", subset=True)
 
     def _cache(self, version: int) -> WeightsCache:
         cache = self._weights.get(version)

@@ -47,13 +47,12 @@ from services.algorithms.base import (
     ShardReplica,
     Strategy,
     VersionWeights,
-    partial_client_updates,
     personal_on_clients,
 )
 from services.algorithms.staleness import StalenessRule
 from services.config.root import Settings
 from services.coordinator.handout import WeightsCache, client_config
-from services.coordinator.membership import MemberInfo, client_members
+from services.coordinator.membership import MemberInfo
 from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
 from services.runtime.supervise import JobFailedError
@@ -127,15 +126,9 @@ class BufferedDriver:
         )
         self._rule = staleness_rule(settings)
         self.stats = stats
-        self._members: dict[str, MemberInfo] = {}
+        self._members = inbox.screen.members
         self._members_at = float("-inf")
-        self._gate = AsyncGate(
-            store,
-            self._job,
-            self._rule,
-            self._member,
-            partial_clients=partial_client_updates(strategy),
-        )
+        self._gate = AsyncGate(store, self._job, self._rule, self._member)
         self._server = ServerLedger(store, self._job, settings.shards, logger)
         self._started = clock()
         self._version_at = self._started
@@ -189,10 +182,11 @@ class BufferedDriver:
 
     def _member(self, client: str) -> MemberInfo | None:
         now = self._clock()
-        if client not in self._members or now - self._members_at >= _MEMBER_CHECK_S:
-            # Members that left keep their record here: an update sent just before a Leave
-            # is as good as any.
-            self._members.update(client_members(self._store, self._job))
+        if now - self._members_at >= _MEMBER_CHECK_S:
+            # Fresh records (a member's partition, its classes) now and then; members that
+            # left keep their record in the book: an update sent just before a Leave is as
+            # good as any.
+            self._members.live()
             self._members_at = now
         return self._members.get(client)
 

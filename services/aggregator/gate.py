@@ -1,9 +1,11 @@
 """Which WeightsUpdates a round takes: the verdict on each one (pure, no broker).
 
-An `OpenRound` accepts one update per cohort member, for its round and version, with the
-tensor names and shapes of the version's blobs, or that member's `RoundDropped` notice (it
-stops waiting for the member and counts the reason); a `ClosedGate` stands in between rounds,
-when every update or notice is either late (its round is over) or premature.
+An `OpenRound` accepts one update per cohort member, for its round and version, or that
+member's `RoundDropped` notice (it stops waiting for the member and counts the reason); a
+`ClosedGate` stands in between rounds, when every update or notice is either late (its round
+is over) or premature. A gate sees only what the inbox's screen let through
+(`services.aggregator.screen`: a member's message, an update with the model's tensors); the
+helpers that check tensors live here, for the screen and the gates' copies alike.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class Gate(Protocol):
 
     def offer_drop(self, drop: RoundDropped) -> Offer: ...
 
+    def refused(self, client: str) -> None:
+        """A member's update the screen refused (dead-lettered already)."""
+
 
 @dataclass(frozen=True)
 class ClosedGate:
@@ -110,6 +115,9 @@ class ClosedGate:
         if drop.round <= self.last:
             return Offer(Verdict.LATE, f"round {drop.round} is closed")
         return Offer(Verdict.REJECT, f"round {drop.round} is not open", kind="not_open")
+
+    def refused(self, client: str) -> None:
+        pass  # counted by the inbox, per attempt
 
 
 def _cast(state: Mapping[str, torch.Tensor], reference: Reference) -> dict[str, torch.Tensor]:
@@ -130,8 +138,6 @@ class OpenRound:
     aux_ref: Reference
     # Members of earlier, abandoned attempts at this round: their updates are late.
     earlier: frozenset[str] = frozenset()
-    # A client may upload part of the client blob (FedSplitX: the blocks up to its level).
-    partial_clients: bool = False
     updates: dict[str, ClientUpdate] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)  # expired members no longer waited for
     # Members that said they dropped this attempt (`RoundDropped`), with the reason.
@@ -200,27 +206,17 @@ class OpenRound:
         return None
 
     def _problem(self, update: WeightsUpdate) -> Offer | None:
-        """The refusal of an update of a cohort member for this round, or None."""
+        """The refusal of a cohort member's (screened) update for this round, or None."""
         if update.version != self.version:
             reason = (
                 f"update based on version {update.version}; "
                 f"round {self.round} trains version {self.version}"
             )
             return Offer(Verdict.REJECT, reason, kind="wrong_version")
-        if update.samples < 1:
-            reason = "an update must report at least one training sample"
-            return Offer(Verdict.REJECT, reason, kind="no_samples")
-        bad = (
-            masks_problem(update.masks, update.client_weights)
-            or weights_problem(
-                update.client_weights,
-                self.client_ref,
-                "client_weights",
-                subset=self.partial_clients,
-            )
-            or weights_problem(update.aux_weights, self.aux_ref, "aux_weights", subset=True)
-        )
-        return None if bad is None else Offer(Verdict.REJECT, bad, kind="wrong_tensors")
+        return None
+
+    def refused(self, client: str) -> None:
+        pass  # counted by the inbox, per attempt
 
     def waiting(self) -> set[str]:
         """Cohort members whose update has not arrived, who did not say they dropped the

@@ -1,5 +1,10 @@
 """The aggregator's side of `<job>.updates`: decode, check, hand to the round, ack.
 
+Validation comes before state: whatever the round's state, a message is decoded, checked for
+its job and sender, and screened (`services.aggregator.screen`: a member, the model's tensors)
+before a gate judges it against the round, so every invalid message is dead-lettered with its
+reason, in the sync and the async mode alike.
+
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update: the broker hands them to its successor.
 A `RoundDropped` notice is acked once judged: it carries nothing to aggregate (and held ones
@@ -20,6 +25,7 @@ from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
 from services.aggregator.gate import Gate, Offer, Verdict
+from services.aggregator.screen import UpdateScreen
 from services.coordinator.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.security.identity import SenderCheck, client_id_problem
@@ -41,6 +47,7 @@ class UpdateInbox:
     outbox: Outbox
     job: str
     logger: logging.Logger
+    screen: UpdateScreen = field(kw_only=True)
     stats: InboxStats = field(default_factory=InboxStats)
     held: list[Delivery] = field(default_factory=list)
     metrics: Metrics = NO_METRICS
@@ -72,6 +79,11 @@ class UpdateInbox:
         )
         if sender is not None:
             self._dead_letter(delivery, sender, "bad_sender")
+            return True
+        refusal = self.screen.refusal(message)
+        if refusal is not None:
+            if self._dead_letter(delivery, refusal.reason, refusal.kind) and refusal.member:
+                gate.refused(message.client)
             return True
         if isinstance(message, RoundDropped):
             self._on_drop(delivery, message, gate.offer_drop(message))
@@ -151,12 +163,14 @@ class UpdateInbox:
             # The connection dropped meanwhile: the broker redelivers it, and it will be late.
             self.logger.info("job %s: ack of an update on a lost connection", self.job)
 
-    def _dead_letter(self, delivery: Delivery, reason: str, kind: str) -> None:
+    def _dead_letter(self, delivery: Delivery, reason: str, kind: str) -> bool:
+        """Whether it was settled (False: it comes back and is judged again)."""
         if dead_letter_safely(self.broker, delivery, reason) is Rejected.REDELIVERED:
-            return  # its connection is gone: it comes back and is judged again
+            return False  # its connection is gone
         self.stats.dead_lettered += 1
         self.refusals[kind] += 1
         self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
+        return True
 
 
 def decode_kind(reason: str) -> str:

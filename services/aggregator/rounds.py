@@ -32,12 +32,11 @@ from services.aggregator.replicas import gather_replicas
 from services.algorithms.base import (
     ShardReplica,
     Strategy,
-    partial_client_updates,
     personal_on_clients,
 )
 from services.config.root import Settings
 from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import MemberInfo, client_members
+from services.coordinator.membership import MemberInfo
 from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
 from services.runtime.supervise import JobFailedError
@@ -83,6 +82,8 @@ class RoundDriver:
         self._store = store
         self._outbox = outbox
         self._inbox = inbox
+        # The inbox's book: a member put in a cohort is known to its screen.
+        self._members = inbox.screen.members
         self._strategy = strategy
         self._sink = sink
         self._evaluator = evaluator
@@ -140,7 +141,7 @@ class RoundDriver:
         need = clients.min_to_start if r == 0 else 1
         since = self._clock()
         while not self._stop.is_set():
-            ready = self._ready(client_members(self._store, self._job))
+            ready = self._ready(self._members.live())
             timed_out = self._clock() - since >= clients.start_timeout_s
             if len(ready) >= need or (ready and timed_out):
                 return ready
@@ -199,7 +200,6 @@ class RoundDriver:
             client_ref=client_ref,
             aux_ref=aux_ref,
             earlier=earlier,
-            partial_clients=partial_client_updates(self._strategy),
         )
         assigned = assign_round(self._outbox, self._settings, weights, cohort, self._log)
         ledger.assignment_bytes += assigned.bytes_sent
@@ -222,7 +222,7 @@ class RoundDriver:
             now = self._clock()
             if now - last_check >= _MEMBER_CHECK_S:
                 last_check = now
-                for client in state.drop(client_members(self._store, self._job)):
+                for client in state.drop(self._members.live()):
                     self._log.info(
                         "job %s: round %d stops waiting for expired %s",
                         self._job,

@@ -1,12 +1,15 @@
-"""The round's pure parts: cohort sampling, quorum, and the verdict on each update."""
+"""The round's pure parts: cohort sampling, quorum, the screen and the verdict on each update."""
 
 from __future__ import annotations
 
 import torch
 
-from broker.messages import WeightsUpdate
+from broker.memory_store import InMemoryWeightStore
+from broker.messages import RoundDropped, WeightsUpdate
 from services.aggregator.cohort import quorum_size, sample_cohort
 from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict, reference_of
+from services.aggregator.members import MemberBook
+from services.aggregator.screen import UpdateScreen
 from services.coordinator.membership import MemberInfo
 
 REF = {"blocks.0.weight": torch.zeros(2, 3), "blocks.0.bias": torch.zeros(2)}
@@ -69,15 +72,6 @@ def test_verdicts() -> None:
         "stranger": update("stranger"),
         "future": update("b", round_=4),
         "stale version": update("b", version=3),
-        "shape": update("b", {"blocks.0.weight": torch.ones(3, 2), "blocks.0.bias": torch.ones(2)}),
-        "missing": update("b", {"blocks.0.weight": torch.ones(2, 3)}),
-        "dtype": update(
-            "b",
-            {
-                "blocks.0.weight": torch.ones(2, 3, dtype=torch.int64),
-                "blocks.0.bias": torch.ones(2),
-            },
-        ),
     }
     for what, message in rejected.items():
         offer = state.offer(message)
@@ -86,6 +80,41 @@ def test_verdicts() -> None:
     assert set(state.updates) == {"a"}
     assert ClosedGate(3).offer(update("a")).verdict is Verdict.LATE
     assert ClosedGate(2).offer(update("a")).verdict is Verdict.REJECT
+
+
+def screen(*members: str) -> UpdateScreen:
+    book = MemberBook(InMemoryWeightStore(), "j")
+    book.known.update(cohort(*members))
+    return UpdateScreen(book, reference_of(REF), {})
+
+
+def test_the_screen_refuses_strangers_and_foreign_tensors_whatever_the_round() -> None:
+    check = screen("a")
+    refused: dict[str, tuple[WeightsUpdate | RoundDropped, str]] = {
+        "stranger": (update("stranger"), "not_member"),
+        "stranger's drop": (RoundDropped("j", "stranger", "m", 4, 1, "aborted"), "not_member"),
+        "shape": (
+            update("a", {"blocks.0.weight": torch.ones(3, 2), "blocks.0.bias": torch.ones(2)}),
+            "wrong_tensors",
+        ),
+        "missing": (update("a", {"blocks.0.weight": torch.ones(2, 3)}), "wrong_tensors"),
+        "unknown": (update("a", {**REF, "x": torch.ones(1)}, round_=0), "wrong_tensors"),
+        "dtype": (
+            update(
+                "a",
+                {
+                    "blocks.0.weight": torch.ones(2, 3, dtype=torch.int64),
+                    "blocks.0.bias": torch.ones(2),
+                },
+            ),
+            "wrong_tensors",
+        ),
+    }
+    for what, (message, kind) in refused.items():
+        refusal = check.refusal(message)
+        assert refusal is not None and refusal.kind == kind and refusal.reason, what
+    assert check.refusal(update("a", round_=0)) is None  # a closed round's: the gate's business
+    assert check.refusal(RoundDropped("j", "a", "m", 4, 1, "aborted")) is None
 
 
 def test_accepted_weights_are_copies_in_the_versions_dtype() -> None:

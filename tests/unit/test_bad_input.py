@@ -79,14 +79,16 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker
-from services.aggregator.gate import OpenRound, reference_of
+from services.aggregator.gate import ClosedGate, OpenRound, reference_of
 from services.aggregator.inbox import UpdateInbox
+from services.aggregator.members import MemberBook
+from services.aggregator.screen import UpdateScreen
 from services.client.client import Client, build_client_model
 from services.client.link import Backoff, ClientLink
 from services.client.stats import ClientStats
 from services.coordinator.coordinator import Coordinator
 from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import MemberInfo
+from services.coordinator.membership import MemberInfo, member_id
 from services.coordinator.outbox import Outbox
 from services.dashboard.state import DashboardState
 from services.dashboard.watch import JobWatcher
@@ -177,6 +179,10 @@ TABLE: tuple[Row, ...] = (
     Row("updates", "RoundDropped based on another version", "based on version"),
     Row("updates", "RoundDropped whose AMQP user_id is someone else", "does not match the AMQP"),
     Row("updates", "a second RoundDropped of one client (replay)", "", "ignored as a duplicate"),
+    # ... and, once round 0 has closed, late traffic is still screened before it is late
+    Row("updates", "RoundDropped from a non-member for a closed round", "not a member"),
+    Row("updates", "update from a non-member for a closed round", "not a member"),
+    Row("updates", "update with unknown tensors for a closed round", "unknown tensors"),
     # client, reply queue
     Row("reply", "SmashedBatch (wrong type)", "does not belong"),
     Row("reply", "Error of another job", "for job"),
@@ -536,7 +542,12 @@ def test_aggregator_updates_queue(job: str) -> None:
     broker.declare(
         [dead_queue(job), updates_queue(job), reply_queue(job, "c0"), reply_queue(job, "c1")]
     )
+    broker.declare([reply_queue(job, "c7")])  # a stranger's queue: told nothing all the same
     weights, aux = WeightsCache(embedded.store, job, 1).global_weights()
+    members = MemberBook(embedded.store, job)
+    for i, client in enumerate(("c0", "c1", "c2", "c9")):
+        info = MemberInfo(client, 0, CUT, 10, i).to_info()
+        embedded.store.heartbeat(job, member_id(client), 60.0, info)
     member = MemberInfo("c0", 0, CUT, 10, 0)
     gate = OpenRound(
         round=0,
@@ -591,6 +602,13 @@ def test_aggregator_updates_queue(job: str) -> None:
         "RoundDropped for a round not open yet": dropped(round=1),
         "RoundDropped based on another version": dropped(version=2),
     }
+    after_round_0 = {
+        "RoundDropped from a non-member for a closed round": dropped("c7"),
+        "update from a non-member for a closed round": update("c7"),
+        "update with unknown tensors for a closed round": update(
+            client_weights={**weights, "nope": torch.zeros(1)}
+        ),
+    }
     impostors = {
         "update whose AMQP user_id is someone else": update(),
         "RoundDropped whose AMQP user_id is someone else": dropped(),
@@ -598,6 +616,8 @@ def test_aggregator_updates_queue(job: str) -> None:
     mallory = InMemoryBroker(embedded.hub, user="mallory")
     key = updates_routing_key(job)
     for message_id, row in ids("updates").items():
+        if row.case in after_round_0:
+            continue
         if row.case in impostors:
             mallory.publish(
                 CONTROL_EXCHANGE, key, impostors[row.case], message_id=message_id, user_id="mallory"
@@ -615,8 +635,15 @@ def test_aggregator_updates_queue(job: str) -> None:
     handle = InMemoryBroker(embedded.hub)
     handle.declare([dead_queue(job), updates_queue(job)])
     handle.subscribe(updates_queue_name(job), prefetch=100)
-    inbox = UpdateInbox(handle, Outbox(handle, job, LOG), job, LOG, senders=SenderCheck())
+    screen = UpdateScreen.of(embedded.store, job, 1, members, partial=False)
+    inbox = UpdateInbox(
+        handle, Outbox(handle, job, LOG), job, LOG, screen=screen, senders=SenderCheck()
+    )
     inbox.drain(gate, 1)
+    for message_id, row in ids("updates").items():
+        if row.case in after_round_0:
+            publish(broker, CONTROL_EXCHANGE, key, after_round_0[row.case], message_id)
+    inbox.drain(ClosedGate(0), 2)
 
     expected = ids("updates")
     assert_dead_lettered(dead_letters(broker, job), expected)
