@@ -43,9 +43,11 @@ from pathlib import Path
 from typing import IO
 
 from benchmarks.common import cnn5_sample_sections
+from benchmarks.soak_events import EventChaos
 from broker.codec import decode
 from broker.errors import DecodeError
 from broker.messages import SmashedBatch
+from broker.store import WeightStore
 from broker.topology import (
     SMASHED_EXCHANGE,
     QueueLimits,
@@ -83,6 +85,12 @@ class SoakConfig:
     broker_restart: bool = False
     restart_at_s: float = 60.0  # after the first round opened
     max_kills: int = 1000
+    # Event-driven chaos instead (benchmarks/soak_events.py): one worker SIGKILL and one client
+    # leave (SIGTERM) + rejoin, at points of the job, not of the clock; the timed knobs above
+    # then do not apply.
+    by_events: bool = False
+    leave_after_batches: int = 0  # the leaver's batches before it leaves (0: steps // 2)
+    max_pause_s: float = 45.0  # the longest the aggregator is paused for a rejoin
     timeout_s: float = 1200.0
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -111,6 +119,9 @@ class SoakReport:
     client_leaves_sigterm: int = 0
     client_leaves_sigkill: int = 0
     client_rejoins: int = 0
+    rejoined_sent: int = 0  # batches sent by the rejoined incarnations of leaving clients
+    aggregator_pauses: int = 0
+    aggregator_paused_s: float = 0.0
     broker_restarts: int = 0
     broker_restart_note: str = ""
     versions: int = 0
@@ -175,6 +186,7 @@ class Tap:
             for s, name in enumerate(self.names)
         ]
         self.sent: set[tuple[int, str, int]] = set()
+        self._per_client: Counter[str] = Counter()  # distinct batches, read from other threads
         self.copies = 0
         self._stop = threading.Event()
         self._idle = threading.Event()
@@ -201,8 +213,15 @@ class Tap:
                 message = None  # not ours to judge: the worker dead-letters it
             if isinstance(message, SmashedBatch):
                 self.copies += 1
-                self.sent.add((message.shard, message.client, message.seq))
+                key = (message.shard, message.client, message.seq)
+                if key not in self.sent:
+                    self.sent.add(key)
+                    self._per_client[message.client] += 1
             broker.ack(delivery)
+
+    def count(self, client: str) -> int:
+        """Distinct batches seen from `client` so far."""
+        return self._per_client[client]
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Until the tap queues are empty (everything published so far was seen)."""
@@ -234,10 +253,14 @@ class Children:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self._starts: Counter[str] = Counter()
+        # Wall-clock microseconds of each start: a client's seqs begin at its own start time
+        # (services/client/client.py), so they tell its incarnations apart.
+        self.started_us: dict[str, list[int]] = {}
         self._retired: list[subprocess.Popen[bytes]] = []  # killed ones, reaped at close
 
     def start(self, name: str, role: str, *args: str) -> None:
         self._starts[name] += 1
+        self.started_us.setdefault(name, []).append(time.time_ns() // 1000)
         if name in self.procs:
             self._retired.append(self.procs[name])
         log = (self._log_dir / f"{name}.{self._starts[name]}.log").open("wb")
@@ -342,6 +365,31 @@ def restart_broker(pids: set[int], report: SoakReport) -> None:
 # --- chaos --------------------------------------------------------------------------------------
 
 
+class WorkerKiller:
+    """SIGKILLs a random live worker and starts a replacement under a new name."""
+
+    def __init__(
+        self, cfg: SoakConfig, children: Children, report: SoakReport, rng: random.Random
+    ) -> None:
+        self._children = children
+        self._report = report
+        self._rng = rng
+        self._next_worker = cfg.workers
+
+    def __call__(self) -> None:
+        alive = self._children.alive("worker-")
+        if not alive:
+            return
+        victim = self._rng.choice(alive)
+        LOG.info("SIGKILL %s", victim)
+        self._children.signal(victim, signal.SIGKILL)
+        self._report.worker_kills += 1
+        name = f"worker-{self._next_worker}"
+        self._next_worker += 1
+        self._children.start(name, "worker", "--id", name)
+        self._report.workers_started += 1
+
+
 class Chaos:
     """Worker kills every ~kill_every_s, one leave + rejoin per churning client, one restart."""
 
@@ -352,7 +400,7 @@ class Chaos:
         self._children = children
         self._report = report
         self._rng = rng
-        self._next_worker = cfg.workers
+        self._kill_worker = WorkerKiller(cfg, children, report, rng)
         churners = rng.sample(range(cfg.clients), round(cfg.clients * cfg.churn))
         # Leaves spread over the window, rejoins after a pause.
         self._leaves = {
@@ -390,19 +438,6 @@ class Chaos:
 
     def _jitter(self) -> float:
         return self._cfg.kill_every_s * self._rng.uniform(0.75, 1.25)
-
-    def _kill_worker(self) -> None:
-        alive = self._children.alive("worker-")
-        if not alive:
-            return
-        victim = self._rng.choice(alive)
-        LOG.info("SIGKILL %s", victim)
-        self._children.signal(victim, signal.SIGKILL)
-        self._report.worker_kills += 1
-        name = f"worker-{self._next_worker}"
-        self._next_worker += 1
-        self._children.start(name, "worker", "--id", name)
-        self._report.workers_started += 1
 
     def _leave(self, i: int, hard: bool) -> None:
         name = f"client-{i}"
@@ -552,7 +587,8 @@ def run_once(cfg: SoakConfig) -> SoakReport:
             started_at.append(time.monotonic())
         return started_at[0] if started_at else None
 
-    chaos = Chaos(cfg, children, report, rng) if cfg.chaos else None
+    chaos_store = backends.open_store()
+    chaos = _chaos(cfg, children, report, rng, tap, chaos_store, job)
     chaos_thread = (
         threading.Thread(target=chaos.run, args=(stop, training_started), daemon=True)
         if chaos
@@ -570,7 +606,7 @@ def run_once(cfg: SoakConfig) -> SoakReport:
             chaos_thread.start()
         aggregator = children.procs["aggregator"]
         while aggregator.poll() is None and time.monotonic() - t0 < cfg.timeout_s:
-            time.sleep(1.0)
+            time.sleep(0.25)
             if chaos is None:
                 training_started()
         if aggregator.poll() is None:
@@ -596,12 +632,48 @@ def run_once(cfg: SoakConfig) -> SoakReport:
         for name in children.alive(""):
             children.signal(name, signal.SIGKILL)
         children.close()
+        chaos_store.close()
     report.sent_by_clients = _logged_sends(out)
-    account(report, settings, backends, set(tap.sent))
+    sent = set(tap.sent)
+    report.rejoined_sent = rejoined_sends(sent, children.started_us)
+    account(report, settings, backends, sent)
     tap.close()
     report.versions, report.final_accuracy = final_accuracy(run_dir)
     clear_job(settings, backends)
     return report
+
+
+def _chaos(
+    cfg: SoakConfig,
+    children: Children,
+    report: SoakReport,
+    rng: random.Random,
+    tap: Tap,
+    store: WeightStore,
+    job: str,
+) -> Chaos | EventChaos | None:
+    if not cfg.chaos:
+        return None
+    if not cfg.by_events:
+        return Chaos(cfg, children, report, rng)
+    return EventChaos(
+        cfg,
+        children,
+        report,
+        rng,
+        tap,
+        store,
+        job=job,
+        kill_worker=WorkerKiller(cfg, children, report, rng),
+        start_client=lambda i: start_client(children, i),
+    )
+
+
+def rejoined_sends(sent: set[tuple[int, str, int]], started_us: dict[str, list[int]]) -> int:
+    """Batches sent by a client's later incarnations: its seqs start at its process's start
+    time in microseconds, so those at or above its second start are the rejoined ones'."""
+    rejoined = {name: starts[1] for name, starts in started_us.items() if len(starts) > 1}
+    return sum(1 for _, client, seq in sent if client in rejoined and seq >= rejoined[client])
 
 
 def _wait_queues_empty(backends: Backends, job: str, shards: int, timeout_s: float) -> None:
@@ -640,6 +712,11 @@ def table(chaos: SoakReport, calm: SoakReport | None) -> str:
             f"{chaos.client_leaves_sigterm} / {chaos.client_leaves_sigkill} / "
             f"{chaos.client_rejoins}",
         ),
+        ("batches sent by rejoined clients", f"{chaos.rejoined_sent}"),
+        (
+            "aggregator pauses (waiting for a rejoin)",
+            f"{chaos.aggregator_pauses} ({chaos.aggregator_paused_s:.1f} s)",
+        ),
         ("broker restarts", f"{chaos.broker_restarts} ({chaos.broker_restart_note or 'off'})"),
         ("batches sent (distinct client, seq)", f"{chaos.sent}"),
         ("  printed by gracefully exiting clients", f"{chaos.sent_by_clients}"),
@@ -670,6 +747,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=20.0)
     parser.add_argument("--churn", type=float, default=0.3)
     parser.add_argument("--rejoin-after", type=float, default=15.0)
+    parser.add_argument(
+        "--by-events",
+        action="store_true",
+        help="one worker kill and one client leave + rejoin at points of the job, not timed",
+    )
     parser.add_argument("--broker-restart", action="store_true")
     parser.add_argument("--restart-at", type=float, default=60.0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the undisturbed run")
@@ -689,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         kill_every_s=args.kill_every,
         churn=args.churn,
         rejoin_after_s=args.rejoin_after,
+        by_events=args.by_events,
         broker_restart=args.broker_restart,
         restart_at_s=args.restart_at,
         timeout_s=args.timeout,
