@@ -11,6 +11,7 @@ from services.cli.autoscale_cmd import autoscale
 from services.cli.check_cmd import check
 from services.cli.dashboard_cmd import dashboard
 from services.cli.doctor_cmd import doctor
+from services.cli.errors import ErrorBoundary
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
 from services.cli.provision_cmd import provision_clients
@@ -24,8 +25,9 @@ from services.config.root import Settings
 class Context:
     """What every subcommand receives: the config path and the settings loaded from it."""
 
-    def __init__(self, config: Path | None) -> None:
+    def __init__(self, config: Path | None, debug: bool = False) -> None:
         self.config = config
+        self.debug = debug
 
     def settings(self) -> Settings:
         try:
@@ -34,7 +36,7 @@ class Context:
             raise click.ClickException(str(exc)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=ErrorBoundary, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "-c",
     "--config",
@@ -42,9 +44,16 @@ class Context:
     envvar="SPLITMQ_CONFIG",
     help="TOML configuration file (environment variables SPLITMQ_* override it).",
 )
+@click.option(
+    "--debug",
+    is_flag=True,
+    envvar="SPLITMQ_DEBUG",
+    help="Tracebacks for every error (by default a wrong setting, an unreachable server or a "
+    "refused password is one line); SPLITMQ_DEBUG=1 reaches the roles `splitmq up` starts.",
+)
 @click.version_option(package_name="splitmq")
 @click.pass_context
-def cli(ctx: click.Context, config: Path | None) -> None:
+def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
     """SplitMQ: asynchronous split learning over RabbitMQ and Redis.
 
     \b
@@ -54,7 +63,7 @@ def cli(ctx: click.Context, config: Path | None) -> None:
     Each command takes the job's TOML file as CONFIG (or SPLITMQ_CONFIG); SPLITMQ_*
     environment variables override it.
     """
-    ctx.obj = Context(config)
+    ctx.obj = Context(config, debug)
 
 
 for command in (run, up, coordinator, aggregator, worker, client, doctor, experiment):

@@ -2,7 +2,10 @@
 
 These are what compose services and `splitmq up` start. Each needs the real broker and store
 (the in-memory ones live inside one process), stops gracefully on SIGTERM / Ctrl-C, and exits
-non-zero with the traceback in its log when the role dies.
+non-zero when the role dies: with the traceback in its log for a bug, in one log line for a
+user's error (a wrong URL or password, a server that is not there, a bad --id; see
+`services.runtime.user_errors`, and `splitmq --debug` for their tracebacks too). A role waits
+up to `preflight.START_WAIT_S` for its broker and store before it starts.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from services.cli.common import (
     pick_log_level,
     stop_on_signals,
 )
+from services.cli.errors import debug_mode
 from services.config.root import Settings
 from services.runtime.backends import Backends
 from services.runtime.health import HealthBeat
 from services.runtime.health_file import FileHealthBeat
 from services.runtime.logs import ContextValue, configured_logging
+from services.runtime.preflight import StartInterrupted, check_services
 from services.runtime.supervise import JobFailedError, Role, RoleKind
 from services.security.identity import default_client_id
 
@@ -65,32 +70,44 @@ def _serve(
     _require_services(settings, kind)
     ctx: dict[str, ContextValue] = {"role": kind, "job": settings.job.name, **context}
     json_lines = json_logs(settings, log_json)
-    with configured_logging(pick_log_level(settings, level), json_lines=json_lines, context=ctx):
+    logs = configured_logging(
+        pick_log_level(settings, level), json_lines=json_lines, context=ctx, debug=debug_mode()
+    )
+    with logs:
         log = logging.getLogger(f"splitmq.{kind}")
         stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
         # `splitmq check <kind>` (the containers' healthcheck) reads this key.
         instance = str(context.get(kind) or default_member_id(f"{kind}-"))
-        health: AbstractContextManager[object] = (
-            FileHealthBeat(settings.job.name, kind, instance)  # no Redis for edge clients
-            if kind == "client"
-            # The health key must lapse during an outage: a raw store, no waiting.
-            else HealthBeat(
-                partial(backends.open_store, wait=False), settings.job.name, kind, instance
-            )
-        )
-        from services.runtime.observe import observe_role
-
-        observation = observe_role(settings, kind, backends, echo=click.echo)
-        with stop_on_signals(stop), health, observation as seen:
+        with stop_on_signals(stop):
+            # A wrong URL, a refused password or a server that is not there: one line now,
+            # not after the outage budget (the logging folds user errors into their line).
+            failed = "could not start"
             try:
-                factory(settings, seen.backends).run(stop)
+                check_services(backends, settings.job.name, store=kind != "client", stop=stop)
+                health: AbstractContextManager[object] = (
+                    FileHealthBeat(settings.job.name, kind, instance)  # no Redis for edge clients
+                    if kind == "client"
+                    # The health key must lapse during an outage: a raw store, no waiting.
+                    else HealthBeat(
+                        partial(backends.open_store, wait=False), settings.job.name, kind, instance
+                    )
+                )
+                from services.runtime.observe import observe_role
+
+                observation = observe_role(settings, kind, backends, echo=click.echo)
+                with health, observation as seen:
+                    role = factory(settings, seen.backends)
+                    failed = "died"
+                    role.run(stop)
+            except StartInterrupted:
+                pass
             except JobFailedError as exc:
                 # The job ended (its report says failed, `splitmq up` exits non-zero on it): exit
                 # 0, since a restart (compose's on-failure) would only wait for dismissed clients.
                 log.error("job %s failed: %s", settings.job.name, exc)
             except Exception:
-                log.exception("%s of job %s died", kind, settings.job.name)
+                log.exception("%s of job %s %s", kind, settings.job.name, failed)
                 raise click.exceptions.Exit(1) from None
         if stop.is_set():
             log.info("%s of job %s stopped", kind, settings.job.name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import traceback
 from pathlib import Path
 
 import click
@@ -17,7 +16,7 @@ from services.cli.common import (
     pick_log_level,
     stop_on_signals,
 )
-from services.data.errors import DataError
+from services.cli.errors import debug_mode
 from services.runtime.backends import Backends, Embedded
 from services.runtime.logs import configured_logging
 
@@ -64,12 +63,12 @@ def run(
     # Progress lines say what happens; role logs below WARNING would drown them.
     level = pick_log_level(settings, log_level, default="WARNING")
     json_lines = json_logs(settings, log_json)
-    with configured_logging(level, json_lines=json_lines, context={"job": settings.job.name}):
+    logs = configured_logging(
+        level, json_lines=json_lines, context={"job": settings.job.name}, debug=debug_mode()
+    )
+    with logs:
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
-        try:
-            dataset = load_job_dataset(settings)
-        except DataError as exc:
-            raise click.ClickException(str(exc)) from None
+        dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.errors)
         sink = FileSink.create(settings, command=command_line(), base_dir=report_dir)
         click.echo(banner(sink.info))
         click.echo(f"run directory: {sink.run_dir}")
@@ -95,9 +94,10 @@ def run(
                     backends=seen.backends,
                 )
             except Exception:
-                click.echo(traceback.format_exc(), err=True)
-                click.echo(f"report: {sink.run_dir}", err=True)
-                raise click.exceptions.Exit(1) from None
+                # The error boundary says what went wrong: one line for a user's mistake
+                # (an unknown model), the traceback for a bug.
+                click.echo(f"report: {sink.run_dir}")
+                raise
             lingering = linger > 0 and bool(seen.url)
             if lingering:
                 click.echo("")

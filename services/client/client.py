@@ -34,6 +34,7 @@ from services.client.data import JobData
 from services.client.drops import drop_notice
 from services.client.errors import (
     ClientError,
+    ClientSettingsError,
     ClientStopped,
     JoinRejectedError,
     JoinTimeoutError,
@@ -79,9 +80,14 @@ class Client:
         logger: logging.Logger | None = None,
     ) -> None:
         if not _CLIENT_ID.match(client_id):
-            raise ValueError(f"client id {client_id!r}: use 1-64 letters, digits, '_' or '-'")
+            raise ClientSettingsError(
+                f"client id {client_id!r}: use 1-64 letters, digits, '_' or '-' (--id)"
+            )
         if partition is not None and not 0 <= partition < settings.clients.count:
-            raise ValueError(f"partition {partition} outside 0..{settings.clients.count - 1}")
+            raise ClientSettingsError(
+                f"partition {partition} outside 0..{settings.clients.count - 1}: the job has "
+                f"{settings.clients.count} clients (--partition, clients.count)"
+            )
         self._settings = settings
         self._backends = backends
         self.client_id = client_id

@@ -9,6 +9,10 @@ class ClientError(SplitMQError):
     """The client cannot go on (no Welcome, no data partition, a batch the broker refuses...)."""
 
 
+class ClientSettingsError(ClientError, ValueError):
+    """The client was given an id or partition it cannot run with (a user's input, not a bug)."""
+
+
 class JoinTimeoutError(ClientError):
     """No Welcome came back from the coordinator in time."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from broker.memory_broker import InMemoryBroker
@@ -56,12 +57,21 @@ class Backends:
         """These backends for one role: its broker handles and its code report to its recorder."""
         return replace(self, metrics=self.meters.role(kind, member))
 
-    def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
-        """A new handle; `give_up_after` shortens the reconnect budget (probes, health checks)."""
-        broker = self._open_broker(name, give_up_after)
+    def open_broker(
+        self,
+        name: str = "",
+        *,
+        give_up_after: float | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> Broker:
+        """A new handle; `give_up_after` shortens the reconnect budget (probes, health checks),
+        `sleep` waits between reconnect attempts (one that raises ends the wait early)."""
+        broker = self._open_broker(name, give_up_after, sleep)
         return MeteredBroker(broker, self.metrics) if self.metrics.enabled else broker
 
-    def _open_broker(self, name: str, give_up_after: float | None) -> Broker:
+    def _open_broker(
+        self, name: str, give_up_after: float | None, sleep: Callable[[float], None] | None
+    ) -> Broker:
         settings = self.broker_settings
         if settings.kind == "memory":
             hub = self._embedded().hub
@@ -77,7 +87,9 @@ class Backends:
             passive_declare=settings.passive_declare,
             dead_letter_by_nack=settings.dead_letter_by_nack,
         )
-        return RabbitMQBroker(settings.amqp_url, options)
+        if sleep is None:
+            return RabbitMQBroker(settings.amqp_url, options)
+        return RabbitMQBroker(settings.amqp_url, options, sleep=sleep)
 
     def open_store(self, *, wait: bool = True) -> WeightStore:
         """`wait`: ride out a Redis outage for `retry_for_s` (roles); False for probes and

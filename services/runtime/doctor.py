@@ -7,7 +7,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse, urlunparse
 
-from broker.errors import SplitMQError
+from broker.errors import (
+    BrokerAuthError,
+    ConnectionSettingsError,
+    SplitMQError,
+    StoreAuthError,
+)
 from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisWeightStore
 from broker.transport import ServerInfo
@@ -40,6 +45,17 @@ def check_broker(backends: Backends) -> Check:
     where = redact(settings.amqp_url) if settings.kind == "rabbitmq" else "in this process"
     try:
         broker = backends.open_broker("splitmq-doctor", give_up_after=5.0)
+    except BrokerAuthError as exc:
+        return Check(
+            "broker",
+            False,
+            str(exc),  # names the URL (no password) and whether the login or the vhost failed
+            "fix the user and password (or vhost) in SPLITMQ_AMQP_URL / broker.amqp_url; "
+            "`rabbitmqctl authenticate_user USER PASSWORD` checks a password, "
+            "`rabbitmqctl list_permissions -p VHOST` who may use the vhost",
+        )
+    except ConnectionSettingsError as exc:
+        return Check("broker", False, str(exc), "fix SPLITMQ_AMQP_URL / broker.amqp_url")
     except SplitMQError as exc:
         return Check(
             "broker",
@@ -80,6 +96,15 @@ def check_store(backends: Backends) -> Check:
         store = backends.open_store(wait=False)
         assert isinstance(store, RedisWeightStore)
         info = store.server_info()
+    except StoreAuthError as exc:
+        return Check(
+            "store",
+            False,
+            f"Redis at {where}: {exc}",
+            "fix the password (and user) in SPLITMQ_REDIS_URL / store.redis_url",
+        )
+    except ConnectionSettingsError as exc:
+        return Check("store", False, str(exc), "fix SPLITMQ_REDIS_URL / store.redis_url")
     except SplitMQError as exc:
         return Check(
             "store",

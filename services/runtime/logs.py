@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TextIO
 
+from services.runtime.user_errors import user_message
+
 CONTEXT_FIELDS = ("role", "job", "client", "worker", "shard", "version", "round", "seq")
 # In every JSON line, null when unknown.
 ALWAYS_FIELDS = frozenset({"job", "client", "shard", "version"})
@@ -48,10 +50,36 @@ def log_context(**fields: ContextValue | None) -> Iterator[None]:
         _THREAD_CONTEXT.reset(token)
 
 
+def fold_user_error(record: logging.LogRecord) -> logging.LogRecord:
+    """`record` with a user error (`user_errors`) as the end of its message, not a traceback:
+    "client of job j died: RabbitMQ unreachable at ... -- start RabbitMQ or fix ..."."""
+    exc = record.exc_info[1] if record.exc_info else None
+    message = user_message(exc) if exc is not None else None
+    if message is None:
+        return record
+    folded = logging.makeLogRecord(record.__dict__)
+    folded.msg, folded.args = f"{record.getMessage()}: {message}", None
+    folded.exc_info = folded.exc_text = None
+    return folded
+
+
+class OneLineUserErrors(logging.Formatter):
+    """The human format, with user errors folded into their line (`fold_user_error`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(fold_user_error(record))
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, context fields, exc."""
 
+    def __init__(self, *, fold_user_errors: bool = False) -> None:
+        super().__init__()
+        self._fold = fold_user_errors
+
     def format(self, record: logging.LogRecord) -> str:
+        if self._fold:
+            record = fold_user_error(record)
         obj: dict[str, object] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
@@ -106,18 +134,32 @@ class DropPikaReturns(logging.Filter):
         return not (record.name.startswith("pika") and str(record.msg).startswith(self._DROPPED))
 
 
+class DropPikaConnectErrors(logging.Filter):
+    """Drops pika's ERROR records: a failed connection attempt logs six of them and a traceback,
+    every attempt. `broker.rabbitmq_channels` raises or warns once for the same failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("pika") and record.levelno >= logging.ERROR)
+
+
 def make_handler(
     *,
     json_lines: bool = False,
     stream: TextIO | None = None,
     context: Mapping[str, ContextValue] | None = None,
+    debug: bool = False,
 ) -> logging.Handler:
+    """`debug`: tracebacks for user errors too, and pika's own error records."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     if json_lines:
-        handler.setFormatter(JsonFormatter())
-    else:
+        handler.setFormatter(JsonFormatter(fold_user_errors=not debug))
+    elif debug:
         handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
+    else:
+        handler.setFormatter(OneLineUserErrors(HUMAN_FORMAT, HUMAN_DATEFMT))
     handler.addFilter(DropPikaReturns())
+    if not debug:
+        handler.addFilter(DropPikaConnectErrors())
     handler.addFilter(ContextFilter(context))
     return handler
 
@@ -129,10 +171,12 @@ def configured_logging(
     json_lines: bool = False,
     stream: TextIO | None = None,
     context: Mapping[str, ContextValue] | None = None,
+    debug: bool = False,
 ) -> Iterator[logging.Handler]:
-    """Route all logging to one handler at `level` for the duration of the block."""
+    """Route all logging to one handler at `level` for the duration of the block; user errors
+    are one line unless `debug` (`make_handler`)."""
     root = logging.getLogger()
-    handler = make_handler(json_lines=json_lines, stream=stream, context=context)
+    handler = make_handler(json_lines=json_lines, stream=stream, context=context, debug=debug)
     saved_level = root.level
     quiet = [logging.getLogger(name) for name in QUIET_LOGGERS]
     saved_quiet = [q.level for q in quiet]
