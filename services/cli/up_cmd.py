@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from services.cli.common import config_argument, load, stop_on_signals
+from services.cli.errors import debug_mode
 from services.config.loading import ConfigError, load_settings
 from services.config.root import Settings
 from services.report.tables import record_from_dict
@@ -97,6 +98,8 @@ def up(
         f"{n_clients} client(s); run directory {run_dir}"
     )
     json_lines = log_json or log_format == "json"
+    if debug_mode():  # `splitmq --debug up`: the roles' tracebacks too
+        env = {**env, "SPLITMQ_DEBUG": "1"}
     procs = LocalProcesses(
         path, specs, env, echo=click.echo, extra_args=("--log-json",) if json_lines else ()
     )
