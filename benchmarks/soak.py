@@ -6,6 +6,11 @@ undisturbed run of the same seed.
     python -m benchmarks.soak --workers 3 --clients 20 --rounds 8 --steps 20 --seed 0 \
         --kill-every 20 --churn 0.3 --broker-restart --json soak.json
 
+The chaos above is timed (kills every ~20 s, leaves spread over a window): how much of it a
+run sees depends on how long the job lasts. `--by-events` instead kills one worker and makes
+one client leave and rejoin at points of the job (benchmarks/soak_events.py), as the CI test
+`tests/chaos/test_soak.py` does.
+
 How the counting works:
 
 - **sent**: distinct (client, seq) SmashedBatches, from tap queues bound next to the shard
@@ -17,6 +22,8 @@ How the counting works:
   less those dead-lettered: a count above is a duplicate, below a loss, and a seq sum that
   differs with equal counts means one batch lost and another applied twice.
 - **dead-lettered**: `<job>.dead`, drained, by its `x-splitmq-reason` header.
+- **sent by rejoined clients**: a client's seqs start at its process's start time in
+  microseconds, so the batches of a restarted client at or above its restart time.
 """
 
 from __future__ import annotations
@@ -287,8 +294,10 @@ class Children:
     def pids(self) -> set[int]:
         return {p.pid for p in self.procs.values() if p.poll() is None}
 
-    def stop(self, prefix: str, grace_s: float = 20.0) -> None:
-        names = self.alive(prefix)
+    def stop(self, *prefixes: str, grace_s: float = 20.0) -> None:
+        """SIGTERM every live process whose name starts with one of `prefixes`, all at once
+        (they stop in parallel), and SIGKILL those still there after `grace_s`."""
+        names = [n for prefix in prefixes for n in self.alive(prefix)]
         for name in names:
             self.signal(name, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -622,9 +631,7 @@ def run_once(cfg: SoakConfig) -> SoakReport:
             time.sleep(0.5)
         children.stop("client-")
         _wait_queues_empty(backends, job, cfg.shards, 60.0)
-        children.stop("worker-")
-        children.stop("coordinator")
-        children.stop("aggregator")
+        children.stop("worker-", "coordinator", "aggregator")
         report.wall_s = time.monotonic() - t0
         tap.drain()
     finally:
