@@ -3,7 +3,9 @@
 Validation comes before state: whatever the round's state, a message is decoded, checked for
 its job and sender, and screened (`services.aggregator.screen`: a member, the model's tensors)
 before a gate judges it against the round, so every invalid message is dead-lettered with its
-reason, in the sync and the async mode alike.
+reason, in the sync and the async mode alike. Before all that, each sender spends its budget
+(`services.aggregator.budget`): a flooding client's surplus is refused unjudged, cheaply, so
+the others' updates are not stuck behind its flood.
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update: the broker hands them to its successor.
@@ -20,10 +22,11 @@ from dataclasses import dataclass, field
 
 from broker.codec import decode
 from broker.errors import DecodeError, StaleDeliveryError
-from broker.messages import RoundDropped, WeightsUpdate
+from broker.messages import Message, RoundDropped, WeightsUpdate
 from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
+from services.aggregator.budget import STRANGERS, SenderBudgets
 from services.aggregator.gate import Gate, Offer, Verdict
 from services.aggregator.screen import UpdateScreen
 from services.coordinator.outbox import Outbox
@@ -39,6 +42,7 @@ class InboxStats:
     dead_lettered: int = 0
     accepted_bytes: int = 0
     drops: int = 0  # RoundDropped notices taken (not their duplicates, late or refused ones)
+    throttled: int = 0  # refused unjudged: their sender was over its budget
 
 
 @dataclass
@@ -55,6 +59,7 @@ class UpdateInbox:
     # Dead-lettered updates by kind (`refusal_kind`) since the round driver last cleared it:
     # why an attempt at a round got no valid update.
     refusals: Counter[str] = field(default_factory=Counter)
+    budgets: SenderBudgets = field(default_factory=SenderBudgets)
 
     def poll(self, timeout: float, gate: Gate, version: int) -> bool:
         """Handle at most one delivery (waiting up to `timeout`); whether there was one.
@@ -62,34 +67,75 @@ class UpdateInbox:
         delivery = self.broker.get(timeout)
         if delivery is None:
             return False
-        try:
-            message = decode(delivery.body)
-        except DecodeError as exc:
-            self._dead_letter(delivery, f"undecodable: {exc.reason}", decode_kind(exc.reason))
+        if delivery.user_id:  # the broker's word for the sender: no need to decode first
+            decoded = None
+            sender = delivery.user_id
+        else:
+            decoded = _decoded(delivery)
+            sender = self._claimed(decoded)
+        if not self.budgets.spend(sender):
+            self._throttle(delivery, sender)
             return True
+        self._judge(delivery, _decoded(delivery) if decoded is None else decoded, gate, version)
+        return True
+
+    def _claimed(self, decoded: Message | DecodeError) -> str:
+        """The budget an unstamped message spends: its client's if that is a member's."""
+        if isinstance(decoded, WeightsUpdate | RoundDropped) and decoded.job == self.job:
+            if self.screen.members.get(decoded.client) is not None:
+                return decoded.client
+        return STRANGERS
+
+    def _judge(
+        self, delivery: Delivery, decoded: Message | DecodeError, gate: Gate, version: int
+    ) -> None:
+        if isinstance(decoded, DecodeError):
+            reason = decoded.reason
+            self._dead_letter(delivery, f"undecodable: {reason}", decode_kind(reason))
+            return
+        message = decoded
         if not isinstance(message, WeightsUpdate | RoundDropped):
             reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
             self._dead_letter(delivery, reason, "wrong_type")
-            return True
+            return
         if message.job != self.job:
             self._dead_letter(delivery, f"update for job {message.job!r}", "wrong_job")
-            return True
+            return
         sender = client_id_problem(message.client) or self.senders.client_problem(
             delivery, message.client
         )
         if sender is not None:
             self._dead_letter(delivery, sender, "bad_sender")
-            return True
+            return
         refusal = self.screen.refusal(message)
         if refusal is not None:
             if self._dead_letter(delivery, refusal.reason, refusal.kind) and refusal.member:
                 gate.refused(message.client)
-            return True
+            return
         if isinstance(message, RoundDropped):
             self._on_drop(delivery, message, gate.offer_drop(message))
         else:
             self._on_update(delivery, message, gate.offer(message), version)
-        return True
+
+    def _throttle(self, delivery: Delivery, sender: str) -> None:
+        """Refuse unjudged: a nack, and RabbitMQ's dead-letter routing moves it to
+        `<job>.dead` (with its `x-death`, without our reason header) at no round trip."""
+        try:
+            self.broker.nack(delivery, requeue=False)
+        except StaleDeliveryError:
+            return  # its connection is gone: it comes back and is judged (or refused) again
+        self.stats.throttled += 1
+        self.refusals[OVER_BUDGET] += 1
+        refused = self.budgets.report(sender)
+        if refused:
+            self.logger.warning(
+                "job %s: %s is over its budget of %d updates a second: %d refused unjudged "
+                "(dead-lettered without a reason header) since the last report",
+                self.job,
+                f"client {sender!r}" if sender else "an unknown sender",
+                int(self.budgets.rate_per_s),
+                refused,
+            )
 
     def _on_update(
         self, delivery: Delivery, message: WeightsUpdate, offer: Offer, version: int
@@ -171,6 +217,17 @@ class UpdateInbox:
         self.refusals[kind] += 1
         self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
         return True
+
+
+# Refusal kind of a message refused unjudged (`services.aggregator.budget`).
+OVER_BUDGET = "over_budget"
+
+
+def _decoded(delivery: Delivery) -> Message | DecodeError:
+    try:
+        return decode(delivery.body)
+    except DecodeError as exc:
+        return exc
 
 
 def decode_kind(reason: str) -> str:
