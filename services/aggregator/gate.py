@@ -20,7 +20,7 @@ import torch
 from broker.messages import RoundDropped, WeightsUpdate
 from services.aggregator.cohort import quorum_size
 from services.algorithms.base import ClientUpdate
-from services.coordinator.membership import MemberInfo
+from services.coordinator.membership import MemberInfo, same_incarnation
 
 
 class Verdict(enum.Enum):
@@ -139,7 +139,8 @@ class OpenRound:
     # Members of earlier, abandoned attempts at this round: their updates are late.
     earlier: frozenset[str] = frozenset()
     updates: dict[str, ClientUpdate] = field(default_factory=dict)
-    dropped: set[str] = field(default_factory=set)  # expired members no longer waited for
+    # Members gone (left, expired, or rejoined as a new process) and no longer waited for.
+    dropped: set[str] = field(default_factory=set)
     # Members that said they dropped this attempt (`RoundDropped`), with the reason.
     declined: dict[str, str] = field(default_factory=dict)
     # The message id of each member's WeightsAssignment of this attempt (a notice that answers
@@ -223,9 +224,14 @@ class OpenRound:
         round, and who are still live."""
         return set(self.cohort) - set(self.updates) - set(self.declined) - self.dropped
 
-    def drop(self, live: Mapping[str, object]) -> list[str]:
-        """Stop waiting for members that are no longer `live`; the ones dropped now."""
-        gone = sorted(c for c in self.waiting() if c not in live)
+    def drop(self, live: Mapping[str, MemberInfo]) -> list[str]:
+        """Stop waiting for members that are no longer `live`, or live as another process
+        than the one assigned (it left or was killed, and joined again between two reads of
+        the members: the new process never saw this round's assignment); the ones dropped
+        now. An update that arrives all the same still counts."""
+        gone = sorted(
+            c for c in self.waiting() if not same_incarnation(self.cohort[c], live.get(c))
+        )
         self.dropped.update(gone)
         return gone
 

@@ -222,12 +222,14 @@ class RoundDriver:
             now = self._clock()
             if now - last_check >= _MEMBER_CHECK_S:
                 last_check = now
-                for client in state.drop(self._members.live()):
+                live = self._members.live()
+                for client in state.drop(live):
                     self._log.info(
-                        "job %s: round %d stops waiting for expired %s",
+                        "job %s: round %d stops waiting for %s (%s)",
                         self._job,
                         state.round,
                         client,
+                        "rejoined as a new process" if client in live else "left or expired",
                     )
             if state.decide(now) is not Decision.WAIT:
                 # Updates already queued at the deadline still count.

@@ -106,6 +106,7 @@ class Client:
         self._log = logger or logging.getLogger("splitmq.client")
         self._job = settings.job.name
         self._welcome: Welcome | None = None  # the last Welcome: async mode's first weights
+        self._session = new_message_id()  # renewed by each run()
 
     def run(self, stop: threading.Event) -> ClientStats:
         """Join, train every assigned round, leave; returns when the job finishes or on stop.
@@ -114,6 +115,9 @@ class Client:
         data partition, the service side missing).
         """
         stats = ClientStats()
+        # Every Join of this run names it: a run after a leave, or a restart after a crash,
+        # is another process to the aggregator (it drops the old one from an open round).
+        self._session = new_message_id()
         broker = secured_client_broker(
             self._settings, self._backends, self.client_id, f"splitmq-client-{self.client_id}"
         )
@@ -214,14 +218,12 @@ class Client:
             )
 
     def _send_join(self, link: ClientLink, index: int | None, stats: ClientStats) -> str:
-        info: dict[str, str] = {}
+        info = {"session": self._session}
         samples = 0
         if index is not None:
             samples = len(self._data.indices(index))
-            info = {
-                "index": str(index),
-                "classes": ",".join(str(c) for c in self._data.classes(index)),
-            }
+            info["index"] = str(index)
+            info["classes"] = ",".join(str(c) for c in self._data.classes(index))
         capability = self._settings.clients.declared_capability(index)
         join = Join(
             self._job, self.client_id, new_message_id(), link.version, samples, capability, info

@@ -2,7 +2,10 @@
 
 A re-Join of a live member (a client that restarted, or whose Welcome was lost) gets the same
 assignment again, so joining is idempotent; a Join when every data partition is taken is
-refused with an Error reply, not dropped. A Join after the job ended (finished, or failed:
+refused with an Error reply, not dropped. The record's `session` is the one the Join names
+(a client process names itself), else a fresh one for a new record: a restarted client (same
+id, another session) keeps its assignment but is recorded as a new incarnation, so the round
+it was in stops waiting for the old process's update (`membership.same_incarnation`). A Join after the job ended (finished, or failed:
 the store's `JobStatus`) gets the dismissal the members got, status included, so the client
 exits at once instead of waiting for a round that never comes.
 """
@@ -21,7 +24,13 @@ from services.config.root import Settings
 from services.coordinator.assignment import choose_partition, choose_shard
 from services.coordinator.handout import WeightsCache, client_config, dismissal
 from services.coordinator.levels import LevelDesk
-from services.coordinator.membership import MemberInfo, client_members, member_id, parse_classes
+from services.coordinator.membership import (
+    MemberInfo,
+    client_members,
+    member_id,
+    parse_classes,
+    session_of,
+)
 from services.coordinator.outbox import Outbox
 
 
@@ -79,15 +88,17 @@ class JoinDesk:
         members = client_members(self._store, self._job)
         version = self._store.current_version(self._job)
         existing = members.get(message.client)
+        session = session_of(message.info)
         if existing is not None:
             classes = reported_classes(message)
             info = replace(
                 existing,
                 samples=message.samples,
                 classes=existing.classes if classes is None else classes,
+                session=session or existing.session,
             )
         else:
-            assigned = self._assign(message, members)
+            assigned = self._assign(message, members, session or new_message_id())
             if assigned is None:
                 if not self._refuse(message, version, len(members)):
                     return JoinOutcome(unreachable=True)
@@ -111,7 +122,8 @@ class JoinDesk:
                 self._store.remove_member(self._job, member_id(message.client))
             return JoinOutcome(unreachable=True)
         if existing is not None:
-            self._log.info("job %s: client %s re-joined", self._job, message.client)
+            restarted = " as a new process" if info.session != existing.session else ""
+            self._log.info("job %s: client %s re-joined%s", self._job, message.client, restarted)
             return JoinOutcome(rejoined=True)
         self._log.info(
             "job %s: client %s joined: shard %d, partition %d, %d samples",
@@ -125,7 +137,9 @@ class JoinDesk:
         self._outbox.event("member_joined", version, data, message.client)
         return JoinOutcome(new=True)
 
-    def _assign(self, message: Join, members: dict[str, MemberInfo]) -> MemberInfo | None:
+    def _assign(
+        self, message: Join, members: dict[str, MemberInfo], session: str
+    ) -> MemberInfo | None:
         count = self._settings.clients.count
         partition = choose_partition(
             requested_index(message), {m.partition for m in members.values()}, count
@@ -142,6 +156,7 @@ class JoinDesk:
             partition=partition,
             classes=reported_classes(message) or (),
             joined_at=self._wall_clock(),
+            session=session,
         )
 
     def _dismiss(self, message: Join, version: int, status: str) -> JoinOutcome:

@@ -3,15 +3,25 @@
 The coordinator writes these records and the aggregator reads them (cohorts, shards, the
 classes behind personalised accuracy), so both go through this one module. Store info values
 are strings; `classes` is a comma-separated list of class indices.
+
+A record's `session` names the client process (the incarnation) it belongs to: a client that
+leaves and joins again, or is killed and restarted, keeps its id but not its session, and the
+new process knows nothing of the old one's round. The aggregator polls the records, so a
+leave and a rejoin between two polls would look like nothing happened; the changed session
+says it did (`same_incarnation`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.store import Member, WeightStore
 
 MEMBER_PREFIX = "client:"
+# The Join info key (and member info key) of the client process's session id.
+SESSION_KEY = "session"
+_SESSION_MAX = 64
 
 
 def member_id(client: str) -> str:
@@ -44,6 +54,7 @@ class MemberInfo:
     partition: int
     classes: tuple[int, ...] = ()
     joined_at: float = 0.0
+    session: str = ""  # "" in records written before sessions: every such one is alike
 
     @property
     def ready(self) -> bool:
@@ -62,6 +73,7 @@ class MemberInfo:
             "partition": str(self.partition),
             "classes": format_classes(self.classes),
             "joined_at": f"{self.joined_at:.3f}",
+            SESSION_KEY: self.session,
         }
 
     @classmethod
@@ -79,9 +91,21 @@ class MemberInfo:
                 partition=int(info["partition"]),
                 classes=parse_classes(info.get("classes", "")),
                 joined_at=float(info.get("joined_at", "0")),
+                session=info.get(SESSION_KEY, ""),
             )
         except (KeyError, ValueError):
             return None
+
+
+def session_of(info: Mapping[str, str]) -> str | None:
+    """The session a Join's info names (`info["session"]`), None if absent or unusable."""
+    text = info.get(SESSION_KEY, "").strip()
+    return text if 0 < len(text) <= _SESSION_MAX and text.isprintable() else None
+
+
+def same_incarnation(before: MemberInfo, now: MemberInfo | None) -> bool:
+    """Whether `now` (None: gone) is still the client process that `before` recorded."""
+    return now is not None and now.session == before.session
 
 
 def client_members(store: WeightStore, job: str) -> dict[str, MemberInfo]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from broker.memory_store import InMemoryWeightStore
@@ -143,3 +145,18 @@ def test_decisions() -> None:
     assert empty.decide(121.0) is Decision.REOPEN
     empty.drop({})
     assert empty.decide(100.0) is Decision.REOPEN
+
+
+def test_a_member_live_as_another_process_is_no_longer_waited_for() -> None:
+    """Left (or killed) and joined again between two reads of the members: the same id, but
+    the new process never saw the round's assignment."""
+    state = open_round("a", "b", "c")
+    live = cohort("a", "b", "c")
+    assert state.drop(live) == []
+    live["b"] = replace(live["b"], samples=99)  # re-joined from the same process: kept
+    live["c"] = replace(live["c"], session="restarted")
+    assert state.drop(live) == ["c"]
+    assert state.waiting() == {"a", "b"}
+    state.offer(update("a"))
+    state.offer(update("b"))
+    assert state.decide(101.0) is Decision.CLOSE  # long before the deadline
