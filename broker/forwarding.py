@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from broker.errors import BrokerError
 from broker.transport import Broker, Delivery, Headers, QueueSpec
 
 __all__ = ["ForwardingBroker"]
@@ -64,6 +65,11 @@ class ForwardingBroker:
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self._inner.dead_letter(delivery, reason)
+
+    def dead_letter_many(
+        self, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        return self._inner.dead_letter_many(letters)
 
     def queue_depth(self, queue: str) -> int:
         return self._inner.queue_depth(queue)

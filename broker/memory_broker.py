@@ -104,6 +104,11 @@ class InMemoryBroker:
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self._hub.dead_letter(self._session, delivery, reason)
 
+    def dead_letter_many(
+        self, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        return self._hub.dead_letter_many(self._session, letters)
+
     def queue_depth(self, queue: str) -> int:
         return self._hub.queue_depth(self._session, queue)
 

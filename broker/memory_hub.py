@@ -347,31 +347,58 @@ class InMemoryHub:
     def dead_letter(self, session: Session, delivery: Delivery, reason: str) -> None:
         with self._lock:
             self._check_open(session)
-            spec = session.declared.get(delivery.queue)
-            if spec is None or spec.dead_letter_routing_key is None:
-                raise BrokerError(
-                    f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
-                    "declare its QueueSpec (with dead_letter_routing_key) here first"
-                )
-            pending = self._peek(session, delivery)
-            message = pending.message
-            headers: dict[str, HeaderValue] = dict(message.headers)
-            headers[REASON_HEADER] = reason
-            headers[SOURCE_QUEUE_HEADER] = delivery.queue
-            if message.user_id is not None:
-                headers[USER_HEADER] = message.user_id
-            key = spec.dead_letter_routing_key
-            copy = (DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
-            try:
-                full = self._route(*copy)
-            except UnroutableError:
-                # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
-                dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
-                self._declare_queue(session, dead)
-                full = self._route(*copy)
-            if full:
-                raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
+            key = self._dead_letter_key(session, delivery)
+            self._peek(session, delivery)
+            self._copy_to_dead(session, delivery, key, reason)
             self._settle(self._take(session, delivery))
+
+    def dead_letter_many(
+        self, session: Session, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        with self._lock:
+            self._check_open(session)
+            for delivery, _ in letters:  # usage errors first, before anything is settled
+                if delivery.tag not in session.handed and delivery.tag not in session.returned:
+                    self._peek(session, delivery)
+            unsettled: list[tuple[Delivery, BrokerError]] = []
+            for delivery, reason in letters:
+                try:
+                    key = self._dead_letter_key(session, delivery)
+                    self._peek(session, delivery)
+                    self._copy_to_dead(session, delivery, key, reason)
+                except BrokerError as exc:  # stale included
+                    unsettled.append((delivery, exc))
+                    continue
+                self._settle(self._take(session, delivery))
+            return unsettled
+
+    @staticmethod
+    def _dead_letter_key(session: Session, delivery: Delivery) -> str:
+        spec = session.declared.get(delivery.queue)
+        if spec is None or spec.dead_letter_routing_key is None:
+            raise BrokerError(
+                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
+                "declare its QueueSpec (with dead_letter_routing_key) here first"
+            )
+        return spec.dead_letter_routing_key
+
+    def _copy_to_dead(self, session: Session, delivery: Delivery, key: str, reason: str) -> None:
+        message = session.handed[delivery.tag].message
+        headers: dict[str, HeaderValue] = dict(message.headers)
+        headers[REASON_HEADER] = reason
+        headers[SOURCE_QUEUE_HEADER] = delivery.queue
+        if message.user_id is not None:
+            headers[USER_HEADER] = message.user_id
+        copy = (DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
+        try:
+            full = self._route(*copy)
+        except UnroutableError:
+            # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
+            dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
+            self._declare_queue(session, dead)
+            full = self._route(*copy)
+        if full:
+            raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
 
     def close(self, session: Session) -> None:
         with self._lock:

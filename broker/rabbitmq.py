@@ -17,8 +17,9 @@ import random
 import re
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pika
@@ -32,7 +33,7 @@ from broker.errors import (
     UnroutableError,
 )
 from broker.headers import outgoing_headers
-from broker.rabbitmq_channels import ChannelKeeper, queue_arguments
+from broker.rabbitmq_channels import ChannelKeeper, Returned, queue_arguments
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
 from broker.topology import (
     BEST_EFFORT_EXCHANGES,
@@ -58,6 +59,19 @@ __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
 
 _TRANSIENT, _PERSISTENT = 1, 2
 _log = logging.getLogger("splitmq.broker")
+Unsettled = list[tuple[Delivery, BrokerError]]
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: two letters may be equal
+class _Copy:
+    """A dead letter's copy, on its way to the dead-letter exchange."""
+
+    delivery: Delivery
+    routing_key: str
+    properties: Any
+
+    def came_back_as(self, returned: Returned) -> bool:
+        return returned.routing_key == self.routing_key and returned.body == self.delivery.body
 
 
 class RabbitMQBroker:
@@ -207,10 +221,7 @@ class RabbitMQBroker:
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         spec = self._keeper.specs.get(delivery.queue)
         if spec is None or spec.dead_letter_routing_key is None:
-            raise BrokerError(
-                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
-                "declare its QueueSpec (with dead_letter_routing_key) here first"
-            )
+            raise _no_routing(delivery)
         if self._options.dead_letter_by_nack:
             # No write permission on the dead-letter exchange: the queue's x-dead-letter routing
             # moves the message (RabbitMQ adds x-death); only this line keeps the reason.
@@ -222,14 +233,7 @@ class RabbitMQBroker:
             self.nack(delivery, requeue=False)
             return
         channel = self._outstanding(delivery)
-        headers: dict[str, HeaderValue] = dict(delivery.headers)
-        headers[REASON_HEADER] = reason
-        headers[SOURCE_QUEUE_HEADER] = delivery.queue
-        if delivery.user_id is not None:
-            headers[USER_HEADER] = delivery.user_id
-        properties = pika.BasicProperties(
-            delivery_mode=_PERSISTENT, headers=headers, message_id=delivery.message_id
-        )
+        properties = _dead_letter_properties(delivery, reason)
         try:
             # Confirmed copy first, then the ack: a crash in between duplicates, never loses.
             self._copy_to_dead(delivery, spec.dead_letter_routing_key, properties)
@@ -237,6 +241,109 @@ class RabbitMQBroker:
         except PIKA_ERRORS as exc:
             raise self._keeper.settle_failure(exc, delivery, "dead-letter") from exc
         del self._unacked[delivery.tag]
+
+    def dead_letter_many(self, letters: Sequence[tuple[Delivery, str]]) -> Unsettled:
+        for delivery, _ in letters:  # a usage error raises before anything is settled
+            self._check_settleable(delivery)
+        unsettled: Unsettled = []
+        copies: list[_Copy] = []
+        one_by_one: list[tuple[Delivery, str]] = []
+        for delivery, reason in letters:
+            spec = self._keeper.specs.get(delivery.queue)
+            if spec is None or spec.dead_letter_routing_key is None:
+                unsettled.append((delivery, _no_routing(delivery)))
+                continue
+            try:
+                self._outstanding(delivery)
+            except StaleDeliveryError as exc:
+                unsettled.append((delivery, exc))
+                continue
+            key = spec.dead_letter_routing_key
+            if self._options.dead_letter_by_nack or self._may_refuse(key):
+                one_by_one.append((delivery, reason))
+            else:
+                copies.append(_Copy(delivery, key, _dead_letter_properties(delivery, reason)))
+        if self._options.dead_letter_by_nack:
+            _log_by_nack(one_by_one)
+        for delivery, reason in one_by_one:
+            try:
+                self._settle_one(delivery, reason)
+            except BrokerError as exc:
+                unsettled.append((delivery, exc))
+        if copies:
+            landed, refused = self._commit_copies(copies)
+            unsettled.extend(refused)
+            for copy in landed:  # after the commit: a crash in between duplicates, never loses
+                try:
+                    self.ack(copy.delivery)
+                except BrokerError as exc:
+                    unsettled.append((copy.delivery, exc))
+        return unsettled
+
+    def _settle_one(self, delivery: Delivery, reason: str) -> None:
+        """A letter the batch cannot take: by nack (dead_letter_by_nack), or confirmed, since
+        in a transaction a reject-publish queue would drop the copy without a word."""
+        if self._options.dead_letter_by_nack:
+            self.nack(delivery, requeue=False)
+        else:
+            self.dead_letter(delivery, reason)
+
+    def _may_refuse(self, routing_key: str) -> bool:
+        """Whether the dead-letter queue for `routing_key`, as this handle declared it, may
+        refuse a message (the topology's drop-head never does)."""
+        spec = self._keeper.specs.get(dead_queue_name(routing_key))
+        if spec is None or spec.overflow != "reject-publish":
+            return False
+        return spec.max_length is not None or spec.max_length_bytes is not None
+
+    def _commit_copies(self, copies: list[_Copy]) -> tuple[list[_Copy], Unsettled]:
+        """Publish the copies in one transaction; those that landed, and the others with why.
+        A `<job>.dead` that was gone is declared again and its copies are sent once more."""
+        landed: list[_Copy] = []
+        refused: Unsettled = []
+        pending = copies  # neither landed nor refused yet
+        try:
+            channel = self._keeper.batch()
+            generation = self._keeper.generation
+            for copy in [c for c in copies if c.delivery.generation != generation]:
+                # Opening the channel reconnected: the original is requeued already, and a
+                # copy now would be a second one when it is dead-lettered again.
+                why = "was lost with its connection before dead-lettering"
+                refused.append((copy.delivery, self._stale(copy.delivery, why)))
+            pending = [c for c in copies if c.delivery.generation == generation]
+            back = self._commit(channel, pending)
+            landed, pending = [c for c in pending if c not in back], back
+            retry: list[_Copy] = []
+            for key in dict.fromkeys(c.routing_key for c in back):
+                lost = [c for c in back if c.routing_key == key]
+                refusal = self._restore_dead_queue(key)
+                if refusal is None:
+                    retry.extend(lost)
+                else:
+                    why = f"{_unroutable(key)}; declaring it again failed: {refusal}"
+                    refused.extend((c.delivery, UnroutableError(why)) for c in lost)
+            pending = retry
+            again = self._commit(self._keeper.batch(), retry)
+            landed.extend(c for c in retry if c not in again)
+            refused.extend((c.delivery, UnroutableError(_unroutable(c.routing_key))) for c in again)
+        except PIKA_ERRORS as exc:
+            # On a lost connection RabbitMQ requeues every original (the copies that landed
+            # are duplicates, never a loss, and their acks fail as stale); a channel error (no
+            # write permission on the dead-letter exchange) rolled its transaction back.
+            failure = self._keeper.settle_failure(exc, copies[0].delivery, "batched dead-letter")
+            refused.extend((c.delivery, failure) for c in pending)
+        return landed, refused
+
+    def _commit(self, channel: Any, copies: list[_Copy]) -> list[_Copy]:
+        """Publish and commit `copies` (the one wait); those RabbitMQ handed back (unroutable)."""
+        if not copies:
+            return []
+        for copy in copies:
+            channel.basic_publish(
+                DEAD_EXCHANGE, copy.routing_key, copy.delivery.body, copy.properties, mandatory=True
+            )
+        channel.tx_commit()
+        return _matched(copies, self._keeper.take_returned())
 
     def _copy_to_dead(self, delivery: Delivery, routing_key: str, properties: Any) -> None:
         """Publish the dead letter's copy; if no queue takes it (`<job>.dead` was deleted),
@@ -385,6 +492,16 @@ class RabbitMQBroker:
         self._unacked.clear()
         self._returned.clear()
 
+    def _check_settleable(self, delivery: Delivery) -> None:
+        """Raise as `_outstanding` does for a usage error (closed handle, a delivery never
+        handed out or settled already); a stale one passes, and keeps its mark."""
+        if self._keeper.closed:
+            raise BrokerError("this broker handle is closed")
+        if self._keeper.live_consumer_channel(delivery.generation) is None:
+            return
+        if delivery.tag not in self._unacked and delivery.tag not in self._returned:
+            self._outstanding(delivery)
+
     def _outstanding(self, delivery: Delivery) -> Any:
         """The consumer channel, if `delivery` can still be settled on it."""
         if self._keeper.closed:
@@ -414,6 +531,56 @@ if TYPE_CHECKING:  # mypy proves the class satisfies the protocol
 
     def _conforms(broker: RabbitMQBroker) -> Broker:
         return broker
+
+
+def _dead_letter_properties(delivery: Delivery, reason: str) -> Any:
+    """The copy's properties: persistent, the original's headers and id, and ours."""
+    headers: dict[str, HeaderValue] = dict(delivery.headers)
+    headers[REASON_HEADER] = reason
+    headers[SOURCE_QUEUE_HEADER] = delivery.queue
+    if delivery.user_id is not None:
+        headers[USER_HEADER] = delivery.user_id
+    return pika.BasicProperties(
+        delivery_mode=_PERSISTENT, headers=headers, message_id=delivery.message_id
+    )
+
+
+def _no_routing(delivery: Delivery) -> BrokerError:
+    return BrokerError(
+        f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
+        "declare its QueueSpec (with dead_letter_routing_key) here first"
+    )
+
+
+def _unroutable(routing_key: str) -> str:
+    return f"no queue is bound to exchange {DEAD_EXCHANGE!r} with routing key {routing_key!r}"
+
+
+def _matched(copies: list[_Copy], returned: list[Returned]) -> list[_Copy]:
+    """The copies RabbitMQ handed back: its basic.returns come in publish order."""
+    back: list[_Copy] = []
+    at = 0
+    for message in returned:
+        while at < len(copies) and not copies[at].came_back_as(message):
+            at += 1
+        if at == len(copies):
+            break  # not one of these (cannot happen: the channel is ours alone)
+        back.append(copies[at])
+        at += 1
+    return back
+
+
+def _log_by_nack(letters: Sequence[tuple[Delivery, str]]) -> None:
+    """One line for a batch dead-lettered by nack: its reasons are lost but for this line."""
+    if not letters:
+        return
+    reasons = Counter(reason for _, reason in letters)
+    _log.warning(
+        "dead-lettering %d message(s) from %s by nack (no reason header): %s",
+        len(letters),
+        ", ".join(sorted({d.queue for d, _ in letters})),
+        "; ".join(f"{r} (x{n})" if n > 1 else r for r, n in reasons.items()),
+    )
 
 
 def _inequivalent_advice(cause: BaseException | None) -> str | None:

@@ -1,12 +1,15 @@
-"""One RabbitMQ connection and its two channels, kept alive for a `RabbitMQBroker`.
+"""One RabbitMQ connection and its channels, kept alive for a `RabbitMQBroker`.
 
 The *publisher* channel (confirms on) carries declarations, publishes, queue depth and deletion;
-the *consumer* channel carries subscriptions and acks. A channel error (a bug, or a conflicting
-declaration) closes only the channel it happened on, so a bad publish does not return the
-consumer's unacknowledged messages; a closed channel is reopened on next use, once, never in a
-loop. A lost connection is reopened by `call` with capped, jittered backoff; every new channel
-gets back what this handle declared and subscribed to. An outage logs one warning when it begins
-and one info line when the connection is back, never a line per attempt.
+the *consumer* channel carries subscriptions and acks; the *batch* channel, opened on first use
+in transaction mode, carries batched dead letters (`RabbitMQBroker.dead_letter_many`): pika's
+BlockingChannel waits for each confirm in turn, while N publishes and one commit wait once.
+A channel error (a bug, or a conflicting declaration) closes only the channel it happened on,
+so a bad publish does not return the consumer's unacknowledged messages; a closed channel is
+reopened on next use, once, never in a loop. A lost connection is reopened by `call` with
+capped, jittered backoff; every new channel gets back what this handle declared and subscribed
+to. An outage logs one warning when it begins and one info line when the connection is back,
+never a line per attempt.
 
 Whenever the consumer channel goes, everything delivered on it is void (RabbitMQ requeues it):
 the generation is bumped and `on_void` tells the owner to drop its buffered and unacked state.
@@ -18,6 +21,7 @@ import functools
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pika
@@ -40,6 +44,15 @@ from broker.transport import Delivery, QueueSpec
 
 T = TypeVar("T")
 _log = logging.getLogger("splitmq.broker")
+
+
+@dataclass(frozen=True)
+class Returned:
+    """A message RabbitMQ handed back (basic.return): no queue was bound to take it."""
+
+    routing_key: str
+    body: bytes
+    properties: Any
 
 
 def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
@@ -83,6 +96,8 @@ class ChannelKeeper:
         self._connection: Any = None  # pika.BlockingConnection
         self._publisher_channel: Any = None  # pika BlockingChannel with confirms
         self._consumer_channel: Any = None
+        self._batch_channel: Any = None  # in transaction mode, opened on first use
+        self._returned: list[Returned] = []  # basic.returns on the batch channel, not yet taken
         self.connects = 0
         self.generation = 0  # carried by deliveries; bumped when older ones become void
         self.closed = False
@@ -145,6 +160,8 @@ class ChannelKeeper:
     def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
         if self._publisher_channel is not None and not self._publisher_channel.is_open:
             self._publisher_channel = None
+        if self._batch_channel is not None and not self._batch_channel.is_open:
+            self._batch_channel = None
         if self._consumer_channel is not None and not self._consumer_channel.is_open:
             self._void_consumer()
         return BrokerError(f"{what} failed: {describe(exc)}")
@@ -176,6 +193,30 @@ class ChannelKeeper:
                 self._declare_exchanges(channel)
                 self.declare_on(channel, list(self._specs.values()))
         return channel
+
+    def batch(self) -> Any:
+        """The transactional channel: publishes on it take effect at its `tx_commit`, and the
+        unroutable ones come back to `take_returned`."""
+        self.publisher()  # the connection, and the exchanges declared on it
+        channel = self._batch_channel
+        if channel is None or not channel.is_open:
+            self._returned.clear()
+            channel = self._connection.channel()
+            channel.tx_select()
+            channel.add_on_return_callback(self._on_returned)
+            self._batch_channel = channel
+        return channel
+
+    def take_returned(self) -> list[Returned]:
+        """The messages handed back since the last call, in publish order. RabbitMQ sends a
+        basic.return before the tx.commit-ok it belongs to, but pika only runs the callback
+        when it dispatches events, so this does that first (consumer deliveries included)."""
+        self._connection.process_data_events(time_limit=0)
+        taken, self._returned = self._returned, []
+        return taken
+
+    def _on_returned(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        self._returned.append(Returned(method.routing_key, body, properties))
 
     def consumer(self) -> Any:
         # Topology first: a re-subscription after a reconnect needs its queue to exist again.
@@ -354,7 +395,7 @@ class ChannelKeeper:
 
     def _drop_connection(self) -> None:
         connection, self._connection = self._connection, None
-        self._publisher_channel = None
+        self._publisher_channel = self._batch_channel = None
         self._void_consumer()
         if connection is not None and connection.is_open:
             try:

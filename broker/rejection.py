@@ -5,13 +5,15 @@ connection lost between `get` and the settlement makes the broker redeliver the 
 judged again then), and a full dead-letter queue falls back to the queue's own dead-letter
 routing, without the reason header but never requeued (a poison message must not loop). So does
 a dead-letter queue that is gone and cannot be declared again (the broker tries), or any other
-refusal of the copy: one bad message must never end its consumer.
+refusal of the copy: one bad message must never end its consumer. `dead_letter_many_safely`
+does the same for a batch, waiting for the broker once for all of it (a flood's surplus).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 
 from broker.errors import BrokerError, StaleDeliveryError
 from broker.transport import Broker, Delivery
@@ -47,6 +49,42 @@ def dead_letter_safely(broker: Broker, delivery: Delivery, reason: str) -> Rejec
             return Rejected.REDELIVERED
         return Rejected.WITHOUT_REASON
     return Rejected.DEAD_LETTERED
+
+
+def dead_letter_many_safely(
+    broker: Broker, letters: Sequence[tuple[Delivery, str]]
+) -> list[Rejected]:
+    """Dead-letter each (delivery, reason) as `dead_letter_safely` does, in one batch; what
+    became of each, in order."""
+    try:
+        unsettled = broker.dead_letter_many(letters)
+    except BrokerError as exc:  # nothing settled: each falls back (a usage error raises again)
+        unsettled = [(delivery, exc) for delivery, _ in letters]
+    outcome = {id(delivery): Rejected.DEAD_LETTERED for delivery, _ in letters}
+    refused: list[tuple[Delivery, BrokerError]] = []
+    for delivery, why in unsettled:
+        if isinstance(why, StaleDeliveryError):
+            outcome[id(delivery)] = Rejected.REDELIVERED
+        else:
+            refused.append((delivery, why))
+    if refused:
+        reasons = {id(delivery): reason for delivery, reason in letters}
+        _log.warning(
+            "could not dead-letter %d message(s) from %s with their reasons (%s); rejecting "
+            "them to the queue's own dead-letter routing instead: %s",
+            len(refused),
+            ", ".join(sorted({delivery.queue for delivery, _ in refused})),
+            refused[0][1],
+            "; ".join(sorted({reasons[id(delivery)] for delivery, _ in refused})),
+        )
+    for delivery, _ in refused:
+        try:
+            broker.nack(delivery, requeue=False)
+        except StaleDeliveryError:
+            outcome[id(delivery)] = Rejected.REDELIVERED
+        else:
+            outcome[id(delivery)] = Rejected.WITHOUT_REASON
+    return [outcome[id(delivery)] for delivery, _ in letters]
 
 
 def ack_safely(broker: Broker, delivery: Delivery) -> bool:

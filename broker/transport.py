@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from broker.errors import BrokerError
+
 # No float: pika cannot encode floats in an AMQP field table, so a float header would work with
 # the in-memory broker and fail on RabbitMQ. Integers must fit in 64 signed bits.
 HeaderValue = str | int | bool | bytes
@@ -131,6 +133,21 @@ class Broker(Protocol):
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Move a delivery to its queue's dead-letter queue with `reason` in a header."""
+        ...
+
+    def dead_letter_many(
+        self, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        """`dead_letter` for each (delivery, reason), waiting for the broker once for all the
+        copies rather than once each (a flood's surplus: see `broker.rejection`).
+
+        Returns the letters left unsettled, each with why: `StaleDeliveryError` (its
+        connection was lost: the broker redelivers it; no copy was made where avoidable) or
+        the refusal of its copy (`BackPressureError`, `UnroutableError`, a `BrokerError` such
+        as no dead-letter routing on this handle). The others are copied, then settled: a
+        crash in between duplicates, never loses. Raises only before settling anything: a
+        closed handle, a delivery not outstanding on it.
+        """
         ...
 
     def queue_depth(self, queue: str) -> int:

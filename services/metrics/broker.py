@@ -8,7 +8,9 @@ busy fraction is the rest), and each dead letter by its reason code.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+from broker.errors import BrokerError
 from broker.forwarding import ForwardingBroker
 from broker.transport import Broker, Delivery, Headers
 from services.metrics.recorder import Metrics, reason_code
@@ -60,3 +62,13 @@ class MeteredBroker(ForwardingBroker):
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self._inner.dead_letter(delivery, reason)
         self._metrics.dead_lettered(reason_code(reason))
+
+    def dead_letter_many(
+        self, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        unsettled = self._inner.dead_letter_many(letters)
+        left = {id(delivery) for delivery, _ in unsettled}
+        for delivery, reason in letters:
+            if id(delivery) not in left:
+                self._metrics.dead_lettered(reason_code(reason))
+        return unsettled

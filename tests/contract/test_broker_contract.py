@@ -7,6 +7,7 @@ parallel runs on one server never meet, and every queue a test declares is delet
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from broker.errors import (
 )
 from broker.memory_broker import InMemoryBroker, InMemoryHub
 from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
-from broker.rejection import Rejected, dead_letter_safely
+from broker.rejection import Rejected, dead_letter_many_safely, dead_letter_safely
 from broker.topology import (
     CONTROL_EXCHANGE,
     DEAD_EXCHANGE,
@@ -43,6 +44,7 @@ from broker.transport import (
     HeaderValue,
     QueueSpec,
 )
+from tests.integration import test_rabbitmq_specific as rabbit
 
 USER = "guest"  # RabbitMQ checks user_id against the connection's user: the test server's
 WAIT = 5.0  # for a delivery that must come
@@ -377,6 +379,203 @@ def test_dead_letter_needs_the_queue_declared_on_the_handle(
     assert broker.queue_depth(dead.name) == 0
 
 
+# -- batched dead letters (a flood's surplus: one wait for the broker, not one per message) ----
+
+
+def dead_letters(broker_factory: BrokerFactory, dead: QueueSpec, count: int) -> list[Delivery]:
+    """The first `count` messages of `dead`, acked (and nothing more within QUIET)."""
+    operator = broker_factory()
+    operator.subscribe(dead.name, prefetch=count + 1)
+    letters = receive(operator, count)
+    assert operator.get(QUIET) is None
+    for letter in letters:
+        operator.ack(letter)
+    return letters
+
+
+def test_dead_letter_many_copies_each_with_its_reason_then_settles(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    for index in range(5):
+        consumer.publish(
+            CONTROL_EXCHANGE,
+            control.routing_key,
+            f"junk-{index}".encode(),
+            headers={"trace": f"t{index}"},
+            message_id=f"m{index}",
+            user_id=USER,
+        )
+    consumer.subscribe(control.name, prefetch=5)
+    deliveries = receive(consumer, 5)
+
+    letters = [(d, f"over_budget: letter {i}") for i, d in enumerate(deliveries)]
+    assert consumer.dead_letter_many(letters) == []
+    assert consumer.dead_letter_many([]) == []
+
+    assert consumer.queue_depth(control.name) == 0
+    assert consumer.get(QUIET) is None  # settled: nothing comes back
+    copies = dead_letters(broker_factory, dead, 5)
+    assert [c.body for c in copies] == [f"junk-{i}".encode() for i in range(5)]
+    for index, copy in enumerate(copies):
+        assert copy.headers[REASON_HEADER] == f"over_budget: letter {index}"
+        assert copy.headers[SOURCE_QUEUE_HEADER] == control.name
+        assert copy.headers[USER_HEADER] == USER
+        assert copy.headers["trace"] == f"t{index}"
+        assert copy.message_id == f"m{index}"
+
+
+def test_dead_letter_many_declares_a_deleted_dead_letter_queue_again(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    broker_factory().delete_queue(dead.name)
+    for index in range(3):
+        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"junk-{index}".encode())
+    consumer.subscribe(control.name, prefetch=3)
+    letters = [(d, "undecodable: 0xc1") for d in receive(consumer, 3)]
+
+    assert dead_letter_many_safely(consumer, letters) == [Rejected.DEAD_LETTERED] * 3
+
+    assert consumer.queue_depth(control.name) == 0
+    copies = dead_letters(broker_factory, dead, 3)
+    assert [c.body for c in copies] == [b"junk-0", b"junk-1", b"junk-2"]
+    assert all(c.headers[REASON_HEADER] == "undecodable: 0xc1" for c in copies)
+    broker_factory().declare([dead])  # declared again as the topology says
+
+
+def test_dead_letter_many_leaves_stale_deliveries_to_be_redelivered(
+    broker_factory: BrokerFactory,
+) -> None:
+    # A delivery whose connection (here: subscription) is gone comes back and is judged again;
+    # it gets no copy, so it is not dead-lettered twice.
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    other = broker_factory.track(updates_queue(job))
+    consumer = broker_factory()
+    consumer.declare([dead, control, other])
+    consumer.publish(CONTROL_EXCHANGE, control.routing_key, b"returned")
+    consumer.publish(CONTROL_EXCHANGE, other.routing_key, b"held")
+    consumer.subscribe(control.name, prefetch=1)
+    consumer.subscribe(other.name, prefetch=1)
+    first, second = receive(consumer, 2)
+    returned, held = (first, second) if first.body == b"returned" else (second, first)
+    consumer.unsubscribe(control.name)
+
+    outcomes = dead_letter_many_safely(consumer, [(returned, "bad"), (held, "bad too")])
+
+    assert outcomes == [Rejected.REDELIVERED, Rejected.DEAD_LETTERED]
+    (copy,) = dead_letters(broker_factory, dead, 1)
+    assert (copy.body, copy.headers[REASON_HEADER]) == (b"held", "bad too")
+    again = broker_factory()
+    again.subscribe(control.name, prefetch=1)
+    (redelivered,) = receive(again)
+    assert (redelivered.body, redelivered.redelivered) == (b"returned", True)
+    again.ack(redelivered)
+
+
+def test_dead_letter_many_refuses_a_delivery_not_outstanding_before_settling_any(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    for body in (b"acked", b"junk"):
+        consumer.publish(CONTROL_EXCHANGE, control.routing_key, body)
+    consumer.subscribe(control.name, prefetch=2)
+    acked, junk = receive(consumer, 2)
+    consumer.ack(acked)
+
+    with pytest.raises(BrokerError, match="not outstanding"):
+        consumer.dead_letter_many([(junk, "bad"), (acked, "bad")])
+
+    consumer.ack(junk)  # still outstanding: the refusal settled nothing
+    assert consumer.queue_depth(dead.name) == 0
+
+
+def test_dead_letter_many_without_routing_falls_back_per_letter(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
+    plain = broker_factory.spec("plain")  # no dead-letter routing
+    consumer = broker_factory()
+    consumer.declare([dead, control, plain])
+    consumer.publish(CONTROL_EXCHANGE, plain.routing_key, b"nowhere to go")
+    consumer.publish(CONTROL_EXCHANGE, control.routing_key, b"junk")
+    consumer.subscribe(plain.name, prefetch=1)
+    consumer.subscribe(control.name, prefetch=1)
+    deliveries = {d.body: d for d in receive(consumer, 2)}
+    letters = [(deliveries[b"nowhere to go"], "bad"), (deliveries[b"junk"], "bad too")]
+
+    unsettled = consumer.dead_letter_many(letters)
+    assert [(d.body, type(e)) for d, e in unsettled] == [(b"nowhere to go", BrokerError)]
+    assert "dead-letter routing" in str(unsettled[0][1])
+    # Left unsettled; the safe path rejects it (never requeued: a poison message must not loop).
+    assert dead_letter_many_safely(consumer, letters[:1]) == [Rejected.WITHOUT_REASON]
+    assert consumer.get(QUIET) is None
+    assert consumer.queue_depth(plain.name) == 0
+    (copy,) = dead_letters(broker_factory, dead, 1)
+    assert (copy.body, copy.headers[REASON_HEADER]) == (b"junk", "bad too")
+
+
+def test_dead_letter_many_into_a_full_dead_letter_queue(broker_factory: BrokerFactory) -> None:
+    # The topology's drop-head keeps the newest; a dead-letter queue that refuses when full
+    # (not the topology's) pushes back, and the safe path rejects what it refused.
+    job = broker_factory.job
+    limits = QueueLimits(dead_max_length=2)
+    dead = broker_factory.track(dead_queue(job, limits))
+    control = broker_factory.track(control_queue(job, limits))
+    consumer = broker_factory()
+    consumer.declare([dead, control])
+    for index in range(4):
+        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
+    consumer.subscribe(control.name, prefetch=4)
+    letters = [(d, "bad") for d in receive(consumer, 4)]
+
+    assert dead_letter_many_safely(consumer, letters) == [Rejected.DEAD_LETTERED] * 4
+    assert [c.body for c in dead_letters(broker_factory, dead, 2)] == [b"bad-2", b"bad-3"]
+
+
+def test_dead_letter_many_into_a_refusing_dead_letter_queue(broker_factory: BrokerFactory) -> None:
+    job = broker_factory.job
+    refusing = broker_factory.track(
+        QueueSpec(
+            name=dead_queue(job).name,
+            exchange=DEAD_EXCHANGE,
+            routing_key=job,
+            max_length=1,
+            overflow="reject-publish",
+        )
+    )
+    control = broker_factory.track(control_queue(job))
+    consumer = broker_factory()
+    consumer.declare([refusing, control])
+    for index in range(3):
+        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
+    consumer.subscribe(control.name, prefetch=3)
+    letters = [(d, "bad") for d in receive(consumer, 3)]
+
+    unsettled = consumer.dead_letter_many(letters)
+    assert [(d.body, type(e)) for d, e in unsettled] == [
+        (b"bad-1", BackPressureError),
+        (b"bad-2", BackPressureError),
+    ]
+    outcomes = dead_letter_many_safely(consumer, letters[1:])
+    assert outcomes == [Rejected.WITHOUT_REASON] * 2
+    assert consumer.get(QUIET) is None  # none requeued
+    assert consumer.queue_depth(control.name) == 0
+    (copy,) = dead_letters(broker_factory, refusing, 1)
+    assert (copy.body, copy.headers[REASON_HEADER]) == (b"bad-0", "bad")
+
+
 def test_full_queue_pushes_back_until_drained(broker_factory: BrokerFactory) -> None:
     broker = broker_factory()
     spec = broker_factory.spec("bounded", max_length=3)
@@ -659,3 +858,77 @@ def test_closed_handle_refuses_work(broker_factory: BrokerFactory) -> None:
     with pytest.raises(BrokerError, match="closed"):
         broker.ack(held)
     broker.close()  # idempotent
+
+
+# -- RabbitMQ only: batched dead letters on a lost connection, by nack, without configure ------
+
+rabbitmqctl = rabbit.rabbitmqctl  # the fixture (skips locally / fails under CI without it)
+
+
+def open_rabbit(amqp_url: str, name: str, **settings: Any) -> RabbitMQBroker:
+    options = RabbitMQOptions(give_up_after=20.0, connection_name=name, **settings)
+    return RabbitMQBroker(amqp_url, options)
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_dead_letter_many_on_a_lost_connection_copies_nothing(
+    amqp_url: str, job: str, rabbitmqctl: Callable[..., str]
+) -> None:
+    dead, control = dead_queue(job), control_queue(job)
+    consumer = open_rabbit(amqp_url, f"{job}-consumer")
+    try:
+        consumer.declare([dead, control])
+        for index in range(3):
+            consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"junk-{index}".encode())
+        consumer.subscribe(control.name, prefetch=3)
+        letters = [(d, "bad") for d in receive(consumer, 3)]
+        rabbit.kill_connection(rabbitmqctl, consumer.connection_name)
+
+        assert dead_letter_many_safely(consumer, letters) == [Rejected.REDELIVERED] * 3
+
+        assert consumer.queue_depth(dead.name) == 0  # no copy of a message coming back
+        again = receive(consumer, 3)
+        assert sorted(d.body for d in again) == [b"junk-0", b"junk-1", b"junk-2"]
+        assert all(d.redelivered for d in again)
+        assert consumer.dead_letter_many([(d, "bad") for d in again]) == []
+        assert consumer.queue_depth(dead.name) == 3
+    finally:
+        consumer.delete_queue(control.name)
+        consumer.delete_queue(dead.name)
+        consumer.close()
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_dead_letter_many_by_nack_and_without_configure_permission(
+    amqp_url: str, job: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead, control = dead_queue(job), control_queue(job)
+    operator = open_rabbit(amqp_url, f"{job}-operator")
+    by_nack = open_rabbit(amqp_url, f"{job}-client", dead_letter_by_nack=True)
+    passive = open_rabbit(amqp_url, f"{job}-passive", passive_declare=True)
+    try:
+        operator.declare([dead, control])
+        by_nack.declare([dead, control])
+        passive.declare([dead, control])
+        for index in range(4):
+            operator.publish(CONTROL_EXCHANGE, control.routing_key, f"junk-{index}".encode())
+        # A client user without write permission on splitmq.dead: RabbitMQ's routing moves
+        # them (x-death); the reasons go to one log line.
+        by_nack.subscribe(control.name, prefetch=2)
+        caplog.set_level(logging.WARNING, logger="splitmq.broker")
+        letters = [(d, f"impostor: c{i}") for i, d in enumerate(receive(by_nack, 2))]
+        assert dead_letter_many_safely(by_nack, letters) == [Rejected.DEAD_LETTERED] * 2
+        assert any("impostor: c0; impostor: c1" in r.getMessage() for r in caplog.records)
+        by_nack.unsubscribe(control.name)
+        # A handle that cannot declare `<job>.dead` again: rejected by nack, never requeued.
+        operator.delete_queue(dead.name)
+        passive.subscribe(control.name, prefetch=2)
+        letters = [(d, "undecodable") for d in receive(passive, 2)]
+        assert dead_letter_many_safely(passive, letters) == [Rejected.WITHOUT_REASON] * 2
+        assert passive.get(QUIET) is None
+        assert operator.queue_depth(control.name) == 0
+    finally:
+        operator.delete_queue(control.name)
+        operator.delete_queue(dead.name)
+        for handle in (operator, by_nack, passive):
+            handle.close()
