@@ -166,6 +166,11 @@ def open_round(cohort: str) -> OpenRound:
     return OpenRound(0, 1, members, 0.0, DEADLINE_S, 0.5, {}, {})
 
 
+def live(state: OpenRound, clients: str) -> dict[str, MemberInfo]:
+    """The records of `clients` as the round was opened with: the same processes, live."""
+    return {c: state.cohort[c] for c in clients}
+
+
 def test_an_attempt_whose_whole_cohort_left_does_not_count() -> None:
     state = open_round("ab")
     state.drop({})  # both expired
@@ -178,7 +183,7 @@ def test_an_attempt_whose_whole_cohort_left_does_not_count() -> None:
     assert not streak.add(gone) and not streak.add(refused) and streak.count == 0
     # One member that stayed and sent nothing valid is enough.
     state = open_round("ab")
-    state.drop({"a": 1})
+    state.drop(live(state, "a"))
     stayed = EmptyAttempt.of(state, {"non_finite": 1})
     assert stayed.counts and streak.add(stayed)
     assert stayed.reasons() == "non_finite ×1, gone ×1"
@@ -186,7 +191,7 @@ def test_an_attempt_whose_whole_cohort_left_does_not_count() -> None:
 
 def test_reasons_say_which_members_sent_nothing() -> None:
     state = open_round("abcd")
-    state.drop({"a": 1, "b": 1, "c": 1})  # d left
+    state.drop(live(state, "abc"))  # d left
     attempt = EmptyAttempt.of(state, {"non_finite": 1, "wrong_tensors": 1, "wrong_job": 0})
     # Three still awaited, two refused updates: one member sent nothing.
     assert attempt.reasons() == "non_finite ×1, wrong_tensors ×1, no_update ×1, gone ×1"

@@ -138,7 +138,7 @@ def test_decisions() -> None:
     state.offer(update("b"))
     assert state.decide(105.0) is Decision.WAIT
     assert state.decide(110.0) is Decision.CLOSE
-    assert state.drop({"a": 1, "b": 1}) == ["c"]
+    assert state.drop({c: state.cohort[c] for c in "ab"}) == ["c"]
     assert state.decide(101.0) is Decision.CLOSE  # nobody left to wait for
 
     empty = open_round("a")

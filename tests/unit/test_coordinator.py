@@ -171,6 +171,34 @@ def test_a_rejoin_gets_the_same_assignment(job: str) -> None:
     assert (stats.joined, stats.rejoined) == (2, 1)
 
 
+def test_a_join_from_another_process_is_recorded_as_a_new_incarnation(job: str) -> None:
+    """The member record's session: the aggregator drops a member from its open round when
+    the session changes (a restart, or a leave and a rejoin, between two of its reads)."""
+    desk = Desk(settings_for(job))
+    with desk.serving():
+        records = []
+        for session in ("p1", "p1", "p2"):  # p1 again: its Welcome was lost, say
+            desk.join("a", index="1", session=session)
+            desk.welcome("a")
+            records.append(desk.member("a"))
+        for _ in range(2):  # a client that names no session
+            desk.join("b")
+            desk.welcome("b")
+            records.append(desk.member("b"))
+        desk.send(Leave(job, "b", new_message_id(), 1, "stopped"))
+        desk.join("b")  # handled after the Leave: one queue, in order
+        desk.welcome("b")
+        records.append(desk.member("b"))
+
+    first, again, restarted, b1, b2, b3 = records
+    assert first.session == again.session == "p1"
+    assert restarted.session == "p2"  # a new process, the same assignment
+    assert (restarted.shard, restarted.partition) == (first.shard, first.partition) == (0, 1)
+    assert b1.session and b2.session == b1.session  # minted once, kept while it lives
+    assert b3.session not in ("", b1.session)
+    assert (desk.coordinator.stats.joined, desk.coordinator.stats.rejoined) == (3, 3)
+
+
 def test_shards_are_balanced_over_live_members(job: str) -> None:
     desk = Desk(settings_for(job, algorithm={"name": "sfl", "shards": 2}, clients={"count": 4}))
     with desk.serving():
