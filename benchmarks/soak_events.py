@@ -13,9 +13,9 @@ and on a loaded machine:
    leaver left has closed (the store's version moved on) and the rejoined client is not yet a
    live member, the aggregator is paused (SIGSTOP) until it is (SIGCONT). The round that opens
    next has the rejoined client in its cohort however long its process took to start. The
-   pause waits until the aggregator has moved past the leave on its own, because an
-   aggregator paused across both the leave and the rejoin would never see the leaver gone and
-   would wait for its update until the round's deadline.
+   pause waits until the aggregator has moved past the leave on its own, so that the run
+   exercises the round closing without the leaver, not only the rejoin (an aggregator paused
+   across both would see the leaver back as a new process and stop waiting for it then).
 
 A paused aggregator is itself a fault the service takes (a stalled host): clients wait for the
 next assignment without a timeout, and the pause stays well inside the AMQP heartbeat.
