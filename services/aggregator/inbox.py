@@ -4,8 +4,9 @@ Validation comes before state: whatever the round's state, a message is decoded,
 its job and sender, and screened (`services.aggregator.screen`: a member, the model's tensors)
 before a gate judges it against the round, so every invalid message is dead-lettered with its
 reason, in the sync and the async mode alike. Before all that, each sender spends its budget
-(`services.aggregator.budget`): a flooding client's surplus is refused unjudged, cheaply, so
-the others' updates are not stuck behind its flood.
+(`services.aggregator.budget`): a flooding client's surplus is refused unjudged, cheaply
+(dead-lettered a batch at a time, with the reason), so the others' updates are not stuck
+behind its flood.
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update: the broker hands them to its successor.
@@ -23,10 +24,10 @@ from dataclasses import dataclass, field
 from broker.codec import decode
 from broker.errors import DecodeError, StaleDeliveryError
 from broker.messages import Message, RoundDropped, WeightsUpdate
-from broker.rejection import Rejected, dead_letter_safely
+from broker.rejection import Rejected, dead_letter_many_safely, dead_letter_safely
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
-from services.aggregator.budget import STRANGERS, SenderBudgets
+from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import Gate, Offer, Verdict
 from services.aggregator.screen import UpdateScreen
 from services.coordinator.outbox import Outbox
@@ -60,11 +61,19 @@ class UpdateInbox:
     # why an attempt at a round got no valid update.
     refusals: Counter[str] = field(default_factory=Counter)
     budgets: SenderBudgets = field(default_factory=SenderBudgets)
+    surplus: Surplus = field(default_factory=Surplus)
 
     def poll(self, timeout: float, gate: Gate, version: int) -> bool:
         """Handle at most one delivery (waiting up to `timeout`); whether there was one.
         `version` is the current version, quoted in round_closed errors."""
-        delivery = self.broker.get(timeout)
+        # Waiting for input, the surplus is let grow for at most its age limit (one batch, one
+        # wait for the broker); a wait that ends empty-handed leaves nothing unsettled.
+        wait = min(timeout, self.surplus.time_left()) if self.surplus else timeout
+        delivery = self.broker.get(wait)
+        if delivery is None and self.surplus:
+            self.flush()
+            if wait < timeout:
+                delivery = self.broker.get(timeout - wait)
         if delivery is None:
             return False
         if delivery.user_id:  # the broker's word for the sender: no need to decode first
@@ -74,7 +83,8 @@ class UpdateInbox:
             decoded = _decoded(delivery)
             sender = self._claimed(decoded)
         if not self.budgets.spend(sender):
-            self._throttle(delivery, sender)
+            if self.surplus.add(delivery, sender, self.budgets.refusal(sender)):
+                self.flush()
             return True
         self._judge(delivery, _decoded(delivery) if decoded is None else decoded, gate, version)
         return True
@@ -117,25 +127,27 @@ class UpdateInbox:
         else:
             self._on_update(delivery, message, gate.offer(message), version)
 
-    def _throttle(self, delivery: Delivery, sender: str) -> None:
-        """Refuse unjudged: a nack, and RabbitMQ's dead-letter routing moves it to
-        `<job>.dead` (with its `x-death`, without our reason header) at no round trip."""
-        try:
-            self.broker.nack(delivery, requeue=False)
-        except StaleDeliveryError:
-            return  # its connection is gone: it comes back and is judged (or refused) again
-        self.stats.throttled += 1
-        self.refusals[OVER_BUDGET] += 1
-        refused = self.budgets.report(sender)
-        if refused:
-            self.logger.warning(
-                "job %s: %s is over its budget of %d updates a second: %d refused unjudged "
-                "(dead-lettered without a reason header) since the last report",
-                self.job,
-                f"client {sender!r}" if sender else "an unknown sender",
-                int(self.budgets.rate_per_s),
-                refused,
-            )
+    def flush(self) -> None:
+        """Dead-letter the surplus (messages refused unjudged) in one batch."""
+        letters, senders = self.surplus.take()
+        if not letters:
+            return
+        for outcome in dead_letter_many_safely(self.broker, letters):
+            if outcome is not Rejected.REDELIVERED:  # else it comes back and is judged again
+                self.stats.throttled += 1
+                self.refusals[OVER_BUDGET] += 1
+        for sender in dict.fromkeys(senders):
+            refused = self.budgets.report(sender)
+            if refused:
+                self.logger.warning(
+                    "job %s: %s is over its budget of %d updates, then %g a second: %d refused "
+                    "unjudged (dead-lettered with that reason) since the last report",
+                    self.job,
+                    f"client {sender!r}" if sender else "an unknown sender",
+                    self.budgets.burst,
+                    self.budgets.rate_per_s,
+                    refused,
+                )
 
     def _on_update(
         self, delivery: Delivery, message: WeightsUpdate, offer: Offer, version: int

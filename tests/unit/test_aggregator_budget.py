@@ -1,13 +1,17 @@
-"""Per-sender budgets on the updates queue: a flooder's surplus is refused unjudged (nacked into
-`<job>.dead`), the others are served, and strangers share one budget."""
+"""Per-sender budgets on the updates queue: a flooder's surplus is refused unjudged (dead-lettered
+in batches, each with the reason), the others are served, and strangers share one budget."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from broker.codec import encode
+from broker.errors import BrokerError
+from broker.forwarding import ForwardingBroker
 from broker.memory_broker import InMemoryBroker
 from broker.messages import WeightsUpdate, new_message_id
 from broker.topology import (
@@ -19,8 +23,8 @@ from broker.topology import (
     updates_queue_name,
     updates_routing_key,
 )
-from broker.transport import REASON_HEADER, Headers
-from services.aggregator.budget import STRANGERS, SenderBudgets
+from broker.transport import REASON_HEADER, Broker, Delivery, Headers, QueueSpec
+from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import OpenRound, reference_of
 from services.aggregator.inbox import OVER_BUDGET, UpdateInbox
 from services.aggregator.members import MemberBook
@@ -28,6 +32,8 @@ from services.aggregator.screen import UpdateScreen
 from services.coordinator.handout import WeightsCache
 from services.coordinator.membership import MemberInfo, member_id
 from services.coordinator.outbox import Outbox
+from services.metrics.broker import MeteredBroker
+from services.metrics.prometheus import PrometheusMeters
 from services.runtime.backends import Embedded
 from tests.unit.test_aggregator_peers import ManualClock
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
@@ -51,60 +57,153 @@ def test_a_bucket_allows_its_burst_then_its_rate() -> None:
     assert [budgets.spend("m") for _ in range(4)] == [True, True, True, False]  # capped
 
 
-def test_a_flooders_surplus_is_nacked_into_the_dead_letter_queue_unjudged(job: str) -> None:
-    settings = make_settings(job)
-    embedded = Embedded()
-    seed_version(embedded.store, settings)
-    for i, client in enumerate(("honest", "mallory")):
-        info = MemberInfo(client, 0, CUT, 10, i).to_info()
-        embedded.store.heartbeat(job, member_id(client), 60.0, info)
-    broker = InMemoryBroker(embedded.hub)
-    specs = [dead_queue(job), updates_queue(job), reply_queue(job, "honest")]
-    broker.declare(specs)
-    weights, aux = WeightsCache(embedded.store, job, 1).global_weights()
-    cohort = {"honest": MemberInfo("honest", 0, CUT, 10, 0)}
-    gate = OpenRound(0, 1, cohort, 0.0, 60.0, 1.0, reference_of(weights), reference_of(aux))
+class BatchCounter(ForwardingBroker):
+    """Counts the batches of dead letters and their sizes."""
 
-    def update(client: str, **tensors: torch.Tensor) -> bytes:
-        state = {**weights, **tensors}
-        return encode(WeightsUpdate(job, client, new_message_id(), 1, 0, 10, state, {}))
+    def __init__(self, inner: Broker) -> None:
+        super().__init__(inner)
+        self.batches: list[int] = []
 
-    key = updates_routing_key(job)
-    junk = update("mallory", not_in_the_model=torch.zeros(1))
+    def dead_letter_many(
+        self, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        self.batches.append(len(letters))
+        return super().dead_letter_many(letters)
+
+
+@dataclass
+class Flood:
+    """A job with two members (honest, mallory), their queues, and an open round."""
+
+    job: str
+    embedded: Embedded
+    gate: OpenRound
+    weights: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, job: str) -> Flood:
+        embedded = Embedded()
+        seed_version(embedded.store, make_settings(job))
+        for i, client in enumerate(("honest", "mallory")):
+            info = MemberInfo(client, 0, CUT, 10, i).to_info()
+            embedded.store.heartbeat(job, member_id(client), 60.0, info)
+        InMemoryBroker(embedded.hub).declare(cls.specs(job))
+        weights, aux = WeightsCache(embedded.store, job, 1).global_weights()
+        cohort = {"honest": MemberInfo("honest", 0, CUT, 10, 0)}
+        gate = OpenRound(0, 1, cohort, 0.0, 60.0, 1.0, reference_of(weights), reference_of(aux))
+        return cls(job, embedded, gate, weights)
+
+    @staticmethod
+    def specs(job: str) -> list[QueueSpec]:
+        return [dead_queue(job), updates_queue(job), reply_queue(job, "honest")]
+
+    def update(self, client: str, **tensors: torch.Tensor) -> bytes:
+        state = {**self.weights, **tensors}
+        return encode(WeightsUpdate(self.job, client, new_message_id(), 1, 0, 10, state, {}))
+
+    def junk(self) -> bytes:
+        return self.update("mallory", not_in_the_model=torch.zeros(1))
+
+    def publish(self, body: bytes, message_id: str) -> None:
+        broker = InMemoryBroker(self.embedded.hub)
+        broker.publish(CONTROL_EXCHANGE, updates_routing_key(self.job), body, message_id=message_id)
+
+    def inbox(
+        self, broker: Broker, budgets: SenderBudgets, surplus: Surplus | None = None
+    ) -> UpdateInbox:
+        broker.declare(self.specs(self.job))
+        broker.subscribe(updates_queue_name(self.job), prefetch=100)
+        members = MemberBook(self.embedded.store, self.job)
+        return UpdateInbox(
+            broker,
+            Outbox(broker, self.job, LOG),
+            self.job,
+            LOG,
+            screen=UpdateScreen.of(self.embedded.store, self.job, 1, members, partial=False),
+            budgets=budgets,
+            surplus=Surplus() if surplus is None else surplus,
+        )
+
+    def dead_letters(self) -> dict[str, Headers]:
+        """The dead letters' headers by message id (taken off `<job>.dead`)."""
+        broker = InMemoryBroker(self.embedded.hub)
+        broker.subscribe(dead_queue_name(self.job), prefetch=1000)
+        letters: dict[str, Headers] = {}
+        while (delivery := broker.get(0.0)) is not None:
+            letters[delivery.message_id or ""] = delivery.headers
+            broker.ack(delivery)
+        return letters
+
+
+def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_its_reason(
+    job: str,
+) -> None:
+    flood = Flood.of(job)
     for i in range(10):
-        broker.publish(CONTROL_EXCHANGE, key, junk, message_id=f"junk-{i}")
-    broker.publish(CONTROL_EXCHANGE, key, b"\x00", message_id="anon-0")
-    broker.publish(CONTROL_EXCHANGE, key, b"\x00", message_id="anon-1")
-    broker.publish(CONTROL_EXCHANGE, key, update("honest"), message_id="honest")
+        flood.publish(flood.junk(), f"junk-{i}")
+    flood.publish(b"\x00", "anon-0")
+    flood.publish(b"\x00", "anon-1")
+    flood.publish(flood.update("honest"), "honest")
+    broker = BatchCounter(InMemoryBroker(flood.embedded.hub))
+    inbox = flood.inbox(broker, SenderBudgets(burst=3, rate_per_s=1e-9))
 
-    handle = InMemoryBroker(embedded.hub)
-    handle.declare(specs)
-    handle.subscribe(updates_queue_name(job), prefetch=100)
-    members = MemberBook(embedded.store, job)
-    inbox = UpdateInbox(
-        handle,
-        Outbox(handle, job, LOG),
-        job,
-        LOG,
-        screen=UpdateScreen.of(embedded.store, job, 1, members, partial=False),
-        budgets=SenderBudgets(burst=3, rate_per_s=1e-9),
-    )
-    inbox.drain(gate, 1)
+    inbox.drain(flood.gate, 1)
 
-    assert set(gate.updates) == {"honest"}  # served after the flood ahead of it
-    # mallory's first 3 judged (dead-lettered with the screen's reason), 7 refused unjudged;
-    # strangers (undecodable bodies) spend a budget of their own.
+    assert set(flood.gate.updates) == {"honest"}  # served after the flood ahead of it
+    # mallory's first 3 judged (dead-lettered with the screen's reason), 7 refused unjudged
+    # in one batch; strangers (undecodable bodies) spend a budget of their own.
     assert (inbox.stats.dead_lettered, inbox.stats.throttled) == (3 + 2, 7)
     assert inbox.refusals[OVER_BUDGET] == 7
-    letters: dict[str, Headers] = {}
-    handle.subscribe(dead_queue_name(job), prefetch=100)
-    while (delivery := handle.get(0.0)) is not None:
-        letters[delivery.message_id or ""] = delivery.headers
-        handle.ack(delivery)
+    assert broker.batches == [7]
+    letters = flood.dead_letters()
     assert set(letters) == {f"junk-{i}" for i in range(10)} | {"anon-0", "anon-1"}
-    judged = [m for m, h in letters.items() if REASON_HEADER in h]
-    assert sorted(judged) == ["anon-0", "anon-1", "junk-0", "junk-1", "junk-2"]
-    assert all("unknown tensors" in str(letters[m][REASON_HEADER]) for m in judged if "junk" in m)
-    refused = [h for m, h in letters.items() if m not in judged]
-    assert all(h.get("x-first-death-reason") == "rejected" for h in refused), refused[:1]
+    reasons = {m: str(h[REASON_HEADER]) for m, h in letters.items()}  # every one has a reason
+    refused = sorted(m for m, r in reasons.items() if r.startswith("over_budget:"))
+    assert refused == [f"junk-{i}" for i in range(3, 10)]
+    assert reasons["junk-9"] == (
+        "over_budget: sender 'mallory' above 3 messages then 1e-09/s; refused unjudged"
+    )
+    assert all("unknown tensors" in reasons[f"junk-{i}"] for i in range(3))
+    assert all(reasons[f"anon-{i}"].startswith("undecodable") for i in range(2))
     assert STRANGERS == ""  # the strangers' budget is keyed by no client id
+    assert "senders without an identity" in SenderBudgets().refusal(STRANGERS)
+
+
+def test_the_surplus_goes_in_batches_full_aged_or_before_the_inbox_waits(job: str) -> None:
+    flood = Flood.of(job)
+    clock = ManualClock()
+    broker = BatchCounter(InMemoryBroker(flood.embedded.hub))
+    surplus = Surplus(size=4, wait_s=0.01, clock=clock)
+    inbox = flood.inbox(broker, SenderBudgets(burst=1, rate_per_s=1e-9), surplus=surplus)
+    for i in range(10):
+        flood.publish(flood.junk(), f"junk-{i}")
+
+    for _ in range(6):  # one judged, then 5 refused: a batch of 4 is full
+        assert inbox.poll(0.0, flood.gate, 1)
+    assert broker.batches == [4] and len(surplus) == 1
+    clock.advance(0.02)
+    assert inbox.poll(0.0, flood.gate, 1)  # the oldest has waited long enough
+    assert broker.batches == [4, 2] and len(surplus) == 0
+    for _ in range(3):
+        assert inbox.poll(0.0, flood.gate, 1)
+    assert broker.batches == [4, 2] and len(surplus) == 3
+    assert not inbox.poll(0.05, flood.gate, 1)  # nothing left: flushed before waiting
+    assert broker.batches == [4, 2, 3] and len(surplus) == 0
+    assert inbox.stats.throttled == 9
+    letters = flood.dead_letters()
+    assert len(letters) == 10 and all(REASON_HEADER in h for h in letters.values())
+
+
+def test_the_surplus_counts_as_one_dead_letter_each_in_the_metrics(job: str) -> None:
+    flood = Flood.of(job)
+    meters = PrometheusMeters(job)
+    broker = MeteredBroker(InMemoryBroker(flood.embedded.hub), meters.role("aggregator", "a"))
+    inbox = flood.inbox(broker, SenderBudgets(burst=1, rate_per_s=1e-9))
+    for i in range(6):
+        flood.publish(flood.junk(), f"junk-{i}")
+
+    inbox.drain(flood.gate, 1)
+
+    labels = {"splitmq_job": job, "role": "aggregator", "member": "a"}
+    name = "splitmq_dead_lettered_total"
+    assert meters.registry.get_sample_value(name, {**labels, "reason": "over_budget"}) == 5
