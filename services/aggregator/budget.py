@@ -9,8 +9,9 @@ sends 400-1,250 a second: the flood outruns its judge. So each sender gets a tok
 bucket: within it a message is judged in full (an invalid one dead-lettered with its
 reason), beyond it a message is refused unjudged: it is put in the `Surplus`, which
 dead-letters a batch at a time (`Broker.dead_letter_many`: one wait for the broker per
-batch, 0.2-0.4 ms a message instead of ~2), each with the reason that its sender was over
-budget. The aggregator then consumes a flood faster than a client can publish it, the
+batch, 0.3-1 ms a message instead of 1.3-2.7), each with the reason that its sender was over
+budget; while a batch is open, the judged junk joins it too. The aggregator then consumes
+a flood faster than a client can publish it (given its CPU: starved, it falls behind), the
 bounded queue (reject-publish) stays short, and the others' updates are never far behind.
 
 A sender is its AMQP user_id when the broker stamps one (the secured mode), else the client
@@ -90,13 +91,15 @@ class SenderBudgets:
 
 @dataclass
 class Surplus:
-    """Over-budget deliveries waiting to be dead-lettered together, each with its reason."""
+    """Dead letters waiting to go together, each with its reason and what to do once it is
+    settled: the over-budget ones, and, while a batch of those is open, the judged ones too
+    (during a flood, the flooder's budgeted junk would otherwise cost a confirm each)."""
 
     size: int = SURPLUS_BATCH
     wait_s: float = SURPLUS_WAIT_S
     clock: Callable[[], float] = time.monotonic
     letters: list[tuple[Delivery, str]] = field(default_factory=list)
-    senders: list[str] = field(default_factory=list)  # whose, letter by letter
+    settled: list[Callable[[], None]] = field(default_factory=list)  # letter by letter
     _since: float = 0.0  # when the oldest came
 
     def __len__(self) -> int:
@@ -106,16 +109,16 @@ class Surplus:
         """How long the oldest may wait yet."""
         return max(0.0, self.wait_s - (self.clock() - self._since)) if self.letters else 0.0
 
-    def add(self, delivery: Delivery, sender: str, reason: str) -> bool:
+    def add(self, delivery: Delivery, reason: str, settled: Callable[[], None]) -> bool:
         """Keep one; whether the batch is due (full, or its oldest has waited long enough)."""
         now = self.clock()
         if not self.letters:
             self._since = now
         self.letters.append((delivery, reason))
-        self.senders.append(sender)
+        self.settled.append(settled)
         return len(self.letters) >= self.size or now - self._since >= self.wait_s
 
-    def take(self) -> tuple[list[tuple[Delivery, str]], list[str]]:
-        taken = self.letters, self.senders
-        self.letters, self.senders = [], []
+    def take(self) -> tuple[list[tuple[Delivery, str]], list[Callable[[], None]]]:
+        taken = self.letters, self.settled
+        self.letters, self.settled = [], []
         return taken

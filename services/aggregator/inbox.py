@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.codec import decode
@@ -83,8 +84,7 @@ class UpdateInbox:
             decoded = _decoded(delivery)
             sender = self._claimed(decoded)
         if not self.budgets.spend(sender):
-            if self.surplus.add(delivery, sender, self.budgets.refusal(sender)):
-                self.flush()
+            self._batch(delivery, self.budgets.refusal(sender), lambda: self._throttled(sender))
             return True
         self._judge(delivery, _decoded(delivery) if decoded is None else decoded, gate, version)
         return True
@@ -119,8 +119,9 @@ class UpdateInbox:
             return
         refusal = self.screen.refusal(message)
         if refusal is not None:
-            if self._dead_letter(delivery, refusal.reason, refusal.kind) and refusal.member:
-                gate.refused(message.client)
+            client = message.client
+            then = (lambda: gate.refused(client)) if refusal.member else None
+            self._dead_letter(delivery, refusal.reason, refusal.kind, then)
             return
         if isinstance(message, RoundDropped):
             self._on_drop(delivery, message, gate.offer_drop(message))
@@ -128,26 +129,33 @@ class UpdateInbox:
             self._on_update(delivery, message, gate.offer(message), version)
 
     def flush(self) -> None:
-        """Dead-letter the surplus (messages refused unjudged) in one batch."""
-        letters, senders = self.surplus.take()
-        if not letters:
-            return
-        for outcome in dead_letter_many_safely(self.broker, letters):
-            if outcome is not Rejected.REDELIVERED:  # else it comes back and is judged again
-                self.stats.throttled += 1
-                self.refusals[OVER_BUDGET] += 1
-        for sender in dict.fromkeys(senders):
-            refused = self.budgets.report(sender)
-            if refused:
-                self.logger.warning(
-                    "job %s: %s is over its budget of %d updates, then %g a second: %d refused "
-                    "unjudged (dead-lettered with that reason) since the last report",
-                    self.job,
-                    f"client {sender!r}" if sender else "an unknown sender",
-                    self.budgets.burst,
-                    self.budgets.rate_per_s,
-                    refused,
-                )
+        """Dead-letter the batch (the surplus, and what was judged meanwhile) in one go."""
+        letters, settled = self.surplus.take()
+        if letters:
+            for outcome, then in zip(
+                dead_letter_many_safely(self.broker, letters), settled, strict=True
+            ):
+                if outcome is not Rejected.REDELIVERED:  # else it comes back, judged again
+                    then()
+
+    def _batch(self, delivery: Delivery, reason: str, settled: Callable[[], None]) -> None:
+        if self.surplus.add(delivery, reason, settled):
+            self.flush()
+
+    def _throttled(self, sender: str) -> None:
+        self.stats.throttled += 1
+        self.refusals[OVER_BUDGET] += 1
+        refused = self.budgets.report(sender)
+        if refused:
+            self.logger.warning(
+                "job %s: %s is over its budget of %d updates, then %g a second: %d refused "
+                "unjudged (dead-lettered with that reason) since the last report",
+                self.job,
+                f"client {sender!r}" if sender else "an unknown sender",
+                self.budgets.burst,
+                self.budgets.rate_per_s,
+                refused,
+            )
 
     def _on_update(
         self, delivery: Delivery, message: WeightsUpdate, offer: Offer, version: int
@@ -221,14 +229,24 @@ class UpdateInbox:
             # The connection dropped meanwhile: the broker redelivers it, and it will be late.
             self.logger.info("job %s: ack of an update on a lost connection", self.job)
 
-    def _dead_letter(self, delivery: Delivery, reason: str, kind: str) -> bool:
-        """Whether it was settled (False: it comes back and is judged again)."""
-        if dead_letter_safely(self.broker, delivery, reason) is Rejected.REDELIVERED:
-            return False  # its connection is gone
-        self.stats.dead_lettered += 1
-        self.refusals[kind] += 1
-        self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
-        return True
+    def _dead_letter(
+        self, delivery: Delivery, reason: str, kind: str, then: Callable[[], None] | None = None
+    ) -> None:
+        """Dead-letter with `reason`; once settled, count it and run `then` (not when its
+        connection is gone: it comes back and is judged again). During a flood (a batch of
+        surplus open) it joins the batch."""
+
+        def settled() -> None:
+            self.stats.dead_lettered += 1
+            self.refusals[kind] += 1
+            self.logger.warning("job %s: dead-lettering an update: %s", self.job, reason)
+            if then is not None:
+                then()
+
+        if self.surplus:
+            self._batch(delivery, reason, settled)
+        elif dead_letter_safely(self.broker, delivery, reason) is not Rejected.REDELIVERED:
+            settled()
 
 
 # Refusal kind of a message refused unjudged (`services.aggregator.budget`).

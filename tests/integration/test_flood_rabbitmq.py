@@ -3,10 +3,11 @@
 Over a real RabbitMQ and Redis: three scripted clients train (each takes `TRAIN_S` per round)
 through sync rounds with the real aggregator; from round `CALM` on, a fourth member,
 mallory, publishes junk updates (the model's tensors plus one it does not have) as fast as
-one connection with confirms allows, until the job ends. Before the per-sender budgets each
-junk update cost the aggregator a confirmed dead-letter publish (~2 ms), more than mallory
-needs to publish one, so the junk piled up ahead of the others' updates and every round
-waited longer than the last (issue 18: 12,000 junk updates stalled a round for ~25 s).
+one connection with confirms allows, from a process of its own, until the job ends. Before
+the per-sender budgets each junk update cost the aggregator a confirmed dead-letter publish
+(~2 ms), more than mallory needs to publish one, so the junk piled up ahead of the others'
+updates and every round waited longer than the last (issue 18: 12,000 junk updates stalled
+a round for ~25 s).
 
 The round times before and during the flood are compared in one run (medians, so one slow
 round on a loaded machine does not decide), the depth of the updates queue is sampled
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ import torch
 from broker.codec import decode, encode
 from broker.errors import BackPressureError
 from broker.messages import WeightsAssignment, WeightsUpdate, new_message_id
+from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
 from broker.store import SERVER_PART, BlobRef
 from broker.topology import (
     CONTROL_EXCHANGE,
@@ -124,29 +128,60 @@ def honest_client(backends: Backends, job: str, fake: FakeClient) -> Callable[..
 
 
 class Flood:
-    """mallory's junk, as fast as one confirmed connection goes, from `start` until `stop`."""
+    """mallory's junk, as fast as one confirmed connection goes, from `start` until stopped.
 
-    def __init__(self, backends: Backends, job: str, body: bytes) -> None:
-        self.backends, self.job, self.body = backends, job, body
-        self.start = threading.Event()
-        self.sent = 0
-        self.refused = 0  # publishes the full queue refused (mallory is throttled)
+    From a process of its own, as a client is: in this one it would take its CPU from the
+    honest clients' threads (one GIL), and the test would measure its harness under load.
+    """
+
+    def __init__(self, amqp_url: str, job: str, body: bytes) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.start = context.Event()
+        self._stop = context.Event()
+        self._sent = context.Value("q", 0)
+        self._refused = context.Value("q", 0)  # publishes the full queue refused
+        self._process = context.Process(
+            target=flood,
+            args=(amqp_url, job, body, self.start, self._stop, self._sent, self._refused),
+            daemon=True,
+        )
+        self._process.start()
+
+    @property
+    def sent(self) -> int:
+        return int(self._sent.value)
+
+    @property
+    def refused(self) -> int:
+        return int(self._refused.value)
 
     def run(self, stop: threading.Event) -> None:
-        broker = self.backends.open_broker("flooder")
-        try:
-            while not self.start.wait(0.05):
-                if stop.is_set():
-                    return
-            key = updates_routing_key(self.job)
-            while not stop.is_set():
-                try:
-                    broker.publish(CONTROL_EXCHANGE, key, self.body, message_id=new_message_id())
-                    self.sent += 1
-                except BackPressureError:
-                    self.refused += 1
-        finally:
-            broker.close()
+        stop.wait()
+        self._stop.set()
+        self._process.join(10.0)
+        assert self._process.exitcode == 0, f"the flooder ended with {self._process.exitcode}"
+
+
+def flood(
+    amqp_url: str, job: str, body: bytes, start: Any, stop: Any, sent: Any, refused: Any
+) -> None:
+    """The flooder process: publishes `body` once `start` is set, until `stop` is."""
+    broker = RabbitMQBroker(amqp_url, RabbitMQOptions(connection_name=f"{job}-flooder"))
+    try:
+        while not start.wait(0.05):
+            if stop.is_set():
+                return
+        key = updates_routing_key(job)
+        while not stop.is_set():
+            try:
+                broker.publish(CONTROL_EXCHANGE, key, body, message_id=new_message_id())
+                with sent.get_lock():
+                    sent.value += 1
+            except BackPressureError:
+                with refused.get_lock():
+                    refused.value += 1
+    finally:
+        broker.close()
 
 
 class Depths:
@@ -172,7 +207,7 @@ def junk(job: str, weights: dict[str, torch.Tensor]) -> bytes:
 
 
 def test_a_flooding_client_is_throttled_and_the_others_rounds_keep_their_pace(
-    settings: Settings,
+    settings: Settings, amqp_url: str
 ) -> None:
     job = settings.job.name
     backends = Backends(settings.broker, settings.store)
@@ -185,7 +220,7 @@ def test_a_flooding_client_is_throttled_and_the_others_rounds_keep_their_pace(
         add_member(store, job, FLOODER, samples=0, partition=len(CLIENTS))
         declare_all(backends, settings, [*CLIENTS, FLOODER])
         weights, _ = WeightsCache(store, job, 1).global_weights()
-        flood = Flood(backends, job, junk(job, weights))
+        flood = Flood(amqp_url, job, junk(job, weights))
         depths = Depths(backends, job)
         fakes = [FakeClient(c, 10, lambda r: 1.0) for c in CLIENTS]
         worker = FakeWorker(store.read_blob(job, 1, BlobRef(SERVER_PART)), lambda r: -1.0)

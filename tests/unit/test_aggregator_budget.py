@@ -150,11 +150,12 @@ def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_
     inbox.drain(flood.gate, 1)
 
     assert set(flood.gate.updates) == {"honest"}  # served after the flood ahead of it
-    # mallory's first 3 judged (dead-lettered with the screen's reason), 7 refused unjudged
-    # in one batch; strangers (undecodable bodies) spend a budget of their own.
+    # mallory's first 3 judged (dead-lettered with the screen's reason, one by one), 7 refused
+    # unjudged; strangers (undecodable bodies) spend a budget of their own, judged while the
+    # surplus waits: they join its batch.
     assert (inbox.stats.dead_lettered, inbox.stats.throttled) == (3 + 2, 7)
     assert inbox.refusals[OVER_BUDGET] == 7
-    assert broker.batches == [7]
+    assert broker.batches == [7 + 2]
     letters = flood.dead_letters()
     assert set(letters) == {f"junk-{i}" for i in range(10)} | {"anon-0", "anon-1"}
     reasons = {m: str(h[REASON_HEADER]) for m, h in letters.items()}  # every one has a reason
