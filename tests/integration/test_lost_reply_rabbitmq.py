@@ -23,12 +23,13 @@ import pytest
 from broker.codec import decode
 from broker.messages import GradientReply
 from broker.store import WeightStore
-from broker.topology import job_queues, reply_queue, reply_queue_name
+from broker.topology import reply_queue, reply_queue_name
 from services.client.stats import ClientStats
 from services.config.root import Settings
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
 from services.runtime.backends import Backends
+from services.runtime.processes import clear_job
 from services.runtime.roles import embedded_roles
 from services.runtime.supervise import Outcome, Role, Supervisor
 from tests.unit.test_worker_support import one_torch_thread
@@ -144,20 +145,7 @@ class ReplyThief(threading.Thread):
 def settings(job: str, amqp_url: str, redis_url: str) -> Iterator[Settings]:
     settings = job_settings(job, amqp_url, redis_url)
     yield settings
-    backends = Backends(settings.broker, settings.store)
-    broker = backends.open_broker("cleanup", give_up_after=10.0)
-    try:
-        names = [q.name for q in job_queues(job, settings.shards)]
-        names += [reply_queue_name(job, f"client-{i}") for i in range(CLIENTS)]
-        for name in names:
-            broker.delete_queue(name)
-    finally:
-        broker.close()
-    store = backends.open_store()
-    try:
-        store.delete_job(job)
-    finally:
-        store.close()
+    clear_job(settings, [f"client-{i}" for i in range(CLIENTS)])
 
 
 def participants(store: WeightStore, job: str, version: int) -> set[str]:
