@@ -117,6 +117,17 @@ def receive(broker: Broker, count: int = 1) -> list[Delivery]:
     return deliveries
 
 
+def bad_messages(
+    consumer: Broker, dead: QueueSpec, control: QueueSpec, count: int
+) -> list[Delivery]:
+    """Declare `dead` and `control`, put `count` bodies `bad-<i>` on `control`, take them."""
+    consumer.declare([dead, control])
+    for index in range(count):
+        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
+    consumer.subscribe(control.name, prefetch=count)
+    return receive(consumer, count)
+
+
 def test_round_trip_carries_body_headers_and_ids(broker_factory: BrokerFactory) -> None:
     broker = broker_factory()
     spec = broker_factory.spec("work")
@@ -302,12 +313,10 @@ def test_dead_letter_queue_drops_its_oldest_when_full(broker_factory: BrokerFact
     dead = broker_factory.track(dead_queue(job, limits))
     control = broker_factory.track(control_queue(job, limits))
     consumer = broker_factory()
-    consumer.declare([dead, control])
-    for index in range(4):
-        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
-    consumer.subscribe(control.name, prefetch=4)
 
-    outcomes = [dead_letter_safely(consumer, d, "bad") for d in receive(consumer, 4)]
+    outcomes = [
+        dead_letter_safely(consumer, d, "bad") for d in bad_messages(consumer, dead, control, 4)
+    ]
 
     assert outcomes == [Rejected.DEAD_LETTERED] * 4
     assert consumer.queue_depth(dead.name) == 2
@@ -534,11 +543,7 @@ def test_dead_letter_many_into_a_full_dead_letter_queue(broker_factory: BrokerFa
     dead = broker_factory.track(dead_queue(job, limits))
     control = broker_factory.track(control_queue(job, limits))
     consumer = broker_factory()
-    consumer.declare([dead, control])
-    for index in range(4):
-        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
-    consumer.subscribe(control.name, prefetch=4)
-    letters = [(d, "bad") for d in receive(consumer, 4)]
+    letters = [(d, "bad") for d in bad_messages(consumer, dead, control, 4)]
 
     assert dead_letter_many_safely(consumer, letters) == [Rejected.DEAD_LETTERED] * 4
     assert [c.body for c in dead_letters(broker_factory, dead, 2)] == [b"bad-2", b"bad-3"]
@@ -557,11 +562,7 @@ def test_dead_letter_many_into_a_refusing_dead_letter_queue(broker_factory: Brok
     )
     control = broker_factory.track(control_queue(job))
     consumer = broker_factory()
-    consumer.declare([refusing, control])
-    for index in range(3):
-        consumer.publish(CONTROL_EXCHANGE, control.routing_key, f"bad-{index}".encode())
-    consumer.subscribe(control.name, prefetch=3)
-    letters = [(d, "bad") for d in receive(consumer, 3)]
+    letters = [(d, "bad") for d in bad_messages(consumer, refusing, control, 3)]
 
     unsettled = consumer.dead_letter_many(letters)
     assert [(d.body, type(e)) for d, e in unsettled] == [
