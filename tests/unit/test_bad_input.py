@@ -245,6 +245,25 @@ def dead_letters(broker: Broker, job: str) -> dict[str, list[str]]:
     return found
 
 
+def client_link(handle: Broker, job: str, stats: ClientStats) -> ClientLink:
+    """Client c0's link over `handle`, opened: its reply queue and dead-letter path."""
+    link = ClientLink(
+        handle,
+        job=job,
+        client="c0",
+        stats=stats,
+        stop=threading.Event(),
+        clock=time.monotonic,
+        heartbeat_s=60.0,
+        backoff=Backoff(),
+        rng=random.Random(0),
+        route_wait_s=1.0,
+        logger=LOG,
+    )
+    link.open()
+    return link
+
+
 def assert_dead_lettered(found: dict[str, list[str]], expected: dict[str, Row]) -> None:
     for mid, row in expected.items():
         reasons = found.get(mid, [])
@@ -665,20 +684,7 @@ def test_client_reply_queue(job: str) -> None:
     handle = InMemoryBroker(embedded.hub)
     handle.declare([dead_queue(job)])
     stats = ClientStats()
-    link = ClientLink(
-        handle,
-        job=job,
-        client="c0",
-        stats=stats,
-        stop=threading.Event(),
-        clock=time.monotonic,
-        heartbeat_s=60.0,
-        backoff=Backoff(),
-        rng=random.Random(0),
-        route_wait_s=1.0,
-        logger=LOG,
-    )
-    link.open()
+    link = client_link(handle, job, stats)
     model = build_client_model(settings)
     client = Client(settings, Backends(settings.broker, settings.store, embedded), client_id="c0")
     link.validate_with(lambda m: client._problem(m, model))

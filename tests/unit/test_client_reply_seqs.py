@@ -4,37 +4,18 @@ earlier seq (a late copy of an answer taken already) is a duplicate, passed on t
 
 from __future__ import annotations
 
-import logging
-import random
-import threading
-import time
-
 import torch
 
 from broker.codec import encode
 from broker.memory_broker import InMemoryBroker
 from broker.messages import GradientReply, new_message_id
-from broker.topology import REPLIES_EXCHANGE, dead_queue, dead_queue_name, reply_routing_key
-from broker.transport import REASON_HEADER, Broker
+from broker.topology import REPLIES_EXCHANGE, dead_queue, reply_routing_key
 from services.client.channel import SeqBook
-from services.client.link import Backoff, ClientLink
 from services.client.stats import ClientStats
 from services.runtime.backends import Embedded
+from tests.unit.test_bad_input import client_link, dead_letters
 
-LOG = logging.getLogger("test.client_reply_seqs")
 NEXT_SEQ = 1_000
-
-
-def dead_letters(broker: Broker, job: str) -> dict[str, list[str]]:
-    """message id -> reasons of everything in `<job>.dead`."""
-    broker.subscribe(dead_queue_name(job), prefetch=100)
-    found: dict[str, list[str]] = {}
-    while (delivery := broker.get(0.2)) is not None:
-        broker.ack(delivery)
-        reason = str(delivery.headers.get(REASON_HEADER, ""))
-        found.setdefault(delivery.message_id or "", []).append(reason)
-    broker.unsubscribe(dead_queue_name(job))
-    return found
 
 
 def reply(job: str, seq: int) -> bytes:
@@ -47,20 +28,7 @@ def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
     broker = InMemoryBroker(embedded.hub)
     broker.declare([dead_queue(job)])
     stats = ClientStats()
-    link = ClientLink(
-        InMemoryBroker(embedded.hub),
-        job=job,
-        client="c0",
-        stats=stats,
-        stop=threading.Event(),
-        clock=time.monotonic,
-        heartbeat_s=60.0,
-        backoff=Backoff(),
-        rng=random.Random(0),
-        route_wait_s=1.0,
-        logger=LOG,
-    )
-    link.open()
+    link = client_link(InMemoryBroker(embedded.hub), job, stats)
     seqs = SeqBook(NEXT_SEQ)
     link.validate_with(seqs.reply_problem)  # as the client's RoundRunner does
     key = reply_routing_key(job, "c0")
