@@ -61,8 +61,8 @@ from broker.topology import (
 )
 from broker.transport import Broker
 from services.autoscaler.observer import parse_report
+from services.common.backends import Backends
 from services.config.loading import load_settings
-from services.runtime.backends import Backends
 from services.runtime.processes import child_env
 
 LOG = logging.getLogger("splitmq.backpressure")

@@ -76,16 +76,16 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker, QueueSpec
+from services.common.backends import Backends
+from services.common.membership import client_members
+from services.common.supervise import RoleSpec
 from services.config.root import Settings
-from services.coordinator.membership import client_members
 from services.dashboard.state import DashboardState
 from services.dashboard.watch import JobWatcher
 from services.report.records import VersionRecord
-from services.runtime.backends import Backends
 from services.runtime.embedded import load_job_dataset
 from services.runtime.processes import clear_job
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import RoleSpec
 
 LOG = logging.getLogger("splitmq.fuzz")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -508,7 +508,7 @@ def targets_of(ctx: Context, store: WeightStore) -> list[Target]:
 
 
 def _cut_shape(settings: Settings) -> tuple[int, ...]:
-    from services.runtime.jobmodel import job_model
+    from services.common.jobmodel import job_model
 
     return tuple(job_model(settings).cut_shape(CUT))
 

@@ -30,9 +30,9 @@ from broker.forwarding import ForwardingBroker
 from broker.topology import REPLIES_EXCHANGE
 from broker.transport import Broker, Headers
 from services.cli.common import stop_on_signals
+from services.common.backends import Backends
+from services.common.logs import configured_logging
 from services.config.loading import load_settings
-from services.runtime.backends import Backends
-from services.runtime.logs import configured_logging
 from workers.worker import Worker
 
 # One reply: (monotonic seconds after its confirm, routing key, body bytes, seconds the

@@ -65,9 +65,9 @@ from broker.topology import (
     shard_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker, QueueSpec
+from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.runtime.processes import child_env
 from workers.replica import AUDIT_MODULUS
 

@@ -33,7 +33,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from broker.store import WeightStore
-from services.coordinator.membership import client_members
+from services.common.membership import client_members
 
 if TYPE_CHECKING:
     from benchmarks.soak import Children, SoakConfig, SoakReport, Tap

@@ -18,6 +18,13 @@ _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 # Length of the sha256 prefix that makes blob keys content-addressed.
 SHA_PREFIX_LEN = 16
 
+# Prefixes of the member ids in `<job>:members` (one sorted set for every kind of member), so a
+# reader of the set tells clients, workers and role health records apart without knowing who
+# wrote them.
+CLIENT_MEMBER_PREFIX = "client:"
+WORKER_MEMBER_PREFIX = "worker:"
+HEALTH_MEMBER_PREFIX = "health:"
+
 
 def validate_job(job: str) -> str:
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):

@@ -10,7 +10,7 @@ Two jobs (docs/async.md, "Server side"):
 - **Rebasing.** With no RoundEnd there is no moment at which the replica restarts from the
   average: it never reloads. Instead, just before each checkpoint it looks at the newest
   version; if that version folded one of this shard's recent checkpoints (manifest meta
-  `server.<s>`, see `services.aggregator.server_fold`), the replica moves onto it, keeping
+  `server.<s>`, see `services.common.server_fold`), the replica moves onto it, keeping
   the progress it made since that checkpoint: `w <- server(v) + (w - w_folded)`. With one
   shard this changes nothing (the version's server blob *is* the folded checkpoint); with
   several, each replica picks up the others' progress. The optimizer state is kept: the
@@ -36,9 +36,9 @@ from broker.errors import VersionNotFoundError
 from broker.messages import GradientReply, SmashedBatch, new_message_id
 from broker.store import SERVER_PART, BlobRef, Checkpoint, WeightStore
 from models.state import load_partial
-from services.aggregator.server_fold import NEVER, folded_of
 from services.algorithms.async_fold import rebase_state
 from services.algorithms.staleness import TOO_STALE
+from services.common.server_fold import NEVER, folded_of
 from workers.replica import Replica
 from workers.replies import Replier
 from workers.stats import WorkerStats

@@ -6,8 +6,8 @@ import logging
 import signal
 import threading
 
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from workers.stats import WorkerStats
 from workers.worker import Worker
 

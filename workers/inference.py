@@ -54,8 +54,8 @@ from broker.transport import Broker, Delivery
 from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import load_partial
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.security.identity import client_id_problem, sender_check
 from workers.model import ModelFactory, pick_device
 

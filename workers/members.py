@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from broker.keys import CLIENT_MEMBER_PREFIX
 from broker.store import WeightStore
-from services.coordinator.membership import MEMBER_PREFIX
 
 # Strangers remembered at once; the oldest is forgotten first.
 _MAX_STRANGERS = 4096
@@ -59,7 +59,7 @@ class MemberCache:
     def _refresh(self, now: float) -> None:
         members = self._store.live_members(self._job)
         self._members = frozenset(
-            m[len(MEMBER_PREFIX) :] for m in members if m.startswith(MEMBER_PREFIX)
+            m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
         )
         self._read_at = now
         self.reads += 1

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from models.split import SplitNet
-from services.runtime.jobmodel import job_hyper, job_model
+from services.common.jobmodel import job_hyper, job_model
 
 __all__ = ["ModelFactory", "job_hyper", "job_model", "pick_device"]
 

@@ -1,8 +1,8 @@
 """One run of a worker: its broker handle, its leases, the runners of the shards it holds.
 
 Each lease tick (a third of the lease TTL) it heartbeats, renews its leases and rebalances
-(`workers.leases`); in between it pulls deliveries from the shard queues it subscribed to and
-hands each to the runner of its shard (`workers.shard`).
+(`services.common.leases`); in between it pulls deliveries from the shard queues it subscribed
+to and hands each to the runner of its shard (`workers.shard`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
 from broker.transport import Broker, Delivery
 from services.algorithms.base import Strategy, batch_cuts
+from services.common.leases import LeaseKeeper, lease_name
+from services.common.logs import log_context
 from services.config.root import Settings
 from services.metrics.recorder import NO_METRICS, Metrics
-from services.runtime.logs import log_context
 from services.security.identity import sender_check
 from workers.busy import BusyMeter
 from workers.checks import ShardExpectations
 from workers.deadletter import reject
-from workers.leases import LeaseKeeper, lease_name
 from workers.members import MemberCache
 from workers.model import ModelFactory, job_hyper, pick_device
 from workers.replica import Replica, open_replica

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from services.algorithms.base import Strategy, serves_inference
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from workers.inference import start_inference
 from workers.model import ModelFactory, job_model
 from workers.session import WorkerSession, WorkerSpec

@@ -3,7 +3,7 @@
 from services.aggregator.aggregator import Aggregator
 from services.aggregator.bootstrap import build_evaluator, ensure_initial_version
 from services.aggregator.evaluation import EvalResult, Evaluator, VersionEval, evaluate
-from services.runtime.jobmodel import job_model
+from services.common.jobmodel import job_model
 
 __all__ = [
     "Aggregator",

@@ -22,13 +22,13 @@ from services.aggregator.screen import UpdateScreen
 from services.algorithms.async_fold import supports_async
 from services.algorithms.base import Strategy, for_model, partial_client_updates
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends
+from services.common.jobmodel import job_model
+from services.common.logs import log_context
+from services.common.outbox import Outbox
+from services.common.supervise import JobFailedError
 from services.config.root import Settings
-from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
-from services.runtime.backends import Backends
-from services.runtime.jobmodel import job_model
-from services.runtime.logs import log_context
-from services.runtime.supervise import JobFailedError
 from services.security.identity import sender_check, service_stamped
 
 # Held (unacked) updates count against the prefetch: leave room for a whole cohort plus the

@@ -29,8 +29,8 @@ from services.aggregator.gate import Offer, Reference, Verdict, reference_of
 from services.algorithms.async_fold import StaleUpdate
 from services.algorithms.base import ClientUpdate
 from services.algorithms.staleness import TOO_STALE, StalenessRule
-from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import MemberInfo
+from services.common.handout import WeightsCache
+from services.common.membership import MemberInfo
 
 Tensors = dict[str, torch.Tensor]
 # Message ids of updates already buffered or folded, remembered to spot redeliveries.

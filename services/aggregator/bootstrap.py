@@ -16,9 +16,9 @@ from broker.errors import VersionConflictError
 from broker.store import NO_VERSION, JobStatus, WeightStore
 from services.aggregator.evaluation import Evaluator
 from services.algorithms.base import Strategy
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Split
-from services.runtime.jobmodel import job_model
 
 
 def ended_job(store: WeightStore, job: str) -> JobStatus | None:

@@ -5,7 +5,7 @@ at most `max_staleness` versions behind (a staler one is refused with `Error("to
 when `buffer_size` (K) are buffered they are folded into version v+1 (each rebased onto the
 current weights with its change scaled by s(tau), then the strategy's own `aggregate`, see
 `services.algorithms.async_fold`), together with the shard replicas' fresh progress
-(`services.aggregator.server_fold`). Every client whose update was judged then gets the
+(`services.common.server_fold`). Every client whose update was judged then gets the
 newest weights as a WeightsAssignment, so it trains its next local round without waiting
 for anyone. The job ends after `job.rounds` versions, as in sync mode, or fails when
 `asynchronous.max_fruitless_per_client` local rounds per client in a row came to nothing
@@ -41,7 +41,6 @@ from services.aggregator.evaluation import Evaluator
 from services.aggregator.inbox import UpdateInbox
 from services.aggregator.metrics import RoundTraffic, build_record, event_data
 from services.aggregator.notices import end_job
-from services.aggregator.server_fold import FoldedCheckpoint, ServerLedger
 from services.algorithms.async_fold import fold
 from services.algorithms.base import (
     ShardReplica,
@@ -50,12 +49,13 @@ from services.algorithms.base import (
     personal_on_clients,
 )
 from services.algorithms.staleness import StalenessRule
+from services.common.handout import WeightsCache, client_config
+from services.common.membership import MemberInfo
+from services.common.outbox import Outbox
+from services.common.server_fold import FoldedCheckpoint, ServerLedger
+from services.common.supervise import JobFailedError
 from services.config.root import Settings
-from services.coordinator.handout import WeightsCache, client_config
-from services.coordinator.membership import MemberInfo
-from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
-from services.runtime.supervise import JobFailedError
 
 # How often the members' records are re-read (an unknown sender triggers a re-read at once).
 _MEMBER_CHECK_S = 1.0

@@ -20,7 +20,7 @@ import torch
 from broker.messages import RoundDropped, WeightsUpdate
 from services.aggregator.cohort import quorum_size
 from services.algorithms.base import ClientUpdate
-from services.coordinator.membership import MemberInfo, same_incarnation
+from services.common.membership import MemberInfo, same_incarnation
 
 
 class Verdict(enum.Enum):

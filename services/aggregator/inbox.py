@@ -31,7 +31,7 @@ from broker.transport import Broker, Delivery
 from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import Gate, Offer, Verdict
 from services.aggregator.screen import UpdateScreen
-from services.coordinator.outbox import Outbox
+from services.common.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.security.identity import SenderCheck, client_id_problem
 

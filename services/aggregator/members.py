@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.store import WeightStore
-from services.coordinator.membership import MemberInfo, client_members
+from services.common.membership import MemberInfo, client_members
 
 # Re-reads of the members on a stranger: a burst of this many, then this many a second.
 _STRANGER_READS = 20.0

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from broker.errors import UnroutableError
 from broker.messages import ConfigValue, RoundEnd, RoundStart, WeightsAssignment, new_message_id
 from broker.store import JobStatus, WeightStore
+from services.common.handout import WeightsCache, client_config, dismissal
+from services.common.membership import MemberInfo, client_members
+from services.common.outbox import Outbox
 from services.config.root import Settings
-from services.coordinator.handout import WeightsCache, client_config, dismissal
-from services.coordinator.membership import MemberInfo, client_members
-from services.coordinator.outbox import Outbox
 
 
 def cohort_shards(cohort: Mapping[str, MemberInfo]) -> dict[int, dict[str, ConfigValue]]:

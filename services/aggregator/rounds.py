@@ -34,12 +34,12 @@ from services.algorithms.base import (
     Strategy,
     personal_on_clients,
 )
+from services.common.handout import WeightsCache
+from services.common.membership import MemberInfo
+from services.common.outbox import Outbox
+from services.common.supervise import JobFailedError
 from services.config.root import Settings
-from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import MemberInfo
-from services.coordinator.outbox import Outbox
 from services.report.records import MetricsSink, VersionRecord
-from services.runtime.supervise import JobFailedError
 
 # How often the members' liveness is re-read while a round waits for updates.
 _MEMBER_CHECK_S = 1.0

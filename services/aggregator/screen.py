@@ -16,7 +16,7 @@ from broker.messages import RoundDropped, WeightsUpdate
 from broker.store import WeightStore
 from services.aggregator.gate import Reference, masks_problem, reference_of, weights_problem
 from services.aggregator.members import MemberBook
-from services.coordinator.handout import WeightsCache
+from services.common.handout import WeightsCache
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ having nothing to serve), and as stopping until the backend saw it exit; meanwhi
 holds, so nothing is decided on a picture that is about to change.
 
 Each poll that completes refreshes the health key `health:autoscaler:<instance>`
-(`services.runtime.health`, read by `splitmq check autoscaler`): from the loop itself, not a
+(`services.common.health`, read by `splitmq check autoscaler`): from the loop itself, not a
 thread of its own as the other roles do, so an autoscaler that cannot observe or act (Redis,
 RabbitMQ or Docker unreachable, a call that hangs) goes unhealthy once the key expires.
 """
@@ -32,9 +32,9 @@ from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.observer import Observer, Snapshot
 from services.autoscaler.policy import Decision, Limits, Observation, PolicyState, decide
 from services.autoscaler.pool import PoolWorker, WorkerPool
+from services.common.backends import Backends
+from services.common.health import TTL_S, health_member
 from services.config.root import Settings
-from services.runtime.backends import Backends
-from services.runtime.health import TTL_S, health_member
 
 Action = Literal["start", "stop", "exited"]
 ROLE = "autoscaler"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from broker.keys import WORKER_MEMBER_PREFIX
 from broker.store import Member, WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
 from broker.transport import Broker
-from workers.leases import WORKER_PREFIX
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class WorkerReport:
 
 def parse_report(member: Member) -> WorkerReport | None:
     """A `worker:<id>` member's heartbeat; None for other members. Bad fields read as absent."""
-    if not member.member_id.startswith(WORKER_PREFIX):
+    if not member.member_id.startswith(WORKER_MEMBER_PREFIX):
         return None
     info = member.info
     try:
@@ -36,7 +36,7 @@ def parse_report(member: Member) -> WorkerReport | None:
         busy: float | None = min(1.0, max(0.0, float(info["busy"])))
     except (KeyError, ValueError):
         busy = None
-    return WorkerReport(member.member_id[len(WORKER_PREFIX) :], shards, busy)
+    return WorkerReport(member.member_id[len(WORKER_MEMBER_PREFIX) :], shards, busy)
 
 
 @dataclass(frozen=True)

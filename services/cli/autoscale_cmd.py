@@ -20,9 +20,9 @@ from services.cli.common import (
     pick_log_level,
     stop_on_signals,
 )
+from services.common.backends import Backends
+from services.common.logs import configured_logging
 from services.config.root import Settings
-from services.runtime.backends import Backends
-from services.runtime.logs import configured_logging
 
 
 def make_pool(settings: Settings, config: Path, log_dir: Path | None) -> WorkerPool:

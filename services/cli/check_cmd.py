@@ -1,7 +1,7 @@
 """`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why.
 
 coordinator, aggregator, worker and autoscaler are healthy while their health key
-(`services.runtime.health`; the autoscaler refreshes its own after each poll) is live in the
+(`services.common.health`; the autoscaler refreshes its own after each poll) is live in the
 store: by default one refreshed from this host (a
 container's hostname is its own), or the instance named with `--id`, or any with `--anywhere`.
 A client, which holds no store credentials, is healthy while its health file on this machine
@@ -17,10 +17,10 @@ from typing import Protocol
 import click
 
 from broker.errors import SplitMQError
+from services.common.backends import Backends
+from services.common.health import Verdict, assess
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.runtime.doctor import check_broker, check_store
-from services.runtime.health import Verdict, assess
 from services.runtime.health_file import assess_files
 
 ROLES = ("coordinator", "aggregator", "worker", "autoscaler", "client")

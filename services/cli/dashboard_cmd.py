@@ -15,8 +15,8 @@ from services.cli.common import (
     pick_log_level,
     stop_on_signals,
 )
-from services.runtime.backends import Backends
-from services.runtime.logs import configured_logging
+from services.common.backends import Backends
+from services.common.logs import configured_logging
 
 
 @click.command()

@@ -1,7 +1,7 @@
 """The `splitmq` error boundary: a user's mistake is one line on stderr, a bug a traceback.
 
 Every command runs inside it, so no command catches errors just to print them: a wrong URL,
-a server that is down, a refused password, an unknown model (`services.runtime.user_errors`)
+a server that is down, a refused password, an unknown model (`services.common.user_errors`)
 become click's one-line "Error: ..." and exit status 1; anything else keeps its traceback.
 `--debug` (or SPLITMQ_DEBUG=1) shows the traceback of user errors too.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from services.runtime.user_errors import user_message
+from services.common.user_errors import user_message
 
 
 def debug_mode(ctx: click.Context | None = None) -> bool:

@@ -11,10 +11,10 @@ from pathlib import Path
 import click
 
 from services.cli.common import stop_on_signals
+from services.common.logs import configured_logging
 from services.config.loading import ConfigError
 from services.data.errors import DataError
 from services.experiments.registry import EXPERIMENTS, get_experiment
-from services.runtime.logs import configured_logging
 
 DEFAULT_OUT = Path("docs/results.md")
 # A smoke run must not replace real results unless asked to.

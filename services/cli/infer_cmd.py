@@ -22,8 +22,8 @@ import click
 from broker.store import SERVER_PART, BlobRef
 from broker.transport import Broker
 from services.cli.common import config_argument, load
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.security.identity import service_stamped
 
 # The models, the algorithms and the sweep (torch) are imported where they are used: every
@@ -185,7 +185,7 @@ class ThetaSource:
         from models.parts import ServerModel
         from models.state import load_partial
         from services.client.inference import BrokerTheta, LocalTheta
-        from services.runtime.jobmodel import job_model
+        from services.common.jobmodel import job_model
         from workers.inference import InferenceServer
 
         settings = self._settings

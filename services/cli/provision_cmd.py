@@ -9,7 +9,7 @@ import click
 
 from broker.errors import BrokerError
 from services.cli.common import config_argument, load
-from services.runtime.backends import Backends
+from services.common.backends import Backends
 from services.security.admin import AdminError, pick_admin
 from services.security.identity import client_user
 from services.security.provision import client_names, provision, revoke, vhost_of

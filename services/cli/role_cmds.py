@@ -4,7 +4,7 @@ These are what compose services and `splitmq up` start. Each needs the real brok
 (the in-memory ones live inside one process), stops gracefully on SIGTERM / Ctrl-C, and exits
 non-zero when the role dies: with the traceback in its log for a bug, in one log line for a
 user's error (a wrong URL or password, a server that is not there, a bad --id; see
-`services.runtime.user_errors`, and `splitmq --debug` for their tracebacks too). A role waits
+`services.common.user_errors`, and `splitmq --debug` for their tracebacks too). A role waits
 up to `preflight.START_WAIT_S` for its broker and store before it starts.
 """
 
@@ -30,13 +30,13 @@ from services.cli.common import (
     stop_on_signals,
 )
 from services.cli.errors import debug_mode
+from services.common.backends import Backends
+from services.common.health import HealthBeat
+from services.common.logs import ContextValue, configured_logging
+from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
-from services.runtime.backends import Backends
-from services.runtime.health import HealthBeat
 from services.runtime.health_file import FileHealthBeat
-from services.runtime.logs import ContextValue, configured_logging
 from services.runtime.preflight import StartInterrupted, check_services
-from services.runtime.supervise import JobFailedError, Role, RoleKind
 from services.security.identity import default_client_id
 
 # The roles, the report and the metrics (torch, the models) are imported inside the commands:

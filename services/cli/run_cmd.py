@@ -17,8 +17,8 @@ from services.cli.common import (
     stop_on_signals,
 )
 from services.cli.errors import debug_mode
-from services.runtime.backends import Backends, Embedded
-from services.runtime.logs import configured_logging
+from services.common.backends import Backends, Embedded
+from services.common.logs import configured_logging
 
 
 @click.command()

@@ -46,10 +46,10 @@ from services.client.plan import RoundPlan, config_int
 from services.client.round import Membership, RoundRunner, weights_problem
 from services.client.secured import secured_client_broker
 from services.client.stats import ClientStats
+from services.common.backends import Backends
+from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.runtime.backends import Backends
-from services.runtime.jobmodel import job_hyper, job_model
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # it becomes part of queue names and keys
 IDLE_POLL_S = 1.0

@@ -19,8 +19,8 @@ from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, SERVER_PART, BlobR
 from models.state import load_partial
 from services.client.data import JobData
 from services.client.inference import ServerLogits, SplitPredictor, entropy_sweep
+from services.common.jobmodel import job_model
 from services.config.root import Settings
-from services.runtime.jobmodel import job_model
 
 _SIMULATED = re.compile(r"client-(\d+)\Z")  # how `splitmq run` / `up` name partition i's client
 

@@ -16,8 +16,8 @@ from dataclasses import replace
 from broker.transport import Broker
 from services.client.errors import ClientError
 from services.client.inference import BrokerTheta
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.security.identity import amqp_user, client_user, stamped
 
 

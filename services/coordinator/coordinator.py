@@ -21,12 +21,12 @@ from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import WeightStore
 from broker.topology import QueueLimits, control_queue_name, job_queues
 from broker.transport import Broker, Delivery
+from services.common.backends import Backends
+from services.common.logs import log_context
+from services.common.membership import client_members, member_id
+from services.common.outbox import Outbox
 from services.config.root import Settings
 from services.coordinator.joining import JoinDesk
-from services.coordinator.membership import client_members, member_id
-from services.coordinator.outbox import Outbox
-from services.runtime.backends import Backends
-from services.runtime.logs import log_context
 from services.security.identity import client_id_problem, sender_check, service_stamped
 
 _PREFETCH = 32

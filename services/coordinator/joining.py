@@ -22,18 +22,18 @@ from dataclasses import dataclass, replace
 from broker.errors import UnroutableError
 from broker.messages import ConfigValue, Join, Welcome, new_message_id
 from broker.store import JOB_FINISHED, WeightStore
-from services.config.root import Settings
-from services.coordinator.assignment import choose_partition, choose_shard
-from services.coordinator.handout import WeightsCache, client_config, dismissal
-from services.coordinator.levels import LevelDesk
-from services.coordinator.membership import (
+from services.common.handout import WeightsCache, client_config, dismissal
+from services.common.membership import (
     MemberInfo,
     client_members,
     member_id,
     parse_classes,
     session_of,
 )
-from services.coordinator.outbox import Outbox
+from services.common.outbox import Outbox
+from services.config.root import Settings
+from services.coordinator.assignment import choose_partition, choose_shard
+from services.coordinator.levels import LevelDesk
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from services.algorithms.base import batch_cuts
 from services.algorithms.fedsplitx_math import assign_level
 from services.algorithms.registry import build_strategy
+from services.common.jobmodel import job_model
 from services.config.root import Settings
-from services.runtime.jobmodel import job_model
 
 
 class LevelDesk:

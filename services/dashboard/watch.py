@@ -21,18 +21,17 @@ from pathlib import Path
 
 from broker.codec import decode
 from broker.errors import DecodeError
+from broker.keys import CLIENT_MEMBER_PREFIX, WORKER_MEMBER_PREFIX
 from broker.messages import Event
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import Member, WeightStore
 from broker.topology import QueueLimits, events_queue, job_queues, shard_queue_name
 from broker.transport import Broker, Delivery
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.coordinator.membership import MEMBER_PREFIX
 from services.dashboard.rundir import find_run_dir, read_report
 from services.dashboard.state import DashboardState, Probe, WorkerView
 from services.metrics.recorder import NO_METRICS, Metrics
-from services.runtime.backends import Backends
-from workers.leases import WORKER_PREFIX
 
 _RETRY_S = 5.0
 _REPORT_S = 2.0
@@ -54,7 +53,7 @@ def worker_view(member: Member) -> WorkerView:
     busy = number("busy", float)
     samples = number("samples", int)
     return WorkerView(
-        worker=member.member_id[len(WORKER_PREFIX) :],
+        worker=member.member_id[len(WORKER_MEMBER_PREFIX) :],
         shards=info.get("shards", ""),
         busy=float(busy) if busy is not None else None,
         samples=int(samples) if samples is not None else None,
@@ -63,8 +62,12 @@ def worker_view(member: Member) -> WorkerView:
 
 
 def split_members(members: Mapping[str, Member]) -> tuple[list[str], list[WorkerView]]:
-    clients = sorted(m[len(MEMBER_PREFIX) :] for m in members if m.startswith(MEMBER_PREFIX))
-    workers = [worker_view(v) for k, v in sorted(members.items()) if k.startswith(WORKER_PREFIX)]
+    clients = sorted(
+        m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
+    )
+    workers = [
+        worker_view(v) for k, v in sorted(members.items()) if k.startswith(WORKER_MEMBER_PREFIX)
+    ]
     return clients, workers
 
 

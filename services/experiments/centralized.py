@@ -22,11 +22,11 @@ from services.aggregator.bootstrap import build_evaluator
 from services.aggregator.cohort import round_half_up
 from services.algorithms.fedavg import full_state
 from services.client.data import JobData, client_batches
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.batches import Batch, ClientBatches
 from services.data.loaders import Dataset
 from services.report.records import MetricsSink, VersionRecord
-from services.runtime.jobmodel import job_model
 
 
 def client_steps(data: JobData, settings: Settings) -> list[int]:

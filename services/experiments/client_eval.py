@@ -18,9 +18,9 @@ from models.state import load_partial
 from services.aggregator.evaluation import full_model_weights
 from services.algorithms.base import VersionWeights
 from services.client.data import JobData
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.runtime.jobmodel import job_model
 
 CHUNK = 512
 

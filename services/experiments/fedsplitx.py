@@ -29,13 +29,13 @@ from services.algorithms.base import VersionWeights, batch_cuts, personal_metric
 from services.algorithms.base import for_model as bind_strategy
 from services.algorithms.fedsplitx import level_costs
 from services.algorithms.registry import build_strategy
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.figures import FigureSlot, line_style, panel_figure
 from services.experiments.results import ResultSet, RunResult
 from services.experiments.spec import Experiment, Run, example_config
 from services.experiments.tables import markdown_table, percent, points
-from services.runtime.jobmodel import job_model
 
 NAME = "fedsplitx"
 LEVEL_CUTS = ("block1", "block2", "block3")

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from broker.store import NO_VERSION
 from services.aggregator.closing import read_version
+from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.results import FINAL_JSON
 from services.experiments.spec import FinalEval
 from services.report.records import MetricsSink
 from services.report.rundir import write_atomic
-from services.runtime.backends import Backends, Embedded
 from services.runtime.embedded import embedded_settings, run_embedded
 
 

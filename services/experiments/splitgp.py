@@ -20,6 +20,7 @@ from typing import Any
 
 from services.algorithms.base import VersionWeights
 from services.algorithms.splitgp_eval import version_metrics
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
@@ -27,7 +28,6 @@ from services.experiments.figures import FigureSlot, line_style, panel_figure
 from services.experiments.results import ResultSet, RunResult
 from services.experiments.spec import Experiment, Run, example_config
 from services.experiments.tables import markdown_table, percent
-from services.runtime.jobmodel import job_model
 
 NAME = "splitgp"
 DATASETS = (("MNIST", "mnist"), ("FMNIST", "fashion_mnist"))

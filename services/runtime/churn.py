@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from services.common.backends import Backends
+from services.common.supervise import Role, RoleSpec
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.report.records import MetricsSink
-from services.runtime.backends import Backends
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import Role, RoleSpec
 
 Condition = Callable[[], bool]
 _POLL_S = 0.1

@@ -16,10 +16,10 @@ from broker.errors import (
 from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisWeightStore
 from broker.transport import ServerInfo
+from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.errors import DataError
 from services.data.registry import get_spec
-from services.runtime.backends import Backends, Embedded
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from services.common.backends import Backends, Embedded
+from services.common.supervise import Outcome, RoleSpec, Supervisor
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import MetricsSink
 from services.report.sinks import RecordsOnly
-from services.runtime.backends import Backends, Embedded
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import Outcome, RoleSpec, Supervisor
 
 RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[RoleSpec]]
 

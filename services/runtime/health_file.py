@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from services.runtime.health import REFRESH_S, TTL_S, Verdict
+from services.common.health import REFRESH_S, TTL_S, Verdict
 
 
 def health_dir() -> Path:

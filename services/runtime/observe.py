@@ -16,13 +16,13 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from services.common.backends import Backends
 from services.config.root import Settings
 from services.dashboard.page import dashboard_routes
 from services.dashboard.state import DashboardState
 from services.dashboard.watch import JobWatcher
 from services.metrics.endpoint import metrics_route, serve
 from services.metrics.prometheus import PrometheusMeters
-from services.runtime.backends import Backends
 
 Echo = Callable[[str], None]
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 
 from broker.resilient_store import ResilientStore, RetryPolicy
-from services.runtime.backends import Backends
+from services.common.backends import Backends
 
 # Long enough for a broker or Redis restarting beside the role; compose starts roles only
 # once both are healthy and restarts a role that failed, so a longer wait buys nothing.

@@ -21,8 +21,8 @@ from typing import IO
 
 import services
 from broker.topology import QueueLimits, client_queue_names, job_queues
+from services.common.backends import Backends
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.runtime.doctor import check_broker, check_store
 
 Echo = Callable[[str], None]

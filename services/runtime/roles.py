@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData
+from services.common.backends import Backends
+from services.common.supervise import Role, RoleSpec
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.metrics.sink import RecordMetrics
 from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
-from services.runtime.backends import Backends
-from services.runtime.supervise import Role, RoleSpec
 
 
 def build_coordinator(settings: Settings, backends: Backends) -> Role:

@@ -30,10 +30,10 @@ from torch.nn import functional as F
 
 from models.state import client_state, load_partial, server_state
 from services.client.data import JobData
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.batches import ClientBatches
 from services.data.loaders import Dataset
-from services.runtime.jobmodel import job_model
 
 Tensors = dict[str, torch.Tensor]
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

@@ -12,9 +12,9 @@ import torch
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef
 from services.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends
 from services.config.root import Settings
 from services.report.records import ListSink, VersionRecord
-from services.runtime.backends import Backends
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     FakeClient,

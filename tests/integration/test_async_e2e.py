@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from broker.store import WeightStore
+from services.common.backends import Backends
+from services.common.membership import member_id
 from services.config.loading import load_settings
 from services.config.root import Settings
-from services.coordinator.membership import member_id
-from services.runtime.backends import Backends
 from services.runtime.processes import ChildSpec, child_env, clear_job
 from tests.integration.test_service_e2e import Roles, wait_for
 

@@ -30,11 +30,11 @@ from services.autoscaler.local import LocalProcessPool
 from services.cli.main import cli
 from services.client.data import JobData
 from services.client.stats import ClientStats
+from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
-from services.runtime.backends import Backends
 from services.runtime.processes import clear_job
 from services.runtime.roles import build_aggregator, build_client, build_coordinator
 from tests.unit.test_worker_support import one_torch_thread

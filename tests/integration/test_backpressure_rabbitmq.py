@@ -26,12 +26,12 @@ from broker.transport import Broker
 from services.aggregator import Aggregator
 from services.client import Client, JobData
 from services.client.stats import ClientStats
+from services.common.backends import Backends
+from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
-from services.runtime.backends import Backends
-from services.runtime.supervise import RoleSpec, Supervisor
 from tests.integration.test_exactness import Kept
 from tests.unit.test_aggregator_peers import delete_all
 from tests.unit.test_worker_support import one_torch_thread

@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from services.cli.main import cli
+from services.common.backends import Backends
+from services.common.health import HealthBeat
 from services.config.loading import load_settings
-from services.runtime.backends import Backends
-from services.runtime.health import HealthBeat
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis]
 

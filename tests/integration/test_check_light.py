@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from broker.redis_store import RedisWeightStore
-from services.runtime.health import health_member
+from services.common.health import health_member
 from tests.unit.test_cli_imports import splitmq
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis]
@@ -31,7 +31,7 @@ def config(tmp_path: Path, job: str, amqp_url: str, redis_url: str) -> Path:
 def test_healthy_checks_do_not_import_torch(config: Path, job: str, redis_url: str) -> None:
     store = RedisWeightStore(redis_url)
     try:
-        # What a worker's HealthBeat writes (services.runtime.health).
+        # What a worker's HealthBeat writes (services.common.health).
         store.heartbeat(job, health_member("worker", "w1"), 30.0, {"host": "h", "pid": "7"})
         out, heavy = splitmq(["--config", str(config), "check", "worker", "--id", "w1"])
         assert out.startswith(f"healthy: worker w1 alive in job {job} (pid 7 on h"), out

@@ -8,8 +8,8 @@ import pytest
 
 from broker.store import WeightStore
 from services.client import Client, JobData
+from services.common.backends import Backends
 from services.data.loaders import load_dataset
-from services.runtime.backends import Backends
 from tests.unit.test_client_peers import (
     PeerScript,
     ScriptedPeers,

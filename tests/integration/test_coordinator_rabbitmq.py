@@ -15,10 +15,10 @@ from broker.topology import CONTROL_EXCHANGE, reply_queue_name
 from broker.transport import Broker
 from services.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends
+from services.common.membership import client_members
 from services.config.root import Settings
 from services.coordinator import Coordinator
-from services.coordinator.membership import client_members
-from services.runtime.backends import Backends
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     declare_all,

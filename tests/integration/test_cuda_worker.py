@@ -18,8 +18,8 @@ import torch
 from broker.codec import decode, encode
 from broker.errors import EncodeError
 from broker.messages import SmashedBatch, WeightsUpdate, new_message_id
+from services.common.backends import Backends, Embedded
 from services.data.loaders import Dataset
-from services.runtime.backends import Backends, Embedded
 from tests.integration.reference_loops import reference_run
 from tests.integration.test_exactness import ROUNDS, TOLERANCE, dataset, job_settings, train
 from tests.unit.test_client_peers import max_diff

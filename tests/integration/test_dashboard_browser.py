@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from services.common.backends import Backends, Embedded
+from services.common.supervise import Outcome
 from services.config.loading import load_settings
 from services.report.filesink import FileSink
 from services.report.records import ListSink
 from services.report.sinks import TeeSink
-from services.runtime.backends import Backends, Embedded
 from services.runtime.embedded import run_embedded
 from services.runtime.observe import observed
-from services.runtime.supervise import Outcome
 from tests.integration.scrape import state, wait_for
 
 pytestmark = pytest.mark.slow

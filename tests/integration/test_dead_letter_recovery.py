@@ -34,9 +34,9 @@ from broker.topology import (
     shard_routing_key,
     updates_routing_key,
 )
-from services.coordinator.membership import client_members
+from services.common.backends import Backends
+from services.common.membership import client_members
 from services.report.records import VersionRecord
-from services.runtime.backends import Backends
 from services.runtime.embedded import load_job_dataset
 from services.runtime.processes import clear_job
 from services.runtime.roles import embedded_roles

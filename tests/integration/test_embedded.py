@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from services.cli.main import cli
+from services.common.backends import Backends
+from services.common.supervise import Role
 from services.config.root import Settings
 from services.runtime import roles
-from services.runtime.backends import Backends
-from services.runtime.supervise import Role
 
 pytestmark = pytest.mark.slow
 

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 import pytest
 
 from services.client.stats import ClientStats
+from services.common.backends import Backends
+from services.common.supervise import RoleSpec
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.report.records import ListSink, MetricsSink
-from services.runtime.backends import Backends
 from services.runtime.embedded import run_embedded
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import RoleSpec
 
 pytestmark = pytest.mark.slow
 

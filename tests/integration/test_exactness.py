@@ -23,12 +23,12 @@ from broker.store import CLIENT_PART, SERVER_PART, BlobRef
 from services.aggregator import Aggregator
 from services.client import Client, JobData
 from services.client.stats import ClientStats
+from services.common.backends import Backends, Embedded
+from services.common.supervise import Role, RoleSpec, Supervisor
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
-from services.runtime.backends import Backends, Embedded
-from services.runtime.supervise import Role, RoleSpec, Supervisor
 from tests.integration.reference_loops import ReferenceResult, reference_run
 from tests.unit.test_aggregator_peers import delete_all
 from tests.unit.test_client_peers import max_diff

@@ -23,12 +23,12 @@ from services.aggregator import Aggregator
 from services.aggregator.bootstrap import build_evaluator
 from services.cli.main import cli
 from services.client import Client, JobData
+from services.common.backends import Backends, Embedded
+from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.data.loaders import load_dataset
 from services.report.records import ListSink, VersionRecord
-from services.runtime.backends import Backends, Embedded
-from services.runtime.supervise import RoleSpec, Supervisor
 from tests.unit.test_aggregator_peers import delete_all
 from tests.unit.test_worker_support import one_torch_thread
 

@@ -21,10 +21,10 @@ from torch.nn import functional as F
 
 from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from services.client.data import JobData
+from services.common.backends import Backends, Embedded
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.runtime.backends import Backends, Embedded
-from services.runtime.jobmodel import job_model
 from tests.integration.reference_loops import round_batches
 from tests.integration.test_exactness import (
     ROUNDS,

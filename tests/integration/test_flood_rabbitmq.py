@@ -46,10 +46,10 @@ from broker.topology import (
 from broker.transport import REASON_HEADER, Broker
 from services.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends
+from services.common.handout import WeightsCache
 from services.config.root import Settings
-from services.coordinator.handout import WeightsCache
 from services.report.records import ListSink
-from services.runtime.backends import Backends
 from tests.unit.test_aggregator_peers import (
     FakeClient,
     FakeWorker,

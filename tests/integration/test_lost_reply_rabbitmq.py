@@ -25,13 +25,13 @@ from broker.messages import GradientReply
 from broker.store import WeightStore
 from broker.topology import reply_queue, reply_queue_name
 from services.client.stats import ClientStats
+from services.common.backends import Backends
+from services.common.supervise import Outcome, Role, Supervisor
 from services.config.root import Settings
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
-from services.runtime.backends import Backends
 from services.runtime.processes import clear_job
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import Outcome, Role, Supervisor
 from tests.unit.test_worker_support import one_torch_thread
 from workers.stats import WorkerStats
 

@@ -20,12 +20,12 @@ from broker.topology import (
     shard_routing_key,
     updates_routing_key,
 )
+from services.common.backends import Backends, Embedded
+from services.common.supervise import Outcome
 from services.config.loading import load_settings
 from services.report.records import ListSink, VersionRecord
-from services.runtime.backends import Backends, Embedded
 from services.runtime.embedded import run_embedded
 from services.runtime.observe import observed
-from services.runtime.supervise import Outcome
 from tests.integration.scrape import missing, scrape, total, wait_for
 
 pytestmark = pytest.mark.slow

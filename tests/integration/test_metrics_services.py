@@ -22,9 +22,9 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import Broker
+from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.runtime.processes import clear_job
 from tests.integration.scrape import Samples, missing, scrape, state, total, wait_for
 

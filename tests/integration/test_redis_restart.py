@@ -40,12 +40,12 @@ from broker.redis_store import RedisStoreOptions, RedisWeightStore
 from broker.store import BlobRef
 from broker.topology import job_queues, reply_queue_name
 from services.client.stats import ClientStats
+from services.common.backends import Backends
+from services.common.supervise import Outcome, Role, Supervisor
 from services.config.root import Settings
 from services.data.loaders import load_dataset
 from services.report.records import ListSink, VersionRecord
-from services.runtime.backends import Backends
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import Outcome, Role, Supervisor
 from tests.unit.test_worker_support import one_torch_thread
 
 __all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here

@@ -61,11 +61,11 @@ from services.algorithms.registry import build_strategy
 from services.cli.main import cli
 from services.client.inference import BrokerTheta
 from services.client.secured import client_theta, secured_client_broker
+from services.common.backends import Backends
+from services.common.jobmodel import job_model
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.coordinator import Coordinator
-from services.runtime.backends import Backends
-from services.runtime.jobmodel import job_model
 from services.security.admin import AdminError, pick_admin
 from services.security.identity import StampedBroker, amqp_user, client_user
 from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running

@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 import pytest
 
 from broker.store import WeightStore
+from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.config.root import Settings
-from services.runtime.backends import Backends
 from services.runtime.processes import ChildSpec, child_env, clear_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq, pytest.mark.redis]

@@ -46,14 +46,14 @@ from services.client.inference import (
     SplitPredictor,
     entropy_sweep,
 )
+from services.common.backends import Backends
+from services.common.jobmodel import job_model
+from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink, VersionRecord
 from services.report.rundir import write_config
-from services.runtime.backends import Backends
-from services.runtime.jobmodel import job_model
-from services.runtime.supervise import RoleSpec, Supervisor
 from tests.unit.test_aggregator_peers import delete_all
 from tests.unit.test_worker_support import one_torch_thread
 from workers.inference import InferenceServer

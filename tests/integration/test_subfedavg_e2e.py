@@ -22,12 +22,12 @@ from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef, WeightStore
 from services.aggregator.bootstrap import build_evaluator
 from services.aggregator.closing import read_version
 from services.client.data import JobData
+from services.common.backends import Backends, Embedded
+from services.common.supervise import Supervisor
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
-from services.runtime.backends import Backends, Embedded
 from services.runtime.roles import embedded_roles
-from services.runtime.supervise import Supervisor
 from tests.unit.test_aggregator_peers import delete_all
 from tests.unit.test_worker_support import one_torch_thread
 

@@ -26,7 +26,7 @@ from torch.testing import assert_close
 
 from broker.topology import QueueLimits, job_queues, reply_queue_name
 from services.algorithms.server_math import sequential_step
-from services.runtime.backends import Backends
+from services.common.backends import Backends
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,

@@ -21,11 +21,11 @@ from broker.transport import REASON_HEADER
 from services.aggregator import Aggregator, build_evaluator, ensure_initial_version, evaluate
 from services.aggregator.evaluation import full_model_weights
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends, Embedded
+from services.common.membership import member_id
 from services.config.root import Settings
-from services.coordinator.membership import member_id
 from services.data.loaders import load_dataset
 from services.report.records import ListSink, VersionRecord
-from services.runtime.backends import Backends, Embedded
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     FakeClient,

@@ -29,12 +29,12 @@ from services.aggregator.gate import OpenRound, reference_of
 from services.aggregator.inbox import OVER_BUDGET, UpdateInbox
 from services.aggregator.members import MemberBook
 from services.aggregator.screen import UpdateScreen
-from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import MemberInfo, member_id
-from services.coordinator.outbox import Outbox
+from services.common.backends import Embedded
+from services.common.handout import WeightsCache
+from services.common.membership import MemberInfo, member_id
+from services.common.outbox import Outbox
 from services.metrics.broker import MeteredBroker
 from services.metrics.prometheus import PrometheusMeters
-from services.runtime.backends import Embedded
 from tests.unit.test_aggregator_peers import ManualClock
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 

@@ -19,9 +19,9 @@ from services.aggregator import Aggregator
 from services.aggregator.empty import EmptyAttempt, EmptyStreak
 from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict
 from services.aggregator.inbox import decode_kind
-from services.coordinator.membership import MemberInfo
+from services.common.membership import MemberInfo
+from services.common.supervise import JobFailedError
 from services.report.records import ListSink, VersionRecord
-from services.runtime.supervise import JobFailedError
 from tests.unit.test_aggregator import Job, wait_until
 from tests.unit.test_aggregator_peers import (
     WAIT_S,

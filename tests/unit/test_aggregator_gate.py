@@ -12,7 +12,7 @@ from services.aggregator.cohort import quorum_size, sample_cohort
 from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict, reference_of
 from services.aggregator.members import MemberBook
 from services.aggregator.screen import UpdateScreen
-from services.coordinator.membership import MemberInfo
+from services.common.membership import MemberInfo
 
 REF = {"blocks.0.weight": torch.zeros(2, 3), "blocks.0.bias": torch.zeros(2)}
 

@@ -37,9 +37,9 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import Broker, QueueSpec
+from services.common.backends import Backends
+from services.common.membership import MemberInfo, member_id
 from services.config.root import Settings
-from services.coordinator.membership import MemberInfo, member_id
-from services.runtime.backends import Backends
 
 Tensors = dict[str, torch.Tensor]
 WAIT_S = 20.0  # every wait in these tests has this bound: a failure, never a hang

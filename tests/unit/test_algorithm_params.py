@@ -7,7 +7,7 @@ import pytest
 
 from services.algorithms.registry import build_strategy
 from services.client.plan import RoundPlan
-from services.coordinator.handout import client_config
+from services.common.handout import client_config
 from tests.unit.test_client_peers import make_settings
 
 

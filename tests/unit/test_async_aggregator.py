@@ -31,10 +31,10 @@ from services.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.async_fold import is_statistic
 from services.algorithms.registry import build_strategy
 from services.algorithms.staleness import TOO_STALE, polynomial
+from services.common.backends import Backends, Embedded
+from services.common.supervise import JobFailedError
 from services.report.records import ListSink, VersionRecord
 from services.report.staleness import staleness_histogram
-from services.runtime.backends import Backends, Embedded
-from services.runtime.supervise import JobFailedError
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     add_member,

@@ -40,9 +40,9 @@ from broker.transport import Broker
 from services.algorithms.registry import build_strategy
 from services.algorithms.staleness import TOO_STALE
 from services.client import Client, JobData
+from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
-from services.runtime.backends import Backends, Embedded
 from tests.unit.test_client_peers import make_settings, seeded_model
 
 CLIENT = "c1"

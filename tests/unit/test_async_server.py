@@ -16,12 +16,12 @@ from broker.memory_store import InMemoryWeightStore
 from broker.messages import SmashedBatch, new_message_id
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef, Checkpoint
 from services.aggregator.closing import read_version
-from services.aggregator.server_fold import FoldedCheckpoint, ServerLedger, folded_of
 from services.algorithms.async_fold import StaleUpdate, fold, is_statistic
 from services.algorithms.averaging import weighted_average
 from services.algorithms.base import ClientUpdate
 from services.algorithms.registry import build_strategy
 from services.algorithms.staleness import TOO_STALE, StalenessRule
+from services.common.server_fold import FoldedCheckpoint, ServerLedger, folded_of
 from tests.unit.test_worker_support import make_settings, seed_version
 from workers.async_shard import AsyncShard
 from workers.model import job_hyper

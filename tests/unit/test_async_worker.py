@@ -19,7 +19,7 @@ from broker.transport import REASON_HEADER
 from services.aggregator.closing import read_version
 from services.algorithms.server_math import sequential_step
 from services.algorithms.staleness import TOO_STALE
-from services.runtime.backends import Backends, Embedded
+from services.common.backends import Backends, Embedded
 from tests.unit.test_aggregator_peers import add_member
 from tests.unit.test_worker_support import (
     ScriptedClient,

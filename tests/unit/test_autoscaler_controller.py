@@ -21,8 +21,8 @@ from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.observer import Observer, Snapshot, WorkerReport, parse_report
 from services.autoscaler.pool import Exited, PoolWorker
 from services.cli.main import cli
-from services.runtime.backends import Backends, Embedded
-from services.runtime.health import assess, health_member
+from services.common.backends import Backends, Embedded
+from services.common.health import assess, health_member
 from tests.unit.test_worker_support import make_settings
 
 

@@ -86,13 +86,13 @@ from services.aggregator.screen import UpdateScreen
 from services.client.client import Client, build_client_model
 from services.client.link import Backoff, ClientLink
 from services.client.stats import ClientStats
+from services.common.backends import Backends, Embedded
+from services.common.handout import WeightsCache
+from services.common.membership import MemberInfo, member_id
+from services.common.outbox import Outbox
 from services.coordinator.coordinator import Coordinator
-from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import MemberInfo, member_id
-from services.coordinator.outbox import Outbox
 from services.dashboard.state import DashboardState
 from services.dashboard.watch import JobWatcher
-from services.runtime.backends import Backends, Embedded
 from services.security.identity import SenderCheck
 from tests.unit.test_worker_support import CUT, make_settings, one_torch_thread, seed_version
 from workers.inference import InferenceServer

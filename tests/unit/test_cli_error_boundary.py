@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from broker.errors import BrokerAuthError, StoreUnavailableError
 from services.cli.errors import ErrorBoundary
-from services.runtime.logs import configured_logging
+from services.common.logs import configured_logging
 
 
 def logged(exc: Exception, *, json_lines: bool = False, debug: bool = False) -> str:

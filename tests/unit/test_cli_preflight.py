@@ -10,8 +10,8 @@ import time
 import pytest
 
 from broker.errors import BrokerUnavailableError
+from services.common.backends import Backends
 from services.config.settings import BrokerSettings, StoreSettings
-from services.runtime.backends import Backends
 from services.runtime.preflight import StartInterrupted, check_services
 
 

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import pytest
 
+from services.common.backends import Backends
+from services.common.logs import configured_logging
+from services.common.supervise import JobFailedError, RoleSpec, Supervisor
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.report.records import ListSink, MetricsSink
-from services.runtime.backends import Backends
 from services.runtime.embedded import embedded_settings, run_embedded
-from services.runtime.logs import configured_logging
-from services.runtime.supervise import JobFailedError, RoleSpec, Supervisor
 
 
 class Serve:

@@ -12,8 +12,8 @@ import pytest
 from broker.errors import BrokerError
 from broker.memory_broker import InMemoryBroker
 from broker.topology import client_infer_reply_queue, job_queues, reply_queue
+from services.common.backends import Backends, Embedded
 from services.config.root import Settings
-from services.runtime.backends import Backends, Embedded
 from services.runtime.processes import (
     ChildSpec,
     LocalProcesses,

@@ -15,11 +15,11 @@ from broker.messages import Welcome, new_message_id
 from broker.topology import dead_queue_name, reply_routing_key
 from broker.transport import REASON_HEADER, Broker
 from services.client import Client, ClientStats, JobData, JoinTimeoutError
+from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.config.settings import BrokerSettings, StoreSettings
 from services.data.loaders import Dataset, load_dataset
 from services.data.partition import client_classes
-from services.runtime.backends import Backends, Embedded
 from tests.unit.test_client_peers import (
     PeerLog,
     PeerScript,

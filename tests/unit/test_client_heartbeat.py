@@ -28,12 +28,12 @@ from services.algorithms.fedavg import FedAvg
 from services.algorithms.registry import build_strategy
 from services.client import Client, ClientStats
 from services.client.beat import HeartbeatThread
+from services.common.backends import Backends, Embedded
+from services.common.handout import WeightsCache
+from services.common.membership import client_members
+from services.common.outbox import Outbox
 from services.coordinator import Coordinator
-from services.coordinator.handout import WeightsCache
-from services.coordinator.membership import client_members
-from services.coordinator.outbox import Outbox
 from services.data.loaders import load_dataset
-from services.runtime.backends import Backends, Embedded
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock, running
 from tests.unit.test_client_peers import make_settings
 

@@ -52,11 +52,11 @@ from services.algorithms.fedavg import full_state
 from services.algorithms.registry import build_strategy
 from services.algorithms.server_math import sequential_step
 from services.client.client import build_client_model
+from services.common.backends import Backends
 from services.config.root import Settings
 from services.data.batches import ClientBatches
 from services.data.loaders import Dataset
 from services.data.partition import PartitionSpec, partition
-from services.runtime.backends import Backends
 
 Tensors = dict[str, torch.Tensor]
 

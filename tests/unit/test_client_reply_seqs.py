@@ -12,7 +12,7 @@ from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue, reply_routing_key
 from services.client.channel import SeqBook
 from services.client.stats import ClientStats
-from services.runtime.backends import Embedded
+from services.common.backends import Embedded
 from tests.unit.test_bad_input import client_link, dead_letters
 
 NEXT_SEQ = 1_000

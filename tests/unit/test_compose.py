@@ -652,7 +652,7 @@ def test_smoke_script_reads_the_stores_real_keys() -> None:
     """smoke.sh reads versions, members, checkpoints and leases with redis-cli: by the key
     names broker/keys.py builds, so a renamed key fails here, not in a manual run."""
     from broker import keys
-    from workers.leases import lease_name
+    from services.common.leases import lease_name
 
     used = set(re.findall(r'"(splitmq:\$JOB:[^"]+)"', SMOKE_SH.read_text()))
     rendered = {key.replace("$JOB", "J").replace("$s", "0") for key in used}

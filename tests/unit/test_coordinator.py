@@ -34,10 +34,10 @@ from broker.topology import (
 from broker.transport import REASON_HEADER, Broker
 from services.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
+from services.common.backends import Backends, Embedded
+from services.common.membership import MemberInfo, client_members, member_id
 from services.config.root import Settings
 from services.coordinator import Coordinator
-from services.coordinator.membership import MemberInfo, client_members, member_id
-from services.runtime.backends import Backends, Embedded
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock, make_settings, running
 
 LOG = logging.getLogger("test.coordinator")

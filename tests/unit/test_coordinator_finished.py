@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from broker.messages import WeightsAssignment, Welcome
 from broker.store import BlobRef, JobStatus
+from services.common.membership import client_members
 from services.config.root import Settings
-from services.coordinator.membership import client_members
 from tests.unit.test_aggregator_peers import make_settings
 from tests.unit.test_coordinator import Desk
 

@@ -1,4 +1,4 @@
-"""Health keys (services/runtime/health.py) and `splitmq check` without real services."""
+"""Health keys (services/common/health.py) and `splitmq check` without real services."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from broker.errors import StoreUnavailableError
 from broker.memory_store import InMemoryWeightStore
 from broker.store import Member
 from services.cli.main import cli
-from services.runtime.health import HealthBeat, assess, health_member
+from services.common.health import HealthBeat, assess, health_member
 
 
 def members(**hosts: str) -> dict[str, Member]:

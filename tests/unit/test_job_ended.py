@@ -22,12 +22,12 @@ from services.aggregator import Aggregator, ensure_initial_version
 from services.aggregator.bootstrap import ended_job
 from services.algorithms.registry import build_strategy
 from services.client import Client, ClientStats, JobData
+from services.common.membership import client_members
+from services.common.supervise import JobFailedError
 from services.config.root import Settings
 from services.coordinator import Coordinator
-from services.coordinator.membership import client_members
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
-from services.runtime.supervise import JobFailedError
 from tests.unit.test_aggregator import Job
 from tests.unit.test_aggregator_empty_rounds import DEADLINE_S, always_nan, run_until_failed
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock, make_settings, running

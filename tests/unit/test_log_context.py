@@ -12,8 +12,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from services.cli.main import cli
+from services.common.logs import configured_logging, log_context
 from services.config.loading import load_settings
-from services.runtime.logs import configured_logging, log_context
 
 
 def lines_of(stream: io.StringIO) -> list[dict[str, object]]:

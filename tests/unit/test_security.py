@@ -40,11 +40,11 @@ from broker.transport import Delivery
 from services.cli.role_cmds import _require_services
 from services.client.errors import ClientError
 from services.client.secured import secured_client_broker
+from services.common.backends import Backends, Embedded, tls_options
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.config.settings import TLSSettings
 from services.report.sinks import RecordsOnly
-from services.runtime.backends import Backends, Embedded, tls_options
 from services.runtime.embedded import run_embedded
 from services.runtime.health_file import FileHealthBeat, assess_files
 from services.runtime.roles import embedded_roles

@@ -27,7 +27,7 @@ from services.algorithms.base import (
 from services.algorithms.registry import build_strategy
 from services.algorithms.sfl import SFL
 from services.algorithms.splitgp import SplitGP
-from services.runtime.jobmodel import job_model
+from services.common.jobmodel import job_model
 from tests.unit.test_worker_support import CUT, make_settings
 
 HYPER = Hyper(lr=0.1)

@@ -40,7 +40,7 @@ from services.client.inference import (
     SplitPredictor,
     entropy_sweep,
 )
-from services.runtime.backends import Backends, Embedded
+from services.common.backends import Backends, Embedded
 from services.security.identity import StampedBroker, client_user
 from services.security.provision import client_queues
 from tests.unit.test_worker_support import (

@@ -19,8 +19,8 @@ from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue_name, shard_queue_name
 from broker.transport import REASON_HEADER, Broker, Delivery
 from services.algorithms.server_math import sequential_step, weighted_step
+from services.common.backends import Backends, Embedded
 from services.metrics.recorder import NO_METRICS
-from services.runtime.backends import Backends, Embedded
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
@@ -427,8 +427,8 @@ def test_a_copy_of_a_buffered_batch_is_served_once(job: str) -> None:
 
 
 def test_worker_idles_on_an_algorithm_without_a_server_side(job: str) -> None:
+    from services.common.backends import Backends, Embedded
     from services.config.loading import load_settings
-    from services.runtime.backends import Backends, Embedded
     from workers.worker import Worker
 
     settings = load_settings(None, {"SPLITMQ_JOB__NAME": job, "SPLITMQ_ALGORITHM__NAME": "fedavg"})

@@ -8,7 +8,7 @@ import threading
 import time
 
 from services.autoscaler.observer import parse_report
-from services.runtime.backends import Backends, Embedded
+from services.common.backends import Backends, Embedded
 from tests.unit.test_worker_support import make_settings, one_torch_thread, seed_version
 from workers.busy import BusyMeter
 from workers.worker import Worker

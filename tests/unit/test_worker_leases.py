@@ -12,8 +12,9 @@ import torch
 
 from broker.memory_broker import InMemoryBroker
 from broker.memory_store import InMemoryWeightStore
-from services.coordinator.membership import member_id
-from services.runtime.backends import Backends, Embedded
+from services.common.backends import Backends, Embedded
+from services.common.leases import LeaseKeeper, home_shard, lease_name
+from services.common.membership import member_id
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
@@ -21,7 +22,6 @@ from tests.unit.test_worker_support import (
     random_batch,
     seed_version,
 )
-from workers.leases import LeaseKeeper, home_shard, lease_name
 from workers.worker import Worker
 
 __all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here

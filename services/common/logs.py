@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TextIO
 
-from services.runtime.user_errors import user_message
+from services.common.user_errors import user_message
 
 CONTEXT_FIELDS = ("role", "job", "client", "worker", "shard", "version", "round", "seq")
 # In every JSON line, null when unknown.

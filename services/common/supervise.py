@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from services.runtime.logs import log_context
+from services.common.logs import log_context
 
 RoleKind = Literal["coordinator", "aggregator", "worker", "client"]
 

@@ -15,9 +15,8 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from broker.keys import WORKER_MEMBER_PREFIX
 from broker.store import WeightStore
-
-WORKER_PREFIX = "worker:"
 
 
 def lease_name(shard: int) -> str:
@@ -25,7 +24,7 @@ def lease_name(shard: int) -> str:
 
 
 def member_id(worker_id: str) -> str:
-    return f"{WORKER_PREFIX}{worker_id}"
+    return f"{WORKER_MEMBER_PREFIX}{worker_id}"
 
 
 def home_shard(worker_id: str, shards: int) -> int:
@@ -57,7 +56,7 @@ class LeaseKeeper:
 
     def live_workers(self) -> int:
         members = self._store.live_members(self._job)
-        live = {m for m in members if m.startswith(WORKER_PREFIX)}
+        live = {m for m in members if m.startswith(WORKER_MEMBER_PREFIX)}
         live.add(self._member)  # we are alive, whatever the store's clock thinks
         return len(live)
 

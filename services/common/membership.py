@@ -16,16 +16,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from broker.keys import CLIENT_MEMBER_PREFIX
 from broker.store import Member, WeightStore
 
-MEMBER_PREFIX = "client:"
 # The Join info key (and member info key) of the client process's session id.
 SESSION_KEY = "session"
 _SESSION_MAX = 64
 
 
 def member_id(client: str) -> str:
-    return f"{MEMBER_PREFIX}{client}"
+    return f"{CLIENT_MEMBER_PREFIX}{client}"
 
 
 def parse_classes(text: str) -> tuple[int, ...]:
@@ -79,12 +79,12 @@ class MemberInfo:
     @classmethod
     def from_member(cls, member: Member) -> MemberInfo | None:
         """None for a member that is not a client, or whose info is not ours (never raises)."""
-        if not member.member_id.startswith(MEMBER_PREFIX):
+        if not member.member_id.startswith(CLIENT_MEMBER_PREFIX):
             return None
         info = member.info
         try:
             return cls(
-                client=member.member_id[len(MEMBER_PREFIX) :],
+                client=member.member_id[len(CLIENT_MEMBER_PREFIX) :],
                 shard=int(info["shard"]),
                 cut=info["cut"],
                 samples=int(info["samples"]),

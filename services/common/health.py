@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from broker.errors import SplitMQError
+from broker.keys import HEALTH_MEMBER_PREFIX
 from broker.store import Member, WeightStore
 
-HEALTH_PREFIX = "health:"
 REFRESH_S = 5.0
 TTL_S = 15.0
 
 
 def health_member(role: str, instance: str) -> str:
-    return f"{HEALTH_PREFIX}{role}:{instance}"
+    return f"{HEALTH_MEMBER_PREFIX}{role}:{instance}"
 
 
 @dataclass(frozen=True)
