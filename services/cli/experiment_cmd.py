@@ -14,7 +14,7 @@ from services.cli.common import stop_on_signals
 from services.common.logs import configured_logging
 from services.config.loading import ConfigError
 from services.data.errors import DataError
-from services.experiments.registry import EXPERIMENTS, get_experiment
+from services.experiments.registry import NAMES, get_experiment
 
 DEFAULT_OUT = Path("docs/results.md")
 # A smoke run must not replace real results unless asked to.
@@ -22,7 +22,7 @@ QUICK_OUT = Path("runs/experiments/results-quick.md")
 
 
 @click.command()
-@click.argument("name", type=click.Choice(sorted(EXPERIMENTS)))
+@click.argument("name", type=click.Choice(sorted(NAMES)))
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -72,8 +72,8 @@ def experiment(
     is replaced; the rest of the file is kept.
     """
     # Imported here: every role process imports the CLI, and none of them needs these.
-    from services.experiments.document import Context, sizes_line, write_results
-    from services.experiments.runner import build_settings, run_experiment
+    from services.experiments.document import Context, write_results
+    from services.experiments.runner import run_experiment
 
     target = out or (QUICK_OUT if quick else DEFAULT_OUT)
     # Each role of a run is a thread that calls torch; intra-op threads on top of that
@@ -83,6 +83,7 @@ def experiment(
     import torch
 
     torch.set_num_threads(torch_threads)
+    command = _command(name, quick, data_dir, out, only, torch_threads)
     stop = threading.Event()
     with configured_logging("WARNING"), stop_on_signals(stop):
         try:
@@ -93,7 +94,7 @@ def experiment(
                 quick=quick,
                 data_dir=str(data_dir) if data_dir else None,
                 reuse=reuse,
-                command=_command(name, quick, data_dir, out, only, torch_threads),
+                command=command,
                 echo=click.echo,
                 stop=stop,
                 only=(lambda run: fnmatch.fnmatch(run.label, only)) if only else None,
@@ -107,13 +108,7 @@ def experiment(
             err=True,
         )
         raise click.exceptions.Exit(130)
-    sizes = [sizes_line(build_settings(spec, r, quick=quick, data_dir=None)) for r in results.runs]
-    context = Context(
-        command=_command(name, quick, data_dir, out, only, torch_threads),
-        data_source=_data_source(data_dir),
-        quick=quick,
-        sizes="; ".join(dict.fromkeys(sizes)),  # distinct, in run order
-    )
+    context = Context(command, quick, _data_source(data_dir))
     write_results(spec, results, context, target)
     click.echo(f"wrote section {name!r} of {target}")
     failed = [r.label for r in results if not r.complete]

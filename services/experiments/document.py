@@ -7,7 +7,6 @@ outside the markers.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from services.config.root import Settings
 from services.experiments.figures import FigureSlot, write_figure
 from services.experiments.results import ResultSet
+from services.experiments.runner import build_settings
 from services.experiments.spec import Experiment
 from services.experiments.tables import render_table, runs_table
 
@@ -49,18 +49,17 @@ class Context:
     command: str
     quick: bool
     data_source: str = ""  # "--data-dir", "$SPLITMQ_DATA_DIR"...
-    sizes: str = ""  # `sizes_line` of the grid's runs
 
 
 def render_section(
     experiment: Experiment,
     results: ResultSet,
     context: Context,
-    figures: Sequence[Path],
-    out: Path,
+    figures: Sequence[str],
     extras: Sequence[str] = (),
 ) -> str:
-    """The section's markdown; `extras` (the experiment's own blocks) follow its tables."""
+    """The section's markdown; `extras` (the experiment's own blocks) follow its tables,
+    `figures` (the plots' links) its notes."""
     machines = "; ".join(dict.fromkeys(r.machine for r in results if r.machine)) or "unknown"
     unrecorded = sum(1 for r in results if not r.machine)
     if unrecorded:
@@ -68,6 +67,10 @@ def render_section(
     total_s = sum(r.wall_s for r in results)
     reused = sum(1 for r in results if r.reused)
     data = f" (datasets from `{context.data_source}`)" if context.data_source else ""
+    quick = context.quick
+    sizes = "; ".join(  # distinct, in run order
+        dict.fromkeys(sizes_line(build_settings(experiment, r, quick=quick)) for r in results.runs)
+    )
     parts = [f"## {experiment.title}"]
     if context.quick:
         parts.append("> **Smoke run (`--quick`)**: tiny sizes, numbers mean nothing.")
@@ -76,7 +79,7 @@ def render_section(
         "**Paper's claim.** " + experiment.claim.strip(),
         "**Scaling.** "
         + experiment.scaling.strip()
-        + (f"  \n**Sizes as run.** {context.sizes}." if context.sizes else ""),
+        + (f"  \n**Sizes as run.** {sizes}." if sizes else ""),
         f"**Command.** `{context.command}`{data}  \n**Machine.** {machines}  \n"
         f"**Total wall time.** {total_s / 60:.1f} min for {len(results)} runs "
         "(the machine was shared: see the load at each run's start below)"
@@ -96,10 +99,7 @@ def render_section(
         )
     if experiment.notes.strip():
         parts.append(experiment.notes.strip())
-    parts += [
-        f"![{path.stem}]({os.path.relpath(path, out.parent).replace(os.sep, '/')})"
-        for path in figures
-    ]
+    parts += figures
     parts.append("**Every run** (wall time per run; report directories under the runs folder)")
     parts.append(runs_table(results.results))
     return "\n\n".join(parts)
@@ -125,15 +125,14 @@ def write_section(name: str, text: str, path: Path) -> None:
 
 def write_results(experiment: Experiment, results: ResultSet, context: Context, out: Path) -> Path:
     """Figures under `<out's folder>/results/`, then the section in `out`; returns `out`."""
-    figures_dir = out.parent / FIGURES_DIR
     prefix = f"{experiment.name}-quick-" if context.quick else f"{experiment.name}-"
-    figures = []
-    for plot in experiment.plots:
-        made = write_figure(replace(plot, file=prefix + plot.file), results, figures_dir)
-        if made is not None:
-            figures.append(made)
-    slot = FigureSlot(figures_dir, prefix, out.parent)
+    slot = FigureSlot(out.parent / FIGURES_DIR, prefix, out.parent)
+    made = [
+        write_figure(replace(p, file=prefix + p.file), results, slot.directory)
+        for p in experiment.plots
+    ]
+    figures = [slot.link(path) for path in made if path is not None]
     extras = experiment.extras(results, slot) if experiment.extras else ()
-    section = render_section(experiment, results, context, figures, out, extras)
+    section = render_section(experiment, results, context, figures, extras)
     write_section(experiment.name, section, out)
     return out

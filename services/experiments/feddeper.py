@@ -9,12 +9,20 @@ each participant's local test set (the aggregator's evaluation).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
-from services.experiments.results import ResultSet, RunResult
-from services.experiments.spec import CurvePlot, Experiment, Run, Table, example_config
+from services.experiments.results import ResultSet, RunResult, finite, late_mean, mean, swing
+from services.experiments.spec import (
+    CurvePlot,
+    Experiment,
+    Run,
+    Table,
+    algorithm,
+    example_config,
+    smoke,
+)
+from services.experiments.tables import pct, pts
 
 NAME = "feddeper"
 FEDAVG = "FedAvg"
@@ -43,60 +51,20 @@ def feddeper_label(rho: str) -> str:
     return f"FedDeper rho={rho}"
 
 
-def population(n: str, fraction: float) -> dict[str, object]:
-    count = int(n)
-    return {
-        "clients": {"count": count, "min_to_start": count, "fraction": fraction},
-        "data": {"shard_size": TRAIN_IMAGES // (SHARDS_PER_CLIENT * count)},
-    }
-
-
 def grid(populations: Sequence[tuple[str, float]], rhos: Sequence[str]) -> list[Run]:
     runs = []
     for n, fraction in populations:
-        base = population(n, fraction)
-        runs.append(
-            Run(
-                label=f"fedavg-n{n}",
-                tags={"n": n, "method": FEDAVG},
-                overrides={**base, "algorithm": {"name": "fedavg"}},
-            )
-        )
+        count = int(n)
+        base = {
+            "clients": {"count": count, "min_to_start": count, "fraction": fraction},
+            "data": {"shard_size": TRAIN_IMAGES // (SHARDS_PER_CLIENT * count)},
+        }
+        runs.append(Run(f"fedavg-n{n}", {"n": n, "method": FEDAVG}, base | algorithm("fedavg")))
         for rho in rhos:
-            runs.append(
-                Run(
-                    label=f"feddeper-n{n}-rho{rho}",
-                    tags={"n": n, "method": feddeper_label(rho), "rho": rho},
-                    overrides={
-                        **base,
-                        "algorithm": {"name": "feddeper", "feddeper": {"rho": float(rho)}},
-                    },
-                )
-            )
+            tags = {"n": n, "method": feddeper_label(rho), "rho": rho}
+            overrides = base | algorithm("feddeper", rho=float(rho))
+            runs.append(Run(f"feddeper-n{n}-rho{rho}", tags, overrides))
     return runs
-
-
-def _finite(values: Sequence[float]) -> list[float]:
-    return [v for v in values if math.isfinite(v)]
-
-
-def late_mean(result: RunResult, field: str = "global_accuracy") -> float:
-    """Mean of a record field over the last `LATE_ROUNDS` rounds (NaN when none is finite)."""
-    tail = _finite([float(getattr(r, field)) for r in result.records[-LATE_ROUNDS:]])
-    return sum(tail) / len(tail) if tail else math.nan
-
-
-def round_mean(result: RunResult) -> float:
-    """Mean global accuracy over all rounds: higher when a run gets there sooner."""
-    values = _finite([r.global_accuracy for r in result.records])
-    return sum(values) / len(values) if values else math.nan
-
-
-def swing(result: RunResult) -> float:
-    """Mean absolute change of the global accuracy between consecutive rounds."""
-    values = _finite([r.global_accuracy for r in result.records])
-    steps = [abs(b - a) for a, b in itertools.pairwise(values)]
-    return sum(steps) / len(steps) if steps else math.nan
 
 
 def global_on_local(result: RunResult) -> float:
@@ -108,18 +76,11 @@ def global_on_local(result: RunResult) -> float:
     return last.extra.get(GLOBAL_ON_LOCAL, last.personal_accuracy)
 
 
-def _pct(value: float) -> str:
-    return "–" if not math.isfinite(value) else f"{100 * value:.1f}%"
-
-
-def _pts(value: float) -> str:
-    return "–" if not math.isfinite(value) else f"{100 * value:+.1f} points"
-
-
 def _global_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> list[str]:
-    late = late_mean(deper) - late_mean(fedavg)
-    speed = round_mean(deper) - round_mean(fedavg)
-    if not (math.isfinite(late) and math.isfinite(speed)):
+    ours, theirs = deper.curve(), fedavg.curve()
+    late = late_mean(ours, LATE_ROUNDS) - late_mean(theirs, LATE_ROUNDS)
+    speed = mean(ours) - mean(theirs)  # the mean over all rounds: higher when sooner there
+    if not math.isfinite(late + speed):
         return []
     if late > 0 and speed > 0:
         word = "agrees with"
@@ -129,31 +90,32 @@ def _global_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> li
         word = "is mixed evidence for"
     return [
         f"n = {n}, {label}, aggregated model: mean global accuracy over the last "
-        f"{LATE_ROUNDS} rounds {_pct(late_mean(deper))} vs FedAvg {_pct(late_mean(fedavg))} "
-        f"({_pts(late)}); over all rounds (speed of convergence) {_pct(round_mean(deper))} vs "
-        f"{_pct(round_mean(fedavg))} ({_pts(speed)}): {word} the claim of faster "
-        f"convergence. Round-to-round swing {_pct(swing(deper))} vs {_pct(swing(fedavg))}."
+        f"{LATE_ROUNDS} rounds {pct(late_mean(ours, LATE_ROUNDS))} vs FedAvg "
+        f"{pct(late_mean(theirs, LATE_ROUNDS))} ({pts(late)}); over all rounds (speed of "
+        f"convergence) {pct(mean(ours))} vs {pct(mean(theirs))} ({pts(speed)}): {word} the "
+        f"claim of faster convergence. Round-to-round swing {pct(swing(ours))} vs "
+        f"{pct(swing(theirs))}."
     ]
 
 
 def _personal_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> list[str]:
-    personal = late_mean(deper, "personal_accuracy")
-    baseline = late_mean(fedavg, "personal_accuracy")
-    if not (math.isfinite(personal) and math.isfinite(baseline)):
+    personal = late_mean(deper.curve("personal_accuracy"), LATE_ROUNDS)
+    baseline = late_mean(fedavg.curve("personal_accuracy"), LATE_ROUNDS)
+    if not math.isfinite(personal + baseline):
         return []
     return [
-        f"n = {n}, {label}, personalised: v_k on local test sets {_pct(personal)} (mean of the "
+        f"n = {n}, {label}, personalised: v_k on local test sets {pct(personal)} (mean of the "
         f"last {LATE_ROUNDS} rounds) vs FedAvg's global model on the same kind of sets "
-        f"{_pct(baseline)} ({_pts(personal - baseline)}); FedDeper's own global model on its "
-        f"last round's local test sets: {_pct(global_on_local(deper))}."
+        f"{pct(baseline)} ({pts(personal - baseline)}); FedDeper's own global model on its "
+        f"last round's local test sets: {pct(global_on_local(deper))}."
     ]
 
 
 def short_rounds(result: RunResult) -> list[int]:
     """The rounds (from 1) that closed with fewer participants than the run's fullest round
     (a client dropped, late, or refused to send: its numbers rest on a smaller cohort)."""
-    counts = [r.participants for r in result.records]
-    return [r.round + 1 for r in result.records if r.participants < max(counts)]
+    fullest = max((r.participants for r in result.records), default=0)
+    return [r.round + 1 for r in result.records if r.participants < fullest]
 
 
 def participation(results: ResultSet) -> list[str]:
@@ -170,7 +132,7 @@ def unfinished(result: RunResult) -> str | None:
     """A sentence on a run that did not complete its rounds, else None."""
     if result.complete:
         return None
-    losses = _finite([r.train_loss for r in result.records])
+    losses = finite(result.curve("train_loss"))
     sentence = (
         f"`{result.label}` did not finish ({result.status} after {len(result.records)} of "
         f"{result.rounds} rounds; a run is stopped on Ctrl-C or when it publishes no version "
@@ -189,15 +151,12 @@ def verdict(results: ResultSet) -> list[str]:
     lines += [s for r in results if (s := unfinished(r))]
     for n in results.values("n"):
         fedavg = results.one({"n": n, "method": FEDAVG})
-        if fedavg is None:
-            continue
         for rho in results.values("rho"):
-            deper = results.one({"n": n, "rho": rho})
-            if deper is None or deper.tags.get("rho") != rho:
+            deper = results.named(n=n, rho=rho)
+            if fedavg is None or deper is None:
                 continue
-            label = feddeper_label(rho)
-            lines += _global_lines(n, fedavg, deper, label)
-            lines += _personal_lines(n, fedavg, deper, label)
+            lines += _global_lines(n, fedavg, deper, feddeper_label(rho))
+            lines += _personal_lines(n, fedavg, deper, feddeper_label(rho))
     return lines
 
 
@@ -275,6 +234,7 @@ they barely pull it in. FedAvg is the case lam = 0.
 
 def build() -> Experiment:
     methods = (FEDAVG, *(feddeper_label(r) for r in RHOS))
+    diffs = tuple((m, FEDAVG) for m in methods[1:])
     return Experiment(
         name=NAME,
         title="FedDeper vs FedAvg (Fashion-MNIST, 2-class shards, n = 10 and n = 100)",
@@ -284,48 +244,39 @@ def build() -> Experiment:
         base=example_config(NAME),
         runs=grid(POPULATIONS, RHOS),
         quick_runs=grid((("10", 1.0),), RHOS[:1]),
-        quick={
-            "job": {"rounds": 2},
-            "algorithm": {"max_steps_per_round": 3},
-            "data": {"eval_samples": 500},
-        },
+        quick=smoke(),
         tables=(
             Table(
-                title="Final global test accuracy (aggregated model, whole test set)",
-                rows=("n",),
-                column="method",
+                "Final global test accuracy (aggregated model, whole test set)",
+                ("n",),
+                "method",
                 columns=methods,
-                diffs=tuple((m, FEDAVG) for m in methods[1:]),
+                diffs=diffs,
             ),
             Table(
-                title="Final personalised accuracy (FedDeper: v_k on local test sets; "
+                "Final personalised accuracy (FedDeper: v_k on local test sets; "
                 "FedAvg: global model on local test sets)",
-                rows=("n",),
-                column="method",
-                metric="final_personal",
+                ("n",),
+                "method",
+                "final_personal",
                 columns=methods,
-                diffs=tuple((m, FEDAVG) for m in methods[1:]),
+                diffs=diffs,
             ),
             Table(
-                title="Best global test accuracy over the rounds",
-                rows=("n",),
-                column="method",
-                metric="best_global",
+                "Best global test accuracy over the rounds",
+                ("n",),
+                "method",
+                "best_global",
                 columns=methods,
             ),
         ),
         plots=(
+            CurvePlot("global.png", "Global test accuracy per round", "method", "n"),
             CurvePlot(
-                file="global.png",
-                title="Global test accuracy per round",
-                lines="method",
-                panels="n",
-            ),
-            CurvePlot(
-                file="personal.png",
-                title="Personalised accuracy per round (FedAvg: global model on local tests)",
-                lines="method",
-                panels="n",
+                "personal.png",
+                "Personalised accuracy per round (FedAvg: global model on local tests)",
+                "method",
+                "n",
                 metric="personal_accuracy",
             ),
         ),

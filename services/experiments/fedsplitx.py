@@ -18,11 +18,11 @@ the cnn5's cuts block1/block2/block3 as the partition points. The baselines:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
+from models.registry import build_model
 from models.split import SplitNet
 from services.aggregator.evaluation import evaluate, full_model_weights
 from services.algorithms.base import VersionWeights, batch_cuts, personal_metrics
@@ -32,10 +32,10 @@ from services.algorithms.registry import build_strategy
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.experiments.figures import FigureSlot, line_style, panel_figure
-from services.experiments.results import ResultSet, RunResult
-from services.experiments.spec import Experiment, Run, example_config
-from services.experiments.tables import markdown_table, percent, points
+from services.experiments.figures import FigureSlot, plot_rounds
+from services.experiments.results import ResultSet, RunResult, finite, late_mean, mean, swing
+from services.experiments.spec import Experiment, Run, algorithm, example_config, smoke
+from services.experiments.tables import markdown_table, pct, percent, points, pts
 
 NAME = "fedsplitx"
 LEVEL_CUTS = ("block1", "block2", "block3")
@@ -45,7 +45,9 @@ FEDSPLITX = "FedSplitX"
 EXC1 = "EXC-level-1 = local-loss SFL (block1)"
 EXC3 = "EXC-level-3"
 ALL3 = "All-level-3 (every client)"
-FULL = "full"  # the model tag of the whole network (client side + server side)
+# The runs whose full model (client side + server side) is one of the compared models
+# (EXC-level-3's is not: its server side is one layer trained on 18 clients' features).
+WITH_FULL_MODEL = (FEDSPLITX, EXC1, ALL3)
 # `final.json` keys: the whole model, and each client model by the cut it ends at.
 FULL_ACCURACY = "full_accuracy"
 CLIENT_ACCURACY = "client_accuracy."
@@ -57,45 +59,29 @@ LATE_ROUNDS = 5
 PAPER = "arXiv 2310.14579"
 
 
-def _clients(count: int, mix: str = "") -> dict[str, object]:
-    return {"count": count, "min_to_start": count, "capability_mix": mix}
-
-
-def _one_level(cut: str) -> dict[str, object]:
-    return {"algorithm": {"name": "local_loss_sfl"}, "model": {"cut": cut}}
-
-
 def grid(mix: Sequence[int]) -> list[Run]:
     """FedSplitX on the population `mix` (clients per level 1, 2, 3) and its baselines."""
+
+    def clients(count: int, mix: str = "") -> dict[str, object]:
+        return {"clients": {"count": count, "min_to_start": count, "capability_mix": mix}}
+
+    def one_level(cut: str, count: int) -> dict[str, object]:
+        return algorithm("local_loss_sfl") | {"model": {"cut": cut}} | clients(count)
+
     total = sum(mix)
+    both = algorithm("fedsplitx") | clients(total, ",".join(str(n) for n in mix))
     return [
+        Run("fedsplitx", {"method": FEDSPLITX}, both),
         Run(
-            label="fedsplitx",
-            tags={"method": FEDSPLITX},
-            overrides={
-                "algorithm": {"name": "fedsplitx"},
-                "clients": _clients(total, ",".join(str(n) for n in mix)),
-            },
+            "exc-level1-local_loss_sfl-block1",
+            {"method": EXC1, "level": "1"},
+            one_level("block1", total),
         ),
-        Run(
-            label="exc-level1-local_loss_sfl-block1",
-            tags={"method": EXC1, "level": "1"},
-            overrides={**_one_level("block1"), "clients": _clients(total)},
-        ),
-        Run(
-            label="exc-level3",
-            tags={"method": EXC3, "level": "3"},
-            overrides={**_one_level("block3"), "clients": _clients(mix[2])},
-        ),
-        Run(
-            label="all-level3",
-            tags={"method": ALL3, "level": "3"},
-            overrides={**_one_level("block3"), "clients": _clients(total)},
-        ),
+        Run("exc-level3", {"method": EXC3, "level": "3"}, one_level("block3", mix[2])),
+        Run("all-level3", {"method": ALL3, "level": "3"}, one_level("block3", total)),
     ]
 
 
-# --- the final version on the whole test set -------------------------------------------------
 def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> dict[str, float]:
     """The last version's full model and each level's client model (blocks up to its cut with
     that cut's head) on the whole test set, keyed by the cut."""
@@ -111,128 +97,83 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     return out
 
 
-# --- reading the runs --------------------------------------------------------------------------
-def run_cuts(result: RunResult) -> tuple[str, ...]:
-    """The cuts of the run's levels, shallow to deep (record key `level<m>` is the m-th)."""
+def run_levels(result: RunResult) -> tuple[int, ...]:
+    """The levels (1..3) whose client model the run trains, shallow to deep."""
     level = result.tags.get("level")
-    return (LEVEL_CUTS[int(level) - 1],) if level else LEVEL_CUTS
+    return (int(level),) if level else (1, 2, 3)
 
 
 def client_accuracy(result: RunResult | None, level: int) -> float:
     """The final level-`level` client model on the whole test set (NaN: the run has none)."""
-    if result is None:
-        return math.nan
-    return result.final.get(CLIENT_ACCURACY + LEVEL_CUTS[level - 1], math.nan)
+    final = {} if result is None else result.final
+    return final.get(CLIENT_ACCURACY + LEVEL_CUTS[level - 1], math.nan)
 
 
 def full_accuracy(result: RunResult | None) -> float:
     return math.nan if result is None else result.final.get(FULL_ACCURACY, math.nan)
 
 
-def level_curve(result: RunResult, level: int) -> list[float]:
-    """The level-`level` client model's accuracy per round (on the evaluation rows)."""
-    cuts = run_cuts(result)
-    cut = LEVEL_CUTS[level - 1]
-    if cut not in cuts:
-        return []
-    key = f"level{cuts.index(cut) + 1}.client_accuracy"
-    return [r.extra.get(key, math.nan) for r in result.records]
+def level_curve(result: RunResult, level: int | None) -> list[float]:
+    """The level-`level` client model's accuracy per round on the evaluation rows (record key
+    `level<m>` is the run's m-th level); the full model's for None."""
+    if level is None:
+        return result.curve()
+    levels = run_levels(result)
+    return (
+        result.curve(f"level{levels.index(level) + 1}.client_accuracy") if level in levels else []
+    )
 
 
 def server_flops(result: RunResult) -> float:
     """Mean server forward FLOPs per trained sample over the run: the mean over every
     (round, participant) of the FLOPs the server spends on that client's rows (each trains the
     same number of rows a round; see `SCALING`)."""
-    values = [v for r in result.records for k, v in r.extra.items() if k.startswith(SERVER_FLOPS)]
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
+    return mean(v for r in result.records for k, v in r.extra.items() if k.startswith(SERVER_FLOPS))
 
 
-def trained_samples(result: RunResult) -> int:
-    return sum(r.samples for r in result.records)
-
-
-def bytes_up_per_sample(result: RunResult) -> float:
-    samples = trained_samples(result)
-    return sum(r.bytes_up for r in result.records) / samples if samples else math.nan
-
-
-def expected_server_flops(mix: Sequence[int], model: SplitNet) -> float:
-    """The server's forward FLOPs per sample for a population `mix` training equal rows."""
-    costs = level_costs(model, LEVEL_CUTS)
-    total = sum(mix)
-    return sum(n * c.server_flops for n, c in zip(mix, costs, strict=True)) / total
-
-
-# --- tables and figures ------------------------------------------------------------------------
-def _find(results: ResultSet, method: str) -> RunResult | None:
-    found = results.one({"method": method})
-    return found if found is not None and found.tags.get("method") == method else None
+def population(result: RunResult) -> tuple[int, ...]:
+    """The run's clients per declared level (its `clients.capability_mix`); () if none."""
+    mix = str(result.run.overrides.get("clients", {}).get("capability_mix", ""))
+    return tuple(int(n) for n in mix.split(",")) if mix else ()
 
 
 def _clients_line(result: RunResult) -> str:
-    settings = result.run.overrides.get("clients", {})
-    mix = str(settings.get("capability_mix", ""))
-    count = settings.get("count", "?")
+    mix = population(result)
+    count = result.run.overrides.get("clients", {}).get("count", "?")
     if mix:
-        return f"{count} (levels 1/2/3: {mix.replace(',', '/')})"
+        return f"{count} (levels 1/2/3: {'/'.join(map(str, mix))})"
     return f"{count} (all at level {result.tags.get('level', '?')})"
 
 
-def late_mean(curve: Sequence[float]) -> float:
-    """Mean of the last `LATE_ROUNDS` finite values of a per-round curve (NaN: none)."""
-    tail = [v for v in curve[-LATE_ROUNDS:] if math.isfinite(v)]
-    return sum(tail) / len(tail) if tail else math.nan
-
-
-def full_curve(result: RunResult) -> list[float]:
-    return [r.global_accuracy for r in result.records]
-
-
-def has_full_model(result: RunResult) -> bool:
-    """Whether the run's full model is one of the compared models (EXC-level-3's is not: its
-    server side is one layer trained on 18 clients' features, no baseline of the paper)."""
-    return result.tags["method"] in (FEDSPLITX, EXC1, ALL3)
-
-
-def model_rows(result: RunResult) -> list[tuple[int | None, float, list[float]]]:
+def model_rows(result: RunResult) -> list[tuple[int | None, float]]:
     """The models a run yields: (level, or None for the full model; final accuracy on the
-    whole test set; accuracy per round on the evaluation rows)."""
-    rows: list[tuple[int | None, float, list[float]]] = []
-    for cut in run_cuts(result):
-        level = LEVEL_CUTS.index(cut) + 1
-        rows.append((level, client_accuracy(result, level), level_curve(result, level)))
-    if has_full_model(result):
-        rows.append((None, full_accuracy(result), full_curve(result)))
+    whole test set)."""
+    rows: list[tuple[int | None, float]] = [
+        (m, client_accuracy(result, m)) for m in run_levels(result)
+    ]
+    if result.tags["method"] in WITH_FULL_MODEL:
+        rows.append((None, full_accuracy(result)))
     return rows
 
 
 def accuracy_table(results: ResultSet) -> str:
     """One row per (run, model it yields): the final version on the whole test set."""
-    costs = {c.cut: c for c in level_costs(_cnn5(), LEVEL_CUTS)}
-    fed = _find(results, FEDSPLITX)
+    costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
+    fed = results.named(need="", method=FEDSPLITX)
     fed_full = full_accuracy(fed)
-    header = [
-        "method",
-        "clients (levels)",
-        "model evaluated",
-        "client fwd FLOPs/sample",
-        "final accuracy %",
-        f"mean of last {LATE_ROUNDS} rounds %",
-        "best over rounds %",
-        "this − FedSplitX same model",
-        "FedSplitX full − this",
-    ]
+    header = ["method", "clients (levels)", "model evaluated", "client fwd FLOPs/sample"]
+    header += ["final accuracy %", f"mean of last {LATE_ROUNDS} rounds %", "best over rounds %"]
+    header += ["this − FedSplitX same model", "FedSplitX full − this"]
     rows: list[list[str]] = []
     for result in results:
-        for level, acc, curve in model_rows(result):
+        for level, acc in model_rows(result):
             if level is None:
                 what, flops, same = "full model (client side + server side)", "", fed_full
             else:
-                cut = LEVEL_CUTS[level - 1]
-                what = f"level-{level} client model (blocks to {cut} + head)"
-                flops, same = f"{costs[cut].client_flops:,}", client_accuracy(fed, level)
-            finite = [v for v in curve if math.isfinite(v)]
+                what = f"level-{level} client model (blocks to {LEVEL_CUTS[level - 1]} + head)"
+                flops, same = f"{costs[level - 1].client_flops:,}", client_accuracy(fed, level)
+            curve = level_curve(result, level)
+            best = finite(curve)
             own = result is fed
             rows.append(
                 [
@@ -241,8 +182,8 @@ def accuracy_table(results: ResultSet) -> str:
                     what,
                     flops,
                     percent(acc),
-                    percent(late_mean(curve)),
-                    percent(max(finite)) if finite else "–",
+                    percent(late_mean(curve, LATE_ROUNDS)),
+                    percent(max(best)) if best else "–",
                     "" if own else points(acc - same),
                     "" if own and level is None else points(fed_full - acc),
                 ]
@@ -252,37 +193,22 @@ def accuracy_table(results: ResultSet) -> str:
         f"the mean of the last {LATE_ROUNDS} rounds and the best round on the evaluation rows; "
         "differences in points, from the final accuracies)"
     )
-    return caption + "\n\n" + markdown_table(header, rows)
-
-
-def level_draws(result: RunResult) -> dict[int, int]:
-    """How many (round, participant) pairs of the run were at each level."""
-    counts: dict[int, int] = {}
-    for record in result.records:
-        for key, value in record.extra.items():
-            if key.startswith(LEVEL_OF):
-                counts[int(value)] = counts.get(int(value), 0) + 1
-    return dict(sorted(counts.items()))
+    return markdown_table(header, rows, caption)
 
 
 def flops_table(results: ResultSet) -> str:
     """Server forward FLOPs per trained sample, as measured over the runs' rows."""
-    model = _cnn5()
-    accsfl = _find(results, EXC1)
+    costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
+    accsfl = results.named(need="", method=EXC1)
     reference = server_flops(accsfl) if accsfl is not None else math.nan
-    header = [
-        "method",
-        "clients (levels)",
-        "server fwd FLOPs/sample (measured)",
-        "relative to local-loss SFL block1",
-        "samples trained",
-        "server training GFLOPs (≈ 3 × fwd)",
-        "bytes up / sample",
-    ]
+    header = ["method", "clients (levels)", "server fwd FLOPs/sample (measured)"]
+    header += ["relative to local-loss SFL block1", "samples trained"]
+    header += ["server training GFLOPs (≈ 3 × fwd)", "bytes up / sample"]
     rows = []
     for result in results:
         flops = server_flops(result)
-        samples = trained_samples(result)
+        samples = sum(r.samples for r in result.records)
+        up = sum(r.bytes_up for r in result.records) / samples if samples else math.nan
         rows.append(
             [
                 result.tags["method"],
@@ -291,126 +217,86 @@ def flops_table(results: ResultSet) -> str:
                 f"{flops / reference:.1%}" if math.isfinite(flops / reference) else "–",
                 f"{samples:,}",
                 f"{3 * flops * samples / 1e9:,.1f}" if math.isfinite(flops) else "–",
-                f"{bytes_up_per_sample(result):,.0f}",
+                f"{up:,.0f}",
             ]
         )
     per_level = ", ".join(
         f"level {c.level} ({c.cut}): client {c.client_flops:,} / server {c.server_flops:,}"
-        for c in level_costs(model, LEVEL_CUTS)
+        for c in costs
     )
     caption = (
         "**Server compute** (forward FLOPs per trained sample, from each round's "
         "`server_flops.<client>`; a training step costs about three forwards). Per level, "
         f"forward FLOPs per sample: {per_level}; local-loss SFL at block1 leaves the server "
-        f"{level_costs(model, ['block1'])[0].server_flops:,}."
+        f"{level_costs(build_model('cnn5'), ['block1'])[0].server_flops:,}."
     )
-    fed = _find(results, FEDSPLITX)
+    fed = results.named(need="", method=FEDSPLITX)
     mix = population(fed) if fed is not None else ()
     if fed is not None and mix:
-        draws = level_draws(fed)
+        draws = [int(v) for r in fed.records for k, v in r.extra.items() if k.startswith(LEVEL_OF)]
+        # The server's expected forward FLOPs per sample for `mix` training equal rows.
+        expected = sum(n * c.server_flops for n, c in zip(mix, costs, strict=True)) / sum(mix)
         caption += (
             f" For FedSplitX's population ({'/'.join(map(str, mix))} clients at levels 1/2/3) "
-            f"training equal rows the expected mean is {expected_server_flops(mix, model):,.0f}; "
-            f"its {sum(draws.values())} (round, participant) pairs were at levels 1/2/3 "
-            f"{'/'.join(str(draws.get(m, 0)) for m in (1, 2, 3))} times."
+            f"training equal rows the expected mean is {expected:,.0f}; "
+            f"its {len(draws)} (round, participant) pairs were at levels 1/2/3 "
+            f"{'/'.join(str(draws.count(m)) for m in (1, 2, 3))} times."
         )
-    return caption + "\n\n" + markdown_table(header, rows)
-
-
-def population(result: RunResult) -> tuple[int, ...]:
-    """The run's clients per declared level (its `clients.capability_mix`); () if none."""
-    mix = str(result.run.overrides.get("clients", {}).get("capability_mix", ""))
-    return tuple(int(n) for n in mix.split(",")) if mix else ()
-
-
-def _cnn5() -> SplitNet:
-    from models.registry import build_model
-
-    return build_model("cnn5")
+    return markdown_table(header, rows, caption)
 
 
 def _curves(results: ResultSet, slot: FigureSlot) -> str:
     panels = [f"level-{m} client model" for m in (1, 2, 3)] + ["full model"]
 
     def draw(axes: Any, panel: str) -> bool:
-        from matplotlib.ticker import MaxNLocator
-
         drawn = False
         for i, result in enumerate(results):
-            if panel == "full model":
-                if result.tags["method"] not in (FEDSPLITX, EXC1, ALL3):
-                    continue
-                ys = [100 * r.global_accuracy for r in result.records]
-            else:
-                ys = [100 * v for v in level_curve(result, int(panel.split("-")[1][0]))]
-            if not ys:
+            full = panel == "full model"
+            if full and result.tags["method"] not in WITH_FULL_MODEL:
                 continue
-            xs = [r.round + 1 for r in result.records]
-            axes.plot(xs, ys, label=result.tags["method"], markersize=2, **line_style(i))
-            drawn = True
-        axes.set_xlabel("round")
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ys = [100 * v for v in level_curve(result, None if full else int(panel[6]))]
+            if ys:
+                plot_rounds(axes, i, result.records, ys, result.tags["method"])
+                drawn = True
         return drawn
 
-    made = panel_figure(
-        slot.path("curves.png"),
-        "Test accuracy per round (evaluation rows)",
-        panels,
-        draw,
-        ylabel="accuracy (%)",
-    )
-    return slot.link(made) if made else ""
-
-
-def _bar_values(results: ResultSet, panel: str) -> list[tuple[int, str, float]]:
-    """(run index, bar label, value) of one panel of `_bars`."""
-    out: list[tuple[int, str, float]] = []
-    for i, result in enumerate(results):
-        if panel == "accuracy":
-            for cut in run_cuts(result):
-                level = LEVEL_CUTS.index(cut) + 1
-                out.append((i, f"L{level}", 100 * client_accuracy(result, level)))
-            if result.tags["method"] in (FEDSPLITX, EXC1, ALL3):
-                out.append((i, "full", 100 * full_accuracy(result)))
-        else:
-            out.append((i, _short(result), server_flops(result) / 1e3))
-    return out
+    return slot.figure("curves.png", "Test accuracy per round (evaluation rows)", panels, draw)
 
 
 def _bars(results: ResultSet, slot: FigureSlot) -> str:
-    runs = list(results)
+    short = {EXC1: "EXC-1/AccSFL", ALL3: "All-3"}
+
+    def values(panel: str) -> list[tuple[int, str, float]]:
+        """(run index, bar label, value) of one panel."""
+        out: list[tuple[int, str, float]] = []
+        for i, result in enumerate(results):
+            method = result.tags["method"]
+            if panel == "server FLOPs":
+                name = short.get(method, method.replace("-level-", "-"))
+                out.append((i, name, server_flops(result) / 1e3))
+                continue
+            for level, acc in model_rows(result):
+                out.append((i, "full" if level is None else f"L{level}", 100 * acc))
+        return out
 
     def draw(axes: Any, panel: str) -> bool:
-        bars = _bar_values(results, panel)
+        bars = values(panel)
         if not any(math.isfinite(v) for _, _, v in bars):
             return False
-        for i, result in enumerate(runs):
+        for i, result in enumerate(results):
             xs = [x for x, (run, _, _) in enumerate(bars) if run == i]
-            if not xs:
-                continue
-            drawn = axes.bar(
-                xs, [bars[x][2] for x in xs], color=f"C{i}", label=result.tags["method"]
-            )
-            axes.bar_label(drawn, fmt="%.1f" if panel == "accuracy" else "%.0f", fontsize=7)
+            if xs:
+                ys = [bars[x][2] for x in xs]
+                drawn = axes.bar(xs, ys, color=f"C{i}", label=result.tags["method"])
+                axes.bar_label(drawn, fmt="%.1f" if panel == "accuracy" else "%.0f", fontsize=7)
         axes.set_xticks(range(len(bars)), [label for _, label, _ in bars], fontsize="small")
         axes.set_ylabel("final accuracy (%)" if panel == "accuracy" else "kFLOPs / sample")
         # Room for the legend above the bars.
-        top = max(v for _, _, v in bars if math.isfinite(v))
-        axes.set_ylim(0, 1.6 * top)
+        axes.set_ylim(0, 1.6 * max(v for _, _, v in bars if math.isfinite(v)))
         return True
 
-    made = panel_figure(
-        slot.path("final.png"),
-        "Final accuracy (whole test set) and server forward FLOPs per sample",
-        ["accuracy", "server FLOPs"],
-        draw,
-    )
-    return slot.link(made) if made else ""
-
-
-def _short(result: RunResult) -> str:
-    method = result.tags["method"]
-    return {EXC1: "EXC-1/AccSFL", ALL3: "All-3"}.get(method, method.replace("-level-", "-"))
+    title = "Final accuracy (whole test set) and server forward FLOPs per sample"
+    return slot.figure("final.png", title, ["accuracy", "server FLOPs"], draw, ylabel="")
 
 
 def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
@@ -422,50 +308,32 @@ def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
     ]
 
 
-# --- the verdict -------------------------------------------------------------------------------
-def _pct(value: float) -> str:
-    return "–" if not math.isfinite(value) else f"{100 * value:.1f}%"
-
-
-def _pts(value: float) -> str:
-    return "–" if not math.isfinite(value) else f"{100 * value:+.1f} points"
-
-
-def _ahead(gain: float, what: str) -> str:
-    if not math.isfinite(gain):
-        return ""
-    return (
-        f"agrees: FedSplitX is ahead of {what}"
-        if gain > 0
-        else (f"**disagrees**: FedSplitX is not ahead of {what}")
-    )
-
-
-def _late(result: RunResult, level: int | None) -> float:
-    curve = full_curve(result) if level is None else level_curve(result, level)
-    return late_mean(curve)
+def _late(result: RunResult, level: int | None) -> str:
+    return pct(late_mean(level_curve(result, level), LATE_ROUNDS))
 
 
 def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
     name = f"EXC-level-{level}"
     full, theirs = full_accuracy(fed), client_accuracy(exc, level)
-    late = f"mean of the last {LATE_ROUNDS} rounds {_pct(_late(fed, None))} vs " + _pct(
-        _late(exc, level)
-    )
     lines = []
-    judged = _ahead(full - theirs, name)
-    if judged:
+    if math.isfinite(full - theirs):
+        judged = (
+            f"agrees: FedSplitX is ahead of {name}"
+            if full - theirs > 0
+            else f"**disagrees**: FedSplitX is not ahead of {name}"
+        )
+        late = f"mean of the last {LATE_ROUNDS} rounds {_late(fed, None)} vs {_late(exc, level)}"
         lines.append(
-            f"FedSplitX's full model {_pct(full)} vs {name}'s global model (the level-{level} "
-            f"model) {_pct(theirs)} ({_pts(full - theirs)}; {late}): {judged}."
+            f"FedSplitX's full model {pct(full)} vs {name}'s global model (the level-{level} "
+            f"model) {pct(theirs)} ({pts(full - theirs)}; {late}): {judged}."
         )
     own = client_accuracy(fed, level)
     if math.isfinite(own - theirs):
         word = "better" if own > theirs else "**not better**"
         lines.append(
-            f"Level-{level} client model: FedSplitX's {_pct(own)} vs {name}'s {_pct(theirs)} "
-            f"({_pts(own - theirs)}; mean of the last {LATE_ROUNDS} rounds "
-            f"{_pct(_late(fed, level))} vs {_pct(_late(exc, level))}): the client-side model "
+            f"Level-{level} client model: FedSplitX's {pct(own)} vs {name}'s {pct(theirs)} "
+            f"({pts(own - theirs)}; mean of the last {LATE_ROUNDS} rounds "
+            f"{_late(fed, level)} vs {_late(exc, level)}): the client-side model "
             f"FedSplitX gives level-{level} clients is {word} than the one exclusive learning "
             "trains."
         )
@@ -476,68 +344,58 @@ def _accsfl_lines(fed: RunResult, accsfl: RunResult) -> list[str]:
     lines = []
     ours, theirs = server_flops(fed), server_flops(accsfl)
     if math.isfinite(ours) and math.isfinite(theirs) and theirs > 0:
-        less = ours < theirs
         lines.append(
             f"Server load: FedSplitX {ours:,.0f} forward FLOPs per sample vs local-loss SFL at "
             f"block1 {theirs:,.0f} ({ours / theirs:.0%}): "
-            + ("agrees, FedSplitX leaves the server less work." if less else "**disagrees**.")
+            + (
+                "agrees, FedSplitX leaves the server less work."
+                if ours < theirs
+                else "**disagrees**."
+            )
         )
     full, acc_full = full_accuracy(fed), full_accuracy(accsfl)
     if math.isfinite(acc_full) and math.isfinite(full):
         word = "ahead of" if full > acc_full else "**behind**"
         lines.append(
-            f"Full model: FedSplitX {_pct(full)} vs local-loss SFL at block1 {_pct(acc_full)} "
-            f"({_pts(full - acc_full)}; mean of the last {LATE_ROUNDS} rounds "
-            f"{_pct(_late(fed, None))} vs {_pct(_late(accsfl, None))}): FedSplitX is {word} "
+            f"Full model: FedSplitX {pct(full)} vs local-loss SFL at block1 {pct(acc_full)} "
+            f"({pts(full - acc_full)}; mean of the last {LATE_ROUNDS} rounds "
+            f"{_late(fed, None)} vs {_late(accsfl, None)}): FedSplitX is {word} "
             "local-loss SFL with the early cut, whose server trains everything after block1 "
             "on every row."
         )
     return lines
 
 
-def swing(curve: Sequence[float]) -> float:
-    """Mean absolute change between consecutive rounds of a per-round curve."""
-    values = [v for v in curve if math.isfinite(v)]
-    steps = [abs(b - a) for a, b in itertools.pairwise(values)]
-    return sum(steps) / len(steps) if steps else math.nan
-
-
-def _swing_lines(results: ResultSet) -> list[str]:
-    parts = [
-        f"{result.tags['method']} {100 * swing(full_curve(result)):.1f} points"
-        for result in results
-        if has_full_model(result)
-    ]
-    if len(parts) < 2:
-        return []
-    return [
-        "Round-to-round swing of the full model's accuracy (mean absolute change, evaluation "
-        "rows): " + ", ".join(parts) + "."
-    ]
-
-
 def verdict(results: ResultSet) -> list[str]:
-    fed = _find(results, FEDSPLITX)
+    fed = results.named(need="", method=FEDSPLITX)
     if fed is None:
         return []
     lines: list[str] = []
     for method, level in ((EXC1, 1), (EXC3, 3)):
-        exc = _find(results, method)
+        exc = results.named(need="", method=method)
         if exc is not None:
             lines += _exc_lines(fed, exc, level)
-    accsfl = _find(results, EXC1)
+    accsfl = results.named(need="", method=EXC1)
     if accsfl is not None:
         lines += _accsfl_lines(fed, accsfl)
-    lines += _swing_lines(results)
-    every = _find(results, ALL3)
-    exc3 = _find(results, EXC3)
+    swings = [
+        f"{r.tags['method']} {100 * swing(r.curve()):.1f} points"
+        for r in results
+        if r.tags["method"] in WITH_FULL_MODEL
+    ]
+    if len(swings) >= 2:
+        lines.append(
+            "Round-to-round swing of the full model's accuracy (mean absolute change, "
+            "evaluation rows): " + ", ".join(swings) + "."
+        )
+    every, exc3 = results.named(need="", method=ALL3), results.named(need="", method=EXC3)
     if every is not None and exc3 is not None:
         lost = client_accuracy(every, 3) - client_accuracy(exc3, 3)
         if math.isfinite(lost):
             lines.append(
                 f"What exclusion costs at level 3: all clients at level 3 reach "
-                f"{_pct(client_accuracy(every, 3))} with the level-3 model, the capable "
-                f"clients alone {_pct(client_accuracy(exc3, 3))} ({_pts(lost)})."
+                f"{pct(client_accuracy(every, 3))} with the level-3 model, the capable "
+                f"clients alone {pct(client_accuracy(exc3, 3))} ({pts(lost)})."
             )
     return lines
 
@@ -629,12 +487,7 @@ def build() -> Experiment:
         base=example_config(NAME),
         runs=grid(MIX),
         quick_runs=grid(QUICK_MIX),
-        quick={
-            "job": {"rounds": 2},
-            "algorithm": {"max_steps_per_round": 3},
-            "clients": {"fraction": 1.0},
-            "data": {"eval_samples": 500},
-        },
+        quick=smoke(clients={"fraction": 1.0}),
         verdict=verdict,
         notes=NOTES,
         final_eval=final_eval,

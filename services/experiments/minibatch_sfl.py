@@ -17,7 +17,9 @@ from services.experiments.spec import (
     FinalPlot,
     Run,
     Table,
+    algorithm,
     example_config,
+    smoke,
 )
 
 NAME = "minibatch_sfl"
@@ -25,6 +27,8 @@ RATIOS = ("0", "0.8", "0.95")
 CUTS = ("block1", "block2", "block3")
 MBSFL, SFL, FL, CENTRAL = "MiniBatch-SFL", "SFL-V2", "FedAvg", "Centralized"
 SPLIT_ALGORITHMS = ((MBSFL, "minibatch_sfl"), (SFL, "sfl_v2"))
+ROWS = ("r", "cut")  # of the tables, whose columns are the algorithms
+DIFFS = ((MBSFL, SFL), (MBSFL, FL))
 PAPER_GAIN_OVER_SFL = 24.1
 PAPER_GAIN_OVER_FL = 17.1
 
@@ -32,28 +36,15 @@ PAPER_GAIN_OVER_FL = 17.1
 def grid(ratios: tuple[str, ...], cuts: tuple[str, ...]) -> list[Run]:
     runs = []
     for r in ratios:
+        data = {"data": {"ratio": float(r)}}
         for cut in cuts:
-            for label, algorithm in SPLIT_ALGORITHMS:
-                runs.append(
-                    Run(
-                        label=f"{algorithm}-r{r}-{cut}",
-                        tags={"algorithm": label, "r": r, "cut": cut},
-                        overrides={
-                            "algorithm": {"name": algorithm},
-                            "data": {"ratio": float(r)},
-                            "model": {"cut": cut},
-                        },
-                    )
-                )
-        runs.append(
-            Run(
-                label=f"fedavg-r{r}",
-                tags={"algorithm": FL, "r": r},
-                overrides={"algorithm": {"name": "fedavg"}, "data": {"ratio": float(r)}},
-            )
-        )
+            for label, name in SPLIT_ALGORITHMS:
+                overrides = algorithm(name) | data | {"model": {"cut": cut}}
+                tags = {"algorithm": label, "r": r, "cut": cut}
+                runs.append(Run(f"{name}-r{r}-{cut}", tags, overrides))
+        runs.append(Run(f"fedavg-r{r}", {"algorithm": FL, "r": r}, algorithm("fedavg") | data))
     # The union of the clients' data does not depend on r: one centralized run serves all.
-    runs.append(Run(label="centralized", tags={"algorithm": CENTRAL}, kind="centralized"))
+    runs.append(Run("centralized", {"algorithm": CENTRAL}, kind="centralized"))
     return runs
 
 
@@ -203,53 +194,39 @@ NOTES = """
 
 
 def build() -> Experiment:
-    base = example_config(NAME)
     return Experiment(
         name=NAME,
         title="MiniBatch-SFL vs SFL-V2 vs FedAvg vs centralized (Fashion-MNIST, N = 10)",
         summary=SUMMARY,
         claim=CLAIM,
         scaling=SCALING,
-        base=base,
+        base=example_config(NAME),
         runs=grid(RATIOS, CUTS),
         quick_runs=grid(("0.95",), ("block1",)),
-        quick={
-            "job": {"rounds": 2},
-            "algorithm": {"max_steps_per_round": 3},
-            "data": {"eval_samples": 500},
-        },
+        quick=smoke(),
         tables=(
+            Table("Final global test accuracy", ROWS, "algorithm", diffs=DIFFS),
             Table(
-                title="Final global test accuracy",
-                rows=("r", "cut"),
-                column="algorithm",
-                diffs=((MBSFL, SFL), (MBSFL, FL)),
-            ),
-            Table(
-                title="Best global test accuracy over the rounds",
-                rows=("r", "cut"),
-                column="algorithm",
-                metric="best_global",
-                diffs=((MBSFL, SFL), (MBSFL, FL)),
+                "Best global test accuracy over the rounds", ROWS, "algorithm", "best_global", DIFFS
             ),
         ),
         plots=(
             *(
                 CurvePlot(
-                    file=f"curves-{cut}.png",
-                    title=f"Global test accuracy per round, cut after {cut}",
-                    lines="algorithm",
-                    panels="r",
+                    f"curves-{cut}.png",
+                    f"Global test accuracy per round, cut after {cut}",
+                    "algorithm",
+                    "r",
                     where={"cut": cut},
                 )
                 for cut in CUTS
             ),
             FinalPlot(
-                file="final.png",
-                title="Final global test accuracy against the non-IID ratio r",
-                x="r",
-                lines="algorithm",
-                panels="cut",
+                "final.png",
+                "Final global test accuracy against the non-IID ratio r",
+                "r",
+                "algorithm",
+                "cut",
             ),
         ),
         verdict=verdict,

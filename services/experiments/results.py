@@ -1,13 +1,15 @@
-"""The outcome of each run, read back from its report directory, and selection by tags."""
+"""The outcome of each run, read back from its report directory; selection by tags; the few
+summaries of a per-round curve the experiments' verdicts share."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from services.experiments.spec import Metric, Run
 from services.report.records import VersionRecord
@@ -30,7 +32,7 @@ class RunResult:
     rounds: int  # rounds the config asked for
     records: tuple[VersionRecord, ...]
     reused: bool = False  # taken from an earlier invocation (--reuse)
-    machine: str = ""  # `host.machine_line()` where it ran
+    machine: str = ""  # `runner.machine_line()` where it ran
     load: float = math.nan  # 1-minute load average when it started
     final: Mapping[str, float] = field(default_factory=dict)  # `Experiment.final_eval`'s
 
@@ -43,15 +45,29 @@ class RunResult:
         return self.run.tags
 
     @property
+    def algorithm(self) -> str:
+        """The algorithm the run's overrides name ("" when it runs the base config's)."""
+        return str(self.run.overrides.get("algorithm", {}).get("name", ""))
+
+    @property
     def complete(self) -> bool:
         return self.status == "finished" and len(self.records) >= self.rounds
 
     def metric(self, name: Metric) -> float:
         totals = Totals.of(self.records)
-        if totals is None:
-            return math.nan
-        value: float = getattr(totals, name)
-        return value
+        return math.nan if totals is None else float(getattr(totals, name))
+
+    def curve(self, name: str = "global_accuracy") -> list[float]:
+        """A `VersionRecord` field per round, or an `extra` (NaN where a round lacks it)."""
+        if name in VersionRecord.__dataclass_fields__:
+            return [float(getattr(r, name)) for r in self.records]
+        return [r.extra.get(name, math.nan) for r in self.records]
+
+    def pair(self, prefix: str) -> tuple[float, float]:
+        """The final evaluation's (`<prefix>_local`, `<prefix>_ood`), NaN where absent."""
+        return self.final.get(f"{prefix}_local", math.nan), self.final.get(
+            f"{prefix}_ood", math.nan
+        )
 
 
 def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ...]]:
@@ -61,20 +77,13 @@ def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ..
     return dict(doc.get("run", {})), records
 
 
-def read_final(run_dir: Path) -> dict[str, float]:
-    """The run's `final.json` (its last version's final evaluation); {} when it has none."""
-    try:
-        doc = json.loads((run_dir / FINAL_JSON).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    return {str(k): float(v) for k, v in doc.items()}
-
-
 def load_result(run: Run, run_dir: Path, *, reused: bool = False) -> RunResult:
-    """The run's records from metrics.json and its wall time and host from experiment.json."""
+    """The run's records from metrics.json, its wall time and host from experiment.json and
+    its final evaluation from final.json (none when the experiment has no `final_eval`)."""
     info, records = read_records(run_dir)
     meta = json.loads((run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
-    load = meta.get("load")
+    final = run_dir / FINAL_JSON
+    doc = json.loads(final.read_text(encoding="utf-8")) if final.exists() else {}
     return RunResult(
         run=run,
         run_dir=run_dir,
@@ -84,24 +93,14 @@ def load_result(run: Run, run_dir: Path, *, reused: bool = False) -> RunResult:
         records=records,
         reused=reused,
         machine=str(meta.get("machine", "")),
-        load=float(load) if load is not None else math.nan,
-        final=read_final(run_dir),
+        load=math.nan if meta.get("load") is None else float(meta["load"]),
+        final={str(k): float(v) for k, v in doc.items()},
     )
 
 
 def matches(tags: Mapping[str, str], where: Mapping[str, str]) -> bool:
     """Whether a run with `tags` fits `where`; a tag the run lacks fits any value."""
     return all(tags.get(key, value) == value for key, value in where.items())
-
-
-def tag_values(results: Iterable[RunResult], tag: str) -> list[str]:
-    """The values `tag` takes among `results`, in the order the runs were declared."""
-    seen: list[str] = []
-    for result in results:
-        value = result.tags.get(tag)
-        if value is not None and value not in seen:
-            seen.append(value)
-    return seen
 
 
 class ResultSet:
@@ -126,9 +125,19 @@ class ResultSet:
         `cut=block2`; the one that names the cut is the better match.
         """
         found = self.select(where)
-        if not found:
+        return max(found, key=lambda r: sum(k in r.tags for k in where)) if found else None
+
+    def named(
+        self, need: Literal["records", "final", ""] = "records", **where: str
+    ) -> RunResult | None:
+        """The run tagged with exactly `where` (no baseline standing in for it) that has
+        `records` (or its `final` evaluation, `need="final"`; anything, `need=""`); None
+        otherwise."""
+        found = self.one(where)
+        if found is None or any(found.tags.get(k) != v for k, v in where.items()):
             return None
-        return max(found, key=lambda r: sum(1 for k in where if k in r.tags))
+        has = {"records": bool(found.records), "final": bool(found.final), "": True}
+        return found if has[need] else None
 
     def value(self, metric: Metric, **where: str) -> float:
         """`metric` of the run fitting `where`, NaN when there is none."""
@@ -140,4 +149,26 @@ class ResultSet:
         return [r.run for r in self.results]
 
     def values(self, tag: str) -> list[str]:
-        return tag_values(self.results, tag)
+        """The values `tag` takes among the runs, in the order the runs were declared."""
+        return list(dict.fromkeys(r.tags[tag] for r in self.results if tag in r.tags))
+
+
+def finite(values: Iterable[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def mean(values: Iterable[float]) -> float:
+    """The mean of the finite values, NaN when there is none."""
+    kept = finite(values)
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def late_mean(curve: Sequence[float], rounds: int) -> float:
+    """The mean of the last `rounds` values of a per-round curve: under label-skewed sampling
+    a single round's value swings by points from one round to the next."""
+    return mean(curve[-rounds:])
+
+
+def swing(curve: Sequence[float]) -> float:
+    """Mean absolute change between consecutive rounds of a per-round curve."""
+    return mean(abs(b - a) for a, b in itertools.pairwise(finite(curve)))

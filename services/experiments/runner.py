@@ -10,25 +10,27 @@ and its metrics are read back from there, so the results come from what was reco
 from __future__ import annotations
 
 import json
-import math
+import os
+import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
+from broker.store import NO_VERSION
+from services.aggregator.closing import read_version
+from services.common.backends import Backends, Embedded
 from services.config.loading import ConfigError, deep_merge
 from services.config.root import Settings
 from services.config.settings import ConnectionSettings
 from services.data.loaders import Dataset, load_dataset
 from services.experiments.centralized import train_centralized
-from services.experiments.final import run_service
-from services.experiments.host import load_average, machine_line
 from services.experiments.results import (
     EXPERIMENT_JSON,
     FINAL_JSON,
@@ -40,9 +42,10 @@ from services.experiments.results import (
 from services.experiments.spec import Experiment, FinalEval, Run
 from services.experiments.watchdog import watchdog
 from services.report.filesink import FileSink
-from services.report.records import VersionRecord
+from services.report.records import MetricsSink
 from services.report.rundir import write_atomic
-from services.report.sinks import EchoSink, TeeSink
+from services.report.sinks import EchoSink, RecordsOnly, TeeSink
+from services.runtime.embedded import embedded_settings, run_embedded
 
 Echo = Callable[[str], None]
 # Settings that say where things are, not what is computed: a run is reusable across them.
@@ -55,7 +58,7 @@ def slug(label: str) -> str:
 
 
 def build_settings(
-    experiment: Experiment, run: Run, *, quick: bool, data_dir: str | None
+    experiment: Experiment, run: Run, *, quick: bool, data_dir: str | None = None
 ) -> Settings:
     """Base config, then the --quick overrides, then the run's own, then where the data is."""
     merged = deep_merge(dict(experiment.base), experiment.quick if quick else {})
@@ -101,19 +104,6 @@ def same_settings(stored: Any, current: Any, defaults: Any) -> bool:
     return all(key in current for key in stored)
 
 
-@dataclass
-class DataCache:
-    """Each dataset is loaded once per experiment and shared, read-only, by its runs."""
-
-    loaded: dict[tuple[str, str], Dataset] = field(default_factory=dict)
-
-    def get(self, settings: Settings) -> Dataset:
-        key = (settings.data.dataset, settings.data.dir)
-        if key not in self.loaded:
-            self.loaded[key] = load_dataset(settings.data.dataset, settings.data.dir or None)
-        return self.loaded[key]
-
-
 def reusable(run_dir: Path, settings: Settings) -> bool:
     """Whether `run_dir` holds a finished earlier run of exactly these settings."""
     try:
@@ -154,17 +144,43 @@ def linked(parent: threading.Event, poll_s: float = 0.2) -> Iterator[threading.E
         thread.join()
 
 
-class _Progress:
-    """A short line per round: which run, which round, accuracy so far."""
+def machine_line() -> str:
+    """OS, CPU, cores, Python, torch and its intra-op threads (experiments share hosts)."""
+    return ", ".join(
+        [
+            platform.platform(),
+            platform.processor() or platform.machine(),
+            f"{os.cpu_count()} CPUs",
+            f"python {platform.python_version()}",
+            f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads)",
+        ]
+    )
 
-    def __init__(self, echo: Echo, prefix: str, rounds: int) -> None:
-        self._inner = EchoSink(lambda line: echo(f"  {prefix} {line}"), rounds=rounds)
 
-    def record(self, record: VersionRecord) -> None:
-        self._inner.record(record)
+def run_service(
+    settings: Settings,
+    dataset: Dataset,
+    sink: MetricsSink,
+    stop: threading.Event,
+    run_dir: Path,
+    final_eval: FinalEval | None = None,
+) -> None:
+    """Run the job embedded; then `final_eval` its last published version into final.json.
 
-    def finish(self, status: str) -> None:
-        pass  # the runner prints the run's end with its wall time
+    The embedded runner is given its hub so that, once the job has ended (and set `stop`,
+    the run's own event), the store still holds the versions to read the last one back.
+    """
+    embedded, _ = embedded_settings(settings)
+    hub = Embedded()
+    backends = Backends(embedded.broker, embedded.store, hub)
+    run_embedded(settings, sink=sink, stop=stop, dataset=dataset, backends=backends)
+    job = settings.job.name
+    version = hub.store.current_version(job)
+    if final_eval is None or version == NO_VERSION:
+        return
+    metrics = dict(final_eval(settings, dataset, read_version(hub.store, job, version)))
+    metrics["version"] = float(version)
+    write_atomic(run_dir / FINAL_JSON, json.dumps(metrics, indent=1, sort_keys=True) + "\n")
 
 
 def execute(
@@ -182,8 +198,13 @@ def execute(
     """Run one job into `run_dir`; its wall time in seconds (a service run's `final_eval`
     included). A run that publishes no version for `stall_s` seconds is stopped (0: never)."""
     sink = FileSink.create(settings, command=command, run_dir=run_dir)
-    tee = TeeSink([sink, _Progress(echo, f"[{run.label}]", settings.job.rounds)])
-    load = load_average()
+    # A short line per round; the runner prints the run's end itself, with its wall time.
+    progress = EchoSink(lambda line: echo(f"  [{run.label}] {line}"), rounds=settings.job.rounds)
+    tee = TeeSink([sink, RecordsOnly(progress)])
+    try:
+        load: float | None = os.getloadavg()[0]
+    except OSError:  # no load average on this OS
+        load = None
     started = time.monotonic()
 
     def stalled() -> None:
@@ -205,7 +226,7 @@ def execute(
         "kind": run.kind,
         "wall_s": wall_s,
         "machine": machine_line(),
-        "load": load if math.isfinite(load) else None,
+        "load": load,
         "config": comparable(settings),
     }
     write_atomic(run_dir / EXPERIMENT_JSON, json.dumps(meta, indent=2) + "\n")
@@ -240,7 +261,7 @@ def run_experiment(
     stop = stop or threading.Event()
     grid = [r for r in experiment.grid(quick) if only is None or only(r)]
     planned = [(r, build_settings(experiment, r, quick=quick, data_dir=data_dir)) for r in grid]
-    cache = DataCache()
+    datasets: dict[tuple[str, str], Dataset] = {}  # each loaded once, shared read-only
     base = runs_dir / experiment.name
     results: list[RunResult] = []
     trained_s, trained = 0.0, 0
@@ -254,11 +275,15 @@ def run_experiment(
             echo(f"[{i}/{len(planned)}] {run.label}: reusing {run_dir}")
             results.append(load_result(run, run_dir, reused=True))
             continue
-        echo(f"[{i}/{len(planned)}] {run.label} ({_describe(run.tags)})")
+        described = ", ".join(f"{k}={v}" for k, v in run.tags.items())
+        echo(f"[{i}/{len(planned)}] {run.label} ({described})")
+        key = (settings.data.dataset, settings.data.dir)
+        if key not in datasets:
+            datasets[key] = load_dataset(key[0], key[1] or None)
         wall_s = execute(
             run,
             settings,
-            cache.get(settings),
+            datasets[key],
             run_dir,
             command=command,
             echo=echo,
@@ -276,7 +301,3 @@ def run_experiment(
             f"final global accuracy {final:.1f}%{eta}"
         )
     return ResultSet(results)
-
-
-def _describe(tags: Mapping[str, str]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in tags.items())

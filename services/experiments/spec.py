@@ -127,6 +127,22 @@ class Experiment:
         return self.quick_runs if quick else self.runs
 
 
+def smoke(steps: int = 3, eval_samples: int = 500, **sections: Any) -> dict[str, Any]:
+    """The overrides of `--quick`: 2 rounds of at most `steps` local steps, `eval_samples` test
+    images, and any other `sections` (e.g. `clients={"count": 6}`)."""
+    return {
+        "job": {"rounds": 2},
+        "algorithm": {"max_steps_per_round": steps},
+        "data": {"eval_samples": eval_samples},
+        **sections,
+    }
+
+
+def algorithm(name: str, **params: Any) -> dict[str, Any]:
+    """Overrides that run algorithm `name` with `params` in its own section."""
+    return {"algorithm": {"name": name, **({name: params} if params else {})}}
+
+
 def example_config(name: str, directory: Path = EXAMPLES_DIR) -> dict[str, Any]:
     """The base config `examples/experiments/<name>.toml` as a nested dict."""
     path = directory / f"{name}.toml"

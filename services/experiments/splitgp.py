@@ -24,9 +24,9 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
-from services.experiments.figures import FigureSlot, line_style, panel_figure
+from services.experiments.figures import FigureSlot, line_style
 from services.experiments.results import ResultSet, RunResult
-from services.experiments.spec import Experiment, Run, example_config
+from services.experiments.spec import Experiment, Run, example_config, smoke
 from services.experiments.tables import markdown_table, percent
 
 NAME = "splitgp"
@@ -58,19 +58,16 @@ SWEEP_P = (0.0, 0.2, 0.5, 0.8, 1.0)
 
 
 def grid(datasets: Sequence[tuple[str, str]], methods: Sequence[str] = ()) -> list[Run]:
-    runs = []
-    for tag, dataset in datasets:
-        for method, part, algorithm in METHODS:
-            if methods and method not in methods:
-                continue
-            runs.append(
-                Run(
-                    label=f"{dataset}-{part}",
-                    tags={"dataset": tag, "method": method},
-                    overrides={"data": {"dataset": dataset}, "algorithm": dict(algorithm)},
-                )
-            )
-    return runs
+    return [
+        Run(
+            f"{dataset}-{part}",
+            {"dataset": tag, "method": method},
+            {"data": {"dataset": dataset}, "algorithm": dict(algorithm)},
+        )
+        for tag, dataset in datasets
+        for method, part, algorithm in METHODS
+        if not methods or method in methods
+    ]
 
 
 def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> dict[str, float]:
@@ -98,17 +95,10 @@ def mix(local: float, ood: float, p: float) -> float:
     return (1 - p) * local + p * ood
 
 
-def _pair(result: RunResult, prefix: str) -> tuple[float, float]:
-    final = result.final
-    return final.get(f"{prefix}_local", math.nan), final.get(f"{prefix}_ood", math.nan)
-
-
 def inference(result: RunResult) -> tuple[float, float]:
     """(local, ood) accuracy of the method's own inference: split inference at E_th for
     SplitGP and multi-exit, the whole model for the others."""
-    if result.tags.get("method") in SPLIT_INFERENCE:
-        return _pair(result, "splitgp.split")
-    return _pair(result, "full")
+    return result.pair("splitgp.split" if result.tags.get("method") in SPLIT_INFERENCE else "full")
 
 
 def best_threshold(result: RunResult, p: float) -> tuple[float, float]:
@@ -116,7 +106,7 @@ def best_threshold(result: RunResult, p: float) -> tuple[float, float]:
     equally good ones the largest, which offloads the fewest rows."""
     best = (math.nan, math.nan)
     for t in SWEEP:
-        acc = mix(*_pair(result, f"splitgp.sweep.{t:g}.split"), p)
+        acc = mix(*result.pair(f"splitgp.sweep.{t:g}.split"), p)
         if math.isfinite(acc) and not acc < best[0]:
             best = (acc, t)
     return best
@@ -126,16 +116,13 @@ def curve_rows(results: ResultSet, dataset: str) -> list[tuple[str, list[float]]
     """(line, accuracy at each p): each method's own inference, then SplitGP's variants."""
     rows = []
     for method in results.values("method"):
-        found = results.one({"dataset": dataset, "method": method})
-        if found is None or not found.final:
-            continue
-        local, ood = inference(found)
-        rows.append((method, [mix(local, ood, p) for p in P_VALUES]))
-    splitgp = results.one({"dataset": dataset, "method": SPLITGP})
-    if splitgp is not None and splitgp.final:
+        found = results.named("final", dataset=dataset, method=method)
+        if found is not None:
+            rows.append((method, [mix(*inference(found), p) for p in P_VALUES]))
+    splitgp = results.named("final", dataset=dataset, method=SPLITGP)
+    if splitgp is not None:
         for name, prefix in (("head only", "splitgp.head"), ("whole model", "full")):
-            local, ood = _pair(splitgp, prefix)
-            rows.append((f"{SPLITGP}, {name}", [mix(local, ood, p) for p in P_VALUES]))
+            rows.append((f"{SPLITGP}, {name}", [mix(*splitgp.pair(prefix), p) for p in P_VALUES]))
         best = [best_threshold(splitgp, p)[0] for p in P_VALUES]
         rows.append((f"{SPLITGP}, best E_th per p", best))
     return rows
@@ -144,79 +131,62 @@ def curve_rows(results: ResultSet, dataset: str) -> list[tuple[str, list[float]]
 def p_table(results: ResultSet, dataset: str) -> str:
     header = ["method", *(f"p={p:g}" for p in P_VALUES)]
     body = [[name, *(percent(v) for v in values)] for name, values in curve_rows(results, dataset)]
-    return (
+    caption = (
         f"**{dataset}: accuracy (%) against the out-of-distribution share p of the test mix** "
         "(mean over all clients of their final models; SplitGP and multi-exit by split "
-        "inference at the configured E_th, the others by their whole model)\n\n"
-        + markdown_table(header, body)
+        "inference at the configured E_th, the others by their whole model)"
     )
+    return markdown_table(header, body, caption)
+
+
+def _sweep(found: RunResult, what: str, p: float) -> list[float]:
+    """Split inference's `what` (split: accuracy, offload: share offloaded) at each E_th of
+    the sweep, on the test mix with a share `p` out of distribution."""
+    return [mix(*found.pair(f"splitgp.sweep.{t:g}.{what}"), p) for t in SWEEP]
 
 
 def sweep_table(results: ResultSet, dataset: str) -> str:
-    found = results.one({"dataset": dataset, "method": SPLITGP})
-    if found is None or not found.final:
+    found = results.named("final", dataset=dataset, method=SPLITGP)
+    if found is None:
         return ""
     header = ["E_th", *(f"acc p={p:g}" for p in SWEEP_P), *(f"offloaded p={p:g}" for p in SWEEP_P)]
-    body = []
-    for t in SWEEP:
-        accuracy = _pair(found, f"splitgp.sweep.{t:g}.split")
-        offload = _pair(found, f"splitgp.sweep.{t:g}.offload")
-        body.append(
-            [
-                f"{t:g}",
-                *(percent(mix(*accuracy, p)) for p in SWEEP_P),
-                *(percent(mix(*offload, p)) for p in SWEEP_P),
-            ]
-        )
-    return (
+    columns = [_sweep(found, what, p) for what in ("split", "offload") for p in SWEEP_P]
+    body = [[f"{t:g}", *(percent(c[i]) for c in columns)] for i, t in enumerate(SWEEP)]
+    caption = (
         f"**{dataset}: SplitGP's E_th sweep** (accuracy and share of test rows offloaded to the "
-        "server, %, at out-of-distribution share p)\n\n" + markdown_table(header, body)
+        "server, %, at out-of-distribution share p)"
     )
+    return markdown_table(header, body, caption)
 
 
 def _p_figure(results: ResultSet, slot: FigureSlot) -> str:
     def draw(axes: Any, dataset: str) -> bool:
         drawn = False
         for i, (name, values) in enumerate(curve_rows(results, dataset)):
-            if not any(math.isfinite(v) for v in values):
-                continue
-            axes.plot(P_VALUES, [100 * v for v in values], label=name, **line_style(i))
-            drawn = True
+            if any(math.isfinite(v) for v in values):
+                axes.plot(P_VALUES, [100 * v for v in values], label=name, **line_style(i))
+                drawn = True
         axes.set_xlabel("out-of-distribution share p")
         return drawn
 
-    made = panel_figure(
-        slot.path("accuracy-vs-p.png"),
-        "Accuracy against the out-of-distribution share of the test mix",
-        results.values("dataset"),
-        draw,
-        ylabel="accuracy (%)",
-    )
-    return slot.link(made) if made else ""
+    title = "Accuracy against the out-of-distribution share of the test mix"
+    return slot.figure("accuracy-vs-p.png", title, results.values("dataset"), draw)
 
 
 def _sweep_figure(results: ResultSet, slot: FigureSlot) -> str:
     def draw(axes: Any, dataset: str) -> bool:
-        found = results.one({"dataset": dataset, "method": SPLITGP})
-        if found is None or not found.final:
+        found = results.named("final", dataset=dataset, method=SPLITGP)
+        if found is None:
             return False
         for i, p in enumerate(SWEEP_P):
-            accs = [mix(*_pair(found, f"splitgp.sweep.{t:g}.split"), p) for t in SWEEP]
-            offs = [mix(*_pair(found, f"splitgp.sweep.{t:g}.offload"), p) for t in SWEEP]
-            axes.plot(
-                [100 * o for o in offs], [100 * a for a in accs], label=f"p={p:g}", **line_style(i)
-            )
+            offloaded = [100 * o for o in _sweep(found, "offload", p)]
+            accuracy = [100 * a for a in _sweep(found, "split", p)]
+            axes.plot(offloaded, accuracy, label=f"p={p:g}", **line_style(i))
         axes.set_xlabel("rows offloaded to the server (%)")
         return True
 
-    made = panel_figure(
-        slot.path("eth-sweep.png"),
-        "SplitGP: accuracy against the share offloaded (E_th from 0 to 2.31 nats)",
-        results.values("dataset"),
-        draw,
-        ylabel="accuracy (%)",
-    )
-    return slot.link(made) if made else ""
+    title = "SplitGP: accuracy against the share offloaded (E_th from 0 to 2.31 nats)"
+    return slot.figure("eth-sweep.png", title, results.values("dataset"), draw)
 
 
 def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
@@ -277,12 +247,10 @@ def offload_lines(results: ResultSet) -> list[str]:
     """How much split inference at the configured E_th sent to the server."""
     lines = []
     for dataset in results.values("dataset"):
-        found = results.one({"dataset": dataset, "method": SPLITGP})
-        if found is None or not found.final:
+        found = results.named("final", dataset=dataset, method=SPLITGP)
+        if found is None:
             continue
-        local, ood = _pair(found, "splitgp.offload")
-        head, _ = _pair(found, "splitgp.head")
-        whole, _ = _pair(found, "full")
+        local, ood = found.pair("splitgp.offload")
         if not (math.isfinite(local) and math.isfinite(ood)):
             continue
         line = (
@@ -293,8 +261,9 @@ def offload_lines(results: ResultSet) -> list[str]:
         if local > 0.9:
             line += (
                 ": the heads are rarely that sure this early in training, so SplitGP answers "
-                f"nearly everything with theta(phi_k) (own classes: head alone {100 * head:.1f}%, "
-                f"whole model {100 * whole:.1f}%)"
+                f"nearly everything with theta(phi_k) (own classes: head alone "
+                f"{100 * found.pair('splitgp.head')[0]:.1f}%, whole model "
+                f"{100 * found.pair('full')[0]:.1f}%)"
             )
         lines.append(line + ".")
     return lines
@@ -348,22 +317,16 @@ NOTES = """
 
 
 def build() -> Experiment:
-    base = example_config(NAME)
     return Experiment(
         name=NAME,
         title="SplitGP vs local-only vs FedAvg vs multi-exit vs SFL (MNIST, FMNIST, K = 50)",
         summary=SUMMARY,
         claim=CLAIM,
         scaling=SCALING,
-        base=base,
+        base=example_config(NAME),
         runs=grid(DATASETS),
         quick_runs=grid(DATASETS[:1], (SPLITGP, SFL, LOCAL)),
-        quick={
-            "job": {"rounds": 2},
-            "clients": {"count": 6, "min_to_start": 6},
-            "algorithm": {"max_steps_per_round": 3},
-            "data": {"eval_samples": 30},
-        },
+        quick=smoke(3, 30, clients={"count": 6, "min_to_start": 6}),
         verdict=verdict,
         notes=NOTES,
         final_eval=final_eval,

@@ -23,9 +23,9 @@ from services.algorithms.base import VersionWeights
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import local_test_accuracy
-from services.experiments.figures import FigureSlot, line_style, panel_figure
-from services.experiments.results import ResultSet, RunResult
-from services.experiments.spec import Experiment, Run, example_config
+from services.experiments.figures import FigureSlot, plot_rounds
+from services.experiments.results import ResultSet, RunResult, mean
+from services.experiments.spec import Experiment, Run, algorithm, example_config, smoke
 from services.experiments.tables import markdown_table, percent, points
 
 NAME = "subfedavg"
@@ -49,38 +49,21 @@ CLOSE_POINTS = 5.0
 LEVEL_POINTS = 1.0
 
 
-def dataset_overrides(dataset: str, model: str) -> dict[str, object]:
-    return {"data": {"dataset": dataset}, "model": {"name": model}}
-
-
 def grid(
     datasets: Sequence[tuple[str, str, str]], variants: Sequence[tuple[str, str, str, float]]
 ) -> list[Run]:
     runs = []
     for tag, dataset, model in datasets:
-        base = dataset_overrides(dataset, model)
+        base = {"data": {"dataset": dataset}, "model": {"name": model}}
         short = tag.lower().replace("-", "")
         for method, part, mode, target in variants:
+            overrides = base | algorithm("subfedavg", mode=mode, target=target)
             runs.append(
-                Run(
-                    label=f"{short}-subfedavg-{part}",
-                    tags={"dataset": tag, "method": method},
-                    overrides={
-                        **base,
-                        "algorithm": {
-                            "name": "subfedavg",
-                            "subfedavg": {"mode": mode, "target": target},
-                        },
-                    },
-                )
+                Run(f"{short}-subfedavg-{part}", {"dataset": tag, "method": method}, overrides)
             )
-        for method, algorithm in ((STANDALONE, "standalone"), (FEDAVG, "fedavg")):
+        for method, name in ((STANDALONE, "standalone"), (FEDAVG, "fedavg")):
             runs.append(
-                Run(
-                    label=f"{short}-{algorithm}",
-                    tags={"dataset": tag, "method": method},
-                    overrides={**base, "algorithm": {"name": algorithm}},
-                )
+                Run(f"{short}-{name}", {"dataset": tag, "method": method}, base | algorithm(name))
             )
     return runs
 
@@ -105,14 +88,9 @@ def last_per_client(result: RunResult, name: str) -> dict[str, float]:
     return out
 
 
-def _mean(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
 def personalised(result: RunResult) -> tuple[float, int]:
     """Mean personalised accuracy over the clients and how many clients it covers."""
-    if result.run.overrides.get("algorithm", {}).get("name") == "subfedavg":
+    if result.algorithm == "subfedavg":
         values = list(last_per_client(result, "local_accuracy").values())
     else:
         final = result.final
@@ -122,25 +100,23 @@ def personalised(result: RunResult) -> tuple[float, int]:
         values = [
             final[f"local.{c}"] for c in clients if fedavg or final.get(f"own.{c}", 0.0) == 1.0
         ]
-    finite = [v for v in values if math.isfinite(v)]
-    return _mean(finite), len(finite)
+    return mean(values), sum(1 for v in values if math.isfinite(v))
 
 
 def reduction(result: RunResult, name: str) -> float:
     """Mean over clients of their last reported `name` (0 for the unpruned baselines)."""
-    if result.run.overrides.get("algorithm", {}).get("name") != "subfedavg":
+    if result.algorithm != "subfedavg":
         return 0.0
-    return _mean(list(last_per_client(result, name).values()))
+    return mean(last_per_client(result, name).values())
 
 
 def _value(results: ResultSet, dataset: str, method: str) -> float:
-    found = results.one({"dataset": dataset, "method": method})
-    return personalised(found)[0] if found is not None and found.records else math.nan
+    found = results.named(dataset=dataset, method=method)
+    return personalised(found)[0] if found is not None else math.nan
 
 
 def main_table(results: ResultSet) -> str:
     datasets = results.values("dataset")
-    methods = results.values("method")
     header = ["method"]
     for d in datasets:
         header += [
@@ -150,14 +126,13 @@ def main_table(results: ResultSet) -> str:
             f"{d} params ↓",
             f"{d} FLOPs ↓",
         ]
-    header += ["clients counted"]
     rows = []
-    for method in methods:
+    for method in results.values("method"):
         row = [method]
         counted = []
         for d in datasets:
-            found = results.one({"dataset": d, "method": method})
-            if found is None or not found.records:
+            found = results.named(dataset=d, method=method)
+            if found is None:
                 row += ["–"] * 5
                 continue
             acc, n = personalised(found)
@@ -170,18 +145,16 @@ def main_table(results: ResultSet) -> str:
                 percent(reduction(found, "param_reduction")),
                 percent(reduction(found, "flop_reduction")),
             ]
-        row.append(" / ".join(counted))
-        rows.append(row)
+        rows.append([*row, " / ".join(counted)])
     caption = (
         "**Average personalised accuracy over the clients** (each client's own model on its "
         "local test set, %; differences in points) **and mean parameter and FLOP reduction** "
         "(%; clients counted per dataset, in column order)"
     )
-    return caption + "\n\n" + markdown_table(header, rows)
+    return markdown_table([*header, "clients counted"], rows, caption)
 
 
 def _bars(results: ResultSet, slot: FigureSlot) -> str:
-    datasets = results.values("dataset")
     methods = results.values("method")
 
     def draw(axes: Any, dataset: str) -> bool:
@@ -191,56 +164,35 @@ def _bars(results: ResultSet, slot: FigureSlot) -> str:
         colours = ["tab:blue" if m in SUB_METHODS else "tab:grey" for m in methods]
         bars = axes.bar(range(len(methods)), values, color=colours, label="personalised")
         axes.bar_label(bars, fmt="%.1f", fontsize="x-small")
-        axes.set_xticks(
-            range(len(methods)),
-            [m.replace("Sub-FedAvg ", "") for m in methods],
-            rotation=45,
-            ha="right",
-            fontsize="small",
-        )
+        names = [m.replace("Sub-FedAvg ", "") for m in methods]
+        axes.set_xticks(range(len(methods)), names, rotation=45, ha="right", fontsize="small")
         return True
 
-    made = panel_figure(
-        slot.path("personalised.png"),
-        "Average personalised accuracy over the clients",
-        datasets,
-        draw,
-        ylabel="accuracy (%)",
-    )
-    return slot.link(made) if made else ""
+    title = "Average personalised accuracy over the clients"
+    return slot.figure("personalised.png", title, results.values("dataset"), draw)
 
 
 def cohort_curve(result: RunResult) -> list[float]:
     """The round's cohort mean personalised accuracy: Sub-FedAvg's reported local accuracy
     after training, the others' aggregator evaluation (Standalone: own model after training;
     FedAvg: the new global model on the cohort's local test sets)."""
-    if result.run.overrides.get("algorithm", {}).get("name") == "subfedavg":
-        return [r.extra.get("local_accuracy", math.nan) for r in result.records]
-    return [r.personal_accuracy for r in result.records]
+    return result.curve(
+        "local_accuracy" if result.algorithm == "subfedavg" else "personal_accuracy"
+    )
 
 
 def _curves(results: ResultSet, slot: FigureSlot) -> str:
     def draw(axes: Any, dataset: str) -> bool:
         drawn = False
         for i, method in enumerate(results.values("method")):
-            found = results.one({"dataset": dataset, "method": method})
-            if found is None or not found.records:
-                continue
-            ys = [100 * v for v in cohort_curve(found)]
-            xs = [r.round + 1 for r in found.records]
-            axes.plot(xs, ys, label=method, markersize=2, **line_style(i))
-            drawn = True
-        axes.set_xlabel("round")
+            found = results.named(dataset=dataset, method=method)
+            if found is not None:
+                plot_rounds(axes, i, found.records, [100 * v for v in cohort_curve(found)], method)
+                drawn = True
         return drawn
 
-    made = panel_figure(
-        slot.path("cohort-curves.png"),
-        "Personalised accuracy of each round's cohort",
-        results.values("dataset"),
-        draw,
-        ylabel="accuracy (%)",
-    )
-    return slot.link(made) if made else ""
+    title = "Personalised accuracy of each round's cohort"
+    return slot.figure("cohort-curves.png", title, results.values("dataset"), draw)
 
 
 def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
@@ -268,40 +220,31 @@ def reduction_line(results: ResultSet) -> str:
         reached = [
             f"{100 * reduction(found, 'param_reduction'):.1f}% ({dataset})"
             for dataset in results.values("dataset")
-            if (found := results.one({"dataset": dataset, "method": method})) is not None
-            and found.records
+            if (found := results.named(dataset=dataset, method=method)) is not None
         ]
         if reached:
-            parts.append(
-                f"{method.replace('Sub-FedAvg ', '')} (target {100 * target:.0f}%): "
-                + ", ".join(reached)
-            )
-    if not parts:
-        return ""
-    return "Mean parameter reduction over the clients: " + "; ".join(parts) + "."
+            name = method.replace("Sub-FedAvg ", "")
+            parts.append(f"{name} (target {100 * target:.0f}%): " + ", ".join(reached))
+    return "Mean parameter reduction over the clients: " + "; ".join(parts) + "." if parts else ""
 
 
 def verdict(results: ResultSet) -> list[str]:
     lines = []
     for dataset in results.values("dataset"):
-        standalone = _value(results, dataset, STANDALONE)
-        fedavg = _value(results, dataset, FEDAVG)
         subs = {m: _value(results, dataset, m) for m in SUB_METHODS}
         subs = {m: v for m, v in subs.items() if math.isfinite(v)}
         if not subs:
             continue
-        mean = _mean(list(subs.values()))
+        average = mean(subs.values())
         low, high = min(subs.values()), max(subs.values())
-        for other, base, paper in (
-            (STANDALONE, standalone, PAPER_OVER_STANDALONE),
-            (FEDAVG, fedavg, PAPER_OVER_FEDAVG),
-        ):
+        for other, paper in ((STANDALONE, PAPER_OVER_STANDALONE), (FEDAVG, PAPER_OVER_FEDAVG)):
+            base = _value(results, dataset, other)
             if not math.isfinite(base):
                 continue
-            gain = 100 * (mean - base)
+            gain = 100 * (average - base)
             lines.append(
                 f"{dataset}: Sub-FedAvg's {len(subs)} variants reach {100 * low:.1f}–"
-                f"{100 * high:.1f}% (mean {100 * mean:.1f}%) against {other}'s "
+                f"{100 * high:.1f}% (mean {100 * average:.1f}%) against {other}'s "
                 f"{100 * base:.1f}%: {gain:+.1f} points on average "
                 f"({100 * (low - base):+.1f} to {100 * (high - base):+.1f}); "
                 + _judge(gain, paper, other)
@@ -363,22 +306,16 @@ NOTES = """
 
 
 def build() -> Experiment:
-    base = example_config(NAME)
     return Experiment(
         name=NAME,
         title="Sub-FedAvg vs Standalone vs FedAvg (CIFAR-10 LeNet-5, MNIST CNN, 100 clients)",
         summary=SUMMARY,
         claim=CLAIM,
         scaling=SCALING,
-        base=base,
+        base=example_config(NAME),
         runs=grid(DATASETS, VARIANTS),
         quick_runs=grid(DATASETS[1:], VARIANTS[1:2]),
-        quick={
-            "job": {"rounds": 2},
-            "clients": {"count": 10, "min_to_start": 10, "fraction": 0.5},
-            "algorithm": {"max_steps_per_round": 5},
-            "data": {"eval_samples": 100},
-        },
+        quick=smoke(5, 100, clients={"count": 10, "min_to_start": 10, "fraction": 0.5}),
         verdict=verdict,
         notes=NOTES,
         final_eval=final_eval,

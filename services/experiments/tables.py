@@ -1,4 +1,4 @@
-"""Markdown tables of an experiment's results (pure functions over a `ResultSet`)."""
+"""Markdown tables and numbers of an experiment's results (pure functions over a `ResultSet`)."""
 
 from __future__ import annotations
 
@@ -13,30 +13,38 @@ MISSING = "–"
 
 
 def percent(value: float) -> str:
+    """An accuracy as a table cell: `82.5`."""
     return MISSING if not math.isfinite(value) else f"{100.0 * value:.1f}"
 
 
 def points(value: float) -> str:
-    """A difference of two accuracies, in percentage points with its sign."""
+    """A difference of two accuracies as a table cell, in percentage points: `+1.5`."""
     return MISSING if not math.isfinite(value) else f"{100.0 * value:+.1f}"
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-    ]
+def pct(value: float) -> str:
+    """An accuracy in a sentence: `82.5%`."""
+    return MISSING if not math.isfinite(value) else f"{100 * value:.1f}%"
+
+
+def pts(value: float) -> str:
+    """A difference in a sentence: `+1.5 points`."""
+    return MISSING if not math.isfinite(value) else f"{100 * value:+.1f} points"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], caption: str = "") -> str:
+    """The table, below `caption` (bold markdown) when there is one."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    return (caption + "\n\n" if caption else "") + "\n".join(lines)
 
 
 def render_table(table: Table, results: ResultSet) -> str:
     """Rows: every combination of the row tags' values; cells: the metric in percent."""
     columns = list(table.columns) or results.values(table.column)
-    row_values = [results.values(tag) for tag in table.rows]
     header = [*table.rows, *columns, *(f"{a} − {b}" for a, b in table.diffs)]
     body: list[list[str]] = []
-    for combo in itertools.product(*row_values):
+    for combo in itertools.product(*(results.values(tag) for tag in table.rows)):
         where = dict(zip(table.rows, combo, strict=True))
         cells = {c: results.value(table.metric, **where, **{table.column: c}) for c in columns}
         if not any(math.isfinite(v) for v in cells.values()):
@@ -48,38 +56,26 @@ def render_table(table: Table, results: ResultSet) -> str:
             row.append(points(va - vb))
         body.append(row)
     metric = table.metric.replace("_", " ")
-    caption = f"**{table.title}** ({metric} accuracy, %; differences in points)"
-    return caption + "\n\n" + markdown_table(header, body)
+    return markdown_table(
+        header, body, f"**{table.title}** ({metric} accuracy, %; differences in points)"
+    )
 
 
 def runs_table(results: Sequence[RunResult]) -> str:
     """Every run: its tags, status, rounds done, final and best accuracy, wall time."""
-    tags: list[str] = []
-    for result in results:
-        tags += [t for t in result.tags if t not in tags]
-    header = [
-        "run",
-        *tags,
-        "status",
-        "rounds",
-        "final acc %",
-        "best acc %",
-        "wall s",
-        "load at start",
+    tags = list(dict.fromkeys(t for result in results for t in result.tags))
+    header = ["run", *tags, "status", "rounds", "final acc %", "best acc %", "wall s"]
+    rows = [
+        [
+            f"`{r.label}`",
+            *(r.tags.get(t, "·") for t in tags),
+            r.status + (" (reused)" if r.reused else ""),
+            f"{len(r.records)}/{r.rounds}",
+            percent(r.metric("final_global")),
+            percent(r.metric("best_global")),
+            f"{r.wall_s:.1f}",
+            MISSING if not math.isfinite(r.load) else f"{r.load:.1f}",
+        ]
+        for r in results
     ]
-    rows = []
-    for r in results:
-        status = r.status + (" (reused)" if r.reused else "")
-        rows.append(
-            [
-                f"`{r.label}`",
-                *(r.tags.get(t, "·") for t in tags),
-                status,
-                f"{len(r.records)}/{r.rounds}",
-                percent(r.metric("final_global")),
-                percent(r.metric("best_global")),
-                f"{r.wall_s:.1f}",
-                MISSING if not math.isfinite(r.load) else f"{r.load:.1f}",
-            ]
-        )
-    return markdown_table(header, rows)
+    return markdown_table([*header, "load at start"], rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.experiments import feddeper
-from services.experiments.results import ResultSet, RunResult
+from services.experiments.results import ResultSet, RunResult, late_mean, mean, swing
 from services.experiments.runner import build_settings
 from services.experiments.spec import Run
 from services.report.records import VersionRecord
@@ -91,15 +91,16 @@ def test_quick_is_smaller_than_the_real_grid() -> None:
 
 def test_summaries_of_a_run() -> None:
     run = result({"n": "10"}, [0.1, 0.3, 0.2, 0.6, 0.5, 0.7, 0.8], [0.5] * 7)
-    assert feddeper.round_mean(run) == pytest.approx(3.2 / 7)
-    assert feddeper.late_mean(run) == pytest.approx((0.2 + 0.6 + 0.5 + 0.7 + 0.8) / 5)
+    assert mean(run.curve()) == pytest.approx(3.2 / 7)
+    late = late_mean(run.curve(), feddeper.LATE_ROUNDS)
+    assert late == pytest.approx((0.2 + 0.6 + 0.5 + 0.7 + 0.8) / 5)
     # |0.2| + |0.1| + |0.4| + |0.1| + |0.2| + |0.1| over 6 steps
-    assert feddeper.swing(run) == pytest.approx(1.1 / 6)
+    assert swing(run.curve()) == pytest.approx(1.1 / 6)
     assert feddeper.global_on_local(run) == 0.5  # FedAvg: its personalised number
     deper = result({"n": "10"}, [0.1], [0.9], {feddeper.GLOBAL_ON_LOCAL: 0.4})
     assert feddeper.global_on_local(deper) == 0.4
     empty = result({"n": "10"}, [], [])
-    assert math.isnan(feddeper.round_mean(empty)) and math.isnan(feddeper.swing(empty))
+    assert math.isnan(mean(empty.curve())) and math.isnan(swing(empty.curve()))
 
 
 def test_verdict_compares_each_rho_with_fedavg_of_the_same_n() -> None:

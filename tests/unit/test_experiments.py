@@ -22,7 +22,7 @@ from services.experiments.centralized import (
     union_batches,
 )
 from services.experiments.document import write_section
-from services.experiments.registry import EXPERIMENTS, get_experiment
+from services.experiments.registry import NAMES, get_experiment
 from services.experiments.results import ResultSet, RunResult, matches
 from services.experiments.runner import build_settings, comparable, linked, same_settings, slug
 from services.experiments.spec import Run, Table
@@ -123,7 +123,7 @@ def test_write_section_refuses_an_unclosed_marker(tmp_path: Path) -> None:
 
 
 def test_every_registered_experiment_builds_valid_settings() -> None:
-    for name in EXPERIMENTS:
+    for name in NAMES:
         experiment = get_experiment(name)
         labels = [r.label for r in experiment.runs]
         assert len(set(labels)) == len(labels), "labels name run directories: must be unique"

@@ -17,7 +17,7 @@ from models.registry import build_model
 from services.experiments import splitgp, subfedavg
 from services.experiments.client_eval import local_and_ood
 from services.experiments.document import Context, write_results
-from services.experiments.figures import FigureSlot, panel_figure
+from services.experiments.figures import FigureSlot
 from services.experiments.results import (
     EXPERIMENT_JSON,
     FINAL_JSON,
@@ -208,9 +208,9 @@ def test_extras_follow_the_tables_and_link_their_figures(tmp_path: Path) -> None
             axes.plot([0, 1], [len(results), 2], label=panel)
             return True
 
-        made = panel_figure(slot.path("mine.png"), "t", ["left", "right"], draw)
-        assert made is not None
-        return ["**my table**", slot.link(made)]
+        link = slot.figure("mine.png", "t", ["left", "right"], draw)
+        assert link
+        return ["**my table**", link]
 
     experiment = Experiment(
         name="mine",
