@@ -24,6 +24,10 @@ SHA_PREFIX_LEN = 16
 CLIENT_MEMBER_PREFIX = "client:"
 WORKER_MEMBER_PREFIX = "worker:"
 HEALTH_MEMBER_PREFIX = "health:"
+# Prefix of a shard's lease name (`<job>:lease:shard:<s>`): the worker consuming that shard.
+SHARD_LEASE_PREFIX = "shard:"
+# Prefix of the manifest hash fields that name a blob (`blob:<part>:<owner>` -> entry JSON).
+BLOB_FIELD_PREFIX = "blob:"
 
 
 def validate_job(job: str) -> str:
@@ -80,6 +84,10 @@ def blob_key(job: str, ref: BlobRef, version: int, sha256: str) -> str:
     """
     validate_ref(ref)
     return job_prefix(job) + f"w:{ref.part}:{ref.owner}:{int(version)}:{sha256[:SHA_PREFIX_LEN]}"
+
+
+def blob_field(ref: BlobRef) -> str:
+    return BLOB_FIELD_PREFIX + validate_ref(ref).name
 
 
 def blob_pattern(job: str) -> str:

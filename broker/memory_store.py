@@ -21,13 +21,7 @@ from broker.errors import (
     VersionNotFoundError,
 )
 from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, Member
-from broker.store_codec import (
-    PreparedBlob,
-    decode_meta,
-    encode_info,
-    encode_meta,
-)
-from broker.store_publish import PublishingStore
+from broker.store_codec import PreparedBlob, PublishingStore, decode_meta, encode_info, encode_meta
 
 # torch, and `broker.weights` with it, are imported where weights move, as in the Redis store.
 if TYPE_CHECKING:
@@ -153,8 +147,8 @@ class InMemoryWeightStore(PublishingStore):
             state = self._state(job, create=True)
             if state.version != expected:
                 mine = state.versions.get(version)
-                if state.version == version and mine is not None and mine.commit_id == commit_id:
-                    return
+                if state.version > expected and mine is not None and mine.commit_id == commit_id:
+                    return  # a retry of our own commit
                 raise VersionConflictError(expected, state.version)
             missing = [b.key for b in blobs if b.key not in state.blobs]
             if missing:

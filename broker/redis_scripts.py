@@ -7,11 +7,6 @@ whatever its own clock says. Every key a script touches is passed in KEYS.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import redis
-from redis.commands.core import Script
-
 # Shared Lua fragment: the server time as "seconds.micros", exact in a string.
 _NOW = """
 local t = redis.call('TIME')
@@ -27,8 +22,9 @@ local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 local expected = tonumber(ARGV[1])
 local version = tostring(expected + 1)
 if current ~= expected then
-  -- A retry of a commit whose reply was lost finds its own manifest: report success again.
-  if tostring(current) == version and redis.call('HGET', KEYS[3], 'commit_id') == ARGV[2] then
+  -- A retry of a commit whose reply was lost finds its own manifest: report success again
+  -- (even when another publisher has committed on top of it since).
+  if current > expected and redis.call('HGET', KEYS[3], 'commit_id') == ARGV[2] then
     return {'ok', redis.call('HGET', KEYS[3], 'created_at')}
   end
   return {'conflict', tostring(current)}
@@ -138,27 +134,3 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-
-
-@dataclass(frozen=True)
-class Scripts:
-    publish: Script
-    discard_pending: Script
-    save_checkpoint: Script
-    heartbeat: Script
-    live_members: Script
-    acquire_lease: Script
-    release_lease: Script
-
-
-def register(client: redis.Redis) -> Scripts:
-    """Bind the scripts to `client` (no server round trip until first use)."""
-    return Scripts(
-        publish=client.register_script(PUBLISH),
-        discard_pending=client.register_script(DISCARD_PENDING),
-        save_checkpoint=client.register_script(SAVE_CHECKPOINT),
-        heartbeat=client.register_script(HEARTBEAT),
-        live_members=client.register_script(LIVE_MEMBERS),
-        acquire_lease=client.register_script(ACQUIRE_LEASE),
-        release_lease=client.register_script(RELEASE_LEASE),
-    )

@@ -1,19 +1,31 @@
 """`RedisWeightStore`: the `WeightStore` over Redis (redis-py), key schema in `broker.keys`.
 
 Every multi-key step that must be atomic is one Lua script (`broker.redis_scripts`) or one
-MULTI/EXEC, and every step is idempotent, so redis-py's retry after a lost reply is harmless.
-redis errors never escape: connection problems become `StoreUnavailableError`, the rest
-`StoreError`.
+MULTI/EXEC. redis errors never escape: connection problems become `StoreUnavailableError`, the
+rest `StoreError`.
+
+Every operation goes through `_call`, which rides out an outage (e.g. a Redis restart) for
+`RetryPolicy.retry_for_s`: it logs once per outage that it is waiting, retries with capped
+exponential backoff, logs when the store is back, and gives up (raises) once a call has waited
+that long. That is safe because every step is idempotent (docs/reliability.md "Redis
+restart"): reads change nothing but prune expired members; checkpoints, heartbeats, status and
+deletions replace or delete by key; a lease is taken or renewed for the same owner, so a retry
+after a lost reply finds it ours; blobs are written NX under content-addressed keys (a blob a
+lost reply created is not discarded on a later conflict, it expires); and a publication's
+commit carries an id, so a retried commit that had gone through finds its own manifest and
+reports success instead of a conflict with itself.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 import redis
@@ -40,9 +52,8 @@ from broker.store import (
     Member,
 )
 from broker.store_codec import (
-    BLOB_FIELD_PREFIX,
     PreparedBlob,
-    blob_field,
+    PublishingStore,
     decode_entry,
     decode_info,
     decode_meta,
@@ -50,7 +61,6 @@ from broker.store_codec import (
     encode_info,
     encode_meta,
 )
-from broker.store_publish import PublishingStore
 from broker.tls import TLSOptions, redis_ssl_kwargs
 
 # torch, and `broker.weights` with it, are imported where weights move, not here: a store
@@ -58,8 +68,26 @@ from broker.tls import TLSOptions, redis_ssl_kwargs
 if TYPE_CHECKING:
     import torch
 
+T = TypeVar("T")
 _SCAN_COUNT = 500
 _DELETE_BATCH = 500
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    # How long one call waits for the store before the error reaches the caller (0: never wait).
+    retry_for_s: float = 120.0
+    first_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.retry_for_s < 0:
+            raise ValueError(f"retry_for_s must be >= 0, got {self.retry_for_s}")
+        if not 0 < self.first_backoff_s <= self.max_backoff_s:
+            raise ValueError("backoffs must satisfy 0 < first_backoff_s <= max_backoff_s")
+
+
+NO_RETRY = RetryPolicy(retry_for_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -67,17 +95,15 @@ class RedisStoreOptions:
     # Generous read timeout: one blob can be tens of MB over a slow link.
     socket_timeout_s: float = 30.0
     socket_connect_timeout_s: float = 5.0
-    # Seconds between PINGs on idle pooled connections, so a dead one is noticed before use.
-    health_check_interval_s: int = 30
     # Retries of a command after a connection error or timeout (every step is idempotent).
     retries: int = 2
     keep_versions: int = 5
     # How long an uncommitted blob lives: long enough for a slow publisher to commit.
     pending_ttl_s: float = 600.0
-    max_connections: int | None = None
-    client_name: str = "splitmq-store"
     # TLS for rediss:// URLs (None: system CAs, hostname checked); refused with redis://.
     tls: TLSOptions | None = None
+    # How long an operation waits out an outage (roles); probes and health checks fail at once.
+    retry: RetryPolicy = field(default=NO_RETRY)
 
     def __post_init__(self) -> None:
         if self.keep_versions < 1:
@@ -91,14 +117,9 @@ class RedisServerInfo:
     """What `splitmq doctor` reports about the Redis behind the store."""
 
     version: str
-    mode: str
     can_write: bool
     can_read: bool
     aof_enabled: bool
-    aof_last_write_status: str
-    maxmemory_bytes: int
-    maxmemory_policy: str
-    used_memory_bytes: int
     problems: tuple[str, ...]
     # appendfsync ("always", "everysec", "no"; "unknown" where CONFIG is not allowed).
     aof_fsync: str = "unknown"
@@ -108,18 +129,7 @@ class RedisServerInfo:
         return self.can_write and self.can_read
 
 
-@contextmanager
-def _redis_errors(what: str) -> Iterator[None]:
-    try:
-        yield
-    except redis.AuthenticationError as exc:  # a ConnectionError to redis-py; retrying won't help
-        raise StoreAuthError(
-            f"Redis refused the credentials of store.redis_url during {what}: {exc}"
-        ) from exc
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise StoreUnavailableError(f"redis unreachable during {what}: {exc}") from exc
-    except redis.RedisError as exc:
-        raise StoreError(f"redis error during {what}: {exc}") from exc
+_BLOB_FIELD = keys.BLOB_FIELD_PREFIX.encode()
 
 
 def _as_bytes(raw: object) -> bytes:
@@ -148,7 +158,7 @@ def _ms(ttl_s: float) -> int:
 def _parse_manifest(job: str, version: int, fields: Mapping[bytes, bytes]) -> Manifest:
     entries: dict[BlobRef, ManifestEntry] = {}
     for name, raw in fields.items():
-        if name.startswith(BLOB_FIELD_PREFIX.encode()):
+        if name.startswith(_BLOB_FIELD):
             _, entry = decode_entry(raw)
             entries[entry.ref] = entry
     try:
@@ -167,7 +177,15 @@ def _parse_manifest(job: str, version: int, fields: Mapping[bytes, bytes]) -> Ma
 class RedisWeightStore(PublishingStore):
     """Thread-safe (redis-py's connection pool); one instance per process is enough."""
 
-    def __init__(self, url: str, options: RedisStoreOptions | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        options: RedisStoreOptions | None = None,
+        *,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         scheme = urlparse(url).scheme
         if scheme not in ("redis", "rediss"):
             got = f"{scheme}://" if scheme else "no scheme"
@@ -190,32 +208,103 @@ class RedisWeightStore(PublishingStore):
             url,
             socket_timeout=opts.socket_timeout_s,
             socket_connect_timeout=opts.socket_connect_timeout_s,
-            health_check_interval=opts.health_check_interval_s,
+            # PINGs idle pooled connections every 30 s, so a dead one is noticed before use.
+            health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), opts.retries),
-            max_connections=opts.max_connections,
-            client_name=opts.client_name,
+            client_name="splitmq-store",
             decode_responses=False,
             **tls,
         )
-        self._scripts = redis_scripts.register(self._redis)
+        script = self._redis.register_script  # binds; no server round trip until first use
+        self._publish = script(redis_scripts.PUBLISH)
+        self._discard = script(redis_scripts.DISCARD_PENDING)
+        self._save_checkpoint = script(redis_scripts.SAVE_CHECKPOINT)
+        self._heartbeat = script(redis_scripts.HEARTBEAT)
+        self._live_members = script(redis_scripts.LIVE_MEMBERS)
+        self._acquire_lease = script(redis_scripts.ACQUIRE_LEASE)
+        self._release_lease = script(redis_scripts.RELEASE_LEASE)
+        self._log = logger or logging.getLogger("splitmq.store")
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()  # the outage state is shared by all threads
+        self._down_since: float | None = None
+        self.outages = 0  # outages seen (for tests and gauges)
+
+    # --- the one way to Redis: errors translated, outages waited out -------------------------
+    def _call(self, what: str, op: Callable[[], T]) -> T:
+        policy = self._options.retry
+        first_failure: float | None = None
+        delay = policy.first_backoff_s
+        while True:
+            try:
+                result = op()
+            except redis.AuthenticationError as exc:  # a ConnectionError to redis-py: no retry
+                raise StoreAuthError(
+                    f"Redis refused the credentials of store.redis_url during {what}: {exc}"
+                ) from exc
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                down = StoreUnavailableError(f"redis unreachable during {what}: {exc}")
+                if policy.retry_for_s == 0:
+                    raise down from exc
+                now = self._clock()
+                self._went_down(what, down, now)
+                first_failure = now if first_failure is None else first_failure
+                left = policy.retry_for_s - (now - first_failure)
+                if left <= 0:
+                    self._log.error(
+                        "store still unavailable after %.1f s (%s): giving up",
+                        now - first_failure,
+                        what,
+                    )
+                    raise down from exc
+                self._sleep(min(delay, left))
+                delay = min(delay * 2, policy.max_backoff_s)
+                continue
+            except redis.RedisError as exc:
+                raise StoreError(f"redis error during {what}: {exc}") from exc
+            self._came_back()
+            return result
+
+    def _went_down(self, what: str, exc: StoreUnavailableError, now: float) -> None:
+        with self._lock:
+            if self._down_since is not None:
+                return
+            self._down_since = now
+            self.outages += 1
+        self._log.warning(
+            "store unavailable (%s: %s): waiting for Redis up to %.0f s",
+            what,
+            exc,
+            self._options.retry.retry_for_s,
+        )
+
+    def _came_back(self) -> None:
+        with self._lock:
+            if self._down_since is None:
+                return
+            down_s = self._clock() - self._down_since
+            self._down_since = None
+        self._log.warning("store back after %.1f s", down_s)
 
     # --- versions -----------------------------------------------------------------------------
     def current_version(self, job: str) -> int:
-        with _redis_errors("current_version"):
-            raw = self._redis.get(keys.version_key(job))
+        raw = self._call("current_version", lambda: self._redis.get(keys.version_key(job)))
         return NO_VERSION if raw is None else int(raw)
 
     def _write_pending(self, job: str, blobs: Sequence[PreparedBlob]) -> list[str]:
         if not blobs:
             return []
         ttl_ms = _ms(self._options.pending_ttl_s)
-        # NX: an identical blob (same content, same version) may already be committed by a
-        # racing publisher; overwriting it would put a pending expiry back on a live blob.
-        with _redis_errors("blob write"):
+
+        def write() -> list[Any]:
+            # NX: an identical blob (same content, same version) may already be committed by a
+            # racing publisher; overwriting it would put a pending expiry back on a live blob.
             pipe = self._redis.pipeline(transaction=False)
             for blob in blobs:
                 pipe.set(blob.key, blob.data, px=ttl_ms, nx=True)
-            results = pipe.execute()
+            return pipe.execute()
+
+        results = self._call("publish_version", write)
         return [blob.key for blob, created in zip(blobs, results, strict=True) if created]
 
     def _commit(
@@ -235,9 +324,8 @@ class RedisWeightStore(PublishingStore):
         ]
         args: list[str | int] = [expected, commit_id, json.dumps(dict(meta), sort_keys=True)]
         for blob in blobs:
-            args += [blob_field(blob.entry.ref), encode_entry(blob)]
-        with _redis_errors("commit"):
-            reply = self._scripts.publish(keys=script_keys, args=args)
+            args += [keys.blob_field(blob.entry.ref), encode_entry(blob)]
+        reply = self._call("publish_version", lambda: self._publish(keys=script_keys, args=args))
         status, detail = _text(reply[0]), _text(reply[1])
         if status == "conflict":
             raise VersionConflictError(expected, int(detail))
@@ -251,49 +339,49 @@ class RedisWeightStore(PublishingStore):
 
     def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:
         if blob_keys:
-            with _redis_errors("discard pending blobs"):
-                self._scripts.discard_pending(keys=list(blob_keys))
+            self._call("publish_version", lambda: self._discard(keys=list(blob_keys)))
 
     def _apply_retention(self, job: str) -> None:
-        with _redis_errors("retention"):
+        def drop_old() -> None:
             newest_dropped = -(self._options.keep_versions + 1)
             for raw in self._redis.zrange(keys.versions_key(job), 0, newest_dropped):
                 self._drop_version(job, int(_as_bytes(raw)))
+
+        self._call("retention", drop_old)
 
     def _drop_version(self, job: str, version: int) -> None:
         """Remove one version whole: index entry, manifest and blobs in one MULTI/EXEC."""
         manifest_key = keys.manifest_key(job, version)
         fields = _hash(self._redis.hgetall(manifest_key))
-        blob_keys = [
-            decode_entry(raw)[0]
-            for name, raw in fields.items()
-            if name.startswith(BLOB_FIELD_PREFIX.encode())
-        ]
+        blob_keys = [decode_entry(v)[0] for k, v in fields.items() if k.startswith(_BLOB_FIELD)]
         pipe = self._redis.pipeline(transaction=True)
         pipe.zrem(keys.versions_key(job), str(version))
         pipe.unlink(manifest_key, *blob_keys)
         pipe.execute()
 
     def manifest(self, job: str, version: int) -> Manifest:
-        with _redis_errors("manifest read"):
-            fields = _hash(self._redis.hgetall(keys.manifest_key(job, version)))
+        key = keys.manifest_key(job, version)
+        fields = _hash(self._call("manifest", lambda: self._redis.hgetall(key)))
         if not fields:
             raise VersionNotFoundError(f"job {job}: version {version} is not retained")
         return _parse_manifest(job, version, fields)
 
     def read_blob(self, job: str, version: int, ref: BlobRef) -> dict[str, torch.Tensor]:
         manifest_key = keys.manifest_key(job, version)
-        with _redis_errors("blob read"):
+
+        def read() -> tuple[str, ManifestEntry, Any]:
             pipe = self._redis.pipeline(transaction=False)
             pipe.exists(manifest_key)
-            pipe.hget(manifest_key, blob_field(ref))
+            pipe.hget(manifest_key, keys.blob_field(ref))
             exists, raw_entry = pipe.execute()
             if not exists:
                 raise VersionNotFoundError(f"job {job}: version {version} is not retained")
             if raw_entry is None:
                 raise StoreError(f"job {job}: version {version} has no blob {ref.name}")
             key, entry = decode_entry(raw_entry)
-            data = self._redis.get(key)
+            return key, entry, self._redis.get(key)
+
+        key, entry, data = self._call("read_blob", read)
         if data is None:
             # Retention removed the version between the manifest read and this one.
             raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
@@ -302,21 +390,21 @@ class RedisWeightStore(PublishingStore):
         return decode_verified(_as_bytes(data), entry.sha256, entry.nbytes, key)
 
     def versions(self, job: str) -> list[int]:
-        with _redis_errors("versions"):
-            raw = self._redis.zrange(keys.versions_key(job), 0, -1)
+        raw = self._call("versions", lambda: self._redis.zrange(keys.versions_key(job), 0, -1))
         return [int(_as_bytes(v)) for v in raw]
 
     def blob_keys(self, job: str) -> dict[str, float | None]:
         """Every blob key of the job -> seconds until it expires (None: committed)."""
-        with _redis_errors("blob scan"):
-            found = [
-                _text(k)
-                for k in self._redis.scan_iter(match=keys.blob_pattern(job), count=_SCAN_COUNT)
-            ]
+
+        def scan() -> tuple[list[str], list[Any]]:
+            pattern = keys.blob_pattern(job)
+            found = [_text(k) for k in self._redis.scan_iter(match=pattern, count=_SCAN_COUNT)]
             pipe = self._redis.pipeline(transaction=False)
             for key in found:
                 pipe.pttl(key)
-            ttls = pipe.execute()
+            return found, pipe.execute()
+
+        found, ttls = self._call("blob_keys", scan)
         # PTTL: -1 no expiry, -2 gone since the scan.
         pairs = zip(found, ttls, strict=True)
         return {k: None if t == -1 else t / 1000 for k, t in pairs if t != -2}
@@ -327,7 +415,6 @@ class RedisWeightStore(PublishingStore):
     ) -> None:
         from broker.weights import encode_weights, sha256_hex
 
-        key = keys.checkpoint_key(job, checkpoint.shard)
         data = encode_weights(checkpoint.weights)
         args: list[bytes | str | int] = [
             data,
@@ -335,12 +422,15 @@ class RedisWeightStore(PublishingStore):
             int(checkpoint.applied),
             encode_meta(checkpoint.meta),
         ]
-        script_keys = [key]
+        script_keys = [keys.checkpoint_key(job, checkpoint.shard)]
         if holder is not None:
             script_keys.append(keys.lease_key(job, holder[0]))
             args.append(holder[1])
-        with _redis_errors("checkpoint save"):
-            saved = self._scripts.save_checkpoint(keys=script_keys, args=args)
+        # A replace; with `holder` the script itself refuses a writer that lost the lease
+        # (during an outage, say).
+        saved = self._call(
+            "save_checkpoint", lambda: self._save_checkpoint(keys=script_keys, args=args)
+        )
         if holder is not None and saved == -1:  # the script returns -1 (an integer) or a time
             raise LeaseNotHeldError(
                 f"checkpoint of shard {checkpoint.shard} not saved: {holder[1]!r} does not hold "
@@ -349,8 +439,7 @@ class RedisWeightStore(PublishingStore):
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
         key = keys.checkpoint_key(job, shard)
-        with _redis_errors("checkpoint load"):
-            fields = _hash(self._redis.hgetall(key))
+        fields = _hash(self._call("load_checkpoint", lambda: self._redis.hgetall(key)))
         if not fields:
             return None
         try:
@@ -377,23 +466,22 @@ class RedisWeightStore(PublishingStore):
     ) -> None:
         keys.validate_name("member id", member_id)
         args: list[str | int] = [member_id, _ms(ttl_s), "" if info is None else encode_info(info)]
-        with _redis_errors("heartbeat"):
-            self._scripts.heartbeat(
-                keys=[keys.members_key(job), keys.members_info_key(job)], args=args
-            )
+        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        self._call("heartbeat", lambda: self._heartbeat(keys=script_keys, args=args))
 
     def remove_member(self, job: str, member_id: str) -> None:
-        with _redis_errors("remove member"):
+        def remove() -> None:
+            # Built anew on every try: a failed `execute` empties the pipeline.
             pipe = self._redis.pipeline(transaction=True)
             pipe.zrem(keys.members_key(job), member_id)
             pipe.hdel(keys.members_info_key(job), member_id)
             pipe.execute()
 
+        self._call("remove_member", remove)
+
     def live_members(self, job: str) -> dict[str, Member]:
-        with _redis_errors("live members"):
-            flat = self._scripts.live_members(
-                keys=[keys.members_key(job), keys.members_info_key(job)]
-            )
+        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        flat = self._call("live_members", lambda: self._live_members(keys=script_keys))
         members = {}
         for i in range(0, len(flat), 3):
             member_id = _text(flat[i])
@@ -403,35 +491,37 @@ class RedisWeightStore(PublishingStore):
     # --- leases -------------------------------------------------------------------------------
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:
         keys.validate_name("lease owner", owner)
-        with _redis_errors("lease acquire"):
-            taken = self._scripts.acquire_lease(
-                keys=[keys.lease_key(job, name)], args=[owner, _ms(ttl_s)]
-            )
+        key, ttl_ms = keys.lease_key(job, name), _ms(ttl_s)
+        taken = self._call(
+            "acquire_lease", lambda: self._acquire_lease(keys=[key], args=[owner, ttl_ms])
+        )
         return bool(taken)
 
     def release_lease(self, job: str, name: str, owner: str) -> None:
-        with _redis_errors("lease release"):
-            self._scripts.release_lease(keys=[keys.lease_key(job, name)], args=[owner])
+        key = keys.lease_key(job, name)
+        self._call("release_lease", lambda: self._release_lease(keys=[key], args=[owner]))
 
     def lease_owner(self, job: str, name: str) -> str | None:
-        with _redis_errors("lease owner"):
-            raw = self._redis.get(keys.lease_key(job, name))
+        key = keys.lease_key(job, name)
+        raw = self._call("lease_owner", lambda: self._redis.get(key))
         return None if raw is None else _text(raw)
 
     # --- how the job ended --------------------------------------------------------------------
     def set_job_status(self, job: str, status: JobStatus) -> None:
         key = keys.status_key(job)
-        with _redis_errors("set job status"):
+
+        def replace() -> None:
             # One MULTI/EXEC: a reader never sees a new state with an old detail.
             pipe = self._redis.pipeline(transaction=True)
             pipe.delete(key)
             pipe.hset(key, mapping={"state": status.state, "detail": status.detail})
             pipe.execute()
 
+        self._call("set_job_status", replace)
+
     def job_status(self, job: str) -> JobStatus | None:
         key = keys.status_key(job)
-        with _redis_errors("job status"):
-            fields = _hash(self._redis.hgetall(key))
+        fields = _hash(self._call("job_status", lambda: self._redis.hgetall(key)))
         if not fields:
             return None
         try:
@@ -440,30 +530,33 @@ class RedisWeightStore(PublishingStore):
             raise StoreError(f"malformed job status {key}: {exc!r}") from exc
 
     def clear_job_status(self, job: str) -> None:
-        with _redis_errors("clear job status"):
-            self._redis.delete(keys.status_key(job))
+        key = keys.status_key(job)
+        self._call("clear_job_status", lambda: self._redis.delete(key))
 
     # --- operations ---------------------------------------------------------------------------
     def delete_job(self, job: str) -> None:
         pattern = keys.job_pattern(job)
-        with _redis_errors("delete job"):
+
+        def delete() -> None:
             found = list(self._redis.scan_iter(match=pattern, count=_SCAN_COUNT))
             for i in range(0, len(found), _DELETE_BATCH):
                 # UNLINK frees big blobs off the server's main thread.
                 self._redis.unlink(*found[i : i + _DELETE_BATCH])
 
+        self._call("delete_job", delete)
+
     def server_info(self) -> RedisServerInfo:
         """Version, a write/read probe, persistence and eviction settings, with problems."""
-        with _redis_errors("server info"):
-            server = self._redis.info("server")
-            persistence = self._redis.info("persistence")
-            memory = self._redis.info("memory")
-            can_write, can_read, probe_problem = self._probe()
-            fsync = self._aof_fsync()
+        return self._call("server_info", self._server_info)
+
+    def _server_info(self) -> RedisServerInfo:
+        info: Any = self._redis.info
+        server, persistence, memory = info("server"), info("persistence"), info("memory")
+        can_write, can_read, probe_problem = self._probe()
+        fsync = self._aof_fsync()
         problems = [] if probe_problem is None else [probe_problem]
         aof_enabled = bool(int(persistence.get("aof_enabled", 0)))
         aof_status = str(persistence.get("aof_last_write_status", "unknown"))
-        maxmemory = int(memory.get("maxmemory", 0))
         policy = str(memory.get("maxmemory_policy", "unknown"))
         if not aof_enabled:
             problems.append("AOF is off: a Redis crash loses recently published versions")
@@ -474,23 +567,12 @@ class RedisWeightStore(PublishingStore):
                 f"appendfsync {fsync}: a crash can lose acknowledged writes (announced versions, "
                 "checkpoints whose batches are acked); use appendfsync always"
             )
-        if maxmemory and policy != "noeviction":
+        if int(memory.get("maxmemory", 0)) and policy != "noeviction":
             problems.append(
                 f"maxmemory-policy {policy} may evict weights or leases; use noeviction"
             )
-        return RedisServerInfo(
-            version=str(server.get("redis_version", "unknown")),
-            mode=str(server.get("redis_mode", "unknown")),
-            can_write=can_write,
-            can_read=can_read,
-            aof_enabled=aof_enabled,
-            aof_last_write_status=aof_status,
-            maxmemory_bytes=maxmemory,
-            maxmemory_policy=policy,
-            used_memory_bytes=int(memory.get("used_memory", 0)),
-            problems=tuple(problems),
-            aof_fsync=fsync,
-        )
+        version = str(server.get("redis_version", "unknown"))
+        return RedisServerInfo(version, can_write, can_read, aof_enabled, tuple(problems), fsync)
 
     def _aof_fsync(self) -> str:
         try:
@@ -503,21 +585,19 @@ class RedisWeightStore(PublishingStore):
         return values.get("appendfsync", "unknown")
 
     def _probe(self) -> tuple[bool, bool, str | None]:
+        """(can write, can read, problem) of a scratch key written, read back and deleted."""
         token = uuid.uuid4().hex
         key = keys.probe_key(token)
+        wrote = False
         try:
             self._redis.set(key, token, px=10_000)
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except redis.RedisError as exc:  # e.g. READONLY replica, MISCONF, OOM
-            return False, False, f"probe write failed: {exc}"
-        try:
+            wrote = True
             value: Any = self._redis.get(key)
             self._redis.delete(key)
         except (redis.ConnectionError, redis.TimeoutError):
             raise
-        except redis.RedisError as exc:
-            return True, False, f"probe read failed: {exc}"
+        except redis.RedisError as exc:  # e.g. READONLY replica, MISCONF, OOM
+            return wrote, False, f"probe {'read' if wrote else 'write'} failed: {exc}"
         if value != token.encode():
             return True, False, "probe read returned a different value"
         return True, True, None

@@ -1,4 +1,4 @@
-"""The `WeightStore` protocol: versioned weights, shard checkpoints, membership and leases.
+"""The store protocols: versions, shard checkpoints, and members/leases/job status.
 
 Weights are immutable, content-addressed safetensors blobs. Publishing a version is two steps:
 blobs are written first with a short "pending" expiry, then one atomic compare-and-set commits
@@ -112,10 +112,13 @@ class Member:
     info: Mapping[str, str] = field(default_factory=dict)
 
 
-class WeightStore(Protocol):
-    """Implemented by the Redis store and the in-memory store (the embedded default)."""
+class _Closable(Protocol):
+    def close(self) -> None: ...
 
-    # --- versions -----------------------------------------------------------------------------
+
+class VersionStore(_Closable, Protocol):
+    """Published versions of a job: manifests and their content-addressed blobs."""
+
     def current_version(self, job: str) -> int:
         """The newest committed version, or `NO_VERSION`."""
         ...
@@ -148,7 +151,10 @@ class WeightStore(Protocol):
         """Versions still retained, oldest first."""
         ...
 
-    # --- shard checkpoints --------------------------------------------------------------------
+
+class CheckpointStore(_Closable, Protocol):
+    """Shard checkpoints, one per shard, each written whole."""
+
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
@@ -163,7 +169,11 @@ class WeightStore(Protocol):
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None: ...
 
-    # --- membership (liveness by expiry) ------------------------------------------------------
+
+class MemberStore(_Closable, Protocol):
+    """The small, fast-changing records of a job: members (liveness by expiry), leases (e.g. a
+    worker's claim on a shard) and how the job ended."""
+
     def heartbeat(
         self, job: str, member_id: str, ttl_s: float, info: Mapping[str, str] | None = None
     ) -> None: ...
@@ -174,7 +184,6 @@ class WeightStore(Protocol):
         """Members whose last heartbeat has not yet expired (expired ones are pruned)."""
         ...
 
-    # --- leases (e.g. a worker's claim on a shard) --------------------------------------------
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:
         """Take or renew lease `name` for `owner`; False if someone else holds it."""
         ...
@@ -185,7 +194,6 @@ class WeightStore(Protocol):
 
     def lease_owner(self, job: str, name: str) -> str | None: ...
 
-    # --- how the job ended --------------------------------------------------------------------
     def set_job_status(self, job: str, status: JobStatus) -> None:
         """Record that the job ended (replaces an earlier record whole)."""
         ...
@@ -198,9 +206,11 @@ class WeightStore(Protocol):
         """Forget how the job ended: a new run of the same job name starts (version 1)."""
         ...
 
-    # --- operations ---------------------------------------------------------------------------
+
+class WeightStore(VersionStore, CheckpointStore, MemberStore, Protocol):
+    """All of a job's store: what the wiring opens (the Redis store, or the in-memory one of an
+    embedded run). Code that needs one concern takes the protocol of that concern."""
+
     def delete_job(self, job: str) -> None:
         """Remove every key of a job (tests and operators)."""
         ...
-
-    def close(self) -> None: ...

@@ -10,8 +10,7 @@ from broker.memory_hub import InMemoryHub
 from broker.memory_store import InMemoryWeightStore
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import RabbitMQOptions
-from broker.redis_store import RedisStoreOptions, RedisWeightStore
-from broker.resilient_store import ResilientStore, RetryPolicy
+from broker.redis_store import NO_RETRY, RedisStoreOptions, RedisWeightStore, RetryPolicy
 from broker.store import WeightStore
 from broker.tls import TLSOptions
 from broker.transport import Broker
@@ -91,26 +90,34 @@ class Backends:
             return RabbitMQBroker(settings.amqp_url, options)
         return RabbitMQBroker(settings.amqp_url, options, sleep=sleep)
 
-    def open_store(self, *, wait: bool = True) -> WeightStore:
-        """`wait`: ride out a Redis outage for `retry_for_s` (roles); False for probes and
-        health checks, which must report an outage rather than sit through it."""
+    def open_store(
+        self,
+        *,
+        wait: bool = True,
+        give_up_after: float | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> WeightStore:
+        """`wait`: ride out a Redis outage for `retry_for_s` (roles), or `give_up_after`
+        seconds; False for probes and health checks, which must report an outage rather than
+        sit through it. `sleep` waits between retries (one that raises ends the wait early)."""
         settings = self.store_settings
         if settings.kind == "memory":
             return self._embedded().store  # never unavailable
+        retry_for_s = settings.retry_for_s if give_up_after is None else give_up_after
+        policy = RetryPolicy(
+            retry_for_s=retry_for_s,
+            first_backoff_s=min(0.1, settings.retry_max_backoff_s),
+            max_backoff_s=settings.retry_max_backoff_s,
+        )
         options = RedisStoreOptions(
             socket_timeout_s=settings.socket_timeout_s,
             keep_versions=settings.keep_versions,
             tls=tls_options(settings.tls),
+            retry=policy if wait else NO_RETRY,
         )
-        store = RedisWeightStore(settings.redis_url, options)
-        if not wait or settings.retry_for_s == 0:
-            return store
-        policy = RetryPolicy(
-            retry_for_s=settings.retry_for_s,
-            first_backoff_s=min(0.1, settings.retry_max_backoff_s),
-            max_backoff_s=settings.retry_max_backoff_s,
-        )
-        return ResilientStore(store, policy)
+        if sleep is None:
+            return RedisWeightStore(settings.redis_url, options)
+        return RedisWeightStore(settings.redis_url, options, sleep=sleep)
 
     def _embedded(self) -> Embedded:
         if self.embedded is None:

@@ -23,7 +23,7 @@ from types import TracebackType
 
 from broker.errors import SplitMQError
 from broker.keys import HEALTH_MEMBER_PREFIX
-from broker.store import Member, WeightStore
+from broker.store import Member, MemberStore
 
 REFRESH_S = 5.0
 TTL_S = 15.0
@@ -84,7 +84,7 @@ class HealthBeat:
 
     def __init__(
         self,
-        open_store: Callable[[], WeightStore],
+        open_store: Callable[[], MemberStore],
         job: str,
         role: str,
         instance: str,

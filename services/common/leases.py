@@ -15,12 +15,12 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from broker.keys import WORKER_MEMBER_PREFIX
-from broker.store import WeightStore
+from broker.keys import SHARD_LEASE_PREFIX, WORKER_MEMBER_PREFIX
+from broker.store import MemberStore
 
 
 def lease_name(shard: int) -> str:
-    return f"shard:{shard}"
+    return f"{SHARD_LEASE_PREFIX}{shard}"
 
 
 def member_id(worker_id: str) -> str:
@@ -43,7 +43,7 @@ class LeasePlan:
 
 
 class LeaseKeeper:
-    def __init__(self, store: WeightStore, job: str, worker_id: str, shards: int, ttl_s: float):
+    def __init__(self, store: MemberStore, job: str, worker_id: str, shards: int, ttl_s: float):
         if shards < 1:
             raise ValueError(f"a job needs at least one shard, got {shards}")
         self._store = store

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.keys import CLIENT_MEMBER_PREFIX
-from broker.store import Member, WeightStore
+from broker.store import Member, MemberStore
 
 # The Join info key (and member info key) of the client process's session id.
 SESSION_KEY = "session"
@@ -108,7 +108,7 @@ def same_incarnation(before: MemberInfo, now: MemberInfo | None) -> bool:
     return now is not None and now.session == before.session
 
 
-def client_members(store: WeightStore, job: str) -> dict[str, MemberInfo]:
+def client_members(store: MemberStore, job: str) -> dict[str, MemberInfo]:
     """Live clients by id (members with unreadable info are left out)."""
     out: dict[str, MemberInfo] = {}
     for member in store.live_members(job).values():

@@ -18,7 +18,7 @@ from broker.codec import decode
 from broker.errors import DecodeError
 from broker.messages import Heartbeat, Join, Leave, Message
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
-from broker.store import WeightStore
+from broker.store import VersionStore, WeightStore
 from broker.topology import QueueLimits, control_queue_name, job_queues
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
@@ -92,7 +92,7 @@ class Coordinator:
             store.close()
         return self.stats
 
-    def _await_version(self, store: WeightStore, stop: threading.Event) -> bool:
+    def _await_version(self, store: VersionStore, stop: threading.Event) -> bool:
         """Joins wait in the queue until the aggregator has published version 1."""
         while store.current_version(self.job) < 1:
             if stop.wait(self._poll_s):
@@ -127,15 +127,13 @@ class Coordinator:
         with log_context(client=message.client):
             if isinstance(message, Join):
                 outcome = desk.join(message)
-                if outcome.unreachable:
+                if outcome == "unreachable":
                     reason = f"client {message.client} has no reply queue"
-                    self._dead_letter(broker, delivery, reason)
-                    return
-                if outcome.new or outcome.rejoined:
+                elif outcome in ("new", "rejoined"):
                     self._known.add(message.client)
-                self.stats.joined += outcome.new
-                self.stats.rejoined += outcome.rejoined
-                self.stats.refused += outcome.refused
+                self.stats.joined += outcome == "new"
+                self.stats.rejoined += outcome == "rejoined"
+                self.stats.refused += outcome == "refused"
             elif isinstance(message, Heartbeat):
                 reason = self._heartbeat(store, outbox, message)
             elif isinstance(message, Leave):

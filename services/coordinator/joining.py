@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
+from typing import Literal
 
 from broker.errors import UnroutableError
 from broker.messages import ConfigValue, Join, Welcome, new_message_id
@@ -32,17 +33,31 @@ from services.common.membership import (
 )
 from services.common.outbox import Outbox
 from services.config.root import Settings
-from services.coordinator.assignment import choose_partition, choose_shard
 from services.coordinator.levels import LevelDesk
 
+# What became of a Join: "refused" (job full), "finished" (the job is over: told so instead of
+# welcomed), "unreachable" (no reply queue: the join was undone).
+JoinOutcome = Literal["new", "rejoined", "refused", "finished", "unreachable"]
 
-@dataclass(frozen=True)
-class JoinOutcome:
-    new: bool = False
-    rejoined: bool = False
-    refused: bool = False
-    unreachable: bool = False  # no reply queue: the join was undone
-    finished: bool = False  # the job is over: told so instead of welcomed
+
+def choose_partition(requested: int | None, taken: Collection[int], count: int) -> int | None:
+    """The requested index when it is valid and free, else the lowest free index below
+    `count`; None when all `count` partitions are taken (the job is full)."""
+    if requested is not None and 0 <= requested < count and requested not in taken:
+        return requested
+    return next((i for i in range(count) if i not in taken), None)
+
+
+def choose_shard(shards: int, clients: int, partition: int, loads: Mapping[int, int]) -> int:
+    """The shard of a new member.
+
+    With one shard per client (SFL-V1) shard k belongs to partition k, so a client's server
+    model follows its data across re-joins. Otherwise the least-loaded shard (by live members,
+    ties to the lowest index) keeps every worker's queue equally busy.
+    """
+    if shards == clients:
+        return partition % shards
+    return min(range(shards), key=lambda s: (loads.get(s, 0), s))
 
 
 def requested_index(join: Join) -> int | None:
@@ -102,9 +117,7 @@ class JoinDesk:
         else:
             assigned = self._assign(message, members, session or new_message_id())
             if assigned is None:
-                if not self._refuse(message, version, len(members)):
-                    return JoinOutcome(unreachable=True)
-                return JoinOutcome(refused=True)
+                return "refused" if self._refuse(message, version, len(members)) else "unreachable"
             info = assigned
         ttl = self._settings.clients.heartbeat_ttl_s
         self._store.heartbeat(self._job, member_id(message.client), ttl, info.to_info())
@@ -122,11 +135,11 @@ class JoinDesk:
         except UnroutableError:
             if existing is None:
                 self._store.remove_member(self._job, member_id(message.client))
-            return JoinOutcome(unreachable=True)
+            return "unreachable"
         if existing is not None:
             restarted = " as a new process" if info.session != existing.session else ""
             self._log.info("job %s: client %s re-joined%s", self._job, message.client, restarted)
-            return JoinOutcome(rejoined=True)
+            return "rejoined"
         self._log.info(
             "job %s: client %s joined: shard %d, partition %d, %d samples",
             self._job,
@@ -137,7 +150,7 @@ class JoinDesk:
         )
         data = {"shard": info.shard, "partition": info.partition, "samples": info.samples}
         self._outbox.event("member_joined", version, data, message.client)
-        return JoinOutcome(new=True)
+        return "new"
 
     def _assign(
         self, message: Join, members: dict[str, MemberInfo], session: str
@@ -169,11 +182,11 @@ class JoinDesk:
                 message.client, dismissal(self._settings, message.client, version, status)
             )
         except UnroutableError:
-            return JoinOutcome(unreachable=True)
+            return "unreachable"
         self._log.info(
             "job %s: client %s joined after the job ended (%s)", self._job, message.client, status
         )
-        return JoinOutcome(finished=True)
+        return "finished"
 
     def _refuse(self, message: Join, version: int, live: int) -> bool:
         """Tell the client the job is full; False when it has no reply queue to be told."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from broker.resilient_store import ResilientStore, RetryPolicy
 from services.common.backends import Backends
 
 # Long enough for a broker or Redis restarting beside the role; compose starts roles only
@@ -51,13 +50,8 @@ def check_services(
     backends.open_broker("", give_up_after=broker_wait, sleep=sleep).close()
     if not store:
         return
-    settings = backends.store_settings
-    policy = RetryPolicy(
-        retry_for_s=min(wait_s, settings.retry_for_s),
-        first_backoff_s=min(0.1, settings.retry_max_backoff_s),
-        max_backoff_s=settings.retry_max_backoff_s,
-    )
-    probe = ResilientStore(backends.open_store(wait=False), policy, sleep=sleep)
+    give_up_after = min(wait_s, backends.store_settings.retry_for_s)
+    probe = backends.open_store(give_up_after=give_up_after, sleep=sleep)
     try:
         probe.current_version(job)
     finally:
