@@ -7,62 +7,121 @@ own: one more pass over memory than the copy itself. A 16 MiB encode + decode ta
 quarter less time written in place (docs/benchmarks.md, codec section: the "body joined" row).
 
 `fresh_body` allocates the body uninitialised, as C code builds a bytes object
-(`PyBytes_FromStringAndSize(NULL, n)`), and hands out a writable numpy view of its storage.
-Like that C code, the caller fills every byte before the object is hashed or shared and drops
-the view first. CPython only: elsewhere it returns None and the encoder joins.
+(`PyBytes_FromStringAndSize(NULL, n)`, soft-deprecated by PEP 782 but not scheduled for
+removal), and hands out a writable numpy view of its storage. Like that C code, the caller
+fills every byte before the object is hashed or shared and drops the view first. Nothing else
+here relies on CPython's object layout: the storage's address comes from the buffer protocol.
+
+The trick is earned at first use, once per process (`probe`): CPython (elsewhere bytes may
+move or be copied on export), the constructor found and returning a `bytes` of the asked size,
+a write through the window landing in the object, which then compares, hashes and copies as
+an ordinary `bytes`. A free-threaded build changes nothing: the object is private to the
+calling thread until `encode` returns it. If the probe fails, or `SPLITMQ_IN_PLACE_BODIES=0`
+turns the trick off, `fresh_body` returns None and the encoder joins; the bytes are the same.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-# Where a bytes object's storage starts: its fixed part ends with the storage's first byte.
-_DATA_OFFSET = bytes.__basicsize__ - 1
+# Set to 0 to build every body by `bytes.join` (e.g. to rule the trick out while debugging).
+SWITCH = "SPLITMQ_IN_PLACE_BODIES"
+_Constructor = Callable[[None, int], bytes]
+_Window = np.ndarray[Any, np.dtype[np.uint8]]
+_log = logging.getLogger(__name__)
 
 
-def _bytes_constructor() -> Callable[[None, int], bytes] | None:
-    if sys.implementation.name != "cpython":
-        return None
+def _constructor() -> _Constructor:
     # A private prototype: setting restype on `ctypes.pythonapi.PyBytes_FromStringAndSize`
     # would change it for every other user of that shared attribute. PYFUNCTYPE keeps the GIL.
     prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)
-    constructor: Callable[[None, int], bytes] = prototype(
-        ("PyBytes_FromStringAndSize", ctypes.pythonapi)
-    )
+    constructor: _Constructor = prototype(("PyBytes_FromStringAndSize", ctypes.pythonapi))
     return constructor
 
 
-_NEW_BYTES = _bytes_constructor()
+class _Storage:
+    """A buffer's bytes as numpy sees them (`__array_interface__`), flagged writable; numpy
+    keeps this object as the array's base, and this object keeps the buffer alive."""
 
+    __slots__ = ("__array_interface__", "_owner")
 
-class _Window:
-    """`size` writable bytes at `address`, as numpy sees them (`__array_interface__`)."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, address: int, size: int) -> None:
+    def __init__(self, buffer: bytes | memoryview) -> None:
+        # The buffer protocol's own address for the storage: no assumption about its layout.
+        address: int = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+        self._owner = buffer
         self.__array_interface__ = {
             "data": (address, False),
-            "shape": (size,),
+            "shape": (len(buffer),),
             "typestr": "|u1",
             "version": 3,
         }
 
 
-def fresh_body(size: int) -> tuple[bytes, np.ndarray[Any, np.dtype[np.uint8]]] | None:
-    """A new, uninitialised `bytes` of `size` (>= 2) bytes and a writable uint8 view of its
-    storage; None where that cannot be done.
+def writable_alias(buffer: bytes | memoryview) -> _Window:
+    """A writable uint8 array over a (read-only) contiguous buffer's memory, keeping it alive.
+    Writing through it is the caller's promise: only a body nobody else has seen yet."""
+    return np.asarray(_Storage(buffer))
 
-    The view does not keep the bytes alive: hold the bytes while writing. Fill every byte, drop
-    the view and everything made from it, and only then let the bytes go anywhere. (Sizes 0
-    and 1 may return CPython's shared singletons, which must never be written.)
+
+def probe(constructor: Callable[[], _Constructor] = _constructor) -> str | None:
+    """Why writing a fresh `bytes` in place does not work on this interpreter; None if it does."""
+    if sys.implementation.name != "cpython":
+        return f"{sys.implementation.name} is not CPython"
+    expected = bytes(range(256)) * 16 + b"end"
+    try:
+        body = constructor()(None, len(expected))
+        if type(body) is not bytes or len(body) != len(expected):
+            return f"the constructor made {type(body).__name__} of {len(body)} bytes"
+        window = writable_alias(body)
+        window[:] = np.frombuffer(expected, np.uint8)
+        del window
+        copy = bytes(bytearray(body))  # a copy made from the object's own buffer
+    except Exception as exc:  # any failure means: do not use the trick
+        return f"{type(exc).__name__}: {exc}"
+    if body != expected or hash(body) != hash(expected) or copy != expected:
+        return "a write through the window did not land in the bytes"
+    return None
+
+
+def enabled(environ: Mapping[str, str], probed: Callable[[], str | None]) -> bool:
+    """Whether `fresh_body` may write in place: not switched off in `environ`, and `probed`
+    (called only then) found no reason against it."""
+    if environ.get(SWITCH, "1").strip().lower() in {"0", "false", "no", "off"}:
+        return False
+    return probed() is None
+
+
+def _probe_logged() -> str | None:
+    reason = probe()
+    if reason is not None:
+        _log.info("bodies are joined, not written in place: %s", reason)
+    return reason
+
+
+@functools.cache
+def _constructor_here() -> _Constructor | None:
+    # The one piece of process-wide state: the verdict, decided at the first big body. The
+    # switch is read here, not from a job's settings: it is about the interpreter, not the job.
+    return _constructor() if enabled(os.environ, _probe_logged) else None
+
+
+def fresh_body(size: int) -> tuple[bytes, _Window] | None:
+    """A new, uninitialised `bytes` of `size` (>= 2) bytes and a writable uint8 view of its
+    storage; None where that cannot or may not be done.
+
+    Fill every byte, drop the view and everything made from it, and only then let the bytes go
+    anywhere. (Sizes 0 and 1 may return CPython's shared singletons, which must never be written.)
     """
-    if _NEW_BYTES is None or size < 2:
+    constructor = _constructor_here() if size >= 2 else None
+    if constructor is None:
         return None
-    body = _NEW_BYTES(None, size)
-    return body, np.asarray(_Window(id(body) + _DATA_OFFSET, size))
+    body = constructor(None, size)
+    return body, writable_alias(body)

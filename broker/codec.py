@@ -17,7 +17,6 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Mapping
-from contextlib import nullcontext
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -36,7 +35,7 @@ from broker.tensors import (
     all_finite,
     copy_checked,
     finite_array,
-    sharing_read_only,
+    shareable,
     unpack_ext,
     view_from,
     wire_bytes,
@@ -259,9 +258,9 @@ def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Messag
     reader = HeaderReader(limits, encoding=False)
     values = reader.fields(schema, _PLANS[schema.name], header, _KEYS[schema.name])
     data_start = _check_layout(reader.slots, header_end, len(view))
-    with sharing_read_only() if reader.slots and view.readonly else nullcontext():
-        for index, spec in _TENSOR_FIELDS[schema.name]:
-            values[index] = _materialise(spec, values[index], view, data_start)
+    data = shareable(view) if reader.slots else view
+    for index, spec in _TENSOR_FIELDS[schema.name]:
+        values[index] = _materialise(spec, values[index], data, data_start)
     message: Message = schema.cls(*values)  # every field, in declaration order
     reason = consistency_error(message)
     if reason is not None:

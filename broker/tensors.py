@@ -9,19 +9,17 @@ header map's `data` is an ext value naming `(offset, nbytes)` in the body's data
 from __future__ import annotations
 
 import math
-import re
 import struct
-import warnings
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn
 
 import msgpack
 import numpy as np
 import torch
 
+from broker.bodies import writable_alias
 from broker.errors import DecodeError
 
 # Tensor data starts at multiples of this from the start of the data section, so a receiver may
@@ -249,33 +247,17 @@ def copy_checked(
     return finite is None or all_finite(copy)
 
 
-def sharing_read_only() -> AbstractContextManager[None]:
-    """Silence torch's warning about tensors over non-writable memory, and only that one.
+def shareable(body: memoryview) -> memoryview:
+    """`body`, or when it is read-only (a received `bytes`) a writable alias of its memory that
+    keeps it alive, for `view_from`.
 
-    Decoded tensors are views of an immutable body on purpose; enter this once around all the
-    `view_from` calls of a body (entering it costs more than a view). Like every use of
-    `warnings.catch_warnings`, it is not thread-safe with respect to other warning filters.
+    torch has no read-only tensors: over a read-only numpy array, `torch.from_numpy` makes a
+    writable tensor anyway and warns once per process. Decoded tensors are views of the body on
+    purpose (callers clone before modifying in place), so the alias says what torch would do,
+    and no warning is raised: no warning filter is touched, so it is right on every CPython,
+    free-threaded ones included, and on every thread.
     """
-    return _SharingReadOnly()
-
-
-class _SharingReadOnly(warnings.catch_warnings):
-    # A class rather than a @contextmanager generator: this runs once per decoded body, and the
-    # generator machinery cost as much as catch_warnings itself.
-    def __enter__(self) -> None:
-        super().__enter__()
-        # What `warnings.filterwarnings` would insert, prebuilt: its validation, regex lookup
-        # and duplicate scan cost three times the rest. The list is catch_warnings' own copy.
-        cast("list[object]", warnings.filters).insert(0, _IGNORE_NOT_WRITABLE)
-
-
-_IGNORE_NOT_WRITABLE = (
-    "ignore",
-    re.compile("The given NumPy array is not writable", re.IGNORECASE),
-    UserWarning,
-    None,
-    0,
-)
+    return writable_alias(body).data if body.readonly else body
 
 
 def view_from(
@@ -285,8 +267,8 @@ def view_from(
     bool bytes are 0 or 1 and, when `finite`, that floating-point values are neither NaN nor
     infinite (raising `DecodeError` naming the slot's path).
 
-    Call inside `sharing_read_only()` when `body` is read-only. torch cannot mark a tensor
-    read-only: callers that modify decoded tensors in place must clone them first.
+    Pass a read-only `body` through `shareable` first (torch would warn). torch cannot mark a
+    tensor read-only: callers that modify decoded tensors in place must clone them first.
     """
     dtype = slot.dtype
     if not slot.nbytes:  # may lie past the end of a body without a data section
