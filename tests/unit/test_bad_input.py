@@ -79,10 +79,9 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker
-from services.aggregator.gate import ClosedGate, OpenRound, reference_of
+from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
 from services.aggregator.inbox import UpdateInbox
-from services.aggregator.members import MemberBook
-from services.aggregator.screen import UpdateScreen
+from services.aggregator.round_gate import ClosedGate, OpenRound
 from services.client.client import Client, build_client_model
 from services.client.link import Backoff, ClientLink
 from services.client.stats import ClientStats
