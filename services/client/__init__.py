@@ -3,7 +3,7 @@
 `Client(settings, backends, client_id=..., partition=...)`, then `run(stop) -> ClientStats`.
 """
 
-from services.client.client import Client, build_client_model
+from services.client.client import Client
 from services.client.data import JobData
 from services.client.errors import (
     ClientError,
@@ -23,5 +23,4 @@ __all__ = [
     "JoinRejectedError",
     "JoinTimeoutError",
     "RoundAborted",
-    "build_client_model",
 ]

@@ -1,37 +1,51 @@
-"""An edge client (architecture steps 2, 4, 7): join, train each assigned round, leave.
+"""An edge client (architecture steps 2, 4, 7): join, train, leave.
 
 The client talks only to the broker (design §3): weights arrive in Welcome and
 WeightsAssignment, updates leave as WeightsUpdate. It owns one broker handle, opened in `run`
 on the calling thread.
+
+Sync and async jobs (docs/async.md) run one loop: wait for weights, train a local round from
+them, upload, again. What differs is the clock the Welcome picks: `Rounds` trains each round
+the service assigns, once; `Newest` trains back to back from the Welcome and then from whatever
+each upload is answered with (the newest version), asking again (by joining: a live member's
+Join is answered with a Welcome of the current version) when no answer comes within
+`clients.reply_timeout_s` or when nothing was uploaded.
+
+A round that fails publishes no update; the client says so (`RoundDropped`: `non_finite` when
+the local model diverged, else `aborted`), so the aggregator need not wait for the round's
+deadline to learn it, unless the service has moved on anyway (`Superseded`) or a worker
+refused the weights as too stale (async mode working as meant).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from broker.errors import EncodeError
 from broker.messages import (
+    ABORTED,
+    NON_FINITE,
     Error,
     GradientReply,
     Join,
     Message,
+    RoundDropped,
     WeightsAssignment,
     Welcome,
     new_message_id,
 )
-from broker.topology import CONTROL_EXCHANGE, updates_routing_key
+from broker.topology import updates_routing_key
 from models.split import SplitNet
 from models.state import load_partial
 from services.algorithms.registry import build_strategy
-from services.client.async_loop import AsyncLoop, is_async
-from services.client.channel import SeqBook
 from services.client.data import JobData
-from services.client.drops import drop_notice
 from services.client.errors import (
     ClientError,
     ClientSettingsError,
@@ -39,11 +53,12 @@ from services.client.errors import (
     JoinRejectedError,
     JoinTimeoutError,
     RoundAborted,
+    StaleWeights,
     Superseded,
 )
 from services.client.link import Backoff, ClientLink
 from services.client.plan import RoundPlan, config_int
-from services.client.round import Membership, RoundRunner, weights_problem
+from services.client.round import Membership, RoundRunner
 from services.client.secured import secured_client_broker
 from services.client.stats import ClientStats
 from services.common.backends import Backends
@@ -52,12 +67,102 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # it becomes part of queue names and keys
-IDLE_POLL_S = 1.0
+# The codec's wording for a tensor holding NaN or infinities (broker/codec.py), which is how a
+# diverged model shows: in its weights (the update) or its activations (a smashed batch).
+_NON_FINITE_WORDS = "NaN or infinite"
+# Enough of the exception's text for an operator's log; the reason kind is what counts.
+_DETAIL_CHARS = 300
 
 
-def build_client_model(settings: Settings) -> SplitNet:
-    """The job's model shaped for its dataset (weights come from the service, not the seed)."""
-    return job_model(settings)
+def drop_reason(exc: Exception) -> str:
+    """`non_finite` when the local model diverged, else `aborted`."""
+    return NON_FINITE if _NON_FINITE_WORDS in str(exc) else ABORTED
+
+
+def drop_notice(
+    job: str, client: str, assignment: WeightsAssignment, exc: Exception
+) -> RoundDropped:
+    """The notice that `client` dropped the round `assignment` gave it, because of `exc`."""
+    return RoundDropped(
+        job=job,
+        client=client,
+        message_id=new_message_id(),
+        version=assignment.version,
+        round=assignment.round,
+        reason=drop_reason(exc),
+        ref_message_id=assignment.message_id,
+        detail=str(exc)[:_DETAIL_CHARS],
+    )
+
+
+class Rounds:
+    """Sync rounds: train each round a WeightsAssignment names, once."""
+
+    patience_s = math.inf  # assignments come when the round opens: wait for them
+    ask = False
+
+    def __init__(self) -> None:
+        self._last = -1
+        # The assignment whose round this client dropped last (None: it uploaded that round).
+        # The aggregator reopens a round that got no valid update with a new assignment for the
+        # same round: a dropped round is tried again then, an uploaded one never.
+        self._dropped: str | None = None
+
+    def take(self, message: Message) -> WeightsAssignment | None:
+        """The round to train that `message` hands out, or None."""
+        if not isinstance(message, WeightsAssignment) or not message.participate:
+            return None
+        if message.round < self._last:
+            return None
+        retry = self._dropped is not None and message.message_id != self._dropped
+        if message.round == self._last and not retry:
+            return None  # a copy of an assignment already handled, or an uploaded round
+        self._last = message.round
+        return message
+
+    def done(self, assignment: WeightsAssignment, *, uploaded: bool) -> None:
+        self._dropped = None if uploaded else assignment.message_id
+
+
+class Idle(Rounds):
+    """Async mode for a member whose partition holds no training samples: its updates would
+    report 0 samples, which the aggregator refuses as `no_samples`. It stays a member, as in
+    sync mode, where such members are left out of every cohort, until the job's end dismisses
+    it (leaving early would read as a client that quit, and a supervisor restarting it would
+    only have it join and leave again)."""
+
+    def take(self, message: Message) -> WeightsAssignment | None:
+        return None
+
+
+class Newest:
+    """Async mode: local rounds back to back from the newest weights (a Welcome's or an
+    assignment's), numbered by the client, never below the round an assignment names. A
+    local round answers no real assignment: what it trains from carries no message id, so a
+    `RoundDropped` for it refers to none."""
+
+    def __init__(self, patience_s: float) -> None:
+        self.patience_s = patience_s  # for the answer to an upload: then ask again
+        self.ask = False  # nothing was uploaded, so nothing will be answered unless we ask
+        self._local = 0
+
+    def take(self, message: Message) -> WeightsAssignment | None:
+        if isinstance(message, Welcome):
+            w = message
+            message = WeightsAssignment(
+                w.job, w.client, "", w.version, 0, True, w.client_weights, w.aux_weights, w.config
+            )
+        elif not isinstance(message, WeightsAssignment) or not message.participate:
+            return None
+        self._local = max(self._local, message.round)
+        return replace(message, message_id="", round=self._local)
+
+    def done(self, assignment: WeightsAssignment, *, uploaded: bool) -> None:
+        self._local += 1
+        self.ask = not uploaded
+
+
+Clock = Rounds | Newest
 
 
 class Client:
@@ -105,7 +210,6 @@ class Client:
         self._rng = rng or random.Random()
         self._log = logger or logging.getLogger("splitmq.client")
         self._job = settings.job.name
-        self._welcome: Welcome | None = None  # the last Welcome: async mode's first weights
         self._session = new_message_id()  # renewed by each run()
 
     def run(self, stop: threading.Event) -> ClientStats:
@@ -118,9 +222,9 @@ class Client:
         # Every Join of this run names it: a run after a leave, or a restart after a crash,
         # is another process to the aggregator (it drops the old one from an open round).
         self._session = new_message_id()
-        broker = secured_client_broker(
-            self._settings, self._backends, self.client_id, f"splitmq-client-{self.client_id}"
-        )
+        settings, name = self._settings, f"splitmq-client-{self.client_id}"
+        model = job_model(settings)  # its weights come from the service, not the seed
+        broker = secured_client_broker(settings, self._backends, self.client_id, name)
         link = ClientLink(
             broker,
             job=self._job,
@@ -128,34 +232,31 @@ class Client:
             stats=stats,
             stop=stop,
             clock=self._clock,
-            heartbeat_s=self._settings.clients.heartbeat_s,
+            logger=self._log,
+            heartbeat_s=settings.clients.heartbeat_s,
+            route_wait_s=self._route_wait_s,
             backoff=self._backoff,
             rng=self._rng,
-            route_wait_s=self._route_wait_s,
-            logger=self._log,
+            reply_timeout_s=settings.clients.reply_timeout_s,
+            max_republish=self._max_republish,
+            seq_start=self._seq_start,
+            model=model,
+            plan=RoundPlan.from_settings(settings),
             # Heartbeats from a thread and connection of their own (services/client/beat.py).
             open_beat_broker=lambda: secured_client_broker(
-                self._settings,
-                self._backends,
-                self.client_id,
-                f"splitmq-client-{self.client_id}-heartbeat",
+                settings, self._backends, self.client_id, f"{name}-heartbeat"
             ),
         )
         reason = "finished"
         try:
             link.open()
-            model = build_client_model(self._settings)
             # The first optimizer of a process imports torch._dynamo: seconds of CPU. Pay for
             # it before joining, not inside the first round, where it would make a newly
             # joined client miss a tight round deadline.
-            job_hyper(self._settings).client_optimizer(model.parameters())
-            link.validate_with(lambda m: self._problem(m, model))
-            member = self._join(link, model, stats)
-            welcome = self._welcome
-            if member is not None and welcome is not None and is_async(welcome.config):
-                self._serve_async(link, model, member, welcome, stats)
-            elif member is not None:
-                self._serve(link, model, member, stats)
+            job_hyper(settings).client_optimizer(model.parameters())
+            joined = self._join(link, model)
+            if joined is not None:
+                self._serve(link, RoundRunner(link, model, self._data, settings.job.seed), *joined)
         except ClientStopped:
             reason = "stopped"
         except BaseException as exc:
@@ -166,10 +267,8 @@ class Client:
             broker.close()
         # The batch count is what compose/smoke.sh checks against the shards' applied counts;
         # benchmarks/backpressure_memory.py sums the refusals.
-        self._log.info(
-            "job %s client %s: %s after %d rounds, %d batches sent, %d back-pressure refusals",
-            self._job,
-            self.client_id,
+        link.log.info(
+            "%s after %d rounds, %d batches sent, %d back-pressure refusals",
             reason,
             stats.rounds,
             stats.batches_sent,
@@ -179,9 +278,9 @@ class Client:
 
     # --- join -------------------------------------------------------------------------------------
 
-    def _join(self, link: ClientLink, model: SplitNet, stats: ClientStats) -> Membership | None:
+    def _join(self, link: ClientLink, model: SplitNet) -> tuple[Membership, Clock] | None:
         """Join until welcomed; None when the job turns out to be over already."""
-        join_ids = {self._send_join(link, self._partition, stats)}
+        join_ids = {self._send_join(link, self._partition)}
         give_up_at = self._clock() + self._join_give_up_s
         resend_at = self._clock() + self._join_retry_s
         while True:
@@ -193,14 +292,14 @@ class Client:
                     "coordinator running?"
                 )
             if now >= resend_at:
-                join_ids.add(self._send_join(link, self._partition, stats))
+                join_ids.add(self._send_join(link, self._partition))
                 resend_at = now + self._join_retry_s
             message = link.poll(min(resend_at, give_up_at) - now)
             if isinstance(message, Welcome):
-                return self._welcomed(link, model, message, stats)
+                return self._welcomed(link, model, message)
             if isinstance(message, WeightsAssignment):
                 if message.config.get("finished") is True:
-                    self._ended(stats.dismissed(message.config))
+                    self._dismissed(link, message)
                     return None
                 link.defer(message)  # raced ahead of the Welcome
             elif isinstance(message, Error) and message.ref_message_id in join_ids:
@@ -209,15 +308,14 @@ class Client:
                     f"{message.code}: {message.reason}"
                 )
             elif message is not None:
-                self._note(message, stats)
+                self._note(link, message)
 
-    def _ended(self, status: str) -> None:
+    def _dismissed(self, link: ClientLink, finished: WeightsAssignment) -> None:
+        status = link.stats.dismissed(finished.config)
         if status != "finished":  # e.g. "failed: ..." when no round could make progress
-            self._log.warning(
-                "job %s client %s: the job ended: %s", self._job, self.client_id, status
-            )
+            link.log.warning("the job ended: %s", status)
 
-    def _send_join(self, link: ClientLink, index: int | None, stats: ClientStats) -> str:
+    def _send_join(self, link: ClientLink, index: int | None) -> str:
         info = {"session": self._session}
         samples = 0
         if index is not None:
@@ -228,13 +326,13 @@ class Client:
         join = Join(
             self._job, self.client_id, new_message_id(), link.version, samples, capability, info
         )
-        link.send(CONTROL_EXCHANGE, self._job, join)
-        stats.joins_sent += 1
+        link.send(self._job, join)
+        link.stats.joins_sent += 1
         return join.message_id
 
     def _welcomed(
-        self, link: ClientLink, model: SplitNet, welcome: Welcome, stats: ClientStats
-    ) -> Membership:
+        self, link: ClientLink, model: SplitNet, welcome: Welcome
+    ) -> tuple[Membership, Clock]:
         # The coordinator's assignment wins over the index asked for: shard choice and
         # evaluation go by its record, and it may have moved a client off a taken index.
         index = config_int(welcome.config, "partition")
@@ -248,208 +346,126 @@ class Client:
             )
         if index != self._partition:
             if self._partition is not None:
-                self._log.warning(
-                    "job %s client %s: asked for partition %d, the coordinator assigned %d",
-                    self._job,
-                    self.client_id,
-                    self._partition,
-                    index,
+                link.log.warning(
+                    "asked for partition %d, the coordinator assigned %d", self._partition, index
                 )
             # The coordinator records samples and classes from a Join: send the right ones.
-            self._send_join(link, index, stats)
+            self._send_join(link, index)
         plan = RoundPlan.from_settings(self._settings).updated(welcome.config)
-        self._welcome = welcome
         load_partial(model, welcome.client_weights)
         load_partial(model, welcome.aux_weights)
         link.version = welcome.version
         link.start_heartbeats()
-        self._log.info(
-            "job %s client %s: welcomed at version %d: shard %d, cut %s, partition %d",
-            self._job,
-            self.client_id,
+        link.log.info(
+            "welcomed at version %d: shard %d, cut %s, partition %d",
             welcome.version,
             welcome.shard,
             welcome.cut,
             index,
         )
-        return Membership(
+        member = Membership(
             welcome.shard, welcome.cut, index, plan, build_strategy(plan.algorithm, plan.params)
         )
+        if welcome.config.get("mode") != "async":  # the service runs the job in sync rounds
+            return member, Rounds()
+        if not len(self._data.indices(index)):
+            link.log.warning(
+                "partition %d has no training samples; not training, staying a member until "
+                "the job ends",
+                index,
+            )
+            return member, Idle()
+        link.defer(welcome)  # the first local round's weights
+        return member, Newest(self._settings.clients.reply_timeout_s)
 
     # --- rounds -----------------------------------------------------------------------------------
 
-    def _serve_async(
-        self,
-        link: ClientLink,
-        model: SplitNet,
-        member: Membership,
-        welcome: Welcome,
-        stats: ClientStats,
-    ) -> None:
-        """Async mode (docs/async.md): local rounds back to back, no assignments awaited."""
-        runner = self._runner(link, model, stats)
-        AsyncLoop(
-            link=link,
-            runner=runner,
-            member=member,
-            stats=stats,
-            samples=len(self._data.indices(member.partition)),
-            rejoin=lambda: self._send_join(link, member.partition, stats),
-            note=lambda message: self._note(message, stats, runner.seqs),
-            answer_timeout_s=self._settings.clients.reply_timeout_s,
-            clock=self._clock,
-            logger=self._log,
-        ).run(welcome)
-
-    def _runner(self, link: ClientLink, model: SplitNet, stats: ClientStats) -> RoundRunner:
-        return RoundRunner(
-            job=self._job,
-            client=self.client_id,
-            seed=self._settings.job.seed,
-            model=model,
-            data=self._data,
-            link=link,
-            seqs=SeqBook(self._seq_start),
-            stats=stats,
-            reply_timeout_s=self._settings.clients.reply_timeout_s,
-            max_republish=self._max_republish,
-            clock=self._clock,
-            logger=self._log,
-        )
-
     def _serve(
-        self, link: ClientLink, model: SplitNet, member: Membership, stats: ClientStats
+        self, link: ClientLink, runner: RoundRunner, member: Membership, clock: Clock
     ) -> None:
-        runner = self._runner(link, model, stats)
-        last_round = -1
-        # The assignment whose round this client dropped last (None: it uploaded that round).
-        # The aggregator reopens a round that got no valid update with a new assignment for the
-        # same round: a dropped round is tried again then, an uploaded one never.
-        dropped: str | None = None
+        """Train what the clock hands out until the job is over (returns) or a stop (raises)."""
+        while (got := self._next(link, member, clock)) is not None:
+            work, member = got
+            member = member.updated(work.config)
+            clock.done(work, uploaded=self._round(link, runner, member, work))
+
+    def _next(
+        self, link: ClientLink, member: Membership, clock: Clock
+    ) -> tuple[WeightsAssignment, Membership] | None:
+        """The clock's next round, and the membership as it stands; None when the job is over.
+        A clock that asks does so once nothing already here (the job's end, say) answers."""
+        deadline = self._clock() + (0.0 if clock.ask else clock.patience_s)
         while True:
-            message = link.poll(IDLE_POLL_S, deferred=True)
+            message = link.poll(max(0.0, deadline - self._clock()), deferred=True)
+            if message is None:  # no answer within the clock's patience: ask for one
+                if not clock.ask:
+                    link.log.warning("no new weights after %.0f s; asking again", clock.patience_s)
+                clock.ask = False
+                self._send_join(link, member.partition)
+                deadline = self._clock() + clock.patience_s
+                continue
+            if isinstance(message, WeightsAssignment) and message.config.get("finished") is True:
+                self._dismissed(link, message)
+                return None
+            if isinstance(message, Welcome):
+                # The answer to our own Join: shard and cut are the coordinator's record.
+                member = replace(member, shard=message.shard, cut=message.cut)
+            work = clock.take(message)
+            if work is not None:
+                return work, member
             if isinstance(message, Error) and message.code == "unknown_member":
                 # Our membership expired (e.g. a heartbeat gap longer than the TTL): join again
                 # rather than stall; the coordinator's next assignment names our shard.
-                self._log.warning(
-                    "job %s client %s: membership expired, joining again", self._job, self.client_id
-                )
-                self._send_join(link, member.partition, stats)
-            if not isinstance(message, WeightsAssignment):
-                if message is not None:
-                    self._note(message, stats, runner.seqs)
-                continue
-            if message.config.get("finished") is True:
-                self._ended(stats.dismissed(message.config))
-                return
-            if not message.participate or message.round < last_round:
-                continue
-            retry = dropped is not None and message.message_id != dropped
-            if message.round == last_round and not retry:
-                continue  # a copy of an assignment already handled, or an uploaded round
-            last_round = message.round
-            uploaded = self._round(link, runner, member, message, stats)
-            dropped = None if uploaded else message.message_id
+                link.log.warning("membership expired, joining again")
+                self._send_join(link, member.partition)
+            if not isinstance(message, WeightsAssignment | Welcome):
+                self._note(link, message)
 
     def _round(
-        self,
-        link: ClientLink,
-        runner: RoundRunner,
-        member: Membership,
-        assignment: WeightsAssignment,
-        stats: ClientStats,
+        self, link: ClientLink, runner: RoundRunner, member: Membership, work: WeightsAssignment
     ) -> bool:
-        """Train the assigned round and upload it; False when it was dropped (and said so)."""
-        link.version = assignment.version
-        shard = config_int(assignment.config, "shard")
-        plan = member.plan.updated(assignment.config)
-        member = Membership(
-            shard=member.shard if shard is None else shard,
-            cut=member.cut,
-            partition=member.partition,
-            plan=plan,
-            strategy=(
-                member.strategy
-                if (plan.algorithm, plan.params) == (member.plan.algorithm, member.plan.params)
-                else build_strategy(plan.algorithm, plan.params)
-            ),
-        )
+        """Train a round and upload it; False when it was dropped (and said so)."""
+        link.version = work.version
         try:
-            update = runner.run(member, assignment)
-            link.send(CONTROL_EXCHANGE, updates_routing_key(self._job), update)
+            update = runner.run(member, work)
+            link.send(updates_routing_key(self._job), update)
         except (EncodeError, RoundAborted) as exc:  # EncodeError: the local model diverged
-            self._dropped(link, stats, assignment, exc)
+            stale = isinstance(exc, StaleWeights)
+            if stale:
+                link.stats.stale_rounds += 1
+            else:
+                link.stats.rounds_aborted += 1
+            # Too stale is async mode working as meant; anything else is worth a warning.
+            link.log.log(
+                logging.INFO if stale else logging.WARNING,
+                "round %d (version %d) dropped (%s): %s",
+                work.round,
+                work.version,
+                drop_reason(exc),
+                exc,
+            )
+            if not isinstance(exc, Superseded | StaleWeights):
+                # Said at once, so the round need not wait for its deadline to learn it.
+                link.send(
+                    updates_routing_key(self._job),
+                    drop_notice(self._job, self.client_id, work, exc),
+                )
             return False
-        stats.rounds += 1
-        self._log.info(
-            "job %s client %s: round %d done at version %d: %s",
-            self._job,
-            self.client_id,
-            assignment.round,
-            assignment.version,
+        link.stats.rounds += 1
+        link.log.info(
+            "round %d done at version %d: %s",
+            work.round,
+            work.version,
             {k: round(v, 4) for k, v in update.metrics.items()},
         )
         return True
 
-    def _dropped(
-        self, link: ClientLink, stats: ClientStats, assignment: WeightsAssignment, exc: Exception
-    ) -> None:
-        stats.rounds_aborted += 1
-        notice = drop_notice(self._job, self.client_id, assignment, exc)
-        self._log.warning(
-            "job %s client %s: round %d dropped (%s): %s",
-            self._job,
-            self.client_id,
-            assignment.round,
-            notice.reason,
-            exc,
-        )
-        if not isinstance(exc, Superseded):
-            # Said at once, so the round need not wait for its deadline to learn it.
-            link.send(CONTROL_EXCHANGE, updates_routing_key(self._job), notice)
-
-    # --- checks and notes -------------------------------------------------------------------------
-
-    def _problem(self, message: Message, model: SplitNet) -> str | None:
-        """Why a Welcome or assignment cannot be used by this client, or None."""
-        if not isinstance(message, Welcome | WeightsAssignment):
-            return None
-        kind = type(message).__name__
-        if isinstance(message, WeightsAssignment) and not message.participate:
-            return None
-        try:
-            RoundPlan.from_settings(self._settings).updated(message.config)
-            config_int(message.config, "partition")
-            config_int(message.config, "shard")
-            if isinstance(message, Welcome):
-                model.cut_index(message.cut)
-        except ValueError as exc:  # ModelSpecError included
-            return f"{kind}: {exc}"
-        for weights in (message.client_weights, message.aux_weights):
-            problem = weights_problem(model, weights)
-            if problem is not None:
-                return f"{kind}: {problem}"
-        return None
-
-    def _note(self, message: Message, stats: ClientStats, seqs: SeqBook | None = None) -> None:
+    def _note(self, link: ClientLink, message: Message) -> None:
         """Replies outside any exchange: late errors and duplicates."""
         if isinstance(message, Error):
-            stats.errors_received += 1
-            self._log.warning(
-                "job %s client %s: error reply %s: %s",
-                self._job,
-                self.client_id,
-                message.code,
-                message.reason,
-            )
+            link.stats.errors_received += 1
+            link.log.warning("error reply %s: %s", message.code, message.reason)
         elif isinstance(message, GradientReply):
-            if seqs is not None and message.seq in seqs.unawaited:
-                # A late answer to a batch sent without waiting (local-loss algorithms).
-                seqs.unawaited.discard(message.seq)
-                stats.replies_received += 1
-            else:
-                stats.duplicates_dropped += 1
+            link.took_late(message)
         else:
-            self._log.debug(
-                "job %s client %s: ignoring %s", self._job, self.client_id, type(message).__name__
-            )
+            link.log.debug("ignoring %s", type(message).__name__)

@@ -1,10 +1,15 @@
-"""The client's broker handle: its reply queue in, publishes out; heartbeats on the side.
+"""The client's broker handle: its reply queue in, publishes out, heartbeats on the side.
 
 Everything a client does with the broker goes through a `ClientLink`, on the client's own
 thread (a pika connection is not thread-safe). Membership heartbeats are the exception: they
 go out from a thread and a handle of their own (`services.client.beat`), so that a long
 training step cannot starve them. Every wait watches the stop event, so a stop interrupts the
 client wherever it is blocked.
+
+Every delivery is judged once, in `ClientLink.poll`: it must decode, be a reply type, be for
+this job and client, and fit (a Welcome's or an assignment's config and weights must fit the
+model; a GradientReply must answer a seq this client sent, and the awaited one must carry a
+gradient of its batch's shape). What fails is dead-lettered with its reason.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 from broker.codec import decode, encode
 from broker.errors import BackPressureError, BrokerError, DecodeError, UnroutableError
@@ -24,6 +30,7 @@ from broker.messages import (
     InferReply,
     Leave,
     Message,
+    SmashedBatch,
     WeightsAssignment,
     Welcome,
     new_message_id,
@@ -31,27 +38,30 @@ from broker.messages import (
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.topology import CONTROL_EXCHANGE, reply_queue, reply_queue_name
 from broker.transport import Broker, Delivery
+from models.split import SplitNet
 from services.client.beat import HeartbeatThread
 from services.client.errors import ClientError, ClientStopped, RoundAborted
+from services.client.plan import RoundPlan, config_int
 from services.client.stats import ClientStats
 
 # What may arrive on a client's reply queue; anything else is dead-lettered.
-REPLY_TYPES: tuple[type[Message], ...] = (
-    Welcome,
-    WeightsAssignment,
-    GradientReply,
-    Error,
-    InferReply,
-)
+REPLY_TYPES = (Welcome, WeightsAssignment, GradientReply, Error, InferReply)
 REPLY_PREFETCH = 16
 # Longest single broker wait, so a stop is never held up for long.
 MAX_POLL_S = 0.25
 
-Check = Callable[[Message], str | None]
 
+class Tagged(logging.LoggerAdapter[logging.Logger]):
+    """A client's logger: each line starts with its job and client."""
 
-class RefusedMessage(RoundAborted):
-    """A reply failed the caller's check; it was dead-lettered with this reason."""
+    def __init__(self, logger: logging.Logger, job: str, client: str) -> None:
+        super().__init__(logger)
+        self._tag = f"job {job} client {client}: "
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        return self._tag + str(msg), kwargs
 
 
 @dataclass(frozen=True)
@@ -78,28 +88,42 @@ class ClientLink:
         stats: ClientStats,
         stop: threading.Event,
         clock: Callable[[], float],
-        heartbeat_s: float,
-        backoff: Backoff,
-        rng: random.Random,
-        route_wait_s: float,
         logger: logging.Logger,
+        heartbeat_s: float,
+        route_wait_s: float,
+        backoff: Backoff = Backoff(),
+        rng: random.Random | None = None,
+        reply_timeout_s: float = 30.0,
+        max_republish: int = 5,
+        seq_start: int = 0,
+        model: SplitNet | None = None,
+        plan: RoundPlan | None = None,
         open_beat_broker: Callable[[], Broker] | None = None,
     ) -> None:
-        """`open_beat_broker` opens the heartbeat thread's own handle (`start_heartbeats`)."""
+        """`model` and `plan` (the client's own settings) judge Welcomes and assignments;
+        without them only their envelope is. `open_beat_broker` opens the heartbeat thread's
+        own handle (`start_heartbeats`)."""
         self._broker = broker
         self.job = job
         self.client = client
-        self._stats = stats
+        self.stats = stats
         self._stop = stop
-        self._clock = clock
+        self.clock = clock
+        self.log = Tagged(logger, job, client)
+        self._logger = logger
         self._heartbeat_s = heartbeat_s
-        self._backoff = backoff
-        self._rng = rng
         self._route_wait_s = route_wait_s
-        self._log = logger
-        self._deferred: deque[Message] = deque()
-        self._validators: list[Check] = []
+        self._backoff = backoff
+        self._rng = rng or random.Random()
+        self.reply_timeout_s = reply_timeout_s
+        self.max_republish = max_republish
+        # Seqs only grow, across rounds: a reply at or past `next_seq` answers nothing sent.
+        self.next_seq = seq_start
+        self.unawaited: set[int] = set()  # seqs sent without waiting (local-loss algorithms)
+        self._model = model
+        self._plan = plan
         self._open_beat_broker = open_beat_broker
+        self._deferred: deque[Message] = deque()
         self._beat: HeartbeatThread | None = None  # None: not a member yet, no heartbeats
         self._next_keep_alive = 0.0
         # The latest weights version this client knows; the heartbeat thread reads it (an int
@@ -114,12 +138,6 @@ class ClientLink:
         self._broker.declare([spec])
         self._broker.subscribe(spec.name, prefetch=REPLY_PREFETCH)
 
-    def validate_with(self, validator: Check) -> None:
-        """Dead-letter every reply for which `validator` gives a reason (e.g. weights that do
-        not fit the model, a GradientReply for a seq never sent), wherever it is received.
-        Validators add up: each one added is asked, in order."""
-        self._validators.append(validator)
-
     def start_heartbeats(self) -> None:
         """Start beating (once a member), every `heartbeat_s`, until `leave`."""
         if self._beat is not None:
@@ -132,17 +150,15 @@ class ClientLink:
             client=self.client,
             interval_s=self._heartbeat_s,
             version=lambda: self.version,
-            logger=self._log,
+            logger=self._logger,
         )
         self._beat.start()
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def send(self, exchange: str, routing_key: str, message: Message) -> bytes:
-        """Encode and publish `message` (retrying while refused); returns the body sent."""
-        body = encode(message)
-        self.publish(exchange, routing_key, body, message_id=message.message_id)
-        return body
+    def send(self, routing_key: str, message: Message, exchange: str = CONTROL_EXCHANGE) -> None:
+        """Encode and publish `message` (retrying while refused)."""
+        self.publish(exchange, routing_key, encode(message), message_id=message.message_id)
 
     def publish(self, exchange: str, routing_key: str, body: bytes, *, message_id: str) -> None:
         """Publish, sleeping with backoff while the queue is full or not declared yet.
@@ -154,18 +170,16 @@ class ClientLink:
         unroutable_since: float | None = None
         while True:
             self._check_stop()
-            started = self._clock()
+            started = self.clock()
             try:
                 self._broker.publish(exchange, routing_key, body, message_id=message_id)
-                self._stats.bytes_up += len(body)
+                self.stats.bytes_up += len(body)
                 return
             except BackPressureError:
-                self._stats.backpressure_retries += 1
-                self._log.debug(
-                    "%s: %s refused (queue full), backing off", self.client, routing_key
-                )
+                self.stats.backpressure_retries += 1
+                self.log.debug("%s refused (queue full), backing off", routing_key)
             except UnroutableError as exc:
-                self._stats.unroutable_retries += 1
+                self.stats.unroutable_retries += 1
                 unroutable_since = started if unroutable_since is None else unroutable_since
                 if started - unroutable_since >= self._route_wait_s:
                     raise ClientError(
@@ -174,7 +188,7 @@ class ClientLink:
                         "service side of the job running?"
                     ) from None
             finally:
-                self.io_s += self._clock() - started
+                self.io_s += self.clock() - started
             self.sleep(self._backoff.delay(attempt, self._rng))
             attempt += 1
 
@@ -182,7 +196,7 @@ class ClientLink:
         """Between local steps that never touch the broker (whole-model algorithms): every
         `heartbeat_s`, one cheap round trip on this handle, so that RabbitMQ does not drop an
         idle connection (AMQP heartbeats are only serviced while the handle is called)."""
-        now = self._clock()
+        now = self.clock()
         if now < self._next_keep_alive:
             return
         self._next_keep_alive = now + self._heartbeat_s
@@ -195,16 +209,16 @@ class ClientLink:
             return
         # Heartbeats end first: one behind the Leave would find no member.
         if not beat.stop():
-            self._log.warning("%s: heartbeat thread still publishing at leave", self.client)
-        self._stats.heartbeats_sent += beat.sent
-        self._stats.bytes_up += beat.bytes_sent
+            self.log.warning("heartbeat thread still publishing at leave")
+        self.stats.heartbeats_sent += beat.sent
+        self.stats.bytes_up += beat.bytes_sent
         message = Leave(self.job, self.client, new_message_id(), self.version, reason=reason)
         try:
             body = encode(message)
             self._broker.publish(CONTROL_EXCHANGE, self.job, body, message_id=message.message_id)
-            self._stats.bytes_up += len(body)
+            self.stats.bytes_up += len(body)
         except BrokerError as exc:
-            self._log.warning("%s: could not send Leave (%s): %s", self.client, reason, exc)
+            self.log.warning("could not send Leave (%s): %s", reason, exc)
 
     # --- receiving ------------------------------------------------------------------------------
 
@@ -213,67 +227,70 @@ class ClientLink:
         self._deferred.append(message)
 
     def poll(
-        self, timeout: float, *, check: Check | None = None, deferred: bool = False
+        self, timeout: float, *, deferred: bool = False, awaiting: SmashedBatch | None = None
     ) -> Message | None:
         """The next valid reply within `timeout` seconds (deferred ones first when `deferred`).
 
-        Invalid deliveries (undecodable, not for this client, refused by the validator) are
-        dead-lettered and counted. One that fails this call's `check` is dead-lettered too,
-        and raises `RefusedMessage`: the caller cannot go on without it.
+        Invalid deliveries are dead-lettered and counted. When the reply to `awaiting` is the
+        invalid one, this raises `RoundAborted`: the caller cannot go on without it.
         """
         if deferred and self._deferred:
             return self._deferred.popleft()
-        started = self._clock()
+        started = self.clock()
         end = started + timeout
         try:
             while True:
                 self._check_stop()
-                wait = min(max(0.0, end - self._clock()), MAX_POLL_S)
-                delivery = self._broker.get(wait)
+                delivery = self._broker.get(min(max(0.0, end - self.clock()), MAX_POLL_S))
                 if delivery is not None:
-                    message = self._accept(delivery, check)
+                    message = self._accept(delivery, awaiting)
                     if message is not None:
                         return message
-                if self._clock() >= end:
+                if self.clock() >= end:
                     return None
         finally:
-            self.io_s += self._clock() - started
+            self.io_s += self.clock() - started
 
     def sleep(self, seconds: float) -> None:
         """Sleep; raises `ClientStopped` when stopped meanwhile."""
-        started = self._clock()
+        started = self.clock()
         end = started + seconds
         try:
-            while (left := end - self._clock()) > 0:
+            while (left := end - self.clock()) > 0:
                 if self._stop.wait(left):
                     raise ClientStopped("stop requested")
         finally:
-            self.io_s += self._clock() - started
+            self.io_s += self.clock() - started
 
-    def _accept(self, delivery: Delivery, check: Check | None) -> Message | None:
-        self._stats.bytes_down += len(delivery.body)
+    def took_late(self, reply: GradientReply) -> bool:
+        """Whether `reply` is a late answer to a batch sent without waiting (counted as a
+        reply), else a duplicate (counted as dropped)."""
+        if reply.seq in self.unawaited:
+            self.unawaited.discard(reply.seq)
+            self.stats.replies_received += 1
+            return True
+        self.stats.duplicates_dropped += 1
+        return False
+
+    def _accept(self, delivery: Delivery, awaiting: SmashedBatch | None) -> Message | None:
+        self.stats.bytes_down += len(delivery.body)
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
             self._refuse(delivery, f"undecodable: {exc.reason}")
             return None
-        reason = self._envelope_problem(message)
-        for validator in self._validators:
-            if reason is not None:
-                break
-            reason = validator(message)
+        reason = self._problem(message, awaiting)
         if reason is not None:
             self._refuse(delivery, reason)
+            if isinstance(message, GradientReply) and awaiting and message.seq == awaiting.seq:
+                raise RoundAborted(reason)
             return None
-        reason = check(message) if check is not None else None
-        if reason is not None:
-            self._refuse(delivery, reason)
-            raise RefusedMessage(reason)
         if not ack_safely(self._broker, delivery):
             return None  # its connection is gone: it comes back, and is taken then
         return message
 
-    def _envelope_problem(self, message: Message) -> str | None:
+    def _problem(self, message: Message, awaiting: SmashedBatch | None) -> str | None:
+        """Why `message` cannot be a reply to this client, or None."""
         kind = type(message).__name__
         if not isinstance(message, REPLY_TYPES):
             return f"{kind} does not belong on a client's reply queue"
@@ -281,15 +298,58 @@ class ClientLink:
             return f"{kind} for job {message.job!r} on a queue of job {self.job!r}"
         if message.client != self.client:
             return f"{kind} for client {message.client!r} on the queue of {self.client!r}"
+        if isinstance(message, GradientReply):
+            # An earlier seq may be a late copy of an answer already taken, or a previous
+            # run's: a duplicate, not an invalid message.
+            if message.seq >= self.next_seq:
+                return (
+                    f"GradientReply for seq {message.seq}, never sent by this client "
+                    f"(its next seq is {self.next_seq})"
+                )
+            if awaiting is not None and message.seq == awaiting.seq and message.status == "ok":
+                shape = awaiting.activations.shape
+                if message.grad is None or message.grad.shape != shape:
+                    got = None if message.grad is None else list(message.grad.shape)
+                    return (
+                        f"GradientReply seq {message.seq}: gradient shape {got}, expected "
+                        f"{list(shape)}"
+                    )
+            return None
+        if isinstance(message, Welcome | WeightsAssignment):
+            return self._fit_problem(message)
+        return None
+
+    def _fit_problem(self, message: Welcome | WeightsAssignment) -> str | None:
+        if self._model is None or self._plan is None:
+            return None
+        if isinstance(message, WeightsAssignment) and not message.participate:
+            return None
+        kind = type(message).__name__
+        try:
+            self._plan.updated(message.config)
+            config_int(message.config, "partition")
+            config_int(message.config, "shard")
+            if isinstance(message, Welcome):
+                self._model.cut_index(message.cut)
+        except ValueError as exc:  # ModelSpecError included
+            return f"{kind}: {exc}"
+        own = self._model.state_dict()
+        for weights in (message.client_weights, message.aux_weights):
+            for name, tensor in weights.items():
+                if name not in own:
+                    return f"{kind}: unknown tensor {name!r} for this model"
+                if tensor.shape != own[name].shape:
+                    return (
+                        f"{kind}: {name}: shape {list(tensor.shape)}, the model has "
+                        f"{list(own[name].shape)}"
+                    )
         return None
 
     def _refuse(self, delivery: Delivery, reason: str) -> None:
         if dead_letter_safely(self._broker, delivery, reason) is Rejected.REDELIVERED:
             return  # its connection is gone: it comes back and is judged again
-        self._stats.dead_lettered += 1
-        self._log.warning(
-            "job %s client %s: dead-lettering a reply: %s", self.job, self.client, reason
-        )
+        self.stats.dead_lettered += 1
+        self.log.warning("dead-lettering a reply: %s", reason)
 
     def _check_stop(self) -> None:
         if self._stop.is_set():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from broker.messages import ConfigValue, WeightsAssignment, new_message_id
-from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, VersionStore
+from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, WeightStore
 from services.config.root import Settings
 
 Tensors = dict[str, torch.Tensor]
@@ -40,25 +40,6 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
     }
 
 
-def assignment(
-    settings: Settings, weights: WeightsCache, client: str, partition: int, round_index: int
-) -> WeightsAssignment:
-    """Weights of `weights.version` and the config for `client`'s next (local) round."""
-    client_weights, aux_weights = weights.for_client(client)
-    config = client_config(settings, partition)
-    return WeightsAssignment(
-        settings.job.name,
-        client,
-        new_message_id(),
-        weights.version,
-        round_index,
-        True,
-        client_weights,
-        aux_weights,
-        config,
-    )
-
-
 # Longest job status a dismissal carries (a failure's reasons are short; this bounds them).
 _STATUS_CHARS = 500
 
@@ -82,7 +63,7 @@ def pick_ref(manifest: Manifest, part: str, client: str | None) -> BlobRef | Non
 class WeightsCache:
     """The client-side blobs of one version, read from the store once per blob."""
 
-    store: VersionStore
+    store: WeightStore
     job: str
     version: int
     _manifest: Manifest | None = None

@@ -79,14 +79,17 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker
-from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
+from models.split import SplitNet
+from services.aggregator.gate import ClosedGate, OpenRound, reference_of
 from services.aggregator.inbox import UpdateInbox
-from services.aggregator.round_gate import ClosedGate, OpenRound
-from services.client.client import Client, build_client_model
-from services.client.link import Backoff, ClientLink
+from services.aggregator.members import MemberBook
+from services.aggregator.screen import UpdateScreen
+from services.client.link import ClientLink
+from services.client.plan import RoundPlan
 from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.common.handout import WeightsCache
+from services.common.jobmodel import job_model
 from services.common.membership import MemberInfo, member_id
 from services.common.outbox import Outbox
 from services.coordinator.coordinator import Coordinator
@@ -244,8 +247,17 @@ def dead_letters(broker: Broker, job: str) -> dict[str, list[str]]:
     return found
 
 
-def client_link(handle: Broker, job: str, stats: ClientStats) -> ClientLink:
-    """Client c0's link over `handle`, opened: its reply queue and dead-letter path."""
+def client_link(
+    handle: Broker,
+    job: str,
+    stats: ClientStats,
+    *,
+    model: SplitNet | None = None,
+    plan: RoundPlan | None = None,
+    seq_start: int = 0,
+) -> ClientLink:
+    """Client c0's link over `handle`, opened: its reply queue and dead-letter path. It judges
+    assignments by `model` and `plan` where given, replies by the seqs from `seq_start`."""
     link = ClientLink(
         handle,
         job=job,
@@ -253,11 +265,13 @@ def client_link(handle: Broker, job: str, stats: ClientStats) -> ClientLink:
         stats=stats,
         stop=threading.Event(),
         clock=time.monotonic,
-        heartbeat_s=60.0,
-        backoff=Backoff(),
-        rng=random.Random(0),
-        route_wait_s=1.0,
         logger=LOG,
+        heartbeat_s=60.0,
+        route_wait_s=1.0,
+        rng=random.Random(0),
+        model=model,
+        plan=plan,
+        seq_start=seq_start,
     )
     link.open()
     return link
@@ -683,10 +697,8 @@ def test_client_reply_queue(job: str) -> None:
     handle = InMemoryBroker(embedded.hub)
     handle.declare([dead_queue(job)])
     stats = ClientStats()
-    link = client_link(handle, job, stats)
-    model = build_client_model(settings)
-    client = Client(settings, Backends(settings.broker, settings.store, embedded), client_id="c0")
-    link.validate_with(lambda m: client._problem(m, model))
+    plan = RoundPlan.from_settings(settings)
+    link = client_link(handle, job, stats, model=job_model(settings), plan=plan)
     mid = new_message_id
     z = torch.randn(2, 3)
     seed = encode(Error(job, "c0", mid(), 1, "x", "seed"))

@@ -51,8 +51,8 @@ from services.algorithms.base import Hyper
 from services.algorithms.fedavg import full_state
 from services.algorithms.registry import build_strategy
 from services.algorithms.server_math import sequential_step
-from services.client.client import build_client_model
 from services.common.backends import Backends
+from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.batches import ClientBatches
 from services.data.loaders import Dataset
@@ -87,7 +87,7 @@ def seeded_model(settings: Settings) -> SplitNet:
     """The job's model with the seeded initial weights (what the aggregator publishes as v1)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.job.seed)
-        return build_client_model(settings)
+        return job_model(settings)
 
 
 def hyper(settings: Settings) -> Hyper:

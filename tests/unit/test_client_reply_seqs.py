@@ -10,7 +10,6 @@ from broker.codec import encode
 from broker.memory_broker import InMemoryBroker
 from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue, reply_routing_key
-from services.client.channel import SeqBook
 from services.client.stats import ClientStats
 from services.common.backends import Embedded
 from tests.unit.test_bad_input import client_link, dead_letters
@@ -28,9 +27,7 @@ def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
     broker = InMemoryBroker(embedded.hub)
     broker.declare([dead_queue(job)])
     stats = ClientStats()
-    link = client_link(InMemoryBroker(embedded.hub), job, stats)
-    seqs = SeqBook(NEXT_SEQ)
-    link.validate_with(seqs.reply_problem)  # as the client's RoundRunner does
+    link = client_link(InMemoryBroker(embedded.hub), job, stats, seq_start=NEXT_SEQ)
     key = reply_routing_key(job, "c0")
     never_sent = {"next seq": NEXT_SEQ, "past next seq": NEXT_SEQ + 1, "far ahead": 2**62}
     for message_id, seq in never_sent.items():
@@ -47,7 +44,7 @@ def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
         assert f"seq {seq}, never sent by this client (its next seq is {NEXT_SEQ})" in reason
     assert stats.dead_lettered == len(never_sent)
     # Taking a seq moves the bound: the reply to it is valid once it was sent.
-    assert seqs.take() == NEXT_SEQ
+    link.next_seq += 1  # as sending the batch of seq NEXT_SEQ does
     broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ), message_id="answer")
     answer = link.poll(10.0)
     assert isinstance(answer, GradientReply) and answer.seq == NEXT_SEQ

@@ -12,7 +12,7 @@ from broker.codec import decode, encode
 from broker.errors import EncodeError
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import Join, SmashedBatch, new_message_id
-from services.aggregator.rounds import replica_of
+from services.aggregator.replicas import replica_of
 from services.coordinator.levels import LevelDesk
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
