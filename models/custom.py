@@ -24,7 +24,7 @@ from torch import nn
 
 from models.errors import ModelSpecError
 from models.heads import HeadFactory, default_head
-from models.split import SplitNet
+from models.split import SplitNet, evaluating
 
 _INJECTED = ("num_classes", "input_shape")
 _CHECK_BATCH = 2
@@ -227,26 +227,20 @@ def _check_sequential(module: nn.Module, net: SplitNet) -> None:
     device = tensors[0].device if tensors else torch.device("cpu")
     generator = torch.Generator(device=device).manual_seed(_CHECK_SEED)
     x = torch.randn((_CHECK_BATCH, *net.input_shape), generator=generator, device=device)
-    flags = [(m, m.training) for m in module.modules()]
-    try:
-        module.eval()
-        with torch.no_grad():
-            try:
-                expected = module(x)
-            except Exception as exc:
-                raise ModelSpecError(
-                    f"{type(module).__name__} failed on input shape {net.input_shape}: {exc!r}"
-                ) from exc
-            try:
-                got = net(x)
-            except Exception as exc:
-                raise ModelSpecError(
-                    f"applying the children of {type(module).__name__} in order failed: {exc!r} "
-                    f"(is {_NOT_SEQUENTIAL_HINT})"
-                ) from exc
-    finally:
-        for m, training in flags:
-            m.training = training
+    with evaluating([module]):
+        try:
+            expected = module(x)
+        except Exception as exc:
+            raise ModelSpecError(
+                f"{type(module).__name__} failed on input shape {net.input_shape}: {exc!r}"
+            ) from exc
+        try:
+            got = net(x)
+        except Exception as exc:
+            raise ModelSpecError(
+                f"applying the children of {type(module).__name__} in order failed: {exc!r} "
+                f"(is {_NOT_SEQUENTIAL_HINT})"
+            ) from exc
     if not (
         isinstance(expected, torch.Tensor)
         and expected.shape == got.shape

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from models.split import evaluating
+
 
 def layer_flops(module: nn.Module, inputs: Tensor, output: Tensor) -> int:
     """FLOPs per sample of one Conv2d or Linear call (0 for any other module)."""
@@ -40,15 +42,11 @@ def forward_flops(module: nn.Module, input_shape: Sequence[int]) -> int:
 
     layers = [m for m in module.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
     handles = [layer.register_forward_hook(count) for layer in layers]
-    flags = [(m, m.training) for m in module.modules()]
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
-        module.eval()
-        with torch.no_grad():
+        with evaluating([module]):
             module(torch.zeros((1, *input_shape), device=device))
     finally:
         for handle in handles:
             handle.remove()
-        for m, training in flags:
-            m.train(training)
     return total

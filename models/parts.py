@@ -52,11 +52,6 @@ class ClientModel(_Part):
         super().__init__(model, 0, model.cut_index(cut) + 1, model.cuts_upto(cut))
         self.cut = cut
 
-    def head_logits(self, z: Tensor) -> Tensor:
-        """The head at the cut applied to the smashed data."""
-        out: Tensor = self.heads[self.cut](z)
-        return out
-
 
 class ServerModel(_Part):
     """Blocks after `cut` (`theta`) and the heads of the later cuts (FedSplitX's server heads).

@@ -7,15 +7,11 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from models.cnn5 import cnn5
 from models.custom import load_factory
 from models.errors import ModelSpecError
 from models.heads import HeadFactory, default_head, pooled_head
-from models.lenet5 import lenet5
-from models.resnet18 import resnet18
 from models.split import SplitNet
-from models.vgg_mini import vgg_mini
-from models.vgg_small import vgg_small
+from models.zoo import cnn5, lenet5, resnet18, vgg_mini, vgg_small
 
 Builder = Callable[..., SplitNet]
 

@@ -12,15 +12,19 @@ holds the blocks up to that cut and the heads of the first m cuts.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from models.errors import ModelSpecError
 from models.heads import HeadFactory, default_head
-from models.shapes import Shape, infer_shapes
+
+Shape = tuple[int, ...]
 
 # Names become ModuleDict keys and parts of state-dict names: no dots, no clash with the
 # attributes of ModuleDict itself ("keys", "update", "train"...).
@@ -85,12 +89,6 @@ class SplitNet(nn.Module):
         if cut not in self.cuts:
             raise ModelSpecError(f"unknown cut {cut!r}; this model's cuts are {self.cuts}")
         return self.block_names.index(cut)
-
-    def cut_at_level(self, level: int) -> str:
-        """The cut of FedSplitX depth level `level` (1-based)."""
-        if not 1 <= level <= len(self.cuts):
-            raise ModelSpecError(f"level must be in 1..{len(self.cuts)}, got {level}")
-        return self.cuts[level - 1]
 
     def level_of(self, cut: str) -> int:
         """The FedSplitX depth level (1-based) of `cut`."""
@@ -173,3 +171,58 @@ def _check_cuts(cuts: tuple[str, ...], names: tuple[str, ...]) -> None:
     indices = [names.index(cut) for cut in cuts]
     if indices != sorted(set(indices)):
         raise ModelSpecError(f"cuts must be distinct and in block order, got {cuts}")
+
+
+@contextmanager
+def evaluating(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Eval mode and no autograd inside; every training flag restored after, so a probe
+    forward leaves BatchNorm running stats and dropout state as they were."""
+    modules = list(modules)
+    flags = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            module.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+# Two samples, not one: a module may squeeze or normalise across the batch dimension.
+_PROBE_BATCH = 2
+
+
+def infer_shapes(modules: Sequence[nn.Module], input_shape: Sequence[int]) -> list[Shape]:
+    """The per-sample output shape of each module when they are applied in order, from one
+    forward of a zero batch (`evaluating`). (The meta device would skip the compute, but its
+    first use imports ~2 s of decompositions per process, more than a 2-sample forward of
+    ResNet-18 costs on a CPU.)
+    """
+    tensors = [t for module in modules for t in (*module.parameters(), *module.buffers())]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    x = torch.zeros((_PROBE_BATCH, *input_shape), device=device)
+    shapes: list[Shape] = []
+    with evaluating(modules):
+        for module in modules:
+            try:
+                x = module(x)
+            except Exception as exc:
+                raise ModelSpecError(
+                    f"dummy forward of {type(module).__name__} on input shape "
+                    f"{tuple(x.shape[1:])} failed: {exc}"
+                ) from exc
+            if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != _PROBE_BATCH:
+                raise ModelSpecError(
+                    f"{type(module).__name__} must map a batch tensor to a batch tensor; "
+                    f"got {type(x).__name__}"
+                    + (f" of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else "")
+                )
+            shapes.append(tuple(int(d) for d in x.shape[1:]))
+    return shapes
+
+
+def flat_features(modules: Sequence[nn.Module], input_shape: Sequence[int]) -> int:
+    """How many features the output of `modules` has per sample once flattened."""
+    shapes = infer_shapes(modules, input_shape)
+    return math.prod(shapes[-1]) if shapes else math.prod(input_shape)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
-from models.shapes import Shape
+from models.split import Shape
 from services.security.identity import client_id_problem
 
 Rejection = tuple[str, str]

@@ -16,17 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import (
-    ClientModel,
-    ModelSpecError,
-    ServerModel,
-    SplitNet,
-    build_model,
-    client_state,
-    load_factory,
-    server_state,
-    split_module,
-)
+from models.custom import load_factory, split_module
+from models.errors import ModelSpecError
+from models.parts import ClientModel, ServerModel
+from models.registry import build_model
+from models.split import SplitNet
+from models.state import client_state, server_state
 
 SHAPE = (1, 8, 8)
 SPEC = f"{__name__}:{{}}"

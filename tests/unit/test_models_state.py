@@ -6,18 +6,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from models import (
-    ClientModel,
-    ServerModel,
-    SplitNet,
-    StateDictError,
-    build_model,
-    client_state,
-    head_state,
-    load_partial,
-    range_state,
-    server_state,
-)
+from models.errors import StateDictError
+from models.parts import ClientModel, ServerModel
+from models.registry import build_model
+from models.split import SplitNet
+from models.state import client_state, head_state, load_partial, range_state, server_state
 
 
 def two_models() -> tuple[SplitNet, SplitNet]:
