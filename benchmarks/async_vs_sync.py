@@ -33,8 +33,9 @@ from benchmarks.common import command_line, machine_line, write_section
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
 from services.report.filesink import FileSink
+from services.report.plots import STALENESS_PNG
 from services.report.records import VersionRecord
-from services.report.staleness import STALENESS_PNG, staleness_histogram
+from services.report.summary import staleness_histogram
 from services.runtime.churn import Churn, churn_roles
 from services.runtime.embedded import run_embedded
 

@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 from importlib import resources
-from typing import Any
 
 from services.dashboard.state import DashboardState
 from services.metrics.endpoint import Route
+from services.report.tables import finite
 
 PAGE = "dashboard.html"
 
 
 def page_html() -> bytes:
     return resources.files("services.dashboard").joinpath(PAGE).read_bytes()
-
-
-def finite(value: Any) -> Any:
-    """`value` with NaN and infinities as None: JSON has no spelling for them."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
 
 
 def state_json(state: DashboardState) -> bytes:

@@ -3,7 +3,8 @@
 On a thread of its own, with its own broker and store handles: it takes the job's events off
 the fanout (members joining and leaving, rounds, versions), and every `metrics.probe_s` reads
 the store (version, live clients and workers with their heartbeat info) and the depth of each
-shard queue; every few seconds it rereads the run directory. It reports the version, members
+shard queue; every few seconds it rereads the run directory (metrics.json: records and status;
+summary.txt). It reports the version, members
 and queue depths to its recorder, so the coordinator's, the aggregator's and the embedded
 runner's /metrics show them. A broker or store failure is logged and retried: watching never
 takes a role down.
@@ -11,7 +12,9 @@ takes a role down.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -29,9 +32,9 @@ from broker.topology import QueueLimits, events_queue, job_queues, shard_queue_n
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
 from services.config.root import Settings
-from services.dashboard.rundir import find_run_dir, read_report
-from services.dashboard.state import DashboardState, Probe, WorkerView
+from services.dashboard.state import DashboardState, Probe, RunReport, WorkerView
 from services.metrics.recorder import NO_METRICS, Metrics
+from services.report.rundir import METRICS_JSON, SUMMARY_FILE
 
 _RETRY_S = 5.0
 _REPORT_S = 2.0
@@ -43,20 +46,21 @@ _RUN_DIR_SLACK_S = 120.0
 
 def worker_view(member: Member) -> WorkerView:
     info = member.info
-
-    def number(key: str, kind: Callable[[str], float | int]) -> float | int | None:
-        try:
-            return kind(info[key])
-        except (KeyError, ValueError):
-            return None
-
-    busy = number("busy", float)
-    samples = number("samples", int)
+    busy: float | None = None
+    samples: int | None = None
+    try:
+        busy = float(info["busy"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        samples = int(info["samples"])
+    except (KeyError, ValueError):
+        pass
     return WorkerView(
         worker=member.member_id[len(WORKER_MEMBER_PREFIX) :],
         shards=info.get("shards", ""),
-        busy=float(busy) if busy is not None else None,
-        samples=int(samples) if samples is not None else None,
+        busy=busy,
+        samples=samples,
         metrics=info.get("metrics", ""),
     )
 
@@ -69,6 +73,47 @@ def split_members(members: Mapping[str, Member]) -> tuple[list[str], list[Worker
         worker_view(v) for k, v in sorted(members.items()) if k.startswith(WORKER_MEMBER_PREFIX)
     ]
     return clients, workers
+
+
+def find_run_dir(report_dir: Path, job: str, since: float) -> Path | None:
+    """The newest `<job>-<date>-<time>` run directory whose metrics.json changed after `since`
+    (a wall-clock time): the run in progress, not an old one of the same job name."""
+    pattern = re.compile(re.escape(job) + r"-\d{8}-\d{6}(-\d+)?")
+    best: tuple[float, Path] | None = None
+    try:
+        candidates = list(report_dir.iterdir())
+    except OSError:
+        return None
+    for path in candidates:
+        if not pattern.fullmatch(path.name):
+            continue
+        try:
+            mtime = (path / METRICS_JSON).stat().st_mtime
+        except OSError:
+            continue
+        if mtime >= since and (best is None or mtime > best[0]):
+            best = (mtime, path)
+    return best[1] if best else None
+
+
+def read_report(run_dir: Path) -> RunReport | None:
+    """None while metrics.json is missing or unreadable (it is replaced atomically, so a read
+    never sees half a file)."""
+    try:
+        doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    run = doc.get("run")
+    if not isinstance(run, dict):
+        run = {}
+    records = [r for r in doc.get("records", []) if isinstance(r, dict)]
+    try:
+        summary = (run_dir / SUMMARY_FILE).read_text(encoding="utf-8")
+    except OSError:
+        summary = ""
+    return RunReport(str(run_dir), str(run.get("status", "")), records, summary)
 
 
 class JobWatcher:

@@ -12,7 +12,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.metrics.busy import BusyMeter
-from services.metrics.recorder import Metrics, NoMetrics
+from services.metrics.recorder import Metrics
 
 ROLE_LABELS = ("splitmq_job", "role", "member")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -106,14 +106,32 @@ class PrometheusMeters:
             return recorder
 
 
-class RoleRecorder:
+class JobGauges(Metrics):
+    """Sets the job-wide gauges; everything a role would report is ignored."""
+
+    enabled = True
+
+    def __init__(self, f: _Families, job: str) -> None:
+        self._f = f
+        self._job = job
+
+    def queue_depth(self, shard: int, depth: int) -> None:
+        self._f.queue_depth.labels(self._job, str(shard)).set(depth)
+
+    def version(self, version: int) -> None:
+        self._f.version.labels(self._job).set(version)
+
+    def members(self, kind: str, count: int) -> None:
+        self._f.members.labels(self._job, kind).set(count)
+
+
+class RoleRecorder(JobGauges):
     """`Metrics` for one role (and member) of one job."""
 
     def __init__(self, meters: PrometheusMeters, f: _Families, kind: str, member: str) -> None:
+        super().__init__(f, meters.job)
         labels = (meters.job, kind, member)
         self._meters = meters
-        self._job = meters.job
-        self._f = f
         self._labels = labels
         # Bound children up front: every family shows (at zero) from the first scrape.
         self._samples = f.samples.labels(*labels)
@@ -126,10 +144,6 @@ class RoleRecorder:
         f.busy.labels(*labels).set_function(self._busy.fraction)
         self._lock = threading.Lock()
         self._samples_total = 0
-
-    @property
-    def enabled(self) -> bool:
-        return True
 
     def samples(self, n: int) -> None:
         self._samples.inc(n)
@@ -155,15 +169,6 @@ class RoleRecorder:
         self._wait.inc(max(0.0, seconds))
         self._busy.waited(seconds)
 
-    def queue_depth(self, shard: int, depth: int) -> None:
-        self._f.queue_depth.labels(self._job, str(shard)).set(depth)
-
-    def version(self, version: int) -> None:
-        self._f.version.labels(self._job).set(version)
-
-    def members(self, kind: str, count: int) -> None:
-        self._f.members.labels(self._job, kind).set(count)
-
     def member_info(self) -> dict[str, str]:
         with self._lock:
             samples = self._samples_total
@@ -171,28 +176,3 @@ class RoleRecorder:
         if self._meters.url:
             info["metrics"] = self._meters.url
         return info
-
-
-class JobGauges(NoMetrics):
-    """Sets the job-wide gauges; everything a role would report is ignored."""
-
-    def __init__(self, f: _Families, job: str) -> None:
-        self._f = f
-        self._job = job
-
-    @property
-    def enabled(self) -> bool:
-        return True
-
-    def queue_depth(self, shard: int, depth: int) -> None:
-        self._f.queue_depth.labels(self._job, str(shard)).set(depth)
-
-    def version(self, version: int) -> None:
-        self._f.version.labels(self._job).set(version)
-
-    def members(self, kind: str, count: int) -> None:
-        self._f.members.labels(self._job, kind).set(count)
-
-
-def _check(recorder: RoleRecorder, gauges: JobGauges) -> tuple[Metrics, Metrics]:
-    return recorder, gauges  # mypy: both satisfy the protocol

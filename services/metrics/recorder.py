@@ -1,4 +1,4 @@
-"""The `Metrics` protocol roles report through, and the no-op used when nothing listens.
+"""The `Metrics` roles report through, a no-op unless a process's meters record it.
 
 A recorder is bound to one role (and member: a worker id) of one job; a process makes them
 from its `Meters` (one per process, holding the registry). Role code calls these methods at a
@@ -11,53 +11,46 @@ import re
 from typing import Protocol
 
 
-class Metrics(Protocol):
-    """What one role reports. Every method is cheap and never raises."""
+class Metrics:
+    """What one role reports. Every method is cheap and never raises; this base records
+    nothing (`NO_METRICS`), and the Prometheus recorders override what they record."""
 
-    @property
-    def enabled(self) -> bool:
-        """False for the no-op: callers may skip work whose only use is a measurement."""
-        ...
+    # False for the no-op: callers may skip work whose only use is a measurement.
+    enabled = False
 
     def samples(self, n: int) -> None:
         """`n` more training samples processed (samples/s is the rate of their total)."""
-        ...
 
     def step(self, seconds: float) -> None:
         """One server step took `seconds` (forward, backward, optimizer step, replies)."""
-        ...
 
     def staleness(self, lag: int) -> None:
         """A smashed batch or update arrived `lag` versions behind the receiver's version."""
-        ...
 
     def dead_lettered(self, reason: str) -> None:
         """One message dead-lettered with `reason` (a short code, see `reason_code`)."""
-        ...
 
-    def bytes_in(self, n: int) -> None: ...
+    def bytes_in(self, n: int) -> None:
+        """`n` message bytes received."""
 
-    def bytes_out(self, n: int) -> None: ...
+    def bytes_out(self, n: int) -> None:
+        """`n` message bytes published."""
 
     def waited(self, seconds: float) -> None:
         """Time spent blocked waiting for work (the busy fraction is the rest)."""
-        ...
 
     def queue_depth(self, shard: int, depth: int) -> None:
         """Messages ready in the shard's queue."""
-        ...
 
     def version(self, version: int) -> None:
         """The job's current version, as this process last saw it."""
-        ...
 
     def members(self, kind: str, count: int) -> None:
         """Live members of a kind ("client", "worker")."""
-        ...
 
     def member_info(self) -> dict[str, str]:
         """A few current values for this member's store heartbeat (dashboards read them)."""
-        ...
+        return {}
 
 
 class Meters(Protocol):
@@ -66,53 +59,12 @@ class Meters(Protocol):
     def role(self, kind: str, member: str = "") -> Metrics: ...
 
 
-class NoMetrics:
-    """Records nothing."""
-
-    @property
-    def enabled(self) -> bool:
-        return False
-
-    def samples(self, n: int) -> None:
-        pass
-
-    def step(self, seconds: float) -> None:
-        pass
-
-    def staleness(self, lag: int) -> None:
-        pass
-
-    def dead_lettered(self, reason: str) -> None:
-        pass
-
-    def bytes_in(self, n: int) -> None:
-        pass
-
-    def bytes_out(self, n: int) -> None:
-        pass
-
-    def waited(self, seconds: float) -> None:
-        pass
-
-    def queue_depth(self, shard: int, depth: int) -> None:
-        pass
-
-    def version(self, version: int) -> None:
-        pass
-
-    def members(self, kind: str, count: int) -> None:
-        pass
-
-    def member_info(self) -> dict[str, str]:
-        return {}
-
-
 class NoMeters:
     def role(self, kind: str, member: str = "") -> Metrics:
         return NO_METRICS
 
 
-NO_METRICS = NoMetrics()
+NO_METRICS = Metrics()
 NO_METERS = NoMeters()
 
 _CODE = re.compile(r"([a-z][a-z0-9_]{1,31}):")

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from services.report.records import VersionRecord
-from services.report.staleness import STALENESS_PNG, write_staleness_plot
+from services.report.summary import staleness_histogram
 
 Series = tuple[str, Callable[[VersionRecord], float]]
 
@@ -23,6 +24,27 @@ _STYLES = (("o", "-", "full"), ("s", "--", "none"))
 ACCURACY_PNG = "accuracy.png"
 THROUGHPUT_PNG = "throughput.png"
 LOSS_PNG = "loss.png"
+STALENESS_PNG = "staleness.png"
+
+
+def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    """A figure on an Agg canvas of its own, and its one axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4, 4.0), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    axes.set_title(title)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    return figure, axes
+
+
+def _save(figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    return path
 
 
 def _plot(
@@ -34,14 +56,10 @@ def _plot(
     ylabel: str,
     percent: bool = False,
 ) -> Path | None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     xs = [r.round + 1 for r in records]  # counted from 1, as in the summary
-    figure = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
+    figure, axes = _axes(title, "round", ylabel)
     drawn = False
     for (label, value), (marker, line, fill) in zip(series, _STYLES, strict=False):
         ys = [value(r) * (100.0 if percent else 1.0) for r in records]
@@ -52,16 +70,11 @@ def _plot(
         drawn = True
     if not drawn:
         return None
-    axes.set_title(title)
-    axes.set_xlabel("round")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_ylabel(ylabel)
     axes.grid(True, alpha=0.3)
     if len(series) > 1:
         axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    return path
+    return _save(figure, path)
 
 
 def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
@@ -98,3 +111,22 @@ def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
         write_staleness_plot(run_dir / STALENESS_PNG, records),
     ]
     return [p for p in made if p is not None]
+
+
+def write_staleness_plot(
+    path: Path, records: Sequence[VersionRecord], *, title: str = "Staleness of updates"
+) -> Path | None:
+    """The staleness histogram of an async run as a bar chart (refused updates as the last,
+    hatched bar); None without one."""
+    histogram = staleness_histogram(records)
+    if histogram is None or histogram.total == 0:
+        return None
+    taus = list(range(max(histogram.folded, default=0) + 1))
+    xlabel = "staleness tau = v_now - v_base (versions)"
+    figure, axes = _axes(title, xlabel, "updates")
+    axes.bar([str(t) for t in taus], [histogram.folded.get(t, 0) for t in taus], label="folded")
+    if histogram.refused:
+        axes.bar(["refused"], [histogram.refused], hatch="//", color="lightgrey", label="refused")
+    axes.grid(True, axis="y", alpha=0.3)
+    axes.legend()
+    return _save(figure, path)

@@ -2,19 +2,64 @@
 
 Rounds are numbered from 1 here ("round 1/3"), as people count; metrics.json and metrics.csv
 keep the protocol's numbering, which starts at 0.
+
+An asynchronous run's staleness histogram (docs/async.md) comes from its records too: each async
+version's record counts the updates it folded by staleness (`extra["staleness.<tau>"]`) and the
+updates refused as too stale since the previous version (`extra["too_stale"]`). A sync run's
+records have neither, and no histogram.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.report.records import VersionRecord
 from services.report.rundir import RunInfo
-from services.report.staleness import staleness_histogram
+
+STALENESS_PREFIX = "staleness."
+REFUSED = "too_stale"
+
+
+@dataclass(frozen=True)
+class StalenessHistogram:
+    folded: dict[int, int]  # tau -> updates folded with that staleness
+    refused: int  # updates refused as too stale
+
+    @property
+    def total(self) -> int:
+        return sum(self.folded.values()) + self.refused
+
+    @property
+    def mean(self) -> float:
+        n = sum(self.folded.values())
+        return sum(t * c for t, c in self.folded.items()) / n if n else 0.0
+
+    def line(self) -> str:
+        bins = ", ".join(f"{t}: {c}" for t, c in sorted(self.folded.items()))
+        return f"{bins}; refused {self.refused} (mean {self.mean:.2f})"
+
+
+def staleness_histogram(records: Sequence[VersionRecord]) -> StalenessHistogram | None:
+    """The run's histogram, or None for a run without async records."""
+    folded: Counter[int] = Counter()
+    refused = 0
+    seen = False
+    for record in records:
+        for key, value in record.extra.items():
+            tail = key[len(STALENESS_PREFIX) :]
+            if key.startswith(STALENESS_PREFIX) and tail.isdigit():
+                folded[int(tail)] += int(value)
+                seen = True
+        if REFUSED in record.extra:
+            refused += int(record.extra[REFUSED])
+            seen = True
+    return StalenessHistogram(dict(sorted(folded.items())), refused) if seen else None
+
 
 # More rows than this and the table shows the first and last few, to stay on one screen.
 _MAX_ROWS = 12

@@ -16,7 +16,7 @@ _BASE_COLUMNS = tuple(f.name for f in fields(VersionRecord) if f.name != "extra"
 
 
 def record_to_dict(record: VersionRecord) -> dict[str, Any]:
-    return {k: _finite(v) for k, v in asdict(record).items()}
+    return {k: finite(v) for k, v in asdict(record).items()}
 
 
 def record_from_dict(data: Mapping[str, Any]) -> VersionRecord:
@@ -48,9 +48,12 @@ def metrics_csv(records: Sequence[VersionRecord]) -> str:
     return out.getvalue()
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+def finite(value: Any) -> Any:
+    """`value` with NaN and infinities as None, at any depth: JSON has no spelling for them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
     return value

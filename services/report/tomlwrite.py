@@ -1,12 +1,11 @@
 """Write the effective settings back as TOML, with secrets redacted.
 
-tomllib only reads; tomli-w is used when installed, else the small writer below, which covers
-what `Settings.model_dump()` produces (nested tables of strings, numbers, booleans, lists).
+tomllib only reads; the small writer below covers what `Settings.model_dump()` produces
+(nested tables of strings, numbers, booleans, lists).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -45,23 +44,8 @@ def redact(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def dumps(data: Mapping[str, Any]) -> str:
+def dumps(data: Mapping[str, Any], prefix: str = "") -> str:
     """TOML text for `data`; None values are left out (TOML has no null)."""
-    try:
-        tomli_w = importlib.import_module("tomli_w")
-    except ImportError:
-        return _dumps(data)
-    text: str = tomli_w.dumps(_drop_none(data))
-    return text
-
-
-def _drop_none(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        k: _drop_none(v) if isinstance(v, Mapping) else v for k, v in data.items() if v is not None
-    }
-
-
-def _dumps(data: Mapping[str, Any], prefix: str = "") -> str:
     scalars: list[str] = []
     tables: list[str] = []
     for key, value in data.items():
@@ -70,7 +54,7 @@ def _dumps(data: Mapping[str, Any], prefix: str = "") -> str:
         name = _key(key)
         if isinstance(value, Mapping):
             path = f"{prefix}.{name}" if prefix else name
-            body = _dumps(value, path)
+            body = dumps(value, path)
             tables.append(f"[{path}]\n{body}" if body else f"[{path}]\n")
         else:
             scalars.append(f"{name} = {_value(value)}\n")

@@ -34,7 +34,7 @@ from services.algorithms.staleness import TOO_STALE, polynomial
 from services.common.backends import Backends, Embedded
 from services.common.supervise import JobFailedError
 from services.report.records import ListSink, VersionRecord
-from services.report.staleness import staleness_histogram
+from services.report.summary import staleness_histogram
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     add_member,

@@ -9,10 +9,10 @@ import pytest
 
 from broker.messages import Event
 from broker.store import Member
-from services.dashboard.page import finite, state_json
-from services.dashboard.rundir import find_run_dir, read_report
+from services.dashboard.page import state_json
 from services.dashboard.state import DashboardState, Probe, WorkerView
-from services.dashboard.watch import split_members
+from services.dashboard.watch import find_run_dir, read_report, split_members
+from services.report.tables import finite
 
 
 class Clock:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from click.testing import CliRunner
 
+from scripts.make_sample import build_sample, main
 from services.data.loaders import load_dataset, load_split_arrays
-from services.data.make_sample import build_sample, main
 from services.data.registry import SAMPLE_DIR, get_spec
 
 SAMPLE = SAMPLE_DIR / "fashion_mnist_sample.npz"

@@ -18,7 +18,7 @@ from services.report.rundir import RunInfo, create_run_dir
 from services.report.sinks import EchoSink, TeeSink
 from services.report.summary import Totals, progress_line, summary_text
 from services.report.tables import record_from_dict
-from services.report.tomlwrite import _dumps, redact, redact_url
+from services.report.tomlwrite import dumps, redact, redact_url
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -211,6 +211,6 @@ def test_own_toml_writer_round_trips_awkward_values() -> None:
         "skip": None,
         "section": {"dotted.key": 1, "inner": {"deep": "yes"}, "empty": {}},
     }
-    parsed = tomllib.loads(_dumps(data))
+    parsed = tomllib.loads(dumps(data))
     expected = {k: v for k, v in data.items() if k != "skip"}
     assert parsed == expected

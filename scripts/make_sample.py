@@ -1,10 +1,11 @@
-r"""Build the Fashion-MNIST sample shipped in ``services/data/sample/``.
+r"""Build the Fashion-MNIST sample shipped in ``services/data/sample/``: a tool that made a data
+file, not part of the product (nothing at run time reads the source), so it lives here.
 
 The committed file was made from the bit-exact official Fashion-MNIST arrays
 (``/work/shared/data/fashion_mnist_{train,test}.npz``, see that folder's README for their
 provenance; MIT licence, (c) 2017 Zalando SE) with the defaults below::
 
-    python -m services.data.make_sample /work/shared/data \
+    python -m scripts.make_sample /work/shared/data \
         services/data/sample/fashion_mnist_sample.npz
 
 It holds a class-balanced subset, 600 train and 100 test images per class, drawn without
@@ -12,8 +13,6 @@ replacement with ``numpy.random.default_rng(0)`` and kept in the original order.
 ``x_train`` uint8 [6000,28,28], ``y_train`` uint8 [6000], ``x_test`` uint8 [1000,28,28],
 ``y_test`` uint8 [1000], and ``train_index`` / ``test_index`` (int32): the position of each
 sample in the official split, so the sample can be checked against its source.
-
-Nothing at run time reads the source: the product only ever loads the committed file.
 """
 
 from __future__ import annotations
