@@ -21,7 +21,7 @@ from broker.errors import (
     VersionNotFoundError,
 )
 from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, Member
-from broker.store_codec import PreparedBlob, PublishingStore, decode_meta, encode_info, encode_meta
+from broker.store_codec import PreparedBlob, PublishingStore, decode_meta, encode_meta, str_map
 
 # torch, and `broker.weights` with it, are imported where weights move, as in the Redis store.
 if TYPE_CHECKING:
@@ -273,14 +273,14 @@ class InMemoryWeightStore(PublishingStore):
     ) -> None:
         keys.validate_name("member id", member_id)
         ttl = _positive_ttl(ttl_s)
-        if info is not None:
-            encode_info(info)  # same validation as Redis
         with self._lock:
             state = self._state(job, create=True)
             previous = state.members.get(member_id)
             kept = previous.info if previous is not None else {}
             state.members[member_id] = Member(
-                member_id, self._clock() + ttl, dict(info) if info is not None else kept
+                member_id,
+                self._clock() + ttl,
+                str_map("member info", info) if info is not None else kept,
             )
 
     def remove_member(self, job: str, member_id: str) -> None:

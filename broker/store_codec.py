@@ -73,11 +73,12 @@ def prepare_blobs(
     return prepared
 
 
-def validate_meta(meta: Mapping[str, str] | None) -> dict[str, str]:
-    result = dict(meta or {})
+def str_map(what: str, mapping: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of `mapping` (manifest meta, member info), checked to map str to str."""
+    result = dict(mapping or {})
     for k, v in result.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise ValueError(f"manifest meta must map str to str, got {k!r}: {v!r}")
+            raise ValueError(f"{what} must map str to str, got {k!r}: {v!r}")
     return result
 
 
@@ -127,10 +128,7 @@ def decode_meta(data: bytes) -> dict[str, Any]:
 
 
 def encode_info(info: Mapping[str, str]) -> str:
-    for k, v in info.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise ValueError(f"member info must map str to str, got {k!r}: {v!r}")
-    return json.dumps(dict(info), sort_keys=True)
+    return json.dumps(str_map("member info", info), sort_keys=True)
 
 
 def decode_info(raw: bytes | str) -> dict[str, str]:
@@ -158,7 +156,7 @@ class PublishingStore(ABC):
             raise TypeError(f"expected_current must be an int, got {expected_current!r}")
         if expected_current < NO_VERSION:
             raise ValueError(f"expected_current must be >= {NO_VERSION}, got {expected_current}")
-        checked_meta = validate_meta(meta)
+        checked_meta = str_map("manifest meta", meta)
         version = expected_current + 1
         prepared = prepare_blobs(job, version, blobs, samples)
         # Lets a retried commit whose first reply was lost recognise its own manifest.
