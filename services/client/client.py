@@ -25,27 +25,34 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
 
 from broker.errors import EncodeError
 from broker.messages import (
     ABORTED,
     NON_FINITE,
+    ConfigValue,
     Error,
     GradientReply,
     Join,
     Message,
     RoundDropped,
     WeightsAssignment,
+    WeightsUpdate,
     Welcome,
     new_message_id,
 )
 from broker.topology import updates_routing_key
 from models.split import SplitNet
 from models.state import load_partial
+from services.algorithms.base import ClientContext, Strategy
 from services.algorithms.registry import build_strategy
-from services.client.data import JobData
+from services.client.data import JobData, client_batches, round_batches
 from services.client.errors import (
     ClientError,
     ClientSettingsError,
@@ -56,16 +63,17 @@ from services.client.errors import (
     StaleWeights,
     Superseded,
 )
-from services.client.link import Backoff, ClientLink
+from services.client.link import Backoff, BrokerChannel, ClientLink, Tally
 from services.client.plan import RoundPlan, config_int
-from services.client.round import Membership, RoundRunner
 from services.client.secured import secured_client_broker
 from services.client.stats import ClientStats
 from services.common.backends import Backends
 from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
+from services.data.batches import Batch
 from services.data.loaders import Dataset
 
+EVAL_CHUNK = 512
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # it becomes part of queue names and keys
 # The codec's wording for a tensor holding NaN or infinities (broker/codec.py), which is how a
 # diverged model shows: in its weights (the update) or its activations (a smashed batch).
@@ -375,7 +383,7 @@ class Client:
                 index,
             )
             return member, Idle()
-        link.defer(welcome)  # the first local round's weights
+        link.defer(welcome, first=True)  # the first local round's weights
         return member, Newest(self._settings.clients.reply_timeout_s)
 
     # --- rounds -----------------------------------------------------------------------------------
@@ -469,3 +477,150 @@ class Client:
             link.took_late(message)
         else:
             link.log.debug("ignoring %s", type(message).__name__)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the Welcome settled: where this client trains and with what."""
+
+    shard: int
+    cut: str
+    partition: int
+    plan: RoundPlan
+    strategy: Strategy
+
+    def updated(self, config: Mapping[str, ConfigValue]) -> Membership:
+        """This membership as an assignment's `config` changes it (shard, plan, algorithm)."""
+        plan = self.plan.updated(config)
+        shard = config_int(config, "shard")
+        same = (plan.algorithm, plan.params) == (self.plan.algorithm, self.plan.params)
+        return replace(
+            self,
+            shard=self.shard if shard is None else shard,
+            plan=plan,
+            strategy=self.strategy if same else build_strategy(plan.algorithm, plan.params),
+        )
+
+
+@dataclass
+class RoundRunner:
+    """Runs the rounds of one client; holds what lives across rounds."""
+
+    link: ClientLink
+    model: SplitNet
+    data: JobData
+    seed: int
+    # The algorithm's per-client tensors across rounds (`ClientContext.memory`); cleared when
+    # the job switches algorithm.
+    memory: dict[str, torch.Tensor] = field(default_factory=dict)
+    _memory_of: str = ""
+
+    def run(self, member: Membership, assignment: WeightsAssignment) -> WeightsUpdate:
+        """Train one round from `assignment`; raises `RoundAborted` when the round is lost."""
+        link, stats = self.link, self.link.stats
+        started, io_before = link.clock(), link.io_s
+        up_before, down_before = stats.bytes_up, stats.bytes_down
+        plan = member.plan
+        load_partial(self.model, assignment.client_weights)
+        load_partial(self.model, assignment.aux_weights)
+        index = member.partition
+        batches, steps = round_batches(
+            client_batches(self.data, index, batch_size=plan.batch_size, seed=self.seed),
+            local_epochs=plan.local_epochs,
+            max_steps=plan.max_steps,
+            round_index=assignment.round,
+        )
+        channel = BrokerChannel(
+            link, assignment, shard=member.shard, cut=member.cut, wire_dtype=plan.wire_dtype
+        )
+        local = Tally()
+        hook = None
+        if not member.strategy.splits:
+            # The whole model runs here: measure its training loss on the batches it sees.
+            batches, hook = self._tallied(batches, local)
+        if self._memory_of != plan.algorithm:
+            self.memory.clear()
+            self._memory_of = plan.algorithm
+        context = ClientContext(
+            client=link.client,
+            round=assignment.round,
+            memory=self.memory,
+            local_accuracy=lambda module: self._local_accuracy(index, module),
+        )
+        try:
+            result = member.strategy.client_round(
+                self.model,
+                member.cut,
+                self._ticking(batches),
+                steps,
+                channel,
+                plan.hyper(),
+                context,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
+        if not member.strategy.splits:
+            metrics["personal_accuracy"] = self._local_accuracy(index, self.model)
+        metrics.update(
+            bytes_up=float(stats.bytes_up - up_before),
+            bytes_down=float(stats.bytes_down - down_before),
+            compute_s=max(0.0, (link.clock() - started) - (link.io_s - io_before)),
+        )
+        metrics.update(result.metrics)
+        return WeightsUpdate(
+            job=link.job,
+            client=link.client,
+            message_id=new_message_id(),
+            version=assignment.version,
+            round=assignment.round,
+            samples=len(self.data.indices(index)),
+            client_weights=result.client_weights,
+            aux_weights=result.aux_weights,
+            masks=result.masks,
+            metrics=metrics,
+        )
+
+    def _ticking(self, batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Keeps the broker connection serviced between local steps, for algorithms that never
+        wait on the broker (membership heartbeats have a thread of their own)."""
+        for x, y in batches:
+            self.link.keep_alive()
+            yield x, y
+
+    def _tallied(
+        self, batches: Iterator[Batch], tally: Tally
+    ) -> tuple[Iterator[Batch], torch.utils.hooks.RemovableHandle]:
+        labels: list[torch.Tensor] = []
+
+        def on_forward(_module: nn.Module, _inputs: object, logits: torch.Tensor) -> None:
+            if labels and logits.requires_grad:  # a training forward of the current batch
+                y = labels.pop()
+                with torch.no_grad():
+                    loss = float(F.cross_entropy(logits, y))
+                    correct = int((logits.argmax(dim=1) == y).sum())
+                tally.add(loss, correct, int(y.shape[0]))
+
+        def remember() -> Iterator[Batch]:
+            for batch in batches:
+                labels[:] = [batch.y]
+                yield batch
+
+        return remember(), self.model.register_forward_hook(on_forward)
+
+    def _local_accuracy(self, index: int, model: nn.Module) -> float:
+        """`model` (inputs -> logits) on the client's local test set."""
+        test = self.data.dataset.test
+        picked = torch.from_numpy(self.data.local_test(index))
+        if not len(picked):
+            return 0.0
+        was_training = model.training
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for chunk in picked.split(EVAL_CHUNK):
+                logits = model(test.x.index_select(0, chunk))
+                correct += int((logits.argmax(dim=1) == test.y.index_select(0, chunk)).sum())
+        model.train(was_training)
+        return correct / len(picked)

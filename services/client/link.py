@@ -1,4 +1,6 @@
-"""The client's broker handle: its reply queue in, publishes out, heartbeats on the side.
+"""The client's broker handle: its reply queue in, publishes out, heartbeats on the side;
+and a round's `SmashedChannel` over it (`BrokerChannel`): SmashedBatch out to the shard,
+GradientReply back.
 
 Everything a client does with the broker goes through a `ClientLink`, on the client's own
 thread (a pika connection is not thread-safe). Membership heartbeats are the exception: they
@@ -10,6 +12,16 @@ Every delivery is judged once, in `ClientLink.poll`: it must decode, be a reply 
 this job and client, and fit (a Welcome's or an assignment's config and weights must fit the
 model; a GradientReply must answer a seq this client sent, and the awaited one must carry a
 gradient of its batch's shape). What fails is dead-lettered with its reason.
+
+Replies are matched by `seq`. A reply for an earlier seq is a duplicate (a worker answering a
+redelivered or republished copy of a batch the client already got an answer for) and is
+dropped; one for a seq never sent (at or past the next seq) is dead-lettered. A batch with no
+answer after `reply_timeout_s` is published again with the same seq; a worker that had applied
+it answers the copy with the reply it sent (a lost reply costs one timeout), or, where it no
+longer has that gradient (another worker applied the batch before a failover), with status
+"gone": the round cannot go on without it, and is dropped at once. "stale" (held, the answer is
+coming) keeps the client waiting. After `max_republish` copies without an answer the round is
+given up.
 """
 
 from __future__ import annotations
@@ -22,8 +34,17 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from broker.codec import decode, encode
-from broker.errors import BackPressureError, BrokerError, DecodeError, UnroutableError
+from broker.errors import (
+    BackPressureError,
+    BrokerError,
+    DecodeError,
+    EncodeError,
+    MessageTooLargeError,
+    UnroutableError,
+)
 from broker.messages import (
     Error,
     GradientReply,
@@ -36,11 +57,24 @@ from broker.messages import (
     new_message_id,
 )
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
-from broker.topology import CONTROL_EXCHANGE, reply_queue, reply_queue_name
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    SMASHED_EXCHANGE,
+    reply_queue,
+    reply_queue_name,
+    shard_routing_key,
+)
 from broker.transport import Broker, Delivery
 from models.split import SplitNet
+from services.algorithms.staleness import TOO_STALE
 from services.client.beat import HeartbeatThread
-from services.client.errors import ClientError, ClientStopped, RoundAborted
+from services.client.errors import (
+    ClientError,
+    ClientStopped,
+    RoundAborted,
+    StaleWeights,
+    Superseded,
+)
 from services.client.plan import RoundPlan, config_int
 from services.client.stats import ClientStats
 
@@ -222,9 +256,12 @@ class ClientLink:
 
     # --- receiving ------------------------------------------------------------------------------
 
-    def defer(self, message: Message) -> None:
+    def defer(self, message: Message, *, first: bool = False) -> None:
         """Keep a reply for the main loop (e.g. an assignment that arrives mid-round)."""
-        self._deferred.append(message)
+        if first:
+            self._deferred.appendleft(message)
+        else:
+            self._deferred.append(message)
 
     def poll(
         self, timeout: float, *, deferred: bool = False, awaiting: SmashedBatch | None = None
@@ -354,3 +391,169 @@ class ClientLink:
     def _check_stop(self) -> None:
         if self._stop.is_set():
             raise ClientStopped("stop requested")
+
+
+@dataclass
+class Tally:
+    """Training loss/accuracy as the worker reports it (or the client measures it)."""
+
+    loss_sum: float = 0.0
+    correct: int = 0
+    samples: int = 0
+
+    def add(self, loss: float, correct: int, samples: int) -> None:
+        self.loss_sum += loss * samples
+        self.correct += correct
+        self.samples += samples
+
+    def metrics(self) -> dict[str, float]:
+        if not self.samples:
+            return {}
+        return {
+            "train_loss": self.loss_sum / self.samples,
+            "train_accuracy": self.correct / self.samples,
+        }
+
+
+class BrokerChannel:
+    """One round's `SmashedChannel` (services.algorithms.base): SmashedBatch out to the shard,
+    GradientReply back."""
+
+    def __init__(
+        self,
+        link: ClientLink,
+        assignment: WeightsAssignment,
+        *,
+        shard: int,
+        cut: str,
+        wire_dtype: torch.dtype,
+    ) -> None:
+        self._link = link
+        self._round = assignment.round
+        self._version = assignment.version
+        self._shard = shard
+        self._cut = cut  # where the client's activations come from (its Welcome's cut)
+        self._wire_dtype = wire_dtype
+        self._routing_key = shard_routing_key(link.job, shard)
+        self.tally = Tally()
+
+    def exchange(self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+        batch, body = self._publish(z, y, step, steps)
+        return self._await(batch, body)
+
+    def send(self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int) -> None:
+        batch, _ = self._publish(z, y, step, steps)
+        self._link.unawaited.add(batch.seq)
+
+    def _publish(
+        self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int
+    ) -> tuple[SmashedBatch, bytes]:
+        link = self._link
+        batch = SmashedBatch(
+            job=link.job,
+            client=link.client,
+            message_id=new_message_id(),
+            version=self._version,
+            seq=link.next_seq,
+            shard=self._shard,
+            round=self._round,
+            step=step,
+            steps=steps,
+            activations=z.detach().to(device="cpu", dtype=self._wire_dtype),
+            labels=y.detach().to(device="cpu", dtype=torch.int64),
+            cut=self._cut,
+        )
+        link.next_seq += 1
+        try:
+            body = encode(batch)
+        except EncodeError as exc:  # non-finite activations: the local model diverged
+            raise RoundAborted(f"step {step}: cannot send smashed data: {exc}") from None
+        try:
+            link.publish(SMASHED_EXCHANGE, self._routing_key, body, message_id=batch.message_id)
+        except MessageTooLargeError as exc:
+            raise ClientError(
+                f"job {link.job} client {link.client}: one smashed batch is {len(body)} bytes, "
+                f"more than the broker takes ({exc}); lower algorithm.batch_size, use "
+                "smashed_dtype float16, or raise broker.max_message_bytes with the server limit"
+            ) from None
+        link.stats.batches_sent += 1
+        return batch, body
+
+    def _await(self, batch: SmashedBatch, body: bytes) -> torch.Tensor:
+        link = self._link
+        deadline = link.clock() + link.reply_timeout_s
+        republished = 0
+        while True:
+            message = link.poll(max(0.0, deadline - link.clock()), awaiting=batch)
+            if isinstance(message, GradientReply):
+                grad = self._on_reply(message, batch)
+                if grad is not None:
+                    return grad
+            elif message is not None:
+                self._on_other(message, batch)
+            elif link.clock() >= deadline:
+                if republished >= link.max_republish:
+                    raise RoundAborted(
+                        f"round {self._round}: no gradient for seq {batch.seq} after "
+                        f"{republished + 1} tries of {link.reply_timeout_s:.1f} s"
+                    )
+                republished += 1
+                link.stats.republished += 1
+                link.log.warning(
+                    "no gradient for seq %d (round %d step %d) after %.1f s; publishing it again",
+                    batch.seq,
+                    batch.round,
+                    batch.step,
+                    link.reply_timeout_s,
+                )
+                link.publish(SMASHED_EXCHANGE, self._routing_key, body, message_id=batch.message_id)
+                deadline = link.clock() + link.reply_timeout_s
+
+    def _on_reply(self, reply: GradientReply, batch: SmashedBatch) -> torch.Tensor | None:
+        if reply.seq != batch.seq:
+            if self._link.took_late(reply):
+                if reply.status == "ok":
+                    self.tally.add(reply.loss, reply.correct, reply.samples)
+            else:
+                self._link.log.debug(
+                    "dropped GradientReply seq %d (awaiting %d)", reply.seq, batch.seq
+                )
+            return None
+        if reply.status == "stale":
+            # The worker holds this seq (e.g. in MiniBatch-SFL's step barrier) and saw our
+            # republished copy: its real answer is on the way.
+            self._link.stats.stale_replies += 1
+            return None
+        where = f"round {self._round} step {batch.step}: shard {self._shard}"
+        if reply.status == "gone":
+            # Applied, but no worker has its gradient any more: no wait brings it. The batch
+            # counts on the server side; the client side cannot take this step, and every
+            # algorithm that waits needs it, so the round ends here (and says so at once).
+            self._link.stats.gone_replies += 1
+            raise RoundAborted(
+                f"{where} applied seq {batch.seq}, its gradient is gone: "
+                f"{reply.reason or 'no reason'}"
+            )
+        if reply.status == "rejected" and reply.reason.startswith(TOO_STALE):
+            raise StaleWeights(f"round {self._round}: {reply.reason}")
+        if reply.status != "ok":
+            raise RoundAborted(
+                f"{where} answered seq {batch.seq} with status {reply.status!r}: "
+                f"{reply.reason or 'no reason'}"
+            )
+        self._link.stats.replies_received += 1
+        self.tally.add(reply.loss, reply.correct, reply.samples)
+        assert reply.grad is not None  # the link refused an ok reply without one
+        return reply.grad
+
+    def _on_other(self, message: Message, batch: SmashedBatch) -> None:
+        """Replies for the main loop wait; one that ends this round ends it now."""
+        self._link.defer(message)
+        if isinstance(message, WeightsAssignment) and (
+            message.round > self._round or not message.participate
+        ):
+            raise Superseded(
+                f"round {self._round} superseded by an assignment for round {message.round}"
+            )
+        if isinstance(message, Error) and message.ref_message_id == batch.message_id:
+            raise RoundAborted(f"seq {batch.seq} refused: {message.code}: {message.reason}")
