@@ -27,9 +27,6 @@ from broker.store_codec import PreparedBlob, PublishingStore, decode_meta, encod
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_KEEP_VERSIONS = 5
-DEFAULT_PENDING_TTL_S = 600.0
-
 
 @dataclass
 class _Blob:
@@ -95,8 +92,8 @@ class InMemoryWeightStore(PublishingStore):
     def __init__(
         self,
         *,
-        keep_versions: int = DEFAULT_KEEP_VERSIONS,
-        pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+        keep_versions: int = 5,
+        pending_ttl_s: float = 600.0,  # as the Redis store's options
         clock: Callable[[], float] = time.time,
     ) -> None:
         if keep_versions < 1:
@@ -214,15 +211,6 @@ class InMemoryWeightStore(PublishingStore):
     def versions(self, job: str) -> list[int]:
         with self._lock:
             return sorted(self._state(job).versions)
-
-    def blob_keys(self, job: str) -> dict[str, float | None]:
-        """Every blob key of the job -> seconds until it expires (None: committed)."""
-        with self._lock:
-            now = self._clock()
-            return {
-                key: None if b.expires_at is None else b.expires_at - now
-                for key, b in self._state(job).blobs.items()
-            }
 
     # --- shard checkpoints --------------------------------------------------------------------
     def save_checkpoint(

@@ -228,7 +228,6 @@ class RedisWeightStore(PublishingStore):
         self._sleep = sleep
         self._lock = threading.Lock()  # the outage state is shared by all threads
         self._down_since: float | None = None
-        self.outages = 0  # outages seen (for tests and gauges)
 
     # --- the one way to Redis: errors translated, outages waited out -------------------------
     def _call(self, what: str, op: Callable[[], T]) -> T:
@@ -270,7 +269,6 @@ class RedisWeightStore(PublishingStore):
             if self._down_since is not None:
                 return
             self._down_since = now
-            self.outages += 1
         self._log.warning(
             "store unavailable (%s: %s): waiting for Redis up to %.0f s",
             what,
@@ -392,22 +390,6 @@ class RedisWeightStore(PublishingStore):
     def versions(self, job: str) -> list[int]:
         raw = self._call("versions", lambda: self._redis.zrange(keys.versions_key(job), 0, -1))
         return [int(_as_bytes(v)) for v in raw]
-
-    def blob_keys(self, job: str) -> dict[str, float | None]:
-        """Every blob key of the job -> seconds until it expires (None: committed)."""
-
-        def scan() -> tuple[list[str], list[Any]]:
-            pattern = keys.blob_pattern(job)
-            found = [_text(k) for k in self._redis.scan_iter(match=pattern, count=_SCAN_COUNT)]
-            pipe = self._redis.pipeline(transaction=False)
-            for key in found:
-                pipe.pttl(key)
-            return found, pipe.execute()
-
-        found, ttls = self._call("blob_keys", scan)
-        # PTTL: -1 no expiry, -2 gone since the scan.
-        pairs = zip(found, ttls, strict=True)
-        return {k: None if t == -1 else t / 1000 for k, t in pairs if t != -2}
 
     # --- shard checkpoints --------------------------------------------------------------------
     def save_checkpoint(

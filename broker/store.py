@@ -24,7 +24,6 @@ Weights: TypeAlias = "Mapping[str, torch.Tensor]"
 CLIENT_PART = "client"
 AUX_PART = "aux"
 SERVER_PART = "server"
-PARTS = (CLIENT_PART, AUX_PART, SERVER_PART)
 GLOBAL_OWNER = "global"
 
 # Version number when nothing has been published yet; the first publication creates version 1.

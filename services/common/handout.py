@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from broker.messages import ConfigValue, WeightsAssignment, new_message_id
-from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, WeightStore
+from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, VersionStore
 from services.config.root import Settings
 
 Tensors = dict[str, torch.Tensor]
@@ -63,7 +63,7 @@ def pick_ref(manifest: Manifest, part: str, client: str | None) -> BlobRef | Non
 class WeightsCache:
     """The client-side blobs of one version, read from the store once per blob."""
 
-    store: WeightStore
+    store: VersionStore
     job: str
     version: int
     _manifest: Manifest | None = None

@@ -1,4 +1,6 @@
-"""One contract every `WeightStore` must honour, run against the in-memory and the Redis store.
+"""The store contract, run against the in-memory and the Redis store: one section for each of
+the protocols of `broker.store` (`VersionStore`, `CheckpointStore`, `MemberStore`), then what
+the union `WeightStore` adds (`delete_job`).
 
 Expiry is exercised with a fake clock for the in-memory store and with short real TTLs (about a
 second) for Redis. Crashes are injected by subclassing the store's publish steps, which is where
@@ -165,6 +167,22 @@ def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
         assert torch.equal(actual[name], tensor), name
 
 
+def _blob_keys(store: Any, job: str) -> dict[str, float | None]:
+    """Every blob key of the job -> seconds until it expires (None: committed), read behind
+    the store's back."""
+    if isinstance(store, InMemoryWeightStore):
+        with store._lock:
+            now = store._clock()
+            blobs = store._state(job).blobs  # swept of expired blobs
+            return {
+                k: None if b.expires_at is None else b.expires_at - now for k, b in blobs.items()
+            }
+    raw = store._redis
+    found = [k.decode() for k in raw.scan_iter(match=keys.blob_pattern(job), count=500)]
+    ttls = [raw.pttl(k) for k in found]  # -1: no expiry, -2: gone since the scan
+    return {k: None if t == -1 else t / 1000 for k, t in zip(found, ttls, strict=True) if t != -2}
+
+
 def _referenced_keys(store: Any, job: str) -> set[str]:
     """Blob keys named by the retained manifests (recomputed from the public manifest)."""
     found = set()
@@ -176,14 +194,14 @@ def _referenced_keys(store: Any, job: str) -> set[str]:
 
 def _assert_no_unreferenced_permanent_blob(store: Any, job: str) -> None:
     referenced = _referenced_keys(store, job)
-    present = store.blob_keys(job)
+    present = _blob_keys(store, job)
     assert referenced <= set(present), "a manifest names a missing blob"
     for key, ttl in present.items():
         if key not in referenced:
             assert ttl is not None and ttl > 0, f"orphan {key} never expires"
 
 
-# --- versions ---------------------------------------------------------------------------------
+# --- VersionStore: versions -----------------------------------------------------------------------
 
 
 def test_empty_job_has_no_version(store: Any, job: str) -> None:
@@ -217,7 +235,7 @@ def test_publish_read_round_trip(harness: Harness, store: Any, job: str) -> None
         CLIENT: 0,
         AUX_C1: 7,
     }
-    present = store.blob_keys(job)
+    present = _blob_keys(store, job)
     for ref, entry in manifest.entries.items():
         assert entry.ref == ref
         key = keys.blob_key(job, ref, 1, entry.sha256)
@@ -242,7 +260,7 @@ def test_stale_expected_version_conflicts(store: Any, job: str) -> None:
     assert store.current_version(job) == 1
     _assert_same(store.read_blob(job, 1, SERVER), _weights(1)[SERVER])
     # The loser's blobs are discarded at once (only version 1's blobs remain).
-    assert set(store.blob_keys(job)) == _referenced_keys(store, job)
+    assert set(_blob_keys(store, job)) == _referenced_keys(store, job)
     assert store.publish_version(job, 1, _weights(2)) == 2
 
 
@@ -253,8 +271,8 @@ def test_loser_with_identical_content_leaves_winner_intact(store: Any, job: str)
     with pytest.raises(VersionConflictError):
         store.publish_version(job, NO_VERSION, _weights(1), meta={"by": "loser"})
     assert store.manifest(job, 1).meta == {"by": "winner"}
-    assert all(ttl is None for ttl in store.blob_keys(job).values())
-    assert set(store.blob_keys(job)) == _referenced_keys(store, job)
+    assert all(ttl is None for ttl in _blob_keys(store, job).values())
+    assert set(_blob_keys(store, job)) == _referenced_keys(store, job)
     for ref, weights in _weights(1).items():
         _assert_same(store.read_blob(job, 1, ref), weights)
 
@@ -324,7 +342,7 @@ def test_crash_between_blob_writes_leaves_previous_version(harness: Harness, job
     store.crash = False
 
     referenced = _referenced_keys(store, job)
-    orphans = {k: ttl for k, ttl in store.blob_keys(job).items() if k not in referenced}
+    orphans = {k: ttl for k, ttl in _blob_keys(store, job).items() if k not in referenced}
     assert len(orphans) == 1, "exactly the one blob written before the crash is left over"
     assert all(ttl is not None and 0 < ttl <= pending_ttl for ttl in orphans.values())
     assert store.current_version(job) == 1
@@ -335,7 +353,7 @@ def test_crash_between_blob_writes_leaves_previous_version(harness: Harness, job
         _assert_same(store.read_blob(job, 1, ref), weights)
 
     harness.wait(pending_ttl + 0.3)
-    assert set(store.blob_keys(job)) == referenced, "the orphan expired"
+    assert set(_blob_keys(store, job)) == referenced, "the orphan expired"
     assert store.publish_version(job, 1, _weights(2)) == 2
 
 
@@ -356,7 +374,7 @@ def test_manifest_naming_missing_blob_cannot_commit(harness: Harness, job: str) 
     with pytest.raises(VersionNotFoundError):
         store.manifest(job, 1)
     # The failed publisher removed the blobs it did write.
-    assert store.blob_keys(job) == {}
+    assert _blob_keys(store, job) == {}
 
 
 def test_retention_keeps_last_versions(harness: Harness, job: str) -> None:
@@ -373,8 +391,8 @@ def test_retention_keeps_last_versions(harness: Harness, job: str) -> None:
     for kept in (3, 4, 5):
         _assert_same(store.read_blob(job, kept, AUX_C1), _weights(kept - 1)[AUX_C1])
     # Old blobs are deleted, not just unlisted.
-    assert set(store.blob_keys(job)) == _referenced_keys(store, job)
-    assert len(store.blob_keys(job)) == 3 * len(_weights(0))
+    assert set(_blob_keys(store, job)) == _referenced_keys(store, job)
+    assert len(_blob_keys(store, job)) == 3 * len(_weights(0))
 
 
 def test_corrupt_blob_is_detected_on_read(harness: Harness, store: Any, job: str) -> None:
@@ -396,10 +414,10 @@ def test_invalid_weights_publish_nothing(store: Any, job: str) -> None:
     with pytest.raises(ValueError, match="job name"):
         store.publish_version("bad:job", NO_VERSION, _weights(1))
     assert store.current_version(job) == NO_VERSION
-    assert store.blob_keys(job) == {}
+    assert _blob_keys(store, job) == {}
 
 
-# --- checkpoints ------------------------------------------------------------------------------
+# --- CheckpointStore: checkpoints -----------------------------------------------------------------
 
 
 def test_a_lease_guarded_save_needs_the_lease(store: Any, job: str) -> None:
@@ -448,7 +466,7 @@ def test_checkpoint_round_trip_and_overwrite(harness: Harness, store: Any, job: 
     _assert_same(dict(untouched.weights), dict(other.weights))
 
 
-# --- membership -------------------------------------------------------------------------------
+# --- MemberStore: membership ----------------------------------------------------------------------
 
 
 def test_heartbeat_expiry_and_remove(harness: Harness, store: Any, job: str) -> None:
@@ -476,7 +494,7 @@ def test_heartbeat_expiry_and_remove(harness: Harness, store: Any, job: str) -> 
     assert set(store.live_members(job)) == {"worker-a"}
 
 
-# --- leases -----------------------------------------------------------------------------------
+# --- MemberStore: leases --------------------------------------------------------------------------
 
 
 def test_leases_are_exclusive_and_expire(harness: Harness, store: Any, job: str) -> None:
@@ -500,7 +518,7 @@ def test_leases_are_exclusive_and_expire(harness: Harness, store: Any, job: str)
     assert store.lease_owner(job, "shard-1") == "w2"
 
 
-# --- how the job ended ------------------------------------------------------------------------
+# --- MemberStore: how the job ended ---------------------------------------------------------------
 
 
 def test_job_status_is_recorded_replaced_and_cleared(store: Any, job: str) -> None:
@@ -530,7 +548,7 @@ def test_job_status_refuses_unknown_states() -> None:
     assert JobStatus("failed").text == "failed: no reason given"
 
 
-# --- operations -------------------------------------------------------------------------------
+# --- WeightStore: operations ----------------------------------------------------------------------
 
 
 def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) -> None:
@@ -545,7 +563,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     store.delete_job(job)
     assert store.current_version(job) == NO_VERSION
     assert store.versions(job) == []
-    assert store.blob_keys(job) == {}
+    assert _blob_keys(store, job) == {}
     assert store.load_checkpoint(job, 0) is None
     assert store.live_members(job) == {}
     assert store.lease_owner(job, "shard-0") is None
