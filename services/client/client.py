@@ -526,8 +526,8 @@ class RoundRunner:
         index = member.partition
         batches, steps = round_batches(
             client_batches(self.data, index, batch_size=plan.batch_size, seed=self.seed),
-            local_epochs=plan.local_epochs,
-            max_steps=plan.max_steps,
+            local_epochs=plan.hyper.local_epochs,
+            max_steps=plan.hyper.max_steps,
             round_index=assignment.round,
         )
         channel = BrokerChannel(
@@ -554,7 +554,7 @@ class RoundRunner:
                 self._ticking(batches),
                 steps,
                 channel,
-                plan.hyper(),
+                plan.hyper,
                 context,
             )
         finally:

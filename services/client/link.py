@@ -524,6 +524,11 @@ class BrokerChannel:
             # republished copy: its real answer is on the way.
             self._link.stats.stale_replies += 1
             return None
+        if reply.status == "ok":
+            self._link.stats.replies_received += 1
+            self.tally.add(reply.loss, reply.correct, reply.samples)
+            assert reply.grad is not None  # the link refused an ok reply without one
+            return reply.grad
         where = f"round {self._round} step {batch.step}: shard {self._shard}"
         if reply.status == "gone":
             # Applied, but no worker has its gradient any more: no wait brings it. The batch
@@ -536,15 +541,10 @@ class BrokerChannel:
             )
         if reply.status == "rejected" and reply.reason.startswith(TOO_STALE):
             raise StaleWeights(f"round {self._round}: {reply.reason}")
-        if reply.status != "ok":
-            raise RoundAborted(
-                f"{where} answered seq {batch.seq} with status {reply.status!r}: "
-                f"{reply.reason or 'no reason'}"
-            )
-        self._link.stats.replies_received += 1
-        self.tally.add(reply.loss, reply.correct, reply.samples)
-        assert reply.grad is not None  # the link refused an ok reply without one
-        return reply.grad
+        raise RoundAborted(
+            f"{where} answered seq {batch.seq} with status {reply.status!r}: "
+            f"{reply.reason or 'no reason'}"
+        )
 
     def _on_other(self, message: Message, batch: SmashedBatch) -> None:
         """Replies for the main loop wait; one that ends this round ends it now."""

@@ -16,6 +16,7 @@ import torch
 from broker.messages import ConfigValue
 from services.algorithms.base import Hyper
 from services.algorithms.registry import STRATEGIES
+from services.common.jobmodel import job_hyper
 from services.config.root import Settings
 
 # Config keys that carry the algorithm's own parameters.
@@ -30,11 +31,7 @@ WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 class RoundPlan:
     algorithm: str
     batch_size: int
-    lr: float
-    momentum: float
-    server_lr: float
-    local_epochs: int
-    max_steps: int  # 0: whole local epochs
+    hyper: Hyper
     smashed_dtype: str
     # The algorithm's own parameters ([algorithm.<name>]); the service sends them as
     # `params.<key>` config entries.
@@ -44,15 +41,7 @@ class RoundPlan:
     def from_settings(cls, settings: Settings) -> RoundPlan:
         a = settings.algorithm
         return cls(
-            algorithm=a.name,
-            batch_size=a.batch_size,
-            lr=a.lr,
-            momentum=a.momentum,
-            server_lr=a.server_lr,
-            local_epochs=a.local_epochs,
-            max_steps=a.max_steps_per_round,
-            smashed_dtype=a.smashed_dtype,
-            params=MappingProxyType(a.params()),
+            a.name, a.batch_size, job_hyper(settings), a.smashed_dtype, MappingProxyType(a.params())
         )
 
     def updated(self, config: Mapping[str, ConfigValue]) -> RoundPlan:
@@ -61,21 +50,23 @@ class RoundPlan:
         Unknown keys (partition, finished, ...) are other parts' business and ignored.
         """
         changes: dict[str, Any] = {}
+        hyper: dict[str, Any] = {}
         if "algorithm" in config:
             name = config["algorithm"]
             if not isinstance(name, str) or name not in STRATEGIES:
                 raise ValueError(f"config.algorithm: unknown algorithm {name!r}")
             changes["algorithm"] = name
+        if "batch_size" in config:
+            changes["batch_size"] = _int(config, "batch_size", 1)
         for key, field_name, minimum in (
-            ("batch_size", "batch_size", 1),
             ("local_epochs", "local_epochs", 1),
             ("max_steps_per_round", "max_steps", 0),
         ):
             if key in config:
-                changes[field_name] = _int(config, key, minimum)
+                hyper[field_name] = _int(config, key, minimum)
         for key in ("lr", "momentum", "server_lr"):
             if key in config:
-                changes[key] = _float(config, key)
+                hyper[key] = _float(config, key)
         if "smashed_dtype" in config:
             dtype = config["smashed_dtype"]
             if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
@@ -89,26 +80,17 @@ class RoundPlan:
         if sent or "algorithm" in changes:
             # The service's parameters replace ours whole: ours may belong to another algorithm.
             changes["params"] = MappingProxyType(sent)
-        plan = replace(self, **changes)
-        if plan.lr <= 0 or not 0 <= plan.momentum < 1 or plan.server_lr < 0:
+        h = replace(self.hyper, **hyper)
+        if h.lr <= 0 or not 0 <= h.momentum < 1 or h.server_lr < 0:
             raise ValueError(
-                f"config: need lr > 0, 0 <= momentum < 1, server_lr >= 0; got lr={plan.lr}, "
-                f"momentum={plan.momentum}, server_lr={plan.server_lr}"
+                f"config: need lr > 0, 0 <= momentum < 1, server_lr >= 0; got lr={h.lr}, "
+                f"momentum={h.momentum}, server_lr={h.server_lr}"
             )
-        return plan
+        return replace(self, hyper=h, **changes)
 
     @property
     def wire_dtype(self) -> torch.dtype:
         return WIRE_DTYPES[self.smashed_dtype]
-
-    def hyper(self) -> Hyper:
-        return Hyper(
-            lr=self.lr,
-            momentum=self.momentum,
-            server_lr=self.server_lr,
-            local_epochs=self.local_epochs,
-            max_steps=self.max_steps,
-        )
 
 
 def config_int(config: Mapping[str, ConfigValue], key: str) -> int | None:

@@ -24,10 +24,9 @@ def test_service_config_overrides_the_settings() -> None:
         }
     )
 
-    assert (updated.algorithm, updated.batch_size, updated.lr) == ("minibatch_sfl", 8, 1.0)
+    assert (updated.algorithm, updated.batch_size, updated.hyper.lr) == ("minibatch_sfl", 8, 1.0)
     assert updated.wire_dtype is torch.bfloat16
-    assert updated.local_epochs == plan.local_epochs
-    assert updated.hyper().lr == 1.0
+    assert updated.hyper.local_epochs == plan.hyper.local_epochs
 
 
 @pytest.mark.parametrize(
