@@ -13,15 +13,14 @@ from services.autoscaler.docker_pool import DockerPool, DockerUnavailableError, 
 from services.autoscaler.local import LocalProcessPool
 from services.autoscaler.pool import WorkerPool
 from services.cli.common import (
+    LogOptions,
     config_argument,
     default_member_id,
     load,
     log_options,
-    pick_log_level,
     stop_on_signals,
 )
 from services.common.backends import Backends
-from services.common.logs import configured_logging
 from services.config.root import Settings
 
 
@@ -51,9 +50,7 @@ def make_pool(settings: Settings, config: Path, log_dir: Path | None) -> WorkerP
     help="Local backend: each worker's output goes to DIR/<worker>.log (default: here).",
 )
 @log_options
-def autoscale(
-    config: Path | None, log_dir: Path | None, log_json: bool, log_level: str | None
-) -> None:
+def autoscale(config: Path | None, log_dir: Path | None, log: LogOptions) -> None:
     """Scale the job's workers between [autoscaler] min_workers and max_workers.
 
     Watches the shard queues' depth and the workers' busy fraction; starts workers under
@@ -68,8 +65,7 @@ def autoscale(
             "(SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis)"
         )
     context = {"role": "autoscaler", "job": settings.job.name}
-    level = pick_log_level(settings, log_level)
-    with configured_logging(level, json_lines=log_json, context=context):
+    with log.logging(settings, context):
         pool = make_pool(settings, path, log_dir)
         stop = threading.Event()
         with stop_on_signals(stop):

@@ -1,4 +1,5 @@
-"""`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why.
+"""`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why;
+`splitmq doctor`: every check of the configured services at once, with what to do.
 
 coordinator, aggregator, worker and autoscaler are healthy while their health key
 (`services.common.health`; the autoscaler refreshes its own after each poll) is live in the
@@ -12,23 +13,19 @@ broker and store are probed: RabbitMQ declares and publishes, Redis writes and r
 from __future__ import annotations
 
 import socket
-from typing import Protocol
 
 import click
 
 from broker.errors import SplitMQError
+from services.cli.common import GroupOptions
 from services.common.backends import Backends
 from services.common.health import Verdict, assess
 from services.config.root import Settings
-from services.runtime.doctor import check_broker, check_store
+from services.runtime.doctor import check_broker, check_store, run_checks
 from services.runtime.health_file import assess_files
 
 ROLES = ("coordinator", "aggregator", "worker", "autoscaler", "client")
 PROBED = ("broker", "store")
-
-
-class _HasSettings(Protocol):
-    def settings(self) -> Settings: ...
 
 
 def check_role(settings: Settings, role: str, *, instance: str | None, host: str | None) -> Verdict:
@@ -65,7 +62,7 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
 @click.option("--id", "instance", default=None, help="Check this instance (its id).")
 @click.option("--anywhere", is_flag=True, help="Any live instance, not only one on this host.")
 @click.pass_obj
-def check(group: _HasSettings, role: str, instance: str | None, anywhere: bool) -> None:
+def check(group: GroupOptions, role: str, instance: str | None, anywhere: bool) -> None:
     """Exit 0 if ROLE is healthy, 1 if not, with the reason on one line.
 
     ROLE is a role (coordinator, aggregator, worker, autoscaler: is its health key live in
@@ -82,3 +79,22 @@ def check(group: _HasSettings, role: str, instance: str | None, anywhere: bool) 
     click.echo(f"{'healthy' if verdict.ok else 'unhealthy'}: {verdict.reason}")
     if not verdict.ok:
         raise click.exceptions.Exit(1)
+
+
+@click.command()
+@click.pass_obj
+def doctor(group: GroupOptions) -> None:
+    """Check the configured broker, store, data and torch.
+
+    Says in plain words what is wrong and how to fix it; exits 1 if a check failed.
+    """
+    failed = False
+    for result in run_checks(group.settings()):
+        mark = "ok  " if result.ok and not result.warning else ("warn" if result.ok else "FAIL")
+        click.echo(f"[{mark}] {result.name:<7} {result.detail}")
+        if result.hint:
+            click.echo(f"       {' ' * 7} -> {result.hint}")
+        failed |= not result.ok
+    if failed:
+        raise click.ClickException("some checks failed (see above)")
+    click.echo("all checks passed")

@@ -1,4 +1,12 @@
-"""What every `splitmq` command shares: the CONFIG argument, logging options, signal handling."""
+"""What every `splitmq` command shares: the group's options, the CONFIG argument, logging
+options, signal handling, and the error boundary.
+
+The boundary: a user's mistake is one line on stderr, a bug a traceback. Every command runs
+inside it, so no command catches errors just to print them: a wrong URL, a server that is
+down, a refused password, an unknown model (`services.common.user_errors`) become click's
+one-line "Error: ..." and exit status 1; anything else keeps its traceback. `--debug` (or
+SPLITMQ_DEBUG=1) shows the traceback of user errors too.
+"""
 
 from __future__ import annotations
 
@@ -8,45 +16,116 @@ import secrets
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
+from services.common.logs import ContextValue, configured_logging
+from services.common.user_errors import user_message
 from services.config.loading import ConfigError, load_settings
 from services.config.root import Settings
+
+if TYPE_CHECKING:
+    from services.report.filesink import FileSink
+    from services.report.records import MetricsSink
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONFIG_ENV = "SPLITMQ_CONFIG"
 
 
+@dataclass(frozen=True)
+class GroupOptions:
+    """What `splitmq [--config FILE] [--debug]` hands every subcommand."""
+
+    config: Path | None = None
+    debug: bool = False
+
+    def settings(self) -> Settings:
+        return read_settings(self.config, os.environ)
+
+
+def group_options(ctx: click.Context | None = None) -> GroupOptions:
+    ctx = ctx or click.get_current_context(silent=True)
+    found = ctx.find_object(GroupOptions) if ctx is not None else None
+    return found or GroupOptions()
+
+
+def debug_mode(ctx: click.Context | None = None) -> bool:
+    """Whether `splitmq --debug` (or SPLITMQ_DEBUG) was given."""
+    return group_options(ctx).debug
+
+
+class ErrorBoundary(click.Group):
+    """A click group whose subcommands' user errors end as one line (`user_message`)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:  # click's own exceptions are no user_message: re-raised
+            message = user_message(exc)
+            if message is None or debug_mode(ctx):
+                raise
+            raise click.ClickException(message) from None
+
+
 def config_argument(func: F) -> F:
     """CONFIG: the job's TOML file; falls back to SPLITMQ_CONFIG, then the global --config."""
     decorator = click.argument(
-        "config",
-        required=False,
-        envvar=CONFIG_ENV,
-        type=click.Path(dir_okay=False, path_type=Path),
+        "config", required=False, envvar=CONFIG_ENV, type=click.Path(dir_okay=False, path_type=Path)
     )
     return decorator(func)
 
 
+def report_dir_option(func: F) -> F:
+    return click.option(
+        "--report-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Where run directories go (default: report.dir from the config).",
+    )(func)
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """--log-json / --log-format and --log-level, as one value (`log_options`)."""
+
+    json: bool = False
+    level: str | None = None
+
+    def logging(
+        self, settings: Settings, context: Mapping[str, ContextValue], *, default: str | None = None
+    ) -> AbstractContextManager[object]:
+        """--log-level, else the config's log_level when it was set explicitly, else
+        `default`; JSON lines when asked on the command line or by the log_format setting."""
+        if self.level:
+            level = self.level.upper()
+        elif default is not None and "log_level" not in settings.model_fields_set:
+            level = default
+        else:
+            level = settings.log_level
+        json_lines = self.json or settings.log_format == "json"
+        return configured_logging(level, json_lines=json_lines, context=context, debug=debug_mode())
+
+
 def log_options(func: F) -> F:
-    """--log-level, and the log format: --log-format json (or its older spelling --log-json)."""
+    """--log-level, and the log format: --log-format json (or its older spelling --log-json);
+    the command gets them as `log: LogOptions`."""
 
     command = func
 
     @functools.wraps(command)
-    def with_format(*args: Any, log_format: str | None = None, **kwargs: Any) -> Any:
-        if log_format == "json":
-            kwargs["log_json"] = True
-        return command(*args, **kwargs)
+    def with_log(
+        *args: Any, log_json: bool, log_level: str | None, log_format: str | None, **kwargs: Any
+    ) -> Any:
+        return command(*args, log=LogOptions(log_json or log_format == "json", log_level), **kwargs)
 
-    func = cast(F, with_format)
+    func = cast(F, with_log)
     func = click.option(
         "--log-format",
         type=click.Choice(["text", "json"]),
@@ -60,43 +139,54 @@ def log_options(func: F) -> F:
         default=None,
         help="Log level (default: log_level from the config, INFO).",
     )(func)
-    return click.option(
-        "--log-json",
-        is_flag=True,
-        help="Same as --log-format json.",
-    )(func)
+    return click.option("--log-json", is_flag=True, help="Same as --log-format json.")(func)
 
 
-def json_logs(settings: Settings, log_json: bool) -> bool:
-    """JSON lines when asked on the command line or by the log_format setting."""
-    return log_json or settings.log_format == "json"
+def require_servers(settings: Settings, command: str, *, store: bool = True) -> None:
+    """A command in a process of its own needs the shared broker (and store), not the
+    in-memory ones, which live inside one process."""
+    if settings.broker.kind == "rabbitmq" and (not store or settings.store.kind == "redis"):
+        return
+    raise click.ClickException(
+        f"`splitmq {command}` runs as its own process, so it needs a shared broker and store: "
+        f'set broker.kind = "rabbitmq" and store.kind = "redis" in the config (or '
+        f"SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis); got broker.kind = "
+        f"{settings.broker.kind!r}, store.kind = {settings.store.kind!r}. `splitmq run` "
+        f"runs every role in one process with the in-memory ones."
+    )
 
 
-def resolve_config(config: Path | None) -> Path:
-    """The config path to use; a clear error when none was given."""
-    if config is None:
-        group = click.get_current_context().find_root().obj
-        config = getattr(group, "config", None)
-    if config is None:
-        raise click.UsageError(f"no configuration: pass CONFIG or set {CONFIG_ENV}")
-    return config
+def run_report(
+    settings: Settings, report_dir: Path | None, run_dir: Path | None = None
+) -> tuple[FileSink, MetricsSink]:
+    """The run directory's sink, and one that also prints a line per round; the banner and
+    the run directory are printed first."""
+    # Imported here: the report pulls in torch, which `splitmq check` must not pay for.
+    from services.report.filesink import FileSink
+    from services.report.rundir import command_line
+    from services.report.sinks import EchoSink, TeeSink
+    from services.report.summary import banner
+
+    files = FileSink.create(settings, command=command_line(), base_dir=report_dir, run_dir=run_dir)
+    click.echo(banner(files.info))
+    click.echo(f"run directory: {files.run_dir}")
+    return files, TeeSink([files, EchoSink(click.echo, rounds=settings.job.rounds)])
 
 
-def load(config: Path | None) -> tuple[Path, Settings]:
-    path = resolve_config(config)
+def read_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
+    """The settings of `path` under `env`; a ConfigError keeps its lines (one per field)."""
     try:
-        return path, load_settings(path, os.environ)
+        return load_settings(path, env)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 
 
-def pick_log_level(settings: Settings, override: str | None, default: str | None = None) -> str:
-    """--log-level, else the config's log_level when it was set explicitly, else `default`."""
-    if override:
-        return override.upper()
-    if default is not None and "log_level" not in settings.model_fields_set:
-        return default
-    return settings.log_level
+def load(config: Path | None) -> tuple[Path, Settings]:
+    """The config path to use (CONFIG, else the group's --config) and its settings."""
+    path = config or group_options().config
+    if path is None:
+        raise click.UsageError(f"no configuration: pass CONFIG or set {CONFIG_ENV}")
+    return path, read_settings(path, os.environ)
 
 
 def default_member_id(prefix: str = "") -> str:

@@ -7,16 +7,8 @@ from pathlib import Path
 
 import click
 
-from services.cli.common import (
-    config_argument,
-    json_logs,
-    load,
-    log_options,
-    pick_log_level,
-    stop_on_signals,
-)
+from services.cli.common import LogOptions, config_argument, load, log_options, stop_on_signals
 from services.common.backends import Backends
-from services.common.logs import configured_logging
 
 
 @click.command()
@@ -28,9 +20,7 @@ from services.common.logs import configured_logging
     help="The run directory whose report to show (default: the job's newest under report.dir).",
 )
 @log_options
-def dashboard(
-    config: Path | None, run_dir: Path | None, log_json: bool, log_level: str | None
-) -> None:
+def dashboard(config: Path | None, run_dir: Path | None, log: LogOptions) -> None:
     """Serve a job's dashboard (and /metrics) until Ctrl-C.
 
     Over RabbitMQ and Redis it follows the running job live: members joining and leaving,
@@ -44,11 +34,8 @@ def dashboard(
     if not settings.metrics.enabled:
         raise click.ClickException("metrics.enabled is false in the config: nothing to serve")
     live = settings.broker.kind == "rabbitmq" and settings.store.kind == "redis"
-    json_lines = json_logs(settings, log_json)
     context = {"role": "dashboard", "job": settings.job.name}
-    with configured_logging(
-        pick_log_level(settings, log_level), json_lines=json_lines, context=context
-    ):
+    with log.logging(settings, context):
         stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
         watch = observed(

@@ -14,13 +14,14 @@ from __future__ import annotations
 import csv
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from broker.store import SERVER_PART, BlobRef
-from broker.transport import Broker
 from services.cli.common import config_argument, load
 from services.common.backends import Backends
 from services.config.root import Settings
@@ -140,7 +141,10 @@ def infer(
             raise click.ClickException(f"version {version} of {job!r} has no personalised clients")
         click.echo(f"job {job} version {version}: {len(clients)} clients, E_th {thresholds}")
         data = JobData(settings)
-        with ThetaSource(settings, backends, version, in_process, serve, timeout_s) as theta:
+        source = theta_source(
+            settings, backends, version, in_process=in_process, serve=serve, timeout_s=timeout_s
+        )
+        with source as theta:
             results = sweep_clients(
                 settings,
                 store,
@@ -159,68 +163,56 @@ def infer(
         click.echo(f"per-client rows: {out}")
 
 
-class ThetaSource:
-    """Where theta's logits come from for the sweep, and what to stop afterwards."""
+@contextmanager
+def theta_source(
+    settings: Settings,
+    backends: Backends,
+    version: int,
+    *,
+    in_process: bool,
+    serve: bool,
+    timeout_s: float,
+) -> Iterator[ServerLogits]:
+    """Where theta's logits come from for the sweep: this process (`--local`), else the
+    job's workers through the broker, answered by an inference server started here when
+    `serve`; stopped afterwards."""
+    from models.parts import ServerModel
+    from models.state import load_partial
+    from services.client.inference import BrokerTheta, LocalTheta
+    from services.common.jobmodel import job_model
+    from workers.inference import InferenceServer
 
-    def __init__(
-        self,
-        settings: Settings,
-        backends: Backends,
-        version: int,
-        in_process: bool,
-        serve: bool,
-        timeout_s: float,
-    ) -> None:
-        self._settings = settings
-        self._backends = backends
-        self._version = version
-        self._in_process = in_process
-        self._serve = serve
-        self._timeout_s = timeout_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._broker: Broker | None = None
-
-    def __enter__(self) -> ServerLogits:
-        from models.parts import ServerModel
-        from models.state import load_partial
-        from services.client.inference import BrokerTheta, LocalTheta
-        from services.common.jobmodel import job_model
-        from workers.inference import InferenceServer
-
-        settings = self._settings
-        if self._in_process:
-            store = self._backends.open_store()
-            try:
-                blob = store.read_blob(settings.job.name, self._version, BlobRef(SERVER_PART))
-            finally:
-                store.close()
-            theta = ServerModel(job_model(settings), settings.model.cut)
-            load_partial(theta, blob)
-            return LocalTheta(theta)
-        if self._serve:
-            server = InferenceServer(
-                settings,
-                self._backends,
-                worker_id="splitmq-infer",
-                model_factory=lambda: job_model(settings),
-                logger=logging.getLogger("splitmq.infer"),
-            )
-            self._thread = threading.Thread(target=server.run, args=(self._stop,), daemon=True)
-            self._thread.start()
-        # In the secured mode its requests carry the services' AMQP user (workers check it).
-        broker = service_stamped(self._backends.open_broker("splitmq-infer-client"), settings)
-        self._broker = broker
-        return BrokerTheta(
-            broker, settings.job.name, version=self._version, timeout_s=self._timeout_s
+    if in_process:
+        store = backends.open_store()
+        try:
+            blob = store.read_blob(settings.job.name, version, BlobRef(SERVER_PART))
+        finally:
+            store.close()
+        theta = ServerModel(job_model(settings), settings.model.cut)
+        load_partial(theta, blob)
+        yield LocalTheta(theta)
+        return
+    stop = threading.Event()
+    thread: threading.Thread | None = None
+    if serve:
+        server = InferenceServer(
+            settings,
+            backends,
+            worker_id="splitmq-infer",
+            model_factory=lambda: job_model(settings),
+            logger=logging.getLogger("splitmq.infer"),
         )
-
-    def __exit__(self, *exc: object) -> None:
-        if self._broker is not None:
-            self._broker.close()
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(30)
+        thread = threading.Thread(target=server.run, args=(stop,), daemon=True)
+        thread.start()
+    # In the secured mode its requests carry the services' AMQP user (workers check it).
+    broker = service_stamped(backends.open_broker("splitmq-infer-client"), settings)
+    try:
+        yield BrokerTheta(broker, settings.job.name, version=version, timeout_s=timeout_s)
+    finally:
+        broker.close()
+        stop.set()
+        if thread is not None:
+            thread.join(30)
 
 
 def table(results: list[SweepRow]) -> str:

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
 from services.cli.autoscale_cmd import autoscale
-from services.cli.check_cmd import check
+from services.cli.check_cmd import check, doctor
+from services.cli.common import ErrorBoundary, GroupOptions
 from services.cli.dashboard_cmd import dashboard
-from services.cli.doctor_cmd import doctor
-from services.cli.errors import ErrorBoundary
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
 from services.cli.provision_cmd import provision_clients
 from services.cli.role_cmds import aggregator, client, coordinator, worker
 from services.cli.run_cmd import run
 from services.cli.up_cmd import up
-from services.config.loading import ConfigError, load_settings
-from services.config.root import Settings
-
-
-class Context:
-    """What every subcommand receives: the config path and the settings loaded from it."""
-
-    def __init__(self, config: Path | None, debug: bool = False) -> None:
-        self.config = config
-        self.debug = debug
-
-    def settings(self) -> Settings:
-        try:
-            return load_settings(self.config, os.environ)
-        except ConfigError as exc:
-            raise click.ClickException(str(exc)) from None
 
 
 @click.group(cls=ErrorBoundary, context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,18 +45,13 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
     Each command takes the job's TOML file as CONFIG (or SPLITMQ_CONFIG); SPLITMQ_*
     environment variables override it.
     """
-    ctx.obj = Context(config, debug)
+    ctx.obj = GroupOptions(config, debug)
 
 
-for command in (run, up, coordinator, aggregator, worker, client, doctor, experiment):
+for command in (run, up, coordinator, aggregator, worker, client, doctor, experiment, check):
     cli.add_command(command)
-for command in (check, autoscale):
+for command in (autoscale, dashboard, infer, provision_clients):
     cli.add_command(command)
-
-
-cli.add_command(dashboard)
-cli.add_command(infer)
-cli.add_command(provision_clients)
 
 
 def main() -> None:

@@ -21,18 +21,19 @@ from typing import TypeAlias
 import click
 
 from services.cli.common import (
+    LogOptions,
     config_argument,
     default_member_id,
-    json_logs,
     load,
     log_options,
-    pick_log_level,
+    report_dir_option,
+    require_servers,
+    run_report,
     stop_on_signals,
 )
-from services.cli.errors import debug_mode
 from services.common.backends import Backends
 from services.common.health import HealthBeat
-from services.common.logs import ContextValue, configured_logging
+from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.health_file import FileHealthBeat
@@ -44,37 +45,19 @@ from services.security.identity import default_client_id
 RoleFactory: TypeAlias = Callable[[Settings, Backends], Role]
 
 
-def _require_services(settings: Settings, kind: RoleKind) -> None:
-    # Clients talk only to the broker (design §3): they need no store at all.
-    if settings.broker.kind == "rabbitmq" and (kind == "client" or settings.store.kind == "redis"):
-        return
-    raise click.ClickException(
-        f"`splitmq {kind}` runs as its own process, so it needs a shared broker and store: "
-        f'set broker.kind = "rabbitmq" and store.kind = "redis" in the config (or '
-        f"SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis); got broker.kind = "
-        f"{settings.broker.kind!r}, store.kind = {settings.store.kind!r}. `splitmq run` "
-        f"runs every role in one process with the in-memory ones."
-    )
-
-
 def _serve(
     settings: Settings,
     kind: RoleKind,
     factory: RoleFactory,
-    *,
-    log_json: bool,
-    level: str | None,
-    context: dict[str, ContextValue],
+    log: LogOptions,
+    context: dict[str, ContextValue] | None = None,
 ) -> bool:
     """Run one role until it ends or a signal stops it; True if stopped by a signal."""
-    _require_services(settings, kind)
-    ctx: dict[str, ContextValue] = {"role": kind, "job": settings.job.name, **context}
-    json_lines = json_logs(settings, log_json)
-    logs = configured_logging(
-        pick_log_level(settings, level), json_lines=json_lines, context=ctx, debug=debug_mode()
-    )
-    with logs:
-        log = logging.getLogger(f"splitmq.{kind}")
+    # Clients talk only to the broker (design §3): they need no store at all.
+    require_servers(settings, kind, store=kind != "client")
+    context = context or {}
+    with log.logging(settings, {"role": kind, "job": settings.job.name, **context}):
+        logger = logging.getLogger(f"splitmq.{kind}")
         stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
         # `splitmq check <kind>` (the containers' healthcheck) reads this key.
@@ -105,19 +88,19 @@ def _serve(
             except JobFailedError as exc:
                 # The job ended (its report says failed, `splitmq up` exits non-zero on it): exit
                 # 0, since a restart (compose's on-failure) would only wait for dismissed clients.
-                log.error("job %s failed: %s", settings.job.name, exc)
+                logger.error("job %s failed: %s", settings.job.name, exc)
             except Exception:
-                log.exception("%s of job %s %s", kind, settings.job.name, failed)
+                logger.exception("%s of job %s %s", kind, settings.job.name, failed)
                 raise click.exceptions.Exit(1) from None
         if stop.is_set():
-            log.info("%s of job %s stopped", kind, settings.job.name)
+            logger.info("%s of job %s stopped", kind, settings.job.name)
         return stop.is_set()
 
 
 @click.command()
 @config_argument
 @log_options
-def coordinator(config: Path | None, log_json: bool, log_level: str | None) -> None:
+def coordinator(config: Path | None, log: LogOptions) -> None:
     """Run the coordinator (membership, shard assignment).
 
     It admits clients (Join → Welcome with shard, cut and weights), tracks heartbeats and
@@ -125,10 +108,7 @@ def coordinator(config: Path | None, log_json: bool, log_level: str | None) -> N
     """
     from services.runtime.roles import build_coordinator
 
-    _, settings = load(config)
-    _serve(
-        settings, "coordinator", build_coordinator, log_json=log_json, level=log_level, context={}
-    )
+    _serve(load(config)[1], "coordinator", build_coordinator, log)
 
 
 @click.command()
@@ -137,23 +117,17 @@ def coordinator(config: Path | None, log_json: bool, log_level: str | None) -> N
     "--id", "worker_id", default=None, help="Worker id (default: worker-HOSTNAME-PID-RANDOM)."
 )
 @log_options
-def worker(
-    config: Path | None, worker_id: str | None, log_json: bool, log_level: str | None
-) -> None:
+def worker(config: Path | None, worker_id: str | None, log: LogOptions) -> None:
     """Run a worker (trains the server-side layers).
 
     It leases shards, consumes their smashed data, steps the shard replica and replies with
     gradients; uses CUDA when present. Scale out by starting more.
     """
-    _, settings = load(config)
+    from services.runtime.roles import build_worker
+
     wid = worker_id or default_member_id("worker-")
-
-    def factory(s: Settings, b: Backends) -> Role:
-        from services.runtime.roles import build_worker
-
-        return build_worker(s, b, worker_id=wid)
-
-    _serve(settings, "worker", factory, log_json=log_json, level=log_level, context={"worker": wid})
+    factory = partial(build_worker, worker_id=wid)
+    _serve(load(config)[1], "worker", factory, log, {"worker": wid})
 
 
 @click.command()
@@ -169,40 +143,26 @@ def worker(
 )
 @log_options
 def client(
-    config: Path | None,
-    client_id: str | None,
-    partition: int | None,
-    log_json: bool,
-    log_level: str | None,
+    config: Path | None, client_id: str | None, partition: int | None, log: LogOptions
 ) -> None:
     """Run one edge client (simulated, on its data partition).
 
     It trains the client-side layers, publishes smashed data to its shard, applies the
     returned gradients and uploads its weights at the end of each round.
     """
+    from services.runtime.roles import build_client
+
     _, settings = load(config)
     # In the secured mode a client is who its RabbitMQ user is (`splitmq provision-clients`).
     secured = settings.security.per_client_users
-    cid = client_id or (
-        default_client_id(settings) if secured else default_member_id("client-")
-    )
-
-    def factory(s: Settings, b: Backends) -> Role:
-        from services.runtime.roles import build_client
-
-        return build_client(s, b, client_id=cid, partition=partition)
-
-    _serve(settings, "client", factory, log_json=log_json, level=log_level, context={"client": cid})
+    cid = client_id or (default_client_id(settings) if secured else default_member_id("client-"))
+    factory = partial(build_client, client_id=cid, partition=partition)
+    _serve(settings, "client", factory, log, {"client": cid})
 
 
 @click.command()
 @config_argument
-@click.option(
-    "--report-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where run directories go (default: report.dir from the config).",
-)
+@report_dir_option
 # `splitmq up` names the exact run directory so it can print the summary afterwards.
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), hidden=True)
 @click.option("--summary/--no-summary", default=True, hidden=True)
@@ -212,34 +172,20 @@ def aggregator(
     report_dir: Path | None,
     run_dir: Path | None,
     summary: bool,
-    log_json: bool,
-    log_level: str | None,
+    log: LogOptions,
 ) -> None:
     """Run the aggregator (rounds, version v+1, report).
 
     It opens and closes rounds, aggregates client updates and shard replicas into version
     v+1, evaluates it and writes the run directory.
     """
-    from services.report.filesink import FileSink
-    from services.report.rundir import command_line
-    from services.report.sinks import EchoSink, TeeSink
-    from services.report.summary import banner
     from services.runtime.roles import build_aggregator
 
     _, settings = load(config)
-    _require_services(settings, "aggregator")
-    files = FileSink.create(settings, command=command_line(), base_dir=report_dir, run_dir=run_dir)
-    click.echo(banner(files.info))
-    click.echo(f"run directory: {files.run_dir}")
-    sink = TeeSink([files, EchoSink(click.echo, rounds=settings.job.rounds)])
-
-    def factory(s: Settings, b: Backends) -> Role:
-        return build_aggregator(s, b, sink=sink)
-
+    require_servers(settings, "aggregator")
+    files, sink = run_report(settings, report_dir, run_dir)
     try:
-        stopped = _serve(
-            settings, "aggregator", factory, log_json=log_json, level=log_level, context={}
-        )
+        stopped = _serve(settings, "aggregator", partial(build_aggregator, sink=sink), log)
     except click.exceptions.Exit:
         files.finish("failed: aggregator died (see its log)")
         raise

@@ -9,26 +9,20 @@ from pathlib import Path
 import click
 
 from services.cli.common import (
+    LogOptions,
     config_argument,
-    json_logs,
     load,
     log_options,
-    pick_log_level,
+    report_dir_option,
+    run_report,
     stop_on_signals,
 )
-from services.cli.errors import debug_mode
 from services.common.backends import Backends, Embedded
-from services.common.logs import configured_logging
 
 
 @click.command()
 @config_argument
-@click.option(
-    "--report-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where run directories go (default: report.dir from the config).",
-)
+@report_dir_option
 @click.option(
     "--linger",
     type=click.FloatRange(min=0),
@@ -41,8 +35,7 @@ def run(
     config: Path | None,
     report_dir: Path | None,
     linger: float,
-    log_json: bool,
-    log_level: str | None,
+    log: LogOptions,
 ) -> None:
     """Run a whole job in this process (no servers needed).
 
@@ -52,27 +45,15 @@ def run(
     """
     # Imported here, not at the top: every `splitmq` command (the `splitmq check` healthcheck
     # too) imports this module, and these import torch and the models.
-    from services.report.filesink import FileSink
-    from services.report.rundir import command_line
-    from services.report.sinks import EchoSink, TeeSink
-    from services.report.summary import banner
     from services.runtime.embedded import force_embedded, load_job_dataset, run_embedded
     from services.runtime.observe import observed
 
     _, settings = load(config)
     # Progress lines say what happens; role logs below WARNING would drown them.
-    level = pick_log_level(settings, log_level, default="WARNING")
-    json_lines = json_logs(settings, log_json)
-    logs = configured_logging(
-        level, json_lines=json_lines, context={"job": settings.job.name}, debug=debug_mode()
-    )
-    with logs:
+    with log.logging(settings, {"job": settings.job.name}, default="WARNING"):
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
-        dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.errors)
-        sink = FileSink.create(settings, command=command_line(), base_dir=report_dir)
-        click.echo(banner(sink.info))
-        click.echo(f"run directory: {sink.run_dir}")
-        echo = EchoSink(click.echo, rounds=settings.job.rounds)
+        dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.common)
+        sink, both = run_report(settings, report_dir)
         stop = threading.Event()
         backends = Backends(settings.broker, settings.store, Embedded())
         watch = observed(
@@ -88,7 +69,7 @@ def run(
             try:
                 outcome = run_embedded(
                     settings,
-                    sink=TeeSink([sink, echo]),
+                    sink=both,
                     stop=stop,
                     dataset=dataset,
                     backends=seen.backends,

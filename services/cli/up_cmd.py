@@ -11,10 +11,14 @@ from pathlib import Path
 
 import click
 
-from services.cli.common import config_argument, load, stop_on_signals
-from services.cli.errors import debug_mode
-from services.config.loading import ConfigError, load_settings
-from services.config.root import Settings
+from services.cli.common import (
+    config_argument,
+    debug_mode,
+    load,
+    read_settings,
+    report_dir_option,
+    stop_on_signals,
+)
 from services.report.tables import record_from_dict
 from services.runtime.processes import (
     LocalProcesses,
@@ -39,12 +43,7 @@ from services.runtime.processes import (
     help="Delete the job's queues and store keys before starting (a stale run of the same "
     "job name would otherwise feed old messages and versions into this one).",
 )
-@click.option(
-    "--report-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where run directories go (default: report.dir from the config).",
-)
+@report_dir_option
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0),
@@ -81,7 +80,13 @@ def up(
     if not worker_count(file_settings):
         n_workers = 0  # FedAvg: nothing is split, so there is nothing for a worker to train
     n_clients = clients or file_settings.clients.count
-    settings, env = _children_settings(path, file_settings, n_workers, n_clients)
+    # The children's environment and their exact view of the settings, validated up front;
+    # fewer clients than the file's round-1 quorum would never start: lower it to match.
+    min_to_start = min(file_settings.clients.min_to_start, n_clients)
+    env = child_env(
+        os.environ, workers=max(n_workers, 1), clients=n_clients, min_to_start=min_to_start
+    )
+    settings = read_settings(path, env)
     problems = preflight(settings)
     if problems:
         raise click.ClickException(
@@ -108,8 +113,8 @@ def up(
         procs.start()
         result = procs.wait(stop, timeout)
     click.echo("")
-    click.echo(_summary(run_dir), nl=False)
-    reported = _reported_status(run_dir)
+    summary, reported = _report(run_dir)
+    click.echo(summary, nl=False)
     if result.status == "finished" and reported != "finished":
         # The aggregator exited cleanly but did not finish the job (someone stopped it).
         result = replace(result, status=f"failed: the report says {reported!r}")
@@ -123,41 +128,20 @@ def up(
         raise click.exceptions.Exit(result.exit_code)
 
 
-def _children_settings(
-    path: Path, file_settings: Settings, workers: int, clients: int
-) -> tuple[Settings, dict[str, str]]:
-    """The children's environment and their exact view of the settings, validated up front."""
-    # Fewer clients than the file's round-1 quorum would never start: lower it to match.
-    min_to_start = min(file_settings.clients.min_to_start, clients)
-    env = child_env(os.environ, workers=max(workers, 1), clients=clients, min_to_start=min_to_start)
-    try:
-        return load_settings(path, env), env
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-def _reported_status(run_dir: Path) -> str:
-    from services.report.rundir import METRICS_JSON
+def _report(run_dir: Path) -> tuple[str, str]:
+    """The run's summary (summary.txt when the aggregator wrote it, else one rebuilt from
+    metrics.json) and the status its report says."""
+    from services.report.rundir import METRICS_JSON, SUMMARY_FILE, RunInfo
+    from services.report.summary import summary_text
 
     try:
         doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return "no report"
-    return str(doc.get("run", {}).get("status", "unknown"))
-
-
-def _summary(run_dir: Path) -> str:
-    """summary.txt when the aggregator wrote it, else one rebuilt from metrics.json."""
-    from services.report.rundir import METRICS_JSON, SUMMARY_FILE, RunInfo
-    from services.report.summary import summary_text
-
-    summary = run_dir / SUMMARY_FILE
-    if summary.is_file():
-        return summary.read_text(encoding="utf-8")
-    metrics = run_dir / METRICS_JSON
-    if not metrics.is_file():
-        return f"no report in {run_dir} (the aggregator did not start)\n"
-    doc = json.loads(metrics.read_text(encoding="utf-8"))
-    info = RunInfo(**doc["run"])
+        doc = None
+    status = "no report" if doc is None else str(doc.get("run", {}).get("status", "unknown"))
+    if (run_dir / SUMMARY_FILE).is_file():
+        return (run_dir / SUMMARY_FILE).read_text(encoding="utf-8"), status
+    if doc is None:
+        return f"no report in {run_dir} (the aggregator did not start)\n", status
     records = [record_from_dict(r) for r in doc["records"]]
-    return summary_text(info, records, run_dir)
+    return summary_text(RunInfo(**doc["run"]), records, run_dir), status

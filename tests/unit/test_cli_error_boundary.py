@@ -9,7 +9,7 @@ import click
 from click.testing import CliRunner
 
 from broker.errors import BrokerAuthError, StoreUnavailableError
-from services.cli.errors import ErrorBoundary
+from services.cli.common import ErrorBoundary, GroupOptions
 from services.common.logs import configured_logging
 
 
@@ -52,7 +52,7 @@ def cli_raising(exc: Exception) -> click.Group:
     @click.option("--debug", is_flag=True)
     @click.pass_context
     def group(ctx: click.Context, debug: bool) -> None:
-        ctx.obj = type("Obj", (), {"debug": debug})()
+        ctx.obj = GroupOptions(debug=debug)
 
     @group.command()
     def fail() -> None:

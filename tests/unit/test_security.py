@@ -37,7 +37,7 @@ from broker.topology import (
     reply_queue_name,
 )
 from broker.transport import Delivery
-from services.cli.role_cmds import _require_services
+from services.cli.common import require_servers
 from services.client.errors import ClientError
 from services.client.secured import secured_client_broker
 from services.common.backends import Backends, Embedded, tls_options
@@ -542,11 +542,11 @@ def test_a_client_role_never_opens_the_store() -> None:
 
 def test_clients_need_only_the_broker_to_run_as_a_process() -> None:
     settings = Settings.model_validate({"broker": {"kind": "rabbitmq"}})
-    _require_services(settings, "client")  # no store configured: fine for a client
+    require_servers(settings, "client", store=False)  # no store configured: fine for a client
     import click
 
     with pytest.raises(click.ClickException, match="shared broker and store"):
-        _require_services(settings, "worker")
+        require_servers(settings, "worker")
 
 
 def test_client_health_is_a_local_file(tmp_path: Path) -> None:
