@@ -54,16 +54,32 @@ def predictions(
     return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
 
+def client_hits(
+    model: SplitNet,
+    blobs: VersionWeights,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rows: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Per client, whether the model it holds is right on each of its `rows` of (x, y): its
+    own where the version has personal blobs of it, else the global model, which is evaluated
+    once on the rows of every client that needs it."""
+    shared = torch.zeros(len(y), dtype=torch.bool)
+    needed = [r for c, r in rows.items() if not has_own(blobs, c)]
+    if needed:
+        union = torch.unique(torch.cat(needed))
+        shared[union] = predictions(model, full_model_weights(blobs), x[union]) == y[union]
+    return {
+        client: predictions(model, full_model_weights(blobs, client), x[r]) == y[r]
+        if has_own(blobs, client)
+        else shared[r]
+        for client, r in rows.items()
+    }
+
+
 def _rate(hits: torch.Tensor, rows: torch.Tensor) -> float:
     n = int(rows.sum())
     return float(hits[rows].sum()) / n if n else float("nan")
-
-
-def local_rows(y: torch.Tensor, classes: Sequence[int]) -> torch.Tensor:
-    """Rows of `y` among `classes` (every row when `classes` is empty)."""
-    if not classes:
-        return torch.ones_like(y, dtype=torch.bool)
-    return torch.isin(y, torch.tensor(sorted(set(classes)), dtype=y.dtype))
 
 
 def local_and_ood(
@@ -74,21 +90,17 @@ def local_and_ood(
     clients: Mapping[str, Sequence[int]],
 ) -> dict[str, float]:
     """Per client, its whole model's accuracy on the rows of its classes (`local.<id>`) and on
-    the other rows (`ood.<id>`); their means over clients as `full_local`, `full_ood`.
-
-    The global model is evaluated once for every client without personal blobs."""
-    shared: torch.Tensor | None = None
+    the other rows (`ood.<id>`); their means over clients as `full_local`, `full_ood`."""
+    every = torch.arange(len(y))
+    hits = client_hits(model, blobs, x, y, {client: every for client in clients})
     out: dict[str, float] = {}
     for client, classes in sorted(clients.items()):
-        if has_own(blobs, client):
-            hits = predictions(model, full_model_weights(blobs, client), x) == y
-        else:
-            if shared is None:
-                shared = predictions(model, full_model_weights(blobs), x) == y
-            hits = shared
-        local = local_rows(y, classes)
-        out[f"local.{client}"] = _rate(hits, local)
-        out[f"ood.{client}"] = _rate(hits, ~local)
+        if classes:
+            local = torch.isin(y, torch.tensor(sorted(set(classes)), dtype=y.dtype))
+        else:  # no classes: every row is its own distribution
+            local = torch.ones_like(y, dtype=torch.bool)
+        out[f"local.{client}"] = _rate(hits[client], local)
+        out[f"ood.{client}"] = _rate(hits[client], ~local)
     for name, key in (("local", "full_local"), ("ood", "full_ood")):
         values = [v for k, v in out.items() if k.startswith(name + ".") and v == v]
         out[key] = sum(values) / len(values) if values else float("nan")
@@ -101,26 +113,12 @@ def local_test_accuracy(
     """Each client's model on its local test set exactly as the client measures it itself
     (`JobData.local_test`: the test rows of its classes, capped at `data.eval_samples`), as
     `local.<id>`, with `own.<id>` = 1 when the model is the client's own (personal blobs) and 0
-    when it is the global one. The global model is evaluated once, on the rows the clients
-    without their own model need."""
+    when it is the global one."""
     data = JobData(settings, dataset)
-    test = dataset.test
-    model = job_model(settings)
     rows = {client_id(k): torch.from_numpy(data.local_test(k)) for k in range(data.clients)}
-    shared_rows = [r for c, r in rows.items() if not has_own(blobs, c)]
-    shared = torch.zeros(len(test), dtype=torch.bool)  # hits of the global model, by test row
-    if shared_rows:
-        needed = torch.unique(torch.cat(shared_rows))
-        global_weights = full_model_weights(blobs)
-        shared[needed] = predictions(model, global_weights, test.x[needed]) == test.y[needed]
+    hits = client_hits(job_model(settings), blobs, dataset.test.x, dataset.test.y, rows)
     out: dict[str, float] = {}
-    for client, picked in rows.items():
-        own = has_own(blobs, client)
-        if own:
-            weights = full_model_weights(blobs, client)
-            hits = predictions(model, weights, test.x[picked]) == test.y[picked]
-        else:
-            hits = shared[picked]
-        out[f"local.{client}"] = float(hits.float().mean()) if len(picked) else float("nan")
-        out[f"own.{client}"] = 1.0 if own else 0.0
+    for client, right in hits.items():
+        out[f"local.{client}"] = float(right.float().mean()) if len(right) else float("nan")
+        out[f"own.{client}"] = 1.0 if has_own(blobs, client) else 0.0
     return out

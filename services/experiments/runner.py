@@ -15,8 +15,7 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from services.experiments.results import (
     read_records,
 )
 from services.experiments.spec import Experiment, FinalEval, Run
-from services.experiments.watchdog import watchdog
+from services.experiments.watchdog import run_stop
 from services.report.filesink import FileSink
 from services.report.records import MetricsSink
 from services.report.rundir import write_atomic
@@ -119,31 +118,6 @@ def reusable(run_dir: Path, settings: Settings) -> bool:
     return same and info.get("status") == "finished" and len(records) >= settings.job.rounds
 
 
-@contextmanager
-def linked(parent: threading.Event, poll_s: float = 0.2) -> Iterator[threading.Event]:
-    """A fresh event for one run that `parent` sets too.
-
-    The embedded runner sets its stop event itself when the job ends; the experiment's own
-    event (Ctrl-C) must survive that, and still reach the run in progress.
-    """
-    child = threading.Event()
-    done = threading.Event()
-
-    def relay() -> None:
-        while not done.is_set():
-            if parent.wait(poll_s):
-                child.set()
-                return
-
-    thread = threading.Thread(target=relay, name="experiment-stop-relay", daemon=True)
-    thread.start()
-    try:
-        yield child
-    finally:
-        done.set()
-        thread.join()
-
-
 def machine_line() -> str:
     """OS, CPU, cores, Python, torch and its intra-op threads (experiments share hosts)."""
     return ", ".join(
@@ -210,15 +184,12 @@ def execute(
     def stalled() -> None:
         echo(f"  [{run.label}] no new version for {stall_s:.0f} s: stopping the run")
 
-    with (
-        linked(stop) as run_stop,
-        watchdog(run_stop, stall_s, on_stall=stalled) as beat,
-    ):
+    with run_stop(stop, stall_s, on_stall=stalled) as (this_run, beat):
         tee = TeeSink([tee, beat])
         if run.kind == "centralized":
-            train_centralized(settings, dataset, tee, run_stop)
+            train_centralized(settings, dataset, tee, this_run)
         else:
-            run_service(settings, dataset, tee, run_stop, run_dir, final_eval)
+            run_service(settings, dataset, tee, this_run, run_dir, final_eval)
     wall_s = time.monotonic() - started
     meta = {
         "label": run.label,

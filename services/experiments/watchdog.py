@@ -1,10 +1,13 @@
-"""Stop an experiment run that no longer publishes versions.
+"""The stop event of one experiment run: set by the experiment's own (Ctrl-C), or when the run
+no longer publishes versions.
 
-A synchronous job whose model has diverged publishes no version again: every client refuses to
-send an update holding NaN, the round gets no update and reopens, until
-`rounds.max_empty_attempts` empty attempts (each twice the round deadline) fail the job. An
-experiment must still finish and report the rounds it got, and sooner, so a run that publishes
-nothing for `stall_s` seconds is stopped (its status is then "stopped", its records kept).
+The embedded runner sets its stop event itself when the job ends; the experiment's event must
+survive that, and still reach the run in progress, so each run gets a fresh one. A synchronous
+job whose model has diverged publishes no version again: every client refuses to send an
+update holding NaN, the round gets no update and reopens, until `rounds.max_empty_attempts`
+empty attempts (each twice the round deadline) fail the job. An experiment must still finish
+and report the rounds it got, and sooner, so a run that publishes nothing for `stall_s` seconds
+is stopped (its status is then "stopped", its records kept).
 """
 
 from __future__ import annotations
@@ -35,35 +38,31 @@ class Heartbeat:
 
 
 @contextmanager
-def watchdog(
-    stop: threading.Event,
-    stall_s: float,
+def run_stop(
+    parent: threading.Event,
+    stall_s: float = 0.0,
     *,
     on_stall: Callable[[], None] = lambda: None,
     clock: Callable[[], float] = time.monotonic,
-    poll_s: float = 1.0,
-) -> Iterator[Heartbeat]:
-    """A `Heartbeat` to feed the run's records; sets `stop` (after `on_stall()`) once no record
-    has come for `stall_s` seconds. `stall_s <= 0` watches nothing."""
-    beat = Heartbeat(clock)
-    if stall_s <= 0:
-        yield beat
-        return
-    done = threading.Event()
+    poll_s: float = 0.2,
+) -> Iterator[tuple[threading.Event, Heartbeat]]:
+    """A fresh event for one run, set once `parent` is, and a `Heartbeat` to feed the run's
+    records: the event is also set (after `on_stall()`) once no record has come for
+    `stall_s` seconds. `stall_s <= 0` watches no records."""
+    stop, beat, done = threading.Event(), Heartbeat(clock), threading.Event()
 
     def watch() -> None:
-        while not done.wait(poll_s):
-            if stop.is_set():
-                return
-            if beat.idle_s() >= stall_s:
+        while not done.is_set() and not stop.is_set():
+            if parent.wait(poll_s):
+                stop.set()
+            elif stall_s > 0 and beat.idle_s() >= stall_s:
                 on_stall()
                 stop.set()
-                return
 
-    thread = threading.Thread(target=watch, name="experiment-watchdog", daemon=True)
+    thread = threading.Thread(target=watch, name="experiment-run-stop", daemon=True)
     thread.start()
     try:
-        yield beat
+        yield stop, beat
     finally:
         done.set()
         thread.join()

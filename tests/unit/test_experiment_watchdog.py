@@ -1,10 +1,11 @@
-"""The experiment watchdog: a run that publishes no version for `stall_s` is stopped."""
+"""A run's stop event: the experiment's reaches it but not back, and a run that publishes no
+version for `stall_s` is stopped."""
 
 from __future__ import annotations
 
 import threading
 
-from services.experiments.watchdog import watchdog
+from services.experiments.watchdog import run_stop
 from services.report.records import VersionRecord
 
 
@@ -35,9 +36,22 @@ class FakeClock:
         return self.now
 
 
+def test_the_experiments_stop_reaches_the_run_but_not_back() -> None:
+    parent = threading.Event()
+    with run_stop(parent, poll_s=0.01) as (child, _):
+        child.set()  # the embedded runner sets its own event at the end of a job
+    assert not parent.is_set()
+    with run_stop(parent, poll_s=0.01) as (child, _):
+        parent.set()
+        assert child.wait(2.0)
+
+
 def test_a_stalled_run_is_stopped_and_told() -> None:
-    clock, stop, told = FakeClock(), threading.Event(), []
-    with watchdog(stop, 10.0, on_stall=lambda: told.append(clock.now), clock=clock, poll_s=0.001):
+    clock, told = FakeClock(), []
+    watched = run_stop(
+        threading.Event(), 10.0, on_stall=lambda: told.append(clock.now), clock=clock, poll_s=0.001
+    )
+    with watched as (stop, _):
         clock.now = 9.0
         assert not stop.wait(0.05)  # polled many times, still within stall_s
         clock.now = 10.0
@@ -46,8 +60,8 @@ def test_a_stalled_run_is_stopped_and_told() -> None:
 
 
 def test_each_version_resets_the_wait() -> None:
-    clock, stop = FakeClock(), threading.Event()
-    with watchdog(stop, 10.0, clock=clock, poll_s=0.001) as beat:
+    clock = FakeClock()
+    with run_stop(threading.Event(), 10.0, clock=clock, poll_s=0.001) as (stop, beat):
         clock.now = 9.0
         beat.record(record())
         clock.now = 18.0
@@ -57,9 +71,8 @@ def test_each_version_resets_the_wait() -> None:
         assert stop.wait(5.0)
 
 
-def test_zero_watches_nothing() -> None:
-    clock, stop = FakeClock(), threading.Event()
-    with watchdog(stop, 0.0, clock=clock, poll_s=0.001):
+def test_zero_watches_no_records() -> None:
+    clock = FakeClock()
+    with run_stop(threading.Event(), 0.0, clock=clock, poll_s=0.001) as (stop, _):
         clock.now = 1e9
-        assert not any(t.name == "experiment-watchdog" for t in threading.enumerate())
         assert not stop.wait(0.05)
