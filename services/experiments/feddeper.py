@@ -19,7 +19,7 @@ from services.experiments.spec import (
     Run,
     Table,
     algorithm,
-    example_config,
+    from_examples,
     smoke,
 )
 from services.experiments.tables import pct, pts
@@ -160,88 +160,11 @@ def verdict(results: ResultSet) -> list[str]:
     return lines
 
 
-SUMMARY = """
-FedDeper (each client keeps a personalised model v_k across rounds and uploads the
-depersonalised `y = u - lam (v_k - x)`; docs/algorithms.md, "FedDeper") against FedAvg, with
-no split (the whole model on the clients, `cnn5`, 21.9k parameters). Fashion-MNIST,
-pathological non-IID: the training images sorted by label, cut into 2n shards and two shards
-of distinct labels dealt to each client, so every client holds exactly 2 classes and its
-local test set is the test images of those 2 classes. n = 10 clients, all in every round, and
-n = 100 clients, 10 sampled per round. FedDeper at rho = 0.1 (default) and rho = 1, lam = 0.5.
-Plain SGD, lr 0.05, batch 32; one seed (0) per run.
-Base config: `examples/experiments/feddeper.toml`.
-
-**Global accuracy**: the aggregated model on the test set. **Personalised accuracy**: for
-FedDeper, each participant's v_k (after the round's training) on its local test set, as the
-clients report it, averaged over the round's participants; **for FedAvg, which has no
-personal model, it is the new global model on each participant's local test set** (the
-aggregator's evaluation). FedDeper's global model measured that way is in the sentences below
-the tables.
-"""
-
-CLAIM = """
-The abstract says FedDeper "can significantly mitigate statistical heterogeneity through the
-depersonalization mechanism", reducing the accumulated variance of local updates "to
-accelerate the FL convergence" on non-iid data, and that it yields personalised models as well
-as the aggregated one (Zhou et al., arXiv 2210.03444). We could read only the abstract and the
-introduction, not the experiments: the paper's numbers, model, rho, lam and learning rate are
-not known to us, so we check the direction only: the aggregated model at least as accurate as
-FedAvg's and getting there sooner, and the personalised v_k better on its client's classes.
-"""
-
-SCALING = """
-The paper's training budget is not known to us. Ours: 30 rounds of 10 local steps of 32
-samples per participating client (9,600 samples trained a round, 288,000 in a run, about five
-passes over the training images at n = 10 and under one pass at n = 100, where each client
-takes part in about 3 rounds), global accuracy on the first 2,000 of the 10,000 test images
-(`eval_samples`). A client evaluates v_k on all 2,000 test images of its 2 classes; the
-aggregator evaluates the global model on those classes among the first 2,000 test images
-(about 400 per client): the same distribution, a smaller sample. These are accuracies after
-a short budget, not converged ones. The grid (6 runs) is sized for about 15 minutes on 2
-otherwise idle CPU cores; the wall times below were measured on a host shared with other jobs
-(the load average at each run's start is in the runs table), and a diverged run adds the
-watchdog's wait.
-"""
-
-NOTES = """
-**How to read these numbers.**
-- With 2 classes per client a local model is a 2-way classifier: a v_k that stays close to a
-  purely local model scores high on its own classes after a few steps, and rho decides how
-  close (rho = 0 would make it purely local). The personalised accuracy says how well each
-  client is served on its own classes, not how good the shared model is.
-- At n = 100 a client is sampled in about 3 of the 30 rounds, so its v_k has had about 30 local
-  steps by the end, starting from the global model of its first round.
-- The personalised accuracy is a mean over the round's participants (10 clients), and
-  FedAvg's over the same participants, so a round's number depends on which classes were
-  sampled; the sentences above use the mean of the last rounds.
-- FedDeper trains two models per step (u and v_k), twice FedAvg's client compute.
-- One seed per run: differences of a point or two are within what another seed could change
-  (not measured here). Our reading of the rule may differ from the paper's
-  (docs/algorithms.md, "FedDeper").
-
-**Why the aggregated model can be pushed away under our reading** (our arithmetic on a toy
-model, not a statement about the paper). Take a client whose loss is `h/2 ||w - o||^2` along
-one direction (curvature h, optimum o). In a round, u moves a share `c = 1 - (1 - eta h)^tau`
-of the way from x to o, while v, kept across rounds, settles where `g(v) + rho (v - x) = 0`,
-i.e. `v - x = h / (h + rho) (o - x)`. The upload `y = u - lam (v - x)` then moves x by
-`(c - lam h / (h + rho)) (o - x)`: towards the clients' optima only when `c > lam h / (h +
-rho)`. With eta = 0.05 and tau = 10, `c` is about `0.5 h` for small h, against `5 h` at rho =
-0.1 and about `0.5 h / (1 + h)` at rho = 1 (lam = 0.5): at rho = 0.1 the flat directions push
-x away from where the clients are, more so as each v_k settles over the rounds; at rho = 1
-they barely pull it in. FedAvg is the case lam = 0.
-"""
-
-
 def build() -> Experiment:
     methods = (FEDAVG, *(feddeper_label(r) for r in RHOS))
     diffs = tuple((m, FEDAVG) for m in methods[1:])
-    return Experiment(
-        name=NAME,
-        title="FedDeper vs FedAvg (Fashion-MNIST, 2-class shards, n = 10 and n = 100)",
-        summary=SUMMARY,
-        claim=CLAIM,
-        scaling=SCALING,
-        base=example_config(NAME),
+    return from_examples(
+        NAME,
         runs=grid(POPULATIONS, RHOS),
         quick_runs=grid((("10", 1.0),), RHOS[:1]),
         quick=smoke(),
@@ -281,6 +204,5 @@ def build() -> Experiment:
             ),
         ),
         verdict=verdict,
-        notes=NOTES,
         stall_s=STALL_S,
     )

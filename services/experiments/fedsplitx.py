@@ -34,7 +34,7 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.figures import FigureSlot, plot_rounds
 from services.experiments.results import ResultSet, RunResult, finite, late_mean, mean, swing
-from services.experiments.spec import Experiment, Run, algorithm, example_config, smoke
+from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, pct, percent, points, pts
 
 NAME = "fedsplitx"
@@ -400,96 +400,13 @@ def verdict(results: ResultSet) -> list[str]:
     return lines
 
 
-SUMMARY = """
-FedSplitX (docs/algorithms.md, "FedSplitX and local-loss SFL") with 50 clients declaring depth
-levels 1/2/3 = 16/16/18 (`clients.capability_mix = "16,16,18"`), the cnn5's cuts block1 (conv),
-block2 (conv) and block3 (FC 50) as the partition points: a level-m client trains the blocks
-up to its cut with the heads a_1..a_m on its own summed loss and never waits for a gradient;
-the worker trains the rest (deeper heads and the output) on its activations; heteroavg merges
-them. Against:
-
-- **EXC-level-1** and **EXC-level-3**, exclusive learning: our reading of the paper's baseline
-  (named after DepthFL's "exclusive learning", where resource-constrained clients are simply
-  left out): the global model is the level-m model (blocks up to c_m with its head a_m),
-  trained by FedAvg by the clients that can run it, **no server side**. EXC-level-1: all 50
-  clients train the small level-1 model; EXC-level-3: only the 18 level-3 clients train the
-  level-3 model. Each runs as local-loss SFL at cut c_m, whose client side is exactly that
-  FedAvg (no gradient and no server tensor reaches the client blocks or the head); its
-  client-side accuracy is EXC's.
-- **Local-loss SFL with an early cut** (AccSFL at block1, all 50 clients): the EXC-level-1
-  run's full model and server compute.
-- **All-level-3**: all 50 clients at level 3, as if every client could afford it (the cost of
-  exclusion; also the reading "all clients at level 3" of the task).
-
-Fashion-MNIST split IID over the 50 clients (1,200 images each), 10 clients sampled per round
-(4 of 18 for EXC-level-3), SGD lr 0.05 momentum 0.9, batch 32, one seed (0) per run. Client
-models are evaluated as they predict on their own: blocks up to the cut and that cut's head.
-Base config: `examples/experiments/fedsplitx.toml`.
-"""
-
-CLAIM = f"""
-FedSplitX "effectively utilizes server capabilities to train large models, outperforming
-baseline approaches" that "limit model size to meet the requirement of the poorest client"
-(the abstract, Shin, Ahn, Kang, Kang, {PAPER}); its baselines are exclusive learning (EXC),
-FjORD, DepthFL and AccSFL, and by a third-party summary of the paper it also involves more
-clients than AccSFL's fixed partition point allows while reducing the server's computational
-load compared to AccSFL. We could read only the abstract and that summary, not the paper's
-tables: we check the direction only: FedSplitX's full model more accurate than EXC-level-1's
-and EXC-level-3's global models, and less server compute per sample than local-loss SFL at an
-early cut.
-"""
-
-SCALING = """
-The paper's models (large networks, CIFAR) and training budget are not reproduced: the cnn5
-(23.6k parameters with its heads) on Fashion-MNIST, 20 rounds of 12 local steps of 32 samples
-per sampled client (10 of 50 per round: 76,800 samples trained in a FedSplitX run, 1.3 passes
-over the training images; 4 of 18 per round for EXC-level-3: 30,720), each version evaluated on
-the first 2,000 test images and the final one on all 10,000. These are accuracies after a short
-budget, not converged ones. Every client trains 12 × 32 = 384 rows a round, fewer than the
-1,200 it holds, so the server FLOPs per sample are plain means over (round, participant).
-**Exclusion is not strict here**: the EXC-level-3 run splits the whole training set over its
-18 clients (3,333 images each) instead of leaving the 32 weaker clients' 38,400 images out;
-with about 1,700 rows trained per client in the run (IID), this favours EXC-level-3 a little
-(fewer repeated images), and what it takes away is mainly clients per round (4 instead of 10).
-CIFAR-10 was not run (time).
-"""
-
-NOTES = """
-**How to read these numbers.**
-- With the cnn5, the level-3 client model (convs, FC 50 and a linear head) has the same shape
-  as the full model (the server side of a level-3 client is one 50→10 layer). The paper's
-  point, a global model larger than any client can train, shows here only against the
-  EXC-level-1 model; against EXC-level-3 the comparison is about who trains the model (18
-  clients vs all 50 through the server), not its size.
-- Where FedSplitX trails (our reading, not measured separately): its middle blocks have two
-  kinds of holders that train them differently, the clients on their local heads and the
-  server's replica on the deeper heads and the output, and heteroavg averages the copies
-  every round; the output layer is trained on the replica's block3 only, then sees the
-  averaged one. Local-loss SFL at block1 has one holder per tensor (clients for block1 and its
-  head, the replica for the rest), so its server side is plain sequential SGD on every row;
-  EXC-level-3 and All-level-3 average only client copies trained the same way.
-- No gradient of the output's loss reaches the client blocks in FedSplitX or in local-loss
-  SFL: the client blocks learn from the auxiliary heads only.
-- The measured server FLOPs depend on which levels each round's sample drew; the caption of
-  the server table gives the draws and the population's expected mean.
-- One seed per run: differences of a point or two are within what another seed could change
-  (not measured here); the last-rounds means are less noisy than the final values.
-"""
-
-
 def build() -> Experiment:
-    return Experiment(
-        name=NAME,
-        title="FedSplitX vs exclusive learning and local-loss SFL (Fashion-MNIST, 50 clients)",
-        summary=SUMMARY,
-        claim=CLAIM,
-        scaling=SCALING,
-        base=example_config(NAME),
+    return from_examples(
+        NAME,
         runs=grid(MIX),
         quick_runs=grid(QUICK_MIX),
         quick=smoke(clients={"fraction": 1.0}),
         verdict=verdict,
-        notes=NOTES,
         final_eval=final_eval,
         extras=extras,
     )

@@ -18,7 +18,7 @@ from services.experiments.spec import (
     Run,
     Table,
     algorithm,
-    example_config,
+    from_examples,
     smoke,
 )
 
@@ -153,54 +153,9 @@ def verdict(results: ResultSet) -> list[str]:
     return lines
 
 
-SUMMARY = """
-MiniBatch-SFL (one server step per local step index on all clients' smashed data, weighted
-by data size) against SFL-V2 (one shared server model updated on each smashed batch as it
-arrives), FedAvg (whole model on the clients) and a centralized baseline (the same model
-trained in one loop on the union of the clients' data, same optimiser, same number of
-minibatch steps per round). Fashion-MNIST, N = 10 clients, the 5-layer CNN (`cnn5`, 21.9k
-parameters), non-IID ratio r (a share r of the samples sorted by label and dealt in blocks,
-the rest uniform; r = 0.95 leaves each client with essentially one class), the cut after
-block 1 (conv), 2 (conv) or 3 (FC 50; only the classifier stays on the server). Plain SGD,
-lr 0.05, batch 32, every client in every round; one seed (0) per run. Base config:
-`examples/experiments/minibatch_sfl.toml`.
-"""
-
-CLAIM = f"""
-MiniBatch-SFL is more accurate than SFL and FL, by up to {PAPER_GAIN_OVER_SFL}% and
-{PAPER_GAIN_OVER_FL}% with highly non-IID data, and a later cut layer gives it a smaller
-gradient divergence and better accuracy (Huang, Tian, Tang, arXiv 2308.11953). We read the
-percentages as accuracy points.
-"""
-
-SCALING = """
-Training stops after a fixed, small budget instead of at convergence (three quarters of a
-pass over the 60,000 training images in all; sizes below), and accuracy is measured on the
-first 5,000 of the 10,000 test images (`eval_samples`): these are early-training accuracies,
-below converged ones, on a grid of 22 runs meant to fit in about 15 minutes on 2 CPU cores.
-"""
-
-NOTES = """
-**How our setup differs from the paper's.**
-- SFL-V2 here is SplitMQ's: all clients train at once and the worker applies their smashed
-  batches in arrival order, so the shared server model sees the clients' batches interleaved
-  step by step, not client after client. It also takes N server steps per local step index
-  where MiniBatch-SFL takes one averaged step at the same learning rate.
-- One seed per run: differences of a point or two are within what another seed could
-  change (not measured here).
-- Our model, learning rate, local steps and round count are our own choices (above); the
-  paper's are not reproduced.
-"""
-
-
 def build() -> Experiment:
-    return Experiment(
-        name=NAME,
-        title="MiniBatch-SFL vs SFL-V2 vs FedAvg vs centralized (Fashion-MNIST, N = 10)",
-        summary=SUMMARY,
-        claim=CLAIM,
-        scaling=SCALING,
-        base=example_config(NAME),
+    return from_examples(
+        NAME,
         runs=grid(RATIOS, CUTS),
         quick_runs=grid(("0.95",), ("block1",)),
         quick=smoke(),
@@ -230,5 +185,4 @@ def build() -> Experiment:
             ),
         ),
         verdict=verdict,
-        notes=NOTES,
     )

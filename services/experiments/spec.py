@@ -153,3 +153,34 @@ def example_config(name: str, directory: Path = EXAMPLES_DIR) -> dict[str, Any]:
         raise FileNotFoundError(
             f"experiment config {path} not found: experiments run from a SplitMQ source tree"
         ) from None
+
+
+# The sections of `examples/experiments/<name>.md` and the `Experiment` fields they fill.
+_WORDS = {"Summary": "summary", "Paper's claim": "claim", "Scaling": "scaling", "Notes": "notes"}
+
+
+def example_words(name: str, directory: Path = EXAMPLES_DIR) -> dict[str, str]:
+    """The experiment's words, `examples/experiments/<name>.md`: its `# title`, then the
+    `## Summary`, `## Paper's claim`, `## Scaling` and `## Notes` written into its section."""
+    title, _, rest = (directory / f"{name}.md").read_text(encoding="utf-8").partition("\n")
+    words = {"title": title.removeprefix("# ").strip()}
+    for block in rest.split("\n## ")[1:]:
+        heading, _, text = block.partition("\n")
+        words[_WORDS[heading.strip()]] = text.strip()
+    return words
+
+
+def from_examples(name: str, **fields: Any) -> Experiment:
+    """Experiment `name` with its base config and its words from `examples/experiments/`
+    (`example_config`, `example_words`) and the rest from `fields`."""
+    words = example_words(name)
+    return Experiment(
+        name=name,
+        title=words["title"],
+        summary=words["summary"],
+        claim=words["claim"],
+        scaling=words["scaling"],
+        notes=words.get("notes", ""),
+        base=example_config(name),
+        **fields,
+    )

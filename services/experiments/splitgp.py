@@ -26,7 +26,7 @@ from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
 from services.experiments.figures import FigureSlot, line_style
 from services.experiments.results import ResultSet, RunResult
-from services.experiments.spec import Experiment, Run, example_config, smoke
+from services.experiments.spec import Experiment, Run, from_examples, smoke
 from services.experiments.tables import markdown_table, percent
 
 NAME = "splitgp"
@@ -273,62 +273,13 @@ def _finite_or(value: float, default: float = -math.inf) -> float:
     return value if math.isfinite(value) else default
 
 
-SUMMARY = """
-SplitGP (each client trains its four conv layers phi_k and a linear head h_k on
-F_k = gamma l(h(phi(x))) + (1 - gamma) l(theta(phi(x))), the workers train the server side
-theta, and after each round phi_k, h_k <- lam * own + (1 - lam) * mean; gamma = 0.5,
-lam = 0.2) against multi-exit (the same with lam = 0: one shared client model and head), SFL
-(SFL-V2: shared client side, no head), FedAvg (the whole model on the clients) and local-only
-(`standalone`: each client trains its own whole model, nothing is shared). MNIST and
-Fashion-MNIST, K = 50 clients with 2 label-sorted shards of 600 images (about 2 classes per
-client), every client in every round; `vgg_mini` cut at `stage3`: conv 8-16-32-32 (3x3, BN,
-ReLU) on the client, its head one linear layer on the 2x2-pooled map, conv 64 + FC 64 + FC 10
-on the server; SGD lr 0.05 momentum 0.9, batch 32; split inference at E_th = 0.5 nats. Each
-client's final model is tested on the first 1,000 test images, split into its own classes
-(local) and the others (out of distribution). Base config: `examples/experiments/splitgp.toml`.
-"""
-
-CLAIM = """
-SplitGP achieves both personalisation and generalisation: across the whole range of the
-out-of-distribution share p of the test samples, it stays more accurate than local-only
-training, FedAvg, multi-exit (lam = 0) and SFL; with split inference a client answers its own
-classes with its head and offloads the rest (Han, Kim, Choi, Brinton, Moon, "SplitGP:
-Achieving Both Generalization and Personalization in Federated Learning", INFOCOM 2023).
-"""
-
-SCALING = """
-10 rounds of 4 local steps of 32 images per client (about one pass over a client's 1,200
-images in all) instead of training to convergence: these are early-training accuracies. Per
-round, SplitGP's metrics are measured on the first 100 test images (`eval_samples`); the
-final comparison on the first 1,000 (about 200 of a client's own classes, 800 others).
-"""
-
-NOTES = """
-**How our setup differs from the paper's.**
-- One theta on the workers (S = 1), updated on the clients' smashed batches as they arrive
-  (as SFL-V2); the paper aggregates theta with alpha_k.
-- `vgg_mini` is our network with the shape the paper states (four conv layers and a linear
-  head on the client); the widths are ours.
-- "SplitGP, best E_th per p" picks the threshold on the test rows themselves: an upper bound,
-  not a method. The verdict uses the configured E_th = 0.5.
-- One seed (0) per run: differences of a point or two are within what another seed could
-  change.
-"""
-
-
 def build() -> Experiment:
-    return Experiment(
-        name=NAME,
-        title="SplitGP vs local-only vs FedAvg vs multi-exit vs SFL (MNIST, FMNIST, K = 50)",
-        summary=SUMMARY,
-        claim=CLAIM,
-        scaling=SCALING,
-        base=example_config(NAME),
+    return from_examples(
+        NAME,
         runs=grid(DATASETS),
         quick_runs=grid(DATASETS[:1], (SPLITGP, SFL, LOCAL)),
         quick=smoke(3, 30, clients={"count": 6, "min_to_start": 6}),
         verdict=verdict,
-        notes=NOTES,
         final_eval=final_eval,
         extras=extras,
     )

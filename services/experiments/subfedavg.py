@@ -25,7 +25,7 @@ from services.data.loaders import Dataset
 from services.experiments.client_eval import local_test_accuracy
 from services.experiments.figures import FigureSlot, plot_rounds
 from services.experiments.results import ResultSet, RunResult, mean
-from services.experiments.spec import Experiment, Run, algorithm, example_config, smoke
+from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, percent, points
 
 NAME = "subfedavg"
@@ -254,70 +254,13 @@ def verdict(results: ResultSet) -> list[str]:
     return [*lines, reached] if reached else lines
 
 
-SUMMARY = """
-Sub-FedAvg (each client prunes its own subnetwork of the shared model; the server averages
-each weight over the clients that keep it) against Standalone (each client trains only its
-own model) and FedAvg. 100 clients with 2 label-sorted shards of 250 training images each
-(`shards` partition: about 2 classes per client), 10% of the clients per round, batch 10, SGD
-lr 0.01 momentum 0.5; LeNet-5 (with BatchNorm, 65k parameters) on CIFAR-10 and the 5-layer
-CNN (`cnn5`, with BatchNorm, 21.9k parameters) on MNIST. Sub-FedAvg prunes unstructured to
-30/50/70% of the parameters, or hybrid (conv channels by |BN scale|, unstructured FC) to
-50/70%. The metric is the paper's: the mean over the clients of each client's own model on
-its local test set (the test images of its classes); for FedAvg the final global model on each
-client's local test set. Base config: `examples/experiments/subfedavg.toml`.
-"""
-
-CLAIM = f"""
-Sub-FedAvg's personalised accuracy is about {PAPER_OVER_STANDALONE:.0f} points above
-Standalone's and about {PAPER_OVER_FEDAVG:.0f} points above FedAvg's, with far fewer parameters
-and FLOPs (Vahidian et al., "Personalized Federated Learning by Structured and Unstructured
-Pruning under Data Heterogeneity").
-"""
-
-SCALING = """
-20 rounds instead of training to convergence: each client takes part about twice (about 12
-of the 100 never). A round's local training is capped at 50 steps of 10 images (one pass over
-the client's 500 images) instead of E = 5 passes; Sub-FedAvg keeps E = 5 for where it derives
-the first-epoch mask (after a fifth of the round's steps). Since a client prunes at most once
-per round it takes part in, each adoption prunes 50% of the alive weights (the paper: 10% per
-round over many more rounds), cut to land exactly on the target, so two adoptions reach 70%.
-Local test sets are the first 500 test images of the client's classes (`eval_samples`); the
-per-round global accuracy uses the first 500 test images.
-"""
-
-
-NOTES = """
-**How our setup differs from the paper's.**
-- Clients never sampled keep the initial model; they are left out of the averages (the
-  `clients counted` column), as are clients that never reported.
-- Our LeNet-5 and CNN have BatchNorm after each conv layer (hybrid pruning reads channel
-  importance from the BN scales); the paper's unstructured models have none.
-- Sub-FedAvg's accuracy is each client's pruned model after its last local training, as the
-  client measures it; Standalone's is its own model after its last local training (the
-  same moment); FedAvg's is the final global model, not fine-tuned.
-- A client prunes only in rounds it takes part in: one that took part once has had one
-  adoption (50%), so the unstructured 70% target is reached on average only partly. The
-  hybrid channel stage prunes whole channels in one step and can pass the target.
-- The cohort curves show, for FedAvg, the new global model on the classes of the clients that
-  just trained it, which flatters it: the table's FedAvg number is the final global model on
-  every client's classes.
-- One seed (0) per run; differences of a few points are within what another seed could change.
-"""
-
-
 def build() -> Experiment:
-    return Experiment(
-        name=NAME,
-        title="Sub-FedAvg vs Standalone vs FedAvg (CIFAR-10 LeNet-5, MNIST CNN, 100 clients)",
-        summary=SUMMARY,
-        claim=CLAIM,
-        scaling=SCALING,
-        base=example_config(NAME),
+    return from_examples(
+        NAME,
         runs=grid(DATASETS, VARIANTS),
         quick_runs=grid(DATASETS[1:], VARIANTS[1:2]),
         quick=smoke(5, 100, clients={"count": 10, "min_to_start": 10, "fraction": 0.5}),
         verdict=verdict,
-        notes=NOTES,
         final_eval=final_eval,
         extras=extras,
     )
