@@ -341,7 +341,7 @@ class Deployment:
 
 def grad_bytes(settings: Settings, case: Case) -> int:
     """Bytes of one batch's gradient on the wire: the least a real (non-stale) reply carries."""
-    from workers.model import job_model
+    from services.common.jobmodel import job_model
 
     shape = job_model(settings).cut_shape(case.cut)
     size = BATCH * {"float32": 4, "float16": 2, "bfloat16": 2}[case.dtype]

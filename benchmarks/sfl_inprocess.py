@@ -29,9 +29,9 @@ from models.parts import ServerModel
 from services.algorithms.base import CohortBatch, Hyper
 from services.algorithms.sfl import SFL
 from services.client.data import JobData, client_batches
+from services.common.jobmodel import job_model
 from services.config.loading import load_settings
 from services.data.batches import Batch, ClientBatches
-from workers.model import job_model
 
 
 class Loop:

@@ -43,9 +43,6 @@ class StepBarrier(Generic[T]):
     def __len__(self) -> int:
         return sum(len(q) for q in self._buffered.values())
 
-    def items(self) -> list[T]:
-        return [item for q in self._buffered.values() for _, item in q]
-
     def expected(self, cohort: Mapping[str, int], progress: Progress) -> list[str]:
         return [c for c in cohort if c not in self.dropped and not finished(progress.get(c))]
 
@@ -87,8 +84,6 @@ class StepBarrier(Generic[T]):
                     return item
         return None
 
-    def clear(self) -> list[T]:
-        """Forget every buffered batch (they return to the queue unacked); returns them."""
-        items = self.items()
+    def clear(self) -> None:
+        """Forget every buffered batch (they return to the queue unacked)."""
         self._buffered.clear()
-        return items

@@ -104,13 +104,8 @@ def check_marker(message: RoundStart | RoundEnd, current_version: int) -> Reject
     return None
 
 
-def parse_cohort(
-    message: RoundStart, want: ShardExpectations
-) -> tuple[dict[str, int] | None, Rejection | None]:
-    """The `{client: samples}` of a RoundStart, or why it is unusable."""
-    addressing = check_addressing(message, want)
-    if addressing is not None:
-        return None, addressing
+def parse_cohort(message: RoundStart) -> tuple[dict[str, int] | None, Rejection | None]:
+    """The `{client: samples}` of a RoundStart (addressed right), or why it is unusable."""
     cohort: dict[str, int] = {}
     for client, samples in message.participants.items():
         if not client or isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:

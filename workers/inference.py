@@ -26,24 +26,17 @@ import copy
 import logging
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from broker.codec import decode, encode
-from broker.errors import (
-    BackPressureError,
-    BrokerError,
-    DecodeError,
-    StaleDeliveryError,
-    VersionNotFoundError,
-)
-from broker.messages import Error, InferReply, InferRequest, Message, new_message_id
-from broker.rejection import Rejected, dead_letter_safely
-from broker.store import NO_VERSION, SERVER_PART, BlobRef, WeightStore
+from broker.codec import decode
+from broker.errors import DecodeError, StaleDeliveryError, VersionNotFoundError
+from broker.messages import Error, InferReply, InferRequest, new_message_id
+from broker.store import NO_VERSION, WeightStore
 from broker.topology import (
-    REPLIES_EXCHANGE,
     QueueLimits,
     dead_queue,
     infer_queue,
@@ -57,9 +50,9 @@ from models.state import load_partial
 from services.common.backends import Backends
 from services.config.root import Settings
 from services.security.identity import client_id_problem, sender_check
-from workers.model import ModelFactory, pick_device
+from workers.replica import SERVER, ModelFactory, pick_device
+from workers.replies import Replier, reject
 
-SERVER = BlobRef(SERVER_PART)
 # Unacked requests per server: a few, so that requests spread over the workers of a job.
 INFER_PREFETCH = 4
 # Versions of theta kept loaded (a client may still ask with the previous version's phi_k).
@@ -174,10 +167,11 @@ class InferenceServer:
             broker.subscribe(infer_queue_name(self._job), prefetch=INFER_PREFETCH)
             device = pick_device(self._settings.workers.device)
             thetas = ThetaCache(store, self._job, template, cut, device)
+            replier = Replier(broker, stop, self._log)
             while not stop.is_set():
                 delivery = broker.get(self._poll_s)
                 if delivery is not None:
-                    self._handle(broker, thetas, delivery, stop)
+                    self._handle(broker, replier, thetas, delivery)
         finally:
             try:
                 broker.close()
@@ -187,16 +181,18 @@ class InferenceServer:
 
     # --- one request ------------------------------------------------------------------------------
     def _handle(
-        self, broker: Broker, thetas: ThetaCache, delivery: Delivery, stop: threading.Event
+        self, broker: Broker, replier: Replier, thetas: ThetaCache, delivery: Delivery
     ) -> None:
+        def refuse(code: str, detail: str) -> None:
+            reject(broker, delivery, code, detail, self.stats.dead_lettered, self._log)
+
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._reject(broker, delivery, "decode", exc.reason)
+            refuse("decode", exc.reason)
             return
         if not isinstance(message, InferRequest):
-            detail = f"{type(message).__name__} does not belong on the infer queue"
-            self._reject(broker, delivery, "wrong_type", detail)
+            refuse("wrong_type", f"{type(message).__name__} does not belong on the infer queue")
             return
         # Nobody to answer: a client id that routes nowhere, or one the sender may not claim
         # (a service user, e.g. `splitmq infer`, asks for requesters of any name).
@@ -206,18 +202,26 @@ class InferenceServer:
             None if service else self._senders.client_problem(delivery, message.client)
         )
         if forged is not None:
-            self._reject(broker, delivery, "bad_client" if bad_id else "impostor", forged)
+            refuse("bad_client" if bad_id else "impostor", forged)
             return
         problem = self._problem(message)
         loaded = thetas.get(message.version) if problem is None else None
-        if problem is None and loaded is None:
-            problem = ("no_version", f"job {self._job} has no published version yet")
-        if problem is not None:
-            code, detail = problem
-            self._refuse(broker, message, code, detail, stop)
-            self._reject(broker, delivery, code, detail)
+        if loaded is None:
+            code, detail = problem or ("no_version", f"job {self._job} has no published version")
+            if message.client:  # tell the requester, so it does not wait in vain
+                error = Error(
+                    job=message.job,
+                    client=message.client,
+                    message_id=new_message_id(),
+                    version=message.version,
+                    code=code,
+                    reason=detail,
+                    ref_message_id=message.message_id,
+                )
+                if replier.publish(error, _reply_key(error)):
+                    self.stats.errors += 1
+            refuse(code, detail)
             return
-        assert loaded is not None
         version, theta = loaded
         reply = InferReply(
             job=message.job,
@@ -227,16 +231,18 @@ class InferenceServer:
             seq=message.seq,
             logits=server_logits(theta, message.activations),
         )
-        if self._send(broker, reply, stop):
+        if replier.publish(reply, _reply_key(reply)):
             self.stats.requests += 1
             self.stats.rows += int(message.activations.shape[0])
-        elif not stop.is_set():
+        elif not replier.stopping:
             # Nobody to answer (the requester never had a reply queue, or is gone): not lost
             # work but not served either; the dead-letter queue says whose it was.
-            detail = f"the answer to {message.client!r} cannot be delivered (no reply queue)"
-            self._reject(broker, delivery, "undeliverable", detail)
+            self.stats.undeliverable += 1
+            refuse("undeliverable", f"the answer to {message.client!r} cannot be delivered")
             return
-        self._ack(broker, delivery)
+        # A lost connection returns the request to the queue: answered twice, harmlessly.
+        with contextlib.suppress(StaleDeliveryError):
+            broker.ack(delivery)
 
     def _problem(self, message: InferRequest) -> tuple[str, str] | None:
         if message.job != self._job:
@@ -250,83 +256,11 @@ class InferenceServer:
             return "bad_shape", f"activations of shape {got}; the cut expects [N>0, {want}]"
         return None
 
-    def _refuse(
-        self,
-        broker: Broker,
-        request: InferRequest,
-        code: str,
-        detail: str,
-        stop: threading.Event,
-    ) -> None:
-        if not request.client:
-            return
-        error = Error(
-            job=request.job,
-            client=request.client,
-            message_id=new_message_id(),
-            version=request.version,
-            code=code,
-            reason=detail,
-            ref_message_id=request.message_id,
-        )
-        if self._send(broker, error, stop):
-            self.stats.errors += 1
 
-    def _send(self, broker: Broker, message: Message, stop: threading.Event) -> bool:
-        """Publish to the requester's inference reply queue (not its training reply queue: a
-        client's training loop consumes that one); False when it cannot be delivered."""
-        body = encode(message)
-        key = infer_reply_routing_key(message.job, message.client)
-        delay = 0.05
-        while True:
-            try:
-                # Transient, as gradients are: only worth anything while its requester waits.
-                broker.publish(
-                    REPLIES_EXCHANGE, key, body, message_id=message.message_id, persistent=False
-                )
-                return True
-            except BackPressureError:
-                if stop.wait(delay):
-                    return False
-                delay = min(2 * delay, 2.0)
-            except BrokerError as exc:  # unroutable (the requester left) or too large
-                self.stats.undeliverable += 1
-                self._log.warning("infer reply to %s not delivered: %s", message.client, exc)
-                return False
-
-    def _ack(self, broker: Broker, delivery: Delivery) -> None:
-        # A lost connection returns the request to the queue: answered twice, harmlessly.
-        with contextlib.suppress(StaleDeliveryError):
-            broker.ack(delivery)
-
-    def _reject(self, broker: Broker, delivery: Delivery, code: str, detail: str) -> None:
-        reason = f"{code}: {detail}"
-        if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
-            return
-        self.stats.dead_lettered[code] += 1
-        self._log.warning("dead-lettered an InferRequest: %s", reason)
-
-
-class InferenceThread:
-    """An `InferenceServer` on a daemon thread, stopped and joined by `close`."""
-
-    def __init__(self, server: InferenceServer, name: str, logger: logging.Logger) -> None:
-        self.server = server
-        self._stop = threading.Event()
-        self._log = logger
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.server.run(self._stop)
-        except Exception:
-            # Training goes on without it; requesters get no answer and time out.
-            self._log.exception("split inference stopped after a failure")
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
+def _reply_key(message: InferReply | Error) -> str:
+    """The requester's inference reply queue (not its training reply queue: a client's
+    training loop consumes that one)."""
+    return infer_reply_routing_key(message.job, message.client)
 
 
 def start_inference(
@@ -336,8 +270,25 @@ def start_inference(
     worker_id: str,
     model_factory: ModelFactory,
     logger: logging.Logger,
-) -> InferenceThread:
+) -> Callable[[], None]:
+    """An `InferenceServer` on a daemon thread; returns what stops and joins it."""
     server = InferenceServer(
         settings, backends, worker_id=worker_id, model_factory=model_factory, logger=logger
     )
-    return InferenceThread(server, f"infer-{worker_id}", logger)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            server.run(stop)
+        except Exception:
+            # Training goes on without it; requesters get no answer and time out.
+            logger.exception("split inference stopped after a failure")
+
+    thread = threading.Thread(target=run, name=f"infer-{worker_id}", daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(30.0)
+
+    return close

@@ -36,7 +36,6 @@ class MemberCache:
         self._members: frozenset[str] = frozenset()
         self._read_at: float | None = None
         self._strangers: OrderedDict[str, float] = OrderedDict()  # client -> when found missing
-        self.reads = 0
 
     def __call__(self, client: str) -> bool:
         now = self._clock()
@@ -62,4 +61,3 @@ class MemberCache:
             m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
         )
         self._read_at = now
-        self.reads += 1

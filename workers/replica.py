@@ -31,6 +31,17 @@ SERVER = BlobRef(SERVER_PART)
 # Seq sums are kept modulo this (seqs start at the client's clock in microseconds).
 AUDIT_MODULUS = 1 << 61
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+ModelFactory = Callable[[], SplitNet]
+
+
+def pick_device(setting: str, *, cuda_available: Callable[[], bool] | None = None) -> torch.device:
+    """`auto` is CUDA when present, else the CPU; asking for CUDA without one is an error."""
+    available = (cuda_available or torch.cuda.is_available)()
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" and not available:
+        raise ValueError("workers.device = 'cuda' but no CUDA device is available")
+    return torch.device("cuda" if available else "cpu")
 
 
 class Replica:
@@ -147,9 +158,6 @@ class Replica:
         self.round_samples += rows
         key = cut or self.cut
         self.cut_samples[key] = self.cut_samples.get(key, 0) + rows
-
-    def last_seq(self, client: str) -> int | None:
-        return self.seqs.get(client)
 
     def checkpoint(self) -> Checkpoint:
         state = self.server.state_dict()

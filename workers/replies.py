@@ -1,4 +1,5 @@
-"""Publishing GradientReplies: back-pressure is waited out, a vanished client is not fatal.
+"""Answers: GradientReplies (back-pressure waited out, a vanished client not fatal) and
+dead letters with their reason.
 
 Replies are transient (see `Replier.send`): a broker restart drops the ones not consumed yet.
 The client then publishes its batch again, and the worker, which applied it already, must not
@@ -13,15 +14,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
 from broker.codec import encode
 from broker.errors import BackPressureError, EncodeError, MessageTooLargeError, UnroutableError
-from broker.messages import GradientReply, new_message_id
+from broker.messages import Error, GradientReply, InferReply, SmashedBatch, new_message_id
+from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
-from broker.transport import Broker
+from broker.transport import Broker, Delivery
+
+Answer = GradientReply | InferReply | Error
 
 
 class Replier:
@@ -48,6 +52,10 @@ class Replier:
         self._keep = max(1, keep)
         self._last: OrderedDict[tuple[str, str], GradientReply] = OrderedDict()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def resend(self, job: str, client: str, seq: int) -> bool | None:
         """Send the reply last sent to `client` again, under a new message id, if it answers
         `seq`: whether it went out; None when no such reply is kept (another worker applied
@@ -61,11 +69,14 @@ class Replier:
         """True once the broker confirmed it; False when it cannot be delivered at all."""
         if reply.status == "ok":
             self._remember(reply)
-        what = f"job {reply.job} client {reply.client} seq {reply.seq}"
+        return self.publish(reply, reply_routing_key(reply.job, reply.client))
+
+    def publish(self, message: Answer, routing_key: str) -> bool:
+        """`message` on the replies exchange under `routing_key` (also split inference's)."""
         try:
-            body = encode(reply)
+            body = encode(message)
         except EncodeError as exc:
-            self._logger.error("reply to %s cannot be encoded: %s", what, exc)
+            self._logger.error("%s cannot be encoded: %s", _what(message), exc)
             return False
         delay = self._first_delay_s
         attempts = 0
@@ -77,9 +88,9 @@ class Replier:
                 # step, ~25% of SFL-V2 throughput (docs/benchmarks.md, "SFL-V2 throughput").
                 self._broker.publish(
                     REPLIES_EXCHANGE,
-                    reply_routing_key(reply.job, reply.client),
+                    routing_key,
                     body,
-                    message_id=reply.message_id,
+                    message_id=message.message_id,
                     persistent=False,
                 )
                 return True
@@ -89,15 +100,15 @@ class Replier:
                 # when the client is slow, and dropping the reply would leave it waiting. A
                 # stopping worker gives up after a few tries (the client will republish).
                 if self._stop.is_set() and attempts >= 3:
-                    self._logger.warning("reply to %s dropped: queue full while stopping", what)
+                    self._logger.warning("%s dropped: full while stopping", _what(message))
                     return False
                 self._sleep(delay)
                 delay = min(delay * 2, self._max_delay_s)
             except UnroutableError:
-                self._logger.warning("reply to %s unroutable: the client's queue is gone", what)
+                self._logger.warning("%s unroutable: the client's queue is gone", _what(message))
                 return False
             except MessageTooLargeError as exc:
-                self._logger.error("reply to %s too large: %s", what, exc)
+                self._logger.error("%s too large: %s", _what(message), exc)
                 return False
 
     def _remember(self, reply: GradientReply) -> None:
@@ -106,3 +117,44 @@ class Replier:
         self._last.move_to_end(key)
         while len(self._last) > self._keep:
             self._last.popitem(last=False)
+
+
+def _what(message: Answer) -> str:
+    return f"{type(message).__name__} to job {message.job} client {message.client}"
+
+
+def empty_reply(batch: SmashedBatch, version: int, status: str, reason: str) -> GradientReply:
+    """A reply without a gradient: "gone" (a duplicate), "rejected" (too stale)."""
+    return GradientReply(
+        job=batch.job,
+        client=batch.client,
+        message_id=new_message_id(),
+        version=version,
+        seq=batch.seq,
+        status=status,
+        loss=0.0,
+        correct=0,
+        samples=0,
+        grad=None,
+        reason=reason,
+    )
+
+
+def reject(
+    broker: Broker,
+    delivery: Delivery,
+    code: str,
+    detail: str,
+    counts: Counter[str],
+    logger: logging.Logger,
+) -> None:
+    """Dead-letter `delivery` with reason `"<code>: <detail>"` and count it under `code`."""
+    reason = f"{code}: {detail}"
+    # A full dead-letter queue: RabbitMQ's own dead-lettering still moves it there (or drops
+    # it), without our reason header; a poison message is never requeued.
+    if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
+        # Its connection is gone: it will be redelivered and rejected again then.
+        logger.info("dead-letter of a stale delivery from %s skipped (%s)", delivery.queue, reason)
+        return
+    counts[code] += 1
+    logger.warning("dead-lettered a message from %s: %s", delivery.queue, reason)

@@ -1,27 +1,33 @@
 """Everything one held shard does with its deliveries (architecture doc, sync round step 5).
 
-RoundStart → remember the cohort. SmashedBatch → validate, skip duplicates (seq at or below
-the client's last applied one), reload on a newer version, then the strategy's server step:
-one message at a time, up to `batch_messages` folded, or MiniBatch-SFL's step barrier; reply.
-RoundEnd → hand the replica in with a checkpoint. Deliveries stay unacked until a checkpoint
-covers them (design §7): a crash at any instant loses nothing, and the seqs in the checkpoint
-make every redelivered batch apply exactly once.
+SmashedBatch → validate (`workers.checks`), skip duplicates (seq at or below the client's last
+applied one), ask the clock (`workers.clock`) whether to train on it, then the strategy's
+server step: one message at a time, up to `batch_messages` folded, or MiniBatch-SFL's step
+barrier; reply with each gradient, cast back to the dtype the client sent. Sync rounds also
+take markers: RoundStart remembers the cohort (a batch of a newer version reloads the
+replica), RoundEnd hands the replica in with a checkpoint. Deliveries stay unacked until a
+checkpoint covers them (design §7): a crash at any instant loses nothing, and the seqs in the
+checkpoint make every redelivered batch apply exactly once. A step whose loss or gradients
+are not finite has poisoned the replica: nothing is recorded or answered, and it rolls back.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
-from broker.messages import RoundEnd, RoundStart, SmashedBatch
+from broker.messages import GradientReply, RoundEnd, RoundStart, SmashedBatch, new_message_id
 from broker.store import WeightStore
 from broker.transport import Broker, Delivery
-from services.algorithms.base import Strategy
+from services.algorithms.base import CohortBatch, Strategy
+from services.algorithms.staleness import TOO_STALE
 from services.metrics.recorder import NO_METRICS, Metrics
-from workers.async_shard import AsyncShard
 from workers.barrier import StepBarrier
 from workers.checks import (
     ShardExpectations,
@@ -31,17 +37,22 @@ from workers.checks import (
     check_membership,
     parse_cohort,
 )
-from workers.deadletter import reject
+from workers.clock import Clock
 from workers.replica import Replica
-from workers.replies import Replier
-from workers.serve import Item, answer_duplicate, serve
+from workers.replies import Replier, empty_reply, reject
 from workers.stats import WorkerStats
-
-ShardMessage = RoundStart | SmashedBatch | RoundEnd
 
 
 class LeaseLostError(Exception):
     """Another worker holds this shard's lease now: drop the shard without checkpointing."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """A valid batch waiting to be served, with the delivery to ack once it is checkpointed."""
+
+    delivery: Delivery
+    batch: SmashedBatch
 
 
 @dataclass(frozen=True)
@@ -51,8 +62,6 @@ class ShardPolicy:
     checkpoint_every_s: float
     pending_limit: int  # checkpoint before this many unacked deliveries: prefetch is finite
     barrier_timeout_s: float
-    # Async mode (docs/async.md): the bound on smashed data's staleness; None in sync mode.
-    async_max_staleness: int | None = None
 
 
 @dataclass
@@ -77,10 +86,16 @@ class ShardServices:
 
 class ShardRunner:
     def __init__(
-        self, replica: Replica, want: ShardExpectations, policy: ShardPolicy, io: ShardServices
+        self,
+        replica: Replica,
+        want: ShardExpectations,
+        clock: Clock,
+        policy: ShardPolicy,
+        io: ShardServices,
     ) -> None:
         self.replica = replica
         self._want = want
+        self._clock = clock
         self._policy = policy
         self._io = io
         self._pending: list[Delivery] = []  # handled, waiting for a checkpoint to ack them
@@ -88,8 +103,11 @@ class ShardRunner:
         self._steps_since = 0
         self._dirty = False
         self._fold: list[Item] = []
-        self._barrier: StepBarrier[Item] = StepBarrier(policy.barrier_timeout_s)
-        self._async = self._async_shard()
+        self._barrier: StepBarrier[Item] | None = (
+            StepBarrier(policy.barrier_timeout_s) if io.strategy.server_barrier else None
+        )
+        # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
+        self._send_grad = io.strategy.waits_for_gradient
 
     @property
     def shard(self) -> int:
@@ -97,97 +115,78 @@ class ShardRunner:
 
     def buffered(self) -> int:
         """Valid batches received but not applied yet (they go back to the queue on stop)."""
-        return len(self._fold) + len(self._barrier)
+        return len(self._fold) + (len(self._barrier) if self._barrier is not None else 0)
 
     def deadline(self) -> float | None:
-        return self._barrier.deadline()
+        return self._barrier.deadline() if self._barrier is not None else None
 
     # --- deliveries ---------------------------------------------------------------------------
-    def _async_shard(self) -> AsyncShard | None:
-        bound = self._policy.async_max_staleness
-        if bound is None:
-            return None
-        io = self._io
-        return AsyncShard(self.replica, io.store, self._want.job, bound, io.stats, io.logger)
-
-    def handle(self, delivery: Delivery, message: ShardMessage) -> None:
-        if self._async is not None and not isinstance(message, SmashedBatch):
-            # Async mode has no rounds: a marker would reset the replica's sample count.
-            self._reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
-            return
-        if isinstance(message, SmashedBatch):
-            self._on_batch(delivery, message)
-        elif isinstance(message, RoundStart):
-            self._on_round_start(delivery, message)
-        else:
-            self._on_round_end(delivery, message)
-
-    def _on_batch(self, delivery: Delivery, batch: SmashedBatch) -> None:
-        replica = self.replica
+    def on_batch(self, delivery: Delivery, batch: SmashedBatch) -> None:
+        replica, io = self.replica, self._io
         problem = check_batch(batch, self._want) or check_membership(
             batch, replica.cohort_round, replica.cohort
         )
-        if problem is None and not self._io.strategy.splits:
-            problem = ("no_server_side", f"algorithm {self._io.strategy.name} does not split")
         if problem is None and not self._member(batch.client):
             problem = ("unknown_client", f"client {batch.client!r} is not a member of the job")
         if problem is not None:
             self._reject(delivery, *problem)
             return
-        last = replica.last_seq(batch.client)
+        last = replica.seqs.get(batch.client)
         if last is not None and batch.seq <= last:
-            self._skip_duplicate(delivery, batch)
+            self._hold(delivery)  # acked with the next checkpoint, never applied again
+            self._answer_duplicate(batch)
             return
         if self._replaces_buffered(delivery, batch):
             return
-        if self._async is not None and self._async_refused(delivery, batch, self._async):
+        refused = self._clock.refusal(batch)
+        if refused is not None:
+            code, detail = refused
+            if code != TOO_STALE:
+                self._reject(delivery, code, detail)
+                return
+            # Valid, just too old: answered, and acked with the next checkpoint.
+            self._hold(delivery)
+            io.stats.too_stale += 1
+            io.replier.send(empty_reply(batch, self._clock.newest(), "rejected", detail))
             return
-        newest = replica.version if self._async is None else self._async.known_version
-        self._io.metrics.staleness(newest - batch.version)
-        if self._async is None and batch.version > replica.version:
+        if io.metrics.enabled:
+            io.metrics.staleness(self._clock.newest() - batch.version)
+        if self._clock.rounds and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
                 self._reject(delivery, "unknown_version", f"version {batch.version} not found")
                 return
         item = Item(delivery, batch)
-        if self._io.strategy.server_barrier:
-            self._barrier.add(batch.client, item, self._io.clock())
+        if self._barrier is not None:
+            self._barrier.add(batch.client, item, io.clock())
             self._step_barrier(force=False)
         else:
             self._fold.append(item)
             if len(self._fold) >= self._policy.batch_messages:
                 self.flush()
 
-    def _async_refused(self, delivery: Delivery, batch: SmashedBatch, mode: AsyncShard) -> bool:
-        """Async mode: a batch of an unknown version is dead-lettered, a too stale one
-        answered "too_stale" (valid, just too old: acked with the next checkpoint)."""
-        unknown = mode.unknown_version(batch)
-        if unknown is not None:
-            self._reject(delivery, "unknown_version", unknown)
-            return True
-        stale = mode.too_stale(batch)
-        if stale is None:
-            return False
-        self._hold(delivery)
-        mode.refuse(batch, stale, self._io.replier)
-        return True
-
     def _member(self, client: str) -> bool:
         """Cohort members and clients already applied here are known without asking."""
         replica = self.replica
         return client in replica.cohort or client in replica.seqs or self._io.known_client(client)
 
-    def _marker_problem(self, message: RoundStart | RoundEnd) -> tuple[str, str] | None:
-        return check_addressing(message, self._want) or check_marker(
+    def on_marker(self, delivery: Delivery, message: RoundStart | RoundEnd) -> None:
+        if not self._clock.rounds:
+            # Async mode has no rounds: a marker would reset the replica's sample count.
+            self._reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
+            return
+        problem = check_addressing(message, self._want) or check_marker(
             message, self._io.store.current_version(self._want.job)
         )
+        if problem is not None:
+            self._reject(delivery, *problem)
+        elif isinstance(message, RoundStart):
+            self._on_round_start(delivery, message)
+        else:
+            self._on_round_end(delivery, message)
 
     def _on_round_start(self, delivery: Delivery, message: RoundStart) -> None:
-        marker = self._marker_problem(message)
-        if marker is not None:
-            self._reject(delivery, *marker)
-            return
-        cohort, problem = parse_cohort(message, self._want)
+        cohort, problem = parse_cohort(message)
         if problem is not None or cohort is None:
             self._reject(delivery, *(problem or ("bad_cohort", "unusable participants")))
             return
@@ -200,16 +199,12 @@ class ShardRunner:
                 message.version,
             )
         if message.round >= self.replica.cohort_round:
-            if message.round > self.replica.cohort_round:
+            if message.round > self.replica.cohort_round and self._barrier is not None:
                 self._barrier.new_round()
             self.replica.begin_round(message.round, cohort)
         self._hold(delivery)
 
     def _on_round_end(self, delivery: Delivery, message: RoundEnd) -> None:
-        problem = self._marker_problem(message)
-        if problem is not None:
-            self._reject(delivery, *problem)
-            return
         # Every batch of the round is ahead of this marker: serve what is still buffered.
         self.settle()
         handed_in = self.replica.end_round(message.round)
@@ -240,49 +235,102 @@ class ShardRunner:
     def poll(self) -> None:
         """Time-driven work: a barrier past its timeout, a checkpoint that is due."""
         self._step_barrier(force=False)
-        now = self._io.clock()
         if self._pending and (
             self._steps_since >= self._policy.checkpoint_every_steps
             or len(self._pending) >= self._policy.pending_limit
-            or now - self._pending_since >= self._policy.checkpoint_every_s
-            or (self._async is not None and self._async.due())
+            or self._io.clock() - self._pending_since >= self._policy.checkpoint_every_s
+            or self._clock.due()
         ):
             self.checkpoint()
 
     def _step_barrier(self, *, force: bool) -> None:
-        replica = self.replica
-        while len(self._barrier) and (
+        barrier, replica = self._barrier, self.replica
+        if barrier is None:
+            return
+        while len(barrier) and (
             force
-            or self._barrier.ready(replica.cohort, replica.progress)
-            or self._barrier.expired(self._io.clock())
+            or barrier.ready(replica.cohort, replica.progress)
+            or barrier.expired(self._io.clock())
         ):
-            items = self._barrier.take(replica.cohort, replica.progress)
-            if self._barrier.dropped:
+            items = barrier.take(replica.cohort, replica.progress)
+            if barrier.dropped:
                 self._say(
                     logging.INFO,
                     "round %d: barrier stopped waiting for %s",
                     replica.cohort_round,
-                    sorted(self._barrier.dropped),
+                    sorted(barrier.dropped),
                 )
             self._apply(items)
 
     def _apply(self, items: list[Item]) -> None:
-        io = self._io
+        io, replica = self._io, self.replica
         started = time.perf_counter()
-        outcome = serve(items, self.replica, io.strategy, io.replier, io.stats)
-        if outcome.applied:
-            io.metrics.step(time.perf_counter() - started)
-            io.metrics.samples(sum(int(i.batch.labels.shape[0]) for i in outcome.applied))
-        if outcome.failure is not None:
-            self._say(logging.ERROR, "server step failed: %r", outcome.failure)
+        batches = [
+            CohortBatch(
+                i.batch.client,
+                i.batch.activations,
+                i.batch.labels,
+                self._cohort_weight(i.batch),
+                cut=i.batch.cut,
+            )
+            for i in items
+        ]
+        try:
+            results = io.strategy.server_step(replica.server, replica.optimizer, batches)
+        except Exception as exc:  # never let one step take the worker down
+            self._say(logging.ERROR, "server step failed: %r", exc)
             for item in items:
-                self._reject(item.delivery, "server_step", repr(outcome.failure))
-        elif outcome.poisoned:
-            self._rollback(outcome.poisoned)
-        else:
-            self._steps_since += 1
-            for item in outcome.applied:
-                self._hold(item.delivery)
+                self._reject(item.delivery, "server_step", repr(exc))
+            return
+        if not all(math.isfinite(loss) and bool(torch.isfinite(g).all()) for g, loss, _ in results):
+            # The batches whose own loss was not finite (all, if none was singled out); the
+            # others of the step are retried on a clean replica.
+            bad = [
+                i for i, (_, loss, _) in zip(items, results, strict=True) if not math.isfinite(loss)
+            ]
+            self._rollback(bad or items)
+            return
+        replica.steps += 1
+        io.stats.steps += 1
+        self._steps_since += 1
+        rows_total = 0
+        for item, (grad, loss, correct) in zip(items, results, strict=True):
+            b = item.batch
+            rows = int(b.labels.shape[0])
+            rows_total += rows
+            replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut)
+            self._hold(item.delivery)
+            reply = GradientReply(
+                job=b.job,
+                client=b.client,
+                message_id=new_message_id(),
+                version=replica.version,
+                seq=b.seq,
+                status="ok",
+                loss=loss,
+                correct=correct,
+                samples=rows,
+                grad=(
+                    grad.detach().to(device="cpu", dtype=b.activations.dtype).contiguous()
+                    if self._send_grad
+                    else None
+                ),
+            )
+            if io.replier.send(reply):
+                io.stats.replies += 1
+            else:
+                io.stats.replies_undeliverable += 1
+        io.stats.batches_applied += len(items)
+        if io.metrics.enabled:
+            io.metrics.step(time.perf_counter() - started)
+            io.metrics.samples(rows_total)
+
+    def _cohort_weight(self, batch: SmashedBatch) -> float:
+        """MiniBatch-SFL's p_n: the client's samples from RoundStart; its rows otherwise."""
+        replica = self.replica
+        if batch.round == replica.cohort_round and batch.client in replica.cohort:
+            return float(replica.cohort[batch.client])
+        return float(batch.labels.shape[0])
 
     def _rollback(self, poisoned: list[Item]) -> None:
         """A non-finite step poisoned the replica: reject the culprits, go back to the last
@@ -295,10 +343,11 @@ class ShardRunner:
             self._reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
         returned = len(self._pending) + self.buffered()
         self._pending, self._fold = [], []
-        self._barrier.clear()
+        if self._barrier is not None:
+            self._barrier.clear()
         io.redeliver(self.shard)
         fresh = self.replica.reset(io.store, self._want.job)
-        self._async = self._async_shard()  # measured from the state it went back to
+        self._clock.restart()  # measured from the state it went back to
         io.stats.rollbacks += 1
         self._steps_since, self._dirty = 0, False
         self._say(logging.ERROR, "non-finite step; back to %s, %d redelivered", fresh, returned)
@@ -309,6 +358,8 @@ class ShardRunner:
         delivery is held (acked with the next checkpoint) like any duplicate. After a reconnect
         the older one is stale and only the copy can be acked once the batch is applied:
         skipping the copy would lose the batch."""
+        if not self.buffered():
+            return False
 
         def same(item: Item) -> bool:
             return item.batch.client == batch.client and item.batch.seq == batch.seq
@@ -316,7 +367,7 @@ class ShardRunner:
         def renewed(item: Item) -> Item:
             return Item(delivery, item.batch)
 
-        older = self._barrier.replace(same, renewed)
+        older = self._barrier.replace(same, renewed) if self._barrier is not None else None
         for index, item in enumerate(self._fold):
             if same(item):
                 older, self._fold[index] = item, renewed(item)
@@ -327,9 +378,25 @@ class ShardRunner:
         self._hold(older.delivery)
         return True
 
-    def _skip_duplicate(self, delivery: Delivery, batch: SmashedBatch) -> None:
-        self._hold(delivery)  # acked with the next checkpoint, never applied again
-        answer_duplicate(batch, self.replica.version, self._io.replier, self._io.stats)
+    def _answer_duplicate(self, batch: SmashedBatch) -> None:
+        """Answer a copy of a batch applied already (never applying it again).
+
+        A client publishes its batch again when no reply came within its timeout: the reply
+        was lost (a broker restart drops transient replies) or is late. Either way it is sent
+        again: the reply kept for this seq (`Replier.resend`), same seq and gradient, under a
+        new message id; a client that had it already drops the copy. Where no reply is kept
+        (the batch was applied by another worker before a failover, or the seq is not the
+        client's last), the client is told "gone": it cannot have that gradient, and waiting
+        would not bring it."""
+        stats, replier = self._io.stats, self._io.replier
+        stats.duplicates_skipped += 1
+        resent = replier.resend(batch.job, batch.client, batch.seq)
+        if resent is not None:
+            stats.replies_resent += resent
+            return
+        reason = f"duplicate: seq {batch.seq} was already applied; its gradient is no longer kept"
+        if replier.send(empty_reply(batch, self.replica.version, "gone", reason)):
+            stats.gone_replies += 1
 
     def _reload(self, version: int) -> bool:
         try:
@@ -351,7 +418,8 @@ class ShardRunner:
         self._io.logger.log(level, "job %s shard %d: " + message, self._want.job, self.shard, *args)
 
     def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
-        reject(self._io.broker, delivery, code, detail, self._io.stats, self._io.logger)
+        io = self._io
+        reject(io.broker, delivery, code, detail, io.stats.dead_lettered, io.logger)
 
     def checkpoint(self, *, force: bool = False) -> None:
         """Save the replica, then ack what it covers (raises `LeaseLostError`)."""
@@ -362,17 +430,13 @@ class ShardRunner:
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
         holder = None if io.lease_holder is None else io.lease_holder(self.shard)
         try:
-            if self._async is None:
-                io.store.save_checkpoint(self._want.job, self.replica.checkpoint(), holder=holder)
-            else:
-                self._async.rebase()
-                saved = self._async.stamped(self.replica.checkpoint())
-                io.store.save_checkpoint(self._want.job, saved, holder=holder)
-                self._async.saved(saved)
+            saved = self._clock.save()
+            io.store.save_checkpoint(self._want.job, saved, holder=holder)
         except LeaseNotHeldError as exc:
             # The lease ran out before the save landed and another worker may own the shard:
             # its checkpoint stays, our unacked batches are redelivered to it.
             raise LeaseLostError(f"shard {self.shard}: {exc}") from exc
+        self._clock.saved(saved)
         # The save may have waited out a store outage during which the lease expired and
         # another worker loaded the older checkpoint: acking now would lose these batches.
         if not io.renew_lease(self.shard):

@@ -26,7 +26,7 @@ class WorkerStats:
     shards_released: int = 0
     shards_lost: int = 0
     too_stale: int = 0  # async mode: smashed data refused as too stale (GradientReply rejected)
-    rebases: int = 0  # async mode: replica moved onto a newer version (workers.async_shard)
+    rebases: int = 0  # async mode: replica moved onto a newer version (workers.clock.Continuous)
 
     @property
     def dead_lettered_total(self) -> int:

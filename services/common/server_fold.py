@@ -14,7 +14,7 @@ checkpoint it folded last (`server.<s>` = "applied:anchor:samples"), from which
 
 The fresh progress, replayed on the current server weights, goes to the strategy's
 `aggregate` as a `ShardReplica` weighted by its fresh samples; with one shard the new server
-blob is the replica's checkpoint. The worker side is `workers.async_shard`.
+blob is the replica's checkpoint. The worker side is `workers.clock.Continuous`.
 """
 
 from __future__ import annotations

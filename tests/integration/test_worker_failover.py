@@ -35,8 +35,7 @@ from tests.unit.test_worker_support import (
     reference_server,
     seed_version,
 )
-from workers.entry import run_worker_process
-from workers.worker import Worker
+from workers.worker import Worker, run_worker_process
 
 __all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here
 

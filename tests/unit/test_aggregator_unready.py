@@ -19,7 +19,7 @@ from services.aggregator import Aggregator
 from services.report.records import ListSink
 from tests.unit.test_aggregator import SAMPLES, Job, client_value, wait_until
 from tests.unit.test_aggregator_peers import FakeClient, add_member, make_settings
-from workers.checks import ShardExpectations, parse_cohort
+from workers.checks import ShardExpectations, check_addressing, parse_cohort
 
 UNREADY = "has no training samples"
 
@@ -29,7 +29,7 @@ def worker_refusals(job: str, starts: list[RoundStart]) -> list[tuple[str, str]]
     problems = []
     for start in starts:
         want = ShardExpectations(job, start.shard, cut_shape=(1,), num_classes=10)
-        _, problem = parse_cohort(start, want)
+        problem = check_addressing(start, want) or parse_cohort(start)[1]
         if problem is not None:
             problems.append(problem)
     return problems

@@ -1,7 +1,7 @@
 """Async mode's server side: the aggregator's fold of continuously training shard replicas
-(`ServerLedger`) and the replicas' rebasing onto the versions it publishes (`AsyncShard`),
-over the in-memory store with real cnn5 replicas. Progress is counted once, wherever it was
-made, whatever order folds and rebases come in."""
+(`ServerLedger`) and the replicas' rebasing onto the versions it publishes
+(`workers.clock.Continuous`), over the in-memory store with real cnn5 replicas. Progress is
+counted once, wherever it was made, whatever order folds and rebases come in."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from services.algorithms.averaging import weighted_average
 from services.algorithms.base import ClientUpdate
 from services.algorithms.registry import build_strategy
 from services.algorithms.staleness import TOO_STALE, StalenessRule
+from services.common.jobmodel import job_hyper
 from services.common.server_fold import FoldedCheckpoint, ServerLedger, folded_of
 from tests.unit.test_worker_support import make_settings, seed_version
-from workers.async_shard import AsyncShard
-from workers.model import job_hyper
+from workers.clock import Continuous
 from workers.replica import Replica, open_replica
 from workers.stats import WorkerStats
 
@@ -67,8 +67,8 @@ class Setup:
         assert replica is not None
         return replica
 
-    def attach(self, replica: Replica) -> AsyncShard:
-        return AsyncShard(replica, self.store, self.job, 2, self.stats, LOG)
+    def attach(self, replica: Replica) -> Continuous:
+        return Continuous(replica, self.store, self.job, 2, self.stats, LOG)
 
     def server(self, version: int) -> dict[str, torch.Tensor]:
         return self.store.read_blob(self.job, version, SERVER)
@@ -84,9 +84,8 @@ class Setup:
 
     def checkpoint(self, shard: int) -> Checkpoint:
         """What `ShardRunner.checkpoint` does in async mode."""
-        replica, mode = self.replicas[shard], self.shards[shard]
-        mode.rebase()
-        saved = mode.stamped(replica.checkpoint())
+        mode = self.shards[shard]
+        saved = mode.save()
         self.store.save_checkpoint(self.job, saved)
         mode.saved(saved)
         return saved
@@ -253,11 +252,17 @@ def test_smashed_data_too_old_for_the_bound_is_refused(job: str) -> None:
         y = torch.zeros(2, dtype=torch.int64)
         return SmashedBatch(job, "c", new_message_id(), version, 1, 0, 0, 0, z, y)
 
-    assert mode.too_stale(batch(1)) is None
-    assert mode.too_stale(batch(6)) is None  # a client on version 6: the worker learns of it
-    assert mode.too_stale(batch(4)) is None  # 2 behind: at the bound
-    reason = mode.too_stale(batch(3))
-    assert reason is not None and reason.startswith(f"{TOO_STALE}: ")
+    assert mode.refusal(batch(1)) is None
+    unknown = mode.refusal(batch(6))  # never published: a forged version, dead-lettered
+    assert unknown is not None and unknown[0] == "unknown_version"
+    while s.publish() < 6:
+        pass
+    assert mode.refusal(batch(6)) is None  # a client on version 6: the worker learns of it
+    assert mode.refusal(batch(4)) is None  # 2 behind: at the bound
+    refused = mode.refusal(batch(3))
+    assert refused is not None and refused[0] == TOO_STALE
+    reason = refused[1]
+    assert reason.startswith(f"{TOO_STALE}: ")
     assert "version 3" in reason and "3 versions behind 6" in reason
 
 

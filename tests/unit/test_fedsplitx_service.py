@@ -13,11 +13,11 @@ from broker.errors import EncodeError
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import Join, SmashedBatch, new_message_id
 from services.aggregator.replicas import replica_of
+from services.common.jobmodel import job_hyper, job_model
 from services.coordinator.levels import LevelDesk
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
 from workers.checks import ShardExpectations, check_batch
-from workers.model import job_hyper, job_model
 from workers.replica import Replica, open_replica
 
 LEVEL2_SHAPE = (20, 4, 4)  # cnn5 after block2

@@ -9,11 +9,11 @@ import torch
 
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import RoundStart, SmashedBatch
+from services.common.jobmodel import job_hyper, job_model
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 from workers.barrier import StepBarrier
 from workers.checks import ShardExpectations, check_batch, check_membership, parse_cohort
-from workers.model import job_hyper, job_model, pick_device
-from workers.replica import Replica, open_replica
+from workers.replica import Replica, open_replica, pick_device
 
 COHORT = {"a": 10, "b": 20, "c": 30}
 
@@ -105,9 +105,9 @@ def test_membership_applies_to_the_round_of_the_known_cohort_only() -> None:
 
 def test_cohort_parsing_rejects_unusable_sample_counts() -> None:
     start = RoundStart("j", "", "m", 1, 0, 0, {"a": 10, "b": 20})
-    assert parse_cohort(start, WANT) == ({"a": 10, "b": 20}, None)
+    assert parse_cohort(start) == ({"a": 10, "b": 20}, None)
     for bad in ({"a": 0}, {"a": "ten"}, {"a": True}, {"": 3}):
-        cohort, problem = parse_cohort(RoundStart("j", "", "m", 1, 0, 0, bad), WANT)
+        cohort, problem = parse_cohort(RoundStart("j", "", "m", 1, 0, 0, bad))
         assert cohort is None and problem is not None and problem[0] == "bad_cohort"
 
 

@@ -35,8 +35,8 @@ from broker.transport import Broker, Delivery
 from models.parts import ServerModel
 from models.split import SplitNet
 from services.algorithms.registry import build_strategy
+from services.common.jobmodel import job_model
 from services.config.root import Settings
-from workers.model import job_model
 
 CUT = "block1"
 ROWS = 8

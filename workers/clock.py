@@ -1,6 +1,10 @@
-"""A shard replica in async mode: it trains continuously and follows the published versions.
+"""What differs between a sync and an async shard: the clock its replica follows.
 
-Two jobs (docs/async.md, "Server side"):
+`Rounds` (sync): RoundStart/RoundEnd markers drive the replica; a batch of a newer version
+reloads it; RoundEnd hands it in with a checkpoint (`ShardRunner`).
+
+`Continuous` (async, docs/async.md "Server side"): no markers, the replica trains on and
+follows the published versions. Two jobs:
 
 - **Staleness of smashed data.** A batch computed with client weights more than
   `worker_max_staleness` versions behind the newest version this worker knows of is not
@@ -16,12 +20,11 @@ Two jobs (docs/async.md, "Server side"):
   several, each replica picks up the others' progress. The optimizer state is kept: the
   replica keeps training, it does not start a new model.
 
-Besides the usual cadence (`checkpoint_every_steps`, `checkpoint_every_s`), a replica
+Besides the usual cadence (`checkpoint_every_steps`, `checkpoint_every_s`), an async replica
 checkpoints as soon as it sees a newer version, so each fold finds recent server progress:
-a version's server blob is the replicas as of their last checkpoint.
-
-The weights of recent checkpoints are kept (`_ring`, by applied count, in the replica's
-current frame), so a fold of a checkpoint older than the last one still rebases exactly.
+a version's server blob is the replicas as of their last checkpoint. The weights of recent
+checkpoints are kept (`_ring`, by applied count, in the replica's current frame), so a fold
+of a checkpoint older than the last one still rebases exactly.
 """
 
 from __future__ import annotations
@@ -33,24 +36,54 @@ from dataclasses import replace
 import torch
 
 from broker.errors import VersionNotFoundError
-from broker.messages import GradientReply, SmashedBatch, new_message_id
-from broker.store import SERVER_PART, BlobRef, Checkpoint, WeightStore
+from broker.messages import SmashedBatch
+from broker.store import Checkpoint, WeightStore
 from models.state import load_partial
 from services.algorithms.async_fold import rebase_state
 from services.algorithms.staleness import TOO_STALE
 from services.common.server_fold import NEVER, folded_of
-from workers.replica import Replica
-from workers.replies import Replier
+from workers.checks import Rejection
+from workers.replica import SERVER, Replica
 from workers.stats import WorkerStats
 
-SERVER = BlobRef(SERVER_PART)
 # Checkpoints remembered for rebasing; a fold is normally of the last one or the one before.
 _RING = 6
 
 State = Mapping[str, torch.Tensor]
 
 
-class AsyncShard:
+class Rounds:
+    """Sync rounds: the markers are the clock; nothing to refuse, nothing to stamp."""
+
+    rounds = True
+
+    def __init__(self, replica: Replica) -> None:
+        self._replica = replica
+
+    def newest(self) -> int:
+        return self._replica.version
+
+    def refusal(self, batch: SmashedBatch) -> Rejection | None:
+        return None
+
+    def save(self) -> Checkpoint:
+        return self._replica.checkpoint()
+
+    def saved(self, checkpoint: Checkpoint) -> None:
+        pass
+
+    def due(self) -> bool:
+        return False
+
+    def restart(self) -> None:
+        pass
+
+
+class Continuous:
+    """Async buffering: staleness refusals and rebasing at checkpoints (see the module doc)."""
+
+    rounds = False
+
     def __init__(
         self,
         replica: Replica,
@@ -66,66 +99,50 @@ class AsyncShard:
         self._max_staleness = max_staleness
         self._stats = stats
         self._log = logger
+        self.restart()
+
+    def restart(self) -> None:
+        """Measure the replica's weights from its checkpoint's anchor, or from the version it
+        was loaded from (at the start, and after a rollback to the last checkpoint)."""
+        replica = self._replica
         self.known_version = replica.version
         self._checkpointed_at = replica.version  # known_version at the last checkpoint
         self.anchor_applied = NEVER
         self._ring: dict[int, State] = {}
-        self._start()
-
-    def _start(self) -> None:
-        """Where the replica's weights are measured from: its checkpoint's anchor, or the
-        version it was loaded from."""
-        checkpoint = self._store.load_checkpoint(self._job, self._replica.shard)
-        if checkpoint is not None and checkpoint.meta.get("version") == self._replica.version:
+        checkpoint = self._store.load_checkpoint(self._job, replica.shard)
+        if checkpoint is not None and checkpoint.meta.get("version") == replica.version:
             anchor_applied = checkpoint.meta.get("anchor_applied", NEVER)
             if isinstance(anchor_applied, int):
                 self.anchor_applied = anchor_applied
             self._ring[checkpoint.applied] = dict(checkpoint.weights)
         try:
             self._ring[self.anchor_applied] = self._store.read_blob(
-                self._job, self._replica.version, SERVER
+                self._job, replica.version, SERVER
             )
         except VersionNotFoundError:
             pass  # anchored at a version no longer kept: rebase from a later checkpoint
 
+    def newest(self) -> int:
+        return self.known_version
+
     # --- smashed data ------------------------------------------------------------------------
-    def unknown_version(self, batch: SmashedBatch) -> str | None:
-        """Why `batch` names a version that was never published (dead-lettered), or None.
-        The store is asked only when a batch names a version newer than any seen: a forged
-        one must not make every honest batch look stale."""
+    def refusal(self, batch: SmashedBatch) -> Rejection | None:
+        """("unknown_version", why) for a version never published (dead-lettered); (TOO_STALE,
+        why) for one too far behind (answered, not trained on); None to train on it. The store
+        is asked only when a batch names a version newer than any seen: a forged one must not
+        make every honest batch look stale."""
         if batch.version > self.known_version:
             self.known_version = max(self.known_version, self._store.current_version(self._job))
-        if batch.version > self.known_version:
-            return f"version {batch.version} not found (newest {self.known_version})"
-        return None
-
-    def too_stale(self, batch: SmashedBatch) -> str | None:
-        """Why `batch` is too stale to train on, or None (after `unknown_version`)."""
-        self.known_version = max(self.known_version, batch.version)
+            if batch.version > self.known_version:
+                detail = f"version {batch.version} not found (newest {self.known_version})"
+                return "unknown_version", detail
         tau = self.known_version - batch.version
         if tau <= self._max_staleness:
             return None
-        return (
+        return TOO_STALE, (
             f"{TOO_STALE}: smashed data computed with version {batch.version}, "
             f"{tau} versions behind {self.known_version} (max {self._max_staleness})"
         )
-
-    def refuse(self, batch: SmashedBatch, reason: str, replier: Replier) -> None:
-        self._stats.too_stale += 1
-        reply = GradientReply(
-            job=batch.job,
-            client=batch.client,
-            message_id=new_message_id(),
-            version=self.known_version,
-            seq=batch.seq,
-            status="rejected",
-            loss=0.0,
-            correct=0,
-            samples=0,
-            grad=None,
-            reason=reason,
-        )
-        replier.send(reply)
 
     # --- checkpoints -------------------------------------------------------------------------
     def rebase(self) -> bool:
@@ -147,8 +164,9 @@ class AsyncShard:
         except VersionNotFoundError:
             return False
         own = {n: t.detach().to("cpu") for n, t in replica.server.state_dict().items()}
-        moved = rebase_state({n: own[n] for n in target if n in own}, base, target, 1.0)
-        load_partial(replica.server, moved)
+        load_partial(
+            replica.server, rebase_state({n: own[n] for n in target if n in own}, base, target, 1.0)
+        )
         self._ring = {
             k: rebase_state(w, base, target, 1.0) for k, w in self._ring.items() if k >= applied
         }
@@ -158,15 +176,14 @@ class AsyncShard:
         self._stats.rebases += 1
         self._log.info(
             "job %s shard %d: rebased onto version %d (it folded checkpoint %d)",
-            self._job,
-            replica.shard,
-            newest,
-            applied,
+            *(self._job, replica.shard, newest, applied),
         )
         return True
 
-    def stamped(self, checkpoint: Checkpoint) -> Checkpoint:
-        """The checkpoint with its anchor, for the aggregator's fold."""
+    def save(self) -> Checkpoint:
+        """The checkpoint to save, rebased first and stamped with its anchor for the fold."""
+        self.rebase()
+        checkpoint = self._replica.checkpoint()
         return replace(checkpoint, meta={**checkpoint.meta, "anchor_applied": self.anchor_applied})
 
     def due(self) -> bool:
@@ -181,3 +198,6 @@ class AsyncShard:
         others = [k for k in sorted(self._ring) if k != self.anchor_applied]
         for old in others[:-_RING]:
             del self._ring[old]
+
+
+Clock = Rounds | Continuous
