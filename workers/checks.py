@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from models.split import Shape
 from services.security.identity import client_id_problem
@@ -67,7 +69,7 @@ def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | N
         )
     if tuple(y.shape) != (z.shape[0],):
         return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"
-    low, high = int(y.min()), int(y.max())
+    low, high = (int(v) for v in torch.aminmax(y))
     if low < 0 or high >= want.num_classes:
         return "bad_labels", f"labels in [{low}, {high}], classes are 0..{want.num_classes - 1}"
     return None

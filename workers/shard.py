@@ -19,11 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import GradientReply, RoundEnd, RoundStart, SmashedBatch, new_message_id
 from broker.store import WeightStore
+from broker.tensors import all_finite
 from broker.transport import Broker, Delivery
 from services.algorithms.base import CohortBatch, Strategy
 from services.algorithms.staleness import TOO_STALE
@@ -282,7 +281,8 @@ class ShardRunner:
             for item in items:
                 self._reject(item.delivery, "server_step", repr(exc))
             return
-        if not all(math.isfinite(loss) and bool(torch.isfinite(g).all()) for g, loss, _ in results):
+        # all_finite: numpy's scan on this thread, not torch's OpenMP pool (10x less here).
+        if not all(math.isfinite(loss) and all_finite(g) for g, loss, _ in results):
             # The batches whose own loss was not finite (all, if none was singled out); the
             # others of the step are retried on a clean replica.
             bad = [
