@@ -17,7 +17,7 @@ import inspect
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -173,40 +173,26 @@ def _to_split_net(
         "num_classes": num_classes,
         "head_factory": head_factory,
     }
-    if _is_module_and_cuts(result):
-        assert isinstance(result, tuple)
-        return split_module(result[0], list(result[1]), **kwargs)
-    if _is_block_list(result):
-        assert isinstance(result, Sequence)
-        return SplitNet([(name, block) for name, block in result], **kwargs)
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        module, cuts = result
+        if _is_sequence_of(cuts, str):
+            return split_module(module, list(cuts), **kwargs)
+    if _is_sequence_of(result, tuple) and all(
+        len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], nn.Module)
+        for item in result
+    ):
+        return SplitNet(list(result), **kwargs)
     raise ModelSpecError(
         f"model factory {spec!r} returned {type(result).__name__}; expected a sequence of "
         "(name, nn.Module) blocks, a (nn.Module, [child names to cut after]) pair, or a SplitNet"
     )
 
 
-def _is_module_and_cuts(result: object) -> bool:
+def _is_sequence_of(value: object, kind: type) -> TypeGuard[Sequence[Any]]:
     return (
-        isinstance(result, tuple)
-        and len(result) == 2
-        and isinstance(result[0], nn.Module)
-        and isinstance(result[1], Sequence)
-        and not isinstance(result[1], str)
-        and all(isinstance(name, str) for name in result[1])
-    )
-
-
-def _is_block_list(result: object) -> bool:
-    return (
-        isinstance(result, Sequence)
-        and not isinstance(result, str)
-        and all(
-            isinstance(item, tuple)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], nn.Module)
-            for item in result
-        )
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(item, kind) for item in value)
     )
 
 

@@ -80,7 +80,6 @@ class FCBlock(nn.Module):
 def _classic(
     convs: tuple[int, int],
     hidden: tuple[int, ...],
-    *,
     num_classes: int,
     in_channels: int,
     input_size: int,
@@ -119,14 +118,7 @@ def cnn5(
     """The classic "5-layer CNN" of the FedAvg / Sub-FedAvg MNIST experiments, with BatchNorm:
     conv5x5(10), conv5x5(20), FC 50, FC num_classes. For 28x28x1 input: about 21.9k parameters.
     Cuts: `block1`, `block2`, `block3` (after FC 50)."""
-    return _classic(
-        (10, 20),
-        (50,),
-        num_classes=num_classes,
-        in_channels=in_channels,
-        input_size=input_size,
-        head_factory=head_factory,
-    )
+    return _classic((10, 20), (50,), num_classes, in_channels, input_size, head_factory)
 
 
 def lenet5(
@@ -138,14 +130,7 @@ def lenet5(
 ) -> SplitNet:
     """LeNet-5 with BatchNorm, for 32x32 colour images (CIFAR-10): conv5x5(6), conv5x5(16),
     FC 120, FC 84, FC num_classes. Cuts: `block1`..`block4`."""
-    return _classic(
-        (6, 16),
-        (120, 84),
-        num_classes=num_classes,
-        in_channels=in_channels,
-        input_size=input_size,
-        head_factory=head_factory,
-    )
+    return _classic((6, 16), (120, 84), num_classes, in_channels, input_size, head_factory)
 
 
 def vgg_small(

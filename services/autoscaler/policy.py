@@ -69,9 +69,6 @@ class Decision:
     reason: str
     state: PolicyState
 
-    def delta(self, running: int) -> int:
-        return self.target - running
-
 
 def decide(obs: Observation, limits: Limits, state: PolicyState, now: float) -> Decision:
     running = obs.running

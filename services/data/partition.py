@@ -252,13 +252,3 @@ def local_test_indices(test_labels: npt.ArrayLike, client_train_labels: npt.Arra
     """
     seen = np.unique(_labels(client_train_labels))
     return np.flatnonzero(np.isin(_labels(test_labels), seen)).astype(np.int64)
-
-
-def label_counts(
-    labels: npt.ArrayLike, parts: Sequence[npt.ArrayLike], num_classes: int
-) -> npt.NDArray[np.int64]:
-    """Per-client label histogram, shape [n_clients, num_classes] (for reports and checks)."""
-    y = _labels(labels)
-    return np.stack(
-        [np.bincount(y[np.asarray(p, dtype=np.int64)], minlength=num_classes) for p in parts]
-    ).astype(np.int64)

@@ -88,9 +88,19 @@ _CIFAR10 = (
 # Normalisation constants are the customary published ones; they agree with the statistics
 # measured on the shared copies (see /work/shared/data/README.md) to three decimals, except
 # CIFAR-10's stds which JPEG smoothing lowers by ~1% in our copy.
-_MNIST_NORM = ((0.1307,), (0.3081,))
 _FASHION_NORM = ((0.2860,), (0.3530,))
-_CIFAR10_NORM = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+
+
+def _grayscale(
+    name: str,
+    train: SplitFiles,
+    test: SplitFiles,
+    norm: tuple[tuple[float, ...], tuple[float, ...]],
+    classes: tuple[str, ...],
+    bundled: bool = False,
+) -> DatasetSpec:
+    """A 28x28 single-channel dataset (the MNIST family)."""
+    return DatasetSpec(name, train, test, 28, 28, 1, *norm, classes, bundled)
 
 
 def _idx_splits(prefix: str) -> tuple[SplitFiles, SplitFiles]:
@@ -107,32 +117,10 @@ def _idx_splits(prefix: str) -> tuple[SplitFiles, SplitFiles]:
 
 
 def _build() -> Mapping[str, DatasetSpec]:
-    mnist_train, mnist_test = _idx_splits("mnist")
-    fashion_train, fashion_test = _idx_splits("fashion_mnist")
     sample = "fashion_mnist_sample.npz"
     specs = (
-        DatasetSpec(
-            name="mnist",
-            train=mnist_train,
-            test=mnist_test,
-            height=28,
-            width=28,
-            channels=1,
-            mean=_MNIST_NORM[0],
-            std=_MNIST_NORM[1],
-            class_names=_DIGITS,
-        ),
-        DatasetSpec(
-            name="fashion_mnist",
-            train=fashion_train,
-            test=fashion_test,
-            height=28,
-            width=28,
-            channels=1,
-            mean=_FASHION_NORM[0],
-            std=_FASHION_NORM[1],
-            class_names=_FASHION,
-        ),
+        _grayscale("mnist", *_idx_splits("mnist"), ((0.1307,), (0.3081,)), _DIGITS),
+        _grayscale("fashion_mnist", *_idx_splits("fashion_mnist"), _FASHION_NORM, _FASHION),
         DatasetSpec(
             name="cifar10",
             train=SplitFiles(npz=tuple(f"cifar10_train_part{k}.npz" for k in range(1, 6))),
@@ -140,20 +128,16 @@ def _build() -> Mapping[str, DatasetSpec]:
             height=32,
             width=32,
             channels=3,
-            mean=_CIFAR10_NORM[0],
-            std=_CIFAR10_NORM[1],
+            mean=(0.4914, 0.4822, 0.4465),
+            std=(0.2470, 0.2435, 0.2616),
             class_names=_CIFAR10,
         ),
-        DatasetSpec(
-            name="fashion_mnist_sample",
-            train=SplitFiles(npz=(sample,), x_key="x_train", y_key="y_train"),
-            test=SplitFiles(npz=(sample,), x_key="x_test", y_key="y_test"),
-            height=28,
-            width=28,
-            channels=1,
-            mean=_FASHION_NORM[0],
-            std=_FASHION_NORM[1],
-            class_names=_FASHION,
+        _grayscale(
+            "fashion_mnist_sample",
+            SplitFiles(npz=(sample,), x_key="x_train", y_key="y_train"),
+            SplitFiles(npz=(sample,), x_key="x_test", y_key="y_test"),
+            _FASHION_NORM,
+            _FASHION,
             bundled=True,
         ),
     )

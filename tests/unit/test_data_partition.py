@@ -14,12 +14,22 @@ from services.data.partition import (
     client_classes,
     dirichlet,
     iid,
-    label_counts,
     label_ratio,
     local_test_indices,
     partition,
     shards,
 )
+
+
+def label_counts(
+    labels: npt.ArrayLike, parts: Sequence[npt.ArrayLike], num_classes: int
+) -> npt.NDArray[np.int64]:
+    """Per-client label histogram, shape [n_clients, num_classes]."""
+    y = np.asarray(labels, dtype=np.int64)
+    return np.stack(
+        [np.bincount(y[np.asarray(p, dtype=np.int64)], minlength=num_classes) for p in parts]
+    ).astype(np.int64)
+
 
 Parts = list[npt.NDArray[np.int64]]
 
