@@ -60,7 +60,7 @@ from broker.topology import (
     updates_queue_name,
 )
 from broker.transport import Broker
-from services.autoscaler.observer import parse_report
+from services.autoscaler.controller import parse_report
 from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.runtime.processes import child_env

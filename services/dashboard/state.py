@@ -1,20 +1,25 @@
 """What the dashboard shows, accumulated from events, probes and the run directory.
 
 Thread-safe: the watcher thread writes, HTTP request threads read `snapshot()`. Series are
-bounded (`max_points`), so a dashboard left open for days stays small.
+bounded (`max_points`), so a dashboard left open for days stays small. `dashboard_routes` serves
+it: the page itself and the state as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 from broker.messages import Event
+from services.metrics.endpoint import Route
+from services.report.tables import finite
 
 # Throughput is the growth of the workers' sample counters over this window: their heartbeats
 # refresh the counters only every few seconds.
@@ -252,3 +257,26 @@ class DashboardState:
                     }
                 ),
             }
+
+
+PAGE = "dashboard.html"
+
+
+def page_html() -> bytes:
+    return resources.files("services.dashboard").joinpath(PAGE).read_bytes()
+
+
+def state_json(state: DashboardState) -> bytes:
+    return json.dumps(finite(state.snapshot()), default=str, separators=(",", ":")).encode()
+
+
+def dashboard_routes(state: DashboardState) -> dict[str, Route]:
+    html = page_html()
+
+    def index() -> tuple[str, bytes]:
+        return "text/html; charset=utf-8", html
+
+    def api_state() -> tuple[str, bytes]:
+        return "application/json", state_json(state)
+
+    return {"/": index, "/index.html": index, "/api/state": api_state}

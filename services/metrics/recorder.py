@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
+from services.report.records import VersionRecord
+
 
 class Metrics:
     """What one role reports. Every method is cheap and never raises; this base records
@@ -79,3 +81,18 @@ def reason_code(reason: str) -> str:
     """
     match = _CODE.match(reason)
     return match.group(1) if match else OTHER_REASON
+
+
+class RecordMetrics:
+    """A `MetricsSink` that counts each published version's trained samples and sets the
+    version gauge: the aggregator's records as metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def record(self, record: VersionRecord) -> None:
+        self._metrics.samples(record.samples)
+        self._metrics.version(record.version)
+
+    def finish(self, status: str) -> None:
+        pass

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from services.common.backends import Backends
 from services.config.root import Settings
-from services.dashboard.page import dashboard_routes
-from services.dashboard.state import DashboardState
+from services.dashboard.state import DashboardState, dashboard_routes
 from services.dashboard.watch import JobWatcher
 from services.metrics.endpoint import metrics_route, serve
 from services.metrics.prometheus import PrometheusMeters

@@ -14,7 +14,7 @@ from services.common.backends import Backends
 from services.common.supervise import Role, RoleSpec
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
-from services.metrics.sink import RecordMetrics
+from services.metrics.recorder import RecordMetrics
 from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
 

@@ -16,9 +16,14 @@ from click.testing import CliRunner
 from broker.memory_broker import InMemoryBroker
 from broker.store import Member
 from broker.topology import SMASHED_EXCHANGE, QueueLimits, shard_routing_key
-from services.autoscaler.controller import Autoscaler
+from services.autoscaler.controller import (
+    Autoscaler,
+    Observer,
+    Snapshot,
+    WorkerReport,
+    parse_report,
+)
 from services.autoscaler.docker_pool import DockerUnavailableError
-from services.autoscaler.observer import Observer, Snapshot, WorkerReport, parse_report
 from services.autoscaler.pool import Exited, PoolWorker
 from services.cli.main import cli
 from services.common.backends import Backends, Embedded

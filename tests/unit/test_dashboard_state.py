@@ -9,8 +9,7 @@ import pytest
 
 from broker.messages import Event
 from broker.store import Member
-from services.dashboard.page import state_json
-from services.dashboard.state import DashboardState, Probe, WorkerView
+from services.dashboard.state import DashboardState, Probe, WorkerView, state_json
 from services.dashboard.watch import find_run_dir, read_report, split_members
 from services.report.tables import finite
 

@@ -14,9 +14,8 @@ from broker.topology import SMASHED_EXCHANGE, dead_queue, shard_queue
 from services.common.backends import Backends, Embedded
 from services.config.loading import load_settings
 from services.metrics.broker import MeteredBroker
-from services.metrics.busy import BusyMeter
 from services.metrics.endpoint import metrics_route, serve
-from services.metrics.prometheus import PrometheusMeters
+from services.metrics.prometheus import BusyMeter, PrometheusMeters
 from services.metrics.recorder import NO_METRICS, reason_code
 
 

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from services.autoscaler.observer import parse_report
+from services.autoscaler.controller import parse_report
 from services.common.backends import Backends, Embedded
 from tests.unit.test_worker_support import make_settings, one_torch_thread, seed_version
 from workers.busy import BusyMeter
