@@ -23,8 +23,7 @@ import numpy.typing as npt
 import torch
 
 from services.data.errors import DataFormatError, DatasetNotFoundError
-from services.data.idx import read_idx_pair
-from services.data.npz import read_npz
+from services.data.files import read_idx_pair, read_npz
 from services.data.registry import SAMPLE_DIR, DatasetSpec, SplitFiles, get_spec
 
 DATA_DIR_ENV = "SPLITMQ_DATA_DIR"

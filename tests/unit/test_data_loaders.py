@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from services.data.errors import DataFormatError, DatasetNotFoundError, UnknownDatasetError
-from services.data.idx import parse_idx, read_idx, read_idx_pair
+from services.data.files import parse_idx, read_idx, read_idx_pair, read_npz
 from services.data.loaders import load_dataset, load_split_arrays, resolve_data_dir, to_tensor
-from services.data.npz import read_npz
 from services.data.registry import DATASETS, SAMPLE_DIR, get_spec
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
