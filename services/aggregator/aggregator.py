@@ -1,5 +1,6 @@
-"""The aggregator role: version 1 at start-up, then the sync round clock until `job.rounds`
-versions are trained (architecture steps 1, 3, 6, 7 and "Evaluation").
+"""The aggregator role: version 1 at start-up, then the job's clock (sync rounds or async
+buffering, `core`) until `job.rounds` versions are trained (architecture steps 1, 3, 6, 7 and
+"Evaluation").
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ from broker.store import JOB_FAILED, JobStatus, WeightStore
 from broker.topology import QueueLimits, job_queues, updates_queue_name
 from broker.transport import Broker
 from services.aggregator.bootstrap import ended_job, ensure_initial_version
-from services.aggregator.buffered import AsyncStats, BufferedDriver
+from services.aggregator.buffered import BufferClock
+from services.aggregator.core import Core, Stats
 from services.aggregator.evaluation import Evaluator
+from services.aggregator.gate import MemberBook, UpdateScreen
 from services.aggregator.inbox import InboxStats, UpdateInbox
-from services.aggregator.members import MemberBook
-from services.aggregator.rounds import RoundDriver, RoundStats
-from services.aggregator.screen import UpdateScreen
+from services.aggregator.rounds import RoundClock
 from services.algorithms.async_fold import supports_async
 from services.algorithms.base import Strategy, for_model, partial_client_updates
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
-from services.common.logs import log_context
 from services.common.outbox import Outbox
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
@@ -62,9 +62,8 @@ class Aggregator:
         self._clock = clock
         self._log = logger or logging.getLogger("splitmq.aggregator")
         self._poll_s = poll_s
-        self.round_stats = RoundStats()
+        self.stats = Stats()
         self.inbox_stats = InboxStats()
-        self.async_stats = AsyncStats()
         refusal = supports_async(self._strategy) if settings.asynchronous_mode else None
         if refusal is not None:
             raise ValueError(f"rounds.mode = 'async' is not possible: {refusal}")
@@ -130,71 +129,29 @@ class Aggregator:
         outbox = Outbox(broker, self.job, self._log)
         version = ensure_initial_version(store, self._settings, self._strategy, self._log)
         members = MemberBook(store, self.job, self._clock)
-        screen = UpdateScreen.of(
-            store, self.job, version, members, partial=partial_client_updates(self._strategy)
-        )
+        partial = partial_client_updates(self._strategy)
         inbox = UpdateInbox(
             broker,
             outbox,
             self.job,
             self._log,
-            screen=screen,
+            screen=UpdateScreen.of(store, self.job, version, members, partial=partial),
             stats=self.inbox_stats,
             metrics=self._backends.metrics,
             senders=sender_check(self._settings),
         )
-        if self._settings.asynchronous_mode:
-            return self._buffered(store, outbox, inbox, stop)
-        driver = RoundDriver(
+        core = Core(
             self._settings,
             store,
             outbox,
             inbox,
             self._strategy,
-            stats=self.round_stats,
-            sink=self._sink,
-            evaluator=self._evaluator,
-            clock=self._clock,
-            stop=stop,
-            logger=self._log,
-            poll_s=self._poll_s,
+            self._sink,
+            self._evaluator,
+            self._clock,
+            stop,
+            self._log,
+            self._poll_s,
+            self.stats,
         )
-        return self._rounds(store, driver, stop)
-
-    def _buffered(
-        self, store: WeightStore, outbox: Outbox, inbox: UpdateInbox, stop: threading.Event
-    ) -> tuple[list[VersionRecord], str]:
-        """Async mode (docs/async.md): a version whenever K updates are buffered."""
-        return BufferedDriver(
-            self._settings,
-            store,
-            outbox,
-            inbox,
-            self._strategy,
-            stats=self.async_stats,
-            sink=self._sink,
-            evaluator=self._evaluator,
-            clock=self._clock,
-            stop=stop,
-            logger=self._log,
-            poll_s=self._poll_s,
-        ).run()
-
-    def _rounds(
-        self, store: WeightStore, driver: RoundDriver, stop: threading.Event
-    ) -> tuple[list[VersionRecord], str]:
-        records: list[VersionRecord] = []
-        while not stop.is_set():
-            version = store.current_version(self.job)
-            if version - 1 >= self._settings.job.rounds:
-                driver.finish(version)
-                return records, "finished"
-            with log_context(version=version, round=version - 1):
-                try:
-                    record = driver.run_round(version)
-                except JobFailedError as exc:
-                    driver.fail(version, str(exc))
-                    raise
-            if record is not None:
-                records.append(record)
-        return records, "stopped"
+        return core.run(BufferClock(core) if self._settings.asynchronous_mode else RoundClock(core))

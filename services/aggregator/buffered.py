@@ -1,15 +1,19 @@
-"""The asynchronous (FedBuff-style) clock of one aggregator run: no rounds, only versions.
+"""The asynchronous (FedBuff-style) clock: no rounds, only versions (docs/async.md).
 
-Updates arrive whenever clients finish a local round. The `AsyncGate` buffers each one that is
-at most `max_staleness` versions behind (a staler one is refused with `Error("too_stale")`);
-when `buffer_size` (K) are buffered they are folded into version v+1 (each rebased onto the
-current weights with its change scaled by s(tau), then the strategy's own `aggregate`, see
-`services.algorithms.async_fold`), together with the shard replicas' fresh progress
-(`services.common.server_fold`). Every client whose update was judged then gets the
-newest weights as a WeightsAssignment, so it trains its next local round without waiting
-for anyone. The job ends after `job.rounds` versions, as in sync mode, or fails when
-`asynchronous.max_fruitless_per_client` local rounds per client in a row came to nothing
-(dropped by their client, or refused) with no update buffered in between.
+Updates arrive whenever clients finish a local round. The `AsyncGate` buffers each one from a
+member (screened by the inbox) based on a version at most `max_staleness` behind the current
+one, with what it started from and what it would start from now; a staler one is valid but
+refused: acked, counted and answered with `Error("too_stale")`. When `buffer_size` (K) are
+buffered they are folded into version v+1 (each rebased onto the current weights with its
+change scaled by s(tau), then the strategy's own `aggregate`, `services.algorithms.async_fold`),
+together with the shard replicas' fresh progress (`services.common.server_fold`). Every member
+whose update was judged (buffered or too stale) is then owed the newest weights, so it trains
+its next local round without waiting for anyone.
+
+A member's `RoundDropped` notice is taken and counted, nothing more (the client asks for new
+weights itself). Notices and members' unusable updates since the last buffered update are
+`fruitless`, by reason: `asynchronous.max_fruitless_per_client` x `clients.count` of them in a
+row fail the job (a diverged job would otherwise retrain and drop for ever).
 
 Buffered updates stay unacknowledged until the version holding them is published; each
 version's manifest names the message ids it folded, so a successor that gets them redelivered
@@ -18,47 +22,28 @@ folds none twice.
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from broker.errors import UnroutableError, VersionConflictError, VersionNotFoundError
-from broker.messages import WeightsAssignment, new_message_id
-from broker.store import (
-    CLIENT_PART,
-    JOB_FAILED,
-    JOB_FINISHED,
-    SERVER_PART,
-    BlobRef,
-    JobStatus,
-    WeightStore,
-)
-from services.aggregator.async_gate import AsyncGate, Buffered
-from services.aggregator.closing import read_version
-from services.aggregator.evaluation import Evaluator
-from services.aggregator.inbox import UpdateInbox
-from services.aggregator.metrics import RoundTraffic, build_record, event_data
-from services.aggregator.notices import end_job
-from services.algorithms.async_fold import fold
-from services.algorithms.base import (
-    ShardReplica,
-    Strategy,
-    VersionWeights,
-    personal_on_clients,
-)
-from services.algorithms.staleness import StalenessRule
-from services.common.handout import WeightsCache, client_config
+from broker.errors import VersionNotFoundError
+from broker.messages import RoundDropped, WeightsUpdate
+from broker.store import SERVER_PART, BlobRef, WeightStore
+from services.aggregator.core import Core, read_version
+from services.aggregator.gate import Offer, Reference, Verdict, client_update, reference_of
+from services.algorithms.async_fold import StaleUpdate, fold
+from services.algorithms.base import ShardReplica
+from services.algorithms.staleness import TOO_STALE, StalenessRule
+from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo
-from services.common.outbox import Outbox
 from services.common.server_fold import FoldedCheckpoint, ServerLedger
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
-from services.report.records import MetricsSink, VersionRecord
 
 # How often the members' records are re-read (an unknown sender triggers a re-read at once).
 _MEMBER_CHECK_S = 1.0
+# Message ids of updates already buffered or folded, remembered to spot redeliveries.
+_SEEN_LIMIT = 10_000
 # Manifest meta key: the message ids of the updates a version folded.
 FOLDED_IDS = "message_ids"
 # VersionRecord.extra keys: `staleness.<tau>` counts the folded updates by staleness.
@@ -81,279 +66,240 @@ def staleness_extra(taus: Sequence[int], refused: int, buffer_size: int) -> dict
     return extra
 
 
+@dataclass(frozen=True)
+class Buffered:
+    stale: StaleUpdate
+    message_id: str
+    info: MemberInfo
+
+
+@dataclass(frozen=True)
+class Owed:
+    """A member that uploaded and is owed the newest weights, to train its next local round."""
+
+    client: str
+    partition: int
+    next_round: int
+
+
 @dataclass
-class AsyncStats:
-    versions: int = 0
-    folded: int = 0  # updates folded into versions
-    too_stale: int = 0  # updates refused for staleness
-    conflicts: int = 0  # versions another aggregator published first
-    unfolded_at_end: int = 0  # buffered when the job ended
-    assignments: int = 0
+class AsyncGate:
+    store: WeightStore
+    job: str
+    rule: StalenessRule
+    # Live member by id, or None (the clock re-reads the store for an unknown id).
+    member: Callable[[str], MemberInfo | None]
+    version: int = 0
+    buffer: list[Buffered] = field(default_factory=list)
+    owed: list[Owed] = field(default_factory=list)
+    too_stale: int = 0  # refused since the last fold
+    # Members' local rounds that came to nothing since the last buffered update, by reason.
+    fruitless: Counter[str] = field(default_factory=Counter)
+    _seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _weights: dict[int, WeightsCache] = field(default_factory=dict)
+    _client_ref: Reference = field(default_factory=dict)
+    _aux_ref: Reference = field(default_factory=dict)
+
+    def at(self, version: int) -> None:
+        """The current version is `version` now: staleness counts from it."""
+        self.version = version
+        client, aux = self._cache(version).global_weights()
+        self._client_ref, self._aux_ref = reference_of(client), reference_of(aux)
+        oldest = version - self.rule.max_staleness
+        for old in [v for v in self._weights if v < oldest]:
+            del self._weights[old]
+
+    def remember(self, message_ids: list[str]) -> None:
+        """Updates already folded (by this aggregator or a predecessor): never again."""
+        for message_id in message_ids:
+            self._seen[message_id] = None
+        while len(self._seen) > _SEEN_LIMIT:
+            self._seen.popitem(last=False)
+
+    def take(self) -> list[Buffered]:
+        taken, self.buffer = self.buffer, []
+        return taken
+
+    def offer(self, update: WeightsUpdate) -> Offer:
+        if update.message_id in self._seen:
+            return Offer(Verdict.DUPLICATE)
+        if update.version > self.version:
+            return Offer(
+                Verdict.REJECT,
+                f"update based on version {update.version}, beyond the current {self.version}",
+            )
+        info = self.member(update.client)
+        if info is None:  # the screen refuses strangers; this one's record is unreadable now
+            return Offer(Verdict.REJECT, f"client {update.client!r} is not a member of the job")
+        tau = self.version - update.version
+        if not self.rule.accepts(tau):
+            return self._refuse(
+                update, info, f"{tau} versions behind, max {self.rule.max_staleness}"
+            )
+        try:
+            base_client, base_aux = self._cache(update.version).for_client(update.client)
+        except VersionNotFoundError:
+            return self._refuse(update, info, f"base version {update.version} is no longer kept")
+        current_client, current_aux = self._cache(self.version).for_client(update.client)
+        taken = client_update(update, self._client_ref, self._aux_ref)
+        stale = StaleUpdate(taken, tau, base_client, base_aux, current_client, current_aux)
+        self.buffer.append(Buffered(stale, update.message_id, info))
+        self.fruitless.clear()
+        self.remember([update.message_id])
+        self.owed.append(Owed(update.client, info.partition, update.round + 1))
+        return Offer(Verdict.ACCEPT)
+
+    def offer_drop(self, drop: RoundDropped) -> Offer:
+        """A member's notice that a local round came to nothing: acked and counted."""
+        if drop.message_id in self._seen:
+            return Offer(Verdict.DUPLICATE)
+        if self.member(drop.client) is None:
+            reason = f"client {drop.client!r} is not a member of the job"
+            return Offer(Verdict.REJECT, reason, kind="not_member")
+        self.remember([drop.message_id])
+        self.fruitless[drop.reason] += 1
+        return Offer(Verdict.ACCEPT, kind=drop.reason)
+
+    def refused(self, client: str) -> None:
+        """A member's unusable update: its local round came to nothing."""
+        self.fruitless["refused"] += 1
+
+    def _refuse(self, update: WeightsUpdate, info: MemberInfo, why: str) -> Offer:
+        self.too_stale += 1
+        self.remember([update.message_id])
+        self.owed.append(Owed(update.client, info.partition, update.round + 1))
+        reason = f"{TOO_STALE}: update based on version {update.version}: {why}"
+        return Offer(Verdict.LATE, reason, code=TOO_STALE)
+
+    def _cache(self, version: int) -> WeightsCache:
+        cache = self._weights.get(version)
+        if cache is None:
+            cache = WeightsCache(self.store, self.job, version)
+            self._weights[version] = cache
+        return cache
 
 
-class BufferedDriver:
-    def __init__(
-        self,
-        settings: Settings,
-        store: WeightStore,
-        outbox: Outbox,
-        inbox: UpdateInbox,
-        strategy: Strategy,
-        *,
-        stats: AsyncStats,
-        sink: MetricsSink,
-        evaluator: Evaluator | None,
-        clock: Callable[[], float],
-        stop: threading.Event,
-        logger: logging.Logger,
-        poll_s: float,
-    ) -> None:
-        self._settings = settings
-        self._store = store
-        self._outbox = outbox
-        self._inbox = inbox
-        self._strategy = strategy
-        self._sink = sink
-        self._evaluator = evaluator
-        self._clock = clock
-        self._stop = stop
-        self._log = logger
-        self._poll_s = poll_s
-        self._job = settings.job.name
+class BufferClock:
+    def __init__(self, core: Core) -> None:
+        self._core = core
+        settings = core.settings
         self._k = settings.buffer_size
         self._fruitless_limit = (
             settings.asynchronous.max_fruitless_per_client * settings.clients.count
         )
         self._rule = staleness_rule(settings)
-        self.stats = stats
-        self._members = inbox.screen.members
         self._members_at = float("-inf")
-        self._gate = AsyncGate(store, self._job, self._rule, self._member)
-        self._server = ServerLedger(store, self._job, settings.shards, logger)
-        self._started = clock()
-        self._version_at = self._started
-        self._bytes_at = 0
-        self._assignment_bytes = 0
+        self._gate = AsyncGate(core.store, core.job, self._rule, self._member)
+        self._server = ServerLedger(core.store, core.job, settings.shards, core.log)
+        self._version_at = core.clock()
 
-    # --- the loop -----------------------------------------------------------------------------
-    def run(self) -> tuple[list[VersionRecord], str]:
-        records: list[VersionRecord] = []
-        version = self._store.current_version(self._job)
-        self._resume(version)
-        while not self._stop.is_set():
-            if version - 1 >= self._settings.job.rounds:
-                self._finish(version)
-                return records, "finished"
-            self._inbox.poll(self._poll_s, self._gate, version)
-            self._check_progress(version)
-            if len(self._gate.buffer) >= self._k:
-                record = self._fold(version)
-                if record is not None:
-                    records.append(record)
-                version = self._store.current_version(self._job)
-                self._gate.at(version)
-                if version - 1 >= self._settings.job.rounds:
-                    continue  # the last version: the members are dismissed, not assigned
-            self._answer(version)
-        return records, "stopped"
-
-    def _resume(self, version: int) -> None:
+    def start(self, version: int) -> int:
         """Start at `version`: what recent versions folded is never folded again."""
+        core = self._core
         self._gate.at(version)
-        kept = [
-            v for v in self._store.versions(self._job) if v > version - self._rule.max_staleness - 2
-        ]
-        for v in kept:
+        oldest = version - self._rule.max_staleness - 2
+        for v in [v for v in core.store.versions(core.job) if v > oldest]:
             try:
-                meta = self._store.manifest(self._job, v).meta
+                meta = core.store.manifest(core.job, v).meta
             except VersionNotFoundError:
                 continue
             self._gate.remember([m for m in meta.get(FOLDED_IDS, "").split(",") if m])
             if v == version:
                 self._server.restore(meta)
-        self._log.info(
+        core.log.info(
             "job %s: asynchronous at version %d (K=%d, %s staleness, max %d)",
-            self._job,
+            core.job,
             version,
             self._k,
             self._rule.kind,
             self._rule.max_staleness,
         )
+        return version
+
+    def step(self, version: int) -> int:
+        """One poll of the inbox; a fold when K updates are buffered; the newest weights to
+        the members owed them."""
+        core, gate = self._core, self._gate
+        core.inbox.poll(core.poll_s, gate, version)
+        self._check_progress()
+        if len(gate.buffer) >= self._k:
+            self._fold(version)
+            version = core.store.current_version(core.job)
+            gate.at(version)
+        if version - 1 < core.settings.job.rounds:  # after the last, members are dismissed
+            self._answer(version)
+        return version
+
+    def abandon(self) -> int:
+        self._gate.owed.clear()
+        return len(self._gate.take())
 
     def _member(self, client: str) -> MemberInfo | None:
-        now = self._clock()
+        now = self._core.clock()
         if now - self._members_at >= _MEMBER_CHECK_S:
             # Fresh records (a member's partition, its classes) now and then; members that
             # left keep their record in the book: an update sent just before a Leave is as
             # good as any.
-            self._members.live()
+            self._core.members.live()
             self._members_at = now
-        return self._members.get(client)
+        return self._core.members.get(client)
 
-    # --- folding ------------------------------------------------------------------------------
-    def _fold(self, version: int) -> VersionRecord | None:
-        buffered = self._gate.take()
-        refused, self._gate.too_stale = self._gate.too_stale, 0
-        current = read_version(self._store, self._job, version)
+    def _fold(self, version: int) -> None:
+        core, gate = self._core, self._gate
+        buffered = gate.take()
+        refused, gate.too_stale = gate.too_stale, 0
+        current = read_version(core.store, core.job, version)
         replicas: list[ShardReplica] = []
         taken: dict[int, FoldedCheckpoint] = {}
-        if self._strategy.splits and BlobRef(SERVER_PART) in current:
+        if core.strategy.splits and BlobRef(SERVER_PART) in current:
             replicas, taken = self._server.fresh(current[BlobRef(SERVER_PART)])
-        blobs = fold(self._strategy, current, [b.stale for b in buffered], self._rule, replicas)
+        blobs = fold(core.strategy, current, [b.stale for b in buffered], self._rule, replicas)
         updates = [b.stale.update for b in buffered]
-        samples = {BlobRef(CLIENT_PART): sum(u.samples for u in updates)}
-        if replicas:
-            samples[BlobRef(SERVER_PART)] = sum(r.samples for r in replicas)
+        taus = [b.stale.tau for b in buffered]
         meta = {
-            "round": str(version - 1),
             "mode": "async",
-            "participants": ",".join(u.client for u in updates),
-            "staleness": ",".join(str(b.stale.tau) for b in buffered),
+            "staleness": ",".join(str(tau) for tau in taus),
             FOLDED_IDS: ",".join(b.message_id for b in buffered),
             **self._server.meta(taken),
         }
-        try:
-            published = self._store.publish_version(
-                self._job,
-                version,
-                blobs,
-                samples={ref: n for ref, n in samples.items() if ref in blobs},
-                meta=meta,
-            )
-        except VersionConflictError as exc:
-            self.stats.conflicts += 1
-            self._log.warning(
-                "job %s: version %d was published by another aggregator (now %d); "
-                "dropping %d buffered updates",
-                self._job,
-                version + 1,
-                exc.actual,
-                len(buffered),
-            )
-            self._inbox.release()
-            return None
+        published = core.commit(version, blobs, updates, replicas, meta)
+        if published is None:
+            return
         self._server.commit(taken)
-        self._inbox.release()
         # The clients owed weights train on while this version is evaluated (after the last
         # version they are dismissed instead).
-        self._gate.at(published)
-        if published - 1 < self._settings.job.rounds:
+        gate.at(published)
+        if published - 1 < core.settings.job.rounds:
             self._answer(published)
-        self.stats.versions += 1
-        self.stats.folded += len(buffered)
-        self.stats.too_stale += refused
-        return self._record(published, blobs, buffered, len(replicas), refused)
-
-    def _record(
-        self,
-        version: int,
-        blobs: VersionWeights,
-        buffered: list[Buffered],
-        replicas: int,
-        refused: int,
-    ) -> VersionRecord:
-        now = self._clock()
-        interval = now - self._version_at
-        self._version_at = now
-        updates = [b.stale.update for b in buffered]
+        core.stats.folded += len(buffered)
+        core.stats.too_stale += refused
+        now = core.clock()
+        round_s, self._version_at = now - self._version_at, now
+        extra = {**staleness_extra(taus, refused, self._k), "replicas": float(len(replicas))}
         classes = {b.info.client: b.info.classes for b in buffered}
-        evaluator = self._evaluator
-        evaluation = evaluator.evaluate(blobs, classes) if evaluator else None
-        own = evaluator.strategy_metrics(self._strategy, blobs, classes) if evaluator else {}
-        accepted = self._inbox.stats.accepted_bytes
-        traffic = RoundTraffic(
-            round_s=interval,
-            update_bytes=accepted - self._bytes_at,
-            assignment_bytes=self._assignment_bytes,
-            late_updates=refused,
+        core.record(
+            published, blobs, updates, classes, round_s=round_s, replicas=len(replicas), extra=extra
         )
-        self._bytes_at, self._assignment_bytes = accepted, 0
-        record = build_record(
-            version=version,
-            round_index=version - 2,
-            elapsed_s=now - self._started,
-            updates=updates,
-            traffic=traffic,
-            evaluation=evaluation,
-            personal_from_clients=personal_on_clients(self._strategy),
-            strategy_metrics=own,
-        )
-        taus = [b.stale.tau for b in buffered]
-        record.extra.update(staleness_extra(taus, refused, self._k))
-        record.extra["replicas"] = float(replicas)
-        self._sink.record(record)
-        self._log.info(
-            "job %s: version %d from %d updates (staleness %s), %d replicas; accuracy %.4f",
-            self._job,
-            version,
-            len(updates),
-            taus,
-            replicas,
-            record.global_accuracy,
-        )
-        self._outbox.event("version_published", version, event_data(record))
-        return record
 
-    # --- answers ------------------------------------------------------------------------------
     def _answer(self, version: int) -> None:
         """The newest weights to every member whose update was judged since the last call."""
         if not self._gate.owed:
             return
         owed, self._gate.owed = self._gate.owed, []
-        weights = WeightsCache(self._store, self._job, version)
+        weights = WeightsCache(self._core.store, self._core.job, version)
         for o in owed:
-            client_weights, aux_weights = weights.for_client(o.client)
-            assignment = WeightsAssignment(
-                job=self._job,
-                client=o.client,
-                message_id=new_message_id(),
-                version=version,
-                round=o.next_round,
-                participate=True,
-                client_weights=client_weights,
-                aux_weights=aux_weights,
-                config=client_config(self._settings, o.partition),
-            )
-            try:
-                self._assignment_bytes += self._outbox.reply(o.client, assignment)
-                self.stats.assignments += 1
-            except UnroutableError:
-                self._log.info(
-                    "job %s: client %s is gone; no new weights for it", self._job, o.client
-                )
+            if self._core.assign(weights, o.client, o.partition, o.next_round):
+                self._core.stats.assignments += 1
 
-    def _check_progress(self, version: int) -> None:
-        """Fail the job (raising `JobFailedError`) when too many local rounds in a row came to
-        nothing: every client diverging, say, would retrain and drop for ever."""
+    def _check_progress(self) -> None:
+        """Fail the job when too many local rounds in a row came to nothing: every client
+        diverging, say, would retrain and drop for ever."""
         fruitless = self._gate.fruitless
         count = sum(fruitless.values())
         if not self._fruitless_limit or count < self._fruitless_limit:
             return
         reasons = ", ".join(f"{kind} ×{n}" for kind, n in sorted(fruitless.items()))
-        reason = (
+        raise JobFailedError(
             f"{count} local rounds in a row came to nothing, with no update buffered in "
             f"between; reasons: {reasons}"
-        )
-        self._gate.take()
-        self._gate.owed.clear()
-        self._inbox.release()
-        ended = JobStatus(JOB_FAILED, reason)
-        end_job(self._store, self._outbox, self._settings, version, ended, self._log)
-        self._log.error("job %s %s (version %d)", self._job, ended.text, version)
-        raise JobFailedError(reason)
-
-    def _finish(self, version: int) -> None:
-        """Dismiss every live member; updates still buffered are acked and dropped."""
-        self.stats.unfolded_at_end += len(self._gate.take())
-        self._gate.owed.clear()
-        self._inbox.release()
-        end_job(
-            self._store, self._outbox, self._settings, version, JobStatus(JOB_FINISHED), self._log
-        )
-        self._log.info(
-            "job %s: finished after %d versions (version %d, %d updates left unfolded)",
-            self._job,
-            self._settings.job.rounds,
-            version,
-            self.stats.unfolded_at_end,
         )

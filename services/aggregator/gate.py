@@ -1,26 +1,34 @@
-"""Which WeightsUpdates a round takes: the verdict on each one (pure, no broker).
+"""What the inbox asks of every update and drop notice, in both modes: the screen, then a gate.
 
-An `OpenRound` accepts one update per cohort member, for its round and version, or that
-member's `RoundDropped` notice (it stops waiting for the member and counts the reason); a
-`ClosedGate` stands in between rounds, when every update or notice is either late (its round
-is over) or premature. A gate sees only what the inbox's screen let through
-(`services.aggregator.screen`: a member's message, an update with the model's tensors); the
-helpers that check tensors live here, for the screen and the gates' copies alike.
+The screen (`UpdateScreen`) checks what holds for every version of the job, whatever state the
+round is in: the sender is a member, and an update's tensors have the model's names, shapes
+and kinds (the model's structure never changes within a job). A message that fails it is
+dead-lettered with its reason even when its round is long closed. Which round, version,
+cohort or staleness it belongs to is the gate's business: the clock's (`rounds.OpenRound` and
+`rounds.ClosedGate` in sync mode, `buffered.AsyncGate` in async mode).
+
+Every read of the members goes through one `MemberBook`, so a client the clock put in a cohort
+is known to the screen by construction. A member that left (or expired) stays known for the
+rest of the run: an update it sent just before is judged as anyone's. A stranger triggers a
+re-read, but only so many a second: a flood of made-up client ids must not turn into a store
+read per message.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from broker.messages import RoundDropped, WeightsUpdate
-from services.aggregator.cohort import quorum_size
+from broker.store import WeightStore
 from services.algorithms.base import ClientUpdate
-from services.common.membership import MemberInfo, same_incarnation
+from services.common.handout import WeightsCache
+from services.common.membership import MemberInfo, client_members
 
 
 class Verdict(enum.Enum):
@@ -36,14 +44,17 @@ class Offer:
     reason: str = ""
     # The Error code a LATE update is answered with (async mode: "too_stale").
     code: str = "round_closed"
-    # What kind of refusal a REJECT is, counted per round attempt (`services.aggregator.empty`).
+    # What kind of refusal a REJECT is, counted per round attempt (`rounds.EmptyAttempt`).
     kind: str = "rejected"
 
 
-class Decision(enum.Enum):
-    WAIT = "wait"
-    CLOSE = "close"
-    REOPEN = "reopen"  # nothing arrived: sample a new cohort for the same round
+class Gate(Protocol):
+    def offer(self, update: WeightsUpdate) -> Offer: ...
+
+    def offer_drop(self, drop: RoundDropped) -> Offer: ...
+
+    def refused(self, client: str) -> None:
+        """A member's update the screen refused (dead-lettered already)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,24 @@ Reference = Mapping[str, TensorSpec]
 
 def reference_of(state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state.items()}
+
+
+def client_update(update: WeightsUpdate, client_ref: Reference, aux_ref: Reference) -> ClientUpdate:
+    """What a gate keeps of an update it takes: copies in the version's dtypes (a client may
+    send float16; the decoded tensors are views of the message body)."""
+
+    def copy(state: Mapping[str, torch.Tensor], ref: Reference) -> dict[str, torch.Tensor]:
+        return {n: t.to(dtype=ref[n].dtype, copy=True) for n, t in state.items()}
+
+    return ClientUpdate(
+        client=update.client,
+        samples=update.samples,
+        base_version=update.version,
+        client_weights=copy(update.client_weights, client_ref),
+        aux_weights=copy(update.aux_weights, aux_ref),
+        masks={n: m.clone() for n, m in update.masks.items()},
+        metrics=dict(update.metrics),
+    )
 
 
 def weights_problem(
@@ -91,158 +120,84 @@ def masks_problem(
     return None
 
 
-class Gate(Protocol):
-    def offer(self, update: WeightsUpdate) -> Offer: ...
-
-    def offer_drop(self, drop: RoundDropped) -> Offer: ...
-
-    def refused(self, client: str) -> None:
-        """A member's update the screen refused (dead-lettered already)."""
-
-
-@dataclass(frozen=True)
-class ClosedGate:
-    """Between rounds: updates of round <= `last` are late, later ones premature."""
-
-    last: int
-
-    def offer(self, update: WeightsUpdate) -> Offer:
-        if update.round <= self.last:
-            return Offer(Verdict.LATE, f"round {update.round} is closed")
-        return Offer(Verdict.REJECT, f"round {update.round} is not open", kind="not_open")
-
-    def offer_drop(self, drop: RoundDropped) -> Offer:
-        if drop.round <= self.last:
-            return Offer(Verdict.LATE, f"round {drop.round} is closed")
-        return Offer(Verdict.REJECT, f"round {drop.round} is not open", kind="not_open")
-
-    def refused(self, client: str) -> None:
-        pass  # counted by the inbox, per attempt
-
-
-def _cast(state: Mapping[str, torch.Tensor], reference: Reference) -> dict[str, torch.Tensor]:
-    """Copies in the version's dtypes (a client may send float16; the decoded tensors are views
-    of the message body)."""
-    return {n: t.to(dtype=reference[n].dtype, copy=True) for n, t in state.items()}
+# Re-reads of the members on a stranger: a burst of this many, then this many a second.
+_STRANGER_READS = 20.0
 
 
 @dataclass
-class OpenRound:
-    round: int
-    version: int
-    cohort: Mapping[str, MemberInfo]
-    opened_at: float
-    deadline_s: float
-    quorum: float
+class MemberBook:
+    store: WeightStore
+    job: str
+    clock: Callable[[], float] = time.monotonic
+    # Every member seen this run (the newest record of each).
+    known: dict[str, MemberInfo] = field(default_factory=dict)
+    _tokens: float = _STRANGER_READS
+    _tokens_at: float = float("-inf")
+
+    def live(self) -> dict[str, MemberInfo]:
+        """The live client members, read from the store now (and remembered)."""
+        live = client_members(self.store, self.job)
+        self.known.update(live)
+        return live
+
+    def get(self, client: str) -> MemberInfo | None:
+        """`client`'s record if it is or was a member this run, else None."""
+        info = self.known.get(client)
+        if info is None and self._may_reread():
+            info = self.live().get(client)
+        return info
+
+    def _may_reread(self) -> bool:
+        now = self.clock()
+        elapsed = now - self._tokens_at
+        self._tokens = min(_STRANGER_READS, self._tokens + elapsed * _STRANGER_READS)
+        self._tokens_at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    kind: str  # counted per round attempt (`rounds.EmptyAttempt`)
+    member: bool  # whether it came from a member (its round came to nothing, async mode)
+
+
+@dataclass(frozen=True)
+class UpdateScreen:
+    members: MemberBook
     client_ref: Reference
     aux_ref: Reference
-    # Members of earlier, abandoned attempts at this round: their updates are late.
-    earlier: frozenset[str] = frozenset()
-    updates: dict[str, ClientUpdate] = field(default_factory=dict)
-    # Members gone (left, expired, or rejoined as a new process) and no longer waited for.
-    dropped: set[str] = field(default_factory=set)
-    # Members that said they dropped this attempt (`RoundDropped`), with the reason.
-    declined: dict[str, str] = field(default_factory=dict)
-    # The message id of each member's WeightsAssignment of this attempt (a notice that answers
-    # another one belongs to an earlier attempt, or to a predecessor aggregator's).
-    assigned: dict[str, str] = field(default_factory=dict)
+    # A client may upload part of the client blob (FedSplitX: the blocks up to its level).
+    partial_clients: bool = False
 
-    def offer(self, update: WeightsUpdate) -> Offer:
-        misplaced = self._misplaced(update.round, update.client)
-        if misplaced is not None:
-            return misplaced
-        if update.client in self.updates:
-            return Offer(Verdict.DUPLICATE)
-        problem = self._problem(update)
-        if problem is not None:
-            return problem
-        # A valid update outweighs an earlier notice that the round was dropped.
-        self.declined.pop(update.client, None)
-        self.updates[update.client] = ClientUpdate(
-            client=update.client,
-            samples=update.samples,
-            base_version=update.version,
-            client_weights=_cast(update.client_weights, self.client_ref),
-            aux_weights=_cast(update.aux_weights, self.aux_ref),
-            masks={n: m.clone() for n, m in update.masks.items()},
-            metrics=dict(update.metrics),
-        )
-        return Offer(Verdict.ACCEPT)
+    @classmethod
+    def of(
+        cls, store: WeightStore, job: str, version: int, members: MemberBook, *, partial: bool
+    ) -> UpdateScreen:
+        """The screen of a job whose model is that of `version` (any published one)."""
+        client, aux = WeightsCache(store, job, version).global_weights()
+        return cls(members, reference_of(client), reference_of(aux), partial)
 
-    def offer_drop(self, drop: RoundDropped) -> Offer:
-        """A member's notice that it dropped this round: no longer awaited, and its reason
-        counts when the attempt ends without a valid update."""
-        misplaced = self._misplaced(drop.round, drop.client)
-        if misplaced is not None:
-            return misplaced
-        if drop.client in self.updates:
-            reason = f"client {drop.client!r} already sent its update for round {self.round}"
-            return Offer(Verdict.REJECT, reason, kind="contradicts_update")
-        if drop.client in self.declined:
-            return Offer(Verdict.DUPLICATE)
-        if drop.version != self.version:
-            reason = (
-                f"RoundDropped based on version {drop.version}; "
-                f"round {self.round} trains version {self.version}"
+    def refusal(self, message: WeightsUpdate | RoundDropped) -> Refusal | None:
+        if self.members.get(message.client) is None:
+            reason = f"client {message.client!r} is not a member of the job"
+            return Refusal(reason, "not_member", member=False)
+        if isinstance(message, RoundDropped):
+            return None
+        if message.samples < 1:
+            reason = "an update must report at least one training sample"
+            return Refusal(reason, "no_samples", member=True)
+        bad = (
+            masks_problem(message.masks, message.client_weights)
+            or weights_problem(
+                message.client_weights,
+                self.client_ref,
+                "client_weights",
+                subset=self.partial_clients,
             )
-            return Offer(Verdict.REJECT, reason, kind="wrong_version")
-        expected = self.assigned.get(drop.client)
-        if drop.ref_message_id and expected and drop.ref_message_id != expected:
-            return Offer(Verdict.LATE, f"it answers an earlier assignment of round {self.round}")
-        self.declined[drop.client] = drop.reason
-        return Offer(Verdict.ACCEPT, kind=drop.reason)
-
-    def _misplaced(self, round_index: int, client: str) -> Offer | None:
-        """The verdict on an update or notice not for this round's cohort, or None."""
-        if round_index < self.round:
-            return Offer(Verdict.LATE, f"round {round_index} is closed")
-        if round_index > self.round:
-            reason = f"round {round_index} is not open (open: {self.round})"
-            return Offer(Verdict.REJECT, reason, kind="not_open")
-        if client not in self.cohort:
-            if client in self.earlier:
-                return Offer(Verdict.LATE, f"round {self.round} was reopened without you")
-            reason = f"client {client!r} is not in round {self.round}"
-            return Offer(Verdict.REJECT, reason, kind="not_in_cohort")
-        return None
-
-    def _problem(self, update: WeightsUpdate) -> Offer | None:
-        """The refusal of a cohort member's (screened) update for this round, or None."""
-        if update.version != self.version:
-            reason = (
-                f"update based on version {update.version}; "
-                f"round {self.round} trains version {self.version}"
-            )
-            return Offer(Verdict.REJECT, reason, kind="wrong_version")
-        return None
-
-    def refused(self, client: str) -> None:
-        pass  # counted by the inbox, per attempt
-
-    def waiting(self) -> set[str]:
-        """Cohort members whose update has not arrived, who did not say they dropped the
-        round, and who are still live."""
-        return set(self.cohort) - set(self.updates) - set(self.declined) - self.dropped
-
-    def drop(self, live: Mapping[str, MemberInfo]) -> list[str]:
-        """Stop waiting for members that are no longer `live`, or live as another process
-        than the one assigned (it left or was killed, and joined again between two reads of
-        the members: the new process never saw this round's assignment); the ones dropped
-        now. An update that arrives all the same still counts."""
-        gone = sorted(
-            c for c in self.waiting() if not same_incarnation(self.cohort[c], live.get(c))
+            or weights_problem(message.aux_weights, self.aux_ref, "aux_weights", subset=True)
         )
-        self.dropped.update(gone)
-        return gone
-
-    def decide(self, now: float) -> Decision:
-        received = len(self.updates)
-        if not self.waiting():
-            return Decision.CLOSE if received else Decision.REOPEN
-        elapsed = now - self.opened_at
-        if elapsed >= self.deadline_s and received >= quorum_size(len(self.cohort), self.quorum):
-            return Decision.CLOSE
-        if elapsed >= 2 * self.deadline_s:
-            # Below quorum even at twice the deadline: better a smaller round than a stall.
-            return Decision.CLOSE if received else Decision.REOPEN
-        return Decision.WAIT
+        return None if bad is None else Refusal(bad, "wrong_tensors", member=True)

@@ -1,7 +1,7 @@
 """The aggregator's side of `<job>.updates`: decode, check, hand to the round, ack.
 
 Validation comes before state: whatever the round's state, a message is decoded, checked for
-its job and sender, and screened (`services.aggregator.screen`: a member, the model's tensors)
+its job and sender, and screened (`services.aggregator.gate`: a member, the model's tensors)
 before a gate judges it against the round, so every invalid message is dead-lettered with its
 reason, in the sync and the async mode alike. Before all that, each sender spends its budget
 (`services.aggregator.budget`): a flooding client's surplus is refused unjudged, cheaply
@@ -29,8 +29,7 @@ from broker.rejection import Rejected, dead_letter_many_safely, dead_letter_safe
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
 from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
-from services.aggregator.gate import Gate, Offer, Verdict
-from services.aggregator.screen import UpdateScreen
+from services.aggregator.gate import Gate, Offer, UpdateScreen, Verdict
 from services.common.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.security.identity import SenderCheck, client_id_problem

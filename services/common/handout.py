@@ -40,6 +40,25 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
     }
 
 
+def assignment(
+    settings: Settings, weights: WeightsCache, client: str, partition: int, round_index: int
+) -> WeightsAssignment:
+    """Weights of `weights.version` and the config for `client`'s next (local) round."""
+    client_weights, aux_weights = weights.for_client(client)
+    config = client_config(settings, partition)
+    return WeightsAssignment(
+        settings.job.name,
+        client,
+        new_message_id(),
+        weights.version,
+        round_index,
+        True,
+        client_weights,
+        aux_weights,
+        config,
+    )
+
+
 # Longest job status a dismissal carries (a failure's reasons are short; this bounds them).
 _STATUS_CHARS = 500
 

@@ -23,7 +23,7 @@ import torch
 from pydantic import ValidationError
 
 from broker.store import NO_VERSION
-from services.aggregator.closing import read_version
+from services.aggregator.core import read_version
 from services.common.backends import Backends, Embedded
 from services.config.loading import ConfigError, deep_merge
 from services.config.root import Settings

@@ -1,5 +1,5 @@
 """An embedded job whose clients' models diverge ends failed, and its clients stop as when a job
-finishes (`rounds.max_empty_attempts`, services/aggregator/empty.py). The clients say they
+finishes (`rounds.max_empty_attempts`, services/aggregator/round_gate.py). The clients say they
 dropped their rounds (`RoundDropped`), so no attempt waits for the round deadline."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 
 from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef, WeightStore
 from services.aggregator.bootstrap import build_evaluator
-from services.aggregator.closing import read_version
+from services.aggregator.core import read_version
 from services.client.data import JobData
 from services.common.backends import Backends, Embedded
 from services.common.supervise import Supervisor

@@ -257,7 +257,7 @@ def test_a_round_nobody_answers_is_reopened_without_a_new_version(job: str) -> N
 
     records = j.run(aggregator, silence)
 
-    assert aggregator.round_stats.reopened == 1
+    assert aggregator.stats.reopened == 1
     assert answered == [0, 0]
     assert [s.round for s in j.worker.starts] == [0, 0]
     assert [(r.version, r.round, r.participants) for r in records] == [(2, 0, 1)]
@@ -390,7 +390,7 @@ def test_an_aggregator_that_loses_the_version_race_moves_on(job: str) -> None:
 
     records = j.run(aggregator)
 
-    assert aggregator.round_stats.conflicts == 1
+    assert aggregator.stats.conflicts == 1
     assert j.store.versions(job) == [1, 2, 3]
     assert_all(j.blob(2, CLIENT), 9.0)  # the winner's, untouched
     assert [(r.version, r.round) for r in records] == [(3, 1)]

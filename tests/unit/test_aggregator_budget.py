@@ -25,10 +25,9 @@ from broker.topology import (
 )
 from broker.transport import REASON_HEADER, Broker, Delivery, Headers, QueueSpec
 from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
-from services.aggregator.gate import OpenRound, reference_of
+from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
 from services.aggregator.inbox import OVER_BUDGET, UpdateInbox
-from services.aggregator.members import MemberBook
-from services.aggregator.screen import UpdateScreen
+from services.aggregator.round_gate import OpenRound
 from services.common.backends import Embedded
 from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo, member_id

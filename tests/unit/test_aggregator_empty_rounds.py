@@ -1,5 +1,5 @@
 """Rounds that get no valid update: reopened a few times, then the job fails with the reasons
-(`rounds.max_empty_attempts`, services/aggregator/empty.py)."""
+(`rounds.max_empty_attempts`, services/aggregator/round_gate.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ from broker.errors import DecodeError
 from broker.messages import Event, RoundDropped, WeightsAssignment, WeightsUpdate
 from broker.topology import events_queue
 from services.aggregator import Aggregator
-from services.aggregator.empty import EmptyAttempt, EmptyStreak
-from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict
+from services.aggregator.gate import Verdict
 from services.aggregator.inbox import decode_kind
+from services.aggregator.round_gate import (
+    ClosedGate,
+    Decision,
+    EmptyAttempt,
+    EmptyStreak,
+    OpenRound,
+)
 from services.common.membership import MemberInfo
 from services.common.supervise import JobFailedError
 from services.report.records import ListSink, VersionRecord
@@ -113,7 +119,7 @@ def test_clients_sending_only_nan_fail_the_job_after_max_empty_attempts(job: str
     )
     assert str(failure) == reason
     assert sink.status == f"failed: {reason}" and sink.records == []
-    assert aggregator.round_stats.reopened == 2
+    assert aggregator.stats.reopened == 2
     assert j.store.versions(job) == [1]
     # Every client was dismissed as when a job finishes, told why, and stopped.
     for fake in j.clients.values():
@@ -157,7 +163,7 @@ def test_a_bad_attempt_followed_by_good_ones_does_not_fail_the_job(job: str) -> 
 
     assert sink.status == "finished"
     assert [(r.version, r.round, r.participants) for r in records] == [(2, 0, 3), (3, 1, 3)]
-    assert aggregator.round_stats.reopened == 2
+    assert aggregator.stats.reopened == 2
     assert all(rounds == [0, 0, 1, 1] for rounds in seen.values()), seen
 
 

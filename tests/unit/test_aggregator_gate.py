@@ -8,10 +8,14 @@ import torch
 
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import RoundDropped, WeightsUpdate
-from services.aggregator.cohort import quorum_size, sample_cohort
-from services.aggregator.gate import ClosedGate, Decision, OpenRound, Verdict, reference_of
-from services.aggregator.members import MemberBook
-from services.aggregator.screen import UpdateScreen
+from services.aggregator.gate import MemberBook, UpdateScreen, Verdict, reference_of
+from services.aggregator.round_gate import (
+    ClosedGate,
+    Decision,
+    OpenRound,
+    quorum_size,
+    sample_cohort,
+)
 from services.common.membership import MemberInfo
 
 REF = {"blocks.0.weight": torch.zeros(2, 3), "blocks.0.bias": torch.zeros(2)}

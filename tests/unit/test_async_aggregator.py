@@ -188,8 +188,8 @@ def test_a_too_stale_update_is_refused_with_a_reason_and_the_newest_weights(
         aj.send("b", 3, 1.0)
         assert aj.done.wait(WAIT_S)
     assert aj.store.current_version(aj.job) == 4
-    assert aj.aggregator.async_stats.too_stale == 1
-    assert aj.aggregator.async_stats.folded == 6
+    assert aj.aggregator.stats.too_stale == 1
+    assert aj.aggregator.stats.folded == 6
     assert [r.extra["too_stale"] for r in aj.records] == [0.0, 0.0, 1.0]
     assert "c" not in aj.store.manifest(aj.job, 4).meta["participants"]
     histogram = staleness_histogram(aj.records)

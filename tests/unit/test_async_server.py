@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import SmashedBatch, new_message_id
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef, Checkpoint
-from services.aggregator.closing import read_version
+from services.aggregator.core import read_version
 from services.algorithms.async_fold import StaleUpdate, fold, is_statistic
 from services.algorithms.averaging import weighted_average
 from services.algorithms.base import ClientUpdate

@@ -16,7 +16,7 @@ from broker.memory_broker import InMemoryBroker
 from broker.store import SERVER_PART, BlobRef
 from broker.topology import dead_queue_name
 from broker.transport import REASON_HEADER
-from services.aggregator.closing import read_version
+from services.aggregator.core import read_version
 from services.algorithms.server_math import sequential_step
 from services.algorithms.staleness import TOO_STALE
 from services.common.backends import Backends, Embedded

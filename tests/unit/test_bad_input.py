@@ -80,10 +80,9 @@ from broker.topology import (
 )
 from broker.transport import REASON_HEADER, Broker
 from models.split import SplitNet
-from services.aggregator.gate import ClosedGate, OpenRound, reference_of
+from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
 from services.aggregator.inbox import UpdateInbox
-from services.aggregator.members import MemberBook
-from services.aggregator.screen import UpdateScreen
+from services.aggregator.round_gate import ClosedGate, OpenRound
 from services.client.link import ClientLink
 from services.client.plan import RoundPlan
 from services.client.stats import ClientStats

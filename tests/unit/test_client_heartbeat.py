@@ -22,14 +22,13 @@ from broker.messages import Heartbeat, Message
 from broker.topology import control_queue, control_queue_name
 from models.split import SplitNet
 from services.aggregator import ensure_initial_version
-from services.aggregator.notices import assign_round, dismiss
 from services.algorithms.base import ClientContext, Hyper, RoundResult, SmashedChannel
 from services.algorithms.fedavg import FedAvg
 from services.algorithms.registry import build_strategy
 from services.client import Client, ClientStats
 from services.client.beat import HeartbeatThread
 from services.common.backends import Backends, Embedded
-from services.common.handout import WeightsCache
+from services.common.handout import WeightsCache, assignment, dismissal
 from services.common.membership import client_members
 from services.common.outbox import Outbox
 from services.coordinator import Coordinator
@@ -102,7 +101,9 @@ def test_a_step_longer_than_the_ttl_does_not_expire_the_member(
     with running([coordinator.run, lambda stop: results.append(client.run(stop))]):
         wait_until(lambda: "c1" in client_members(store, job), "the client's Join")
         cohort = client_members(store, job)
-        assign_round(outbox, settings, WeightsCache(store, job, 1), cohort, LOG)
+        weights = WeightsCache(store, job, 1)
+        for client, info in cohort.items():
+            outbox.reply(client, assignment(settings, weights, client, info.partition, 0))
         assert holding.wait(WAIT_S), "the client did not start its round"
         # The step holds; three TTLs pass on the store's clock, 0.6 TTL after each fresh beat.
         for _ in range(5):
@@ -111,7 +112,7 @@ def test_a_step_longer_than_the_ttl_does_not_expire_the_member(
             store_clock.advance(0.6 * TTL_S)
             assert "c1" in client_members(store, job)
         release.set()
-        dismiss(outbox, settings, 2, ["c1"], LOG)
+        outbox.reply("c1", dismissal(settings, "c1", 2, "finished"))
         wait_until(lambda: bool(results), "the client's end")
     aggregator.close()
 

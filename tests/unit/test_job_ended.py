@@ -135,7 +135,7 @@ def test_after_a_failure_late_clients_are_told_and_a_restart_changes_nothing(
     assert returned == [] and isinstance(error, JobFailedError)
     assert str(error) == reason, "it fails the same way, not with a new reason"
     assert restart.sink.status == f"failed: {reason}" and restart.sink.records == []
-    assert restart.aggregator.round_stats.reopened == 0
+    assert restart.aggregator.stats.reopened == 0
     assert j.store.versions(job) == [1]
     assert restart.published() == [], "no round opened, no second job_finished"
     assert {c: hub.queue_depth(reply_queue_name(job, c)) for c in j.clients} == depths

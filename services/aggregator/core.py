@@ -1,0 +1,257 @@
+"""The aggregator's core, one for both modes: the loop to the job's end, the publication of a
+version (architecture step 6), its record, and the end of the job (step 7).
+
+What differs between the modes is the `Clock`: `rounds.RoundClock` (sync: cohorts, deadline,
+quorum, reopened rounds) or `buffered.BufferClock` (async: a version whenever K updates are
+buffered, docs/async.md). A clock judges updates through its gate (the inbox hands them over),
+decides when a version is due and what goes into it; the core publishes it by compare-and-set,
+acks the updates it holds, evaluates and records it, and ends the job.
+
+Round r trains version v = r + 1 (version 1 is the initial model), so the store's current
+version alone says what comes next: a restarted aggregator resumes where the last one published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from broker.errors import UnroutableError, VersionConflictError
+from broker.store import (
+    CLIENT_PART,
+    JOB_FAILED,
+    JOB_FINISHED,
+    SERVER_PART,
+    BlobRef,
+    JobStatus,
+    WeightStore,
+)
+from services.aggregator.evaluation import Evaluator
+from services.aggregator.gate import MemberBook
+from services.aggregator.inbox import UpdateInbox
+from services.aggregator.metrics import RoundTraffic, build_record, event_data
+from services.algorithms.base import (
+    ClientUpdate,
+    ShardReplica,
+    Strategy,
+    VersionWeights,
+    personal_on_clients,
+)
+from services.common.handout import WeightsCache, assignment, dismissal
+from services.common.membership import client_members
+from services.common.outbox import Outbox
+from services.common.supervise import JobFailedError
+from services.config.root import Settings
+from services.report.records import MetricsSink, VersionRecord
+
+
+@dataclass
+class Stats:
+    versions: int = 0
+    conflicts: int = 0  # versions another aggregator published first
+    reopened: int = 0  # sync: attempts at a round that got no valid update
+    folded: int = 0  # async: updates folded into versions
+    too_stale: int = 0  # async: updates refused for staleness
+    unfolded_at_end: int = 0  # async: buffered when the job ended
+    assignments: int = 0  # async: new weights sent to a member after its upload
+
+
+class Clock(Protocol):
+    def start(self, version: int) -> int:
+        """Resume at the store's current `version`; the version to go on from."""
+
+    def step(self, version: int) -> int:
+        """Take updates until a version is published, or for one poll; the version now.
+        Raises `JobFailedError` when the job cannot make progress."""
+
+    def abandon(self) -> int:
+        """The job ends: forget the updates held (the core acks them); how many there were."""
+
+
+def read_version(store: WeightStore, job: str, version: int) -> VersionWeights:
+    """Every blob of `version`."""
+    return {ref: store.read_blob(job, version, ref) for ref in store.manifest(job, version).entries}
+
+
+@dataclass
+class Core:
+    settings: Settings
+    store: WeightStore
+    outbox: Outbox
+    inbox: UpdateInbox
+    strategy: Strategy
+    sink: MetricsSink
+    evaluator: Evaluator | None
+    clock: Callable[[], float]
+    stop: threading.Event
+    log: logging.Logger
+    poll_s: float
+    stats: Stats
+    records: list[VersionRecord] = field(default_factory=list)
+    # What was exchanged since `mark`: assignments out (bytes), updates in and late (counts).
+    assignment_bytes: int = 0
+    _bytes_at: int = 0
+    _late_at: int = 0
+    _started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._started = self.clock()
+
+    @property
+    def job(self) -> str:
+        return self.settings.job.name
+
+    @property
+    def members(self) -> MemberBook:
+        """The inbox's book: a member a clock puts in a cohort is known to its screen."""
+        return self.inbox.screen.members
+
+    def run(self, clock: Clock) -> tuple[list[VersionRecord], str]:
+        """The clock's versions until `job.rounds` are trained (or `stop`); the records and how
+        the run ended. A `JobFailedError` ends the job as failed, then propagates."""
+        version = clock.start(self.store.current_version(self.job))
+        while not self.stop.is_set():
+            if version - 1 >= self.settings.job.rounds:
+                self.end(clock, version, JobStatus(JOB_FINISHED))
+                return self.records, "finished"
+            try:
+                version = clock.step(version)
+            except JobFailedError as exc:
+                self.end(clock, version, JobStatus(JOB_FAILED, str(exc)))
+                raise
+        return self.records, "stopped"
+
+    def mark(self) -> None:
+        """Start counting the traffic of the next record from now."""
+        self.assignment_bytes = 0
+        self._bytes_at = self.inbox.stats.accepted_bytes
+        self._late_at = self.inbox.stats.late
+
+    def assign(self, weights: WeightsCache, client: str, partition: int, round_index: int) -> str:
+        """Send `client` the weights for its next round; the message id ("" when the client has
+        no reply queue: it is gone)."""
+        message = assignment(self.settings, weights, client, partition, round_index)
+        try:
+            self.assignment_bytes += self.outbox.reply(client, message)
+        except UnroutableError:
+            self.log.warning("job %s: client %s has no reply queue; it is gone", self.job, client)
+            return ""
+        return message.message_id
+
+    def commit(
+        self,
+        base: int,
+        blobs: VersionWeights,
+        updates: Sequence[ClientUpdate],
+        replicas: Sequence[ShardReplica],
+        meta: Mapping[str, str],
+    ) -> int | None:
+        """Publish `blobs` as the version after `base` and ack the updates held; None when
+        another aggregator published that version first (the updates are acked and lost)."""
+        samples = {BlobRef(CLIENT_PART): sum(u.samples for u in updates)}
+        if replicas:
+            samples[BlobRef(SERVER_PART)] = sum(r.samples for r in replicas)
+        participants = ",".join(u.client for u in updates)
+        try:
+            version = self.store.publish_version(
+                self.job,
+                base,
+                blobs,
+                samples={ref: n for ref, n in samples.items() if ref in blobs},
+                meta={"round": str(base - 1), "participants": participants, **meta},
+            )
+        except VersionConflictError as exc:
+            self.stats.conflicts += 1
+            self.log.warning(
+                "job %s: version %d was published by another aggregator (now %d); dropping "
+                "round %d (%d updates)",
+                self.job,
+                base + 1,
+                exc.actual,
+                base - 1,
+                len(updates),
+            )
+            self.inbox.release()
+            return None
+        self.inbox.release()
+        self.stats.versions += 1
+        return version
+
+    def record(
+        self,
+        version: int,
+        blobs: VersionWeights,
+        updates: Sequence[ClientUpdate],
+        classes: Mapping[str, Sequence[int]],
+        *,
+        round_s: float,
+        replicas: int,
+        extra: Mapping[str, float] | None = None,
+    ) -> VersionRecord:
+        """Evaluate a published version, record it, announce it; counts traffic from `mark`."""
+        evaluator = self.evaluator
+        evaluation = evaluator.evaluate(blobs, classes) if evaluator else None
+        own = evaluator.strategy_metrics(self.strategy, blobs, classes) if evaluator else {}
+        stats = self.inbox.stats
+        traffic = RoundTraffic(
+            round_s=round_s,
+            update_bytes=stats.accepted_bytes - self._bytes_at,
+            assignment_bytes=self.assignment_bytes,
+            late_updates=stats.late - self._late_at,
+        )
+        record = build_record(
+            version=version,
+            round_index=version - 2,
+            elapsed_s=self.clock() - self._started,
+            updates=updates,
+            traffic=traffic,
+            evaluation=evaluation,
+            personal_from_clients=personal_on_clients(self.strategy),
+            strategy_metrics=own,
+        )
+        record.extra.update(extra or {})
+        self.mark()
+        self.sink.record(record)
+        self.log.info(
+            "job %s: round %d closed: version %d from %d updates, %d replicas; accuracy %.4f",
+            self.job,
+            version - 2,
+            version,
+            len(updates),
+            replicas,
+            record.global_accuracy,
+        )
+        self.outbox.event("version_published", version, event_data(record))
+        self.records.append(record)
+        return record
+
+    def end(self, clock: Clock, version: int, ended: JobStatus) -> None:
+        """Record how the job ended, dismiss every live member with that status and announce it.
+
+        Updates still held are acked and dropped. The record is written before the members are
+        read: a client that joins after this read is dismissed by the coordinator, which reads
+        the record after writing the member.
+        """
+        self.stats.unfolded_at_end += clock.abandon()
+        self.inbox.release()
+        self.store.set_job_status(self.job, ended)
+        for client in sorted(client_members(self.store, self.job)):
+            try:
+                self.outbox.reply(client, dismissal(self.settings, client, version, ended.text))
+            except UnroutableError:
+                self.log.info("job %s: finished client %s has no reply queue", self.job, client)
+        rounds = self.settings.job.rounds
+        self.outbox.event("job_finished", version, {"rounds": rounds, "status": ended.text})
+        if ended.state == JOB_FAILED:
+            self.log.error("job %s %s (version %d)", self.job, ended.text, version)
+        else:
+            self.log.info(
+                "job %s: finished after %d rounds (version %d, %d updates left unfolded)",
+                self.job,
+                rounds,
+                version,
+                self.stats.unfolded_at_end,
+            )
