@@ -1,18 +1,14 @@
 """Per-sender budgets on `<job>.updates`: one flooding client must not stall the others.
 
-RabbitMQ hands the queue out in order, so a client's legitimate update queued behind another
-client's flood is reached only once the flood ahead of it is consumed. Judging a message
-costs little; dead-lettering it with its reason costs a confirmed publish (1.8-2.8 ms per
-junk update measured on RabbitMQ on this shared host, ~80% of it waiting for the confirm,
-~15% decoding a 2 KB body: 350-570 a second), while one client publishing with confirms
-sends 400-1,250 a second: the flood outruns its judge. So each sender gets a token
-bucket: within it a message is judged in full (an invalid one dead-lettered with its
-reason), beyond it a message is refused unjudged: it is put in the `Surplus`, which
-dead-letters a batch at a time (`Broker.dead_letter_many`: one wait for the broker per
-batch, 0.3-1 ms a message instead of 1.3-2.7), each with the reason that its sender was over
-budget; while a batch is open, the judged junk joins it too. The aggregator then consumes
-a flood faster than a client can publish it (given its CPU: starved, it falls behind), the
-bounded queue (reject-publish) stays short, and the others' updates are never far behind.
+RabbitMQ hands the queue out in order, so a legitimate update queued behind another client's
+flood is reached only once the flood ahead of it is consumed, and dead-lettering junk with its
+reason (a confirmed publish each) is slower than one client can publish it. So each sender
+gets a token bucket: within it a message is judged in full (an invalid one dead-lettered with
+its reason), beyond it a message is refused unjudged: it goes into the `Surplus`, which
+dead-letters a batch at a time (`Broker.dead_letter_many`: one wait for the broker a batch),
+each with the reason that its sender was over budget; while a batch is open, the judged junk
+joins it too. The aggregator then consumes a flood faster than a client can publish it, and
+the others' updates are never far behind (measurements: docs/reliability.md, the flood row).
 
 A sender is its AMQP user_id when the broker stamps one (the secured mode), else the client
 id it claims if that is a member; every stranger shares one budget, so made-up ids buy no

@@ -1,6 +1,6 @@
 """The asynchronous (FedBuff-style) clock: no rounds, only versions (docs/async.md).
 
-Updates arrive whenever clients finish a local round. The `AsyncGate` buffers each one from a
+Updates arrive whenever clients finish a local round. The `BufferClock` buffers each one from a
 member (screened by the inbox) based on a version at most `max_staleness` behind the current
 one, with what it started from and what it would start from now; a staler one is valid but
 refused: acked, counted and answered with `Error("too_stale")`. When `buffer_size` (K) are
@@ -23,12 +23,12 @@ folds none twice.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from broker.errors import VersionNotFoundError
 from broker.messages import RoundDropped, WeightsUpdate
-from broker.store import SERVER_PART, BlobRef, WeightStore
+from broker.store import SERVER_PART, BlobRef
 from services.aggregator.core import Core, read_version
 from services.aggregator.gate import Offer, Reference, Verdict, client_update, reference_of
 from services.algorithms.async_fold import StaleUpdate, fold
@@ -82,104 +82,9 @@ class Owed:
     next_round: int
 
 
-@dataclass
-class AsyncGate:
-    store: WeightStore
-    job: str
-    rule: StalenessRule
-    # Live member by id, or None (the clock re-reads the store for an unknown id).
-    member: Callable[[str], MemberInfo | None]
-    version: int = 0
-    buffer: list[Buffered] = field(default_factory=list)
-    owed: list[Owed] = field(default_factory=list)
-    too_stale: int = 0  # refused since the last fold
-    # Members' local rounds that came to nothing since the last buffered update, by reason.
-    fruitless: Counter[str] = field(default_factory=Counter)
-    _seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    _weights: dict[int, WeightsCache] = field(default_factory=dict)
-    _client_ref: Reference = field(default_factory=dict)
-    _aux_ref: Reference = field(default_factory=dict)
-
-    def at(self, version: int) -> None:
-        """The current version is `version` now: staleness counts from it."""
-        self.version = version
-        client, aux = self._cache(version).global_weights()
-        self._client_ref, self._aux_ref = reference_of(client), reference_of(aux)
-        oldest = version - self.rule.max_staleness
-        for old in [v for v in self._weights if v < oldest]:
-            del self._weights[old]
-
-    def remember(self, message_ids: list[str]) -> None:
-        """Updates already folded (by this aggregator or a predecessor): never again."""
-        for message_id in message_ids:
-            self._seen[message_id] = None
-        while len(self._seen) > _SEEN_LIMIT:
-            self._seen.popitem(last=False)
-
-    def take(self) -> list[Buffered]:
-        taken, self.buffer = self.buffer, []
-        return taken
-
-    def offer(self, update: WeightsUpdate) -> Offer:
-        if update.message_id in self._seen:
-            return Offer(Verdict.DUPLICATE)
-        if update.version > self.version:
-            return Offer(
-                Verdict.REJECT,
-                f"update based on version {update.version}, beyond the current {self.version}",
-            )
-        info = self.member(update.client)
-        if info is None:  # the screen refuses strangers; this one's record is unreadable now
-            return Offer(Verdict.REJECT, f"client {update.client!r} is not a member of the job")
-        tau = self.version - update.version
-        if not self.rule.accepts(tau):
-            return self._refuse(
-                update, info, f"{tau} versions behind, max {self.rule.max_staleness}"
-            )
-        try:
-            base_client, base_aux = self._cache(update.version).for_client(update.client)
-        except VersionNotFoundError:
-            return self._refuse(update, info, f"base version {update.version} is no longer kept")
-        current_client, current_aux = self._cache(self.version).for_client(update.client)
-        taken = client_update(update, self._client_ref, self._aux_ref)
-        stale = StaleUpdate(taken, tau, base_client, base_aux, current_client, current_aux)
-        self.buffer.append(Buffered(stale, update.message_id, info))
-        self.fruitless.clear()
-        self.remember([update.message_id])
-        self.owed.append(Owed(update.client, info.partition, update.round + 1))
-        return Offer(Verdict.ACCEPT)
-
-    def offer_drop(self, drop: RoundDropped) -> Offer:
-        """A member's notice that a local round came to nothing: acked and counted."""
-        if drop.message_id in self._seen:
-            return Offer(Verdict.DUPLICATE)
-        if self.member(drop.client) is None:
-            reason = f"client {drop.client!r} is not a member of the job"
-            return Offer(Verdict.REJECT, reason, kind="not_member")
-        self.remember([drop.message_id])
-        self.fruitless[drop.reason] += 1
-        return Offer(Verdict.ACCEPT, kind=drop.reason)
-
-    def refused(self, client: str) -> None:
-        """A member's unusable update: its local round came to nothing."""
-        self.fruitless["refused"] += 1
-
-    def _refuse(self, update: WeightsUpdate, info: MemberInfo, why: str) -> Offer:
-        self.too_stale += 1
-        self.remember([update.message_id])
-        self.owed.append(Owed(update.client, info.partition, update.round + 1))
-        reason = f"{TOO_STALE}: update based on version {update.version}: {why}"
-        return Offer(Verdict.LATE, reason, code=TOO_STALE)
-
-    def _cache(self, version: int) -> WeightsCache:
-        cache = self._weights.get(version)
-        if cache is None:
-            cache = WeightsCache(self.store, self.job, version)
-            self._weights[version] = cache
-        return cache
-
-
 class BufferClock:
+    """The async clock, and its gate: the inbox offers it every screened update and notice."""
+
     def __init__(self, core: Core) -> None:
         self._core = core
         settings = core.settings
@@ -188,22 +93,31 @@ class BufferClock:
             settings.asynchronous.max_fruitless_per_client * settings.clients.count
         )
         self._rule = staleness_rule(settings)
-        self._members_at = float("-inf")
-        self._gate = AsyncGate(core.store, core.job, self._rule, self._member)
         self._server = ServerLedger(core.store, core.job, settings.shards, core.log)
         self._version_at = core.clock()
+        self._members_at = float("-inf")
+        self.version = 0  # staleness counts from it
+        self.buffer: list[Buffered] = []
+        self.owed: list[Owed] = []
+        self.too_stale = 0  # refused since the last fold
+        # Members' local rounds that came to nothing since the last buffered update, by reason.
+        self.fruitless: Counter[str] = Counter()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._weights: dict[int, WeightsCache] = {}
+        self._client_ref: Reference = {}
+        self._aux_ref: Reference = {}
 
     def start(self, version: int) -> int:
         """Start at `version`: what recent versions folded is never folded again."""
         core = self._core
-        self._gate.at(version)
+        self._at(version)
         oldest = version - self._rule.max_staleness - 2
         for v in [v for v in core.store.versions(core.job) if v > oldest]:
             try:
                 meta = core.store.manifest(core.job, v).meta
             except VersionNotFoundError:
                 continue
-            self._gate.remember([m for m in meta.get(FOLDED_IDS, "").split(",") if m])
+            self._remember([m for m in meta.get(FOLDED_IDS, "").split(",") if m])
             if v == version:
                 self._server.restore(meta)
         core.log.info(
@@ -219,20 +133,97 @@ class BufferClock:
     def step(self, version: int) -> int:
         """One poll of the inbox; a fold when K updates are buffered; the newest weights to
         the members owed them."""
-        core, gate = self._core, self._gate
-        core.inbox.poll(core.poll_s, gate, version)
+        core = self._core
+        core.inbox.poll(core.poll_s, self, version)
         self._check_progress()
-        if len(gate.buffer) >= self._k:
+        if len(self.buffer) >= self._k:
             self._fold(version)
             version = core.store.current_version(core.job)
-            gate.at(version)
+            self._at(version)
         if version - 1 < core.settings.job.rounds:  # after the last, members are dismissed
             self._answer(version)
         return version
 
     def abandon(self) -> int:
-        self._gate.owed.clear()
-        return len(self._gate.take())
+        self.owed.clear()
+        dropped, self.buffer = len(self.buffer), []
+        return dropped
+
+    # --- the gate -----------------------------------------------------------------------------
+    def offer(self, update: WeightsUpdate) -> Offer:
+        if update.message_id in self._seen:
+            return Offer(Verdict.DUPLICATE)
+        if update.version > self.version:
+            return Offer(
+                Verdict.REJECT,
+                f"update based on version {update.version}, beyond the current {self.version}",
+            )
+        info = self._member(update.client)
+        if info is None:  # the screen refuses strangers; this one's record is unreadable now
+            return Offer(Verdict.REJECT, f"client {update.client!r} is not a member of the job")
+        tau = self.version - update.version
+        if not self._rule.accepts(tau):
+            return self._refuse(
+                update, info, f"{tau} versions behind, max {self._rule.max_staleness}"
+            )
+        try:
+            base_client, base_aux = self._cache(update.version).for_client(update.client)
+        except VersionNotFoundError:
+            return self._refuse(update, info, f"base version {update.version} is no longer kept")
+        current_client, current_aux = self._cache(self.version).for_client(update.client)
+        taken = client_update(update, self._client_ref, self._aux_ref)
+        stale = StaleUpdate(taken, tau, base_client, base_aux, current_client, current_aux)
+        self.buffer.append(Buffered(stale, update.message_id, info))
+        self.fruitless.clear()
+        self._remember([update.message_id])
+        self.owed.append(Owed(update.client, info.partition, update.round + 1))
+        return Offer(Verdict.ACCEPT)
+
+    def offer_drop(self, drop: RoundDropped) -> Offer:
+        """A member's notice that a local round came to nothing: acked and counted."""
+        if drop.message_id in self._seen:
+            return Offer(Verdict.DUPLICATE)
+        if self._member(drop.client) is None:
+            reason = f"client {drop.client!r} is not a member of the job"
+            return Offer(Verdict.REJECT, reason, kind="not_member")
+        self._remember([drop.message_id])
+        self.fruitless[drop.reason] += 1
+        return Offer(Verdict.ACCEPT, kind=drop.reason)
+
+    def refused(self, client: str) -> None:
+        """A member's unusable update: its local round came to nothing."""
+        self.fruitless["refused"] += 1
+
+    def _refuse(self, update: WeightsUpdate, info: MemberInfo, why: str) -> Offer:
+        self.too_stale += 1
+        self._remember([update.message_id])
+        self.owed.append(Owed(update.client, info.partition, update.round + 1))
+        reason = f"{TOO_STALE}: update based on version {update.version}: {why}"
+        return Offer(Verdict.LATE, reason, code=TOO_STALE)
+
+    def _at(self, version: int) -> None:
+        """The current version is `version` now."""
+        self.version = version
+        client, aux = self._cache(version).global_weights()
+        self._client_ref, self._aux_ref = reference_of(client), reference_of(aux)
+        oldest = version - self._rule.max_staleness
+        for old in [v for v in self._weights if v < oldest]:
+            del self._weights[old]
+
+    def _remember(self, message_ids: list[str]) -> None:
+        """Updates already buffered or folded (by this aggregator or a predecessor): never
+        again."""
+        for message_id in message_ids:
+            self._seen[message_id] = None
+        while len(self._seen) > _SEEN_LIMIT:
+            self._seen.popitem(last=False)
+
+    def _cache(self, version: int) -> WeightsCache:
+        cache = self._weights.get(version)
+        if cache is None:
+            cache = WeightsCache(self._core.store, self._core.job, version)
+            self._weights[version] = cache
+        return cache
 
     def _member(self, client: str) -> MemberInfo | None:
         now = self._core.clock()
@@ -244,10 +235,11 @@ class BufferClock:
             self._members_at = now
         return self._core.members.get(client)
 
+    # --- versions -----------------------------------------------------------------------------
     def _fold(self, version: int) -> None:
-        core, gate = self._core, self._gate
-        buffered = gate.take()
-        refused, gate.too_stale = gate.too_stale, 0
+        core = self._core
+        buffered, self.buffer = self.buffer, []
+        refused, self.too_stale = self.too_stale, 0
         current = read_version(core.store, core.job, version)
         replicas: list[ShardReplica] = []
         taken: dict[int, FoldedCheckpoint] = {}
@@ -268,7 +260,7 @@ class BufferClock:
         self._server.commit(taken)
         # The clients owed weights train on while this version is evaluated (after the last
         # version they are dismissed instead).
-        gate.at(published)
+        self._at(published)
         if published - 1 < core.settings.job.rounds:
             self._answer(published)
         core.stats.folded += len(buffered)
@@ -283,9 +275,9 @@ class BufferClock:
 
     def _answer(self, version: int) -> None:
         """The newest weights to every member whose update was judged since the last call."""
-        if not self._gate.owed:
+        if not self.owed:
             return
-        owed, self._gate.owed = self._gate.owed, []
+        owed, self.owed = self.owed, []
         weights = WeightsCache(self._core.store, self._core.job, version)
         for o in owed:
             if self._core.assign(weights, o.client, o.partition, o.next_round):
@@ -294,7 +286,7 @@ class BufferClock:
     def _check_progress(self) -> None:
         """Fail the job when too many local rounds in a row came to nothing: every client
         diverging, say, would retrain and drop for ever."""
-        fruitless = self._gate.fruitless
+        fruitless = self.fruitless
         count = sum(fruitless.values())
         if not self._fruitless_limit or count < self._fruitless_limit:
             return

@@ -26,6 +26,7 @@ import torch
 
 from broker.messages import RoundDropped, WeightsUpdate
 from broker.store import WeightStore
+from services.aggregator.budget import STRANGERS, SenderBudgets
 from services.algorithms.base import ClientUpdate
 from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo, client_members
@@ -121,7 +122,7 @@ def masks_problem(
 
 
 # Re-reads of the members on a stranger: a burst of this many, then this many a second.
-_STRANGER_READS = 20.0
+_STRANGER_READS = 20
 
 
 @dataclass
@@ -131,8 +132,9 @@ class MemberBook:
     clock: Callable[[], float] = time.monotonic
     # Every member seen this run (the newest record of each).
     known: dict[str, MemberInfo] = field(default_factory=dict)
-    _tokens: float = _STRANGER_READS
-    _tokens_at: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        self._rereads = SenderBudgets(_STRANGER_READS, _STRANGER_READS, self.clock)
 
     def live(self) -> dict[str, MemberInfo]:
         """The live client members, read from the store now (and remembered)."""
@@ -143,19 +145,9 @@ class MemberBook:
     def get(self, client: str) -> MemberInfo | None:
         """`client`'s record if it is or was a member this run, else None."""
         info = self.known.get(client)
-        if info is None and self._may_reread():
+        if info is None and self._rereads.spend(STRANGERS):
             info = self.live().get(client)
         return info
-
-    def _may_reread(self) -> bool:
-        now = self.clock()
-        elapsed = now - self._tokens_at
-        self._tokens = min(_STRANGER_READS, self._tokens + elapsed * _STRANGER_READS)
-        self._tokens_at = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,14 @@
 A round waits for ready members, samples a cohort, announces the round to the shards that
 serve it (RoundStart ahead of its batches), assigns the version's weights and takes updates
 (`round_gate.OpenRound`) until every member answered, or the deadline passed with a quorum, or
-twice the deadline with at least one update. Then the shards hand in their replicas (RoundEnd,
-`replicas`), the strategy aggregates, and the core publishes. A round without a valid update
-is reopened with a fresh cohort; a reopened round publishes nothing.
+twice the deadline with at least one update. Then the shards hand in their replicas, the
+strategy aggregates, and the core publishes. A round without a valid update is reopened with a
+fresh cohort; a reopened round publishes nothing.
+
+After RoundEnd reaches a shard queue, the worker holding the shard checkpoints with
+`meta["round"] = r` (architecture step 5); its `round_samples` weight the replica in the
+server-side average. A shard whose worker does not answer within `rounds.replica_timeout_s` is
+left out (its samples are lost for this round, the previous server weights stand in for it).
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from broker.messages import ConfigValue, Message, RoundEnd, RoundStart, new_message_id
+from broker.store import Checkpoint
 from services.aggregator.core import Core, read_version
 from services.aggregator.gate import reference_of
-from services.aggregator.replicas import gather_replicas
 from services.aggregator.round_gate import (
     ClosedGate,
     Decision,
@@ -28,10 +33,21 @@ from services.algorithms.base import ShardReplica
 from services.common.handout import WeightsCache
 from services.common.logs import log_context
 from services.common.membership import MemberInfo
+from services.common.server_fold import meta_cuts, meta_int
 from services.common.supervise import JobFailedError
 
 # How often the members' liveness is re-read while a round waits for updates.
 _MEMBER_CHECK_S = 1.0
+# How often the store is read for the shards' replicas after RoundEnd.
+_POLL_S = 0.05
+
+
+def replica_of(checkpoint: Checkpoint) -> ShardReplica:
+    """A shard's replica as its checkpoint hands it in, weighted by its `round_samples`."""
+    meta = checkpoint.meta
+    cuts = {c: n for c, n in meta_cuts(meta).items() if n > 0}
+    samples = max(0, meta_int(meta, "round_samples", 0))
+    return ShardReplica(checkpoint.shard, samples, dict(checkpoint.weights), cuts)
 
 
 def cohort_shards(cohort: Mapping[str, MemberInfo]) -> dict[int, dict[str, ConfigValue]]:
@@ -216,24 +232,36 @@ class RoundClock:
             core.record(version, blobs, updates, classes, round_s=round_s, replicas=len(replicas))
 
     def _replicas(self, state: OpenRound) -> list[ShardReplica] | None:
-        """RoundEnd behind the round's batches; each shard's worker hands in its replica."""
+        """RoundEnd behind the round's batches, then the replicas the shards' workers hand in
+        for the round, in shard order; None if stopped first."""
         core = self._core
         if not core.strategy.splits:
             return []
-        shards = list(cohort_shards(state.cohort))
+        pending = list(cohort_shards(state.cohort))
         ends = {
             s: RoundEnd(core.job, "", new_message_id(), state.version, state.round, s)
-            for s in shards
+            for s in pending
         }
         if not self._to_shards(ends):
             return None
-        return gather_replicas(
-            core.store,
-            core.job,
-            shards,
-            state.round,
-            timeout_s=core.settings.rounds.replica_timeout_s,
-            clock=core.clock,
-            stop=core.stop,
-            logger=core.log,
-        )
+        found: dict[int, ShardReplica] = {}
+        timeout_s = core.settings.rounds.replica_timeout_s
+        deadline = core.clock() + timeout_s
+        while pending:
+            for shard in list(pending):
+                checkpoint = core.store.load_checkpoint(core.job, shard)
+                if checkpoint is not None and meta_int(checkpoint.meta, "round", -1) >= state.round:
+                    found[shard] = replica_of(checkpoint)
+                    pending.remove(shard)
+            if pending and core.clock() >= deadline:
+                core.log.warning(
+                    "job %s: no replica of shards %s for round %d after %.0f s; going on without",
+                    core.job,
+                    pending,
+                    state.round,
+                    timeout_s,
+                )
+                break
+            if pending and core.stop.wait(_POLL_S):
+                return None
+        return [found[s] for s in sorted(found)]

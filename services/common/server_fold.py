@@ -58,12 +58,14 @@ class FoldedCheckpoint:
         return cls(applied, anchor, samples)
 
 
-def _int(meta: Mapping[str, Any], key: str, default: int) -> int:
+def meta_int(meta: Mapping[str, Any], key: str, default: int) -> int:
+    """A checkpoint's integer `meta[key]` (`default` when absent or of another type)."""
     value = meta.get(key, default)
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
-def _cuts(meta: Mapping[str, Any]) -> dict[str, int]:
+def meta_cuts(meta: Mapping[str, Any]) -> dict[str, int]:
+    """A checkpoint's samples by cut (FedSplitX levels)."""
     raw = meta.get("cut_samples")
     if not isinstance(raw, Mapping):
         return {}
@@ -115,15 +117,15 @@ class ServerLedger:
         meta = checkpoint.meta
         now = FoldedCheckpoint(
             applied=checkpoint.applied,
-            anchor=_int(meta, "version", 0),
-            samples=_int(meta, "round_samples", 0),
-            cut_samples=_cuts(meta),
+            anchor=meta_int(meta, "version", 0),
+            samples=meta_int(meta, "round_samples", 0),
+            cut_samples=meta_cuts(meta),
             weights=checkpoint.weights,
         )
         last = self.folded.get(checkpoint.shard)
         if last is not None and now.applied == last.applied:
             return None  # nothing new since the last fold
-        base = self._base(checkpoint.shard, now, _int(meta, "anchor_applied", NEVER), last)
+        base = self._base(checkpoint.shard, now, meta_int(meta, "anchor_applied", NEVER), last)
         if base is None:
             self.skipped += 1
             return None

@@ -68,7 +68,7 @@ LOG = logging.getLogger("test.flood")
 CLIENTS = ("a", "b", "c")
 FLOODER = "mallory"
 # Each honest client's local round. A round also waits up to 50 ms more for the shard's
-# checkpoint (`services.aggregator.replicas` polls the store), so round times come in 50 ms
+# checkpoint (`services.aggregator.rounds` polls the store), so round times come in 50 ms
 # steps whatever else happens; at 0.4 s rounds those steps alone moved a median by 12%, and
 # which step a stretch of rounds falls on is chance. At 1 s they are within 5%.
 TRAIN_S = 1.0

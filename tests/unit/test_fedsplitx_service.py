@@ -12,7 +12,7 @@ from broker.codec import decode, encode
 from broker.errors import EncodeError
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import Join, SmashedBatch, new_message_id
-from services.aggregator.replicas import replica_of
+from services.aggregator.rounds import replica_of
 from services.common.jobmodel import job_hyper, job_model
 from services.coordinator.levels import LevelDesk
 from tests.unit.test_coordinator import Desk, settings_for
