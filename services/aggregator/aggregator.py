@@ -1,6 +1,12 @@
-"""The aggregator role: version 1 at start-up, then the job's clock (sync rounds or async
-buffering, `core`) until `job.rounds` versions are trained (architecture steps 1, 3, 6, 7 and
+"""The aggregator role: version 1 at start-up (architecture step 1), then the job's clock (sync
+rounds or async buffering, `core`) until `job.rounds` versions are trained (steps 3, 6, 7 and
 "Evaluation").
+
+The rule for a job name used again: a job that has a version and a status record (`JobStatus`)
+is over, and stays over for every role that starts later; a job without any version is new, so
+seeding version 1 first clears whatever status the name had. `splitmq up` (with `--fresh`, its
+default) deletes the job's keys before it starts, status included; `splitmq run` starts from an
+empty in-memory store; compose keeps Redis on a volume, so only `down -v` starts the job anew.
 """
 
 from __future__ import annotations
@@ -10,10 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from broker.store import JOB_FAILED, JobStatus, WeightStore
+from broker.errors import VersionConflictError
+from broker.store import JOB_FAILED, NO_VERSION, JobStatus, WeightStore
 from broker.topology import QueueLimits, job_queues, updates_queue_name
 from broker.transport import Broker
-from services.aggregator.bootstrap import ended_job, ensure_initial_version
 from services.aggregator.buffered import BufferClock
 from services.aggregator.core import Core, Stats
 from services.aggregator.evaluation import Evaluator
@@ -30,6 +36,44 @@ from services.common.supervise import JobFailedError
 from services.config.root import Settings
 from services.report.records import MetricsSink, VersionRecord
 from services.security.identity import sender_check, service_stamped
+
+
+def ended_job(store: WeightStore, job: str) -> JobStatus | None:
+    """How the job ended, if it has; None when it runs or is new (no version yet: a leftover
+    status is cleared when version 1 is seeded)."""
+    status = store.job_status(job)
+    if status is None or store.current_version(job) == NO_VERSION:
+        return None
+    return status
+
+
+def ensure_initial_version(
+    store: WeightStore, settings: Settings, strategy: Strategy, logger: logging.Logger
+) -> int:
+    """Publish version 1 from the seeded model unless some version exists; the current version.
+
+    Two aggregators starting together both build the model, one commits, the other's
+    compare-and-set fails and it adopts the winner's version 1 (identical anyway: same seed).
+    Seeding starts the job anew: a status left by an earlier run of the name is cleared first
+    (before version 1 exists, so no role can take the new run for the old one's end).
+    """
+    job = settings.job.name
+    current = store.current_version(job)
+    if current != NO_VERSION:
+        return current
+    if store.job_status(job) is not None:
+        logger.info("job %s: no version yet; clearing the status of an earlier run", job)
+        store.clear_job_status(job)
+    model = job_model(settings, seed=settings.job.seed)
+    blobs = strategy.initial_weights(model, settings.model.cut)
+    try:
+        version = store.publish_version(job, NO_VERSION, blobs, meta={"round": "-1"})
+    except VersionConflictError as exc:
+        logger.info("job %s: version %d was published by someone else", job, exc.actual)
+        return store.current_version(job)
+    logger.info("job %s: published initial version %d (seed %d)", job, version, settings.job.seed)
+    return version
+
 
 # Held (unacked) updates count against the prefetch: leave room for a whole cohort plus the
 # late and malformed ones that arrive meanwhile.

@@ -107,7 +107,7 @@ class BufferClock:
         self._client_ref: Reference = {}
         self._aux_ref: Reference = {}
 
-    def start(self, version: int) -> int:
+    def start(self, version: int) -> None:
         """Start at `version`: what recent versions folded is never folded again."""
         core = self._core
         self._at(version)
@@ -128,7 +128,6 @@ class BufferClock:
             self._rule.kind,
             self._rule.max_staleness,
         )
-        return version
 
     def step(self, version: int) -> int:
         """One poll of the inbox; a fold when K updates are buffered; the newest weights to

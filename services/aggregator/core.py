@@ -32,7 +32,7 @@ from broker.store import (
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import MemberBook
 from services.aggregator.inbox import UpdateInbox
-from services.aggregator.metrics import RoundTraffic, build_record, event_data
+from services.aggregator.metrics import build_record, event_data
 from services.algorithms.base import (
     ClientUpdate,
     ShardReplica,
@@ -60,8 +60,8 @@ class Stats:
 
 
 class Clock(Protocol):
-    def start(self, version: int) -> int:
-        """Resume at the store's current `version`; the version to go on from."""
+    def start(self, version: int) -> None:
+        """Resume at the store's current `version`."""
 
     def step(self, version: int) -> int:
         """Take updates until a version is published, or for one poll; the version now.
@@ -112,7 +112,8 @@ class Core:
     def run(self, clock: Clock) -> tuple[list[VersionRecord], str]:
         """The clock's versions until `job.rounds` are trained (or `stop`); the records and how
         the run ended. A `JobFailedError` ends the job as failed, then propagates."""
-        version = clock.start(self.store.current_version(self.job))
+        version = self.store.current_version(self.job)
+        clock.start(version)
         while not self.stop.is_set():
             if version - 1 >= self.settings.job.rounds:
                 self.end(clock, version, JobStatus(JOB_FINISHED))
@@ -196,19 +197,16 @@ class Core:
         evaluation = evaluator.evaluate(blobs, classes) if evaluator else None
         own = evaluator.strategy_metrics(self.strategy, blobs, classes) if evaluator else {}
         stats = self.inbox.stats
-        traffic = RoundTraffic(
-            round_s=round_s,
-            update_bytes=stats.accepted_bytes - self._bytes_at,
-            assignment_bytes=self.assignment_bytes,
-            late_updates=stats.late - self._late_at,
-        )
         record = build_record(
             version=version,
             round_index=version - 2,
             elapsed_s=self.clock() - self._started,
             updates=updates,
-            traffic=traffic,
             evaluation=evaluation,
+            round_s=round_s,
+            update_bytes=stats.accepted_bytes - self._bytes_at,
+            assignment_bytes=self.assignment_bytes,
+            late_updates=stats.late - self._late_at,
             personal_from_clients=personal_on_clients(self.strategy),
             strategy_metrics=own,
         )

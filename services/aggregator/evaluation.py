@@ -19,6 +19,8 @@ from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
 from models.state import load_partial
 from services.algorithms.base import VersionWeights, personal_metrics
+from services.common.jobmodel import job_model
+from services.config.root import Settings
 from services.data.loaders import Split
 from services.data.partition import local_test_indices
 
@@ -141,3 +143,8 @@ class Evaluator:
             test = Split(test.x[rows], test.y[rows])
         weights = full_model_weights(blobs, client)
         return evaluate(self._model, weights, test, batch_size=self._batch_size).accuracy
+
+
+def build_evaluator(settings: Settings, test: Split) -> Evaluator:
+    """The job's evaluator on `test` (capped at `data.eval_samples`)."""
+    return Evaluator(job_model(settings), test, max_samples=settings.data.eval_samples)

@@ -8,7 +8,6 @@ itself: the round's wall time and the bytes of the weights it exchanged with the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from broker.messages import ConfigValue
 from services.aggregator.evaluation import VersionEval
@@ -82,24 +81,17 @@ def summed(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:
     return sum(metric(u.metrics, names) or 0.0 for u in updates)
 
 
-@dataclass(frozen=True)
-class RoundTraffic:
-    """What the aggregator measured during one round."""
-
-    round_s: float  # round opened → last update in
-    update_bytes: int
-    assignment_bytes: int
-    late_updates: int
-
-
 def build_record(
     *,
     version: int,
     round_index: int,
     elapsed_s: float,
     updates: Sequence[ClientUpdate],
-    traffic: RoundTraffic,
     evaluation: VersionEval | None,
+    round_s: float,  # round opened (async: the last version) → last update in
+    update_bytes: int = 0,  # what the aggregator measured itself
+    assignment_bytes: int = 0,
+    late_updates: int = 0,
     personal_from_clients: bool = False,
     strategy_metrics: Mapping[str, float] | None = None,
 ) -> VersionRecord:
@@ -107,7 +99,7 @@ def build_record(
     the personalised accuracy is the clients' reported one; the evaluation's (the global model
     on each local test set) then goes to `extra["global_personal_accuracy"]`."""
     samples = int(sum(trained(u) for u in updates))
-    extra: dict[str, float] = {"round_s": traffic.round_s}
+    extra: dict[str, float] = {"round_s": round_s}
     compute = [metric(u.metrics, COMPUTE_S) for u in updates]
     if all(c is not None and c > 0 for c in compute) and compute:
         # Sum of the clients' own rates: what the cohort could do without waiting on anyone.
@@ -134,10 +126,10 @@ def build_record(
         train_loss=sample_weighted(updates, TRAIN_LOSS),
         train_accuracy=sample_weighted(updates, TRAIN_ACCURACY),
         samples=samples,
-        samples_per_s=samples / traffic.round_s if traffic.round_s > 0 else 0.0,
-        bytes_up=int(summed(updates, BYTES_UP)) + traffic.update_bytes,
-        bytes_down=int(summed(updates, BYTES_DOWN)) + traffic.assignment_bytes,
-        late_updates=traffic.late_updates,
+        samples_per_s=samples / round_s if round_s > 0 else 0.0,
+        bytes_up=int(summed(updates, BYTES_UP)) + update_bytes,
+        bytes_down=int(summed(updates, BYTES_DOWN)) + assignment_bytes,
+        late_updates=late_updates,
         extra=extra,
     )
 

@@ -64,8 +64,8 @@ class RoundClock:
         # Members already reported as not ready (no training samples): logged once each.
         self._unready: set[str] = set()
 
-    def start(self, version: int) -> int:
-        return version
+    def start(self, version: int) -> None:
+        pass  # the store's current version says which round comes next
 
     def abandon(self) -> int:
         return 0  # between rounds nothing is held

@@ -30,7 +30,7 @@ def build_aggregator(
 ) -> Role:
     """The aggregator with an evaluator on the job's test split (loaded unless given)."""
     from services.aggregator.aggregator import Aggregator
-    from services.aggregator.bootstrap import build_evaluator
+    from services.aggregator.evaluation import build_evaluator
 
     data = (
         dataset

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from services.aggregator import Aggregator
-from services.aggregator.bootstrap import build_evaluator
+from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
 from services.client import Client, JobData
 from services.common.backends import Backends, Embedded

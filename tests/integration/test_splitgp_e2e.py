@@ -36,7 +36,7 @@ from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import load_partial
 from services.aggregator import Aggregator
-from services.aggregator.bootstrap import build_evaluator
+from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
 from services.client import Client, JobData
 from services.client.inference import (

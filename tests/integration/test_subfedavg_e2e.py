@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef, WeightStore
-from services.aggregator.bootstrap import build_evaluator
 from services.aggregator.core import read_version
+from services.aggregator.evaluation import build_evaluator
 from services.client.data import JobData
 from services.common.backends import Backends, Embedded
 from services.common.supervise import Supervisor

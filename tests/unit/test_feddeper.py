@@ -17,7 +17,7 @@ from broker.store import CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
 from models.state import load_partial
 from services.aggregator.evaluation import VersionEval
-from services.aggregator.metrics import RoundTraffic, build_record
+from services.aggregator.metrics import build_record
 from services.algorithms.base import (
     ClientContext,
     ClientUpdate,
@@ -273,15 +273,13 @@ def test_record_takes_the_clients_personal_accuracy_when_the_models_live_there()
     evaluation = VersionEval(
         global_accuracy=0.6, global_loss=1.0, personal_accuracy=0.65, test_samples=10
     )
-    traffic = RoundTraffic(round_s=1.0, update_bytes=0, assignment_bytes=0, late_updates=0)
-
     def record(from_clients: bool) -> tuple[float, dict[str, float]]:
         r = build_record(
             version=2,
             round_index=0,
             elapsed_s=1.0,
             updates=updates,
-            traffic=traffic,
+            round_s=1.0,
             evaluation=evaluation,
             personal_from_clients=from_clients,
         )

@@ -19,7 +19,7 @@ from broker.messages import Event
 from broker.store import NO_VERSION, JobStatus
 from broker.topology import events_queue, reply_queue_name
 from services.aggregator import Aggregator, ensure_initial_version
-from services.aggregator.bootstrap import ended_job
+from services.aggregator.aggregator import ended_job
 from services.algorithms.registry import build_strategy
 from services.client import Client, ClientStats, JobData
 from services.common.membership import client_members
