@@ -1,4 +1,5 @@
-"""The aggregator: the round clock, aggregation into version v+1, evaluation, metrics."""
+"""The aggregator: one core (inbox, gate, publication of version v+1) and two clocks (sync rounds,
+async buffering), evaluation, metrics."""
 
 from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.aggregator.evaluation import (
