@@ -9,6 +9,7 @@ warning and leaves the warning filters alone.
 
 from __future__ import annotations
 
+import gc
 import math
 import subprocess
 import sys
@@ -145,6 +146,18 @@ def test_without_the_trick_bodies_are_joined_and_the_same(
 def test_a_writable_alias_keeps_its_buffer_alive() -> None:
     alias = writable_alias(b"".join([b"ab", b"cd"]))
     assert alias.flags.writeable and bytes(alias) == b"abcd"
+    # A decoded tensor outlives every other reference to its body.
+    expected = randn(300, 7, seed=4)
+    message = decode(
+        encode(
+            WeightsUpdate(
+                **common(), round=0, samples=1, client_weights={"w": expected}, aux_weights={}
+            )
+        )
+    )
+    gc.collect()
+    assert isinstance(message, WeightsUpdate)
+    assert torch.equal(message.client_weights["w"], expected)
 
 
 def test_fresh_body_is_an_ordinary_bytes_once_filled() -> None:
