@@ -269,7 +269,8 @@ class ClientLink:
         """The next valid reply within `timeout` seconds (deferred ones first when `deferred`).
 
         Invalid deliveries are dead-lettered and counted. When the reply to `awaiting` is the
-        invalid one, this raises `RoundAborted`: the caller cannot go on without it.
+        invalid one (an ok answer without a gradient of its batch's shape), this raises
+        `RoundAborted`: the caller cannot go on without it.
         """
         if deferred and self._deferred:
             return self._deferred.popleft()
@@ -316,17 +317,20 @@ class ClientLink:
         except DecodeError as exc:
             self._refuse(delivery, f"undecodable: {exc.reason}")
             return None
-        reason = self._problem(message, awaiting)
+        reason = self._problem(message)
+        if reason is None and awaiting is not None and isinstance(message, GradientReply):
+            reason = _gradient_problem(message, awaiting)
+            if reason is not None:  # the answer the caller waits for: it cannot go on
+                self._refuse(delivery, reason)
+                raise RoundAborted(reason)
         if reason is not None:
             self._refuse(delivery, reason)
-            if isinstance(message, GradientReply) and awaiting and message.seq == awaiting.seq:
-                raise RoundAborted(reason)
             return None
         if not ack_safely(self._broker, delivery):
             return None  # its connection is gone: it comes back, and is taken then
         return message
 
-    def _problem(self, message: Message, awaiting: SmashedBatch | None) -> str | None:
+    def _problem(self, message: Message) -> str | None:
         """Why `message` cannot be a reply to this client, or None."""
         kind = type(message).__name__
         if not isinstance(message, REPLY_TYPES):
@@ -343,14 +347,6 @@ class ClientLink:
                     f"GradientReply for seq {message.seq}, never sent by this client "
                     f"(its next seq is {self.next_seq})"
                 )
-            if awaiting is not None and message.seq == awaiting.seq and message.status == "ok":
-                shape = awaiting.activations.shape
-                if message.grad is None or message.grad.shape != shape:
-                    got = None if message.grad is None else list(message.grad.shape)
-                    return (
-                        f"GradientReply seq {message.seq}: gradient shape {got}, expected "
-                        f"{list(shape)}"
-                    )
             return None
         if isinstance(message, Welcome | WeightsAssignment):
             return self._fit_problem(message)
@@ -391,6 +387,17 @@ class ClientLink:
     def _check_stop(self) -> None:
         if self._stop.is_set():
             raise ClientStopped("stop requested")
+
+
+def _gradient_problem(reply: GradientReply, batch: SmashedBatch) -> str | None:
+    """Why `reply` cannot answer `batch`, when it is the answer (an ok one) to it."""
+    if reply.seq != batch.seq or reply.status != "ok":
+        return None
+    shape = batch.activations.shape
+    if reply.grad is not None and reply.grad.shape == shape:
+        return None
+    got = None if reply.grad is None else list(reply.grad.shape)
+    return f"GradientReply seq {reply.seq}: gradient shape {got}, expected {list(shape)}"
 
 
 @dataclass

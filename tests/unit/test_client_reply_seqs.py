@@ -1,15 +1,18 @@
 """The client's reply queue, in the style of `test_bad_input`: a GradientReply for a seq the
 client never sent is dead-lettered with its reason before anything looks at it; one for an
-earlier seq (a late copy of an answer taken already) is a duplicate, passed on to be dropped."""
+earlier seq (a late copy of an answer taken already) is a duplicate, passed on to be dropped;
+an ok answer to the awaited seq without a gradient of its batch's shape ends the round."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from broker.codec import encode
 from broker.memory_broker import InMemoryBroker
-from broker.messages import GradientReply, new_message_id
+from broker.messages import GradientReply, SmashedBatch, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue, reply_routing_key
+from services.client.errors import RoundAborted
 from services.client.stats import ClientStats
 from services.common.backends import Embedded
 from tests.unit.test_bad_input import client_link, dead_letters
@@ -48,3 +51,25 @@ def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
     broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ), message_id="answer")
     answer = link.poll(10.0)
     assert isinstance(answer, GradientReply) and answer.seq == NEXT_SEQ
+
+
+def test_a_bad_gradient_for_the_awaited_seq_ends_the_round_only_when_it_is_ours(job: str) -> None:
+    embedded = Embedded()
+    broker = InMemoryBroker(embedded.hub)
+    broker.declare([dead_queue(job)])
+    stats = ClientStats()
+    link = client_link(InMemoryBroker(embedded.hub), job, stats, seq_start=NEXT_SEQ + 1)
+    z = torch.randn(2, 3)
+    awaited = SmashedBatch(job, "c0", "b", 1, NEXT_SEQ, 0, 0, 0, z, torch.zeros(2).long())
+    wrong_shape = torch.randn(2, 4)
+    key = reply_routing_key(job, "c0")
+    # Another client's answer to the same seq is dead-lettered, the round goes on.
+    theirs = GradientReply(job, "c1", new_message_id(), 1, NEXT_SEQ, "ok", 0.1, 1, 2, wrong_shape)
+    broker.publish(REPLIES_EXCHANGE, key, encode(theirs), message_id="theirs")
+    assert link.poll(1.0, awaiting=awaited) is None
+    ours = GradientReply(job, "c0", new_message_id(), 1, NEXT_SEQ, "ok", 0.1, 1, 2, wrong_shape)
+    broker.publish(REPLIES_EXCHANGE, key, encode(ours), message_id="ours")
+    with pytest.raises(RoundAborted, match=r"gradient shape \[2, 4\], expected \[2, 3\]"):
+        link.poll(10.0, awaiting=awaited)
+    found = dead_letters(broker, job)
+    assert "for client 'c1'" in found["theirs"][0] and "gradient shape" in found["ours"][0]
