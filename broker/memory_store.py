@@ -14,12 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker import keys
-from broker.errors import (
-    LeaseNotHeldError,
-    StoreError,
-    VersionConflictError,
-    VersionNotFoundError,
-)
+from broker.errors import LeaseNotHeldError, StoreError, VersionNotFoundError
 from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, Member
 from broker.store_codec import PreparedBlob, PublishingStore, decode_meta, encode_meta, str_map
 
@@ -138,21 +133,18 @@ class InMemoryWeightStore(PublishingStore):
         blobs: Sequence[PreparedBlob],
         commit_id: str,
         meta: Mapping[str, str],
-    ) -> None:
+    ) -> tuple[str, str]:
         version = expected + 1
         with self._lock:
             state = self._state(job, create=True)
             if state.version != expected:
                 mine = state.versions.get(version)
                 if state.version > expected and mine is not None and mine.commit_id == commit_id:
-                    return  # a retry of our own commit
-                raise VersionConflictError(expected, state.version)
+                    return "ok", ""  # a retry of our own commit
+                return "conflict", str(state.version)
             missing = [b.key for b in blobs if b.key not in state.blobs]
             if missing:
-                raise StoreError(
-                    f"torn write: blob {missing[0]} is missing at commit time; "
-                    f"version {expected} stays current"
-                )
+                return "missing", missing[0]
             for blob in blobs:
                 state.blobs[blob.key].expires_at = None
             manifest = Manifest(
@@ -164,6 +156,7 @@ class InMemoryWeightStore(PublishingStore):
             blob_keys = {b.entry.ref: b.key for b in blobs}
             state.versions[version] = _Version(manifest, blob_keys, commit_id)
             state.version = version
+        return "ok", ""
 
     def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:
         with self._lock:

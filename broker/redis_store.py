@@ -39,7 +39,6 @@ from broker.errors import (
     StoreAuthError,
     StoreError,
     StoreUnavailableError,
-    VersionConflictError,
     VersionNotFoundError,
 )
 from broker.store import (
@@ -312,7 +311,7 @@ class RedisWeightStore(PublishingStore):
         blobs: Sequence[PreparedBlob],
         commit_id: str,
         meta: Mapping[str, str],
-    ) -> None:
+    ) -> tuple[str, str]:
         version = expected + 1
         script_keys = [
             keys.version_key(job),
@@ -324,16 +323,7 @@ class RedisWeightStore(PublishingStore):
         for blob in blobs:
             args += [keys.blob_field(blob.entry.ref), encode_entry(blob)]
         reply = self._call("publish_version", lambda: self._publish(keys=script_keys, args=args))
-        status, detail = _text(reply[0]), _text(reply[1])
-        if status == "conflict":
-            raise VersionConflictError(expected, int(detail))
-        if status == "missing":
-            raise StoreError(
-                f"torn write: blob {detail} is missing at commit time; "
-                f"version {expected} stays current"
-            )
-        if status != "ok":
-            raise StoreError(f"unexpected publish reply {reply!r}")
+        return _text(reply[0]), _text(reply[1])
 
     def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:
         if blob_keys:

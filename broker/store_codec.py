@@ -28,7 +28,13 @@ from typing import Any
 import msgpack
 
 from broker import keys
-from broker.errors import DecodeError, EncodeError, StoreError, StoreUnavailableError
+from broker.errors import (
+    DecodeError,
+    EncodeError,
+    StoreError,
+    StoreUnavailableError,
+    VersionConflictError,
+)
 from broker.store import NO_VERSION, BlobRef, ManifestEntry, Weights
 
 _log = logging.getLogger(__name__)
@@ -163,7 +169,16 @@ class PublishingStore(ABC):
         commit_id = uuid.uuid4().hex
         created = self._write_pending(job, prepared)
         try:
-            self._commit(job, expected_current, prepared, commit_id, checked_meta)
+            status, detail = self._commit(job, expected_current, prepared, commit_id, checked_meta)
+            if status == "conflict":
+                raise VersionConflictError(expected_current, int(detail))
+            if status == "missing":
+                raise StoreError(
+                    f"torn write: blob {detail} is missing at commit time; "
+                    f"version {expected_current} stays current"
+                )
+            if status != "ok":
+                raise StoreError(f"unexpected commit outcome {status!r} {detail!r}")
         except StoreUnavailableError:
             raise  # outcome unknown; the pending expiry cleans up if it did not commit
         except StoreError:
@@ -196,8 +211,9 @@ class PublishingStore(ABC):
         blobs: Sequence[PreparedBlob],
         commit_id: str,
         meta: Mapping[str, str],
-    ) -> None:
-        """The atomic compare-and-set; `VersionConflictError` or `StoreError` (torn write)."""
+    ) -> tuple[str, str]:
+        """The atomic compare-and-set: ("ok", ""), also for a retry of a commit that went
+        through; ("conflict", the current version); ("missing", a blob key): a torn write."""
 
     @abstractmethod
     def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:

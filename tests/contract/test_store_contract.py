@@ -311,9 +311,10 @@ def test_retried_commit_is_idempotent(harness: Harness, job: str) -> None:
     """A commit whose reply was lost and is sent again must not report a conflict."""
 
     class RetryingStore(harness.base_cls):  # type: ignore[name-defined,misc]
-        def _commit(self, *args: Any) -> None:
+        def _commit(self, *args: Any) -> tuple[str, str]:
             super()._commit(*args)
-            super()._commit(*args)
+            again: tuple[str, str] = super()._commit(*args)
+            return again
 
     store = harness.new_store(RetryingStore)
     assert store.publish_version(job, NO_VERSION, _weights(1)) == 1
