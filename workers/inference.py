@@ -35,7 +35,7 @@ from torch import nn
 from broker.codec import decode
 from broker.errors import DecodeError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import Error, InferReply, InferRequest, new_message_id
-from broker.store import NO_VERSION, WeightStore
+from broker.store import NO_VERSION, VersionStore
 from broker.topology import (
     QueueLimits,
     dead_queue,
@@ -73,7 +73,7 @@ class ThetaCache:
 
     def __init__(
         self,
-        store: WeightStore,
+        store: VersionStore,
         job: str,
         template: SplitNet,
         cut: str,

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from broker.keys import CLIENT_MEMBER_PREFIX
-from broker.store import WeightStore
+from broker.store import MemberStore
 
 # Strangers remembered at once; the oldest is forgotten first.
 _MAX_STRANGERS = 4096
@@ -21,7 +21,7 @@ _MAX_STRANGERS = 4096
 class MemberCache:
     def __init__(
         self,
-        store: WeightStore,
+        store: MemberStore,
         job: str,
         clock: Callable[[], float],
         *,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from broker.errors import VersionNotFoundError
-from broker.store import SERVER_PART, BlobRef, Checkpoint, WeightStore
+from broker.store import SERVER_PART, BlobRef, Checkpoint, VersionStore, WeightStore
 from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import load_partial
@@ -81,7 +81,7 @@ class Replica:
         self.audit: dict[str, tuple[int, int]] = {}
 
     # --- loading ------------------------------------------------------------------------------
-    def load_version(self, store: WeightStore, job: str, version: int) -> None:
+    def load_version(self, store: VersionStore, job: str, version: int) -> None:
         """Weights of `server/global` at `version`; a new version is a new model, so the
         optimizer state starts afresh (architecture doc, "Weights and versions")."""
         weights = store.read_blob(job, version, SERVER)

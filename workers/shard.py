@@ -191,12 +191,8 @@ class ShardRunner:
             return
         self.settle()
         if message.version > self.replica.version and not self._reload(message.version):
-            self._say(
-                logging.WARNING,
-                "RoundStart %d names unknown version %d",
-                message.round,
-                message.version,
-            )
+            args = (message.round, message.version)
+            self._say("RoundStart %d names unknown version %d", *args, level=logging.WARNING)
         if message.round >= self.replica.cohort_round:
             if message.round > self.replica.cohort_round and self._barrier is not None:
                 self._barrier.new_round()
@@ -210,13 +206,8 @@ class ShardRunner:
         self._hold(delivery)
         self.checkpoint(force=True)
         if handed_in:
-            self._say(
-                logging.INFO,
-                "round %d handed in (%d samples, %d applied in total)",
-                message.round,
-                self.replica.round_samples,
-                self.replica.applied,
-            )
+            args = (message.round, self.replica.round_samples, self.replica.applied)
+            self._say("round %d handed in (%d samples, %d applied in total)", *args)
             self.replica.start_counting()
 
     # --- stepping -----------------------------------------------------------------------------
@@ -253,12 +244,8 @@ class ShardRunner:
         ):
             items = barrier.take(replica.cohort, replica.progress)
             if barrier.dropped:
-                self._say(
-                    logging.INFO,
-                    "round %d: barrier stopped waiting for %s",
-                    replica.cohort_round,
-                    sorted(barrier.dropped),
-                )
+                args = (replica.cohort_round, sorted(barrier.dropped))
+                self._say("round %d: barrier stopped waiting for %s", *args)
             self._apply(items)
 
     def _apply(self, items: list[Item]) -> None:
@@ -277,7 +264,7 @@ class ShardRunner:
         try:
             results = io.strategy.server_step(replica.server, replica.optimizer, batches)
         except Exception as exc:  # never let one step take the worker down
-            self._say(logging.ERROR, "server step failed: %r", exc)
+            self._say("server step failed: %r", exc, level=logging.ERROR)
             for item in items:
                 self._reject(item.delivery, "server_step", repr(exc))
             return
@@ -350,7 +337,9 @@ class ShardRunner:
         self._clock.restart()  # measured from the state it went back to
         io.stats.rollbacks += 1
         self._steps_since, self._dirty = 0, False
-        self._say(logging.ERROR, "non-finite step; back to %s, %d redelivered", fresh, returned)
+        self._say(
+            "non-finite step; back to %s, %d redelivered", fresh, returned, level=logging.ERROR
+        )
 
     # --- bookkeeping --------------------------------------------------------------------------
     def _replaces_buffered(self, delivery: Delivery, batch: SmashedBatch) -> bool:
@@ -405,7 +394,7 @@ class ShardRunner:
             return False
         self._dirty = True
         self._io.stats.reloads += 1
-        self._say(logging.INFO, "replica reloaded from version %d", version)
+        self._say("replica reloaded from version %d", version)
         return True
 
     def _hold(self, delivery: Delivery) -> None:
@@ -414,7 +403,7 @@ class ShardRunner:
         self._pending.append(delivery)
         self._dirty = True
 
-    def _say(self, level: int, message: str, *args: object) -> None:
+    def _say(self, message: str, *args: object, level: int = logging.INFO) -> None:
         self._io.logger.log(level, "job %s shard %d: " + message, self._want.job, self.shard, *args)
 
     def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
