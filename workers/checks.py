@@ -62,17 +62,23 @@ def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | N
     if shape is None:
         served = sorted({want.cut, *want.other_cuts} - {""})
         return "bad_cut", f"activations from cut {message.cut!r}; this job's cuts are {served}"
-    if tuple(z.shape[1:]) != tuple(shape) or z.shape[0] == 0:
-        return "bad_shape", (
-            f"activations of shape {list(z.shape)}; the model's cut expects "
-            f"[N>0, {', '.join(str(d) for d in shape)}]"
-        )
+    wrong_shape = shape_problem(z, shape)
+    if wrong_shape is not None:
+        return "bad_shape", wrong_shape
     if tuple(y.shape) != (z.shape[0],):
         return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"
     low, high = (int(v) for v in torch.aminmax(y))
     if low < 0 or high >= want.num_classes:
         return "bad_labels", f"labels in [{low}, {high}], classes are 0..{want.num_classes - 1}"
     return None
+
+
+def shape_problem(z: torch.Tensor, shape: Shape) -> str | None:
+    """Why activations `z` are not `[N>0, *shape]` (None: they are)."""
+    if tuple(z.shape[1:]) == tuple(shape) and z.shape[0] > 0:
+        return None
+    want = ", ".join(str(d) for d in shape)
+    return f"activations of shape {list(z.shape)}; the cut expects [N>0, {want}]"
 
 
 def check_membership(

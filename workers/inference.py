@@ -50,6 +50,7 @@ from models.state import load_partial
 from services.common.backends import Backends
 from services.config.root import Settings
 from services.security.identity import client_id_problem, sender_check
+from workers.checks import shape_problem
 from workers.replica import SERVER, ModelFactory, pick_device
 from workers.replies import Replier, reject
 
@@ -249,12 +250,8 @@ class InferenceServer:
             return "wrong_job", f"job {message.job!r} on the infer queue of job {self._job!r}"
         if not message.client:
             return "bad_client", "InferRequest without a client id to answer"
-        z = message.activations
-        if tuple(z.shape[1:]) != self._cut_shape or z.shape[0] == 0:
-            want = ", ".join(str(d) for d in self._cut_shape)
-            got = list(z.shape)
-            return "bad_shape", f"activations of shape {got}; the cut expects [N>0, {want}]"
-        return None
+        wrong_shape = shape_problem(message.activations, self._cut_shape)
+        return None if wrong_shape is None else ("bad_shape", wrong_shape)
 
 
 def _reply_key(message: InferReply | Error) -> str:
