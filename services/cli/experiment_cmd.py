@@ -19,17 +19,20 @@ from services.experiments.registry import NAMES, get_experiment
 DEFAULT_OUT = Path("docs/results.md")
 # A smoke run must not replace real results unless asked to.
 QUICK_OUT = Path("runs/experiments/results-quick.md")
+# Options that do not change the results (left out of the command stated with them).
+_SAME = ("reuse", "runs_dir")
 
 
 @click.command()
 @click.argument("name", type=click.Choice(sorted(NAMES)))
+# In the order the command stated with the results names them (`_command`).
+@click.option("--quick", is_flag=True, help="Smoke size: a tiny grid, a few steps.")
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Where the full datasets are (default: $SPLITMQ_DATA_DIR).",
 )
-@click.option("--quick", is_flag=True, help="Smoke size: a tiny grid, a few steps.")
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -83,7 +86,7 @@ def experiment(
     import torch
 
     torch.set_num_threads(torch_threads)
-    command = _command(name, quick, data_dir, out, only, torch_threads)
+    command = _command(click.get_current_context())
     stop = threading.Event()
     with configured_logging("WARNING"), stop_on_signals(stop):
         try:
@@ -124,23 +127,15 @@ def _data_source(data_dir: Path | None) -> str:
     return "$SPLITMQ_DATA_DIR" if os.environ.get("SPLITMQ_DATA_DIR") else "the shipped sample"
 
 
-def _command(
-    name: str,
-    quick: bool,
-    data_dir: Path | None,
-    out: Path | None,
-    only: str | None,
-    torch_threads: int,
-) -> str:
-    """The command that reproduces the results, from the options that decide them.
+def _command(ctx: click.Context) -> str:
+    """The command that reproduces the results: its options that differ from their defaults.
 
     Built from the parsed options rather than argv (which is a test runner's under pytest);
     --reuse and --runs-dir are left out: a reused run is a run of the very same settings.
     """
-    args = ["splitmq", "experiment", name]
-    args += ["--quick"] if quick else []
-    args += ["--data-dir", str(data_dir)] if data_dir is not None else []
-    args += ["--out", str(out)] if out is not None else []
-    args += ["--only", only] if only else []
-    args += ["--torch-threads", str(torch_threads)] if torch_threads != 1 else []
+    args = ["splitmq", "experiment", ctx.params["name"]]
+    for param in ctx.command.params:
+        value = ctx.params[param.name or ""]
+        if isinstance(param, click.Option) and value != param.default and param.name not in _SAME:
+            args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
     return shlex.join(args)

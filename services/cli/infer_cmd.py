@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -180,7 +179,7 @@ def theta_source(
     from models.state import load_partial
     from services.client.inference import BrokerTheta, LocalTheta
     from services.common.jobmodel import job_model
-    from workers.inference import InferenceServer
+    from workers.inference import start_inference
 
     if in_process:
         store = backends.open_store()
@@ -192,27 +191,25 @@ def theta_source(
         load_partial(theta, blob)
         yield LocalTheta(theta)
         return
-    stop = threading.Event()
-    thread: threading.Thread | None = None
-    if serve:
-        server = InferenceServer(
+    server = (
+        start_inference(
             settings,
             backends,
             worker_id="splitmq-infer",
             model_factory=lambda: job_model(settings),
             logger=logging.getLogger("splitmq.infer"),
         )
-        thread = threading.Thread(target=server.run, args=(stop,), daemon=True)
-        thread.start()
+        if serve
+        else None
+    )
     # In the secured mode its requests carry the services' AMQP user (workers check it).
     broker = service_stamped(backends.open_broker("splitmq-infer-client"), settings)
     try:
         yield BrokerTheta(broker, settings.job.name, version=version, timeout_s=timeout_s)
     finally:
         broker.close()
-        stop.set()
-        if thread is not None:
-            thread.join(30)
+        if server is not None:
+            server.close()
 
 
 def table(results: list[SweepRow]) -> str:

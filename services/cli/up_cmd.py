@@ -12,9 +12,11 @@ from pathlib import Path
 import click
 
 from services.cli.common import (
+    LogOptions,
     config_argument,
     debug_mode,
     load,
+    log_options,
     read_settings,
     report_dir_option,
     stop_on_signals,
@@ -50,13 +52,7 @@ from services.runtime.processes import (
     default=0.0,
     help="Give up after this many seconds (0: wait for the job to finish).",
 )
-@click.option("--log-json", is_flag=True, help="Children log JSON lines.")
-@click.option(
-    "--log-format",
-    type=click.Choice(["text", "json"]),
-    default=None,
-    help="Children's log format (json: job, client, shard and version on every line).",
-)
+@log_options  # the roles' logging: passed on to each of them
 def up(
     config: Path | None,
     workers: int | None,
@@ -64,8 +60,7 @@ def up(
     fresh: bool,
     report_dir: Path | None,
     timeout: float,
-    log_json: bool,
-    log_format: str | None,
+    log: LogOptions,
 ) -> None:
     """Run every role as a local process (RabbitMQ + Redis).
 
@@ -102,12 +97,13 @@ def up(
         f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
         f"{n_clients} client(s); run directory {run_dir}"
     )
-    json_lines = log_json or log_format == "json"
     if debug_mode():  # `splitmq --debug up`: the roles' tracebacks too
         env = {**env, "SPLITMQ_DEBUG": "1"}
-    procs = LocalProcesses(
-        path, specs, env, echo=click.echo, extra_args=("--log-json",) if json_lines else ()
+    args = (
+        *(("--log-json",) if log.json else ()),
+        *(("--log-level", log.level) if log.level else ()),
     )
+    procs = LocalProcesses(path, specs, env, echo=click.echo, extra_args=args)
     stop = threading.Event()
     with stop_on_signals(stop):
         procs.start()

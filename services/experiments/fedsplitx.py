@@ -1,19 +1,12 @@
 """FedSplitX vs exclusive learning (EXC-level-1, EXC-level-3) and local-loss SFL (Shin et al.).
 
 Fashion-MNIST, 50 clients declaring depth levels 1/2/3 = 16/16/18 (`clients.capability_mix`),
-the cnn5's cuts block1/block2/block3 as the partition points. The baselines:
-
-- **EXC-level-m** (exclusive learning, the paper's baseline after DepthFL): the global model is
-  the level-m model (blocks up to c_m with its head a_m), trained by FedAvg by the clients that
-  can run it (capability >= m) and no one else. EXC-level-1: all 50 clients; EXC-level-3: the
-  18 level-3 clients. It runs as `local_loss_sfl` at cut c_m: the client side of local-loss SFL
-  *is* that FedAvg (the client never receives a gradient, and no server tensor is averaged
-  into the client blocks or the head), so its level-1 client accuracy is EXC's accuracy; the
-  server side it also trains is ignored for EXC.
-- **Local-loss SFL with an early cut** (AccSFL at block1): the same block1 run, whose full
-  model (with the server's blocks) and server FLOPs are the AccSFL figures.
-- **All-level-3**: every one of the 50 clients at level 3 (what exclusion loses; also the
-  literal reading "all clients at level 3", which ignores the declared capabilities).
+the cnn5's cuts block1/block2/block3 as the partition points; the baselines are described in
+`examples/experiments/fedsplitx.md`. EXC-level-m runs as `local_loss_sfl` at cut c_m: the
+client side of local-loss SFL *is* exclusive learning's FedAvg of the level-m model (the client
+never receives a gradient, and no server tensor is averaged into the client blocks or the
+head), so its level-m client accuracy is EXC's; its block1 run is also AccSFL's (full model
+and server FLOPs).
 """
 
 from __future__ import annotations

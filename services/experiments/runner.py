@@ -158,6 +158,7 @@ def run_service(
 
 
 def execute(
+    experiment: Experiment,
     run: Run,
     settings: Settings,
     dataset: Dataset,
@@ -166,11 +167,10 @@ def execute(
     command: str,
     echo: Echo,
     stop: threading.Event,
-    final_eval: FinalEval | None = None,
-    stall_s: float = 0.0,
 ) -> float:
     """Run one job into `run_dir`; its wall time in seconds (a service run's `final_eval`
-    included). A run that publishes no version for `stall_s` seconds is stopped (0: never)."""
+    included). A run that publishes no version for `stall_s` seconds is stopped."""
+    stall_s = experiment.stall_s
     sink = FileSink.create(settings, command=command, run_dir=run_dir)
     # A short line per round; the runner prints the run's end itself, with its wall time.
     progress = EchoSink(lambda line: echo(f"  [{run.label}] {line}"), rounds=settings.job.rounds)
@@ -189,7 +189,7 @@ def execute(
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, this_run)
         else:
-            run_service(settings, dataset, tee, this_run, run_dir, final_eval)
+            run_service(settings, dataset, tee, this_run, run_dir, experiment.final_eval)
     wall_s = time.monotonic() - started
     meta = {
         "label": run.label,
@@ -252,15 +252,7 @@ def run_experiment(
         if key not in datasets:
             datasets[key] = load_dataset(key[0], key[1] or None)
         wall_s = execute(
-            run,
-            settings,
-            datasets[key],
-            run_dir,
-            command=command,
-            echo=echo,
-            stop=stop,
-            final_eval=experiment.final_eval,
-            stall_s=experiment.stall_s,
+            experiment, run, settings, datasets[key], run_dir, command=command, echo=echo, stop=stop
         )
         result = load_result(run, run_dir)
         results.append(result)
