@@ -223,7 +223,11 @@ class ClientLink:
                     ) from None
             finally:
                 self.io_s += self.clock() - started
-            self.sleep(self._backoff.delay(attempt, self._rng))
+            started = self.clock()
+            stopped = self._stop.wait(self._backoff.delay(attempt, self._rng))
+            self.io_s += self.clock() - started
+            if stopped:
+                raise ClientStopped("stop requested")
             attempt += 1
 
     def keep_alive(self) -> None:
@@ -286,17 +290,6 @@ class ClientLink:
                         return message
                 if self.clock() >= end:
                     return None
-        finally:
-            self.io_s += self.clock() - started
-
-    def sleep(self, seconds: float) -> None:
-        """Sleep; raises `ClientStopped` when stopped meanwhile."""
-        started = self.clock()
-        end = started + seconds
-        try:
-            while (left := end - self.clock()) > 0:
-                if self._stop.wait(left):
-                    raise ClientStopped("stop requested")
         finally:
             self.io_s += self.clock() - started
 
