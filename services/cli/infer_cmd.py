@@ -191,7 +191,7 @@ def theta_source(
         load_partial(theta, blob)
         yield LocalTheta(theta)
         return
-    server = (
+    stop_server = (
         start_inference(
             settings,
             backends,
@@ -208,8 +208,8 @@ def theta_source(
         yield BrokerTheta(broker, settings.job.name, version=version, timeout_s=timeout_s)
     finally:
         broker.close()
-        if server is not None:
-            server.close()
+        if stop_server is not None:
+            stop_server()
 
 
 def table(results: list[SweepRow]) -> str:
