@@ -14,8 +14,12 @@ Adding an experiment
 1. A base config, `examples/experiments/<name>.toml`: an ordinary job file (`splitmq run`
    can run it alone), already scaled to the time budget (about 15 minutes for the whole grid
    on 2 CPU cores) and with the full dataset's name (`data.dataset`); never a data path:
-   `--data-dir` or `$SPLITMQ_DATA_DIR` supply it.
-2. A module `services/experiments/<name>.py` with `NAME` and `build() -> Experiment`:
+   `--data-dir` or `$SPLITMQ_DATA_DIR` supply it. Beside it, its words,
+   `examples/experiments/<name>.md`: a `# title`, then `## Summary` (what is compared and
+   how), `## Paper's claim`, `## Scaling` (how the paper's setup was shrunk) and `## Notes`,
+   markdown written into the section as they are.
+2. A module `services/experiments/<name>.py` with `NAME` and `build() -> Experiment`
+   (`from_examples(NAME, ...)` reads the base config and the words):
    - `runs`: a list of `Run(label, tags, overrides, kind)`. `overrides` is a nested dict
      merged over the base config (e.g. `algorithm("splitgp") | {"data": {"ratio": 0.8}}`);
      `tags` name the run's coordinates (`{"algorithm": "SplitGP", "p": "0.2"}`). Leave a tag
@@ -27,10 +31,10 @@ Adding an experiment
    - `tables` (`spec.Table`: one row per combination of row tags, one column per value of a
      tag, differences in points) and `plots` (`spec.CurvePlot`: a `VersionRecord` field
      against the round; `spec.FinalPlot`: a run summary against a tag).
-   - `claim`, `scaling`, `summary`, `notes` (markdown), and `verdict(results) -> [sentence]`:
-     plain sentences computed from the numbers saying where they agree with the paper and
-     where not (`ResultSet.value(metric, **tags)` and `ResultSet.named(**tags)` look runs up;
-     `RunResult.curve(name)` reads a record field or an algorithm's `extra` per round).
+   - `verdict(results) -> [sentence]`: plain sentences computed from the numbers saying
+     where they agree with the paper and where not (`ResultSet.value(metric, **tags)` and
+     `ResultSet.named(**tags)` look runs up; `RunResult.curve(name)` reads a record field or
+     an algorithm's `extra` per round).
    - `final_eval(settings, dataset, blobs) -> {name: value}` (optional): evaluates a service
      run's last version once the job has ended (`final`: the embedded store is kept for it),
      e.g. every client's model, not only the last cohort's (`client_eval`); kept in the run
