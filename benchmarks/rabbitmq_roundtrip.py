@@ -60,7 +60,7 @@ from broker.messages import GradientReply, SmashedBatch, new_message_id
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_channels import queue_arguments
 from broker.topology import reply_queue, shard_queue
-from broker.transport import QueueSpec
+from broker.transport import PublishOptions, QueueSpec
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 SECTION = "rabbitmq-roundtrip"
@@ -137,7 +137,7 @@ class BrokerTransport:
         self.broker.subscribe(consume.name, prefetch=PREFETCH)
 
     def send(self, spec: QueueSpec, body: bytes, message_id: str | None) -> None:
-        self.broker.publish(spec.exchange, spec.routing_key, body, message_id=message_id)
+        self.broker.publish(spec.exchange, spec.routing_key, body, PublishOptions(message_id))
 
     def receive(self, timeout: float = WAIT) -> tuple[bytes, Any]:
         delivery = self.broker.get(timeout)

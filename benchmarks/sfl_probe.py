@@ -3,15 +3,15 @@
     python -m benchmarks.sfl_probe CONFIG --id worker-0 --trace trace.json
 
 Runs the very `workers.worker.Worker` that `splitmq worker` runs, over the same RabbitMQ and
-Redis handles, with one difference: its broker handle is wrapped in `RecordingBroker`, which
-notes the instant of every GradientReply the worker's broker has confirmed, with its routing key
-(the client), body size and how long the publish blocked the worker. Those instants are what
-`benchmarks.sfl_throughput` counts samples between. On SIGTERM the worker hands its shard over
-as usual and the trace is written.
+Redis handles, with one difference: its broker handles' meter is a `ReplyClock`, which notes
+the instant of every message the worker's broker has confirmed, with its routing key (the
+client, for a GradientReply), body size and how long the publish blocked the worker. Those
+instants are what `benchmarks.sfl_throughput` counts samples between. On SIGTERM the worker
+hands its shard over as usual and the trace is written.
 
-Why a wrapper and not the worker's own counters: `Worker.run` keeps its `WorkerStats` private
+Why a meter and not the worker's own counters: `Worker.run` keeps its `WorkerStats` private
 until it returns, and the steady-state window needs per-reply timestamps, which nothing logs.
-The wrapper costs one clock read and one list append per reply.
+The meter costs one clock read and one list append per publish.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from broker.forwarding import ForwardingBroker
-from broker.topology import REPLIES_EXCHANGE
-from broker.transport import Broker, Headers
+from broker.rabbitmq import RabbitMQBroker
+from broker.transport import Broker
 from services.cli.common import stop_on_signals
 from services.common.backends import Backends
 from services.common.logs import configured_logging
@@ -40,40 +40,22 @@ from workers.worker import Worker
 Reply = tuple[float, str, int, float]
 
 
-class RecordingBroker(ForwardingBroker):
-    """A `Broker` that delegates everything and timestamps confirmed GradientReplies."""
+class ReplyClock:
+    """A `broker.transport.Meter` that timestamps each confirmed publish of the worker's handle
+    (its GradientReplies; the deployment picks them by routing key and size)."""
 
-    def __init__(
-        self, inner: Broker, replies: list[Reply], clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        super().__init__(inner)
+    def __init__(self, replies: list[Reply], clock: Callable[[], float] = time.monotonic) -> None:
         self._replies = replies
         self._clock = clock
 
-    def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: Headers | None = None,
-        message_id: str | None = None,
-        user_id: str | None = None,
-        persistent: bool = True,
-    ) -> None:
-        started = self._clock()
-        super().publish(
-            exchange,
-            routing_key,
-            body,
-            headers=headers,
-            message_id=message_id,
-            user_id=user_id,
-            persistent=persistent,
-        )
-        if exchange == REPLIES_EXCHANGE:
-            done = self._clock()
-            self._replies.append((done, routing_key, len(body), done - started))
+    def sent(self, routing_key: str, nbytes: int, seconds: float) -> None:
+        self._replies.append((self._clock(), routing_key, nbytes, seconds))
+
+    def received(self, nbytes: int, waited_s: float) -> None:
+        pass
+
+    def dead_lettered(self, reason: str | None) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -82,9 +64,11 @@ class RecordingBackends(Backends):
 
     replies: list[Reply] = field(default_factory=list)
 
-    def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
-        inner = super().open_broker(name, give_up_after=give_up_after)
-        return RecordingBroker(inner, self.replies)
+    def open_broker(self, name: str = "", **kwargs: Any) -> Broker:
+        broker = super().open_broker(name, **kwargs)
+        if isinstance(broker, RabbitMQBroker):
+            broker.meter = ReplyClock(self.replies)
+        return broker
 
 
 def main() -> None:

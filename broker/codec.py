@@ -18,13 +18,13 @@ import operator
 import struct
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, overload
 
 import msgpack
 import numpy as np
 
 from broker.bodies import fresh_body
-from broker.errors import DecodeError, EncodeError
+from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
 from broker.fields import FieldPlan, HeaderReader, HeaderWriter, Placed, compile_fields
 from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
 from broker.schema import CodecLimits, FieldSpec, MessageSchema
@@ -143,14 +143,47 @@ def encode_into(
     return memoryview(buffer)[: plan.size]
 
 
-def decode(body: bytes | bytearray | memoryview, limits: CodecLimits | None = None) -> Message:
-    """Validate `body` and return its message; raises `DecodeError` and nothing else.
+Body = bytes | bytearray | memoryview
+T1 = TypeVar("T1", bound=Message)
+T2 = TypeVar("T2", bound=Message)
+T3 = TypeVar("T3", bound=Message)
+
+
+@overload
+def decode(body: Body, limits: CodecLimits | None = None) -> Message: ...
+@overload
+def decode(body: Body, limits: CodecLimits | None = None, *, expect: type[T1]) -> T1: ...
+@overload
+def decode(
+    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[T1], type[T2]]
+) -> T1 | T2: ...
+@overload
+def decode(
+    body: Body,
+    limits: CodecLimits | None = None,
+    *,
+    expect: tuple[type[T1], type[T2], type[T3]],
+) -> T1 | T2 | T3: ...
+@overload
+def decode(
+    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[Message], ...]
+) -> Message: ...
+def decode(
+    body: Body,
+    limits: CodecLimits | None = None,
+    *,
+    expect: type[Any] | tuple[type[Any], ...] | None = None,
+) -> Message:
+    """Validate `body` and return its message: every check a consumer needs of the body, once;
+    raises `DecodeError` and nothing else. With `expect`, a message of another type raises
+    `UnexpectedMessageError` (before its tensors are looked at).
 
     Tensors are zero-copy views of `body` (read-only in spirit when `body` is bytes: clone
     before modifying in place).
     """
+    wanted = (expect,) if isinstance(expect, type) else expect
     try:
-        return _decode(body, limits or DEFAULT_LIMITS)
+        return _decode(body, limits or DEFAULT_LIMITS, wanted)
     except DecodeError:
         raise
     except Exception as exc:
@@ -251,10 +284,12 @@ def _non_finite(placed: Placed) -> str:
 # --- decoding -----------------------------------------------------------------------------------
 
 
-def _decode(body: bytes | bytearray | memoryview, limits: CodecLimits) -> Message:
+def _decode(body: Body, limits: CodecLimits, expect: tuple[type[Any], ...] | None) -> Message:
     view = _byte_view(body)
     header, header_end = _read_header(view, limits)
     schema = _schema_of_header(header)
+    if expect is not None and schema.cls not in expect:
+        raise UnexpectedMessageError(schema.name, " or ".join(t.__name__ for t in expect))
     reader = HeaderReader(limits, encoding=False)
     values = reader.fields(schema, _PLANS[schema.name], header, _KEYS[schema.name])
     data_start = _check_layout(reader.slots, header_end, len(view))

@@ -19,6 +19,14 @@ class DecodeError(SplitMQError):
         self.reason = reason
 
 
+class UnexpectedMessageError(DecodeError):
+    """A valid message of a type that does not belong where it arrived (`decode`'s `expect`)."""
+
+    def __init__(self, type_name: str, expected: str) -> None:
+        super().__init__(f"{type_name} does not belong here (expected {expected})")
+        self.type_name = type_name
+
+
 class EncodeError(SplitMQError):
     """A message could not be encoded (unsupported dtype, oversize, non-finite values...)."""
 

@@ -7,19 +7,23 @@ RabbitMQ holds here too (confirms are implicit: `publish` returns once the messa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from broker.errors import BrokerError, MessageTooLargeError
-from broker.headers import outgoing_headers
+from broker.errors import BrokerError
+from broker.headers import check_publish, outgoing_headers
 from broker.memory_hub import InMemoryHub
 from broker.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    PLAIN,
     Broker,
     Delivery,
-    Headers,
+    Meter,
+    PublishOptions,
     QueueSpec,
     ServerInfo,
+    count_settled,
 )
 
 __all__ = ["InMemoryBroker", "InMemoryHub"]
@@ -29,7 +33,8 @@ class InMemoryBroker:
     """One handle (like one connection) on an `InMemoryHub`; implements `broker.transport.Broker`.
 
     `user` plays the authenticated AMQP user: when set, a publish whose `user_id` differs is
-    refused as RabbitMQ would. `hub=None` gives the handle a private hub.
+    refused as RabbitMQ would. `hub=None` gives the handle a private hub. `stamp` is the user_id
+    of publishes that name none; `meter` hears of every message sent, received and dead-lettered.
     """
 
     def __init__(
@@ -38,11 +43,15 @@ class InMemoryBroker:
         *,
         user: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        stamp: str | None = None,
+        meter: Meter | None = None,
     ) -> None:
         self._hub = hub if hub is not None else InMemoryHub()
         self._session = self._hub.open_session()
         self._user = user
         self._max_message_bytes = max_message_bytes
+        self.stamp = stamp
+        self.meter = meter
 
     @property
     def hub(self) -> InMemoryHub:
@@ -52,37 +61,19 @@ class InMemoryBroker:
         self._hub.declare(self._session, queues)
 
     def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: Headers | None = None,
-        message_id: str | None = None,
-        user_id: str | None = None,
-        persistent: bool = True,  # nothing here outlives the process anyway
+        self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
     ) -> None:
-        if not isinstance(body, bytes):
-            # The queue keeps a reference: a mutable buffer could change after the publish.
-            raise TypeError(f"body must be bytes, not {type(body).__name__}")
-        if len(body) > self._max_message_bytes:
-            raise MessageTooLargeError(
-                f"body of {len(body)} bytes exceeds the broker's maximum message size of "
-                f"{self._max_message_bytes} bytes (exchange {exchange!r}, key {routing_key!r})"
-            )
-        if user_id is not None and self._user is not None and user_id != self._user:
-            raise BrokerError(
-                f"user_id {user_id!r} differs from this connection's user {self._user!r}"
-            )
+        # `persistent` means nothing here: nothing outlives the process anyway.
+        started = time.perf_counter()
+        user_id = options.user_id or self.stamp
+        target = f"exchange {exchange!r}, key {routing_key!r}"
+        check_publish(body, self._max_message_bytes, user_id, self._user, target)
+        headers = outgoing_headers(options.headers) or {}
         self._hub.publish(
-            self._session,
-            exchange,
-            routing_key,
-            body,
-            outgoing_headers(headers) or {},
-            message_id,
-            user_id,
+            self._session, exchange, routing_key, body, headers, options.message_id, user_id
         )
+        if self.meter is not None:
+            self.meter.sent(routing_key, len(body), time.perf_counter() - started)
 
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
@@ -93,21 +84,34 @@ class InMemoryBroker:
         self._hub.unsubscribe(self._session, queue)
 
     def get(self, timeout: float) -> Delivery | None:
-        return self._hub.next_delivery(self._session, timeout)
+        if self.meter is None:
+            return self._hub.next_delivery(self._session, timeout)
+        started = time.perf_counter()
+        delivery = self._hub.next_delivery(self._session, timeout)
+        size = 0 if delivery is None else len(delivery.body)
+        self.meter.received(size, time.perf_counter() - started)
+        return delivery
 
     def ack(self, delivery: Delivery) -> None:
         self._hub.ack(self._session, delivery)
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
         self._hub.nack(self._session, delivery, requeue)
+        if not requeue and self.meter is not None:
+            self.meter.dead_lettered(None)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self._hub.dead_letter(self._session, delivery, reason)
+        if self.meter is not None:
+            self.meter.dead_lettered(reason)
 
     def dead_letter_many(
         self, letters: Sequence[tuple[Delivery, str]]
     ) -> list[tuple[Delivery, BrokerError]]:
-        return self._hub.dead_letter_many(self._session, letters)
+        unsettled = self._hub.dead_letter_many(self._session, letters)
+        if self.meter is not None:
+            count_settled(self.meter, letters, unsettled)
+        return unsettled
 
     def queue_depth(self, queue: str) -> int:
         return self._hub.queue_depth(self._session, queue)

@@ -26,33 +26,27 @@ import pika
 import pika.exceptions
 
 from broker.errors import (
-    BackPressureError,
     BrokerError,
-    MessageTooLargeError,
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.headers import outgoing_headers
+from broker.headers import check_publish, outgoing_headers
 from broker.rabbitmq_channels import ChannelKeeper, Returned, queue_arguments
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
-from broker.topology import (
-    BEST_EFFORT_EXCHANGES,
-    CONTROL_EXCHANGE,
-    DEAD_EXCHANGE,
-    EXCHANGES,
-    dead_queue,
-    dead_queue_name,
-)
+from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
 from broker.transport import (
+    PLAIN,
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
     USER_HEADER,
     Broker,
     Delivery,
-    Headers,
     HeaderValue,
+    Meter,
+    PublishOptions,
     QueueSpec,
     ServerInfo,
+    count_settled,
 )
 
 __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
@@ -83,7 +77,9 @@ class RabbitMQBroker:
 
     Connects in the constructor (retrying as for any outage). `get` is also how the handle
     services heartbeats, so a consumer should call it (`get(0)` will do) at least every
-    `options.heartbeat` seconds.
+    `options.heartbeat` seconds. `stamp` is the user_id of publishes that name none (RabbitMQ
+    accepts only the connection's user); `meter` hears of every message sent, received and
+    dead-lettered.
     """
 
     def __init__(
@@ -94,8 +90,12 @@ class RabbitMQBroker:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        stamp: str | None = None,
+        meter: Meter | None = None,
     ) -> None:
         self._options = options or RabbitMQOptions()
+        self.stamp = stamp
+        self.meter = meter
         self._name = (
             self._options.connection_name or f"splitmq-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
@@ -143,42 +143,21 @@ class RabbitMQBroker:
             raise BrokerError(f"{exc}; {advice}") from exc.__cause__
 
     def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: Headers | None = None,
-        message_id: str | None = None,
-        user_id: str | None = None,
-        persistent: bool = True,
+        self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
     ) -> None:
-        if not isinstance(body, bytes):
-            # pika 1.4 turns any non-bytes body into bytes with str.encode, so a memoryview
-            # would fail deep inside it; and it copies bodies into frames anyway.
-            raise TypeError(f"body must be bytes, not {type(body).__name__}")
-        if len(body) > self._options.max_message_bytes:
-            raise MessageTooLargeError(
-                f"body of {len(body)} bytes exceeds RabbitMQ's max_message_size of "
-                f"{self._options.max_message_bytes} bytes (exchange {exchange!r}, "
-                f"key {routing_key!r}); split the payload or raise the server limit"
-            )
-        if user_id is not None and user_id != self._keeper.user:
-            # RabbitMQ would close the channel with PRECONDITION_FAILED; refuse up front.
-            raise BrokerError(
-                f"user_id {user_id!r} differs from this connection's user {self._keeper.user!r}"
-            )
+        started = time.perf_counter()
+        user_id = options.user_id or self.stamp
+        target = f"exchange {exchange!r}, key {routing_key!r}"
+        check_publish(body, self._options.max_message_bytes, user_id, self._keeper.user, target)
         properties = pika.BasicProperties(
-            delivery_mode=_PERSISTENT if persistent else _TRANSIENT,
-            headers=outgoing_headers(headers),
-            message_id=message_id,
+            delivery_mode=_PERSISTENT if options.persistent else _TRANSIENT,
+            headers=outgoing_headers(options.headers),
+            message_id=options.message_id,
             user_id=user_id,
         )
-        keeper = self._keeper
-        keeper.call(
-            lambda: self._publish(keeper.publisher(), exchange, routing_key, body, properties),
-            f"publish to {exchange!r} with key {routing_key!r}",
-        )
+        self._keeper.publish(exchange, routing_key, body, properties, target)
+        if self.meter is not None:
+            self.meter.sent(routing_key, len(body), time.perf_counter() - started)
 
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
@@ -193,6 +172,7 @@ class RabbitMQBroker:
             self._keeper.call(lambda: self._unsubscribe(queue), f"unsubscribe from {queue!r}")
 
     def get(self, timeout: float) -> Delivery | None:
+        started = time.perf_counter()
         if not self._buffer:
             deadline = self._clock() + timeout
             while True:
@@ -200,10 +180,12 @@ class RabbitMQBroker:
                 self._keeper.call(functools.partial(self._keeper.pump, remaining), "receive")
                 if self._buffer or remaining <= 0.0:
                     break
-            if not self._buffer:
-                return None
-        delivery = self._buffer.popleft()
-        self._unacked[delivery.tag] = delivery.queue
+        delivery = self._buffer.popleft() if self._buffer else None
+        if delivery is not None:
+            self._unacked[delivery.tag] = delivery.queue
+        if self.meter is not None:
+            size = 0 if delivery is None else len(delivery.body)
+            self.meter.received(size, time.perf_counter() - started)
         return delivery
 
     def ack(self, delivery: Delivery) -> None:
@@ -215,6 +197,16 @@ class RabbitMQBroker:
         del self._unacked[delivery.tag]
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
+        self._nack(delivery, requeue)
+        if not requeue and self.meter is not None:
+            self.meter.dead_lettered(None)
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self._dead_letter(delivery, reason)
+        if self.meter is not None:
+            self.meter.dead_lettered(reason)
+
+    def _nack(self, delivery: Delivery, requeue: bool) -> None:
         channel = self._outstanding(delivery)
         try:
             channel.basic_nack(delivery.tag, requeue=requeue)
@@ -222,7 +214,7 @@ class RabbitMQBroker:
             raise self._keeper.settle_failure(exc, delivery, "nack") from exc
         del self._unacked[delivery.tag]
 
-    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         spec = self._keeper.specs.get(delivery.queue)
         if spec is None or spec.dead_letter_routing_key is None:
             raise _no_routing(delivery)
@@ -234,7 +226,7 @@ class RabbitMQBroker:
                 delivery.queue,
                 reason,
             )
-            self.nack(delivery, requeue=False)
+            self._nack(delivery, False)
             return
         channel = self._outstanding(delivery)
         properties = _dead_letter_properties(delivery, reason)
@@ -265,6 +257,8 @@ class RabbitMQBroker:
                     self.ack(copy.delivery)
                 except BrokerError as exc:
                     unsettled.append((copy.delivery, exc))
+        if self.meter is not None:
+            count_settled(self.meter, letters, unsettled)
         return unsettled
 
     def _sort_letters(
@@ -299,9 +293,9 @@ class RabbitMQBroker:
         """A letter the batch cannot take: by nack (dead_letter_by_nack), or confirmed, since
         in a transaction a reject-publish queue would drop the copy without a word."""
         if self._options.dead_letter_by_nack:
-            self.nack(delivery, requeue=False)
+            self._nack(delivery, False)
         else:
-            self.dead_letter(delivery, reason)
+            self._dead_letter(delivery, reason)
 
     def _may_refuse(self, routing_key: str) -> bool:
         """Whether the dead-letter queue for `routing_key`, as this handle declared it, may
@@ -372,7 +366,7 @@ class RabbitMQBroker:
                 # copy now would be a second one when it is dead-lettered again.
                 raise self._stale(delivery, "was lost with its connection before dead-lettering")
             try:
-                self._publish(publisher, DEAD_EXCHANGE, routing_key, delivery.body, properties)
+                self._keeper.send(publisher, DEAD_EXCHANGE, routing_key, delivery.body, properties)
                 return
             except UnroutableError as exc:
                 if restored:
@@ -458,32 +452,6 @@ class RabbitMQBroker:
         self.close()
 
     # -- internals ----------------------------------------------------------------------------
-
-    def _publish(
-        self, channel: Any, exchange: str, routing_key: str, body: bytes, properties: Any
-    ) -> None:
-        try:
-            mandatory = exchange not in BEST_EFFORT_EXCHANGES
-            channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
-        except pika.exceptions.NackError as exc:
-            raise BackPressureError(
-                f"RabbitMQ refused the message for exchange {exchange!r} key {routing_key!r}: "
-                f"queue {self._bound_queues(exchange, routing_key)} is full (reject-publish); "
-                "nothing was enqueued, retry later"
-            ) from exc
-        except pika.exceptions.UnroutableError as exc:
-            raise UnroutableError(
-                f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
-            ) from exc
-
-    def _bound_queues(self, exchange: str, routing_key: str) -> str:
-        fanout = dict(EXCHANGES).get(exchange) == "fanout"
-        names = [
-            repr(spec.name)
-            for spec in self._keeper.specs.values()
-            if spec.exchange == exchange and (fanout or spec.routing_key == routing_key)
-        ]
-        return ", ".join(names) or "(not declared on this handle)"
 
     def _unsubscribe(self, queue: str) -> None:
         if not self._keeper.cancel(queue):

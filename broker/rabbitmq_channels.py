@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import pika
 import pika.exceptions
 
-from broker.errors import BrokerError, StaleDeliveryError
+from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
 from broker.headers import incoming_headers
 from broker.rabbitmq_connection import (
     PIKA_ERRORS,
@@ -39,7 +39,7 @@ from broker.rabbitmq_connection import (
     server_url,
     tune_receive,
 )
-from broker.topology import DEAD_EXCHANGE, EXCHANGES
+from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
 from broker.transport import Delivery, QueueSpec
 
 T = TypeVar("T")
@@ -156,6 +156,44 @@ class ChannelKeeper:
                     )
                     self._note_lost(exc, what)
                 outage.wait_or_give_up(exc, what)
+
+    def publish(
+        self, exchange: str, routing_key: str, body: bytes, properties: Any, target: str
+    ) -> None:
+        """Publish on the publisher channel and wait for the confirm. A connection lost before
+        the confirm is reopened and the message sent again (at-least-once)."""
+        self.call(
+            lambda: self.send(self.publisher(), exchange, routing_key, body, properties),
+            f"publish to {target}",
+        )
+
+    def send(
+        self, channel: Any, exchange: str, routing_key: str, body: bytes, properties: Any
+    ) -> None:
+        """One confirmed publish on `channel`; a refusal becomes our error, pika's own errors
+        pass (to `call`, which reconnects)."""
+        try:
+            mandatory = exchange not in BEST_EFFORT_EXCHANGES
+            channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
+        except pika.exceptions.NackError as exc:
+            raise BackPressureError(
+                f"RabbitMQ refused the message for exchange {exchange!r} key {routing_key!r}: "
+                f"queue {self._bound_queues(exchange, routing_key)} is full (reject-publish); "
+                "nothing was enqueued, retry later"
+            ) from exc
+        except pika.exceptions.UnroutableError as exc:
+            raise UnroutableError(
+                f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
+            ) from exc
+
+    def _bound_queues(self, exchange: str, routing_key: str) -> str:
+        fanout = dict(EXCHANGES).get(exchange) == "fanout"
+        names = [
+            repr(spec.name)
+            for spec in self._specs.values()
+            if spec.exchange == exchange and (fanout or spec.routing_key == routing_key)
+        ]
+        return ", ".join(names) or "(not declared on this handle)"
 
     def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
         if self._publisher_channel is not None and not self._publisher_channel.is_open:

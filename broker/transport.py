@@ -34,6 +34,52 @@ Overflow = Literal["reject-publish", "drop-head"]
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class PublishOptions:
+    """How one message is published, beyond where to and what."""
+
+    message_id: str | None = None
+    headers: Headers | None = None
+    # The AMQP user the broker vouches for; None: the handle's stamp user, if it has one.
+    user_id: str | None = None
+    # False for messages worthless after a broker restart (a gradient for a step its client
+    # will republish anyway): still confirmed, but kept in memory only, which spares RabbitMQ
+    # a disk write and the publisher the wait for it.
+    persistent: bool = True
+
+
+PLAIN = PublishOptions()
+
+
+class Meter(Protocol):
+    """What a handle reports as it works, given where the broker is opened
+    (`services.metrics.broker.BrokerMeter` feeds a role's recorder)."""
+
+    def sent(self, routing_key: str, nbytes: int, seconds: float) -> None:
+        """One message of `nbytes` published and confirmed, which took `seconds`."""
+        ...
+
+    def received(self, nbytes: int, waited_s: float) -> None:
+        """`get` waited `waited_s` seconds and returned a message of `nbytes` (0: none)."""
+        ...
+
+    def dead_lettered(self, reason: str | None) -> None:
+        """One message dead-lettered with `reason` (None: rejected by nack, no reason)."""
+        ...
+
+
+def count_settled(
+    meter: Meter,
+    letters: Sequence[tuple[Delivery, str]],
+    unsettled: Sequence[tuple[Delivery, BrokerError]],
+) -> None:
+    """Tell `meter` of each letter of a `dead_letter_many` that is not among the unsettled."""
+    left = {id(delivery) for delivery, _ in unsettled}
+    for delivery, reason in letters:
+        if id(delivery) not in left:
+            meter.dead_lettered(reason)
+
+
 @dataclass(frozen=True)
 class QueueSpec:
     """A queue and its binding. Declaring it is idempotent; brokers re-declare on reconnect."""
@@ -90,21 +136,9 @@ class Broker(Protocol):
         ...
 
     def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: Headers | None = None,
-        message_id: str | None = None,
-        user_id: str | None = None,
-        persistent: bool = True,
+        self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
     ) -> None:
         """Publish mandatorily; return once the broker has confirmed it.
-
-        `persistent=False` is for messages worthless after a broker restart (a gradient
-        for a step its client will republish anyway): still confirmed, but kept in memory
-        only, which spares RabbitMQ a disk write and the publisher the wait for it.
 
         Raises `BackPressureError` (queue full, nothing enqueued), `UnroutableError`,
         `MessageTooLargeError` or `BrokerUnavailableError`.

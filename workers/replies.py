@@ -23,7 +23,7 @@ from broker.errors import BackPressureError, EncodeError, MessageTooLargeError, 
 from broker.messages import Error, GradientReply, InferReply, SmashedBatch, new_message_id
 from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
-from broker.transport import Broker, Delivery
+from broker.transport import Broker, Delivery, PublishOptions
 
 Answer = GradientReply | InferReply | Error
 
@@ -66,18 +66,39 @@ class Replier:
         return self.send(replace(kept, message_id=new_message_id()))
 
     def send(self, reply: GradientReply) -> bool:
-        """True once the broker confirmed it; False when it cannot be delivered at all."""
+        """True once sent (a refusal of it comes back later: `_settle`); False when it cannot
+        be delivered at all."""
         if reply.status == "ok":
             self._remember(reply)
-        return self.publish(reply, reply_routing_key(reply.job, reply.client))
+        self._settle()
+        # Not waiting for the confirm: the wait was a round trip to RabbitMQ on the job's
+        # critical path for every step (~25% of a cnn5 step); a refusal comes back later.
+        return self.publish(reply, reply_routing_key(reply.job, reply.client), later=True)
 
-    def publish(self, message: Answer, routing_key: str) -> bool:
-        """`message` on the replies exchange under `routing_key` (also split inference's)."""
+    def publish(self, message: Answer, routing_key: str, *, later: bool = False) -> bool:
+        """`message` on the replies exchange under `routing_key` (also split inference's);
+        `later`: without waiting for its confirm."""
         try:
             body = encode(message)
         except EncodeError as exc:
             self._logger.error("%s cannot be encoded: %s", _what(message), exc)
             return False
+        options = PublishOptions(message.message_id, persistent=False, confirm_later=later)
+        return self._deliver(_what(message), routing_key, body, options)
+
+    def _settle(self) -> None:
+        """Refusals of earlier replies: a full queue is waited out, confirmed this time; a gone
+        client or connection is only logged (the client republishes a batch whose reply it
+        missed, and `resend` answers it)."""
+        for refused in self._broker.refused():
+            what = f"the reply published to {refused.routing_key}"
+            if isinstance(refused.error, BackPressureError):
+                options = replace(refused.options, confirm_later=False)
+                self._deliver(what, refused.routing_key, refused.body, options)
+            else:
+                self._logger.warning("%s was not delivered: %s", what, refused.error)
+
+    def _deliver(self, what: str, routing_key: str, body: bytes, options: PublishOptions) -> bool:
         delay = self._first_delay_s
         attempts = 0
         while True:
@@ -86,13 +107,7 @@ class Replier:
                 # for it; persisting it cost RabbitMQ a disk write and the worker (whose
                 # loop is the job's critical path) the wait for it: 7-8 ms of a ~20 ms cnn5
                 # step, ~25% of SFL-V2 throughput (docs/benchmarks.md, "SFL-V2 throughput").
-                self._broker.publish(
-                    REPLIES_EXCHANGE,
-                    routing_key,
-                    body,
-                    message_id=message.message_id,
-                    persistent=False,
-                )
+                self._broker.publish(REPLIES_EXCHANGE, routing_key, body, options)
                 return True
             except BackPressureError:
                 attempts += 1
@@ -100,15 +115,15 @@ class Replier:
                 # when the client is slow, and dropping the reply would leave it waiting. A
                 # stopping worker gives up after a few tries (the client will republish).
                 if self._stop.is_set() and attempts >= 3:
-                    self._logger.warning("%s dropped: full while stopping", _what(message))
+                    self._logger.warning("%s dropped: full while stopping", what)
                     return False
                 self._sleep(delay)
                 delay = min(delay * 2, self._max_delay_s)
             except UnroutableError:
-                self._logger.warning("%s unroutable: the client's queue is gone", _what(message))
+                self._logger.warning("%s unroutable: the client's queue is gone", what)
                 return False
             except MessageTooLargeError as exc:
-                self._logger.error("%s too large: %s", _what(message), exc)
+                self._logger.error("%s too large: %s", what, exc)
                 return False
 
     def _remember(self, reply: GradientReply) -> None:

@@ -35,7 +35,7 @@ from services.common.outbox import Outbox
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
 from services.report.records import MetricsSink, VersionRecord
-from services.security.identity import sender_check, service_stamped
+from services.security.identity import sender_check, service_user
 
 
 def ended_job(store: WeightStore, job: str) -> JobStatus | None:
@@ -126,7 +126,8 @@ class Aggregator:
         left as it is: nothing is published, and the run ends as the job did.
         """
         # In the secured mode its round markers carry its AMQP user, which workers check.
-        broker = service_stamped(self._backends.open_broker("aggregator"), self._settings)
+        user = service_user(self._settings)
+        broker = self._backends.open_broker("aggregator", stamp=user)
         store = self._backends.open_store()
         try:
             ended = ended_job(store, self.job)

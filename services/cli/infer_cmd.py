@@ -24,7 +24,7 @@ from broker.store import SERVER_PART, BlobRef
 from services.cli.common import config_argument, load
 from services.common.backends import Backends
 from services.config.root import Settings
-from services.security.identity import service_stamped
+from services.security.identity import service_user
 
 # The models, the algorithms and the sweep (torch) are imported where they are used: every
 # `splitmq` command, the `splitmq check` healthcheck included, imports this module.
@@ -203,7 +203,7 @@ def theta_source(
         else None
     )
     # In the secured mode its requests carry the services' AMQP user (workers check it).
-    broker = service_stamped(backends.open_broker("splitmq-infer-client"), settings)
+    broker = backends.open_broker("splitmq-infer-client", stamp=service_user(settings))
     try:
         yield BrokerTheta(broker, settings.job.name, version=version, timeout_s=timeout_s)
     finally:

@@ -27,7 +27,7 @@ from broker.codec import encode
 from broker.errors import BackPressureError, BrokerError, UnroutableError
 from broker.messages import Heartbeat, new_message_id
 from broker.topology import CONTROL_EXCHANGE
-from broker.transport import Broker
+from broker.transport import Broker, PublishOptions
 
 # How long `stop` waits for a beat in flight (a publish retrying through a broker outage).
 STOP_WAIT_S = 5.0
@@ -102,7 +102,7 @@ class HeartbeatThread:
     def _beat(self, broker: Broker) -> None:
         message = Heartbeat(self._job, self._client, new_message_id(), self._version())
         body = encode(message)
-        broker.publish(CONTROL_EXCHANGE, self._job, body, message_id=message.message_id)
+        broker.publish(CONTROL_EXCHANGE, self._job, body, PublishOptions(message.message_id))
         self.sent += 1
         self.bytes_sent += len(body)
 

@@ -38,7 +38,7 @@ from broker.topology import (
     infer_reply_queue,
     infer_routing_key,
 )
-from broker.transport import Broker
+from broker.transport import Broker, PublishOptions
 from models.split import SplitNet
 from services.algorithms.splitgp_math import (
     SweepPoint,
@@ -164,8 +164,7 @@ class BrokerTheta:
                     SMASHED_EXCHANGE,
                     infer_routing_key(self.job),
                     body,
-                    message_id=message_id,
-                    persistent=False,
+                    PublishOptions(message_id, persistent=False),
                 )
                 return
             except UnroutableError:

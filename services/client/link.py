@@ -64,7 +64,7 @@ from broker.topology import (
     reply_queue_name,
     shard_routing_key,
 )
-from broker.transport import Broker, Delivery
+from broker.transport import Broker, Delivery, PublishOptions
 from models.split import SplitNet
 from services.algorithms.staleness import TOO_STALE
 from services.client.beat import HeartbeatThread
@@ -206,7 +206,7 @@ class ClientLink:
             self._check_stop()
             started = self.clock()
             try:
-                self._broker.publish(exchange, routing_key, body, message_id=message_id)
+                self._broker.publish(exchange, routing_key, body, PublishOptions(message_id))
                 self.stats.bytes_up += len(body)
                 return
             except BackPressureError:
@@ -253,7 +253,8 @@ class ClientLink:
         message = Leave(self.job, self.client, new_message_id(), self.version, reason=reason)
         try:
             body = encode(message)
-            self._broker.publish(CONTROL_EXCHANGE, self.job, body, message_id=message.message_id)
+            options = PublishOptions(message.message_id)
+            self._broker.publish(CONTROL_EXCHANGE, self.job, body, options)
             self.stats.bytes_up += len(body)
         except BrokerError as exc:
             self.log.warning("could not send Leave (%s): %s", reason, exc)

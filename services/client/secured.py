@@ -18,7 +18,7 @@ from services.client.errors import ClientError
 from services.client.inference import BrokerTheta
 from services.common.backends import Backends
 from services.config.root import Settings
-from services.security.identity import amqp_user, client_user, stamped
+from services.security.identity import amqp_user, client_user
 
 
 def secured_client_broker(
@@ -40,7 +40,7 @@ def secured_client_broker(
         # It may neither configure nor publish to splitmq.dead (its permissions, provision.py).
         confined = {"passive_declare": True, "dead_letter_by_nack": True}
         backends = replace(backends, broker_settings=broker_settings.model_copy(update=confined))
-    return stamped(backends.open_broker(name), user, True)
+    return backends.open_broker(name, stamp=user)
 
 
 def client_theta(

@@ -15,7 +15,7 @@ from broker.store import WeightStore
 from broker.tls import TLSOptions
 from broker.transport import Broker
 from services.config.settings import BrokerSettings, StoreSettings, TLSSettings
-from services.metrics.broker import MeteredBroker
+from services.metrics.broker import BrokerMeter
 from services.metrics.recorder import NO_METERS, NO_METRICS, Meters, Metrics
 
 
@@ -60,21 +60,20 @@ class Backends:
         self,
         name: str = "",
         *,
+        stamp: str | None = None,
         give_up_after: float | None = None,
         sleep: Callable[[float], None] | None = None,
     ) -> Broker:
-        """A new handle; `give_up_after` shortens the reconnect budget (probes, health checks),
-        `sleep` waits between reconnect attempts (one that raises ends the wait early)."""
-        broker = self._open_broker(name, give_up_after, sleep)
-        return MeteredBroker(broker, self.metrics) if self.metrics.enabled else broker
-
-    def _open_broker(
-        self, name: str, give_up_after: float | None, sleep: Callable[[float], None] | None
-    ) -> Broker:
+        """A new handle, metered for this role. `stamp`: the AMQP user_id its publishes carry
+        (`identity.service_user`, the secured client's user); `give_up_after` shortens the
+        reconnect budget (probes, health checks), `sleep` waits between reconnect attempts (one
+        that raises ends the wait early)."""
         settings = self.broker_settings
+        meter = BrokerMeter(self.metrics) if self.metrics.enabled else None
         if settings.kind == "memory":
             hub = self._embedded().hub
-            return InMemoryBroker(hub, max_message_bytes=settings.max_message_bytes)
+            limit = settings.max_message_bytes
+            return InMemoryBroker(hub, max_message_bytes=limit, stamp=stamp, meter=meter)
         options = RabbitMQOptions(
             heartbeat=settings.heartbeat_s,
             blocked_connection_timeout=settings.blocked_connection_timeout_s,
@@ -86,9 +85,10 @@ class Backends:
             passive_declare=settings.passive_declare,
             dead_letter_by_nack=settings.dead_letter_by_nack,
         )
+        url = settings.amqp_url
         if sleep is None:
-            return RabbitMQBroker(settings.amqp_url, options)
-        return RabbitMQBroker(settings.amqp_url, options, sleep=sleep)
+            return RabbitMQBroker(url, options, stamp=stamp, meter=meter)
+        return RabbitMQBroker(url, options, sleep=sleep, stamp=stamp, meter=meter)
 
     def open_store(
         self,

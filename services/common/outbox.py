@@ -20,7 +20,7 @@ from broker.topology import (
     reply_routing_key,
     shard_routing_key,
 )
-from broker.transport import Broker
+from broker.transport import Broker, PublishOptions
 
 # Back-pressure on a shard queue clears as its worker drains it; retry at this pace.
 _RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)
@@ -40,7 +40,7 @@ class Outbox:
             REPLIES_EXCHANGE,
             reply_routing_key(self._job, client),
             body,
-            message_id=message.message_id,
+            PublishOptions(message_id=message.message_id),
         )
         return len(body)
 
@@ -66,7 +66,7 @@ class Outbox:
                     SMASHED_EXCHANGE,
                     shard_routing_key(self._job, shard),
                     body,
-                    message_id=message.message_id,
+                    PublishOptions(message_id=message.message_id),
                 )
                 return True
             except BackPressureError:
@@ -83,6 +83,6 @@ class Outbox:
         message = Event(self._job, client, new_message_id(), version, kind, dict(data))
         try:
             body = encode(message)
-            self._broker.publish(EVENTS_EXCHANGE, "", body, message_id=message.message_id)
+            self._broker.publish(EVENTS_EXCHANGE, "", body, PublishOptions(message.message_id))
         except UnroutableError:
             self._log.debug("job %s: event %s has no subscriber", self._job, kind)

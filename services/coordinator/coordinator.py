@@ -27,7 +27,7 @@ from services.common.membership import client_members, member_id
 from services.common.outbox import Outbox
 from services.config.root import Settings
 from services.coordinator.joining import JoinDesk
-from services.security.identity import client_id_problem, sender_check, service_stamped
+from services.security.identity import client_id_problem, sender_check, service_user
 
 _PREFETCH = 32
 
@@ -74,7 +74,8 @@ class Coordinator:
 
     def run(self, stop: threading.Event) -> CoordinatorStats:
         """Serve until `stop` is set; returns the counters."""
-        broker = service_stamped(self._backends.open_broker("coordinator"), self._settings)
+        user = service_user(self._settings)
+        broker = self._backends.open_broker("coordinator", stamp=user)
         store = self._backends.open_store()
         try:
             limits = QueueLimits(

@@ -26,8 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
-from broker.forwarding import ForwardingBroker
-from broker.transport import Broker, Delivery, Headers
+from broker.transport import Delivery
 from services.config.root import Settings
 from services.config.settings import ConnectionSettings
 
@@ -104,43 +103,6 @@ class SenderCheck:
         )
 
 
-class StampedBroker(ForwardingBroker):
-    """A `Broker` whose publishes carry `user` as their AMQP user_id, unless given another.
-
-    RabbitMQ refuses a user_id that is not the connection's user, so stamping is what lets a
-    consumer trust it (design §3)."""
-
-    def __init__(self, inner: Broker, user: str) -> None:
-        super().__init__(inner)
-        self.user = user
-
-    def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        headers: Headers | None = None,
-        message_id: str | None = None,
-        user_id: str | None = None,
-        persistent: bool = True,
-    ) -> None:
-        super().publish(
-            exchange,
-            routing_key,
-            body,
-            headers=headers,
-            message_id=message_id,
-            user_id=user_id or self.user,
-            persistent=persistent,
-        )
-
-
-def stamped(broker: Broker, user: str, secured: bool) -> Broker:
-    """`broker` stamping `user` on its publishes in the secured mode; as it is otherwise."""
-    return StampedBroker(broker, user) if secured else broker
-
-
 def sender_check(settings: Settings) -> SenderCheck:
     """The check a service of these settings applies to what it consumes."""
     security = settings.security
@@ -159,6 +121,8 @@ def default_client_id(settings: Settings) -> str:
     return user_client(settings.job.name, user) or user
 
 
-def service_stamped(broker: Broker, settings: ConnectionSettings) -> Broker:
-    """A service's handle: in the secured mode its publishes carry its AMQP user."""
-    return stamped(broker, amqp_user(settings.broker.amqp_url), settings.security.per_client_users)
+def service_user(settings: ConnectionSettings) -> str | None:
+    """The user_id a service's publishes carry (`Backends.open_broker(stamp=...)`): its AMQP
+    user in the secured mode, where RabbitMQ's check of it is what lets a consumer trust it
+    (design §3); None otherwise."""
+    return amqp_user(settings.broker.amqp_url) if settings.security.per_client_users else None

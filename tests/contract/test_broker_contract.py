@@ -42,6 +42,7 @@ from broker.transport import (
     Broker,
     Delivery,
     HeaderValue,
+    PublishOptions,
     QueueSpec,
 )
 from tests.integration import test_rabbitmq_specific as rabbit
@@ -142,7 +143,10 @@ def test_round_trip_carries_body_headers_and_ids(broker_factory: BrokerFactory) 
     body = bytes(range(256)) * 4
 
     broker.publish(
-        CONTROL_EXCHANGE, spec.routing_key, body, headers=headers, message_id="m-1", user_id=USER
+        CONTROL_EXCHANGE,
+        spec.routing_key,
+        body,
+        PublishOptions(headers=headers, message_id="m-1", user_id=USER),
     )
     assert broker.queue_depth(spec.name) == 1
     broker.subscribe(spec.name, prefetch=1)
@@ -169,10 +173,12 @@ def test_publishing_as_another_user_is_refused(broker_factory: BrokerFactory) ->
     broker.declare([spec])
 
     with pytest.raises(BrokerError, match="user_id"):
-        broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"forged", user_id="mallory")
+        broker.publish(
+            CONTROL_EXCHANGE, spec.routing_key, b"forged", PublishOptions(user_id="mallory")
+        )
 
     assert broker.queue_depth(spec.name) == 0
-    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"honest", user_id=USER)
+    broker.publish(CONTROL_EXCHANGE, spec.routing_key, b"honest", PublishOptions(user_id=USER))
     assert broker.queue_depth(spec.name) == 1
 
 
@@ -180,7 +186,9 @@ def test_unacked_message_survives_a_consumer_that_dies(broker_factory: BrokerFac
     publisher = broker_factory()
     spec = broker_factory.spec("work")
     publisher.declare([spec])
-    publisher.publish(CONTROL_EXCHANGE, spec.routing_key, b"precious", message_id="p-1")
+    publisher.publish(
+        CONTROL_EXCHANGE, spec.routing_key, b"precious", PublishOptions(message_id="p-1")
+    )
 
     doomed = broker_factory()
     doomed.subscribe(spec.name, prefetch=1)
@@ -224,9 +232,7 @@ def test_rejected_body_is_dead_lettered_with_reason_and_consumer_goes_on(
             CONTROL_EXCHANGE,
             control.routing_key,
             body,
-            headers={"trace": f"t{index}"},
-            message_id=f"m{index}",
-            user_id=USER,
+            PublishOptions(headers={"trace": f"t{index}"}, message_id=f"m{index}", user_id=USER),
         )
     consumer.subscribe(control.name, prefetch=2)
 
@@ -261,7 +267,9 @@ def test_nack_without_requeue_follows_the_queue_dead_letter_routing(
     dead, control = broker_factory.track(dead_queue(job)), broker_factory.track(control_queue(job))
     broker = broker_factory()
     broker.declare([dead, control])
-    broker.publish(CONTROL_EXCHANGE, control.routing_key, b"unwanted", message_id="u-1")
+    broker.publish(
+        CONTROL_EXCHANGE, control.routing_key, b"unwanted", PublishOptions(message_id="u-1")
+    )
     broker.subscribe(control.name, prefetch=1)
 
     (delivery,) = receive(broker)
@@ -286,7 +294,9 @@ def test_dead_letter_declares_a_deleted_dead_letter_queue_again(
     consumer = broker_factory()
     consumer.declare([dead, control])
     broker_factory().delete_queue(dead.name)
-    consumer.publish(CONTROL_EXCHANGE, control.routing_key, b"\xc1 junk", message_id="j-1")
+    consumer.publish(
+        CONTROL_EXCHANGE, control.routing_key, b"\xc1 junk", PublishOptions(message_id="j-1")
+    )
     consumer.publish(CONTROL_EXCHANGE, control.routing_key, b"good")
     consumer.subscribe(control.name, prefetch=1)
 
@@ -414,9 +424,7 @@ def test_dead_letter_many_copies_each_with_its_reason_then_settles(
             CONTROL_EXCHANGE,
             control.routing_key,
             f"junk-{index}".encode(),
-            headers={"trace": f"t{index}"},
-            message_id=f"m{index}",
-            user_id=USER,
+            PublishOptions(headers={"trace": f"t{index}"}, message_id=f"m{index}", user_id=USER),
         )
     consumer.subscribe(control.name, prefetch=5)
     deliveries = receive(consumer, 5)

@@ -111,12 +111,12 @@ class LedgerBroker:
         self._inner = inner
         self._ledger = ledger
 
-    def publish(self, exchange: str, routing_key: str, body: bytes, **kwargs: Any) -> None:
+    def publish(self, exchange: str, routing_key: str, body: bytes, *rest: Any) -> None:
         if exchange != SMASHED_EXCHANGE:
-            self._inner.publish(exchange, routing_key, body, **kwargs)
+            self._inner.publish(exchange, routing_key, body, *rest)
             return
         try:
-            self._inner.publish(exchange, routing_key, body, **kwargs)
+            self._inner.publish(exchange, routing_key, body, *rest)
         except BackPressureError:
             self._ledger.note(body, taken=False)
             raise
@@ -130,8 +130,8 @@ class LedgerBroker:
 class LedgerBackends(Backends):
     ledger: Ledger = field(default_factory=Ledger)
 
-    def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
-        inner = super().open_broker(name, give_up_after=give_up_after)
+    def open_broker(self, name: str = "", **kwargs: Any) -> Broker:
+        inner = super().open_broker(name, **kwargs)
         return LedgerBroker(inner, self.ledger)
 
 

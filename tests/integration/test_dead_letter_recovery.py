@@ -34,6 +34,7 @@ from broker.topology import (
     shard_routing_key,
     updates_routing_key,
 )
+from broker.transport import PublishOptions
 from services.common.backends import Backends
 from services.common.membership import client_members
 from services.report.records import VersionRecord
@@ -99,7 +100,7 @@ def test_garbage_after_the_dead_letter_queue_was_deleted_ends_nothing(
 
         operator.delete_queue(dead_queue_name(job))  # an operator purging junk
         for target, (exchange, key) in targets.items():
-            operator.publish(exchange, key, GARBAGE, message_id=f"junk-{target}")
+            operator.publish(exchange, key, GARBAGE, PublishOptions(message_id=f"junk-{target}"))
 
         aggregator = next(r for r in roles if r.spec.kind == "aggregator")
         aggregator.thread.join(TIMEOUT_S)

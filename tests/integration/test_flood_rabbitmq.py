@@ -43,7 +43,7 @@ from broker.topology import (
     updates_queue_name,
     updates_routing_key,
 )
-from broker.transport import REASON_HEADER, Broker
+from broker.transport import REASON_HEADER, Broker, PublishOptions
 from services.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
@@ -178,7 +178,9 @@ def flood(
         key = updates_routing_key(job)
         while not stop.is_set():
             try:
-                broker.publish(CONTROL_EXCHANGE, key, body, message_id=new_message_id())
+                broker.publish(
+                    CONTROL_EXCHANGE, key, body, PublishOptions(message_id=new_message_id())
+                )
                 with sent.get_lock():
                     sent.value += 1
             except BackPressureError:

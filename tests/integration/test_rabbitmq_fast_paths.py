@@ -19,7 +19,7 @@ from broker.errors import UnroutableError
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import CONSUME_BYTES_PER_EVENT, tune_receive
 from broker.topology import CONTROL_EXCHANGE
-from broker.transport import QueueSpec
+from broker.transport import PublishOptions, QueueSpec
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -83,7 +83,9 @@ def test_publish_is_persistent_unless_asked_not_to_be(amqp_url: str, queue: Queu
     with RabbitMQBroker(amqp_url) as producer:
         producer.publish(queue.exchange, queue.routing_key, b"kept")
         assert _delivery_mode(amqp_url, queue.name) == 2
-        producer.publish(queue.exchange, queue.routing_key, b"ephemeral", persistent=False)
+        producer.publish(
+            queue.exchange, queue.routing_key, b"ephemeral", PublishOptions(persistent=False)
+        )
         assert _delivery_mode(amqp_url, queue.name) == 1
 
 
@@ -91,4 +93,6 @@ def test_transient_publish_is_still_mandatory(amqp_url: str, job: str) -> None:
     with RabbitMQBroker(amqp_url) as producer:
         producer.declare([])
         with pytest.raises(UnroutableError):
-            producer.publish(CONTROL_EXCHANGE, f"{job}.nobody", b"x", persistent=False)
+            producer.publish(
+                CONTROL_EXCHANGE, f"{job}.nobody", b"x", PublishOptions(persistent=False)
+            )

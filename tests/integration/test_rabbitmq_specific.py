@@ -22,7 +22,7 @@ from broker.errors import BrokerError, BrokerUnavailableError, StaleDeliveryErro
 from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
 from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import CONTROL_EXCHANGE, control_queue, dead_queue
-from broker.transport import REASON_HEADER, QueueSpec
+from broker.transport import REASON_HEADER, PublishOptions, QueueSpec
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -98,7 +98,9 @@ def test_reconnects_redeclares_and_voids_old_deliveries(
     # Exclusive and auto-deleted: it dies with the connection, so only a re-declare revives it.
     private = work_queue(job, "private", durable=False, exclusive=True, auto_delete=True)
     broker.declare([durable, private])
-    broker.publish(CONTROL_EXCHANGE, durable.routing_key, b"in flight", message_id="f-1")
+    broker.publish(
+        CONTROL_EXCHANGE, durable.routing_key, b"in flight", PublishOptions(message_id="f-1")
+    )
     broker.subscribe(durable.name, prefetch=1)
     held = broker.get(WAIT)
     assert held is not None and not held.redelivered
@@ -279,7 +281,9 @@ def test_dead_letter_by_nack_leaves_it_to_the_queue_routing(
     client = open_broker("client", dead_letter_by_nack=True)
     client.declare([dead, control])
     try:
-        operator.publish(CONTROL_EXCHANGE, control.routing_key, b"forged", message_id="f-1")
+        operator.publish(
+            CONTROL_EXCHANGE, control.routing_key, b"forged", PublishOptions(message_id="f-1")
+        )
         client.subscribe(control.name, prefetch=1)
         delivery = client.get(WAIT)
         assert delivery is not None

@@ -53,7 +53,7 @@ from broker.topology import (
     reply_queue_name,
     reply_routing_key,
 )
-from broker.transport import REASON_HEADER, USER_HEADER, Broker
+from broker.transport import REASON_HEADER, USER_HEADER, Broker, PublishOptions
 from models.parts import ServerModel
 from models.state import load_partial
 from services.aggregator import ensure_initial_version
@@ -67,7 +67,7 @@ from services.config.loading import load_settings
 from services.config.root import Settings
 from services.coordinator import Coordinator
 from services.security.admin import AdminError, pick_admin
-from services.security.identity import StampedBroker, amqp_user, client_user
+from services.security.identity import amqp_user, client_user
 from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running
 from workers.inference import InferenceServer
 
@@ -201,14 +201,19 @@ def test_clients_are_confined_and_impostors_dead_lettered(
         strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         ensure_initial_version(store, settings, strategy, logging.getLogger("test"))
         coordinator = Coordinator(settings, backends, poll_s=0.05)
-        stamped = StampedBroker(alice, client_user(job, a))
+        user = client_user(job, a)  # what a secured client's handle stamps on its publishes
         with running([coordinator.run]):
             claims_b = Join(job, b, new_message_id(), 0, 10)
-            stamped.publish(CONTROL_EXCHANGE, job, encode(claims_b), message_id="claims-b")
+            claims = PublishOptions(message_id="claims-b", user_id=user)
+            alice.publish(CONTROL_EXCHANGE, job, encode(claims_b), claims)
             anonymous = Join(job, a, new_message_id(), 0, 10)
-            alice.publish(CONTROL_EXCHANGE, job, encode(anonymous), message_id="anonymous")
+            alice.publish(
+                CONTROL_EXCHANGE, job, encode(anonymous), PublishOptions(message_id="anonymous")
+            )
             honest = Join(job, a, new_message_id(), 0, 10)
-            stamped.publish(CONTROL_EXCHANGE, job, encode(honest), message_id="honest")
+            alice.publish(
+                CONTROL_EXCHANGE, job, encode(honest), PublishOptions("honest", user_id=user)
+            )
             delivery = alice.get(WAIT_S)
             assert delivery is not None, "no Welcome for the honest Join"
             alice.ack(delivery)
@@ -259,8 +264,11 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
         with running([server.run]):
             # Published first: the one server handles it before A's own requests below.
             claims_b = InferRequest(job, b, new_message_id(), 0, 1, z)
-            StampedBroker(alice, client_user(job, a)).publish(
-                SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_b), message_id="claims-b"
+            alice.publish(
+                SMASHED_EXCHANGE,
+                infer_routing_key(job),
+                encode(claims_b),
+                PublishOptions("claims-b", user_id=client_user(job, a)),
             )
             # A as a client process does it: its env file over the job's config.
             client_settings = load_settings(tmp_path / "job.toml", envs[a])
@@ -303,7 +311,12 @@ def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_
     client: Broker | None = None
     try:
         with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
-            forger.publish(DEAD_EXCHANGE, job, b"forged dead letter", user_id=client_user(job, a))
+            forger.publish(
+                DEAD_EXCHANGE,
+                job,
+                b"forged dead letter",
+                PublishOptions(user_id=client_user(job, a)),
+            )
         # A's handle as `splitmq client` opens it: its env file over the job's config.
         client_settings = load_settings(tmp_path / "job.toml", envs[a])
         backends = Backends(client_settings.broker, client_settings.store)
@@ -311,7 +324,10 @@ def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_
         client.declare([reply_queue(job, a)])
         client.subscribe(reply_queue_name(job, a), prefetch=10)
         services.publish(
-            REPLIES_EXCHANGE, reply_routing_key(job, a), b"\x00garbage", message_id="bad-reply"
+            REPLIES_EXCHANGE,
+            reply_routing_key(job, a),
+            b"\x00garbage",
+            PublishOptions(message_id="bad-reply"),
         )
         delivery = client.get(WAIT_S)
         assert delivery is not None and delivery.message_id == "bad-reply"
@@ -348,7 +364,12 @@ def reads_its_reply_queue(env: dict[str, str], job: str, client: str, services: 
     try:
         handle.subscribe(reply_queue_name(job, client), prefetch=10)
         marker = new_message_id()
-        services.publish(REPLIES_EXCHANGE, reply_routing_key(job, client), b"r", message_id=marker)
+        services.publish(
+            REPLIES_EXCHANGE,
+            reply_routing_key(job, client),
+            b"r",
+            PublishOptions(message_id=marker),
+        )
         delivery = handle.get(WAIT_S)
         assert delivery is not None and delivery.message_id == marker
         handle.ack(delivery)

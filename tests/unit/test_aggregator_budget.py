@@ -11,8 +11,7 @@ import torch
 
 from broker.codec import encode
 from broker.errors import BrokerError
-from broker.forwarding import ForwardingBroker
-from broker.memory_broker import InMemoryBroker
+from broker.memory_broker import InMemoryBroker, InMemoryHub
 from broker.messages import WeightsUpdate, new_message_id
 from broker.topology import (
     CONTROL_EXCHANGE,
@@ -23,7 +22,7 @@ from broker.topology import (
     updates_queue_name,
     updates_routing_key,
 )
-from broker.transport import REASON_HEADER, Broker, Delivery, Headers, QueueSpec
+from broker.transport import REASON_HEADER, Broker, Delivery, Headers, PublishOptions, QueueSpec
 from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
 from services.aggregator.inbox import OVER_BUDGET, UpdateInbox
@@ -32,7 +31,7 @@ from services.common.backends import Embedded
 from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo, member_id
 from services.common.outbox import Outbox
-from services.metrics.broker import MeteredBroker
+from services.metrics.broker import BrokerMeter
 from services.metrics.prometheus import PrometheusMeters
 from tests.unit.test_aggregator_peers import ManualClock
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
@@ -56,11 +55,11 @@ def test_a_bucket_allows_its_burst_then_its_rate() -> None:
     assert [budgets.spend("m") for _ in range(4)] == [True, True, True, False]  # capped
 
 
-class BatchCounter(ForwardingBroker):
+class BatchCounter(InMemoryBroker):
     """Counts the batches of dead letters and their sizes."""
 
-    def __init__(self, inner: Broker) -> None:
-        super().__init__(inner)
+    def __init__(self, hub: InMemoryHub) -> None:
+        super().__init__(hub)
         self.batches: list[int] = []
 
     def dead_letter_many(
@@ -105,7 +104,12 @@ class Flood:
 
     def publish(self, body: bytes, message_id: str) -> None:
         broker = InMemoryBroker(self.embedded.hub)
-        broker.publish(CONTROL_EXCHANGE, updates_routing_key(self.job), body, message_id=message_id)
+        broker.publish(
+            CONTROL_EXCHANGE,
+            updates_routing_key(self.job),
+            body,
+            PublishOptions(message_id=message_id),
+        )
 
     def inbox(
         self, broker: Broker, budgets: SenderBudgets, surplus: Surplus | None = None
@@ -143,7 +147,7 @@ def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_
     flood.publish(b"\x00", "anon-0")
     flood.publish(b"\x00", "anon-1")
     flood.publish(flood.update("honest"), "honest")
-    broker = BatchCounter(InMemoryBroker(flood.embedded.hub))
+    broker = BatchCounter(flood.embedded.hub)
     inbox = flood.inbox(broker, SenderBudgets(burst=3, rate_per_s=1e-9))
 
     inbox.drain(flood.gate, 1)
@@ -172,7 +176,7 @@ def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_
 def test_the_surplus_goes_in_batches_full_aged_or_before_the_inbox_waits(job: str) -> None:
     flood = Flood.of(job)
     clock = ManualClock()
-    broker = BatchCounter(InMemoryBroker(flood.embedded.hub))
+    broker = BatchCounter(flood.embedded.hub)
     surplus = Surplus(size=4, wait_s=0.01, clock=clock)
     inbox = flood.inbox(broker, SenderBudgets(burst=1, rate_per_s=1e-9), surplus=surplus)
     for i in range(10):
@@ -197,7 +201,8 @@ def test_the_surplus_goes_in_batches_full_aged_or_before_the_inbox_waits(job: st
 def test_the_surplus_counts_as_one_dead_letter_each_in_the_metrics(job: str) -> None:
     flood = Flood.of(job)
     meters = PrometheusMeters(job)
-    broker = MeteredBroker(InMemoryBroker(flood.embedded.hub), meters.role("aggregator", "a"))
+    meter = BrokerMeter(meters.role("aggregator", "a"))
+    broker = InMemoryBroker(flood.embedded.hub, meter=meter)
     inbox = flood.inbox(broker, SenderBudgets(burst=1, rate_per_s=1e-9))
     for i in range(6):
         flood.publish(flood.junk(), f"junk-{i}")

@@ -288,8 +288,10 @@ def context(settings: Any, model: Any, job: str, members: Sequence[str]) -> Cont
     return Context(job, tuple(model.cut_shape(CUT)), model.num_classes, state, tuple(members))
 
 
-def publish(broker: Broker, exchange: str, key: str, body: bytes, mid: str, **kw: Any) -> None:
-    broker.publish(exchange, key, body, message_id=mid, **kw)
+def publish(
+    broker: Broker, exchange: str, key: str, body: bytes, mid: str, user_id: str | None = None
+) -> None:
+    broker.publish(exchange, key, body, PublishOptions(mid, user_id=user_id))
 
 
 # --- worker: shard queue ------------------------------------------------------------------------
@@ -535,7 +537,12 @@ def test_coordinator_control_queue(job: str) -> None:
     }
     for message_id, row in ids("control").items():
         if row.case == "Join whose AMQP user_id is someone else":
-            mallory.publish(CONTROL_EXCHANGE, job, seed, message_id=message_id, user_id="mallory")
+            mallory.publish(
+                CONTROL_EXCHANGE,
+                job,
+                seed,
+                PublishOptions(message_id=message_id, user_id="mallory"),
+            )
             continue
         body = bodies.get(row.case) or byte_body(row.case, seed, rng)
         publish(broker, CONTROL_EXCHANGE, job, body, message_id)
@@ -651,7 +658,10 @@ def test_aggregator_updates_queue(job: str) -> None:
             continue
         if row.case in impostors:
             mallory.publish(
-                CONTROL_EXCHANGE, key, impostors[row.case], message_id=message_id, user_id="mallory"
+                CONTROL_EXCHANGE,
+                key,
+                impostors[row.case],
+                PublishOptions(message_id=message_id, user_id="mallory"),
             )
             continue
         body = bodies.get(row.case) or byte_body(row.case, update(), rng)

@@ -149,8 +149,8 @@ class RefusalSpy:
 class SpyBackends(Backends):
     refused: threading.Event = field(default_factory=threading.Event)
 
-    def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Broker:
-        inner = super().open_broker(name, give_up_after=give_up_after)
+    def open_broker(self, name: str = "", **kwargs: Any) -> Broker:
+        inner = super().open_broker(name, **kwargs)
         return RefusalSpy(inner, self.refused)
 
 

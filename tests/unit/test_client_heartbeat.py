@@ -131,11 +131,11 @@ class FlakyBroker(InMemoryBroker):
 
     failures = 0
 
-    def publish(self, exchange: str, routing_key: str, body: bytes, **kwargs: Any) -> None:
+    def publish(self, exchange: str, routing_key: str, body: bytes, *rest: Any) -> None:
         if FlakyBroker.failures > 0:
             FlakyBroker.failures -= 1
             raise BrokerUnavailableError("broker down (test)")
-        super().publish(exchange, routing_key, body, **kwargs)
+        super().publish(exchange, routing_key, body, *rest)
 
 
 def test_the_heartbeat_thread_outlives_a_broker_outage_and_stops_for_leave(job: str) -> None:

@@ -12,6 +12,7 @@ from broker.codec import encode
 from broker.memory_broker import InMemoryBroker
 from broker.messages import GradientReply, SmashedBatch, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue, reply_routing_key
+from broker.transport import PublishOptions
 from services.client.errors import RoundAborted
 from services.client.stats import ClientStats
 from services.common.backends import Embedded
@@ -34,8 +35,12 @@ def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
     key = reply_routing_key(job, "c0")
     never_sent = {"next seq": NEXT_SEQ, "past next seq": NEXT_SEQ + 1, "far ahead": 2**62}
     for message_id, seq in never_sent.items():
-        broker.publish(REPLIES_EXCHANGE, key, reply(job, seq), message_id=message_id)
-    broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ - 1), message_id="late copy")
+        broker.publish(
+            REPLIES_EXCHANGE, key, reply(job, seq), PublishOptions(message_id=message_id)
+        )
+    broker.publish(
+        REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ - 1), PublishOptions(message_id="late copy")
+    )
 
     message = link.poll(10.0)
 
@@ -48,7 +53,7 @@ def test_replies_for_seqs_never_sent_are_dead_lettered(job: str) -> None:
     assert stats.dead_lettered == len(never_sent)
     # Taking a seq moves the bound: the reply to it is valid once it was sent.
     link.next_seq += 1  # as sending the batch of seq NEXT_SEQ does
-    broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ), message_id="answer")
+    broker.publish(REPLIES_EXCHANGE, key, reply(job, NEXT_SEQ), PublishOptions(message_id="answer"))
     answer = link.poll(10.0)
     assert isinstance(answer, GradientReply) and answer.seq == NEXT_SEQ
 

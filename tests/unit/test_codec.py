@@ -31,7 +31,7 @@ from broker.codec import (
     encode_into,
     message_type_name,
 )
-from broker.errors import DecodeError, EncodeError
+from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
 from broker.messages import (
     MESSAGE_TYPES,
     Error,
@@ -892,3 +892,20 @@ def test_message_ids_are_fresh_128_bit_hex() -> None:
     ids = {new_message_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_decode_with_expect_checks_the_type_before_the_tensors() -> None:
+    body = encode(smashed())
+    batch = decode(body, expect=SmashedBatch)
+    assert isinstance(batch, SmashedBatch)
+    assert isinstance(decode(body, expect=(RoundStart, SmashedBatch, RoundEnd)), SmashedBatch)
+    with pytest.raises(UnexpectedMessageError) as refused:
+        decode(body, expect=(RoundStart, RoundEnd))
+    assert refused.value.type_name == "SmashedBatch"
+    assert (
+        refused.value.reason
+        == "SmashedBatch does not belong here (expected RoundStart or RoundEnd)"
+    )
+    # Only the header is read: a body cut short inside its tensor data still names its type.
+    with pytest.raises(UnexpectedMessageError):
+        decode(body[: len(body) - 8], expect=GradientReply)

@@ -31,7 +31,7 @@ from broker.topology import (
     reply_queue,
     reply_queue_name,
 )
-from broker.transport import REASON_HEADER, Broker
+from broker.transport import REASON_HEADER, Broker, PublishOptions
 from services.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends, Embedded
@@ -79,9 +79,9 @@ class Desk:
             self.handles[client] = broker
         return self.handles[client]
 
-    def send(self, message: Message, *, as_client: str | None = None, **kw: Any) -> None:
+    def send(self, message: Message, *, as_client: str | None = None) -> None:
         client = as_client or message.client
-        self.handle(client).publish(CONTROL_EXCHANGE, self.job, encode(message), **kw)
+        self.handle(client).publish(CONTROL_EXCHANGE, self.job, encode(message))
 
     def join(self, client: str, *, samples: int = 50, **info: str) -> Join:
         message = Join(self.job, client, new_message_id(), 0, samples, 0, info)
@@ -302,7 +302,7 @@ def test_bad_control_messages_are_dead_lettered_and_serving_goes_on(job: str) ->
         stray = Error(job, "a", new_message_id(), 0, "x", "wrong queue")
         broker.publish(CONTROL_EXCHANGE, job, encode(stray))
         impostor = Join(job, "a", new_message_id(), 0, 10)
-        mallory.publish(CONTROL_EXCHANGE, job, encode(impostor), user_id="mallory")
+        mallory.publish(CONTROL_EXCHANGE, job, encode(impostor), PublishOptions(user_id="mallory"))
         desk.join("a")
         welcome = desk.welcome("a")
         ghost = Join(job, "ghost", new_message_id(), 0, 10)

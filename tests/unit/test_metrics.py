@@ -13,7 +13,7 @@ from broker.memory_broker import InMemoryBroker, InMemoryHub
 from broker.topology import SMASHED_EXCHANGE, dead_queue, shard_queue
 from services.common.backends import Backends, Embedded
 from services.config.loading import load_settings
-from services.metrics.broker import MeteredBroker
+from services.metrics.broker import BrokerMeter
 from services.metrics.endpoint import metrics_route, serve
 from services.metrics.prometheus import BusyMeter, PrometheusMeters
 from services.metrics.recorder import NO_METRICS, reason_code
@@ -109,7 +109,7 @@ def test_metered_broker_counts_bytes_waits_and_dead_letters_by_reason() -> None:
     hub = InMemoryHub()
     meters = PrometheusMeters("j")
     metrics = meters.role("worker", "w")
-    broker = MeteredBroker(InMemoryBroker(hub), metrics)
+    broker = InMemoryBroker(hub, meter=BrokerMeter(metrics))
     broker.declare([dead_queue("j"), shard_queue("j", 0)])
     broker.publish(SMASHED_EXCHANGE, "j.0", b"x" * 100)
     broker.publish(SMASHED_EXCHANGE, "j.0", b"y" * 10)
@@ -133,13 +133,15 @@ def test_metered_broker_counts_bytes_waits_and_dead_letters_by_reason() -> None:
 def test_backends_meter_the_brokers_of_a_role_only_when_metrics_are_on() -> None:
     settings = load_settings(None, {})
     plain = Backends(settings.broker, settings.store, Embedded())
-    assert not isinstance(plain.for_role("worker", "w").open_broker(), MeteredBroker)
+    unmetered = plain.for_role("worker", "w").open_broker()
+    assert isinstance(unmetered, InMemoryBroker) and unmetered.meter is None
     assert plain.metrics is NO_METRICS
     metered = Backends(
         settings.broker, settings.store, Embedded(), meters=PrometheusMeters("j")
     ).for_role("worker", "w")
     assert metered.metrics.enabled
-    assert isinstance(metered.open_broker(), MeteredBroker)
+    broker = metered.open_broker()
+    assert isinstance(broker, InMemoryBroker) and isinstance(broker.meter, BrokerMeter)
 
 
 def _get(url: str) -> tuple[int, str]:

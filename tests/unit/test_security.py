@@ -36,7 +36,7 @@ from broker.topology import (
     infer_reply_queue_name,
     reply_queue_name,
 )
-from broker.transport import Delivery
+from broker.transport import Delivery, PublishOptions
 from services.cli.common import require_servers
 from services.client.errors import ClientError
 from services.client.secured import secured_client_broker
@@ -51,13 +51,12 @@ from services.runtime.roles import embedded_roles
 from services.security.admin import ManagementAdmin, Permissions, RabbitmqctlAdmin
 from services.security.identity import (
     SenderCheck,
-    StampedBroker,
     amqp_user,
     client_id_problem,
     client_user,
     default_client_id,
     sender_check,
-    service_stamped,
+    service_user,
     user_client,
 )
 from services.security.provision import (
@@ -245,14 +244,14 @@ def test_stamped_handles_publish_as_their_user() -> None:
     settings = Settings.model_validate(
         {"broker": {"amqp_url": "amqp://svc:pw@h/%2F"}, "security": {"per_client_users": True}}
     )
-    stamped = service_stamped(InMemoryBroker(hub), settings)
-    assert isinstance(stamped, StampedBroker) and stamped.user == "svc"
+    assert service_user(settings) == "svc"
+    stamped = InMemoryBroker(hub, stamp=service_user(settings))
     stamped.publish(CONTROL_EXCHANGE, "j", b"1")
-    stamped.publish(CONTROL_EXCHANGE, "j", b"2", user_id="other")  # explicit wins
+    stamped.publish(CONTROL_EXCHANGE, "j", b"2", PublishOptions(user_id="other"))  # explicit wins
     got = [reader.get(1.0) for _ in range(2)]
     assert [d.user_id for d in got if d] == ["svc", "other"]
     open_mode = Settings.model_validate({})
-    assert not isinstance(service_stamped(InMemoryBroker(hub), open_mode), StampedBroker)
+    assert service_user(open_mode) is None
     assert sender_check(settings).secured and sender_check(open_mode).services == {"guest"}
     assert sender_check(settings).job == settings.job.name
 
@@ -275,9 +274,11 @@ def test_a_secured_client_declares_passively_and_stamps(monkeypatch: pytest.Monk
     opened: list[Any] = []
 
     class Recording(Backends):
-        def open_broker(self, name: str = "", *, give_up_after: float | None = None) -> Any:
+        def open_broker(
+            self, name: str = "", *, stamp: str | None = None, **_: object
+        ) -> InMemoryBroker:
             opened.append(self.broker_settings)
-            return InMemoryBroker(InMemoryHub())
+            return InMemoryBroker(InMemoryHub(), stamp=stamp)
 
     settings = Settings.model_validate(
         {
@@ -287,7 +288,7 @@ def test_a_secured_client_declares_passively_and_stamps(monkeypatch: pytest.Monk
         }
     )
     broker = secured_client_broker(settings, Recording(settings.broker, settings.store), "c1", "n")
-    assert isinstance(broker, StampedBroker) and broker.user == "j.c1"
+    assert isinstance(broker, InMemoryBroker) and broker.stamp == "j.c1"
     assert opened[0].passive_declare is True
     assert opened[0].dead_letter_by_nack is True  # no write permission on splitmq.dead
 
@@ -576,4 +577,4 @@ def test_impostor_heartbeats_cannot_be_published_as_someone_else() -> None:
     alice.declare([control_queue("j")])
     body = encode(Heartbeat("j", "bob", new_message_id(), 0))
     with pytest.raises(BrokerError, match="user_id 'bob' differs"):
-        alice.publish(CONTROL_EXCHANGE, "j", body, user_id="bob")
+        alice.publish(CONTROL_EXCHANGE, "j", body, PublishOptions(user_id="bob"))

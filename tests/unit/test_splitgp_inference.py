@@ -28,7 +28,7 @@ from broker.topology import (
     reply_queue_name,
     shard_queue_name,
 )
-from broker.transport import REASON_HEADER
+from broker.transport import REASON_HEADER, PublishOptions
 from models.parts import ServerModel
 from models.split import SplitNet
 from services.algorithms.registry import build_strategy
@@ -41,7 +41,7 @@ from services.client.inference import (
     entropy_sweep,
 )
 from services.common.backends import Backends, Embedded
-from services.security.identity import StampedBroker, client_user
+from services.security.identity import client_user
 from services.security.provision import client_queues
 from tests.unit.test_worker_support import (
     CUT,
@@ -214,16 +214,24 @@ def test_a_secured_client_is_answered_on_its_own_queue_and_may_not_ask_as_anothe
     # An answer left over from an earlier handle of c0 (seqs from 1): not taken for this one's.
     stale = InferReply(job, "c0", new_message_id(), 1, 1, torch.zeros(1, 10))
     services.publish(
-        REPLIES_EXCHANGE, infer_reply_routing_key(job, "c0"), encode(stale), persistent=False
+        REPLIES_EXCHANGE,
+        infer_reply_routing_key(job, "c0"),
+        encode(stale),
+        PublishOptions(persistent=False),
     )
     user = client_user(job, "c0")  # c0's RabbitMQ user, as provisioned
-    alice = StampedBroker(InMemoryBroker(embedded.hub, user=user), user)
+    alice = InMemoryBroker(embedded.hub, user=user, stamp=user)
     z, _ = random_batch(model, torch.Generator().manual_seed(8), rows=3)
     claims_c1 = InferRequest(job, "c1", new_message_id(), 0, 1, z)
-    alice.publish(SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_c1), message_id="c1")
+    alice.publish(
+        SMASHED_EXCHANGE, infer_routing_key(job), encode(claims_c1), PublishOptions(message_id="c1")
+    )
     anonymous = InferRequest(job, "c0", new_message_id(), 0, 1, z)
     InMemoryBroker(embedded.hub).publish(
-        SMASHED_EXCHANGE, infer_routing_key(job), encode(anonymous), message_id="anonymous"
+        SMASHED_EXCHANGE,
+        infer_routing_key(job),
+        encode(anonymous),
+        PublishOptions(message_id="anonymous"),
     )
     backends = Backends(settings.broker, settings.store, embedded)
     server = InferenceServer(settings, backends, worker_id="w1", model_factory=lambda: model)

@@ -293,12 +293,12 @@ class KillingBroker:
         self.replies = 0
         self.acks = 0
 
-    def publish(self, exchange: str, routing_key: str, body: bytes, **kwargs: Any) -> None:
+    def publish(self, exchange: str, routing_key: str, body: bytes, *rest: Any) -> None:
         if exchange == REPLIES_EXCHANGE:
             self.replies += 1
             if self.replies == self._after_replies:
                 self._die()
-        self._inner.publish(exchange, routing_key, body, **kwargs)
+        self._inner.publish(exchange, routing_key, body, *rest)
 
     def ack(self, delivery: Delivery) -> None:
         self.acks += 1

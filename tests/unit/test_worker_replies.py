@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import torch
 
@@ -12,6 +11,7 @@ from broker.codec import decode
 from broker.errors import BackPressureError, UnroutableError
 from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
+from broker.transport import PLAIN, PublishOptions
 from workers.replies import Replier
 
 
@@ -19,12 +19,14 @@ class SpyBroker:
     """Records publishes; refuses the first `refuse` of them, or routes nothing."""
 
     def __init__(self, refuse: int = 0, unroutable: bool = False) -> None:
-        self.calls: list[tuple[str, str, bytes, dict[str, Any]]] = []
+        self.calls: list[tuple[str, str, bytes, PublishOptions]] = []
         self._refuse = refuse
         self._unroutable = unroutable
 
-    def publish(self, exchange: str, routing_key: str, body: bytes, **kwargs: Any) -> None:
-        self.calls.append((exchange, routing_key, body, kwargs))
+    def publish(
+        self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
+    ) -> None:
+        self.calls.append((exchange, routing_key, body, options))
         if self._unroutable:
             raise UnroutableError("no queue")
         if len(self.calls) <= self._refuse:
@@ -60,9 +62,9 @@ def test_a_gradient_goes_to_its_client_transient_and_intact() -> None:
     broker, sleeps = SpyBroker(), list[float]()
     message = reply()
     assert replier(broker, sleeps).send(message)
-    [(exchange, key, body, kwargs)] = broker.calls
+    [(exchange, key, body, options)] = broker.calls
     assert (exchange, key) == (REPLIES_EXCHANGE, reply_routing_key("j", "c1"))
-    assert kwargs == {"message_id": message.message_id, "persistent": False}
+    assert options == PublishOptions(message.message_id, persistent=False)
     decoded = decode(body)
     assert isinstance(decoded, GradientReply) and decoded.seq == 7
     assert decoded.grad is not None and decoded.grad.dtype == torch.float16
@@ -88,10 +90,10 @@ def test_the_last_reply_of_a_client_is_sent_again_for_its_seq() -> None:
     first = reply(seq=7)
     assert replies.send(first)
     assert replies.resend("j", "c1", 7) is True
-    (_, key, body, kwargs) = broker.calls[-1]
+    (_, key, body, options) = broker.calls[-1]
     again = decode(body)
     assert isinstance(again, GradientReply) and key == reply_routing_key("j", "c1")
-    assert again.message_id == kwargs["message_id"] != first.message_id
+    assert again.message_id == options.message_id != first.message_id
     assert (again.seq, again.status, again.loss, again.samples) == (7, "ok", 0.5, 4)
     assert first.grad is not None and again.grad is not None
     assert torch.equal(again.grad, first.grad)
