@@ -25,9 +25,17 @@ import numpy as np
 
 from broker.bodies import fresh_body
 from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
-from broker.fields import FieldPlan, HeaderReader, HeaderWriter, Placed, compile_fields
 from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
-from broker.schema import CodecLimits, FieldSpec, MessageSchema
+from broker.schema import (
+    CodecLimits,
+    FieldPlan,
+    FieldSpec,
+    HeaderReader,
+    HeaderWriter,
+    MessageSchema,
+    Placed,
+    compile_fields,
+)
 from broker.tensors import (
     ALIGN,
     TensorSlot,

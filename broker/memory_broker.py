@@ -11,8 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from broker.errors import BrokerError
-from broker.headers import check_publish, outgoing_headers
+from broker.errors import BackPressureError, BrokerError, UnroutableError
 from broker.memory_hub import InMemoryHub
 from broker.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -22,8 +21,11 @@ from broker.transport import (
     Meter,
     PublishOptions,
     QueueSpec,
+    Refused,
     ServerInfo,
+    check_publish,
     count_settled,
+    outgoing_headers,
 )
 
 __all__ = ["InMemoryBroker", "InMemoryHub"]
@@ -52,6 +54,7 @@ class InMemoryBroker:
         self._max_message_bytes = max_message_bytes
         self.stamp = stamp
         self.meter = meter
+        self._refused: list[Refused] = []
 
     @property
     def hub(self) -> InMemoryHub:
@@ -69,11 +72,21 @@ class InMemoryBroker:
         target = f"exchange {exchange!r}, key {routing_key!r}"
         check_publish(body, self._max_message_bytes, user_id, self._user, target)
         headers = outgoing_headers(options.headers) or {}
-        self._hub.publish(
-            self._session, exchange, routing_key, body, headers, options.message_id, user_id
-        )
+        try:
+            self._hub.publish(
+                self._session, exchange, routing_key, body, headers, options.message_id, user_id
+            )
+        except (BackPressureError, UnroutableError) as exc:
+            if not options.confirm_later:
+                raise
+            self._refused.append(Refused(exchange, routing_key, body, options, exc))
+            return
         if self.meter is not None:
             self.meter.sent(routing_key, len(body), time.perf_counter() - started)
+
+    def refused(self) -> list[Refused]:
+        taken, self._refused = self._refused, []
+        return taken
 
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:

@@ -30,7 +30,6 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.headers import check_publish, outgoing_headers
 from broker.rabbitmq_channels import ChannelKeeper, Returned, queue_arguments
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
 from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
@@ -45,8 +44,11 @@ from broker.transport import (
     Meter,
     PublishOptions,
     QueueSpec,
+    Refused,
     ServerInfo,
+    check_publish,
     count_settled,
+    outgoing_headers,
 )
 
 __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
@@ -155,9 +157,15 @@ class RabbitMQBroker:
             message_id=options.message_id,
             user_id=user_id,
         )
-        self._keeper.publish(exchange, routing_key, body, properties, target)
+        if options.confirm_later:
+            self._keeper.send_later(exchange, routing_key, body, properties, options)
+        else:
+            self._keeper.publish(exchange, routing_key, body, properties, target)
         if self.meter is not None:
             self.meter.sent(routing_key, len(body), time.perf_counter() - started)
+
+    def refused(self) -> list[Refused]:
+        return self._keeper.take_refused()
 
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,8 +28,13 @@ from typing import Any, TypeVar
 import pika
 import pika.exceptions
 
-from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
-from broker.headers import incoming_headers
+from broker.errors import (
+    BackPressureError,
+    BrokerError,
+    BrokerUnavailableError,
+    StaleDeliveryError,
+    UnroutableError,
+)
 from broker.rabbitmq_connection import (
     PIKA_ERRORS,
     Outage,
@@ -40,7 +46,7 @@ from broker.rabbitmq_connection import (
     tune_receive,
 )
 from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
-from broker.transport import Delivery, QueueSpec
+from broker.transport import Delivery, PublishOptions, QueueSpec, Refused, incoming_headers
 
 T = TypeVar("T")
 _log = logging.getLogger("splitmq.broker")
@@ -53,6 +59,21 @@ class Returned:
     routing_key: str
     body: bytes
     properties: Any
+
+
+@dataclass(eq=False)
+class _Sent:
+    """A `send_later` publish awaiting its confirm; `error` is set by a basic.return."""
+
+    order: int  # across channels: confirms of one channel may come out of order, too
+    exchange: str
+    routing_key: str
+    body: bytes
+    options: PublishOptions
+    error: BrokerError | None = None
+
+    def refused(self, error: BrokerError) -> tuple[int, Refused]:
+        return self.order, Refused(self.exchange, self.routing_key, self.body, self.options, error)
 
 
 def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
@@ -98,6 +119,12 @@ class ChannelKeeper:
         self._consumer_channel: Any = None
         self._batch_channel: Any = None  # in transaction mode, opened on first use
         self._returned: list[Returned] = []  # basic.returns on the batch channel, not yet taken
+        self._later_channel: Any = None  # confirms on, nothing waits for them
+        self._sent: dict[int, _Sent] = {}  # confirm_later publishes by delivery tag, unconfirmed
+        self._acked: deque[_Sent] = deque(maxlen=64)  # lately confirmed: a late basic.return
+        self._next_tag = 1
+        self._refused: list[tuple[int, Refused]] = []  # (order, refusal), not yet taken
+        self._sends = 0  # confirm_later publishes so far, for their order
         self.connects = 0
         self.generation = 0  # carried by deliveries; bumped when older ones become void
         self.closed = False
@@ -194,6 +221,90 @@ class ChannelKeeper:
             if spec.exchange == exchange and (fanout or spec.routing_key == routing_key)
         ]
         return ", ".join(names) or "(not declared on this handle)"
+
+    def send_later(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: Any,
+        options: PublishOptions,
+    ) -> None:
+        """Publish without waiting for the confirm: `take_refused` reports a refusal later."""
+
+        def send() -> None:
+            channel = self._later()
+            mandatory = exchange not in BEST_EFFORT_EXCHANGES
+            # Not in BlockingChannel's confirm mode, so this only writes the frames.
+            channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
+            self._sent[self._next_tag] = _Sent(self._sends, exchange, routing_key, body, options)
+            self._next_tag += 1
+            self._sends += 1
+
+        self.call(send, f"publish to exchange {exchange!r}, key {routing_key!r}")
+
+    def take_refused(self) -> list[Refused]:
+        """The `send_later` publishes refused since the last call; takes in what RabbitMQ has
+        sent meanwhile first (without waiting)."""
+        waiting = self._sent or self._acked  # confirms, or late basic.returns
+        if waiting and self._connection is not None and self._connection.is_open:
+            try:
+                self._connection.process_data_events(time_limit=0)
+            except PIKA_ERRORS:
+                self._drop_connection()  # the unconfirmed ones become refusals
+        taken, self._refused = self._refused, []
+        return [refusal for _, refusal in sorted(taken, key=lambda pair: pair[0])]
+
+    def _later(self) -> Any:
+        self.publisher()  # the connection, and the exchanges declared on it
+        channel = self._later_channel
+        if channel is None or not channel.is_open:
+            self._lose_sent("its channel closed before the confirm")
+            channel = self._connection.channel()
+            # pika's BlockingChannel would wait for every confirm: confirms go to the
+            # underlying channel, to callbacks that only take notes (nowait select).
+            channel._impl.confirm_delivery(ack_nack_callback=self._on_confirm)
+            channel._impl.add_on_return_callback(self._on_later_return)
+            self._later_channel, self._next_tag = channel, 1
+        return channel
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        tags = [t for t in self._sent if t <= method.delivery_tag] if method.multiple else []
+        for tag in tags or [method.delivery_tag]:
+            sent = self._sent.pop(tag, None)
+            if sent is None:
+                continue
+            if isinstance(method, pika.spec.Basic.Nack):
+                queues = self._bound_queues(sent.exchange, sent.routing_key)
+                sent.error = BackPressureError(
+                    f"RabbitMQ refused the message for exchange {sent.exchange!r} key "
+                    f"{sent.routing_key!r}: queue {queues} is full (reject-publish)"
+                )
+            if sent.error is not None:
+                self._refused.append(sent.refused(sent.error))
+            else:
+                self._acked.append(sent)
+
+    def _on_later_return(self, _channel: Any, method: Any, _props: Any, body: bytes) -> None:
+        # A basic.return is sent before the confirm of the message it hands back, but now and
+        # then it is read after it: then the message is among the lately confirmed.
+        for sent in [*self._sent.values(), *self._acked]:
+            if sent.error is None and sent.routing_key == method.routing_key and sent.body == body:
+                sent.error = UnroutableError(
+                    f"no queue is bound to exchange {sent.exchange!r} with routing key "
+                    f"{sent.routing_key!r}"
+                )
+                if sent in self._acked:
+                    self._acked.remove(sent)
+                    self._refused.append(sent.refused(sent.error))
+                return
+
+    def _lose_sent(self, why: str) -> None:
+        for sent in self._sent.values():
+            error = BrokerUnavailableError(f"publish to {sent.routing_key!r}: {why}")
+            self._refused.append(sent.refused(sent.error or error))
+        self._sent.clear()
 
     def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
         if self._publisher_channel is not None and not self._publisher_channel.is_open:
@@ -433,7 +544,8 @@ class ChannelKeeper:
 
     def _drop_connection(self) -> None:
         connection, self._connection = self._connection, None
-        self._publisher_channel = self._batch_channel = None
+        self._publisher_channel = self._batch_channel = self._later_channel = None
+        self._lose_sent("the connection was lost before the confirm")
         self._void_consumer()
         if connection is not None and connection.is_open:
             try:

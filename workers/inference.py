@@ -43,7 +43,7 @@ from broker.topology import (
     infer_queue_name,
     infer_reply_routing_key,
 )
-from broker.transport import Broker, Delivery, PublishOptions
+from broker.transport import Broker, Delivery
 from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import load_partial

@@ -8,6 +8,7 @@ parallel runs on one server never meet, and every queue a test declares is delet
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ from broker.transport import (
     HeaderValue,
     PublishOptions,
     QueueSpec,
+    Refused,
 )
 from tests.integration import test_rabbitmq_specific as rabbit
 
@@ -941,3 +943,28 @@ def test_rabbitmq_dead_letter_many_by_nack_and_without_configure_permission(
         operator.delete_queue(dead.name)
         for handle in (operator, by_nack, passive):
             handle.close()
+
+
+def test_confirm_later_returns_at_once_and_hands_back_refusals(
+    broker_factory: BrokerFactory,
+) -> None:
+    job = broker_factory.job
+    spec = broker_factory.track(control_queue(job, QueueLimits(control_max_length=2)))
+    broker = broker_factory()
+    broker.declare([spec])
+    later = PublishOptions(message_id="m", confirm_later=True)
+    for body in (b"one", b"two", b"three"):
+        broker.publish(CONTROL_EXCHANGE, spec.routing_key, body, later)
+    broker.publish(CONTROL_EXCHANGE, f"{job}.nobody", b"lost", later)
+    refused: list[Refused] = []
+    deadline = time.monotonic() + 10.0
+    while len(refused) < 2 and time.monotonic() < deadline:
+        refused += broker.refused()
+        time.sleep(0.01)
+    got = [(r.routing_key, r.body, type(r.error), r.options) for r in refused]
+    assert got == [
+        (spec.routing_key, b"three", BackPressureError, later),
+        (f"{job}.nobody", b"lost", UnroutableError, later),
+    ]
+    assert broker.refused() == []
+    assert broker.queue_depth(spec.name) == 2

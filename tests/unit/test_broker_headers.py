@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from broker.errors import EncodeError
-from broker.headers import incoming_headers, outgoing_headers
+from broker.transport import incoming_headers, outgoing_headers
 
 
 def test_supported_values_pass_as_a_copy() -> None:

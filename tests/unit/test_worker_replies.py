@@ -11,7 +11,7 @@ from broker.codec import decode
 from broker.errors import BackPressureError, UnroutableError
 from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
-from broker.transport import PLAIN, PublishOptions
+from broker.transport import PLAIN, PublishOptions, Refused
 from workers.replies import Replier
 
 
@@ -22,6 +22,7 @@ class SpyBroker:
         self.calls: list[tuple[str, str, bytes, PublishOptions]] = []
         self._refuse = refuse
         self._unroutable = unroutable
+        self.pending: list[Refused] = []  # what `refused` hands back next
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
@@ -31,6 +32,10 @@ class SpyBroker:
             raise UnroutableError("no queue")
         if len(self.calls) <= self._refuse:
             raise BackPressureError("full")
+
+    def refused(self) -> list[Refused]:
+        taken, self.pending = self.pending, []
+        return taken
 
 
 def reply(seq: int = 7, client: str = "c1") -> GradientReply:
@@ -64,7 +69,7 @@ def test_a_gradient_goes_to_its_client_transient_and_intact() -> None:
     assert replier(broker, sleeps).send(message)
     [(exchange, key, body, options)] = broker.calls
     assert (exchange, key) == (REPLIES_EXCHANGE, reply_routing_key("j", "c1"))
-    assert options == PublishOptions(message.message_id, persistent=False)
+    assert options == PublishOptions(message.message_id, persistent=False, confirm_later=True)
     decoded = decode(body)
     assert isinstance(decoded, GradientReply) and decoded.seq == 7
     assert decoded.grad is not None and decoded.grad.dtype == torch.float16
@@ -128,3 +133,17 @@ def test_a_resend_to_a_vanished_client_is_not_fatal() -> None:
     replies = replier(broker, sleeps)
     assert not replies.send(reply())
     assert replies.resend("j", "c1", 7) is False
+
+
+def test_replies_are_not_waited_for_and_refusals_are_dealt_with_at_the_next_send() -> None:
+    broker = SpyBroker()
+    replies = replier(broker, [])
+    later = PublishOptions("m", persistent=False, confirm_later=True)
+    full = Refused(REPLIES_EXCHANGE, "j.c1", b"full", later, BackPressureError("full"))
+    gone = Refused(REPLIES_EXCHANGE, "j.c2", b"gone", later, UnroutableError("no queue"))
+    broker.pending = [full, gone]
+    assert replies.send(reply(seq=8))
+    # The full queue's reply again, confirmed this time; the gone client's only logged.
+    (_, key, body, options), (_, last_key, _, last) = broker.calls
+    assert (key, body, options.confirm_later) == ("j.c1", b"full", False)
+    assert last_key == reply_routing_key("j", "c1") and last.confirm_later
