@@ -78,7 +78,7 @@ from broker.topology import (
     updates_queue_name,
     updates_routing_key,
 )
-from broker.transport import REASON_HEADER, Broker
+from broker.transport import REASON_HEADER, Broker, PublishOptions
 from models.split import SplitNet
 from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
 from services.aggregator.inbox import UpdateInbox
