@@ -70,10 +70,10 @@ def test_a_bad_gradient_for_the_awaited_seq_ends_the_round_only_when_it_is_ours(
     key = reply_routing_key(job, "c0")
     # Another client's answer to the same seq is dead-lettered, the round goes on.
     theirs = GradientReply(job, "c1", new_message_id(), 1, NEXT_SEQ, "ok", 0.1, 1, 2, wrong_shape)
-    broker.publish(REPLIES_EXCHANGE, key, encode(theirs), message_id="theirs")
+    broker.publish(REPLIES_EXCHANGE, key, encode(theirs), PublishOptions(message_id="theirs"))
     assert link.poll(1.0, awaiting=awaited) is None
     ours = GradientReply(job, "c0", new_message_id(), 1, NEXT_SEQ, "ok", 0.1, 1, 2, wrong_shape)
-    broker.publish(REPLIES_EXCHANGE, key, encode(ours), message_id="ours")
+    broker.publish(REPLIES_EXCHANGE, key, encode(ours), PublishOptions(message_id="ours"))
     with pytest.raises(RoundAborted, match=r"gradient shape \[2, 4\], expected \[2, 3\]"):
         link.poll(10.0, awaiting=awaited)
     found = dead_letters(broker, job)
