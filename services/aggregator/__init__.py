@@ -2,22 +2,6 @@
 async buffering), evaluation, metrics."""
 
 from services.aggregator.aggregator import Aggregator, ensure_initial_version
-from services.aggregator.evaluation import (
-    EvalResult,
-    Evaluator,
-    VersionEval,
-    build_evaluator,
-    evaluate,
-)
-from services.common.jobmodel import job_model
+from services.aggregator.evaluation import build_evaluator, evaluate
 
-__all__ = [
-    "Aggregator",
-    "EvalResult",
-    "Evaluator",
-    "VersionEval",
-    "build_evaluator",
-    "ensure_initial_version",
-    "evaluate",
-    "job_model",
-]
+__all__ = ["Aggregator", "build_evaluator", "ensure_initial_version", "evaluate"]
