@@ -169,7 +169,12 @@ def run_worker_process(settings_json: str, worker_id: str | None = None) -> Work
 
 
 class WorkerSession:
-    """The state of one `Worker.run`: its broker handle, leases and shard runners."""
+    """The state of one `Worker.run`: its broker handle, leases and shard runners.
+
+    Each lease tick (a third of the lease TTL) it heartbeats, renews its leases and rebalances
+    (`services.common.leases`); in between it pulls deliveries from the shard queues it
+    subscribed to, decodes each, looks at its type once (which picks the check of its sender
+    and the handler) and hands it to the runner of its shard (`workers.shard`)."""
 
     def __init__(
         self,
