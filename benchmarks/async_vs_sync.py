@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.churn import Churn, churn_roles
 from benchmarks.common import command_line, machine_line, write_section
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset
@@ -36,7 +37,6 @@ from services.report.filesink import FileSink
 from services.report.plots import STALENESS_PNG
 from services.report.records import VersionRecord
 from services.report.summary import staleness_histogram
-from services.runtime.churn import Churn, churn_roles
 from services.runtime.embedded import run_embedded
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -37,7 +37,6 @@ from broker.errors import DecodeError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import Error, InferReply, InferRequest, new_message_id
 from broker.store import NO_VERSION, VersionStore
 from broker.topology import (
-    QueueLimits,
     dead_queue,
     infer_queue,
     infer_queue_name,
@@ -160,10 +159,7 @@ class InferenceServer:
             store.close()
             raise
         try:
-            limits = QueueLimits(
-                self._settings.broker.shard_queue_max_length,
-                self._settings.broker.shard_queue_max_bytes,
-            )
+            limits = self._settings.broker.queue_limits
             broker.declare([dead_queue(self._job), infer_queue(self._job, limits)])
             broker.subscribe(infer_queue_name(self._job), prefetch=INFER_PREFETCH)
             device = pick_device(self._settings.workers.device)

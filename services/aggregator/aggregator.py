@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from broker.errors import VersionConflictError
 from broker.store import JOB_FAILED, NO_VERSION, JobStatus, WeightStore
-from broker.topology import QueueLimits, job_queues, updates_queue_name
+from broker.topology import updates_queue_name
 from broker.transport import Broker
 from services.aggregator.buffered import BufferClock
 from services.aggregator.core import Core, Stats
@@ -164,11 +164,7 @@ class Aggregator:
         self, broker: Broker, store: WeightStore, stop: threading.Event
     ) -> tuple[list[VersionRecord], str]:
         """Declare and subscribe, then the sync or the async clock until the job's end."""
-        limits = QueueLimits(
-            self._settings.broker.shard_queue_max_length,
-            self._settings.broker.shard_queue_max_bytes,
-        )
-        broker.declare(job_queues(self.job, self._settings.shards, limits))
+        broker.declare(self._settings.job_queues())
         prefetch = self._settings.clients.count + _PREFETCH_SLACK
         broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
         outbox = Outbox(broker, self.job, self._log)

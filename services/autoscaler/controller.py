@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from broker.errors import SplitMQError
-from broker.keys import WORKER_MEMBER_PREFIX
 from broker.store import Member, WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
 from broker.transport import Broker
@@ -35,6 +34,7 @@ from services.autoscaler.policy import Decision, Limits, Observation, PolicyStat
 from services.autoscaler.pool import PoolWorker, WorkerPool
 from services.common.backends import Backends
 from services.common.health import TTL_S, health_member
+from services.common.leases import worker_beat
 from services.config.root import Settings
 
 Action = Literal["start", "stop", "exited"]
@@ -51,18 +51,8 @@ class WorkerReport:
 
 def parse_report(member: Member) -> WorkerReport | None:
     """A `worker:<id>` member's heartbeat; None for other members. Bad fields read as absent."""
-    if not member.member_id.startswith(WORKER_MEMBER_PREFIX):
-        return None
-    info = member.info
-    try:
-        shards = tuple(int(s) for s in info.get("shards", "").split(",") if s)
-    except ValueError:
-        shards = ()
-    try:
-        busy: float | None = min(1.0, max(0.0, float(info["busy"])))
-    except (KeyError, ValueError):
-        busy = None
-    return WorkerReport(member.member_id[len(WORKER_MEMBER_PREFIX) :], shards, busy)
+    beat = worker_beat(member)
+    return None if beat is None else WorkerReport(beat.worker, beat.shards, beat.busy)
 
 
 @dataclass(frozen=True)
@@ -187,9 +177,7 @@ class Autoscaler:
                 # wait one out: a raw store for it, as the other roles' health beats use.
                 health = self._backends.open_store(wait=False)
                 closing.callback(self._forget_health, health)
-                limits = QueueLimits(
-                    settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
-                )
+                limits = settings.broker.queue_limits
                 observer = Observer(broker, store, settings.job.name, settings.shards, limits)
                 while not stop.is_set():
                     try:

@@ -17,9 +17,10 @@ import os
 import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
+from typing import Self
 
 from broker.errors import SplitMQError
 from broker.keys import HEALTH_MEMBER_PREFIX
@@ -75,12 +76,67 @@ def assess(
     )
 
 
-class HealthBeat:
-    """Refreshes one health key from a daemon thread until `stop`, then removes it.
+class Beat(ABC):
+    """Calls `beat` from a daemon thread every `refresh_s` until `stop`, then `end`.
 
-    A refresh that fails (store down) is logged and retried; the key then expires, which is
-    what makes the role unhealthy.
+    A beat that fails with one of `ERRORS` is logged once per outage (not every few seconds)
+    and retried; the health record then lapses, which is what makes the role unhealthy.
     """
+
+    ERRORS: tuple[type[Exception], ...] = (SplitMQError,)
+
+    def __init__(
+        self, role: str, what: str, refresh_s: float, logger: logging.Logger | None
+    ) -> None:
+        self._what = what
+        self._refresh_s = refresh_s
+        self._log = logger or logging.getLogger("splitmq.health")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"health-{role}", daemon=True)
+
+    @abstractmethod
+    def beat(self) -> None: ...
+
+    @abstractmethod
+    def end(self) -> None:
+        """Remove the record (the thread's last step)."""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        failing = False
+        try:
+            while True:
+                try:
+                    self.beat()
+                    if failing:
+                        self._log.info("%s refreshed again", self._what)
+                    failing = False
+                except self.ERRORS as exc:
+                    if not failing:
+                        self._log.warning("cannot refresh %s: %s", self._what, exc)
+                    failing = True
+                if self._stop.wait(self._refresh_s):
+                    break
+        finally:
+            self.end()
+
+
+class HealthBeat(Beat):
+    """Refreshes the health key `health:<role>:<instance>` of `job` in the store."""
 
     def __init__(
         self,
@@ -95,55 +151,25 @@ class HealthBeat:
     ) -> None:
         if not 0 < refresh_s < ttl_s:
             raise ValueError(f"refresh ({refresh_s} s) must be positive and below the TTL")
-        self._open_store = open_store
-        self._job = job
         self._member = health_member(role, instance)
-        self._refresh_s = refresh_s
+        super().__init__(role, f"health key {self._member}", refresh_s, logger)
+        self._open_store = open_store
+        self._store: MemberStore | None = None
+        self._job = job
         self._ttl_s = ttl_s
         self._info = {"host": socket.gethostname(), "pid": str(os.getpid())}
-        self._log = logger or logging.getLogger("splitmq.health")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"health-{role}", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def beat(self) -> None:
+        if self._store is None:
+            self._store = self._open_store()
+        self._store.heartbeat(self._job, self._member, self._ttl_s, self._info)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def __enter__(self) -> HealthBeat:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        store = self._open_store()
-        failing = False
+    def end(self) -> None:
+        if self._store is None:
+            return
         try:
-            while True:
-                try:
-                    store.heartbeat(self._job, self._member, self._ttl_s, self._info)
-                    if failing:
-                        self._log.info("health key %s refreshed again", self._member)
-                    failing = False
-                except SplitMQError as exc:
-                    if not failing:  # once per outage, not every few seconds
-                        self._log.warning("cannot refresh health key %s: %s", self._member, exc)
-                    failing = True
-                if self._stop.wait(self._refresh_s):
-                    break
-            try:
-                store.remove_member(self._job, self._member)
-            except SplitMQError:
-                pass  # it expires on its own
+            self._store.remove_member(self._job, self._member)
+        except SplitMQError:
+            pass  # it expires on its own
         finally:
-            store.close()
+            self._store.close()

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from broker.keys import SHARD_LEASE_PREFIX, WORKER_MEMBER_PREFIX
-from broker.store import MemberStore
+from broker.store import Member, MemberStore
 
 
 def lease_name(shard: int) -> str:
@@ -31,6 +32,37 @@ def home_shard(worker_id: str, shards: int) -> int:
     """A stable per-worker starting point (not `hash()`, which differs between processes)."""
     digest = hashlib.sha256(worker_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % shards
+
+
+@dataclass(frozen=True)
+class WorkerBeat:
+    """What a worker's heartbeat (`worker:<id>`, written by `LeaseKeeper.plan`) says: the shards
+    it holds, and what the worker's `info` adds (its busy fraction, samples, metrics URL)."""
+
+    worker: str
+    shards: tuple[int, ...] = ()
+    busy: float | None = None  # in [0, 1]
+    samples: int | None = None
+    metrics: str = ""  # its /metrics URL, "" if it serves none
+
+
+def worker_beat(member: Member) -> WorkerBeat | None:
+    """None for a member that is not a worker; fields that do not parse read as absent (the
+    dashboard and the autoscaler must not fail on one worker's odd heartbeat)."""
+    if not member.member_id.startswith(WORKER_MEMBER_PREFIX):
+        return None
+    info = member.info
+    shards: tuple[int, ...] = ()
+    busy: float | None = None
+    samples: int | None = None
+    with suppress(ValueError):
+        shards = tuple(int(s) for s in info.get("shards", "").split(",") if s)
+    with suppress(KeyError, ValueError):
+        busy = min(1.0, max(0.0, float(info["busy"])))
+    with suppress(KeyError, ValueError):
+        samples = int(info["samples"])
+    worker = member.member_id[len(WORKER_MEMBER_PREFIX) :]
+    return WorkerBeat(worker, shards, busy, samples, info.get("metrics", ""))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
+from broker.topology import job_queues
+from broker.transport import QueueSpec
 from services.config.autoscaler import AutoscalerSection
 from services.config.job import JobConfig
 from services.config.metrics import MetricsSection
@@ -15,6 +17,10 @@ class Settings(ConnectionSettings, JobConfig):
 
     autoscaler: AutoscalerSection = AutoscalerSection()
     metrics: MetricsSection = MetricsSection()
+
+    def job_queues(self) -> list[QueueSpec]:
+        """The job's server-side queues with the configured bounds (what every role declares)."""
+        return job_queues(self.job.name, self.shards, self.broker.queue_limits)
 
     @model_validator(mode="after")
     def _versions_kept_for_async(self) -> Settings:

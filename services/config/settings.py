@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from broker.topology import QueueLimits
+
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -50,6 +52,10 @@ class BrokerSettings(_Section):
     # Dead-letter by rejecting (the queue's own dead-letter exchange routes it; the reason is
     # only logged): for a user without write permission on splitmq.dead (the same clients).
     dead_letter_by_nack: bool = False
+
+    @property
+    def queue_limits(self) -> QueueLimits:
+        return QueueLimits(self.shard_queue_max_length, self.shard_queue_max_bytes)
 
 
 class StoreSettings(_Section):

@@ -19,7 +19,7 @@ from broker.errors import DecodeError
 from broker.messages import Heartbeat, Join, Leave, Message
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import VersionStore, WeightStore
-from broker.topology import QueueLimits, control_queue_name, job_queues
+from broker.topology import control_queue_name
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
 from services.common.logs import log_context
@@ -78,11 +78,7 @@ class Coordinator:
         broker = self._backends.open_broker("coordinator", stamp=user)
         store = self._backends.open_store()
         try:
-            limits = QueueLimits(
-                self._settings.broker.shard_queue_max_length,
-                self._settings.broker.shard_queue_max_bytes,
-            )
-            broker.declare(job_queues(self.job, self._settings.shards, limits))
+            broker.declare(self._settings.job_queues())
             if not self._await_version(store, stop):
                 return self.stats
             broker.subscribe(control_queue_name(self.job), prefetch=_PREFETCH)

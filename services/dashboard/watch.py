@@ -24,13 +24,14 @@ from pathlib import Path
 
 from broker.codec import decode
 from broker.errors import DecodeError
-from broker.keys import CLIENT_MEMBER_PREFIX, WORKER_MEMBER_PREFIX
+from broker.keys import CLIENT_MEMBER_PREFIX
 from broker.messages import Event
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import Member, WeightStore
-from broker.topology import QueueLimits, events_queue, job_queues, shard_queue_name
+from broker.topology import events_queue, shard_queue_name
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
+from services.common.leases import WorkerBeat, worker_beat
 from services.config.root import Settings
 from services.dashboard.state import DashboardState, Probe, RunReport, WorkerView
 from services.metrics.recorder import NO_METRICS, Metrics
@@ -44,34 +45,17 @@ _EVENT_WAIT_S = 0.5
 _RUN_DIR_SLACK_S = 120.0
 
 
-def worker_view(member: Member) -> WorkerView:
-    info = member.info
-    busy: float | None = None
-    samples: int | None = None
-    try:
-        busy = float(info["busy"])
-    except (KeyError, ValueError):
-        pass
-    try:
-        samples = int(info["samples"])
-    except (KeyError, ValueError):
-        pass
-    return WorkerView(
-        worker=member.member_id[len(WORKER_MEMBER_PREFIX) :],
-        shards=info.get("shards", ""),
-        busy=busy,
-        samples=samples,
-        metrics=info.get("metrics", ""),
-    )
+def worker_view(beat: WorkerBeat) -> WorkerView:
+    shards = ",".join(str(s) for s in beat.shards)
+    return WorkerView(beat.worker, shards, beat.busy, beat.samples, beat.metrics)
 
 
 def split_members(members: Mapping[str, Member]) -> tuple[list[str], list[WorkerView]]:
     clients = sorted(
         m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
     )
-    workers = [
-        worker_view(v) for k, v in sorted(members.items()) if k.startswith(WORKER_MEMBER_PREFIX)
-    ]
+    beats = (worker_beat(member) for _, member in sorted(members.items()))
+    workers = [worker_view(beat) for beat in beats if beat is not None]
     return clients, workers
 
 
@@ -171,10 +155,7 @@ class JobWatcher:
             raise
         try:
             settings = self._settings
-            limits = QueueLimits(
-                settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
-            )
-            broker.declare(job_queues(self._job, settings.shards, limits))
+            broker.declare(settings.job_queues())
             if self._events and self._state is not None:
                 spec = events_queue(self._job, f"watch-{uuid.uuid4().hex[:12]}")
                 broker.declare([spec])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlparse, urlunparse
 
 from broker.errors import (
     BrokerAuthError,
@@ -20,6 +19,7 @@ from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.errors import DataError
 from services.data.registry import get_spec
+from services.report.tomlwrite import redact_url
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,9 @@ class Check:
     warning: bool = False  # ok, but worth a look
 
 
-def redact(url: str) -> str:
-    """The URL without its password, for printing."""
-    parts = urlparse(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunparse(parts._replace(netloc=netloc))
-
-
 def check_broker(backends: Backends) -> Check:
     settings = backends.broker_settings
-    where = redact(settings.amqp_url) if settings.kind == "rabbitmq" else "in this process"
+    where = redact_url(settings.amqp_url) if settings.kind == "rabbitmq" else "in this process"
     try:
         broker = backends.open_broker("splitmq-doctor", give_up_after=5.0)
     except BrokerAuthError as exc:
@@ -91,7 +82,7 @@ def check_store(backends: Backends) -> Check:
         store = backends.open_store()
         ok = isinstance(store, InMemoryWeightStore)
         return Check("store", ok, "in-memory weight store in this process")
-    where = redact(settings.redis_url)
+    where = redact_url(settings.redis_url)
     try:
         store = backends.open_store(wait=False)
         assert isinstance(store, RedisWeightStore)

@@ -18,9 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
-from services.common.health import REFRESH_S, TTL_S, Verdict
+from services.common.health import REFRESH_S, TTL_S, Beat, Verdict
 
 
 def health_dir() -> Path:
@@ -31,8 +30,10 @@ def health_file(job: str, role: str, instance: str, base: Path | None = None) ->
     return (base or health_dir()) / job / f"{role}-{instance}.json"
 
 
-class FileHealthBeat:
+class FileHealthBeat(Beat):
     """Refreshes one health file from a daemon thread until stopped, then removes it."""
+
+    ERRORS = (OSError,)
 
     def __init__(
         self,
@@ -46,27 +47,9 @@ class FileHealthBeat:
         logger: logging.Logger | None = None,
     ) -> None:
         self.path = health_file(job, role, instance, base)
-        self._refresh_s = refresh_s
+        super().__init__(role, f"health file {self.path}", refresh_s, logger)
         self._clock = clock
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "instance": instance}
-        self._log = logger or logging.getLogger("splitmq.health")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"health-{role}", daemon=True)
-
-    def __enter__(self) -> FileHealthBeat:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5.0)
-        self.path.unlink(missing_ok=True)
 
     def beat(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,18 +57,8 @@ class FileHealthBeat:
         scratch.write_text(json.dumps({**self._info, "at": self._clock()}))
         scratch.replace(self.path)  # atomic: a reader never sees half a file
 
-    def _run(self) -> None:
-        failing = False
-        while True:
-            try:
-                self.beat()
-                failing = False
-            except OSError as exc:
-                if not failing:
-                    self._log.warning("cannot write health file %s: %s", self.path, exc)
-                failing = True
-            if self._stop.wait(self._refresh_s):
-                return
+    def end(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def assess_files(

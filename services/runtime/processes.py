@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 import services
-from broker.topology import QueueLimits, client_queue_names, job_queues
+from broker.topology import client_queue_names
 from services.common.backends import Backends
 from services.config.root import Settings
 from services.runtime.doctor import check_broker, check_store
@@ -106,13 +106,10 @@ def clear_job(
 
     `backends`: where they live (default: the settings' servers; tests pass embedded ones)."""
     job = settings.job.name
-    limits = QueueLimits(
-        settings.broker.shard_queue_max_length, settings.broker.shard_queue_max_bytes
-    )
     backends = backends or Backends(settings.broker, settings.store)
     broker = backends.open_broker("splitmq-up", give_up_after=10.0)
     try:
-        names = [q.name for q in job_queues(job, settings.shards, limits)]
+        names = [q.name for q in settings.job_queues()]
         # The inference reply queues too: `provision-clients` declares them durable, so a
         # stale run's answers would otherwise wait there for this run's clients.
         names += [name for c in client_ids for name in client_queue_names(job, c)]

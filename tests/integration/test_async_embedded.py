@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.churn import Churn, churn_roles
 from services.common.backends import Backends, Embedded
 from services.common.membership import member_id
 from services.config.loading import load_settings
 from services.report.filesink import FileSink
 from services.report.plots import STALENESS_PNG
-from services.runtime.churn import Churn, churn_roles
 from services.runtime.embedded import run_embedded
 
 pytestmark = pytest.mark.slow

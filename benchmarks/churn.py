@@ -1,5 +1,5 @@
 """Clients that join late and leave early, for embedded runs that simulate churn (async mode's
-tests and `benchmarks/async_vs_sync.py`).
+tests and `benchmarks/async_vs_sync.py`; no product code uses it, so it lives here).
 
 A `ChurningRole` wraps a client role: it starts the client only once its `join` condition
 holds, and stops it (the client sends its Leave) once its `leave` condition holds, or when
