@@ -127,6 +127,34 @@ def test_reconnects_redeclares_and_voids_old_deliveries(
         broker.delete_queue(durable.name)
 
 
+def test_a_confirm_later_publish_cut_off_by_an_outage_is_refused_not_lost(
+    open_broker: Callable[..., RabbitMQBroker], rabbitmqctl: Callable[..., str], job: str
+) -> None:
+    broker = open_broker()
+    queue = work_queue(job)
+    broker.declare([queue])
+    later = PublishOptions(persistent=False, confirm_later=True)
+    try:
+        for i in range(20):
+            broker.publish(CONTROL_EXCHANGE, queue.routing_key, b"%d" % i, later)
+        kill_connection(rabbitmqctl, broker.connection_name)
+        time.sleep(0.5)  # the server's close is on the socket, confirms of some before it
+        refused = broker.refused()  # notices the closed connection, or takes the confirms
+        broker.publish(CONTROL_EXCHANGE, queue.routing_key, b"after", later)  # reconnects
+        refused += broker.refused()
+        assert all(isinstance(r.error, BrokerUnavailableError) for r in refused)
+        # Every one arrived or was handed back: at least once, never silently dropped.
+        arrived = set()
+        broker.subscribe(queue.name, prefetch=100)
+        while (delivery := broker.get(1.0)) is not None:
+            arrived.add(delivery.body)
+            broker.ack(delivery)
+        assert b"after" in arrived
+        assert {b"%d" % i for i in range(20)} <= arrived | {r.body for r in refused}
+    finally:
+        broker.delete_queue(queue.name)
+
+
 def test_consumer_reconnects_while_waiting(
     open_broker: Callable[..., RabbitMQBroker], rabbitmqctl: Callable[..., str], job: str
 ) -> None:
