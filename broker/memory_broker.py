@@ -3,21 +3,46 @@
 Each thread opens its own `InMemoryBroker` handle over one shared `InMemoryHub`, as it would open
 its own RabbitMQ connection; the hub holds the queues. Everything the contract suite checks on
 RabbitMQ holds here too (confirms are implicit: `publish` returns once the message is enqueued).
+All the hub's state sits behind one lock; each handle's `Session` waits on its own condition
+over that lock, so a publish wakes only the consumer it was dispatched to.
+
+The rules are RabbitMQ's, because one contract suite holds both brokers to them: messages are
+pushed to consumers up to their prefetch (round-robin, or only the first-registered consumer of a
+single-active-consumer queue); `reject-publish` refuses a message when the queue would exceed
+its ready-message count or ready bytes, `drop-head` discards the oldest ready ones instead;
+unsettled deliveries return to their original position, marked redelivered, when their consumer
+goes away; `nack(requeue=False)` dead-letters through the queue's declared routing, adding
+RabbitMQ's scalar ``x-first-death-*`` headers.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from broker.errors import BackPressureError, BrokerError, UnroutableError
-from broker.memory_hub import InMemoryHub
+from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
+from broker.topology import (
+    BEST_EFFORT_EXCHANGES,
+    DEAD_EXCHANGE,
+    EXCHANGES,
+    dead_queue,
+    dead_queue_name,
+)
 from broker.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PLAIN,
+    REASON_HEADER,
+    SOURCE_QUEUE_HEADER,
+    USER_HEADER,
     Broker,
     Delivery,
+    Headers,
+    HeaderValue,
     Meter,
     PublishOptions,
     QueueSpec,
@@ -29,6 +54,501 @@ from broker.transport import (
 )
 
 __all__ = ["InMemoryBroker", "InMemoryHub"]
+
+
+@dataclass(eq=False)
+class _Message:
+    seq: int  # publish order; requeued messages go back to their original position
+    body: bytes
+    exchange: str
+    routing_key: str
+    headers: Headers
+    message_id: str | None
+    user_id: str | None
+    redelivered: bool = False
+
+
+@dataclass(eq=False)
+class _Queue:
+    spec: QueueSpec
+    owner: Session | None  # exclusive queues belong to the session that declared them
+    ready: deque[_Message] = field(default_factory=deque)
+    ready_bytes: int = 0
+    unacked: int = 0
+    consumers: list[_Consumer] = field(default_factory=list)
+    next_consumer: int = 0
+
+
+@dataclass(eq=False)
+class _Consumer:
+    session: Session
+    queue: _Queue
+    prefetch: int
+    in_flight: int = 0
+
+
+@dataclass(eq=False)
+class _Pending:
+    consumer: _Consumer
+    message: _Message
+
+
+class Session:
+    """One handle's view of the hub (its consumers and deliveries); guarded by the hub lock."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.wakeup = threading.Condition(lock)
+        self.buffer: deque[tuple[Delivery, _Pending]] = deque()  # pushed, not yet handed out
+        self.handed: dict[int, _Pending] = {}  # handed out by get(), not yet settled
+        self.returned: set[int] = set()  # tags given back by unsubscribe: acking them is stale
+        self.consumers: dict[str, _Consumer] = {}
+        self.declared: dict[str, QueueSpec] = {}
+        self.closed = False
+
+
+def _declared_args(spec: QueueSpec) -> tuple[object, ...]:
+    """The fields RabbitMQ compares when a queue is declared again (the binding is additive)."""
+    return (
+        spec.durable,
+        spec.exclusive,
+        spec.auto_delete,
+        spec.single_active_consumer,
+        spec.max_length,
+        spec.max_length_bytes,
+        spec.overflow if spec.max_length is not None or spec.max_length_bytes is not None else None,
+        spec.dead_letter_routing_key,
+    )
+
+
+def _overflows(queue: _Queue, size: int) -> bool:
+    """Whether one more ready message of `size` bytes would exceed the queue's bounds."""
+    spec = queue.spec
+    return (spec.max_length is not None and len(queue.ready) + 1 > spec.max_length) or (
+        spec.max_length_bytes is not None and queue.ready_bytes + size > spec.max_length_bytes
+    )
+
+
+class InMemoryHub:
+    """Exchanges, queues and bindings shared by `InMemoryBroker` handles (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified whenever work is settled
+        self._exchanges: dict[str, str] = {}
+        # exchange -> routing key -> queue names, in binding order
+        self._bindings: dict[str, dict[str, list[str]]] = {}
+        self._queues: dict[str, _Queue] = {}
+        self._tags = itertools.count(1)  # hub-wide, so a tag from another handle is never valid
+        self._seq = itertools.count()
+
+    def open_session(self) -> Session:
+        return Session(self._lock)
+
+    # -- topology -------------------------------------------------------------------------
+
+    def declare(self, session: Session, specs: Sequence[QueueSpec]) -> None:
+        with self._lock:
+            self._check_open(session)
+            for name, kind in EXCHANGES:
+                self._exchanges.setdefault(name, kind)
+            for spec in specs:
+                self._declare_queue(session, spec)
+
+    def _declare_queue(self, session: Session, spec: QueueSpec) -> None:
+        if spec.exchange not in self._exchanges:
+            raise BrokerError(f"NOT_FOUND - no exchange {spec.exchange!r} to bind {spec.name!r}")
+        queue = self._queues.get(spec.name)
+        if queue is None:
+            queue = _Queue(spec, owner=session if spec.exclusive else None)
+            self._queues[spec.name] = queue
+        else:
+            self._check_access(session, queue)
+            if _declared_args(queue.spec) != _declared_args(spec):
+                raise BrokerError(
+                    f"PRECONDITION_FAILED - inequivalent arguments for queue {spec.name!r}: "
+                    f"declared as {queue.spec}, now {spec}"
+                )
+        bound = self._bindings.setdefault(spec.exchange, {}).setdefault(spec.routing_key, [])
+        if spec.name not in bound:
+            bound.append(spec.name)
+        session.declared[spec.name] = spec
+
+    def delete_queue(self, session: Session, name: str) -> None:
+        with self._lock:
+            self._check_open(session)
+            session.declared.pop(name, None)
+            queue = self._queues.get(name)
+            if queue is None:
+                return  # deleting a missing queue succeeds, as on RabbitMQ
+            self._check_access(session, queue)
+            self._remove_queue(queue)
+
+    def _remove_queue(self, queue: _Queue) -> None:
+        name = queue.spec.name
+        del self._queues[name]
+        for by_key in self._bindings.values():
+            for names in by_key.values():
+                if name in names:
+                    names.remove(name)
+        # The broker cancels the queue's consumers; their unsettled messages die with it.
+        for consumer in queue.consumers:
+            session = consumer.session
+            if session.consumers.get(name) is consumer:
+                del session.consumers[name]
+            session.buffer = deque(p for p in session.buffer if p[1].consumer is not consumer)
+        queue.consumers.clear()
+        self._settled.notify_all()
+
+    def queue_depth(self, session: Session, name: str) -> int:
+        with self._lock:
+            self._check_open(session)
+            return len(self._queue(session, name).ready)
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def publish(
+        self,
+        session: Session,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        headers: Headers,
+        message_id: str | None,
+        user_id: str | None,
+    ) -> None:
+        with self._lock:
+            self._check_open(session)
+            full = self._route(exchange, routing_key, body, headers, message_id, user_id)
+            if full:
+                raise BackPressureError(
+                    f"queue(s) {', '.join(full)} full (reject-publish): exchange {exchange!r} "
+                    f"routing key {routing_key!r} refused the message; retry later"
+                )
+
+    def _route(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        headers: Headers,
+        message_id: str | None,
+        user_id: str | None,
+    ) -> list[str]:
+        """Enqueue on every bound queue; returns the names of the queues that were full."""
+        kind = self._exchanges.get(exchange)
+        if kind is None:
+            raise BrokerError(f"NOT_FOUND - no exchange {exchange!r}")
+        by_key = self._bindings.get(exchange, {})
+        if kind == "fanout":
+            targets = list(dict.fromkeys(itertools.chain.from_iterable(by_key.values())))
+        else:
+            targets = by_key.get(routing_key, [])
+        if not targets:
+            if exchange in BEST_EFFORT_EXCHANGES:
+                return []
+            raise UnroutableError(
+                f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
+            )
+        full: list[str] = []
+        for name in targets:
+            queue = self._queues[name]
+            if _overflows(queue, len(body)):
+                if queue.spec.overflow == "reject-publish":
+                    full.append(name)
+                    continue
+                if not self._drop_head(queue, len(body)):
+                    continue  # larger than the whole bound: RabbitMQ drops it as well
+            message = _Message(
+                next(self._seq), body, exchange, routing_key, headers, message_id, user_id
+            )
+            queue.ready.append(message)
+            queue.ready_bytes += len(body)
+            self._dispatch(queue)
+        return full
+
+    # -- consuming ------------------------------------------------------------------------
+
+    def subscribe(self, session: Session, name: str, prefetch: int) -> None:
+        with self._lock:
+            self._check_open(session)
+            queue = self._queue(session, name)
+            if name in session.consumers:
+                return
+            consumer = _Consumer(session, queue, prefetch)
+            session.consumers[name] = consumer
+            queue.consumers.append(consumer)
+            self._dispatch(queue)
+
+    def unsubscribe(self, session: Session, name: str) -> None:
+        with self._lock:
+            self._check_open(session)
+            self._unsubscribe(session, name)
+
+    def _unsubscribe(self, session: Session, name: str) -> None:
+        consumer = session.consumers.pop(name, None)
+        if consumer is None:
+            return
+        queue = consumer.queue
+        queue.consumers.remove(consumer)
+        returned = [p.message for _, p in session.buffer if p.consumer is consumer]
+        session.buffer = deque(p for p in session.buffer if p[1].consumer is not consumer)
+        for tag, pending in list(session.handed.items()):
+            if pending.consumer is consumer:
+                del session.handed[tag]
+                session.returned.add(tag)
+                returned.append(pending.message)
+        queue.unacked -= len(returned)
+        consumer.in_flight = 0
+        if self._queues.get(name) is queue:
+            self._requeue(queue, returned)
+            if queue.spec.auto_delete and not queue.consumers:
+                self._remove_queue(queue)
+            else:
+                self._dispatch(queue)
+        self._settled.notify_all()
+
+    def next_delivery(self, session: Session, timeout: float) -> Delivery | None:
+        with self._lock:
+            self._check_open(session)
+            if not session.buffer:
+                session.wakeup.wait_for(lambda: session.buffer or session.closed, timeout)
+                self._check_open(session)
+                if not session.buffer:
+                    return None
+            delivery, pending = session.buffer.popleft()
+            session.handed[delivery.tag] = pending
+            return delivery
+
+    def ack(self, session: Session, delivery: Delivery) -> None:
+        with self._lock:
+            self._settle(self._take(session, delivery))
+
+    def nack(self, session: Session, delivery: Delivery, requeue: bool) -> None:
+        with self._lock:
+            pending = self._take(session, delivery)
+            message = pending.message
+            queue = pending.consumer.queue
+            live = self._queues.get(queue.spec.name) is queue  # else it died with its queue
+            if live and requeue:
+                self._requeue(queue, [message])
+            elif live and (key := queue.spec.dead_letter_routing_key) is not None:
+                self._server_dead_letter(queue, message, key)
+            self._settle(pending)
+
+    def _server_dead_letter(
+        self, queue: _Queue, message: _Message, routing_key: str, why: str = "rejected"
+    ) -> None:
+        """RabbitMQ's x-dead-letter routing: best effort; an unroutable copy is dropped."""
+        headers: dict[str, HeaderValue] = dict(message.headers)
+        headers.setdefault("x-first-death-reason", why)
+        headers.setdefault("x-first-death-queue", queue.spec.name)
+        headers.setdefault("x-first-death-exchange", message.exchange)
+        try:
+            self._route(
+                DEAD_EXCHANGE,
+                routing_key,
+                message.body,
+                headers,
+                message.message_id,
+                message.user_id,
+            )
+        except BrokerError:
+            pass  # RabbitMQ drops a dead letter it cannot route; so do we, to stay comparable
+
+    def dead_letter(self, session: Session, delivery: Delivery, reason: str) -> None:
+        with self._lock:
+            self._check_open(session)
+            key = self._dead_letter_key(session, delivery)
+            self._peek(session, delivery)
+            self._copy_to_dead(session, delivery, key, reason)
+            self._settle(self._take(session, delivery))
+
+    def dead_letter_many(
+        self, session: Session, letters: Sequence[tuple[Delivery, str]]
+    ) -> list[tuple[Delivery, BrokerError]]:
+        with self._lock:
+            self._check_open(session)
+            for delivery, _ in letters:  # usage errors first, before anything is settled
+                if delivery.tag not in session.handed and delivery.tag not in session.returned:
+                    self._peek(session, delivery)
+            unsettled: list[tuple[Delivery, BrokerError]] = []
+            for delivery, reason in letters:
+                try:
+                    key = self._dead_letter_key(session, delivery)
+                    self._peek(session, delivery)
+                    self._copy_to_dead(session, delivery, key, reason)
+                except BrokerError as exc:  # stale included
+                    unsettled.append((delivery, exc))
+                    continue
+                self._settle(self._take(session, delivery))
+            return unsettled
+
+    @staticmethod
+    def _dead_letter_key(session: Session, delivery: Delivery) -> str:
+        spec = session.declared.get(delivery.queue)
+        if spec is None or spec.dead_letter_routing_key is None:
+            raise BrokerError(
+                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
+                "declare its QueueSpec (with dead_letter_routing_key) here first"
+            )
+        return spec.dead_letter_routing_key
+
+    def _copy_to_dead(self, session: Session, delivery: Delivery, key: str, reason: str) -> None:
+        message = session.handed[delivery.tag].message
+        headers: dict[str, HeaderValue] = dict(message.headers)
+        headers[REASON_HEADER] = reason
+        headers[SOURCE_QUEUE_HEADER] = delivery.queue
+        if message.user_id is not None:
+            headers[USER_HEADER] = message.user_id
+        copy = (DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
+        try:
+            full = self._route(*copy)
+        except UnroutableError:
+            # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
+            dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
+            self._declare_queue(session, dead)
+            full = self._route(*copy)
+        if full:
+            raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
+
+    def close(self, session: Session) -> None:
+        with self._lock:
+            if session.closed:
+                return
+            for name in list(session.consumers):
+                self._unsubscribe(session, name)
+            session.returned.clear()
+            for queue in [q for q in self._queues.values() if q.owner is session]:
+                self._remove_queue(queue)
+            session.closed = True
+            session.wakeup.notify_all()
+
+    def join(self, timeout: float, *, queues: Iterable[str] | None = None) -> bool:
+        """Wait until the queues are empty with nothing unacknowledged; False on timeout.
+
+        By default every queue except the dead-letter queues (which only operators drain).
+        """
+        names = None if queues is None else set(queues)
+
+        def drained() -> bool:
+            return all(
+                not q.ready and q.unacked == 0
+                for q in self._queues.values()
+                if (q.spec.exchange != DEAD_EXCHANGE if names is None else q.spec.name in names)
+            )
+
+        with self._lock:
+            return self._settled.wait_for(drained, timeout)
+
+    # -- internals (hub lock held) ----------------------------------------------------------
+
+    def _dispatch(self, queue: _Queue) -> None:
+        while queue.ready:
+            consumer = self._pick(queue)
+            if consumer is None:
+                return
+            message = queue.ready.popleft()
+            queue.ready_bytes -= len(message.body)
+            queue.unacked += 1
+            consumer.in_flight += 1
+            delivery = Delivery(
+                body=message.body,
+                queue=queue.spec.name,
+                routing_key=message.routing_key,
+                tag=next(self._tags),
+                redelivered=message.redelivered,
+                headers=message.headers,
+                message_id=message.message_id,
+                user_id=message.user_id,
+            )
+            consumer.session.buffer.append((delivery, _Pending(consumer, message)))
+            consumer.session.wakeup.notify()
+
+    @staticmethod
+    def _pick(queue: _Queue) -> _Consumer | None:
+        consumers = queue.consumers
+        if not consumers:
+            return None
+        if queue.spec.single_active_consumer:
+            active = consumers[0]
+            return active if active.in_flight < active.prefetch else None
+        count = len(consumers)
+        for step in range(count):
+            index = (queue.next_consumer + step) % count
+            if consumers[index].in_flight < consumers[index].prefetch:
+                queue.next_consumer = (index + 1) % count
+                return consumers[index]
+        return None
+
+    def _drop_head(self, queue: _Queue, size: int) -> bool:
+        """Discard the oldest ready messages until one of `size` bytes fits (dead-lettering
+        them as "maxlen" where the queue has dead-letter routing); False if it never can."""
+        while queue.ready and _overflows(queue, size):
+            dropped = queue.ready.popleft()
+            queue.ready_bytes -= len(dropped.body)
+            if (key := queue.spec.dead_letter_routing_key) is not None:
+                self._server_dead_letter(queue, dropped, key, "maxlen")
+        return not _overflows(queue, size)
+
+    def _requeue(self, queue: _Queue, messages: list[_Message]) -> None:
+        if not messages:
+            return
+        for message in messages:
+            message.redelivered = True
+        messages.sort(key=lambda m: m.seq)
+        if not queue.ready or messages[-1].seq < queue.ready[0].seq:
+            queue.ready.extendleft(reversed(messages))
+        else:
+            queue.ready = deque(sorted([*queue.ready, *messages], key=lambda m: m.seq))
+        queue.ready_bytes += sum(len(m.body) for m in messages)
+
+    def _peek(self, session: Session, delivery: Delivery) -> _Pending:
+        self._check_open(session)
+        pending = session.handed.get(delivery.tag)
+        if pending is not None:
+            return pending
+        if delivery.tag in session.returned:
+            session.returned.discard(delivery.tag)
+            raise StaleDeliveryError(
+                f"delivery {delivery.tag} from {delivery.queue!r} was returned to its queue "
+                "(unsubscribed); it will be redelivered"
+            )
+        raise BrokerError(
+            f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this handle "
+            "(already acked/nacked, or received on another handle)"
+        )
+
+    def _take(self, session: Session, delivery: Delivery) -> _Pending:
+        pending = self._peek(session, delivery)
+        del session.handed[delivery.tag]
+        return pending
+
+    def _settle(self, pending: _Pending) -> None:
+        consumer = pending.consumer
+        consumer.in_flight -= 1
+        consumer.queue.unacked -= 1
+        if self._queues.get(consumer.queue.spec.name) is consumer.queue:
+            self._dispatch(consumer.queue)
+        self._settled.notify_all()
+
+    def _queue(self, session: Session, name: str) -> _Queue:
+        queue = self._queues.get(name)
+        if queue is None:
+            raise BrokerError(f"NOT_FOUND - no queue {name!r}")
+        self._check_access(session, queue)
+        return queue
+
+    @staticmethod
+    def _check_access(session: Session, queue: _Queue) -> None:
+        if queue.owner is not None and queue.owner is not session:
+            raise BrokerError(
+                f"RESOURCE_LOCKED - queue {queue.spec.name!r} is exclusive to another handle"
+            )
+
+    @staticmethod
+    def _check_open(session: Session) -> None:
+        if session.closed:
+            raise BrokerError("this broker handle is closed")
 
 
 class InMemoryBroker:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from broker.memory_broker import InMemoryBroker
-from broker.memory_hub import InMemoryHub
+from broker.memory_broker import InMemoryBroker, InMemoryHub
 from broker.memory_store import InMemoryWeightStore
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import RabbitMQOptions

@@ -23,8 +23,7 @@ import redis
 
 from broker.codec import encode
 from broker.errors import BrokerError
-from broker.memory_broker import InMemoryBroker
-from broker.memory_hub import InMemoryHub
+from broker.memory_broker import InMemoryBroker, InMemoryHub
 from broker.messages import Heartbeat, new_message_id
 from broker.rabbitmq_connection import RabbitMQOptions, connection_parameters
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
