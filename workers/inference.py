@@ -33,7 +33,12 @@ import torch
 from torch import nn
 
 from broker.codec import decode
-from broker.errors import DecodeError, StaleDeliveryError, VersionNotFoundError
+from broker.errors import (
+    DecodeError,
+    StaleDeliveryError,
+    UnexpectedMessageError,
+    VersionNotFoundError,
+)
 from broker.messages import Error, InferReply, InferRequest, new_message_id
 from broker.store import NO_VERSION, VersionStore
 from broker.topology import (
@@ -183,13 +188,13 @@ class InferenceServer:
         def refuse(code: str, detail: str) -> None:
             reject(broker, delivery, code, detail, self.stats.dead_lettered, self._log)
 
-        try:
-            message = decode(delivery.body)
+        try:  # the type is checked before any tensor is decoded
+            message = decode(delivery.body, expect=InferRequest)
+        except UnexpectedMessageError as exc:
+            refuse("wrong_type", f"{exc.type_name} does not belong on the infer queue")
+            return
         except DecodeError as exc:
             refuse("decode", exc.reason)
-            return
-        if not isinstance(message, InferRequest):
-            refuse("wrong_type", f"{type(message).__name__} does not belong on the infer queue")
             return
         # Nobody to answer: a client id that routes nowhere, or one the sender may not claim
         # (a service user, e.g. `splitmq infer`, asks for requesters of any name).
