@@ -26,7 +26,7 @@ from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
 from broker.transport import Broker, Delivery
-from services.algorithms.base import Strategy, batch_cuts, serves_inference
+from services.algorithms.base import Strategy
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.jobmodel import job_hyper, job_model
@@ -111,7 +111,7 @@ class Worker:
                 model_factory=self.model_factory,
                 logger=self.logger,
             )
-            if serves_inference(self.strategy)
+            if self.strategy.split_inference
             else None
         )
         session: WorkerSession | None = None
@@ -333,7 +333,7 @@ class WorkerSession:
     def load(self, shard: int) -> None:
         # Batches may come from several cuts (FedSplitX's levels): the replica starts at the
         # shallowest, so it holds every layer any of them needs.
-        cuts = batch_cuts(self.services.strategy, self.template, self.settings.model.cut)
+        cuts = self.services.strategy.batch_cuts(self.template, self.settings.model.cut)
 
         def make() -> Replica:
             return Replica(shard, self.template, cuts[0], self.hyper.server_optimizer, self.device)

@@ -26,8 +26,7 @@ from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import MemberBook, UpdateScreen
 from services.aggregator.inbox import InboxStats, UpdateInbox
 from services.aggregator.rounds import RoundClock
-from services.algorithms.async_fold import supports_async
-from services.algorithms.base import Strategy, for_model, partial_client_updates
+from services.algorithms.base import Strategy
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
@@ -98,17 +97,15 @@ class Aggregator:
         self._sink = sink
         self._evaluator = evaluator
         # Bound to the job's model where aggregation needs its structure (FedSplitX).
-        self._strategy = for_model(
-            strategy or build_strategy(settings.algorithm.name, settings.algorithm.params()),
-            lambda: job_model(settings),
-            settings.model.cut,
-        )
+        self._strategy = (
+            strategy or build_strategy(settings.algorithm.name, settings.algorithm.params())
+        ).for_model(lambda: job_model(settings), settings.model.cut)
         self._clock = clock
         self._log = logger or logging.getLogger("splitmq.aggregator")
         self._poll_s = poll_s
         self.stats = Stats()
         self.inbox_stats = InboxStats()
-        refusal = supports_async(self._strategy) if settings.asynchronous_mode else None
+        refusal = self._strategy.async_refusal() if settings.asynchronous_mode else None
         if refusal is not None:
             raise ValueError(f"rounds.mode = 'async' is not possible: {refusal}")
 
@@ -170,7 +167,7 @@ class Aggregator:
         outbox = Outbox(broker, self.job, self._log)
         version = ensure_initial_version(store, self._settings, self._strategy, self._log)
         members = MemberBook(store, self.job, self._clock)
-        partial = partial_client_updates(self._strategy)
+        partial = self._strategy.partial_client_updates
         inbox = UpdateInbox(
             broker,
             outbox,

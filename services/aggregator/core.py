@@ -38,7 +38,6 @@ from services.algorithms.base import (
     ShardReplica,
     Strategy,
     VersionWeights,
-    personal_on_clients,
 )
 from services.common.handout import WeightsCache, assignment, dismissal
 from services.common.membership import client_members
@@ -207,7 +206,7 @@ class Core:
             update_bytes=stats.accepted_bytes - self._bytes_at,
             assignment_bytes=self.assignment_bytes,
             late_updates=stats.late - self._late_at,
-            personal_from_clients=personal_on_clients(self.strategy),
+            personal_from_clients=self.strategy.personal_on_clients,
             strategy_metrics=own,
         )
         record.extra.update(extra or {})

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
 from models.state import load_partial
-from services.algorithms.base import VersionWeights, personal_metrics
+from services.algorithms.base import StrategyBase, VersionWeights
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Split
@@ -127,11 +127,11 @@ class Evaluator:
         )
 
     def strategy_metrics(
-        self, strategy: object, blobs: VersionWeights, clients: Mapping[str, Sequence[int]]
+        self, strategy: StrategyBase, blobs: VersionWeights, clients: Mapping[str, Sequence[int]]
     ) -> dict[str, float]:
         """The strategy's own per-client metrics of a version (`personal_metrics` in
         services.algorithms.base), on this evaluator's test rows; {} for most strategies."""
-        return personal_metrics(strategy, self._model, blobs, self._test.x, self._test.y, clients)
+        return strategy.personal_metrics(self._model, blobs, self._test.x, self._test.y, clients)
 
     def _personal(self, blobs: VersionWeights, client: str, classes: Sequence[int]) -> float:
         """A client with its own weights, on its local test set."""

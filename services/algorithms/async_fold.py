@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from services.algorithms.base import ClientUpdate, ShardReplica, Strategy, VersionWeights
+from services.algorithms.base import ClientUpdate, ShardReplica, StrategyBase, VersionWeights
 from services.algorithms.staleness import StalenessRule
 
 State = Mapping[str, torch.Tensor]
@@ -112,7 +112,7 @@ def rebased_replica(
 
 
 def fold(
-    strategy: Strategy,
+    strategy: StrategyBase,
     current: VersionWeights,
     updates: Sequence[StaleUpdate],
     rule: StalenessRule,
@@ -129,20 +129,3 @@ def fold(
                 f"beyond max_staleness {rule.max_staleness}"
             )
     return strategy.aggregate(current, [rebased_update(s, rule) for s in updates], replicas)
-
-
-def supports_async(strategy: object) -> str | None:
-    """Why `strategy` cannot run asynchronously, or None when it can.
-
-    A per-step barrier over a cohort (MiniBatch-SFL's `server_barrier`) needs rounds; any
-    strategy may also opt out with a false `asynchronous` attribute.
-    """
-    name = getattr(strategy, "name", type(strategy).__name__)
-    if getattr(strategy, "server_barrier", False) is True:
-        return (
-            f"{name} takes one server step per step index over the whole cohort: that barrier "
-            "needs a cohort, i.e. rounds"
-        )
-    if getattr(strategy, "asynchronous", True) is not True:
-        return f"{name} declares itself synchronous only"
-    return None

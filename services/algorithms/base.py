@@ -1,25 +1,44 @@
-"""The interfaces every algorithm implements, on the client, the worker and the aggregator.
+"""What every algorithm implements, on the client, the worker and the aggregator.
 
-An algorithm is one small module that builds a `Strategy`: a few traits the roles consult
-(does the client wait for a gradient? does the worker step once per cohort step?), the
-client's round, the worker's step, and the aggregation. The math lives in pure functions
-(`averaging`, `server_math`) so it is unit-tested without a broker.
+An algorithm is one module holding a `StrategyBase` subclass, registered by the `algorithm`
+decorator with its name(s), its `[algorithm.<name>]` parameter section, whether it stays
+synchronous and how many server shards it runs (`services.algorithms.registry` finds it).
+The base class declares every trait and hook a role consults, typed and with its default, so
+a subclass overrides only what differs: the client's round, the aggregation, and for split
+algorithms the worker's step. The math lives in pure functions (`averaging`, `server_math`),
+unit-tested without a broker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Literal, Protocol, Self, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from broker.store import BlobRef
+from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
+from models.state import client_state, head_state, server_state
+from services.algorithms.averaging import weighted_average
 
 State = Mapping[str, torch.Tensor]
 VersionWeights = dict[BlobRef, dict[str, torch.Tensor]]
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+# Per batch of a server step, in input order: (dL/dz, loss, correct).
+StepResults = list[tuple[torch.Tensor, float, int]]
+
+CLIENT = BlobRef(CLIENT_PART)
+SERVER = BlobRef(SERVER_PART)
+AUX = BlobRef(AUX_PART)
+
+
+class Params(BaseModel):
+    """Base of an algorithm's `[algorithm.<name>]` section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)
@@ -39,8 +58,19 @@ class Hyper:
         return torch.optim.SGD(params, lr=self.server_lr or self.lr, momentum=self.momentum)
 
 
+class Tally(Protocol):
+    def metrics(self) -> Mapping[str, float]:
+        """The round's training loss/accuracy so far, as the worker reported it ({}: none)."""
+        ...
+
+
 class SmashedChannel(Protocol):
     """The client's line to its shard: what `services.client` provides to an algorithm."""
+
+    @property
+    def tally(self) -> Tally:
+        """What the worker reported of this round's batches (Sub-FedAvg's accuracy gate)."""
+        ...
 
     def exchange(self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int) -> torch.Tensor:
         """Send smashed data and block until the gradient dL/dz for it comes back."""
@@ -111,84 +141,157 @@ class CohortBatch:
     cut: str = ""  # the cut the activations come from ("": the replica's own cut)
 
 
-def personal_on_clients(strategy: object) -> bool:
-    """Whether the strategy's personalised models live only on its clients (FedDeper's v_k),
-    so that the run's personalised accuracy is the mean of what the clients report in
-    `metrics["personal_accuracy"]` rather than the aggregator's evaluation of the published
-    blobs. A strategy opts in with a true `personal_on_clients` attribute; `Strategy` does not
-    require one."""
-    return getattr(strategy, "personal_on_clients", False) is True
+# How many server shards (S) a job runs: one, one per client, or `[algorithm] shards`.
+ShardRule = Literal["one", "per_client", "configured"]
 
 
-def batch_cuts(strategy: object, model: SplitNet, cut: str) -> tuple[str, ...]:
-    """The cuts smashed data of the job may come from, shallow to deep: the strategy's
-    `batch_cuts(model, cut)` where it has one (FedSplitX's depth levels), else the job's `cut`.
-    The worker's replica starts at the first; the coordinator assigns clients among them."""
-    own = getattr(strategy, "batch_cuts", None)
-    return tuple(own(model, cut)) if callable(own) else (cut,)
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One registered algorithm name: what the config and the roles know before building it."""
+
+    name: str
+    strategy: type[StrategyBase]
+    params: type[Params] | None = None  # its `[algorithm.<section>]` model; None: no params
+    section: str = ""  # the TOML key of `params`; "": the name
+    sync_only: bool = False  # `rounds.mode = "async"` is refused at load time
+    shard_rule: ShardRule = "configured"
+
+    def shards(self, configured: int, clients: int) -> int:
+        """S after the rule (design §1)."""
+        if self.shard_rule == "one":
+            return 1
+        return clients if self.shard_rule == "per_client" else configured
+
+    def build(self, params: Mapping[str, object] | None = None) -> StrategyBase:
+        """The strategy with `params` validated by its section (`ValueError` when bad)."""
+        section = self.params.model_validate(dict(params or {})) if self.params else None
+        return self.strategy.create(self.name, section)
 
 
-def partial_client_updates(strategy: object) -> bool:
-    """Whether a client uploads only part of `client/global` (FedSplitX: the blocks up to its
-    own depth level); opted into with a true `partial_client_updates` attribute."""
-    return getattr(strategy, "partial_client_updates", False) is True
+S = TypeVar("S", bound="type[StrategyBase]")
 
 
-def for_model(strategy: Strategy, model: Callable[[], SplitNet], cut: str) -> Strategy:
-    """The strategy as the aggregator runs it: `strategy.for_model(model, cut)` where the
-    aggregation needs the model's structure (FedSplitX: which blocks follow which cut), else
-    the strategy itself. `model` is called only then."""
-    own = getattr(strategy, "for_model", None)
-    if not callable(own):
-        return strategy
-    bound: Strategy = own(model(), cut)
-    return bound
+def algorithm(
+    name: str,
+    *,
+    params: type[Params] | None = None,
+    section: str = "",
+    sync_only: bool = False,
+    shards: ShardRule = "configured",
+) -> Callable[[S], S]:
+    """Register the decorated strategy class under `name` (stack it for several names).
+
+    It only records the spec on the class: the registry reads it when it imports the module,
+    so importing an algorithm has no effect beyond defining it."""
+
+    def register(cls: S) -> S:
+        spec = AlgorithmSpec(name, cls, params, section or name, sync_only, shards)
+        cls.registrations = (*cls.__dict__.get("registrations", ()), spec)
+        return cls
+
+    return register
 
 
-class Strategy(Protocol):
-    @property
-    def name(self) -> str: ...
+@dataclass(frozen=True, kw_only=True)
+class StrategyBase:
+    """One algorithm: traits the roles consult, the client's round, the worker's step and the
+    aggregation. Every optional hook is here with its default; override what differs."""
 
+    name: str = ""
+    # The specs `algorithm` recorded on this very class (not inherited: see the registry).
+    registrations: ClassVar[tuple[AlgorithmSpec, ...]] = ()
+
+    @classmethod
+    def create(cls, name: str, params: Params | None) -> Self:
+        """The strategy registered as `name`, from its validated parameter section."""
+        return cls(name=name)
+
+    # --- traits ---------------------------------------------------------------------------
     @property
     def splits(self) -> bool:
-        """False for FedAvg: the whole model trains on the client, no smashed data."""
-        ...
+        """False for FedAvg-like algorithms: the whole model trains on the client."""
+        return True
 
     @property
     def waits_for_gradient(self) -> bool:
         """The client blocks on a GradientReply after each SmashedBatch."""
-        ...
+        return self.splits
 
     @property
     def server_barrier(self) -> bool:
         """MiniBatch-SFL: the worker takes one step per step index over the whole cohort."""
-        ...
+        return False
 
+    @property
+    def personal_on_clients(self) -> bool:
+        """The personalised models live only on the clients (FedDeper's v_k): the run's
+        personalised accuracy is the mean of their `metrics["personal_accuracy"]`, not the
+        aggregator's evaluation of published blobs."""
+        return False
+
+    @property
+    def partial_client_updates(self) -> bool:
+        """A client uploads only part of `client/global` (FedSplitX: up to its level)."""
+        return False
+
+    @property
+    def split_inference(self) -> bool:
+        """Workers answer InferRequests for this algorithm (SplitGP's split inference)."""
+        return False
+
+    @property
+    def default_level(self) -> int:
+        """The depth level of a client that declares no capability (FedSplitX's levels)."""
+        return 1
+
+    def async_refusal(self) -> str | None:
+        """Why this strategy cannot run in `rounds.mode = "async"`; None when it can."""
+        if self.server_barrier:
+            return (
+                f"{self.name} takes one server step per step index over the whole cohort: "
+                "that barrier needs a cohort, i.e. rounds"
+            )
+        return None
+
+    # --- structure --------------------------------------------------------------------------
+    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
+        """The cuts smashed data may come from, shallow to deep (FedSplitX: its levels). The
+        worker's replica starts at the first; the coordinator assigns clients among them."""
+        return (cut,)
+
+    def for_model(self, model: Callable[[], SplitNet], cut: str) -> Self:
+        """The strategy as the aggregator runs it, bound to what aggregation needs of the
+        model (FedSplitX: which blocks follow which cut); `model` is called only then."""
+        return self
+
+    # --- roles ------------------------------------------------------------------------------
     def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        """Blobs of version 1, from a freshly seeded model."""
-        ...
+        """Blobs of version 1, from a freshly seeded model: client, server and heads."""
+        return {
+            CLIENT: client_state(model, cut),
+            SERVER: server_state(model, cut),
+            AUX: head_state(model, model.cuts),
+        }
 
     def client_round(
         self,
         model: SplitNet,
         cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        batches: Batches,
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
         context: ClientContext,
     ) -> RoundResult:
         """Train the client side for one round; `model` holds the assigned weights."""
-        ...
+        raise NotImplementedError
 
     def server_step(
-        self,
-        server: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Sequence[CohortBatch],
-    ) -> list[tuple[torch.Tensor, float, int]]:
-        """One server step; per batch (dL/dz, loss, correct) in input order."""
-        ...
+        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+    ) -> StepResults:
+        """One server step; per batch (dL/dz, loss, correct) in input order. The default is
+        the no-server step of algorithms that do not split: no smashed data should arrive."""
+        raise RuntimeError(f"{self.name} has no server-side model: no smashed data should arrive")
 
     def aggregate(
         self,
@@ -196,29 +299,78 @@ class Strategy(Protocol):
         updates: Sequence[ClientUpdate],
         replicas: Sequence[ShardReplica],
     ) -> VersionWeights:
-        """Turn a round's updates and shard replicas into the blobs of the next version."""
-        ...
+        """The next version's blobs from a round's updates and replicas; FedAvg-style by
+        default (`average_round`)."""
+        return average_round(previous, updates, replicas)
 
-
-def personal_metrics(
-    strategy: object,
-    model: SplitNet,
-    blobs: VersionWeights,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    clients: Mapping[str, Sequence[int]],
-) -> dict[str, float]:
-    """A strategy's metrics of each client's model in a published version (SplitGP: head,
-    server and split-inference accuracy on the client's local test set and the others), from
-    its `personal_metrics(model, blobs, x, y, clients)` where it has one: the test rows (x, y)
-    and `clients` (id -> its classes); `model` is a scratch model. For the report's `extra`."""
-    own = getattr(strategy, "personal_metrics", None)
-    if not callable(own):
+    # --- report -----------------------------------------------------------------------------
+    def personal_metrics(
+        self,
+        model: SplitNet,
+        blobs: VersionWeights,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        clients: Mapping[str, Sequence[int]],
+    ) -> dict[str, float]:
+        """Metrics of each client's model in a published version for the report's `extra`
+        (SplitGP: head, server and split-inference accuracy), on the test rows (x, y);
+        `clients` maps each id to its classes, `model` is a scratch model."""
         return {}
-    return {str(k): float(v) for k, v in own(model, blobs, x, y, clients).items()}
 
 
-def serves_inference(strategy: object) -> bool:
-    """Whether workers answer InferRequests for this strategy (SplitGP's split inference):
-    an optional true `split_inference` attribute."""
-    return getattr(strategy, "split_inference", False) is True
+def assign_level(capability: int, levels: int, default: int) -> int:
+    """The depth level of a client declaring `capability` (the deepest level it can run):
+    itself, capped at the `levels` there are; `default` (also capped) when it declares none."""
+    if levels < 1:
+        raise ValueError(f"need at least one level, got {levels}")
+    wanted = capability if capability > 0 else default
+    return max(1, min(wanted, levels))
+
+
+# The name the roles annotate with.
+Strategy = StrategyBase
+
+
+def full_state(model: SplitNet) -> dict[str, torch.Tensor]:
+    """The blocks' state (heads excluded): the whole model of a non-split algorithm."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")}
+
+
+def average_clients(
+    previous: VersionWeights, updates: Sequence[ClientUpdate]
+) -> dict[BlobRef, dict[str, torch.Tensor]]:
+    """`previous` with `client/global` the FedAvg of the uploads, alpha_k = |D_k| / sum |D_i|."""
+    if not updates:
+        raise ValueError("no client updates to aggregate")
+    out = dict(previous)
+    out[CLIENT] = weighted_average(
+        [u.client_weights for u in updates], [u.samples for u in updates]
+    )
+    return out
+
+
+def average_replicas(out: VersionWeights, replicas: Sequence[ShardReplica]) -> VersionWeights:
+    """`out` with `server/global` the replicas averaged by the samples they trained on (kept
+    as it is when none trained)."""
+    trained = [r for r in replicas if r.samples > 0]
+    if trained:
+        out[SERVER] = weighted_average([r.weights for r in trained], [r.samples for r in trained])
+    return out
+
+
+def average_round(
+    previous: VersionWeights, updates: Sequence[ClientUpdate], replicas: Sequence[ShardReplica]
+) -> VersionWeights:
+    """FedAvg of the client sides, and of the shard replicas by samples trained."""
+    return average_replicas(average_clients(previous, updates), replicas)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unsplit(StrategyBase):
+    """Base of the algorithms that train the whole model on the client (FedAvg, FedDeper,
+    Standalone): no smashed data, the whole model travels as `client/global`."""
+
+    splits = False
+
+    def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
+        return {CLIENT: full_state(model)}

@@ -5,45 +5,135 @@ Per round a client trains two copies of the whole model on the same minibatches:
 round's global model `x`, and its own `v` (`ClientContext.memory`, initialised to the first
 global model it receives). It uploads `y = u - lam (v - x)` and reports the accuracy of `v` on
 its local test set (`metrics["personal_accuracy"]`); the aggregator averages the `y` weighted
-by samples. The step and upload rule is `services.algorithms.feddeper_rules`, chosen by
-`[algorithm.feddeper] rule`.
+by samples. The rule, chosen by `[algorithm.feddeper] rule` (design §8, `"proximal"`):
+
+    v <- v - eta * (g(v) + rho * (v - x))      personal step, pulled towards x
+    u <- u - eta * g(u)                        local step, plain SGD
+    y  = u - lam * (v - x)                     the depersonalised upload
+    x' = sum_k alpha_k y_k                     server, alpha_k = |D_k| / sum |D_i|
+
+`v - x` is how far the client's own optimum pulls away from the global model; subtracting a
+share of it from `u` keeps the client-specific drift out of the average. The paper's own
+equations (it alternates the two SGD updates) may differ: docs/algorithms.md says how. A rule
+is swappable: another one implements `DeperRule` and is added to `RULES` under its name.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Protocol, Self
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
-from broker.messages import ConfigValue
 from models.split import SplitNet
 from models.state import load_partial
-from services.algorithms.averaging import weighted_average
 from services.algorithms.base import (
+    Batches,
     ClientContext,
-    ClientUpdate,
-    CohortBatch,
     Hyper,
+    Params,
     RoundResult,
-    ShardReplica,
     SmashedChannel,
-    VersionWeights,
+    State,
+    Unsplit,
+    algorithm,
+    full_state,
 )
-from services.algorithms.fedavg import CLIENT, full_state
-from services.algorithms.feddeper_rules import DeperRule, make_rule, upload_state
-from services.config.algorithms import FedDeperSection
 
 # `ClientContext.memory` key prefix of the personalised model's tensors.
 PERSONAL = "v:"
 
 
-def personal_model(
-    memory: Mapping[str, torch.Tensor], x: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor] | None:
+class FedDeperSection(Params):
+    # Proximal pull of the personalised model v towards the round's global model x.
+    rho: float = Field(default=0.1, ge=0)
+    # Upload y = u - lam*(v - x).
+    lam: float = Field(default=0.5, ge=0)
+    # The documented, swappable depersonalisation rule (`RULES`).
+    rule: Literal["proximal"] = "proximal"
+
+
+def proximal_direction(
+    grad: torch.Tensor, v: torch.Tensor, x: torch.Tensor, rho: float
+) -> torch.Tensor:
+    """`g(v) + rho * (v - x)`: the gradient of `f_k(v) + rho/2 * ||v - x||^2`."""
+    return grad + rho * (v - x)
+
+
+def depersonalised(u: torch.Tensor, v: torch.Tensor, x: torch.Tensor, lam: float) -> torch.Tensor:
+    """The upload `y = u - lam * (v - x)`."""
+    return u - lam * (v - x)
+
+
+class DeperRule(Protocol):
+    """Directions for the two per-step updates and the upload, per tensor."""
+
+    def personal_direction(
+        self, grad: torch.Tensor, v: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def local_direction(
+        self, grad: torch.Tensor, u: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def upload(self, u: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ProximalRule:
+    """Design §8's reading (module docstring)."""
+
+    rho: float
+    lam: float
+
+    def personal_direction(
+        self, grad: torch.Tensor, v: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        return proximal_direction(grad, v, x, self.rho)
+
+    def local_direction(self, grad: torch.Tensor, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    def upload(self, u: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return depersonalised(u, v, x, self.lam)
+
+
+RULES: Mapping[str, Callable[[FedDeperSection], DeperRule]] = MappingProxyType(
+    {"proximal": lambda s: ProximalRule(rho=s.rho, lam=s.lam)}
+)
+
+
+def make_rule(section: FedDeperSection) -> DeperRule:
+    factory = RULES.get(section.rule)
+    if factory is None:
+        raise ValueError(f"unknown FedDeper rule {section.rule!r}; known: {sorted(RULES)}")
+    return factory(section)
+
+
+def upload_state(
+    rule: DeperRule, u: State, v: State, x: State, parameters: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """The state a client uploads: `rule.upload` on every trainable parameter; buffers
+    (BatchNorm's running statistics and counters) are `u`'s, because a difference of running
+    variances can go negative and a counter is not a point in parameter space."""
+    if set(u) != set(x) or set(v) != set(x):
+        raise ValueError("u, v and x must hold the same tensor names")
+    out: dict[str, torch.Tensor] = {}
+    for name, u_t in u.items():
+        if name in parameters:
+            out[name] = rule.upload(u_t.detach(), v[name].detach(), x[name].detach())
+        else:
+            out[name] = u_t.detach().clone()
+    return out
+
+
+def personal_model(memory: State, x: State) -> dict[str, torch.Tensor] | None:
     """`v` from the client's memory, or None when it holds none that fits the model `x`
     (first round, or a job with another model)."""
     v = {name[len(PERSONAL) :]: t for name, t in memory.items() if name.startswith(PERSONAL)}
@@ -52,7 +142,7 @@ def personal_model(
     return v
 
 
-def remember(memory: dict[str, torch.Tensor], v: Mapping[str, torch.Tensor]) -> None:
+def remember(memory: dict[str, torch.Tensor], v: State) -> None:
     """Replace the personalised model in `memory` (in place: the client owns the dict)."""
     for name in [n for n in memory if n.startswith(PERSONAL)]:
         del memory[name]
@@ -68,29 +158,28 @@ def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.cross_entropy(model(x), y).backward()
 
 
-@dataclass(frozen=True)
-class FedDeper:
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    # A parameter the loss does not reach (none in the built-in models) has no gradient.
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+@algorithm("feddeper", params=FedDeperSection, shards="one")
+@dataclass(frozen=True, kw_only=True)
+class FedDeper(Unsplit):
     rule: DeperRule = field(default_factory=lambda: make_rule(FedDeperSection()))
     name: str = "feddeper"
-    splits: bool = False
-    waits_for_gradient: bool = False
-    server_barrier: bool = False
-    # The personalised models live only on the clients: the run's personalised accuracy is what
-    # they report, not the aggregator's evaluation (`services.algorithms.base.personal_on_clients`).
-    personal_on_clients: bool = True
+    personal_on_clients = True
 
     @classmethod
-    def from_params(cls, params: Mapping[str, ConfigValue]) -> FedDeper:
-        return cls(rule=make_rule(FedDeperSection.model_validate(dict(params))))
-
-    def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        return {CLIENT: full_state(model)}
+    def create(cls, name: str, params: Params | None) -> Self:
+        assert isinstance(params, FedDeperSection)
+        return cls(rule=make_rule(params), name=name)
 
     def client_round(
         self,
         model: SplitNet,
         cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        batches: Batches,
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
@@ -130,28 +219,3 @@ class FedDeper:
             "report.personal_accuracy": personal,
         }
         return RoundResult(upload, metrics=metrics)
-
-    def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
-    ) -> list[tuple[torch.Tensor, float, int]]:
-        raise RuntimeError("FedDeper has no server-side model: no smashed data should arrive")
-
-    def aggregate(
-        self,
-        previous: VersionWeights,
-        updates: Sequence[ClientUpdate],
-        replicas: Sequence[ShardReplica],
-    ) -> VersionWeights:
-        """`x <- sum_k alpha_k y_k`, alpha_k by samples."""
-        if not updates:
-            raise ValueError("no client updates to aggregate")
-        out = dict(previous)
-        out[CLIENT] = weighted_average(
-            [u.client_weights for u in updates], [u.samples for u in updates]
-        )
-        return out
-
-
-def _grad(p: nn.Parameter) -> torch.Tensor:
-    # A parameter the loss does not reach (none in the built-in models) has no gradient.
-    return p.grad if p.grad is not None else torch.zeros_like(p)

@@ -6,51 +6,136 @@ Join. A client at level m trains blocks `[:c_m]` and heads a_1..a_m on `sum_{i<=
 and uploads its detached activation at c_m with the labels, never waiting for a gradient. The
 worker's replica holds everything after c_1 and trains a batch from level m on
 `sum_{i>m} l(a_i, y) + l(output, y)`, starting at the batch's cut. Aggregation is heteroavg
-(`fedsplitx_math`). Local-loss SFL has one level, the job's cut (`model.cut`), and no server
-heads.
+(below). Local-loss SFL has one level, the job's cut (`model.cut`), and no server heads.
 
 Blobs: `client/global` holds the blocks up to c_M (a client loads them all and trains its own),
 `server/global` the blocks after c_1 with the heads of c_2..c_M (the replica), `aux/global` the
 heads of every level. A tensor in two blobs has one value: the heteroavg of its holders.
+
+The math, for a client at level m:
+- client loss: `sum_{i<=m} l(a_i(z_i), y)`, z_i the activation at c_i (`local_loss`);
+- server loss for a batch from level m: `sum_{i>m} l(a_i(z_i), y) + l(f(x), y)` (`server_loss`);
+- heteroavg: each tensor is the weighted mean over those that trained it this round (a client
+  holding it, a shard replica that ran batches through it), weighted by the samples each
+  trained it on; a tensor nobody trained keeps its previous value (`heteroavg`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Self
 
 import torch
-from torch import nn
+from pydantic import Field
+from torch import Tensor, nn
 from torch.nn import functional as F
 
-from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.flops import forward_flops
 from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import client_state, head_state, load_partial, server_state
+from services.algorithms.averaging import holder_average
 from services.algorithms.base import (
+    AUX,
+    CLIENT,
+    SERVER,
+    Batches,
     ClientContext,
     ClientUpdate,
     CohortBatch,
     Hyper,
+    Params,
     RoundResult,
     ShardReplica,
     SmashedChannel,
+    State,
+    StepResults,
+    StrategyBase,
     VersionWeights,
+    algorithm,
 )
-from services.algorithms.fedsplitx_math import (
-    Holding,
-    heteroavg,
-    local_loss,
-    parse_cuts,
-    replica_holdings,
-    server_loss,
-)
-from services.config.algorithms import FedSplitXSection
 
-CLIENT = BlobRef(CLIENT_PART)
-SERVER = BlobRef(SERVER_PART)
-AUX = BlobRef(AUX_PART)
+Holding = tuple[State, float]  # a state and the samples it was trained on
+
+
+class FedSplitXSection(Params):
+    # Partition points, comma-separated cut names shallow to deep ("block1,block2,block3"); a
+    # client at level m holds the blocks up to the m-th. Empty: the model's cuts. (local_loss_sfl
+    # ignores it: its one level is the job's cut, model.cut.)
+    cuts: str = Field(default="", pattern=r"^\s*([A-Za-z0-9_]+\s*(,\s*[A-Za-z0-9_]+\s*)*)?$")
+    # Level assigned when a client declares no capability (Join.capability = 0) and has none in
+    # clients.capability_mix; capped at the number of levels.
+    default_level: int = Field(default=1, ge=1)
+
+
+def parse_cuts(text: str) -> tuple[str, ...]:
+    """`"block1, block2"` → ("block1", "block2"); empty text gives ()."""
+    cuts = tuple(part.strip() for part in text.split(",") if part.strip())
+    if len(set(cuts)) != len(cuts):
+        raise ValueError(f"partition points must be distinct, got {text!r}")
+    return cuts
+
+
+def local_loss(head_logits: Sequence[Tensor], y: Tensor) -> Tensor:
+    """The client's loss `sum_{i<=m} l(a_i(z_i), y)` over its heads' logits."""
+    if not head_logits:
+        raise ValueError("a client trains at least one head")
+    return torch.stack([F.cross_entropy(logits, y) for logits in head_logits]).sum()
+
+
+def server_loss(head_logits: Sequence[Tensor], output: Tensor, y: Tensor) -> Tensor:
+    """The server's loss for one batch: `sum_{i>m} l(a_i(z_i), y) + l(output, y)`."""
+    return torch.stack([F.cross_entropy(t, y) for t in (*head_logits, output)]).sum()
+
+
+def tensor_depth(name: str, cut_index: Mapping[str, int]) -> int | None:
+    """Where a state-dict name sits in the chain: block i for `blocks.<i>.*`, and for the head
+    of cut c (`heads.<c>.*`) the index of the block c follows; None for other names."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] == "blocks" and parts[1].isdigit():
+        return int(parts[1])
+    if len(parts) >= 2 and parts[0] == "heads" and parts[1] in cut_index:
+        return cut_index[parts[1]]
+    return None
+
+
+def replica_holdings(
+    weights: State,
+    cut_samples: Mapping[str, int],
+    cut_index: Mapping[str, int],
+    trained_heads: Collection[str],
+) -> list[Holding]:
+    """A shard replica as heteroavg holders: its tensors grouped by the samples that went
+    through them. A batch from cut c trains the blocks after c and the heads in `trained_heads`
+    after c, so a tensor at depth d was trained on the rows of every cut before d; tensors no
+    batch reached (weight 0) are not held."""
+    unknown = sorted(set(cut_samples) - set(cut_index))
+    if unknown:
+        raise ValueError(f"replica trained on batches from unknown cuts {unknown}")
+    groups: dict[float, dict[str, Tensor]] = {}
+    for name, tensor in weights.items():
+        depth = tensor_depth(name, cut_index)
+        if depth is None:
+            continue
+        if name.startswith("heads.") and name.split(".")[1] not in trained_heads:
+            continue
+        samples = float(sum(n for c, n in cut_samples.items() if cut_index[c] < depth))
+        if samples > 0:
+            groups.setdefault(samples, {})[name] = tensor
+    return [(state, samples) for samples, state in groups.items()]
+
+
+def heteroavg(holdings: Sequence[Holding], previous: State) -> dict[str, Tensor]:
+    """Each tensor of `previous` averaged over the holders that hold it, by their samples;
+    tensors nobody holds keep their previous value. Holders with no samples are ignored."""
+    held = [(state, weight) for state, weight in holdings if weight > 0 and state]
+    unknown = sorted({n for state, _ in held for n in state} - set(previous))
+    if unknown:
+        raise ValueError(f"holders name tensors the model does not have: {unknown[:5]}")
+    if not held:
+        return dict(previous)
+    return holder_average([s for s, _ in held], [w for _, w in held], previous)
 
 
 def check_levels(model: SplitNet, levels: Sequence[str]) -> tuple[str, ...]:
@@ -136,41 +221,43 @@ def client_forward(
     return x, logits
 
 
-@dataclass(frozen=True)
-class FedSplitX:
+@algorithm("local_loss_sfl", params=FedSplitXSection, section="fedsplitx")
+@algorithm("fedsplitx", params=FedSplitXSection)
+@dataclass(frozen=True, kw_only=True)
+class FedSplitX(StrategyBase):
     name: str = "fedsplitx"
-    splits: bool = True
-    waits_for_gradient: bool = False
-    server_barrier: bool = False
-    # A client uploads only the blocks up to its own level (the aggregator's gate allows it).
-    partial_client_updates: bool = True
+    waits_for_gradient = False
     cuts: tuple[str, ...] = ()  # the partition points; (): the model's cuts
     one_level: bool = False  # local-loss SFL: the job's cut is the only level
     default_level: int = 1
     structure: Structure | None = field(default=None, compare=False)
 
     @classmethod
-    def from_params(cls, params: Mapping[str, object]) -> FedSplitX:
-        section = FedSplitXSection.model_validate(dict(params))
-        return cls(cuts=parse_cuts(section.cuts), default_level=section.default_level)
+    def create(cls, name: str, params: Params | None) -> Self:
+        """Local-loss SFL: one level at the job's cut; `[algorithm.fedsplitx]` is validated,
+        not used."""
+        assert isinstance(params, FedSplitXSection)
+        if name == "local_loss_sfl":
+            return cls(name=name, one_level=True)
+        return cls(name=name, cuts=parse_cuts(params.cuts), default_level=params.default_level)
 
-    @classmethod
-    def local_loss_sfl(cls, params: Mapping[str, object]) -> FedSplitX:
-        """Local-loss SFL at the job's cut; `[algorithm.fedsplitx]` is validated, not used."""
-        FedSplitXSection.model_validate(dict(params))
-        return cls(name="local_loss_sfl", one_level=True, partial_client_updates=False)
+    @property
+    def partial_client_updates(self) -> bool:
+        # A client uploads only the blocks up to its own level (the aggregator's gate allows it).
+        return not self.one_level
 
     # --- structure ----------------------------------------------------------------------------
     def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
         """The depth levels' cuts, shallow to deep (`cut`, the job's, for local-loss SFL)."""
         return check_levels(model, (cut,) if self.one_level else (self.cuts or model.cuts))
 
-    def for_model(self, model: SplitNet, cut: str) -> FedSplitX:
-        levels = self.batch_cuts(model, cut)
+    def for_model(self, model: Callable[[], SplitNet], cut: str) -> Self:
+        built = model()
+        levels = self.batch_cuts(built, cut)
         structure = Structure(
             levels=levels,
-            cut_index={c: model.cut_index(c) for c in model.cuts},
-            costs=tuple(level_costs(model, levels)),
+            cut_index={c: built.cut_index(c) for c in built.cuts},
+            costs=tuple(level_costs(built, levels)),
         )
         return replace(self, structure=structure)
 
@@ -198,7 +285,7 @@ class FedSplitX:
         self,
         model: SplitNet,
         cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        batches: Batches,
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
@@ -253,7 +340,7 @@ class FedSplitX:
 
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
-    ) -> list[tuple[torch.Tensor, float, int]]:
+    ) -> StepResults:
         """One step on the rows-weighted mean of the batches' server losses, each batch run
         from its own cut; no gradient goes back."""
         if not isinstance(server, ServerModel):
@@ -264,7 +351,7 @@ class FedSplitX:
         total = float(sum(int(b.labels.shape[0]) for b in batches))
         heads = self._server_heads()
         objective = torch.zeros((), device=device)
-        results: list[tuple[torch.Tensor, float, int]] = []
+        results: StepResults = []
         for b in batches:
             z = b.activations.detach().to(device=device, dtype=torch.float32)
             y = b.labels.to(device=device, dtype=torch.long)

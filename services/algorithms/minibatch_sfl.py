@@ -1,7 +1,8 @@
 """MiniBatch-SFL (Huang, Tian, Tang): at step i every cohort client sends z_n; the worker takes
 ONE server step on all of them, equation (3), returning each dh/dz_n at the pre-update weights.
 Client sides are averaged with p_n = D_n / sum D after each round of E local epochs, which is
-SFL's client side and aggregation; only the server step differs.
+SFL's client side and aggregation; only the server step differs. That per-step barrier over
+the cohort needs rounds: the algorithm stays synchronous.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.algorithms.base import CohortBatch
+from services.algorithms.base import CohortBatch, StepResults, algorithm
 from services.algorithms.server_math import weighted_step
 from services.algorithms.sfl import SFL
 
 
-@dataclass(frozen=True)
+@algorithm("minibatch_sfl", sync_only=True, shards="one")
+@dataclass(frozen=True, kw_only=True)
 class MiniBatchSFL(SFL):
     name: str = "minibatch_sfl"
-    server_barrier: bool = True
+    server_barrier = True
 
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
-    ) -> list[tuple[torch.Tensor, float, int]]:
+    ) -> StepResults:
         r = weighted_step(
             server,
             optimizer,

@@ -1,50 +1,160 @@
-"""Algorithm name (+ its parameters) → strategy.
+"""Algorithm name → its `AlgorithmSpec` (services.algorithms.base), built-in or a plugin's.
 
-Each factory takes the algorithm's `params` (the values of its `[algorithm.<name>]` section,
-as `AlgorithmSection.params()` gives them and the coordinator forwards them to clients) and
-validates them itself, so a client built from a Welcome's config is held to the same rules as
-the service's own settings.
+A module defines its algorithms with the `algorithm` decorator, which only records the spec on
+the class; a `Registry` imports modules when a name is first asked for and reads the specs of
+the classes defined there. Built-ins are found through `BUILTINS`, an index of our own like an
+entry-point table, so that the config checks a name without importing torch (`splitmq check`
+runs every few seconds as a healthcheck); the index must name what the module registers, or
+the registry refuses it. Other packages add algorithms through the entry-point group
+`splitmq.algorithms` (`name = "package.module"`), imported only when a name is not a
+built-in's: `docs/algorithms.md` "Write your own algorithm".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from broker.messages import ConfigValue
-from services.algorithms.base import Strategy
-from services.algorithms.fedavg import FedAvg
-from services.algorithms.feddeper import FedDeper
-from services.algorithms.fedsplitx import FedSplitX
-from services.algorithms.minibatch_sfl import MiniBatchSFL
-from services.algorithms.sfl import SFL
-from services.algorithms.splitgp import SplitGP
-from services.algorithms.standalone import Standalone
-from services.algorithms.subfedavg import SubFedAvg
+if TYPE_CHECKING:  # base imports torch, which the config must not (module docstring)
+    from services.algorithms.base import AlgorithmSpec, Params, StrategyBase
 
-Params = Mapping[str, ConfigValue]
-StrategyFactory = Callable[[Params], Strategy]
-
-STRATEGIES: Mapping[str, StrategyFactory] = MappingProxyType(
-    {
-        "fedavg": lambda _p: FedAvg(),
-        "sfl_v1": lambda _p: SFL(name="sfl_v1"),
-        "sfl_v2": lambda _p: SFL(name="sfl_v2"),
-        "sfl": lambda _p: SFL(),
-        "minibatch_sfl": lambda _p: MiniBatchSFL(),
-        "fedsplitx": lambda p: FedSplitX.from_params(p),
-        "local_loss_sfl": lambda p: FedSplitX.local_loss_sfl(p),
-        "splitgp": SplitGP.from_params,
-        "subfedavg": SubFedAvg.from_params,
-        "standalone": lambda _p: Standalone(),
-        "feddeper": lambda p: FedDeper.from_params(p),
-    }
-)
+GROUP = "splitmq.algorithms"
+BUILTINS: Mapping[str, str] = {
+    "fedavg": "fedavg",
+    "sfl_v1": "sfl",
+    "sfl_v2": "sfl",
+    "sfl": "sfl",
+    "minibatch_sfl": "minibatch_sfl",
+    "splitgp": "splitgp",
+    "fedsplitx": "fedsplitx",
+    "local_loss_sfl": "fedsplitx",
+    "feddeper": "feddeper",
+    "subfedavg": "subfedavg",
+    "standalone": "standalone",
+}
 
 
-def build_strategy(name: str, params: Params | None = None) -> Strategy:
-    """The strategy `name` with `params`; `ValueError` for an unknown name or bad parameters."""
-    factory = STRATEGIES.get(name)
-    if factory is None:
-        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(STRATEGIES)}")
-    return factory(params or {})
+class AlgorithmPluginError(ValueError):
+    """A plugin of the `splitmq.algorithms` group could not be loaded."""
+
+
+def specs_in(source: object) -> list[AlgorithmSpec]:
+    """The specs of a class, or of the classes a module defines itself (not those it imports)."""
+    from services.algorithms.base import StrategyBase
+
+    if isinstance(source, ModuleType):
+        classes = [
+            c
+            for c in vars(source).values()
+            if inspect.isclass(c) and c.__module__ == source.__name__
+        ]
+    elif inspect.isclass(source):
+        classes = [source]
+    else:
+        raise TypeError(f"expected a module or a strategy class, got {source!r}")
+    return [
+        s for c in classes if issubclass(c, StrategyBase) for s in vars(c).get("registrations", ())
+    ]
+
+
+class Registry:
+    """The algorithms of one process (tests build their own, with other modules or group)."""
+
+    def __init__(
+        self,
+        builtins: Mapping[str, str] = BUILTINS,
+        package: str = "services.algorithms",
+        group: str = GROUP,
+    ) -> None:
+        self._builtins = {name: f"{package}.{module}" for name, module in builtins.items()}
+        self._group = group
+        self._specs: dict[str, AlgorithmSpec] = {}
+        self._plugins: dict[str, EntryPoint] | None = None
+        self._loaded: set[str] = set()
+
+    def add(self, source: object) -> list[AlgorithmSpec]:
+        """Register what a module or class declares; `ValueError` when a name is taken."""
+        found = specs_in(source)
+        for spec in found:
+            known = self._specs.get(spec.name)
+            if known is not None and known.strategy is not spec.strategy:
+                raise ValueError(
+                    f"algorithm {spec.name!r} registered twice: by "
+                    f"{known.strategy.__qualname__} and {spec.strategy.__qualname__}"
+                )
+            self._specs[spec.name] = spec
+        return found
+
+    def names(self) -> list[str]:
+        """Every known name, built-in or a plugin's (the plugins' without importing them)."""
+        return sorted({*self._builtins, *self._entry_points(), *self._specs})
+
+    def known(self, name: str) -> bool:
+        """Whether `name` is an algorithm, without importing it (nor torch)."""
+        return name in self._builtins or name in self._specs or name in self._entry_points()
+
+    def get(self, name: str) -> AlgorithmSpec:
+        """The spec of `name`, its module imported if need be; `ValueError` if unknown."""
+        spec = self._specs.get(name)
+        if spec is None:
+            self._import(name)
+            spec = self._specs.get(name)
+        if spec is None:
+            raise ValueError(f"unknown algorithm {name!r}; known: {self.names()}")
+        return spec
+
+    def section(self, key: str) -> type[Params] | None:
+        """The parameter section `[algorithm.<key>]`: that of the algorithm named `key`."""
+        if not self.known(key):
+            return None
+        spec = self.get(key)
+        return spec.params if spec.section == key else None
+
+    def build(self, name: str, params: Mapping[str, object] | None = None) -> StrategyBase:
+        """The strategy `name` with `params`; `ValueError` for an unknown name or bad params."""
+        return self.get(name).build(params)
+
+    def all(self) -> list[AlgorithmSpec]:
+        """Every spec, each module imported (for the contract suite and listings)."""
+        return [self.get(name) for name in self.names()]
+
+    # --- loading ----------------------------------------------------------------------------
+    def _import(self, name: str) -> None:
+        module = self._builtins.get(name)
+        if module is not None:
+            self._load(module, lambda: importlib.import_module(module), (name,))
+            return
+        entry = self._entry_points().get(name)
+        if entry is not None:
+            self._load(f"plugin {entry.name!r} ({entry.value})", entry.load, (name,))
+
+    def _load(self, label: str, load: Callable[[], object], promised: Iterable[str]) -> None:
+        if label in self._loaded:
+            return
+        self._loaded.add(label)
+        try:
+            source = load()
+        except Exception as exc:
+            raise AlgorithmPluginError(f"algorithm {label} failed to import: {exc!r}") from exc
+        names = {spec.name for spec in self.add(source)}
+        missing = sorted(set(promised) - names)
+        if missing:
+            raise AlgorithmPluginError(f"algorithm {label} registers no algorithm {missing}")
+
+    def _entry_points(self) -> dict[str, EntryPoint]:
+        if self._plugins is None:
+            self._plugins = {ep.name: ep for ep in entry_points(group=self._group)}
+        return self._plugins
+
+
+# The process's registry: roles and the config look algorithms up here.
+REGISTRY = Registry()
+
+
+def build_strategy(name: str, params: Mapping[str, object] | None = None) -> StrategyBase:
+    """`REGISTRY.build`: the strategy `name` with `params` (`ValueError` when bad)."""
+    return REGISTRY.build(name, params)

@@ -11,39 +11,345 @@ global blobs, and every client's personal blobs mixed
 
 Split inference: a client answers with its head when the entropy of its softmax is <= E_th,
 else it sends `phi_k(x)` to the workers (`services.client.inference`, `workers.inference`).
+
+SplitGP's per-version evaluation: every client's personalised model, three ways.
+
+For each client k (its `phi_k`, `h_k` from the version's personal blobs, else the global ones,
+and the shared `theta`), on the test split:
+- `head`: `h_k(phi_k(x))`, the model it runs alone;
+- `theta`: `theta(phi_k(x))`, the full model with its own client side;
+- `split`: split inference, the head's answer when its entropy is <= E_th, else theta's;
+each on the client's local test set (`local`: the test samples of its classes), the others
+(`ood`: out of distribution) and the whole split (`global`), with the fraction of rows sent
+to the server (`offload_*`). Accuracy at an out-of-distribution fraction p is then
+`(1 - p) * local + p * ood`. Means over clients are reported as `splitgp.<metric>`, and
+split inference at each threshold of a sweep as `splitgp.sweep.<E_th>.<metric>`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import torch
+from pydantic import Field
 from torch import nn
+from torch.nn import functional as F
 
-from broker.messages import ConfigValue
 from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
-from models.state import client_state, head_state
+from models.state import client_state, head_state, load_partial
 from services.algorithms.averaging import weighted_average
 from services.algorithms.base import (
+    AUX,
+    CLIENT,
+    Batches,
     ClientContext,
     ClientUpdate,
     CohortBatch,
     Hyper,
+    Params,
     RoundResult,
     ShardReplica,
     SmashedChannel,
+    State,
+    StepResults,
+    StrategyBase,
     VersionWeights,
+    algorithm,
+    average_replicas,
 )
-from services.algorithms.sfl import split_initial_weights
-from services.algorithms.splitgp_eval import SWEEP_THRESHOLDS, version_metrics
-from services.algorithms.splitgp_math import client_objective, mix, scaled_server_step
-from services.config.algorithms import SplitGPSection
+from services.algorithms.server_math import ServerStepResult, sequential_step, weighted_step
 
-CLIENT = BlobRef(CLIENT_PART)
-SERVER = BlobRef(SERVER_PART)
-AUX = BlobRef(AUX_PART)
+
+class SplitGPSection(Params):
+    # Weight of the client head's loss in F_k = gamma*l(phi,h) + (1-gamma)*l(phi,theta).
+    gamma: float = Field(default=0.5, ge=0, le=1)
+    # Personalisation: phi_k <- lam*phi_k + (1-lam)*mean_i phi_i (lam=0: multi-exit, shared).
+    lam: float = Field(default=0.2, ge=0, le=1)
+    # Split inference: predict at the client when the entropy of its head's softmax <= this.
+    entropy_threshold: float = Field(default=0.5, ge=0)
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def client_objective(
+    head_logits: torch.Tensor,
+    labels: torch.Tensor,
+    z: torch.Tensor,
+    server_grad: torch.Tensor,
+    gamma: float,
+) -> torch.Tensor:
+    """A scalar whose gradient w.r.t. the client's parameters is `grad F_k`.
+
+    `server_grad` is what the worker returned: `(1 - gamma) * dl_S/dz`, already scaled, so the
+    server's part enters as the surrogate `<z, server_grad>` (its gradient w.r.t. z is exactly
+    `server_grad`), and the head's part as `gamma * l(h(z), y)`.
+    """
+    head_loss = F.cross_entropy(head_logits, labels)
+    surrogate = (z * server_grad.to(device=z.device, dtype=z.dtype)).sum()
+    return gamma * head_loss + surrogate
+
+
+class ScaleGrad(nn.Module):
+    """`module` whose output gradient is multiplied by `scale` on the way back.
+
+    The forward value is exactly the module's (`y + s*(y - y)` with the second term detached to
+    zero); every gradient flowing through it, to the module's parameters and to its input, is
+    `scale` times the unscaled one: the same as scaling the loss, for any loss on the output.
+    """
+
+    def __init__(self, module: nn.Module, scale: float) -> None:
+        super().__init__()
+        self.module = module
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.module(x)
+        return y.detach() + self.scale * (y - y.detach())
+
+
+def scaled_server_step(
+    server: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    zs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    scale: float,
+) -> ServerStepResult:
+    """SplitGP's server step, eq. (8): `theta <- theta - eta * (1-gamma) * grad l_S`, and each
+    batch's `(1-gamma) * dl_S/dz` for its client (`scale` = 1 - gamma).
+
+    One batch: SFL's sequential step with the loss scaled. Several (a worker folding queued
+    messages): one step on their concatenation, each batch weighted by its rows, the returned
+    gradient being each batch's own, as in SFL's fold. Losses are the unscaled `l_S`.
+    """
+    if len(zs) == 1:
+        return sequential_step(server, optimizer, zs[0], ys[0], loss_scale=scale)
+    return weighted_step(
+        ScaleGrad(server, scale),
+        optimizer,
+        zs,
+        ys,
+        [float(y.shape[0]) for y in ys],
+        concat=True,
+    )
+
+
+# --- aggregation --------------------------------------------------------------------------------
+
+
+def mix(own: State, shared: State, lam: float) -> dict[str, torch.Tensor]:
+    """`lam * own + (1 - lam) * shared`, name by name.
+
+    Integer tensors (BatchNorm's `num_batches_tracked`) are counters, not parameters: the
+    client keeps its own. Computed in float64 and cast back, like the averages.
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    if set(own) != set(shared):
+        diff = sorted(set(own) ^ set(shared))
+        raise ValueError(f"cannot mix states with different tensor names: {diff[:5]}")
+    out: dict[str, torch.Tensor] = {}
+    for name, mine in own.items():
+        other = shared[name]
+        if mine.shape != other.shape:
+            raise ValueError(f"{name}: shape {tuple(mine.shape)} vs {tuple(other.shape)}")
+        if not mine.is_floating_point():
+            out[name] = mine.detach().clone()
+            continue
+        mixed = lam * mine.detach().to(torch.float64) + (1.0 - lam) * other.detach().to(
+            torch.float64
+        )
+        out[name] = mixed.to(mine.dtype)
+    return out
+
+
+# --- split inference ----------------------------------------------------------------------------
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, `E = -sum_q p_q log p_q` of `softmax(logits)`, in nats (0 <= E <= log C)."""
+    log_p = F.log_softmax(logits.detach().to(torch.float64), dim=1)
+    # p * log p -> 0 as p -> 0; log_softmax of finite logits is finite, so no 0 * inf here.
+    return -(log_p.exp() * log_p).sum(dim=1)
+
+
+def stays_local(entropies: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Which rows the client answers itself: `E <= E_th` (a row exactly at it stays local)."""
+    return entropies <= threshold
+
+
+def split_predictions(
+    head_logits: torch.Tensor, server_logits: torch.Tensor, local: torch.Tensor
+) -> torch.Tensor:
+    """The class of each row: the head's where `local`, the server's elsewhere.
+
+    `server_logits` holds one row per offloaded row (`~local`), in order.
+    """
+    predicted = head_logits.argmax(dim=1)
+    offloaded = ~local
+    if int(offloaded.sum()) != server_logits.shape[0]:
+        raise ValueError(
+            f"{int(offloaded.sum())} rows offloaded but {server_logits.shape[0]} server answers"
+        )
+    if server_logits.shape[0]:
+        predicted[offloaded] = server_logits.argmax(dim=1).to(predicted.device)
+    return predicted
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """Split inference at one threshold: accuracy and the fraction of rows sent to the server."""
+
+    threshold: float
+    accuracy: float
+    offloaded: float
+    rows: int
+
+
+def sweep(
+    entropies: torch.Tensor,
+    head_correct: torch.Tensor,
+    server_correct: torch.Tensor,
+    thresholds: Sequence[float],
+) -> list[SweepPoint]:
+    """Split inference at each threshold, from per-row entropies and per-row correctness of
+    the head's and the server's answers (both computed once for every row)."""
+    rows = int(entropies.shape[0])
+    points = []
+    for threshold in thresholds:
+        local = stays_local(entropies, threshold)
+        correct = torch.where(local, head_correct, server_correct)
+        points.append(
+            SweepPoint(
+                threshold=float(threshold),
+                accuracy=float(correct.sum()) / rows if rows else float("nan"),
+                offloaded=float((~local).sum()) / rows if rows else float("nan"),
+                rows=rows,
+            )
+        )
+    return points
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+# E_th of the sweep reported with every version (nats; log 10 = 2.30 is the most a 10-class
+# softmax can have, so the last one keeps nearly everything on the client).
+SWEEP_THRESHOLDS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
+SETS = ("local", "ood", "global")
+CHUNK = 512
+
+
+def cut_of(model: SplitNet, client_state: Mapping[str, torch.Tensor]) -> str:
+    """The cut a client-side state ends at (the last block it holds)."""
+    indices = {int(name.split(".")[1]) for name in client_state if name.startswith("blocks.")}
+    if not indices:
+        raise ValueError("the client-side state holds no block")
+    cut = model.block_names[max(indices)]
+    model.cut_index(cut)  # raises when that block is not a cut
+    return cut
+
+
+def client_weights(blobs: VersionWeights, client: str) -> dict[str, torch.Tensor]:
+    """The whole model as client `client` holds it: global blobs, its personal ones on top."""
+    merged: dict[str, torch.Tensor] = {}
+    for part in (AUX_PART, SERVER_PART, CLIENT_PART):
+        merged.update(blobs.get(BlobRef(part), {}))
+        merged.update(blobs.get(BlobRef(part, client), {}))
+    return merged
+
+
+@dataclass(frozen=True)
+class RowResults:
+    """Per test row, for one client's model: head entropy, and whether each answer is right."""
+
+    entropy: torch.Tensor
+    head_correct: torch.Tensor
+    theta_correct: torch.Tensor
+
+
+def row_results(model: SplitNet, cut: str, x: torch.Tensor, y: torch.Tensor) -> RowResults:
+    """Run `model` (already holding the client's weights) over (x, y) in eval mode."""
+    body, head, server = model.client_blocks(cut), model.head(cut), model.server_blocks(cut)
+    was_training = model.training
+    model.eval()
+    entropies, head_hits, theta_hits = [], [], []
+    with torch.no_grad():
+        for start in range(0, len(y), CHUNK):
+            xs, ys = x[start : start + CHUNK], y[start : start + CHUNK]
+            z = body(xs)
+            head_logits = head(z)
+            entropies.append(entropy(head_logits))
+            head_hits.append(head_logits.argmax(dim=1) == ys)
+            theta_hits.append(server(z).argmax(dim=1) == ys)
+    model.train(was_training)
+    return RowResults(torch.cat(entropies), torch.cat(head_hits), torch.cat(theta_hits))
+
+
+def _rate(flags: torch.Tensor, rows: torch.Tensor) -> float:
+    n = int(rows.sum())
+    return float(flags[rows].sum()) / n if n else float("nan")
+
+
+def client_metrics(
+    results: RowResults,
+    y: torch.Tensor,
+    classes: Sequence[int],
+    threshold: float,
+    sweep: Sequence[float],
+) -> dict[str, float]:
+    """One client's metrics (names without the `splitgp.` prefix)."""
+    if classes:
+        local = torch.isin(y, torch.tensor(sorted(set(classes)), dtype=y.dtype))
+    else:  # no classes reported: every test row is its own distribution
+        local = torch.ones_like(y, dtype=torch.bool)
+    rows = {"local": local, "ood": ~local, "global": torch.ones_like(local)}
+    out: dict[str, float] = {}
+    for name, where in rows.items():
+        out[f"head_{name}"] = _rate(results.head_correct, where)
+        out[f"theta_{name}"] = _rate(results.theta_correct, where)
+    for prefix, th in [("", threshold), *((f"sweep.{t:g}.", t) for t in sweep)]:
+        kept = stays_local(results.entropy, th)
+        correct = torch.where(kept, results.head_correct, results.theta_correct)
+        for name, where in rows.items():
+            out[f"{prefix}split_{name}"] = _rate(correct, where)
+            out[f"{prefix}offload_{name}"] = _rate(~kept, where)
+    return out
+
+
+def version_metrics(
+    model: SplitNet,
+    blobs: VersionWeights,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clients: Mapping[str, Sequence[int]],
+    *,
+    threshold: float,
+    sweep: Sequence[float] = SWEEP_THRESHOLDS,
+) -> dict[str, float]:
+    """Means over `clients` (id -> classes) of every client's metrics, as `splitgp.<name>`.
+
+    `model` is a scratch model: it is left holding the last client's weights. A metric no
+    client has (e.g. `*_ood` when every client holds every class) is left out.
+    """
+    if not clients or BlobRef(CLIENT_PART) not in blobs:
+        return {}
+    cut = cut_of(model, blobs[BlobRef(CLIENT_PART)])
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for client, classes in sorted(clients.items()):
+        load_partial(model, client_weights(blobs, client))
+        metrics = client_metrics(row_results(model, cut, x, y), y, classes, threshold, sweep)
+        for name, value in metrics.items():
+            if value == value:  # NaN: the client has no such rows
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
+    return {f"splitgp.{name}": sums[name] / counts[name] for name in sums}
+
+
+# --- the algorithm --------------------------------------------------------------------------------
 
 
 def personalise(
@@ -82,34 +388,27 @@ def personalise(
     return out
 
 
-@dataclass(frozen=True)
-class SplitGP:
+@algorithm("splitgp", params=SplitGPSection)
+@dataclass(frozen=True, kw_only=True)
+class SplitGP(StrategyBase):
     gamma: float = 0.5
     lam: float = 0.2
     entropy_threshold: float = 0.5
     sweep: tuple[float, ...] = SWEEP_THRESHOLDS
     name: str = "splitgp"
-    splits: bool = True
-    waits_for_gradient: bool = True
-    server_barrier: bool = False
     # Workers answer InferRequests with theta (`workers.inference`).
-    split_inference: bool = True
+    split_inference = True
 
     @classmethod
-    def from_params(cls, params: Mapping[str, ConfigValue]) -> SplitGP:
-        section = SplitGPSection.model_validate(dict(params))
-        return cls(
-            gamma=section.gamma, lam=section.lam, entropy_threshold=section.entropy_threshold
-        )
-
-    def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        return split_initial_weights(model, cut)
+    def create(cls, name: str, params: Params | None) -> Self:
+        assert isinstance(params, SplitGPSection)
+        return cls(gamma=params.gamma, lam=params.lam, entropy_threshold=params.entropy_threshold)
 
     def client_round(
         self,
         model: SplitNet,
         cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        batches: Batches,
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
@@ -145,7 +444,7 @@ class SplitGP:
 
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
-    ) -> list[tuple[torch.Tensor, float, int]]:
+    ) -> StepResults:
         r = scaled_server_step(
             server,
             optimizer,
@@ -161,13 +460,7 @@ class SplitGP:
         updates: Sequence[ClientUpdate],
         replicas: Sequence[ShardReplica],
     ) -> VersionWeights:
-        out = personalise(previous, updates, self.lam)
-        trained = [r for r in replicas if r.samples > 0]
-        if trained:
-            out[SERVER] = weighted_average(
-                [r.weights for r in trained], [r.samples for r in trained]
-            )
-        return out
+        return average_replicas(personalise(previous, updates, self.lam), replicas)
 
     def personal_metrics(
         self,

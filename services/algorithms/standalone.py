@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from broker.store import CLIENT_PART, BlobRef
-from services.algorithms.base import ClientUpdate, ShardReplica, VersionWeights
+from services.algorithms.base import ClientUpdate, ShardReplica, VersionWeights, algorithm
 from services.algorithms.fedavg import FedAvg
 
 
-@dataclass(frozen=True)
+@algorithm("standalone")
+@dataclass(frozen=True, kw_only=True)
 class Standalone(FedAvg):
     name: str = "standalone"
 

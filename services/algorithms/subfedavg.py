@@ -7,7 +7,7 @@ and candidate masks are derived after the first and the last local epoch (`pruni
 sparsity is below `target`, and kept when the pruned model's local accuracy exceeds
 `acc_thresh`. The client uploads its masked weights and its masks.
 
-Server: intersection averaging (`masked_averaging`); each participant's personalised model,
+Server: intersection averaging (`intersection_average`); each participant's personalised model,
 the new global model under its mask, is published as its personal blob so that the
 aggregator's personalised accuracy evaluates the model the client will train from.
 
@@ -18,31 +18,39 @@ split model, the server side trained as in SFL (SFL-V2 with one shard).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Self
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
-from broker.messages import ConfigValue
 from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef
 from models.split import SplitNet
 from models.state import client_state
-from services.algorithms.averaging import weighted_average
+from services.algorithms.averaging import normalised, weighted_average
 from services.algorithms.base import (
+    CLIENT,
+    Batches,
     ClientContext,
     ClientUpdate,
     CohortBatch,
     Hyper,
+    Params,
     RoundResult,
     ShardReplica,
     SmashedChannel,
+    State,
+    StepResults,
+    StrategyBase,
     VersionWeights,
+    algorithm,
+    average_replicas,
+    full_state,
 )
-from services.algorithms.fedavg import full_state
 from services.algorithms.flops import count_flops
-from services.algorithms.masked_averaging import intersection_average
 from services.algorithms.prune_layout import PruneLayout, build_layout
 from services.algorithms.pruning import (
     AdoptionRule,
@@ -57,13 +65,33 @@ from services.algorithms.pruning import (
     percentile_mask,
     step_percent,
 )
-from services.algorithms.sfl import SERVER, SFL, split_initial_weights
-from services.config.algorithms import SubFedAvgSection
+from services.algorithms.sfl import SFL
 
-CLIENT = BlobRef(CLIENT_PART)
 WEIGHT_KEY = "subfedavg.weights."  # + weight name: the |w| masks in ClientContext.memory
 CHANNEL_KEY = "subfedavg.channels."  # + BN module name: the hybrid's channel masks
 Shapes = Mapping[str, torch.Size]
+
+
+class SubFedAvgSection(Params):
+    mode: Literal["unstructured", "hybrid"] = "unstructured"
+    # Fraction of the live weights pruned each time a new mask is adopted.
+    prune_percent: float = Field(default=0.1, gt=0, lt=1)
+    # Final sparsity the client stops pruning at.
+    target: float = Field(default=0.5, ge=0, lt=1)
+    # Adopt a new mask only if the mean Hamming distance exceeds this...
+    dist_thresh: float = Field(default=0.0001, ge=0)
+    # ...and the local accuracy exceeds this.
+    acc_thresh: float = Field(default=0.5, ge=0, le=1)
+    # Apply to the full model (FL, as in the paper) or the client side of a split model.
+    scope: Literal["full", "client"] = "full"
+    # Hybrid: fraction of a conv layer's alive channels pruned (by |BN scale|) per adoption...
+    channel_percent: float = Field(default=0.45, gt=0, lt=1)
+    # ...adopted if the channel masks of the first and last epoch differ by more than this...
+    channel_dist_thresh: float = Field(default=0.01, ge=0)
+    # ...and never below this fraction of a layer's channels (the reference's cfg_prune).
+    channel_floor: float = Field(default=0.5, gt=0, le=1)
+    # Intersection averaging weights: equal (the paper) or the clients' sample counts.
+    sample_weighted: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,35 +148,30 @@ class Trial:
     channel_distance: float = 0.0
 
 
-@dataclass(frozen=True)
-class SubFedAvg:
-    config: SubFedAvgSection
+@algorithm("subfedavg", params=SubFedAvgSection)
+@dataclass(frozen=True, kw_only=True)
+class SubFedAvg(StrategyBase):
+    config: SubFedAvgSection = field(default_factory=SubFedAvgSection)
     name: str = "subfedavg"
-    server_barrier: bool = False
 
     @classmethod
-    def from_params(cls, params: Mapping[str, ConfigValue]) -> SubFedAvg:
-        return cls(SubFedAvgSection.model_validate(dict(params)))
+    def create(cls, name: str, params: Params | None) -> Self:
+        assert isinstance(params, SubFedAvgSection)
+        return cls(config=params, name=name)
 
     @property
     def splits(self) -> bool:
         return self.config.scope == "client"
 
-    @property
-    def waits_for_gradient(self) -> bool:
-        return self.splits
-
     def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        if self.splits:
-            return split_initial_weights(model, cut)
-        return {CLIENT: full_state(model)}
+        return super().initial_weights(model, cut) if self.splits else {CLIENT: full_state(model)}
 
     # --- client ---------------------------------------------------------------------------
     def client_round(
         self,
         model: SplitNet,
         cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        batches: Batches,
         steps: int,
         channel: SmashedChannel,
         hyper: Hyper,
@@ -311,9 +334,9 @@ class SubFedAvg:
     # --- worker -----------------------------------------------------------------------------
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
-    ) -> list[tuple[torch.Tensor, float, int]]:
+    ) -> StepResults:
         if not self.splits:
-            raise RuntimeError("Sub-FedAvg on the full model has no server side")
+            return super().server_step(server, optimizer, batches)
         return SFL().server_step(server, optimizer, batches)
 
     # --- aggregator -------------------------------------------------------------------------
@@ -341,21 +364,71 @@ class SubFedAvg:
         out[CLIENT] = merged
         for u in updates:
             out[BlobRef(CLIENT_PART, u.client)] = masked_state(merged, u.masks)
-        trained = [r for r in replicas if r.samples > 0]
-        if self.splits and trained:
-            out[SERVER] = weighted_average(
-                [r.weights for r in trained], [r.samples for r in trained]
-            )
-        return out
+        return average_replicas(out, replicas) if self.splits else out
 
 
 def reported_accuracy(channel: SmashedChannel) -> float:
-    """The round's training accuracy as the worker reported it, when the channel keeps a tally
-    (the broker's does); +inf when unknown, so the accuracy gate does not block pruning.
+    """The round's training accuracy as the worker reported it; +inf when it reported none, so
+    the accuracy gate does not block pruning.
 
     A split client holds no server side, so it cannot evaluate its pruned model locally; this
     is the best local evidence it has that its model is past the accuracy threshold.
     """
-    tally = getattr(channel, "tally", None)
-    metrics: Mapping[str, float] = tally.metrics() if tally is not None else {}
-    return float(metrics.get("train_accuracy", math.inf))
+    return float(channel.tally.metrics().get("train_accuracy", math.inf))
+
+
+def intersection_average(
+    previous: State,
+    states: Sequence[State],
+    masks: Sequence[State],
+    weights: Sequence[float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Average each element over the clients whose mask keeps it.
+
+    For a tensor some client masks: `w = sum_k a_k m_k w_k / sum_k a_k m_k` per element, where
+    `m_k` is 1 where client k keeps the element (a client without a mask for that tensor keeps
+    all of it) and `a_k` its weight (`weights`; equal weights when None, as the paper and its
+    reference code do); an element no client keeps (count 0) keeps its `previous` value.
+    Tensors nobody masks are the plain `a_k`-weighted average (integer buffers: the maximum).
+    """
+    if not states:
+        raise ValueError("no client states to average")
+    if len(masks) != len(states):
+        raise ValueError(f"{len(states)} states but {len(masks)} mask sets")
+    alphas = normalised([1.0] * len(states) if weights is None else list(weights))
+    masked = {name for m in masks for name in m}
+    plain = [{n: t for n, t in s.items() if n not in masked} for s in states]
+    out = weighted_average(plain, alphas)
+    for name in sorted(masked):
+        out[name] = _masked_mean(name, previous, states, masks, alphas)
+    return out
+
+
+def _masked_mean(
+    name: str,
+    previous: State,
+    states: Sequence[State],
+    masks: Sequence[State],
+    alphas: Sequence[float],
+) -> torch.Tensor:
+    if name not in previous:
+        raise ValueError(f"{name}: masked by a client but absent from the previous version")
+    old = previous[name]
+    num = torch.zeros(old.shape, dtype=torch.float64)
+    den = torch.zeros(old.shape, dtype=torch.float64)
+    for k, (state, mask_set) in enumerate(zip(states, masks, strict=True)):
+        if name not in state:
+            raise ValueError(f"state {k} lacks the masked tensor {name}")
+        value = state[name].detach().to(torch.float64)
+        if value.shape != old.shape:
+            raise ValueError(
+                f"{name}: shape {tuple(value.shape)} in state {k}, expected {tuple(old.shape)}"
+            )
+        mask = mask_set.get(name)
+        keep = torch.ones_like(den) if mask is None else mask.to(torch.float64)
+        if keep.shape != old.shape:
+            raise ValueError(f"{name}: mask shape {tuple(keep.shape)} in state {k}")
+        num.add_(keep * value, alpha=alphas[k])
+        den.add_(keep, alpha=alphas[k])
+    averaged = torch.where(den > 0, num / den.clamp_min(1e-300), old.detach().to(torch.float64))
+    return averaged.to(old.dtype)

@@ -112,7 +112,6 @@ def infer(
     out: Path | None,
 ) -> None:
     """Split inference (SplitGP) of a run's weights: accuracy and offloaded fraction vs E_th."""
-    from services.algorithms.base import serves_inference
     from services.algorithms.registry import build_strategy
     from services.client.data import JobData
     from services.client.inference_sweep import personal_clients, sweep_clients
@@ -120,7 +119,7 @@ def infer(
     thresholds = parse_thresholds(sweep_text)
     _, settings = load(config)
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
-    if not serves_inference(strategy):
+    if not strategy.split_inference:
         raise click.ClickException(
             f"algorithm {settings.algorithm.name!r} has no split inference (SplitGP has)"
         )

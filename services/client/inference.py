@@ -40,7 +40,7 @@ from broker.topology import (
 )
 from broker.transport import Broker, PublishOptions
 from models.split import SplitNet
-from services.algorithms.splitgp_math import (
+from services.algorithms.splitgp import (
     SweepPoint,
     entropy,
     split_predictions,

@@ -15,7 +15,7 @@ import torch
 
 from broker.messages import ConfigValue
 from services.algorithms.base import Hyper
-from services.algorithms.registry import STRATEGIES
+from services.algorithms.registry import REGISTRY
 from services.common.jobmodel import job_hyper
 from services.config.root import Settings
 
@@ -53,7 +53,7 @@ class RoundPlan:
         hyper: dict[str, Any] = {}
         if "algorithm" in config:
             name = config["algorithm"]
-            if not isinstance(name, str) or name not in STRATEGIES:
+            if not isinstance(name, str) or not REGISTRY.known(name):
                 raise ValueError(f"config.algorithm: unknown algorithm {name!r}")
             changes["algorithm"] = name
         if "batch_size" in config:

@@ -7,32 +7,21 @@ deployment, so all processes of a job agree on it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, model_validator
-
-from services.config.algorithms import (
-    PARAMS_SECTION,
-    FedDeperSection,
-    FedSplitXSection,
-    SplitGPSection,
-    SubFedAvgSection,
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
 )
+
+from services.algorithms.registry import REGISTRY
 from services.config.settings import _Section
 
-AlgorithmName = Literal[
-    "fedavg",
-    "sfl_v1",
-    "sfl_v2",
-    "sfl",
-    "minibatch_sfl",
-    "splitgp",
-    "fedsplitx",
-    "local_loss_sfl",
-    "feddeper",
-    "subfedavg",
-    "standalone",
-]
+P = TypeVar("P", bound=BaseModel)
 PartitionKind = Literal["iid", "dirichlet", "shards", "label_ratio"]
 WireDtype = Literal["float32", "float16", "bfloat16"]
 
@@ -65,9 +54,14 @@ class DataSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    name: AlgorithmName = "sfl_v2"
-    # S, the number of server replicas; sfl_v2 and minibatch_sfl force 1, sfl_v1 forces one per
-    # client; "sfl" uses this value (the middle ground).
+    # Each algorithm's own parameters are tables of this one, [algorithm.splitgp],
+    # [algorithm.fedsplitx], ...: the sections its registration declares (`section()`).
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    # A registered algorithm (services/algorithms/registry.py), built-in or a plugin's.
+    name: str = "sfl_v2"
+    # S, the number of server replicas; the algorithm's shard rule may force it (sfl_v2 and
+    # minibatch_sfl use 1, sfl_v1 one per client; "sfl" uses this value, the middle ground).
     shards: int = Field(default=1, ge=1)
     local_epochs: int = Field(default=1, ge=1)
     batch_size: int = Field(default=64, ge=1)
@@ -77,22 +71,55 @@ class AlgorithmSection(_Section):
     # Cap on local steps per round (0: whole local epochs) — keeps demo rounds short.
     max_steps_per_round: int = Field(default=0, ge=0)
     smashed_dtype: WireDtype = "float32"
-    # Each algorithm's own parameters: [algorithm.splitgp], [algorithm.fedsplitx], ...
-    splitgp: SplitGPSection = SplitGPSection()
-    fedsplitx: FedSplitXSection = FedSplitXSection()
-    feddeper: FedDeperSection = FedDeperSection()
-    subfedavg: SubFedAvgSection = SubFedAvgSection()
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        # Only the index is read (no torch): `splitmq check` loads the config too.
+        if not REGISTRY.known(name):
+            raise ValueError(f"unknown algorithm {name!r}; known: {REGISTRY.names()}")
+        return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, data: Any) -> Any:
+        """Each table that is not a field: an algorithm's parameter section, validated."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key, value in data.items():
+            if key in cls.model_fields:
+                continue
+            kind = REGISTRY.section(key)
+            if kind is None:
+                raise ValueError(f"algorithm.{key}: no algorithm has such a parameter section")
+            try:
+                out[key] = kind.model_validate(value)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"algorithm.{'.'.join(map(str, (key, *e['loc'])))}: {e['msg']}"
+                    for e in exc.errors()
+                )
+                raise ValueError(problems) from None
+        return out
 
     @property
     def effective_server_lr(self) -> float:
         return self.server_lr or self.lr
 
+    def section(self, kind: type[P]) -> P:
+        """The job's values of one parameter section (its defaults when the file has none)."""
+        for value in (self.model_extra or {}).values():
+            if isinstance(value, kind):
+                return value
+        return kind()
+
     def params(self) -> dict[str, str | int | float | bool]:
         """The chosen algorithm's own parameters (empty for those without any)."""
-        section = PARAMS_SECTION.get(self.name)
-        if section is None:
+        kind = REGISTRY.get(self.name).params
+        if kind is None:
             return {}
-        values: dict[str, str | int | float | bool] = getattr(self, section).model_dump()
+        values: dict[str, str | int | float | bool] = self.section(kind).model_dump()
         return values
 
 
@@ -169,11 +196,6 @@ class RoundsSection(_Section):
     max_empty_attempts: int = Field(default=3, ge=0)
 
 
-# Algorithms that need rounds: MiniBatch-SFL's worker takes one step per step index over the
-# whole cohort, a barrier that has no meaning without a cohort (docs/async.md).
-SYNC_ONLY_ALGORITHMS = frozenset({"minibatch_sfl"})
-
-
 class AsynchronousSection(_Section):
     """FedBuff-style asynchronous mode (`rounds.mode = "async"`); ignored in sync mode."""
 
@@ -238,11 +260,14 @@ class JobConfig(_Section):
     def _async_fits(self) -> JobConfig:
         if self.rounds.mode != "async":
             return self
-        if self.algorithm.name in SYNC_ONLY_ALGORITHMS:
+        # Algorithms that need rounds (MiniBatch-SFL: a per-step barrier over the cohort,
+        # docs/async.md) say so at registration.
+        spec = REGISTRY.get(self.algorithm.name)
+        if spec.sync_only:
+            refusal = spec.build(self.algorithm.params()).async_refusal()
             raise ValueError(
-                f"rounds.mode = 'async': algorithm {self.algorithm.name} stays synchronous "
-                "(its worker steps once per step index over the round's whole cohort, a "
-                "barrier that needs rounds); use rounds.mode = 'sync'"
+                f"rounds.mode = 'async': algorithm {spec.name} stays synchronous ({refusal}); "
+                "use rounds.mode = 'sync'"
             )
         return self
 
@@ -259,9 +284,5 @@ class JobConfig(_Section):
     @property
     def shards(self) -> int:
         """S after the algorithm's rule (design §1)."""
-        name = self.algorithm.name
-        if name in ("sfl_v2", "minibatch_sfl", "fedavg", "feddeper"):
-            return 1
-        if name == "sfl_v1":
-            return self.clients.count
-        return self.algorithm.shards
+        spec = REGISTRY.get(self.algorithm.name)
+        return spec.shards(self.algorithm.shards, self.clients.count)

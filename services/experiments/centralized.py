@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from broker.store import CLIENT_PART, BlobRef
 from services.aggregator.evaluation import build_evaluator
 from services.aggregator.round_gate import round_half_up
-from services.algorithms.fedavg import full_state
+from services.algorithms.base import full_state
 from services.client.data import JobData, client_batches
 from services.common.jobmodel import job_model
 from services.config.root import Settings

@@ -18,8 +18,7 @@ from typing import Any
 from models.registry import build_model
 from models.split import SplitNet
 from services.aggregator.evaluation import evaluate, full_model_weights
-from services.algorithms.base import VersionWeights, batch_cuts, personal_metrics
-from services.algorithms.base import for_model as bind_strategy
+from services.algorithms.base import VersionWeights
 from services.algorithms.fedsplitx import level_costs
 from services.algorithms.registry import build_strategy
 from services.common.jobmodel import job_model
@@ -80,10 +79,10 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     that cut's head) on the whole test set, keyed by the cut."""
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
     model: SplitNet = job_model(settings)
-    cuts = batch_cuts(strategy, model, settings.model.cut)
-    bound = bind_strategy(strategy, lambda: model, settings.model.cut)
+    cuts = strategy.batch_cuts(model, settings.model.cut)
+    bound = strategy.for_model(lambda: model, settings.model.cut)
     test = dataset.test
-    levels = personal_metrics(bound, model, blobs, test.x, test.y, {})
+    levels = bound.personal_metrics(model, blobs, test.x, test.y, {})
     out = {FULL_ACCURACY: evaluate(model, full_model_weights(blobs), test).accuracy}
     for m, cut in enumerate(cuts, start=1):
         out[CLIENT_ACCURACY + cut] = levels[f"level{m}.client_accuracy"]

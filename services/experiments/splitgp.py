@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.algorithms.base import VersionWeights
-from services.algorithms.splitgp_eval import version_metrics
+from services.algorithms.splitgp import SplitGPSection, version_metrics
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
@@ -82,7 +82,7 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     if settings.algorithm.name != "splitgp":
         full = local_and_ood(model, blobs, x, y, clients)
         return {k: v for k, v in full.items() if k.startswith("full_")}
-    threshold = settings.algorithm.splitgp.entropy_threshold
+    threshold = settings.algorithm.section(SplitGPSection).entropy_threshold
     out = version_metrics(model, blobs, x, y, clients, threshold=threshold, sweep=SWEEP)
     # theta(phi_k(x)) is the whole model of a SplitGP client.
     out["full_local"] = out.get("splitgp.theta_local", math.nan)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from services.algorithms.fedsplitx import FedSplitXSection
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.report.tomlwrite import dumps, redact
@@ -29,7 +30,7 @@ def cut_label(settings: Settings) -> str:
     if not build_strategy(algorithm.name, algorithm.params()).splits:
         return ""
     if algorithm.name == "fedsplitx":
-        return f"levels {algorithm.fedsplitx.cuts or 'at every cut'}"
+        return f"levels {algorithm.section(FedSplitXSection).cuts or 'at every cut'}"
     return settings.model.cut
 
 

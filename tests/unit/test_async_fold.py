@@ -15,10 +15,9 @@ from services.algorithms.async_fold import (
     rebase_state,
     rebased_replica,
     rebased_update,
-    supports_async,
 )
 from services.algorithms.base import ClientUpdate, ShardReplica
-from services.algorithms.registry import STRATEGIES, build_strategy
+from services.algorithms.registry import REGISTRY, build_strategy
 from services.algorithms.staleness import StalenessRule, constant, hinge, polynomial
 
 CLIENT = BlobRef(CLIENT_PART)
@@ -210,6 +209,6 @@ def test_partial_uploads_rebase_only_the_tensors_they_hold() -> None:
 
 
 def test_only_the_per_step_barrier_keeps_an_algorithm_synchronous() -> None:
-    refusals = {name: supports_async(build_strategy(name)) for name in STRATEGIES}
+    refusals = {name: build_strategy(name).async_refusal() for name in REGISTRY.names()}
     assert {name for name, why in refusals.items() if why is not None} == {"minibatch_sfl"}
     assert "barrier" in str(refusals["minibatch_sfl"])

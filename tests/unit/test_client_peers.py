@@ -47,8 +47,7 @@ from broker.topology import (
 from broker.transport import Broker, QueueSpec
 from models.split import SplitNet
 from models.state import client_state
-from services.algorithms.base import Hyper
-from services.algorithms.fedavg import full_state
+from services.algorithms.base import Hyper, full_state
 from services.algorithms.registry import build_strategy
 from services.algorithms.server_math import sequential_step
 from services.common.backends import Backends

@@ -23,15 +23,15 @@ from services.algorithms.base import (
     ClientUpdate,
     Hyper,
     RoundResult,
-    personal_on_clients,
+    full_state,
 )
-from services.algorithms.fedavg import FedAvg, full_state
-from services.algorithms.feddeper import PERSONAL, FedDeper
-from services.algorithms.feddeper_rules import (
+from services.algorithms.fedavg import FedAvg
+from services.algorithms.feddeper import (
+    PERSONAL,
+    FedDeper,
     ProximalRule,
     depersonalised,
-    local_step,
-    personal_step,
+    proximal_direction,
     upload_state,
 )
 from services.algorithms.registry import build_strategy
@@ -51,6 +51,19 @@ CLIENT = BlobRef(CLIENT_PART)
 
 
 # --- the rule, by hand -----------------------------------------------------------------------
+# The design's two steps written out (SGD without momentum), the references of the tests below.
+def personal_step(
+    v: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, *, lr: float, rho: float
+) -> torch.Tensor:
+    """`v - lr * (g(v) + rho * (v - x))`."""
+    return v - lr * proximal_direction(grad, v, x, rho)
+
+
+def local_step(u: torch.Tensor, grad: torch.Tensor, *, lr: float) -> torch.Tensor:
+    """`u - lr * g(u)`."""
+    return u - lr * grad
+
+
 def test_personal_step_by_hand() -> None:
     v, g, x = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0]), torch.tensor([0.0, 1.0])
     # g + rho (v - x) = [0.5 + 0.5*1, -1 + 0.5*1] = [1.0, -0.5]; v - 0.1 * that:
@@ -100,8 +113,8 @@ def test_registry_builds_feddeper_with_validated_params() -> None:
 
 
 def test_only_feddeper_takes_its_personal_accuracy_from_the_clients() -> None:
-    assert personal_on_clients(FedDeper())
-    assert not personal_on_clients(FedAvg())
+    assert FedDeper().personal_on_clients
+    assert not FedAvg().personal_on_clients
 
 
 # --- a client's round ------------------------------------------------------------------------
@@ -300,7 +313,7 @@ def reference_uploads(
 ) -> list[dict[str, torch.Tensor]]:
     """The strategy driven by hand as the fake service does: each version's model is the
     client's previous upload (one client)."""
-    strategy = FedDeper.from_params(settings.algorithm.params())
+    strategy = build_strategy("feddeper", settings.algorithm.params())
     model = seeded_model(settings)
     memory: dict[str, torch.Tensor] = {}
     uploads = []

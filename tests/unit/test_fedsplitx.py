@@ -22,14 +22,12 @@ from services.algorithms.base import (
     CohortBatch,
     Hyper,
     ShardReplica,
-    batch_cuts,
-    for_model,
-    partial_client_updates,
-)
-from services.algorithms.fedsplitx import FedSplitX, level_costs
-from services.algorithms.fedsplitx_math import (
     assign_level,
+)
+from services.algorithms.fedsplitx import (
+    FedSplitX,
     heteroavg,
+    level_costs,
     local_loss,
     parse_cuts,
     replica_holdings,
@@ -241,16 +239,16 @@ def batches(n: int, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_registry_builds_both_and_the_traits_say_local_loss() -> None:
     fsx = build_strategy("fedsplitx", {"cuts": "block1,block3", "default_level": 2})
     assert isinstance(fsx, FedSplitX) and fsx.cuts == ("block1", "block3")
-    assert not fsx.waits_for_gradient and fsx.splits and partial_client_updates(fsx)
+    assert not fsx.waits_for_gradient and fsx.splits and fsx.partial_client_updates
     lls = build_strategy("local_loss_sfl", {})
     assert isinstance(lls, FedSplitX) and lls.name == "local_loss_sfl"
     model = cnn5()
-    assert batch_cuts(fsx, model, "block1") == ("block1", "block3")
-    assert batch_cuts(build_strategy("fedsplitx", {}), model, "block1") == CUTS
-    assert batch_cuts(lls, model, "block2") == ("block2",)
-    assert batch_cuts(build_strategy("sfl_v2"), model, "block2") == ("block2",)
+    assert fsx.batch_cuts(model, "block1") == ("block1", "block3")
+    assert build_strategy("fedsplitx", {}).batch_cuts(model, "block1") == CUTS
+    assert lls.batch_cuts(model, "block2") == ("block2",)
+    assert build_strategy("sfl_v2").batch_cuts(model, "block2") == ("block2",)
     with pytest.raises(ValueError):
-        batch_cuts(build_strategy("fedsplitx", {"cuts": "block3,block1"}), model, "block1")
+        build_strategy("fedsplitx", {"cuts": "block3,block1"}).batch_cuts(model, "block1")
 
 
 def test_initial_blobs_cover_the_deepest_client_and_the_shallowest_server() -> None:
@@ -262,7 +260,7 @@ def test_initial_blobs_cover_the_deepest_client_and_the_shallowest_server() -> N
     assert {n.split(".")[1] for n in server if n.startswith("blocks.")} == {"1", "2", "3"}
     assert {n.split(".")[1] for n in server if n.startswith("heads.")} == {"block2", "block3"}
     assert {n.split(".")[1] for n in blobs[BlobRef(AUX_PART)]} == set(CUTS)
-    one = FedSplitX.local_loss_sfl({}).initial_weights(model, "block2")
+    one = build_strategy("local_loss_sfl").initial_weights(model, "block2")
     assert {n.split(".")[1] for n in one[BlobRef(CLIENT_PART)]} == {"0", "1"}
     assert not [n for n in one[BlobRef(SERVER_PART)] if n.startswith("heads.")]
     assert {n.split(".")[1] for n in one[BlobRef(AUX_PART)]} == {"block2"}
@@ -335,14 +333,14 @@ def test_local_loss_sfl_server_trains_no_heads() -> None:
     optimizer = torch.optim.SGD(server.parameters(), lr=0.1)
     z = torch.randn(8, *model.cut_shape("block1"))
     y = torch.randint(0, 10, (8,))
-    FedSplitX.local_loss_sfl({}).server_step(server, optimizer, [CohortBatch("c", z, y)])
+    build_strategy("local_loss_sfl").server_step(server, optimizer, [CohortBatch("c", z, y)])
     after = server.state_dict()
     assert all(torch.equal(after[n], v) for n, v in heads_before.items())
 
 
 def test_aggregate_weighs_clients_and_the_replica_per_tensor() -> None:
     model = cnn5()
-    strategy = for_model(FedSplitX(), lambda: model, "block1")
+    strategy = FedSplitX().for_model(lambda: model, "block1")
     previous = strategy.initial_weights(model, "block1")
 
     def shifted(state: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:

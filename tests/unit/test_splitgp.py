@@ -21,8 +21,6 @@ from services.algorithms.base import (
     CohortBatch,
     Hyper,
     ShardReplica,
-    personal_metrics,
-    serves_inference,
 )
 from services.algorithms.registry import build_strategy
 from services.algorithms.sfl import SFL
@@ -76,7 +74,7 @@ def test_params_are_validated_and_registered() -> None:
     assert build_strategy("splitgp") == SplitGP(gamma=0.5, lam=0.2, entropy_threshold=0.5)
     with pytest.raises(ValueError, match="gamma"):
         build_strategy("splitgp", {"gamma": 1.5})
-    assert serves_inference(strategy) and not serves_inference(SFL())
+    assert strategy.split_inference and not SFL().split_inference
 
 
 def test_gamma_zero_client_round_is_sfl_and_leaves_the_head_alone() -> None:
@@ -183,7 +181,7 @@ def test_personal_metrics_at_extreme_thresholds() -> None:
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(40, 1, 28, 28, generator=gen)
     y = torch.tensor([3, 5] * 20)
-    metrics = personal_metrics(strategy, copy.deepcopy(model), blobs, x, y, {"a": [3]})
+    metrics = strategy.personal_metrics(copy.deepcopy(model), blobs, x, y, {"a": [3]})
     # Its local test set is class 3 only: the head is right on all of it, wrong elsewhere.
     assert metrics["splitgp.head_local"] == 1.0
     assert metrics["splitgp.head_ood"] == 0.0
@@ -198,4 +196,4 @@ def test_personal_metrics_at_extreme_thresholds() -> None:
     assert metrics["splitgp.sweep.0.split_global"] == metrics["splitgp.theta_global"]
     assert metrics["splitgp.sweep.0.split_local"] == metrics["splitgp.theta_local"]
     # Strategies without the hook report nothing.
-    assert personal_metrics(SFL(), model, blobs, x, y, {"a": [3]}) == {}
+    assert SFL().personal_metrics(model, blobs, x, y, {"a": [3]}) == {}

@@ -32,7 +32,7 @@ from broker.transport import REASON_HEADER, PublishOptions
 from models.parts import ServerModel
 from models.split import SplitNet
 from services.algorithms.registry import build_strategy
-from services.algorithms.splitgp_math import entropy
+from services.algorithms.splitgp import entropy
 from services.client.inference import (
     BrokerTheta,
     InferenceError,

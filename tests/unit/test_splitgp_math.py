@@ -10,11 +10,11 @@ from torch import nn
 
 from broker.store import AUX_PART, CLIENT_PART, BlobRef
 from services.algorithms.base import ClientUpdate
-from services.algorithms.splitgp import personalise
-from services.algorithms.splitgp_math import (
+from services.algorithms.splitgp import (
     client_objective,
     entropy,
     mix,
+    personalise,
     scaled_server_step,
     split_predictions,
     stays_local,

@@ -20,8 +20,12 @@ from services.aggregator.metrics import reported_extras
 from services.algorithms.base import ClientContext, ClientUpdate, Hyper, ShardReplica
 from services.algorithms.registry import build_strategy
 from services.algorithms.standalone import Standalone
-from services.algorithms.subfedavg import WEIGHT_KEY, SubFedAvg, first_checkpoint
-from services.config.algorithms import SubFedAvgSection
+from services.algorithms.subfedavg import (
+    WEIGHT_KEY,
+    SubFedAvg,
+    SubFedAvgSection,
+    first_checkpoint,
+)
 
 GLOBAL = BlobRef(CLIENT_PART)
 HYPER = Hyper(lr=0.05, momentum=0.5, local_epochs=2)
@@ -38,7 +42,7 @@ def batches(n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def strategy(**params: object) -> SubFedAvg:
-    return SubFedAvg(SubFedAvgSection.model_validate({"prune_percent": 0.2, **params}))
+    return SubFedAvg(config=SubFedAvgSection.model_validate({"prune_percent": 0.2, **params}))
 
 
 def context(accuracy: float) -> ClientContext:

@@ -10,7 +10,6 @@ from torch import nn
 from models.registry import build_model
 from models.split import SplitNet
 from services.algorithms.flops import count_flops
-from services.algorithms.masked_averaging import intersection_average
 from services.algorithms.prune_layout import build_layout
 from services.algorithms.pruning import (
     AdoptionRule,
@@ -24,6 +23,7 @@ from services.algorithms.pruning import (
     percentile_mask,
     step_percent,
 )
+from services.algorithms.subfedavg import intersection_average
 
 T = torch.tensor
 
