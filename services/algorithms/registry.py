@@ -97,6 +97,12 @@ class Registry:
         """Whether `name` is an algorithm, without importing it (nor torch)."""
         return name in self._builtins or name in self._specs or name in self._entry_points()
 
+    def check(self, name: str) -> None:
+        """`ValueError` unless `name` is an algorithm: a built-in's name (nothing imported) or
+        a plugin that imports and registers it (its failure is told here, at load time)."""
+        if name not in self._builtins:
+            self.get(name)
+
     def get(self, name: str) -> AlgorithmSpec:
         """The spec of `name`, its module imported if need be; `ValueError` if unknown."""
         spec = self._specs.get(name)

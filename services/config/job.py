@@ -75,9 +75,9 @@ class AlgorithmSection(_Section):
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
-        # Only the index is read (no torch): `splitmq check` loads the config too.
-        if not REGISTRY.known(name):
-            raise ValueError(f"unknown algorithm {name!r}; known: {REGISTRY.names()}")
+        # A built-in's name is checked in the index, without torch: `splitmq check` loads the
+        # config too. A plugin is imported now, so that its failure shows at load time.
+        REGISTRY.check(name)
         return name
 
     @model_validator(mode="before")
