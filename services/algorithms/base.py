@@ -96,6 +96,19 @@ class ClientContext:
 
 
 @dataclass(frozen=True)
+class LocalRound:
+    """One local round as the client hands it to `client_round`."""
+
+    model: SplitNet  # holding the assigned weights; trained in place
+    cut: str
+    batches: Batches
+    steps: int
+    channel: SmashedChannel
+    hyper: Hyper
+    context: ClientContext
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """What a client uploads after its local round."""
 
@@ -273,17 +286,8 @@ class StrategyBase:
             AUX: head_state(model, model.cuts),
         }
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
-        """Train the client side for one round; `model` holds the assigned weights."""
+    def client_round(self, r: LocalRound) -> RoundResult:
+        """Train the client side for one round; `r.model` holds the assigned weights."""
         raise NotImplementedError
 
     def server_step(

@@ -7,13 +7,9 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from models.split import SplitNet
 from services.algorithms.base import (
-    Batches,
-    ClientContext,
-    Hyper,
+    LocalRound,
     RoundResult,
-    SmashedChannel,
     Unsplit,
     algorithm,
     full_state,
@@ -25,21 +21,13 @@ from services.algorithms.base import (
 class FedAvg(Unsplit):
     name: str = "fedavg"
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
+        model = r.model
         model.train()
         params = [p for name, p in model.named_parameters() if name.startswith("blocks.")]
-        optimizer = hyper.client_optimizer(params)
+        optimizer = r.hyper.client_optimizer(params)
         samples = 0
-        for x, y in batches:
+        for x, y in r.batches:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -31,15 +31,11 @@ from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
-from models.split import SplitNet
 from models.state import load_partial
 from services.algorithms.base import (
-    Batches,
-    ClientContext,
-    Hyper,
+    LocalRound,
     Params,
     RoundResult,
-    SmashedChannel,
     State,
     Unsplit,
     algorithm,
@@ -175,27 +171,19 @@ class FedDeper(Unsplit):
         assert isinstance(params, FedDeperSection)
         return cls(rule=make_rule(params), name=name)
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
+        model = r.model
         x = full_state(model)
         # `model` becomes u; v is a copy of it holding the client's own weights.
         v_model = copy.deepcopy(model)
-        load_partial(v_model, personal_model(context.memory, x) or x)
+        load_partial(v_model, personal_model(r.context.memory, x) or x)
         u_params, v_params = block_parameters(model), block_parameters(v_model)
-        u_opt = hyper.client_optimizer(u_params.values())
-        v_opt = hyper.client_optimizer(v_params.values())
+        u_opt = r.hyper.client_optimizer(u_params.values())
+        v_opt = r.hyper.client_optimizer(v_params.values())
         model.train()
         v_model.train()
         samples = 0
-        for xb, yb in batches:
+        for xb, yb in r.batches:
             # u first: the client's training-loss tally (a forward hook, which the copy v
             # inherits) counts only the first training forward of each batch.
             _backward(model, xb, yb)
@@ -209,9 +197,9 @@ class FedDeper(Unsplit):
             v_opt.step()
             samples += int(yb.shape[0])
         v = full_state(v_model)
-        remember(context.memory, v)
+        remember(r.context.memory, v)
         upload = upload_state(self.rule, full_state(model), v, x, set(u_params))
-        personal = context.local_accuracy(v_model)
+        personal = r.context.local_accuracy(v_model)
         metrics = {
             "train_samples": float(samples),
             "personal_accuracy": personal,

@@ -40,15 +40,12 @@ from services.algorithms.base import (
     AUX,
     CLIENT,
     SERVER,
-    Batches,
-    ClientContext,
     ClientUpdate,
     CohortBatch,
-    Hyper,
+    LocalRound,
     Params,
     RoundResult,
     ShardReplica,
-    SmashedChannel,
     State,
     StepResults,
     StrategyBase,
@@ -281,16 +278,8 @@ class FedSplitX(StrategyBase):
             AUX: head_state(model, levels),
         }
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
+        model, cut = r.model, r.cut
         levels = self.batch_cuts(model, cut)
         if cut not in levels:
             raise ValueError(f"{self.name}: cut {cut!r} is not one of the levels {levels}")
@@ -300,12 +289,12 @@ class FedSplitX(StrategyBase):
         modules = [body, *heads.values()]
         for module in modules:
             module.train()
-        optimizer = hyper.client_optimizer([p for m in modules for p in m.parameters()])
+        optimizer = r.hyper.client_optimizer([p for m in modules for p in m.parameters()])
         samples, correct, loss_sum, last_sum = 0, 0, 0.0, 0.0
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(r.batches):
             z, logits = client_forward(body, heads, x)
-            # Out first, so the server works on it while this client steps.
-            channel.send(z.detach(), y, step, steps)
+            # Out first, so the server works on it while this client r.steps.
+            r.channel.send(z.detach(), y, step, r.steps)
             loss = local_loss(logits, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -15,15 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.split import SplitNet
 from models.state import client_state
 from services.algorithms.base import (
-    Batches,
-    ClientContext,
     CohortBatch,
-    Hyper,
+    LocalRound,
     RoundResult,
-    SmashedChannel,
     StepResults,
     StrategyBase,
     algorithm,
@@ -40,29 +36,20 @@ class SFL(StrategyBase):
 
     name: str = "sfl"
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
         """Plain split training of the client side: every step waits for the server's dL/dz."""
-        body = model.client_blocks(cut)
+        body = r.model.client_blocks(r.cut)
         body.train()
-        optimizer = hyper.client_optimizer(body.parameters())
+        optimizer = r.hyper.client_optimizer(body.parameters())
         samples = 0
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(r.batches):
             z = body(x)
-            grad = channel.exchange(z.detach(), y, step, steps)
+            grad = r.channel.exchange(z.detach(), y, step, r.steps)
             optimizer.zero_grad(set_to_none=True)
             z.backward(grad.to(dtype=z.dtype))
             optimizer.step()
             samples += int(y.shape[0])
-        return RoundResult(client_state(model, cut), metrics={"train_samples": float(samples)})
+        return RoundResult(client_state(r.model, r.cut), metrics={"train_samples": float(samples)})
 
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]

@@ -44,15 +44,12 @@ from services.algorithms.averaging import weighted_average
 from services.algorithms.base import (
     AUX,
     CLIENT,
-    Batches,
-    ClientContext,
     ClientUpdate,
     CohortBatch,
-    Hyper,
+    LocalRound,
     Params,
     RoundResult,
     ShardReplica,
-    SmashedChannel,
     State,
     StepResults,
     StrategyBase,
@@ -404,26 +401,18 @@ class SplitGP(StrategyBase):
         assert isinstance(params, SplitGPSection)
         return cls(gamma=params.gamma, lam=params.lam, entropy_threshold=params.entropy_threshold)
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
+        model, cut = r.model, r.cut
         body, head = model.client_blocks(cut), model.head(cut)
         body.train()
         head.train()
-        optimizer = hyper.client_optimizer([*body.parameters(), *head.parameters()])
+        optimizer = r.hyper.client_optimizer([*body.parameters(), *head.parameters()])
         samples = correct = 0
         loss_sum = 0.0
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(r.batches):
             z = body(x)
             head_logits = head(z)
-            grad = channel.exchange(z.detach(), y, step, steps)
+            grad = r.channel.exchange(z.detach(), y, step, r.steps)
             objective = client_objective(head_logits, y, z, grad, self.gamma)
             optimizer.zero_grad(set_to_none=True)
             objective.backward()

@@ -33,11 +33,9 @@ from models.state import client_state
 from services.algorithms.averaging import normalised, weighted_average
 from services.algorithms.base import (
     CLIENT,
-    Batches,
-    ClientContext,
     ClientUpdate,
     CohortBatch,
-    Hyper,
+    LocalRound,
     Params,
     RoundResult,
     ShardReplica,
@@ -167,63 +165,44 @@ class SubFedAvg(StrategyBase):
         return super().initial_weights(model, cut) if self.splits else {CLIENT: full_state(model)}
 
     # --- client ---------------------------------------------------------------------------
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Batches,
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
+        model, cut = r.model, r.cut
         last = len(model.blocks) if not self.splits else model.cut_index(cut) + 1
         layout = build_layout(model, self.config.mode, range(last))
         shapes = {n: t.shape for n, t in model.state_dict().items()}
-        current = MaskSet.recall(context.memory, layout, shapes)
+        current = MaskSet.recall(r.context.memory, layout, shapes)
         masks = current.elements(layout, shapes)
         apply_masks(model, masks)  # the assigned (global) weights, under this client's mask
         model.train()
-        optimizer = hyper.client_optimizer(layout.params(model).values())
-        first = first_checkpoint(steps, hyper.local_epochs)
+        optimizer = r.hyper.client_optimizer(layout.params(model).values())
+        first = first_checkpoint(r.steps, r.hyper.local_epochs)
         early: MaskSet | None = None
         samples = 0
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(r.batches):
             optimizer.zero_grad(set_to_none=True)
-            self._backward(model, cut, x, y, step, steps, channel)
+            self._backward(r, x, y, step)
             mask_gradients(model, masks)
             optimizer.step()
             samples += int(y.shape[0])
             if step + 1 == first:
                 early = self._candidates(model, layout, current, masks, self.config.prune_percent)
         late = self._candidates(model, layout, current, masks, self.config.prune_percent)
-        trial = self._adopt(
-            model, layout, shapes, current, early or current, late, channel, context
-        )
-        trial.masks.remember(context.memory)
+        trial = self._adopt(r, layout, shapes, current, early or current, late)
+        trial.masks.remember(r.context.memory)
         final = trial.masks.elements(layout, shapes)
         weights = client_state(model, cut) if self.splits else full_state(model)
         return RoundResult(
             {n: t.detach().clone() for n, t in weights.items()},
             masks={n: m.clone() for n, m in final.items()},
-            metrics=self._metrics(model, layout, final, trial, samples, context),
+            metrics=self._metrics(r, layout, final, trial, samples),
         )
 
-    def _backward(
-        self,
-        model: SplitNet,
-        cut: str,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        step: int,
-        steps: int,
-        channel: SmashedChannel,
-    ) -> None:
+    def _backward(self, r: LocalRound, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
         if not self.splits:
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(r.model(x), y).backward()
             return
-        z = model.client_blocks(cut)(x)
-        grad = channel.exchange(z.detach(), y, step, steps)
+        z = r.model.client_blocks(r.cut)(x)
+        grad = r.channel.exchange(z.detach(), y, step, r.steps)
         z.backward(grad.to(dtype=z.dtype))
 
     def _candidates(
@@ -245,22 +224,20 @@ class SubFedAvg(StrategyBase):
 
     def _adopt(
         self,
-        model: SplitNet,
+        r: LocalRound,
         layout: PruneLayout,
         shapes: Shapes,
         current: MaskSet,
         early: MaskSet,
         late: MaskSet,
-        channel: SmashedChannel,
-        context: ClientContext,
     ) -> Trial:
-        cfg = self.config
+        cfg, model = self.config, r.model
         params = layout.params(model)
 
         def accuracy() -> float:
             if self.splits:
-                return reported_accuracy(channel)
-            return context.local_accuracy(model)
+                return reported_accuracy(r.channel)
+            return r.context.local_accuracy(model)
 
         chosen, adopted = current, 0
         distance = hamming_distance(early.weights, late.weights)
@@ -306,14 +283,9 @@ class SubFedAvg(StrategyBase):
         return False
 
     def _metrics(
-        self,
-        model: SplitNet,
-        layout: PruneLayout,
-        final: Masks,
-        trial: Trial,
-        samples: int,
-        context: ClientContext,
+        self, r: LocalRound, layout: PruneLayout, final: Masks, trial: Trial, samples: int
     ) -> dict[str, float]:
+        model = r.model
         metrics = {
             "train_samples": float(samples),
             "mask_distance": trial.distance,
@@ -328,7 +300,7 @@ class SubFedAvg(StrategyBase):
             metrics["channel_distance"] = trial.channel_distance
             metrics["report.channel_reduction"] = 1.0 - kept / total
         if not self.splits:
-            metrics["report.local_accuracy"] = context.local_accuracy(model)
+            metrics["report.local_accuracy"] = r.context.local_accuracy(model)
         return metrics
 
     # --- worker -----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from broker.messages import (
 from broker.topology import updates_routing_key
 from models.split import SplitNet
 from models.state import load_partial
-from services.algorithms.base import ClientContext, Strategy
+from services.algorithms.base import ClientContext, LocalRound, Strategy
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData, client_batches, round_batches
 from services.client.errors import (
@@ -549,13 +549,15 @@ class RoundRunner:
         )
         try:
             result = member.strategy.client_round(
-                self.model,
-                member.cut,
-                self._ticking(batches),
-                steps,
-                channel,
-                plan.hyper,
-                context,
+                LocalRound(
+                    self.model,
+                    member.cut,
+                    self._ticking(batches),
+                    steps,
+                    channel,
+                    plan.hyper,
+                    context,
+                )
             )
         finally:
             if hook is not None:

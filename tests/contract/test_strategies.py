@@ -29,6 +29,7 @@ from services.algorithms.base import (
     ClientUpdate,
     CohortBatch,
     Hyper,
+    LocalRound,
     ShardReplica,
     StrategyBase,
     VersionWeights,
@@ -156,14 +157,9 @@ def test_a_client_round_against_a_fake_channel(spec: AlgorithmSpec) -> None:
         net.load_state_dict({**net.state_dict(), **state})
     channel = FakeChannel()
     steps = 2
+    context = ClientContext("c1", 1, local_accuracy=lambda _m: 1.0)
     result = strategy.client_round(
-        net,
-        CUT,
-        batches(steps),
-        steps,
-        channel,
-        Hyper(lr=0.01),
-        ClientContext("c1", 1, local_accuracy=lambda _m: 1.0),
+        LocalRound(net, CUT, batches(steps), steps, channel, Hyper(lr=0.01), context)
     )
     state = net.state_dict()
     assert result.client_weights

@@ -7,12 +7,11 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import torch
 
 from broker.codec import decode
 from broker.errors import BrokerUnavailableError
@@ -20,9 +19,8 @@ from broker.memory_broker import InMemoryBroker
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import Heartbeat, Message
 from broker.topology import control_queue, control_queue_name
-from models.split import SplitNet
 from services.aggregator import ensure_initial_version
-from services.algorithms.base import ClientContext, Hyper, RoundResult, SmashedChannel
+from services.algorithms.base import LocalRound, RoundResult
 from services.algorithms.fedavg import FedAvg
 from services.algorithms.registry import build_strategy
 from services.client import Client, ClientStats
@@ -54,19 +52,10 @@ class HeldFedAvg(FedAvg):
     holding: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
 
-    def client_round(
-        self,
-        model: SplitNet,
-        cut: str,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        steps: int,
-        channel: SmashedChannel,
-        hyper: Hyper,
-        context: ClientContext,
-    ) -> RoundResult:
+    def client_round(self, r: LocalRound) -> RoundResult:
         self.holding.set()
         assert self.release.wait(WAIT_S), "the held step was never released"
-        return super().client_round(model, cut, batches, steps, channel, hyper, context)
+        return super().client_round(r)
 
 
 def test_a_step_longer_than_the_ttl_does_not_expire_the_member(

@@ -22,6 +22,7 @@ from services.algorithms.base import (
     ClientContext,
     ClientUpdate,
     Hyper,
+    LocalRound,
     RoundResult,
     full_state,
 )
@@ -163,7 +164,7 @@ def run_round(
     lr: float,
 ) -> RoundResult:
     result = strategy.client_round(
-        model, "b1", iter(batches), len(batches), NoChannel(), Hyper(lr=lr), context
+        LocalRound(model, "b1", iter(batches), len(batches), NoChannel(), Hyper(lr=lr), context)
     )
     assert result.metrics["train_samples"] == 5.0 * len(batches)
     return result
@@ -286,6 +287,7 @@ def test_record_takes_the_clients_personal_accuracy_when_the_models_live_there()
     evaluation = VersionEval(
         global_accuracy=0.6, global_loss=1.0, personal_accuracy=0.65, test_samples=10
     )
+
     def record(from_clients: bool) -> tuple[float, dict[str, float]]:
         r = build_record(
             version=2,
@@ -321,7 +323,9 @@ def reference_uploads(
         batches = round_batches(settings, dataset, index, r)
         context = ClientContext("c", r, memory=memory if keep_memory else {})
         result = strategy.client_round(
-            model, "", iter(batches), len(batches), NoChannel(), hyper(settings), context
+            LocalRound(
+                model, "", iter(batches), len(batches), NoChannel(), hyper(settings), context
+            )
         )
         uploads.append(result.client_weights)
         load_partial(model, result.client_weights)

@@ -21,6 +21,7 @@ from services.algorithms.base import (
     ClientUpdate,
     CohortBatch,
     Hyper,
+    LocalRound,
     ShardReplica,
     assign_level,
 )
@@ -272,7 +273,7 @@ def test_client_round_minimises_its_heads_summed_loss_and_only_sends() -> None:
     channel = SendOnly()
     hyper = Hyper(lr=0.1)
     result = FedSplitX().client_round(
-        model, "block2", data, 1, channel, hyper, ClientContext("c", 0)
+        LocalRound(model, "block2", data, 1, channel, hyper, ClientContext("c", 0))
     )
     # What one SGD step on l(a_1) + l(a_2) does, computed here by hand with forward_all.
     x, y = data[0]

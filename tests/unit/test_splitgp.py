@@ -20,6 +20,7 @@ from services.algorithms.base import (
     ClientUpdate,
     CohortBatch,
     Hyper,
+    LocalRound,
     ShardReplica,
 )
 from services.algorithms.registry import build_strategy
@@ -85,10 +86,10 @@ def test_gamma_zero_client_round_is_sfl_and_leaves_the_head_alone() -> None:
     data = batches()
     context = ClientContext("c", 0)
     result = SplitGP(gamma=0.0).client_round(
-        model, CUT, data, len(data), FixedChannel(0.01), HYPER, context
+        LocalRound(model, CUT, data, len(data), FixedChannel(0.01), HYPER, context)
     )
     expected = SFL().client_round(
-        reference, CUT, data, len(data), FixedChannel(0.01), HYPER, context
+        LocalRound(reference, CUT, data, len(data), FixedChannel(0.01), HYPER, context)
     )
     for name, tensor in expected.client_weights.items():
         assert_close(result.client_weights[name], tensor, msg=name)
@@ -103,7 +104,7 @@ def test_gamma_one_client_round_is_local_training_of_body_and_head() -> None:
     reference = copy.deepcopy(model)
     data = batches()
     result = SplitGP(gamma=1.0).client_round(
-        model, CUT, data, len(data), FixedChannel(0.0), HYPER, ClientContext("c", 0)
+        LocalRound(model, CUT, data, len(data), FixedChannel(0.0), HYPER, ClientContext("c", 0))
     )
     body, head = reference.client_blocks(CUT), reference.head(CUT)
     optimizer = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=HYPER.lr)

@@ -17,7 +17,7 @@ from models.registry import build_model
 from models.split import SplitNet
 from services.aggregator.gate import masks_problem
 from services.aggregator.metrics import reported_extras
-from services.algorithms.base import ClientContext, ClientUpdate, Hyper, ShardReplica
+from services.algorithms.base import ClientContext, ClientUpdate, Hyper, LocalRound, ShardReplica
 from services.algorithms.registry import build_strategy
 from services.algorithms.standalone import Standalone
 from services.algorithms.subfedavg import (
@@ -58,7 +58,9 @@ class NoChannel:
 
 
 def run(s: SubFedAvg, net: SplitNet, ctx: ClientContext, steps: int = 8) -> dict[str, float]:
-    result = s.client_round(net, "block1", iter(batches(steps)), steps, NoChannel(), HYPER, ctx)
+    result = s.client_round(
+        LocalRound(net, "block1", iter(batches(steps)), steps, NoChannel(), HYPER, ctx)
+    )
     for name, mask in result.masks.items():
         assert mask.dtype == torch.bool
         assert torch.count_nonzero(result.client_weights[name][~mask]) == 0, name
@@ -173,7 +175,7 @@ def test_client_scope_prunes_only_the_client_side(reported: float, adopted: floa
     net = model()
     channel = ServerChannel(copy.deepcopy(net).server_blocks("block1"), Tally(reported))
     ctx = ClientContext("c1", 0)
-    result = s.client_round(net, "block1", iter(batches()), 8, channel, HYPER, ctx)
+    result = s.client_round(LocalRound(net, "block1", iter(batches()), 8, channel, HYPER, ctx))
     assert channel.calls == 8
     assert set(result.masks) == {"blocks.0.conv.weight"}
     assert set(result.client_weights) == {n for n in net.state_dict() if n.startswith("blocks.0.")}
