@@ -141,11 +141,11 @@ class Registry:
     def _load(self, label: str, load: Callable[[], object], promised: Iterable[str]) -> None:
         if label in self._loaded:
             return
-        self._loaded.add(label)
         try:
             source = load()
-        except Exception as exc:
+        except Exception as exc:  # every ask says why, not only the first
             raise AlgorithmPluginError(f"algorithm {label} failed to import: {exc!r}") from exc
+        self._loaded.add(label)
         names = {spec.name for spec in self.add(source)}
         missing = sorted(set(promised) - names)
         if missing:

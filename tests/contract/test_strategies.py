@@ -34,7 +34,7 @@ from services.algorithms.base import (
     StrategyBase,
     VersionWeights,
 )
-from services.algorithms.registry import BUILTINS, REGISTRY, Registry
+from services.algorithms.registry import BUILTINS, REGISTRY, AlgorithmPluginError, Registry
 from services.config.root import Settings
 
 SPECS = REGISTRY.all()
@@ -222,3 +222,7 @@ def test_a_fresh_registry_finds_only_what_it_is_given() -> None:
     wrong = Registry(builtins={"fedavg": "sfl"}, group="splitmq.no-such-group")
     with pytest.raises(ValueError, match="registers no algorithm"):
         wrong.get("fedavg")
+    missing = Registry(builtins={"x": "no_such_module"}, group="splitmq.no-such-group")
+    for _ in range(2):  # told each time, not only the first
+        with pytest.raises(AlgorithmPluginError, match="no_such_module failed to import"):
+            missing.get("x")
