@@ -90,10 +90,6 @@ def blob_field(ref: BlobRef) -> str:
     return BLOB_FIELD_PREFIX + validate_ref(ref).name
 
 
-def blob_pattern(job: str) -> str:
-    return job_prefix(job) + "w:*"
-
-
 def checkpoint_key(job: str, shard: int) -> str:
     return job_prefix(job) + f"ckpt:{int(shard)}"
 

@@ -14,9 +14,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker import keys
-from broker.errors import LeaseNotHeldError, StoreError, VersionNotFoundError
+from broker.errors import StoreError, VersionNotFoundError
 from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, Member
-from broker.store_codec import PreparedBlob, PublishingStore, decode_meta, encode_meta, str_map
+from broker.store_codec import (
+    PreparedBlob,
+    PublishingStore,
+    decode_checkpoint,
+    encode_checkpoint,
+    lease_not_held,
+    str_map,
+)
 
 # torch, and `broker.weights` with it, are imported where weights move, as in the Redis store.
 if TYPE_CHECKING:
@@ -209,26 +216,15 @@ class InMemoryWeightStore(PublishingStore):
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
-        from broker.weights import encode_weights, sha256_hex
-
         keys.validate_job(job)
-        data = encode_weights(checkpoint.weights)
-        stored = _StoredCheckpoint(
-            applied=int(checkpoint.applied),
-            weights=data,
-            sha256=sha256_hex(data),
-            meta=encode_meta(checkpoint.meta),
-            saved_at=self._clock(),
-        )
+        data, sha256, meta = encode_checkpoint(checkpoint)
+        stored = _StoredCheckpoint(int(checkpoint.applied), data, sha256, meta, self._clock())
         with self._lock:
             state = self._state(job, create=True)
             if holder is not None:
                 lease = state.leases.get(holder[0])
                 if lease is None or lease.owner != holder[1] or lease.expires_at <= self._clock():
-                    raise LeaseNotHeldError(
-                        f"checkpoint of shard {checkpoint.shard} not saved: {holder[1]!r} does "
-                        f"not hold lease {holder[0]!r}"
-                    )
+                    raise lease_not_held(checkpoint.shard, holder)
             state.checkpoints[int(checkpoint.shard)] = stored
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
@@ -236,17 +232,9 @@ class InMemoryWeightStore(PublishingStore):
             stored = self._state(job).checkpoints.get(int(shard))
         if stored is None:
             return None
+        s = stored
         what = f"checkpoint {keys.checkpoint_key(job, shard)}"
-        from broker.weights import decode_verified
-
-        weights = decode_verified(stored.weights, stored.sha256, len(stored.weights), what)
-        return Checkpoint(
-            shard=int(shard),
-            applied=stored.applied,
-            weights=weights,
-            meta=decode_meta(stored.meta),
-            saved_at=stored.saved_at,
-        )
+        return decode_checkpoint(what, shard, s.applied, s.weights, s.sha256, s.meta, s.saved_at)
 
     # --- membership ---------------------------------------------------------------------------
     def heartbeat(

@@ -35,7 +35,6 @@ from redis.retry import Retry
 from broker import keys, redis_scripts
 from broker.errors import (
     ConnectionSettingsError,
-    LeaseNotHeldError,
     StoreAuthError,
     StoreError,
     StoreUnavailableError,
@@ -53,12 +52,13 @@ from broker.store import (
 from broker.store_codec import (
     PreparedBlob,
     PublishingStore,
+    decode_checkpoint,
     decode_entry,
     decode_info,
-    decode_meta,
+    encode_checkpoint,
     encode_entry,
     encode_info,
-    encode_meta,
+    lease_not_held,
 )
 from broker.tls import TLSOptions, redis_ssl_kwargs
 
@@ -122,10 +122,6 @@ class RedisServerInfo:
     problems: tuple[str, ...]
     # appendfsync ("always", "everysec", "no"; "unknown" where CONFIG is not allowed).
     aof_fsync: str = "unknown"
-
-    @property
-    def healthy(self) -> bool:
-        return self.can_write and self.can_read
 
 
 _BLOB_FIELD = keys.BLOB_FIELD_PREFIX.encode()
@@ -385,15 +381,8 @@ class RedisWeightStore(PublishingStore):
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
-        from broker.weights import encode_weights, sha256_hex
-
-        data = encode_weights(checkpoint.weights)
-        args: list[bytes | str | int] = [
-            data,
-            sha256_hex(data),
-            int(checkpoint.applied),
-            encode_meta(checkpoint.meta),
-        ]
+        data, sha256, meta = encode_checkpoint(checkpoint)
+        args: list[bytes | str | int] = [data, sha256, int(checkpoint.applied), meta]
         script_keys = [keys.checkpoint_key(job, checkpoint.shard)]
         if holder is not None:
             script_keys.append(keys.lease_key(job, holder[0]))
@@ -404,10 +393,7 @@ class RedisWeightStore(PublishingStore):
             "save_checkpoint", lambda: self._save_checkpoint(keys=script_keys, args=args)
         )
         if holder is not None and saved == -1:  # the script returns -1 (an integer) or a time
-            raise LeaseNotHeldError(
-                f"checkpoint of shard {checkpoint.shard} not saved: {holder[1]!r} does not hold "
-                f"lease {holder[0]!r}"
-            )
+            raise lease_not_held(checkpoint.shard, holder)
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
         key = keys.checkpoint_key(job, shard)
@@ -415,22 +401,11 @@ class RedisWeightStore(PublishingStore):
         if not fields:
             return None
         try:
-            data = fields[b"weights"]
-            sha = _text(fields[b"sha256"])
-            applied = int(fields[b"applied"])
-            meta = fields[b"meta"]
-            saved_at = float(fields[b"saved_at"])
+            data, sha, meta = fields[b"weights"], _text(fields[b"sha256"]), fields[b"meta"]
+            applied, saved_at = int(fields[b"applied"]), float(fields[b"saved_at"])
         except (KeyError, ValueError) as exc:
             raise StoreError(f"malformed checkpoint {key}: {exc!r}") from exc
-        from broker.weights import decode_verified
-
-        return Checkpoint(
-            shard=int(shard),
-            applied=applied,
-            weights=decode_verified(data, sha, len(data), key),
-            meta=decode_meta(meta),
-            saved_at=saved_at,
-        )
+        return decode_checkpoint(key, shard, applied, data, sha, meta, saved_at)
 
     # --- membership ---------------------------------------------------------------------------
     def heartbeat(

@@ -31,11 +31,12 @@ from broker import keys
 from broker.errors import (
     DecodeError,
     EncodeError,
+    LeaseNotHeldError,
     StoreError,
     StoreUnavailableError,
     VersionConflictError,
 )
-from broker.store import NO_VERSION, BlobRef, ManifestEntry, Weights
+from broker.store import NO_VERSION, BlobRef, Checkpoint, ManifestEntry, Weights
 
 _log = logging.getLogger(__name__)
 
@@ -131,6 +132,30 @@ def decode_meta(data: bytes) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise DecodeError(f"checkpoint meta must be a map, got {type(meta).__name__}")
     return meta
+
+
+def encode_checkpoint(checkpoint: Checkpoint) -> tuple[bytes, str, bytes]:
+    """(safetensors bytes, their sha256, msgpack meta) of a checkpoint about to be saved."""
+    from broker.weights import encode_weights, sha256_hex
+
+    data = encode_weights(checkpoint.weights)
+    return data, sha256_hex(data), encode_meta(checkpoint.meta)
+
+
+def decode_checkpoint(
+    what: str, shard: int, applied: int, data: bytes, sha256: str, meta: bytes, saved_at: float
+) -> Checkpoint:
+    """A stored checkpoint, its weights verified against their sha256."""
+    from broker.weights import decode_verified
+
+    weights = decode_verified(data, sha256, len(data), what)
+    return Checkpoint(int(shard), applied, weights, decode_meta(meta), saved_at)
+
+
+def lease_not_held(shard: int, holder: tuple[str, str]) -> LeaseNotHeldError:
+    return LeaseNotHeldError(
+        f"checkpoint of shard {shard} not saved: {holder[1]!r} does not hold lease {holder[0]!r}"
+    )
 
 
 def encode_info(info: Mapping[str, str]) -> str:

@@ -117,29 +117,31 @@ class ContextFilter(logging.Filter):
         return True
 
 
-class DropPikaReturns(logging.Filter):
-    """Drops pika's warnings for a returned (unroutable) or refused (nacked) publish.
+class QuietPika(logging.Filter):
+    """Drops pika's warnings for a returned (unroutable) or refused (nacked) publish, and unless
+    `keep_errors` its ERROR records.
 
     `broker.rabbitmq` turns a return into `UnroutableError` and the caller decides: an event
     on the fanout with no subscriber is normal and dropped quietly, a lost reply is logged
     with its job and client. A nack is a full queue refusing the message (`BackPressureError`):
     the client backs off, retries and counts it (`back-pressure refusals` in its exit line).
     pika's own warning would repeat every one of them: thousands in a run held back by
-    back-pressure (docs/reliability.md).
+    back-pressure (docs/reliability.md). A failed connection attempt logs six ERROR records
+    and a traceback, every attempt; `broker.rabbitmq_channels` raises or warns once for it.
     """
 
     _DROPPED = ("Published message was returned", "Message was Nack'ed by broker")
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("pika") and str(record.msg).startswith(self._DROPPED))
-
-
-class DropPikaConnectErrors(logging.Filter):
-    """Drops pika's ERROR records: a failed connection attempt logs six of them and a traceback,
-    every attempt. `broker.rabbitmq_channels` raises or warns once for the same failure."""
+    def __init__(self, *, keep_errors: bool = False) -> None:
+        super().__init__()
+        self._keep_errors = keep_errors
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("pika") and record.levelno >= logging.ERROR)
+        if not record.name.startswith("pika"):
+            return True
+        if str(record.msg).startswith(self._DROPPED):
+            return False
+        return self._keep_errors or record.levelno < logging.ERROR
 
 
 def make_handler(
@@ -157,9 +159,7 @@ def make_handler(
         handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
     else:
         handler.setFormatter(OneLineUserErrors(HUMAN_FORMAT, HUMAN_DATEFMT))
-    handler.addFilter(DropPikaReturns())
-    if not debug:
-        handler.addFilter(DropPikaConnectErrors())
+    handler.addFilter(QuietPika(keep_errors=debug))
     handler.addFilter(ContextFilter(context))
     return handler
 

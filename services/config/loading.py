@@ -10,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -25,8 +25,6 @@ ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "SPLITMQ_LOG_LEVEL": ("log_level",),
     "SPLITMQ_LOG_FORMAT": ("log_format",),
 }
-
-M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -45,20 +43,13 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
     """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored)."""
-    current: type[BaseModel] | None = model
-    for i, part in enumerate(path):
-        if current is None or part not in current.model_fields:
+    for part in path[:-1]:
+        field = model.model_fields.get(part)
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
             return False
-        annotation = current.model_fields[part].annotation
-        is_last = i == len(path) - 1
-        if is_last:
-            return True
-        current = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
-    return False
+        model = section
+    return path[-1] in model.model_fields
 
 
 def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
@@ -90,20 +81,14 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_model(model: type[M], path: Path | None, env: Mapping[str, str], *, source: str = "") -> M:
-    """Build `model` from an optional TOML file and the environment."""
-    data = read_toml(path) if path is not None else {}
-    data = deep_merge(data, env_overrides(model, env))
+def load_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
+    """`Settings` from an optional TOML file and the environment."""
+    data = deep_merge(read_toml(path) if path is not None else {}, env_overrides(Settings, env))
     try:
-        return model.model_validate(data)
+        return Settings.model_validate(data)
     except ValidationError as exc:
-        where = source or (str(path) if path else "environment")
-        lines = [f"invalid configuration ({where}):"]
+        lines = [f"invalid configuration ({path or 'environment'}):"]
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
             lines.append(f"  {loc}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from None
-
-
-def load_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
-    return load_model(Settings, path, env)

@@ -10,7 +10,6 @@ the stop event, so without this SIGTERM went unheard for the whole budget).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 from services.common.backends import Backends
 
@@ -21,16 +20,6 @@ START_WAIT_S = 30.0
 
 class StartInterrupted(Exception):
     """A signal (the stop event) arrived while waiting for the broker or store."""
-
-
-def stoppable_sleep(stop: threading.Event) -> Callable[[float], None]:
-    """A sleep that raises `StartInterrupted` as soon as `stop` is set."""
-
-    def sleep(seconds: float) -> None:
-        if stop.wait(seconds):
-            raise StartInterrupted
-
-    return sleep
 
 
 def check_services(
@@ -45,7 +34,11 @@ def check_services(
     waiting at most `wait_s` for each; raise what the broker layer raises
     (`BrokerUnavailableError`, `BrokerAuthError`, `ConnectionSettingsError`, their store
     twins) or `StartInterrupted`."""
-    sleep = stoppable_sleep(stop)
+
+    def sleep(seconds: float) -> None:
+        if stop.wait(seconds):
+            raise StartInterrupted
+
     broker_wait = min(wait_s, backends.broker_settings.reconnect_give_up_s)
     backends.open_broker("", give_up_after=broker_wait, sleep=sleep).close()
     if not store:
