@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from services.algorithms.registry import REGISTRY
+from services.config.job import AlgorithmSection
 from services.config.root import Settings
 
 ENV_PREFIX = "SPLITMQ_"
@@ -46,6 +48,10 @@ def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
     for part in path[:-1]:
         field = model.model_fields.get(part)
         section = field.annotation if field is not None else None
+        if field is None and model is AlgorithmSection:
+            # An algorithm's parameter table (SPLITMQ_ALGORITHM__SPLITGP__GAMMA): the sections
+            # come from the algorithms' registrations, not from fields.
+            section = REGISTRY.section(part)
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
             return False
         model = section

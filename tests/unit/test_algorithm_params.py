@@ -8,6 +8,7 @@ import pytest
 from services.algorithms.registry import build_strategy
 from services.client.plan import RoundPlan
 from services.common.handout import client_config
+from services.config.loading import load_settings
 from tests.unit.test_client_peers import make_settings
 
 
@@ -36,6 +37,13 @@ def test_switching_algorithm_drops_the_old_params() -> None:
     )
     plan = own.updated({"algorithm": "sfl_v2"})
     assert dict(plan.params) == {}
+
+
+def test_the_environment_sets_an_algorithms_own_parameter() -> None:
+    env = {"SPLITMQ_ALGORITHM__NAME": "splitgp", "SPLITMQ_ALGORITHM__SPLITGP__GAMMA": "0.3"}
+    assert load_settings(None, env).algorithm.params()["gamma"] == 0.3
+    # A variable naming no parameter section is someone else's, as any unknown SPLITMQ_*.
+    assert load_settings(None, {"SPLITMQ_ALGORITHM__NOPE__X": "1"}).algorithm.params() == {}
 
 
 def test_unknown_algorithm_is_refused_with_the_known_ones() -> None:
