@@ -42,7 +42,6 @@ from models.state import load_partial
 from services.algorithms.async_fold import rebase_state
 from services.algorithms.staleness import TOO_STALE
 from services.common.server_fold import NEVER, folded_of
-from workers.checks import Rejection
 from workers.replica import SERVER, Replica
 from workers.stats import WorkerStats
 
@@ -53,7 +52,8 @@ State = Mapping[str, torch.Tensor]
 
 
 class Rounds:
-    """Sync rounds: the markers are the clock; nothing to refuse, nothing to stamp."""
+    """Sync rounds: the markers are the clock; nothing to refuse (the runner asks only a
+    `Continuous` clock), nothing to stamp."""
 
     rounds = True
 
@@ -62,9 +62,6 @@ class Rounds:
 
     def newest(self) -> int:
         return self._replica.version
-
-    def refusal(self, batch: SmashedBatch) -> Rejection | None:
-        return None
 
     def save(self) -> Checkpoint:
         return self._replica.checkpoint()
@@ -126,7 +123,7 @@ class Continuous:
         return self.known_version
 
     # --- smashed data ------------------------------------------------------------------------
-    def refusal(self, batch: SmashedBatch) -> Rejection | None:
+    def refusal(self, batch: SmashedBatch) -> tuple[str, str] | None:
         """("unknown_version", why) for a version never published (dead-lettered); (TOO_STALE,
         why) for one too far behind (answered, not trained on); None to train on it. The store
         is asked only when a batch names a version newer than any seen: a forged one must not

@@ -54,9 +54,9 @@ from models.state import load_partial
 from services.common.backends import Backends
 from services.config.root import Settings
 from services.security.identity import client_id_problem, sender_check
-from workers.checks import shape_problem
 from workers.replica import SERVER, ModelFactory, pick_device
 from workers.replies import Replier, reject
+from workers.shard import shape_problem
 
 # Unacked requests per server: a few, so that requests spread over the workers of a job.
 INFER_PREFETCH = 4

@@ -1,14 +1,19 @@
 """Everything one held shard does with its deliveries (architecture doc, sync round step 5).
 
-SmashedBatch → validate (`workers.checks`), skip duplicates (seq at or below the client's last
-applied one), ask the clock (`workers.clock`) whether to train on it, then the strategy's
-server step: one message at a time, up to `batch_messages` folded, or MiniBatch-SFL's step
-barrier; reply with each gradient, cast back to the dtype the client sent. Sync rounds also
-take markers: RoundStart remembers the cohort (a batch of a newer version reloads the
-replica), RoundEnd hands the replica in with a checkpoint. Deliveries stay unacked until a
-checkpoint covers them (design §7): a crash at any instant loses nothing, and the seqs in the
-checkpoint make every redelivered batch apply exactly once. A step whose loss or gradients
-are not finite has poisoned the replica: nothing is recorded or answered, and it rolls back.
+SmashedBatch → validate (the checks below), skip duplicates (seq at or below the client's last
+applied one), in async mode ask the clock (`workers.clock.Continuous`) whether it is too stale
+to train on, then the strategy's server step: one message at a time, up to `batch_messages`
+folded, or MiniBatch-SFL's step barrier; reply with each gradient, cast back to the dtype the
+client sent. Sync rounds also take markers: RoundStart remembers the cohort (a batch of a
+newer version reloads the replica), RoundEnd hands the replica in with a checkpoint.
+Deliveries stay unacked until a checkpoint covers them (design §7): a crash at any instant
+loses nothing, and the seqs in the checkpoint make every redelivered batch apply exactly once.
+A step whose loss or gradients are not finite has poisoned the replica: nothing is recorded
+or answered, and it rolls back.
+
+The checks of what arrives (beyond what the codec checks) return `(code, detail)` when the
+message must be dead-lettered, else None; the code is the counter key and the head of the
+dead-letter reason.
 """
 
 from __future__ import annotations
@@ -16,30 +21,132 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
 
 from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import GradientReply, RoundEnd, RoundStart, SmashedBatch, new_message_id
 from broker.store import WeightStore
 from broker.tensors import all_finite
 from broker.transport import Broker, Delivery
+from models.split import Shape
 from services.algorithms.base import CohortBatch, Strategy
 from services.algorithms.staleness import TOO_STALE
 from services.metrics.recorder import NO_METRICS, Metrics
+from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
-from workers.checks import (
-    ShardExpectations,
-    check_addressing,
-    check_batch,
-    check_marker,
-    check_membership,
-    parse_cohort,
-)
-from workers.clock import Clock
+from workers.clock import Clock, Continuous
 from workers.replica import Replica
 from workers.replies import Replier, empty_reply, reject
 from workers.stats import WorkerStats
+
+Rejection = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ShardExpectations:
+    """What a valid message on one shard queue looks like."""
+
+    job: str
+    shard: int
+    cut_shape: Shape
+    num_classes: int
+    cut: str = ""  # the replica's cut, whose shape is `cut_shape`
+    # Further cuts a batch may name, with their shapes (FedSplitX's deeper depth levels).
+    other_cuts: Mapping[str, Shape] = field(default_factory=dict)
+
+    def shape_of(self, cut: str) -> Shape | None:
+        """The activation shape of a batch from `cut` ("" or the replica's: `cut_shape`);
+        None for a cut this shard does not serve."""
+        if not cut or cut == self.cut:
+            return self.cut_shape
+        return self.other_cuts.get(cut)
+
+
+def check_addressing(
+    message: RoundStart | RoundEnd | SmashedBatch, want: ShardExpectations
+) -> Rejection | None:
+    if message.job != want.job:
+        return "wrong_job", f"job {message.job!r} on a queue of job {want.job!r}"
+    if message.shard != want.shard:
+        return "wrong_shard", f"shard {message.shard} on the queue of shard {want.shard}"
+    return None
+
+
+def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | None:
+    addressing = check_addressing(message, want)
+    if addressing is not None:
+        return addressing
+    if not message.client:
+        return "bad_client", "SmashedBatch without a client id"
+    bad_id = client_id_problem(message.client)
+    if bad_id is not None:
+        return "bad_client", bad_id
+    z, y = message.activations, message.labels
+    shape = want.shape_of(message.cut)
+    if shape is None:
+        served = sorted({want.cut, *want.other_cuts} - {""})
+        return "bad_cut", f"activations from cut {message.cut!r}; this job's cuts are {served}"
+    wrong_shape = shape_problem(z, shape)
+    if wrong_shape is not None:
+        return "bad_shape", wrong_shape
+    if tuple(y.shape) != (z.shape[0],):
+        return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"
+    low, high = (int(v) for v in torch.aminmax(y))
+    if low < 0 or high >= want.num_classes:
+        return "bad_labels", f"labels in [{low}, {high}], classes are 0..{want.num_classes - 1}"
+    return None
+
+
+def shape_problem(z: torch.Tensor, shape: Shape) -> str | None:
+    """Why activations `z` are not `[N>0, *shape]` (None: they are)."""
+    if tuple(z.shape[1:]) == tuple(shape) and z.shape[0] > 0:
+        return None
+    want = ", ".join(str(d) for d in shape)
+    return f"activations of shape {list(z.shape)}; the cut expects [N>0, {want}]"
+
+
+def check_membership(
+    message: SmashedBatch, cohort_round: int, cohort: Mapping[str, int]
+) -> Rejection | None:
+    """A batch of a round whose cohort is known must come from a member of it.
+
+    Batches of other rounds (a straggler's late ones, or a round whose RoundStart this shard
+    never saw) are accepted: the cohort is the barrier's business, not a licence to train.
+    """
+    if message.round == cohort_round and message.client not in cohort:
+        return "not_in_cohort", (
+            f"client {message.client!r} is not in the cohort of round {cohort_round}"
+        )
+    return None
+
+
+def check_marker(message: RoundStart | RoundEnd, current_version: int) -> Rejection | None:
+    """Round markers come from the aggregator: round r belongs to version r + 1, and only a
+    version already published can have a round (a marker from the future is forged)."""
+    kind = type(message).__name__
+    if message.round >= message.version:
+        return "bad_marker", (
+            f"{kind} of round {message.round} names version {message.version}; "
+            "round r trains version r + 1"
+        )
+    if message.version > current_version:
+        return "bad_marker", (
+            f"{kind} names version {message.version}, beyond the published {current_version}"
+        )
+    return None
+
+
+def parse_cohort(message: RoundStart) -> tuple[dict[str, int] | None, Rejection | None]:
+    """The `{client: samples}` of a RoundStart (addressed right), or why it is unusable."""
+    cohort: dict[str, int] = {}
+    for client, samples in message.participants.items():
+        if not client or isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            return None, ("bad_cohort", f"participant {client!r} with samples {samples!r}")
+        cohort[client] = samples
+    return cohort, None
 
 
 class LeaseLostError(Exception):
@@ -137,7 +244,8 @@ class ShardRunner:
             return
         if self._replaces_buffered(delivery, batch):
             return
-        refused = self._clock.refusal(batch)
+        clock = self._clock
+        refused = clock.refusal(batch) if isinstance(clock, Continuous) else None
         if refused is not None:
             code, detail = refused
             if code != TOO_STALE:
@@ -146,11 +254,11 @@ class ShardRunner:
             # Valid, just too old: answered, and acked with the next checkpoint.
             self._hold(delivery)
             io.stats.too_stale += 1
-            io.replier.send(empty_reply(batch, self._clock.newest(), "rejected", detail))
+            io.replier.send(empty_reply(batch, clock.newest(), "rejected", detail))
             return
         if io.metrics.enabled:
-            io.metrics.staleness(self._clock.newest() - batch.version)
-        if self._clock.rounds and batch.version > replica.version:
+            io.metrics.staleness(clock.newest() - batch.version)
+        if clock.rounds and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
                 self._reject(delivery, "unknown_version", f"version {batch.version} not found")

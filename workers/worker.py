@@ -35,13 +35,12 @@ from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.busy import BusyMeter
-from workers.checks import ShardExpectations
 from workers.clock import Clock, Continuous, Rounds
 from workers.inference import start_inference
 from workers.members import MemberCache
 from workers.replica import ModelFactory, Replica, open_replica, pick_device
 from workers.replies import Replier, reject
-from workers.shard import LeaseLostError, ShardPolicy, ShardRunner, ShardServices
+from workers.shard import LeaseLostError, ShardExpectations, ShardPolicy, ShardRunner, ShardServices
 from workers.stats import WorkerStats
 
 M = TypeVar("M", SmashedBatch, RoundStart | RoundEnd)

@@ -17,8 +17,8 @@ from services.common.jobmodel import job_hyper, job_model
 from services.coordinator.levels import LevelDesk
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
-from workers.checks import ShardExpectations, check_batch
 from workers.replica import Replica, open_replica
+from workers.shard import ShardExpectations, check_batch
 
 LEVEL2_SHAPE = (20, 4, 4)  # cnn5 after block2
 

@@ -12,8 +12,8 @@ from broker.messages import RoundStart, SmashedBatch
 from services.common.jobmodel import job_hyper, job_model
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 from workers.barrier import StepBarrier
-from workers.checks import ShardExpectations, check_batch, check_membership, parse_cohort
 from workers.replica import Replica, open_replica, pick_device
+from workers.shard import ShardExpectations, check_batch, check_membership, parse_cohort
 
 COHORT = {"a": 10, "b": 20, "c": 30}
 
