@@ -280,11 +280,6 @@ class InMemoryWeightStore(PublishingStore):
             if lease is not None and lease.owner == owner:
                 del state.leases[name]
 
-    def lease_owner(self, job: str, name: str) -> str | None:
-        with self._lock:
-            lease = self._state(job).leases.get(name)
-        return None if lease is None else lease.owner
-
     # --- how the job ended --------------------------------------------------------------------
     def set_job_status(self, job: str, status: JobStatus) -> None:
         with self._lock:  # frozen: stored as given

@@ -448,11 +448,6 @@ class RedisWeightStore(PublishingStore):
         key = keys.lease_key(job, name)
         self._call("release_lease", lambda: self._release_lease(keys=[key], args=[owner]))
 
-    def lease_owner(self, job: str, name: str) -> str | None:
-        key = keys.lease_key(job, name)
-        raw = self._call("lease_owner", lambda: self._redis.get(key))
-        return None if raw is None else _text(raw)
-
     # --- how the job ended --------------------------------------------------------------------
     def set_job_status(self, job: str, status: JobStatus) -> None:
         key = keys.status_key(job)

@@ -39,10 +39,6 @@ def parse_classes(text: str) -> tuple[int, ...]:
     return tuple(classes)
 
 
-def format_classes(classes: tuple[int, ...]) -> str:
-    return ",".join(str(c) for c in classes)
-
-
 @dataclass(frozen=True)
 class MemberInfo:
     """One live client: where it was assigned and what it holds."""
@@ -71,7 +67,7 @@ class MemberInfo:
             "cut": self.cut,
             "samples": str(self.samples),
             "partition": str(self.partition),
-            "classes": format_classes(self.classes),
+            "classes": ",".join(str(c) for c in self.classes),
             "joined_at": f"{self.joined_at:.3f}",
             SESSION_KEY: self.session,
         }

@@ -12,7 +12,6 @@ from broker.errors import (
     SplitMQError,
     StoreAuthError,
 )
-from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisWeightStore
 from broker.transport import ServerInfo
 from services.common.backends import Backends, Embedded
@@ -79,9 +78,7 @@ def check_broker(backends: Backends) -> Check:
 def check_store(backends: Backends) -> Check:
     settings = backends.store_settings
     if settings.kind == "memory":
-        store = backends.open_store()
-        ok = isinstance(store, InMemoryWeightStore)
-        return Check("store", ok, "in-memory weight store in this process")
+        return Check("store", True, "in-memory weight store in this process")
     where = redact_url(settings.redis_url)
     try:
         store = backends.open_store(wait=False)

@@ -41,7 +41,6 @@ class Child:
     spec: ChildSpec
     process: subprocess.Popen[str]
     pump: threading.Thread
-    returncode: int | None = None
 
 
 @dataclass(frozen=True)

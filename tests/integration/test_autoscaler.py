@@ -37,6 +37,7 @@ from services.data.loaders import load_dataset
 from services.report.records import ListSink
 from services.runtime.processes import clear_job
 from services.runtime.roles import build_aggregator, build_client, build_coordinator
+from tests.contract.test_store_contract import lease_owner
 from tests.unit.test_worker_support import one_torch_thread
 
 __all__ = ["one_torch_thread"]
@@ -199,7 +200,7 @@ def test_a_burst_scales_workers_to_the_max_and_idleness_back_to_the_min(
         return f"timings {timings}\nerrors {roles.errors}\nevents:\n{events}\n{tails}"
 
     def owners() -> list[str | None]:
-        return [store.lease_owner(job, f"shard:{s}") for s in range(SHARDS)]
+        return [lease_owner(store, job, f"shard:{s}") for s in range(SHARDS)]
 
     try:
         sink = ListSink()

@@ -34,6 +34,7 @@ from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.runtime.processes import ChildSpec, child_env, clear_job
+from tests.contract.test_store_contract import lease_owner
 
 pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq, pytest.mark.redis]
 
@@ -197,7 +198,7 @@ def participants(store: WeightStore, job: str, version: int) -> set[str]:
 
 def lease_owners(store: WeightStore, job: str) -> list[str] | None:
     """Who holds each shard, once every shard is held by a different worker."""
-    owners = [store.lease_owner(job, f"shard:{s}") for s in range(SHARDS)]
+    owners = [lease_owner(store, job, f"shard:{s}") for s in range(SHARDS)]
     held = [o for o in owners if o is not None]
     return held if len(set(held)) == SHARDS else None
 

@@ -15,6 +15,7 @@ from broker.memory_store import InMemoryWeightStore
 from services.common.backends import Backends, Embedded
 from services.common.leases import LeaseKeeper, home_shard, lease_name
 from services.common.membership import member_id
+from tests.contract.test_store_contract import lease_owner
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
@@ -44,7 +45,7 @@ def assert_fair(
 ) -> None:
     cap = math.ceil(shards / len(held))
     assert all(len(h) <= cap for h in held.values()), held
-    owners = [store.lease_owner(job, lease_name(s)) for s in range(shards)]
+    owners = [lease_owner(store, job, lease_name(s)) for s in range(shards)]
     assert sorted(s for h in held.values() for s in h) == list(range(shards))  # no overlap
     for name, shards_held in held.items():
         assert all(owners[s] == name for s in shards_held)
@@ -96,7 +97,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
 
 
 def owners(store: Any, job: str, shards: int) -> list[str | None]:
-    return [store.lease_owner(job, lease_name(s)) for s in range(shards)]
+    return [lease_owner(store, job, lease_name(s)) for s in range(shards)]
 
 
 def serve_one_batch_per_shard(client: ScriptedClient, model: Any, seq: int) -> None:
