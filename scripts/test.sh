@@ -23,6 +23,8 @@ bash scripts/browser.sh || {
 }
 
 echo "== ruff"; "$VENV/bin/ruff" check .
+echo "== ruff format"; "$VENV/bin/ruff" format --check .
+echo "== import layers"; "$VENV/bin/lint-imports" --no-cache
 echo "== mypy"; "$VENV/bin/mypy"
 echo "== pytest"
 set +e
