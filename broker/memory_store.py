@@ -22,6 +22,7 @@ from broker.store_codec import (
     decode_checkpoint,
     encode_checkpoint,
     lease_not_held,
+    positive_ttl,
     str_map,
 )
 
@@ -82,12 +83,6 @@ def _expired(expires_at: float | None, now: float) -> bool:
     return expires_at is not None and expires_at <= now
 
 
-def _positive_ttl(ttl_s: float) -> float:
-    if not ttl_s > 0:
-        raise ValueError(f"ttl must be positive, got {ttl_s!r}")
-    return float(ttl_s)
-
-
 class InMemoryWeightStore(PublishingStore):
     """Thread-safe; one lock guards all state, and serialisation happens outside it."""
 
@@ -101,7 +96,7 @@ class InMemoryWeightStore(PublishingStore):
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self._keep_versions = keep_versions
-        self._pending_ttl_s = _positive_ttl(pending_ttl_s)
+        self._pending_ttl_s = positive_ttl(pending_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._jobs: dict[str, _JobState] = {}
@@ -241,7 +236,7 @@ class InMemoryWeightStore(PublishingStore):
         self, job: str, member_id: str, ttl_s: float, info: Mapping[str, str] | None = None
     ) -> None:
         keys.validate_name("member id", member_id)
-        ttl = _positive_ttl(ttl_s)
+        ttl = positive_ttl(ttl_s)
         with self._lock:
             state = self._state(job, create=True)
             previous = state.members.get(member_id)
@@ -264,7 +259,7 @@ class InMemoryWeightStore(PublishingStore):
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:
         keys.validate_name("lease name", name)
         keys.validate_name("lease owner", owner)
-        ttl = _positive_ttl(ttl_s)
+        ttl = positive_ttl(ttl_s)
         with self._lock:
             state = self._state(job, create=True)
             lease = state.leases.get(name)

@@ -59,6 +59,7 @@ from broker.store_codec import (
     encode_entry,
     encode_info,
     lease_not_held,
+    positive_ttl,
 )
 from broker.tls import TLSOptions, redis_ssl_kwargs
 
@@ -145,9 +146,7 @@ def _hash(fields: Mapping[Any, Any]) -> dict[bytes, bytes]:
 
 
 def _ms(ttl_s: float) -> int:
-    if not ttl_s > 0:
-        raise ValueError(f"ttl must be positive, got {ttl_s!r}")
-    return max(1, round(ttl_s * 1000))
+    return max(1, round(positive_ttl(ttl_s) * 1000))
 
 
 def _parse_manifest(job: str, version: int, fields: Mapping[bytes, bytes]) -> Manifest:
@@ -519,9 +518,7 @@ class RedisWeightStore(PublishingStore):
     def _aof_fsync(self) -> str:
         try:
             found: Any = self._redis.config_get("appendfsync")
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except redis.RedisError:  # CONFIG renamed away or denied by an ACL (managed Redis)
+        except redis.ResponseError:  # CONFIG renamed away or denied by an ACL (managed Redis)
             return "unknown"
         values = {_text(k): _text(v) for k, v in dict(found).items()}
         return values.get("appendfsync", "unknown")
@@ -536,9 +533,7 @@ class RedisWeightStore(PublishingStore):
             wrote = True
             value: Any = self._redis.get(key)
             self._redis.delete(key)
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except redis.RedisError as exc:  # e.g. READONLY replica, MISCONF, OOM
+        except redis.ResponseError as exc:  # e.g. READONLY replica, MISCONF, OOM
             return wrote, False, f"probe {'read' if wrote else 'write'} failed: {exc}"
         if value != token.encode():
             return True, False, "probe read returned a different value"

@@ -80,6 +80,12 @@ def prepare_blobs(
     return prepared
 
 
+def positive_ttl(ttl_s: float) -> float:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl must be positive, got {ttl_s!r}")
+    return float(ttl_s)
+
+
 def str_map(what: str, mapping: Mapping[str, str] | None) -> dict[str, str]:
     """A copy of `mapping` (manifest meta, member info), checked to map str to str."""
     result = dict(mapping or {})

@@ -104,14 +104,10 @@ class LeaseKeeper:
         )
         workers = self.live_workers()
         target = math.ceil(self._shards / workers)
-        kept, lost = [], []
+        kept: list[int] = []
+        lost: list[int] = []
         for shard in sorted(held, key=self._distance):
-            if self._store.acquire_lease(
-                self._job, lease_name(shard), self._worker_id, self._ttl_s
-            ):
-                kept.append(shard)
-            else:
-                lost.append(shard)
+            (kept if self.renew(shard) else lost).append(shard)
         # Keep the shards nearest our home, hand back the farthest: assignments stay stable.
         release = kept[target:]
         kept = kept[:target]
@@ -120,10 +116,7 @@ class LeaseKeeper:
             for shard in sorted(range(self._shards), key=self._distance):
                 if len(kept) + len(acquired) >= target:
                     break
-                if shard in held:
-                    continue
-                name = lease_name(shard)
-                if self._store.acquire_lease(self._job, name, self._worker_id, self._ttl_s):
+                if shard not in held and self.renew(shard):
                     acquired.append(shard)
         return LeasePlan(target, lost, release, acquired, workers)
 
@@ -131,7 +124,7 @@ class LeaseKeeper:
         self._store.release_lease(self._job, lease_name(shard), self._worker_id)
 
     def renew(self, shard: int) -> bool:
-        """Renew one lease (before a checkpoint: only the holder may write it)."""
+        """Take or renew one lease (also before a checkpoint: only the holder may write it)."""
         return self._store.acquire_lease(self._job, lease_name(shard), self._worker_id, self._ttl_s)
 
     def leave(self) -> None:
