@@ -24,7 +24,7 @@ from broker.codec import decode
 from broker.errors import BrokerError, DecodeError, StaleDeliveryError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
-from broker.topology import QueueLimits, job_queues, shard_queue_name
+from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
 from services.algorithms.base import Strategy
 from services.algorithms.registry import build_strategy
@@ -243,10 +243,7 @@ class WorkerSession:
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        limits = QueueLimits(
-            self.settings.broker.shard_queue_max_length, self.settings.broker.shard_queue_max_bytes
-        )
-        self.broker.declare(job_queues(self.job, self.shards, limits))
+        self.broker.declare(self.settings.job_queues())
         self._say(
             "joins (%d shards, device %s, prefetch %d)", self.shards, self.device, self.prefetch
         )
