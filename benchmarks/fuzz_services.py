@@ -75,7 +75,7 @@ from broker.topology import (
     shard_routing_key,
     updates_routing_key,
 )
-from broker.transport import REASON_HEADER, Broker, QueueSpec
+from broker.transport import REASON_HEADER, Broker, PublishOptions, QueueSpec
 from services.common.backends import Backends
 from services.common.membership import client_members
 from services.common.supervise import RoleSpec
@@ -311,8 +311,7 @@ class Fuzzer:
                     target.exchange,
                     target.key,
                     fuzzed.body,
-                    message_id=message_id,
-                    persistent=False,
+                    PublishOptions(message_id=message_id, persistent=False),
                 )
                 return
             except BackPressureError:
