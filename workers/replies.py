@@ -17,6 +17,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from broker.codec import encode
 from broker.errors import BackPressureError, EncodeError, MessageTooLargeError, UnroutableError
@@ -71,8 +72,8 @@ class Replier:
         if reply.status == "ok":
             self._remember(reply)
         self._settle()
-        # Not waiting for the confirm: the wait was a round trip to RabbitMQ on the job's
-        # critical path for every step (~25% of a cnn5 step); a refusal comes back later.
+        # Not waiting for the confirm: the wait is a round trip to RabbitMQ on the job's
+        # critical path for every step (docs/benchmarks.md); a refusal comes back later.
         return self.publish(reply, reply_routing_key(reply.job, reply.client), later=True)
 
     def publish(self, message: Answer, routing_key: str, *, later: bool = False) -> bool:
@@ -84,29 +85,36 @@ class Replier:
             self._logger.error("%s cannot be encoded: %s", _what(message), exc)
             return False
         options = PublishOptions(message.message_id, persistent=False, confirm_later=later)
-        return self._deliver(_what(message), routing_key, body, options)
+        return self._deliver(lambda: _what(message), routing_key, body, options)
 
     def _settle(self) -> None:
         """Refusals of earlier replies: a full queue is waited out, confirmed this time; a gone
         client or connection is only logged (the client republishes a batch whose reply it
         missed, and `resend` answers it)."""
         for refused in self._broker.refused():
-            what = f"the reply published to {refused.routing_key}"
+            key = refused.routing_key
             if isinstance(refused.error, BackPressureError):
                 options = replace(refused.options, confirm_later=False)
-                self._deliver(what, refused.routing_key, refused.body, options)
+                what = partial(str, f"the reply published to {key}")
+                self._deliver(what, key, refused.body, options)
             else:
-                self._logger.warning("%s was not delivered: %s", what, refused.error)
+                self._logger.warning(
+                    "the reply published to %s was not delivered: %s", key, refused.error
+                )
 
-    def _deliver(self, what: str, routing_key: str, body: bytes, options: PublishOptions) -> bool:
+    def _deliver(
+        self, what: Callable[[], str], routing_key: str, body: bytes, options: PublishOptions
+    ) -> bool:
+        # `what` names the message for a log line: built only when one is written, not for
+        # every reply on the worker's critical path.
         delay = self._first_delay_s
         attempts = 0
         while True:
             try:
                 # Transient: a gradient only matters to its client while that client waits
                 # for it; persisting it cost RabbitMQ a disk write and the worker (whose
-                # loop is the job's critical path) the wait for it: 7-8 ms of a ~20 ms cnn5
-                # step, ~25% of SFL-V2 throughput (docs/benchmarks.md, "SFL-V2 throughput").
+                # loop is the job's critical path) the wait for it (docs/benchmarks.md,
+                # "SFL-V2 throughput").
                 self._broker.publish(REPLIES_EXCHANGE, routing_key, body, options)
                 return True
             except BackPressureError:
@@ -115,15 +123,15 @@ class Replier:
                 # when the client is slow, and dropping the reply would leave it waiting. A
                 # stopping worker gives up after a few tries (the client will republish).
                 if self._stop.is_set() and attempts >= 3:
-                    self._logger.warning("%s dropped: full while stopping", what)
+                    self._logger.warning("%s dropped: full while stopping", what())
                     return False
                 self._sleep(delay)
                 delay = min(delay * 2, self._max_delay_s)
             except UnroutableError:
-                self._logger.warning("%s unroutable: the client's queue is gone", what)
+                self._logger.warning("%s unroutable: the client's queue is gone", what())
                 return False
             except MessageTooLargeError as exc:
-                self._logger.error("%s too large: %s", what, exc)
+                self._logger.error("%s too large: %s", what(), exc)
                 return False
 
     def _remember(self, reply: GradientReply) -> None:
