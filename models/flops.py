@@ -12,7 +12,7 @@ restored and no state changes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -32,16 +32,19 @@ def layer_flops(module: nn.Module, inputs: Tensor, output: Tensor) -> int:
     return 0
 
 
-def forward_flops(module: nn.Module, input_shape: Sequence[int]) -> int:
-    """Forward FLOPs of `module` for one sample of `input_shape` (batch dimension excluded)."""
-    total = 0
+def flops_by_layer(module: nn.Module, input_shape: Sequence[int]) -> dict[str, int]:
+    """Forward FLOPs for one sample of `input_shape` (batch dimension excluded) of each Conv2d
+    and Linear that `module`'s forward runs, by module name."""
+    found: dict[str, int] = {}
 
-    def count(layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
-        nonlocal total
-        total += layer_flops(layer, args[0], output)
+    def counter(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
+        def count(layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+            found[name] = found.get(name, 0) + layer_flops(layer, args[0], output)
 
-    layers = [m for m in module.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
-    handles = [layer.register_forward_hook(count) for layer in layers]
+        return count
+
+    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+    handles = [layer.register_forward_hook(counter(name)) for name, layer in layers]
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
         with evaluating([module]):
@@ -49,4 +52,9 @@ def forward_flops(module: nn.Module, input_shape: Sequence[int]) -> int:
     finally:
         for handle in handles:
             handle.remove()
-    return total
+    return found
+
+
+def forward_flops(module: nn.Module, input_shape: Sequence[int]) -> int:
+    """Forward FLOPs of `module` for one sample of `input_shape` (batch dimension excluded)."""
+    return sum(flops_by_layer(module, input_shape).values())

@@ -5,7 +5,7 @@ decorator with its name(s), its `[algorithm.<name>]` parameter section, whether 
 synchronous and how many server shards it runs (`services.algorithms.registry` finds it).
 The base class declares every trait and hook a role consults, typed and with its default, so
 a subclass overrides only what differs: the client's round, the aggregation, and for split
-algorithms the worker's step. The math lives in pure functions (`averaging`, `server_math`),
+algorithms the worker's step. The math lives in pure functions (`averaging`, `sfl.weighted_step`),
 unit-tested without a broker.
 """
 

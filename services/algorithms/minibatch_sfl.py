@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from services.algorithms.base import CohortBatch, StepResults, algorithm
-from services.algorithms.server_math import weighted_step
-from services.algorithms.sfl import SFL
+from services.algorithms.sfl import SFL, weighted_step
 
 
 @algorithm("minibatch_sfl", sync_only=True, shards="one")
@@ -27,11 +26,10 @@ class MiniBatchSFL(SFL):
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
     ) -> StepResults:
-        r = weighted_step(
+        return weighted_step(
             server,
             optimizer,
             [b.activations for b in batches],
             [b.labels for b in batches],
             [b.weight for b in batches],
-        )
-        return list(zip(r.grads, r.losses, r.correct, strict=True))
+        ).rows()

@@ -13,6 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from models.flops import flops_by_layer
+from models.split import SplitNet
+
 Masks = dict[str, torch.Tensor]
 
 
@@ -147,3 +150,33 @@ def param_reduction(params: Mapping[str, torch.Tensor], masks: Mapping[str, torc
         return 0.0
     pruned = sum(int((~masks[n].bool()).sum()) for n in params if n in masks)
     return pruned / total
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs per sample (`models.flops`) with the masks applied, and without. A pruned
+    weight entry saves every multiply-accumulate it takes part in; a pruned channel removes its
+    filter and the next layer's slice that reads it, which the element masks already encode."""
+
+    sparse: int
+    dense: int
+
+    @property
+    def reduction(self) -> float:
+        return 1.0 - self.sparse / self.dense if self.dense else 0.0
+
+
+def count_flops(
+    model: SplitNet, prefixes: tuple[str, ...], masks: Mapping[str, torch.Tensor]
+) -> FlopCount:
+    """FLOPs per sample of the Conv2d/Linear layers in scope, with and without `masks`."""
+    sparse = dense = 0
+    for name, flops in flops_by_layer(model, model.input_shape).items():
+        if not f"{name}.".startswith(prefixes):
+            continue
+        total = model.get_parameter(f"{name}.weight").numel()
+        mask = masks.get(f"{name}.weight")
+        kept = total if mask is None else int(mask.bool().sum())
+        dense += flops
+        sparse += flops * kept // total
+    return FlopCount(sparse, dense)

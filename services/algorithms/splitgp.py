@@ -57,7 +57,7 @@ from services.algorithms.base import (
     algorithm,
     average_replicas,
 )
-from services.algorithms.server_math import ServerStepResult, sequential_step, weighted_step
+from services.algorithms.sfl import rows_step
 
 
 class SplitGPSection(Params):
@@ -88,50 +88,6 @@ def client_objective(
     head_loss = F.cross_entropy(head_logits, labels)
     surrogate = (z * server_grad.to(device=z.device, dtype=z.dtype)).sum()
     return gamma * head_loss + surrogate
-
-
-class ScaleGrad(nn.Module):
-    """`module` whose output gradient is multiplied by `scale` on the way back.
-
-    The forward value is exactly the module's (`y + s*(y - y)` with the second term detached to
-    zero); every gradient flowing through it, to the module's parameters and to its input, is
-    `scale` times the unscaled one: the same as scaling the loss, for any loss on the output.
-    """
-
-    def __init__(self, module: nn.Module, scale: float) -> None:
-        super().__init__()
-        self.module = module
-        self.scale = scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.module(x)
-        return y.detach() + self.scale * (y - y.detach())
-
-
-def scaled_server_step(
-    server: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    zs: Sequence[torch.Tensor],
-    ys: Sequence[torch.Tensor],
-    scale: float,
-) -> ServerStepResult:
-    """SplitGP's server step, eq. (8): `theta <- theta - eta * (1-gamma) * grad l_S`, and each
-    batch's `(1-gamma) * dl_S/dz` for its client (`scale` = 1 - gamma).
-
-    One batch: SFL's sequential step with the loss scaled. Several (a worker folding queued
-    messages): one step on their concatenation, each batch weighted by its rows, the returned
-    gradient being each batch's own, as in SFL's fold. Losses are the unscaled `l_S`.
-    """
-    if len(zs) == 1:
-        return sequential_step(server, optimizer, zs[0], ys[0], loss_scale=scale)
-    return weighted_step(
-        ScaleGrad(server, scale),
-        optimizer,
-        zs,
-        ys,
-        [float(y.shape[0]) for y in ys],
-        concat=True,
-    )
 
 
 # --- aggregation --------------------------------------------------------------------------------
@@ -434,14 +390,9 @@ class SplitGP(StrategyBase):
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
     ) -> StepResults:
-        r = scaled_server_step(
-            server,
-            optimizer,
-            [b.activations for b in batches],
-            [b.labels for b in batches],
-            1.0 - self.gamma,
-        )
-        return list(zip(r.grads, r.losses, r.correct, strict=True))
+        # Eq. (8): `theta <- theta - eta * (1-gamma) * grad l_S`, and each batch's
+        # `(1-gamma) * dl_S/dz` for its client; folded batches as in SFL's fold.
+        return rows_step(server, optimizer, batches, loss_scale=1.0 - self.gamma)
 
     def aggregate(
         self,

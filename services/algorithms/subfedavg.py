@@ -48,13 +48,13 @@ from services.algorithms.base import (
     average_replicas,
     full_state,
 )
-from services.algorithms.flops import count_flops
 from services.algorithms.prune_layout import PruneLayout, build_layout
 from services.algorithms.pruning import (
     AdoptionRule,
     Masks,
     apply_masks,
     channel_mask,
+    count_flops,
     flat_hamming,
     hamming_distance,
     mask_gradients,

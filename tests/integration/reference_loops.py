@@ -7,7 +7,7 @@ computes `z_n = phi(x_n)`; the server takes one step on `sum_n p_n grad h(w_s; z
 (p_n = |D_n|); each client gets `dh/dz_n` at the pre-update `w_s`, backpropagates it and steps;
 after the round the client sides are averaged with p_n.
 
-Deliberately independent of `services.algorithms` (no `server_math`, no `averaging`): the
+Deliberately independent of `services.algorithms` (no `sfl.weighted_step`, no `averaging`): the
 gradients come from `torch.autograd.grad` and the optimizers are plain `torch.optim.SGD`, so
 the roles' math is checked, not re-used. What the reference must share with the service is
 only what the architecture doc fixes: the seeded initial model (`job_model`, as the

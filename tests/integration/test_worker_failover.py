@@ -5,7 +5,7 @@ The doomed worker runs in a `spawn`ed process (its own RabbitMQ connection, its 
 client) and dies by SIGKILL after it has answered a few batches: no cleanup of any kind runs.
 RabbitMQ requeues what it had not acked; its lease expires; a second worker takes the shard
 over from the last checkpoint. The final replica must equal every batch applied exactly once,
-in order, computed here with `server_math`.
+in order, computed here with `sfl.weighted_step`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch.testing import assert_close
 
 from broker.topology import QueueLimits, job_queues, reply_queue_name
-from services.algorithms.server_math import sequential_step
+from services.algorithms.sfl import weighted_step
 from services.common.backends import Backends
 from tests.unit.test_worker_support import (
     ScriptedClient,
@@ -124,7 +124,7 @@ def test_sigkilled_worker_process_loses_no_batch_and_applies_none_twice(
     assert stats.batches_applied == BATCHES - applied_at_death
     server, optimizer = reference_server(model, settings)
     for z, y in batches:
-        sequential_step(server, optimizer, z, y)
+        weighted_step(server, optimizer, [z], [y], [1.0])
     expected = server.state_dict()
     for name, tensor in checkpoint.weights.items():
         assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=f"weight {name}")
@@ -212,7 +212,7 @@ def test_worker_whose_connection_drops_applies_every_batch_once(
     assert stats.duplicates_skipped == 2 and stats.stale_acks == 2
     server, optimizer = reference_server(model, settings)
     for z, y in batches:
-        sequential_step(server, optimizer, z, y)
+        weighted_step(server, optimizer, [z], [y], [1.0])
     expected = server.state_dict()
     for name, tensor in checkpoint.weights.items():
         assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=f"weight {name}")

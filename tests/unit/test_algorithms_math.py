@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.algorithms.averaging import holder_average, weighted_average
-from services.algorithms.server_math import sequential_step, weighted_step
+from services.algorithms.sfl import weighted_step
 
 
 def test_weighted_average_by_hand() -> None:
@@ -44,13 +44,13 @@ def _server() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
 
 
-def test_sequential_step_matches_manual_sgd_and_scales_the_gradient() -> None:
+def test_one_batch_step_matches_manual_sgd_and_scales_the_gradient() -> None:
     server = _server()
     reference = copy.deepcopy(server)
     z = torch.randn(4, 6)
     y = torch.tensor([0, 1, 2, 1])
     opt = torch.optim.SGD(server.parameters(), lr=0.1)
-    result = sequential_step(server, opt, z, y, loss_scale=0.5)
+    result = weighted_step(server, opt, [z], [y], [1.0], loss_scale=0.5)
 
     zz = z.clone().requires_grad_(True)
     loss = F.cross_entropy(reference(zz), y)

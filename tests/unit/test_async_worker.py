@@ -17,7 +17,7 @@ from broker.store import SERVER_PART, BlobRef
 from broker.topology import dead_queue_name
 from broker.transport import REASON_HEADER
 from services.aggregator.core import read_version
-from services.algorithms.server_math import sequential_step
+from services.algorithms.sfl import weighted_step
 from services.algorithms.staleness import TOO_STALE
 from services.common.backends import Backends, Embedded
 from tests.unit.test_aggregator_peers import add_member
@@ -90,7 +90,10 @@ def test_too_stale_smashed_data_is_refused_and_newer_versions_do_not_reload(job:
     # The replica trained on, from version 1's server weights, on exactly the batches it took:
     # no reload on the newer versions.
     server, optimizer = reference_server(model, settings)
-    expected = [sequential_step(server, optimizer, *batches[seq]) for seq in (0, 1, 3)]
+    expected = [
+        weighted_step(server, optimizer, [batches[seq][0]], [batches[seq][1]], [1.0])
+        for seq in (0, 1, 3)
+    ]
     assert_close(replies[0].grad, expected[1].grads[0])
     assert_close(replies[2].grad, expected[2].grads[0])
     # Seeing version 3 made it checkpoint, rebased onto version 3 (nothing of its own was
@@ -153,7 +156,7 @@ def test_a_copy_of_an_applied_batch_gets_its_gradient_again_in_async_mode(job: s
         (0, "ok"), (1, "ok"), (1, "ok"), (0, "gone"), (1, "gone"), (2, "ok"),
     ]  # fmt: skip
     server, optimizer = reference_server(model, settings)
-    expected = [sequential_step(server, optimizer, *batch) for batch in batches]
+    expected = [weighted_step(server, optimizer, [z], [y], [1.0]) for z, y in batches]
     assert_close(replies[1].grad, expected[1].grads[0])
     assert_close(replies[2].grad, expected[1].grads[0])
     assert replies[2].message_id != replies[1].message_id

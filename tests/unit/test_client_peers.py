@@ -49,7 +49,7 @@ from models.split import SplitNet
 from models.state import client_state
 from services.algorithms.base import Hyper, full_state
 from services.algorithms.registry import build_strategy
-from services.algorithms.server_math import sequential_step
+from services.algorithms.sfl import weighted_step
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
 from services.config.root import Settings
@@ -132,7 +132,7 @@ def reference_split(settings: Settings, dataset: Dataset, index: int, rounds: in
         client_opt = torch.optim.SGD(body.parameters(), lr=h.lr, momentum=h.momentum)
         for x, y in round_batches(settings, dataset, index, r):
             z = body(x)
-            grad = sequential_step(server, server_opt, z.detach(), y).grads[0]
+            grad = weighted_step(server, server_opt, [z.detach()], [y], [1.0]).grads[0]
             client_opt.zero_grad()
             z.backward(grad)
             client_opt.step()
@@ -421,7 +421,9 @@ class ScriptedPeers(threading.Thread):
             self._reply(broker, message.client, self._finished(message.client))
             return
         self.applied_seq = message.seq
-        result = sequential_step(self.server, self.server_opt, message.activations, message.labels)
+        result = weighted_step(
+            self.server, self.server_opt, [message.activations], [message.labels], [1.0]
+        )
         grad = result.grads[0]
         reply = GradientReply(
             self.job, message.client, new_message_id(), self.version, message.seq, "ok",

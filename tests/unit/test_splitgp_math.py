@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from broker.store import AUX_PART, CLIENT_PART, BlobRef
-from services.algorithms.base import ClientUpdate
+from services.algorithms.base import ClientUpdate, CohortBatch
 from services.algorithms.splitgp import (
+    SplitGP,
     client_objective,
     entropy,
     mix,
     personalise,
-    scaled_server_step,
     split_predictions,
     stays_local,
     sweep,
@@ -109,13 +109,15 @@ def test_server_gradient_and_theta_step_are_scaled_by_one_minus_gamma(gamma: flo
     server = linear_server()
     optimizer = torch.optim.SGD(server.parameters(), lr=0.1)
     z, y = torch.tensor([[2.0]]), torch.tensor([0])
-    result = scaled_server_step(server, optimizer, [z], [y], 1.0 - gamma)
+    [(grad, loss, _)] = SplitGP(gamma=gamma).server_step(
+        server, optimizer, [CohortBatch("a", z, y)]
+    )
     s = 1.0 - gamma
-    assert result.grads[0].item() == pytest.approx(s * 2 * Q, rel=1e-5)
+    assert grad.item() == pytest.approx(s * 2 * Q, rel=1e-5)
     expected_w = [1.0 - 0.1 * s * (-2 * Q), 3.0 - 0.1 * s * (2 * Q)]
     assert server.weight.detach().flatten().tolist() == pytest.approx(expected_w, rel=1e-5)
     # The reported loss is the server's own, unscaled: -log p_0 = log(1 + e^4).
-    assert result.losses[0] == pytest.approx(math.log(1 + math.exp(4)), rel=1e-5)
+    assert loss == pytest.approx(math.log(1 + math.exp(4)), rel=1e-5)
 
 
 def test_folded_batches_get_their_own_scaled_gradient_and_one_scaled_step() -> None:
@@ -127,9 +129,10 @@ def test_folded_batches_get_their_own_scaled_gradient_and_one_scaled_step() -> N
     optimizer = torch.optim.SGD(server.parameters(), lr=0.1)
     zs = [torch.tensor([[2.0]]), torch.tensor([[1.0]])]
     ys = [torch.tensor([0]), torch.tensor([1])]
-    result = scaled_server_step(server, optimizer, zs, ys, 0.5)
-    assert result.grads[0].item() == pytest.approx(0.5 * 2 * Q, rel=1e-5)
-    assert result.grads[1].item() == pytest.approx(0.5 * 2 * (r - 1), rel=1e-5)
+    batches = [CohortBatch("a", z, y) for z, y in zip(zs, ys, strict=True)]
+    results = SplitGP(gamma=0.5).server_step(server, optimizer, batches)
+    assert results[0][0].item() == pytest.approx(0.5 * 2 * Q, rel=1e-5)
+    assert results[1][0].item() == pytest.approx(0.5 * 2 * (r - 1), rel=1e-5)
     mean_grad_w = [(-2 * Q + 1 - r) / 2, (2 * Q + r - 1) / 2]
     expected_w = [1.0 - 0.1 * 0.5 * mean_grad_w[0], 3.0 - 0.1 * 0.5 * mean_grad_w[1]]
     assert server.weight.detach().flatten().tolist() == pytest.approx(expected_w, rel=1e-5)

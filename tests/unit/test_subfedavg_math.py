@@ -9,12 +9,12 @@ from torch import nn
 
 from models.registry import build_model
 from models.split import SplitNet
-from services.algorithms.flops import count_flops
 from services.algorithms.prune_layout import build_layout
 from services.algorithms.pruning import (
     AdoptionRule,
     apply_masks,
     channel_mask,
+    count_flops,
     flat_hamming,
     hamming_distance,
     mask_gradients,

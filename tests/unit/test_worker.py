@@ -1,6 +1,6 @@
 """The worker on the in-memory broker and store, driven by a scripted client and aggregator.
 
-Every expected gradient and weight comes from `services.algorithms.server_math` run here on a
+Every expected gradient and weight comes from `services.algorithms.sfl.weighted_step` run here on a
 private copy of the same version-1 server weights: the worker must do exactly that math.
 """
 
@@ -18,7 +18,7 @@ from broker.memory_broker import InMemoryBroker
 from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, dead_queue_name, shard_queue_name
 from broker.transport import REASON_HEADER, Broker, Delivery
-from services.algorithms.server_math import sequential_step, weighted_step
+from services.algorithms.sfl import weighted_step
 from services.common.backends import Backends, Embedded
 from services.metrics.recorder import NO_METRICS
 from tests.unit.test_worker_support import (
@@ -77,7 +77,7 @@ def test_round_gives_the_sequential_gradients_and_a_checkpoint(job: str) -> None
     server, optimizer = reference_server(model, settings)
     assert [r.seq for r in replies] == list(range(5))
     for (z, y), reply in zip(batches, replies, strict=True):
-        expected = sequential_step(server, optimizer, z, y)
+        expected = weighted_step(server, optimizer, [z], [y], [1.0])
         assert reply.status == "ok" and reply.samples == 8 and reply.version == 1
         assert reply.grad is not None and reply.grad.dtype == z.dtype
         assert_close(reply.grad, expected.grads[0].to(z.dtype))
@@ -160,7 +160,7 @@ def test_duplicate_seqs_are_never_applied_twice(job: str) -> None:
     assert replies[4].grad is None and "seq 2 was already applied" in replies[4].reason
     server, optimizer = reference_server(model, settings)
     for z, y in batches:
-        sequential_step(server, optimizer, z, y)
+        weighted_step(server, optimizer, [z], [y], [1.0])
     checkpoint = embedded.store.load_checkpoint(job, 0)
     assert checkpoint is not None and checkpoint.applied == 4
     assert checkpoint.meta["seqs"] == {"c0": 3}
@@ -366,7 +366,7 @@ def test_killed_worker_resumes_from_checkpoint_exactly_once(job: str, kill: dict
     assert checkpoint.meta["round"] == 0 and checkpoint.meta["round_samples"] == 80
     server, optimizer = reference_server(model, settings)
     for z, y in batches:  # each batch exactly once, in order
-        sequential_step(server, optimizer, z, y)
+        weighted_step(server, optimizer, [z], [y], [1.0])
     assert_same_weights(checkpoint.weights, server)
     assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])
 
@@ -393,7 +393,7 @@ def test_a_poisoned_step_is_rolled_back_and_the_rest_applied_once(job: str) -> N
     assert [r.seq for r in client.replies("c0")] == [0, 1, 0, 1, 3]
     server, optimizer = reference_server(model, settings)
     for z, y in good:
-        sequential_step(server, optimizer, z, y)
+        weighted_step(server, optimizer, [z], [y], [1.0])
     checkpoint = embedded.store.load_checkpoint(job, 0)
     assert checkpoint is not None and checkpoint.applied == 3
     assert checkpoint.meta["seqs"] == {"c0": 3}
