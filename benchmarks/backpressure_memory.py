@@ -60,8 +60,8 @@ from broker.topology import (
     updates_queue_name,
 )
 from broker.transport import Broker
-from services.autoscaler.controller import parse_report
 from services.common.backends import Backends
+from services.common.leases import worker_beat
 from services.config.loading import load_settings
 from services.runtime.processes import child_env
 
@@ -194,8 +194,8 @@ class Sampler:
             self._stop.wait(max(0.0, next_at - time.monotonic()))
 
     def _busy(self) -> dict[str, float]:
-        reports = (parse_report(m) for m in self._store.live_members(self._job).values())
-        return {r.worker_id: r.busy for r in reports if r is not None and r.busy is not None}
+        reports = (worker_beat(m) for m in self._store.live_members(self._job).values())
+        return {r.worker: r.busy for r in reports if r is not None and r.busy is not None}
 
     def _depths(self) -> dict[str, int]:
         depths: dict[str, int] = {}

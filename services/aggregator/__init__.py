@@ -2,6 +2,5 @@
 async buffering), evaluation, metrics."""
 
 from services.aggregator.aggregator import Aggregator, ensure_initial_version
-from services.aggregator.evaluation import build_evaluator, evaluate
 
-__all__ = ["Aggregator", "build_evaluator", "ensure_initial_version", "evaluate"]
+__all__ = ["Aggregator", "ensure_initial_version"]

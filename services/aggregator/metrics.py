@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from broker.messages import ConfigValue
 from services.aggregator.evaluation import VersionEval
 from services.algorithms.base import ClientUpdate
+from services.algorithms.fedsplitx import trained_samples
 from services.report.records import VersionRecord
 
 # Accepted spellings of each client metric, first match wins.
@@ -20,9 +21,6 @@ TRAIN_ACCURACY = ("train_accuracy", "train_acc", "accuracy")
 BYTES_UP = ("bytes_up", "bytes_sent")
 BYTES_DOWN = ("bytes_down", "bytes_received")
 COMPUTE_S = ("compute_s",)
-# Samples actually trained this round; `WeightsUpdate.samples` is |D_k|, the averaging weight,
-# which max_steps_per_round may cap far below.
-TRAIN_SAMPLES = ("train_samples",)
 # Accuracy of the client's own model on its local test set (see `client_mean`).
 PERSONAL_ACCURACY = ("personal_accuracy",)
 
@@ -72,11 +70,6 @@ def reported_extras(updates: Sequence[ClientUpdate]) -> dict[str, float]:
     return out
 
 
-def trained(update: ClientUpdate) -> float:
-    reported = metric(update.metrics, TRAIN_SAMPLES)
-    return float(update.samples) if reported is None else reported
-
-
 def summed(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:
     return sum(metric(u.metrics, names) or 0.0 for u in updates)
 
@@ -98,13 +91,15 @@ def build_record(
     """`personal_from_clients`: the personalised models live on the clients only (FedDeper), so
     the personalised accuracy is the clients' reported one; the evaluation's (the global model
     on each local test set) then goes to `extra["global_personal_accuracy"]`."""
-    samples = int(sum(trained(u) for u in updates))
+    # Samples actually trained this round; `WeightsUpdate.samples` is |D_k|, the averaging
+    # weight, which max_steps_per_round may cap far below.
+    samples = int(sum(trained_samples(u) for u in updates))
     extra: dict[str, float] = {"round_s": round_s}
     compute = [metric(u.metrics, COMPUTE_S) for u in updates]
     if all(c is not None and c > 0 for c in compute) and compute:
         # Sum of the clients' own rates: what the cohort could do without waiting on anyone.
         extra["client_samples_per_s"] = sum(
-            trained(u) / c for u, c in zip(updates, compute, strict=True) if c
+            trained_samples(u) / c for u, c in zip(updates, compute, strict=True) if c
         )
     if evaluation is not None:
         extra["test_samples"] = float(evaluation.test_samples)

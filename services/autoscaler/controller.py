@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from broker.errors import SplitMQError
-from broker.store import Member, WeightStore
+from broker.store import WeightStore
 from broker.topology import QueueLimits, job_queues, shard_queue_name
 from broker.transport import Broker
 from services.autoscaler.docker_pool import DockerUnavailableError
@@ -34,7 +34,7 @@ from services.autoscaler.policy import Decision, Limits, Observation, PolicyStat
 from services.autoscaler.pool import PoolWorker, WorkerPool
 from services.common.backends import Backends
 from services.common.health import TTL_S, health_member
-from services.common.leases import worker_beat
+from services.common.leases import WorkerBeat, worker_beat
 from services.config.root import Settings
 
 Action = Literal["start", "stop", "exited"]
@@ -43,22 +43,9 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
-class WorkerReport:
-    worker_id: str
-    shards: tuple[int, ...]
-    busy: float | None
-
-
-def parse_report(member: Member) -> WorkerReport | None:
-    """A `worker:<id>` member's heartbeat; None for other members. Bad fields read as absent."""
-    beat = worker_beat(member)
-    return None if beat is None else WorkerReport(beat.worker, beat.shards, beat.busy)
-
-
-@dataclass(frozen=True)
 class Snapshot:
     depths: dict[int, int]  # ready messages by shard
-    workers: dict[str, WorkerReport]  # live workers by id
+    workers: dict[str, WorkerBeat]  # live workers by id
 
     @property
     def depth(self) -> int:
@@ -104,12 +91,8 @@ class Observer:
         except Exception:
             self._declared = False  # e.g. a queue deleted under us: declare again next time
             raise
-        workers = {}
-        for member in self._store.live_members(self._job).values():
-            report = parse_report(member)
-            if report is not None:
-                workers[report.worker_id] = report
-        return Snapshot(depths, workers)
+        beats = (worker_beat(m) for m in self._store.live_members(self._job).values())
+        return Snapshot(depths, {beat.worker: beat for beat in beats if beat is not None})
 
 
 class SnapshotSource(Protocol):

@@ -1,5 +1,5 @@
 """The coordinator: membership (Join / Leave / Heartbeat / expiry), shard assignment, Welcome."""
 
-from services.coordinator.coordinator import Coordinator, CoordinatorStats
+from services.coordinator.coordinator import Coordinator
 
-__all__ = ["Coordinator", "CoordinatorStats"]
+__all__ = ["Coordinator"]

@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 from broker.messages import Event
+from services.common.leases import WorkerBeat
 from services.metrics.endpoint import Route
 from services.report.tables import finite
 
@@ -41,22 +42,13 @@ VERSION_FIELDS = (
 
 
 @dataclass(frozen=True)
-class WorkerView:
-    worker: str
-    shards: str = ""
-    busy: float | None = None
-    samples: int | None = None
-    metrics: str = ""
-
-
-@dataclass(frozen=True)
 class Probe:
     """One look at the job: the store's version and members, the shard queues' depths."""
 
     at: float  # wall clock
     version: int
     clients: Sequence[str]
-    workers: Sequence[WorkerView]
+    workers: Sequence[WorkerBeat]
     depths: Mapping[int, int]
     ended: str = ""  # the store's `JobStatus` text once the job ended ("finished", "failed: ...")
 

@@ -33,7 +33,7 @@ from broker.transport import Broker, Delivery
 from services.common.backends import Backends
 from services.common.leases import WorkerBeat, worker_beat
 from services.config.root import Settings
-from services.dashboard.state import DashboardState, Probe, RunReport, WorkerView
+from services.dashboard.state import DashboardState, Probe, RunReport
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.report.rundir import METRICS_JSON, SUMMARY_FILE
 
@@ -45,17 +45,12 @@ _EVENT_WAIT_S = 0.5
 _RUN_DIR_SLACK_S = 120.0
 
 
-def worker_view(beat: WorkerBeat) -> WorkerView:
-    shards = ",".join(str(s) for s in beat.shards)
-    return WorkerView(beat.worker, shards, beat.busy, beat.samples, beat.metrics)
-
-
-def split_members(members: Mapping[str, Member]) -> tuple[list[str], list[WorkerView]]:
+def split_members(members: Mapping[str, Member]) -> tuple[list[str], list[WorkerBeat]]:
     clients = sorted(
         m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
     )
     beats = (worker_beat(member) for _, member in sorted(members.items()))
-    workers = [worker_view(beat) for beat in beats if beat is not None]
+    workers = [beat for beat in beats if beat is not None]
     return clients, workers
 
 

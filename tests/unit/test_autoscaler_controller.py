@@ -16,18 +16,13 @@ from click.testing import CliRunner
 from broker.memory_broker import InMemoryBroker
 from broker.store import Member
 from broker.topology import SMASHED_EXCHANGE, QueueLimits, shard_routing_key
-from services.autoscaler.controller import (
-    Autoscaler,
-    Observer,
-    Snapshot,
-    WorkerReport,
-    parse_report,
-)
+from services.autoscaler.controller import Autoscaler, Observer, Snapshot
 from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.pool import Exited, PoolWorker
 from services.cli.main import cli
 from services.common.backends import Backends, Embedded
 from services.common.health import assess, health_member
+from services.common.leases import WorkerBeat, worker_beat
 from tests.unit.test_worker_support import make_settings
 
 
@@ -72,7 +67,7 @@ class FakeObserver:
         return self.snapshot_
 
     def set(self, depth: int = 0, **workers: tuple[tuple[int, ...], float | None]) -> None:
-        reports = {i: WorkerReport(i, shards, busy) for i, (shards, busy) in workers.items()}
+        reports = {i: WorkerBeat(i, shards, busy) for i, (shards, busy) in workers.items()}
         self.snapshot_ = Snapshot({0: depth}, reports)
 
 
@@ -215,17 +210,17 @@ def test_observer_reads_ready_depth_per_shard_and_the_workers_heartbeats(job: st
     snapshot = observer.snapshot()
     assert snapshot.depths == {0: 0, 1: 3} and snapshot.depth == 3
     assert sorted(snapshot.workers) == ["a", "b", "c"]
-    assert snapshot.workers["a"] == WorkerReport("a", (0, 1), 0.5)
+    assert snapshot.workers["a"] == WorkerBeat("a", (0, 1), 0.5)
     assert snapshot.busy == 0.3
     # Reading does not consume: the messages are still there for the workers.
     assert observer.snapshot().depths == {0: 0, 1: 3}
 
 
 def test_unreadable_heartbeat_fields_read_as_absent() -> None:
-    report = parse_report(Member("worker:z", 0.0, {"shards": "1,x", "busy": "lots"}))
-    assert report == WorkerReport("z", (), None)
-    assert parse_report(Member("worker:z", 0.0, {"busy": "7"})) == WorkerReport("z", (), 1.0)
-    assert parse_report(Member("client:z", 0.0, {})) is None
+    report = worker_beat(Member("worker:z", 0.0, {"shards": "1,x", "busy": "lots"}))
+    assert report == WorkerBeat("z", (), None)
+    assert worker_beat(Member("worker:z", 0.0, {"busy": "7"})) == WorkerBeat("z", (), 1.0)
+    assert worker_beat(Member("client:z", 0.0, {})) is None
 
 
 def test_autoscale_command_needs_the_real_services(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from broker.messages import Event
 from broker.store import Member
-from services.dashboard.state import DashboardState, Probe, WorkerView, state_json
+from services.common.leases import WorkerBeat
+from services.dashboard.state import DashboardState, Probe, state_json
 from services.dashboard.watch import find_run_dir, read_report, split_members
 from services.report.tables import finite
 
@@ -27,7 +28,7 @@ def event(kind: str, version: int, client: str = "", **data: object) -> Event:
 
 
 def probe(at: float, version: int, samples: dict[str, int], depths: dict[int, int]) -> Probe:
-    workers = [WorkerView(w, "0", 0.5, n) for w, n in samples.items()]
+    workers = [WorkerBeat(w, (0,), 0.5, n) for w, n in samples.items()]
     return Probe(at, version, ["c-0", "c-1"], workers, depths)
 
 
@@ -130,8 +131,8 @@ def test_members_split_into_clients_and_workers_with_heartbeat_info() -> None:
     clients, workers = split_members(members)
     assert clients == ["c-1"]
     assert workers == [
-        WorkerView("w-0", "0,1", 0.25, 64, "u"),
-        WorkerView("w-1", "", None, None, ""),
+        WorkerBeat("w-0", (0, 1), 0.25, 64, "u"),
+        WorkerBeat("w-1", (), None, None, ""),
     ]
 
 

@@ -7,8 +7,8 @@ import socket
 import threading
 import time
 
-from services.autoscaler.controller import parse_report
 from services.common.backends import Backends, Embedded
+from services.common.leases import worker_beat
 from tests.unit.test_worker_support import make_settings, one_torch_thread, seed_version
 from workers.busy import BusyMeter
 from workers.worker import Worker
@@ -80,7 +80,7 @@ def test_an_idle_worker_heartbeats_its_host_pid_shards_and_a_low_busy_fraction(j
         thread.join(30)
     assert member.info["host"] == socket.gethostname()
     assert member.info["pid"] == str(os.getpid())
-    report = parse_report(member)
+    report = worker_beat(member)
     assert report is not None and report.shards == (0,)
     # Nothing to serve: it spends its time waiting for deliveries.
     assert report.busy is not None and report.busy < 0.5
