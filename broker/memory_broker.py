@@ -21,7 +21,8 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -129,11 +130,14 @@ def _overflows(queue: _Queue, size: int) -> bool:
 
 
 class InMemoryHub:
-    """Exchanges, queues and bindings shared by `InMemoryBroker` handles (thread-safe)."""
+    """Exchanges, queues and bindings shared by `InMemoryBroker` handles (thread-safe).
+
+    Handles call its methods with `lock` held; only `join` takes the lock itself.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)  # notified whenever work is settled
+        self.lock = threading.Lock()
+        self._settled = threading.Condition(self.lock)  # notified whenever work is settled
         self._exchanges: dict[str, str] = {}
         # exchange -> routing key -> queue names, in binding order
         self._bindings: dict[str, dict[str, list[str]]] = {}
@@ -141,18 +145,13 @@ class InMemoryHub:
         self._tags = itertools.count(1)  # hub-wide, so a tag from another handle is never valid
         self._seq = itertools.count()
 
-    def open_session(self) -> Session:
-        return Session(self._lock)
-
     # -- topology -------------------------------------------------------------------------
 
     def declare(self, session: Session, specs: Sequence[QueueSpec]) -> None:
-        with self._lock:
-            self._check_open(session)
-            for name, kind in EXCHANGES:
-                self._exchanges.setdefault(name, kind)
-            for spec in specs:
-                self._declare_queue(session, spec)
+        for name, kind in EXCHANGES:
+            self._exchanges.setdefault(name, kind)
+        for spec in specs:
+            self._declare_queue(session, spec)
 
     def _declare_queue(self, session: Session, spec: QueueSpec) -> None:
         if spec.exchange not in self._exchanges:
@@ -174,14 +173,12 @@ class InMemoryHub:
         session.declared[spec.name] = spec
 
     def delete_queue(self, session: Session, name: str) -> None:
-        with self._lock:
-            self._check_open(session)
-            session.declared.pop(name, None)
-            queue = self._queues.get(name)
-            if queue is None:
-                return  # deleting a missing queue succeeds, as on RabbitMQ
-            self._check_access(session, queue)
-            self._remove_queue(queue)
+        session.declared.pop(name, None)
+        queue = self._queues.get(name)
+        if queue is None:
+            return  # deleting a missing queue succeeds, as on RabbitMQ
+        self._check_access(session, queue)
+        self._remove_queue(queue)
 
     def _remove_queue(self, queue: _Queue) -> None:
         name = queue.spec.name
@@ -200,32 +197,11 @@ class InMemoryHub:
         self._settled.notify_all()
 
     def queue_depth(self, session: Session, name: str) -> int:
-        with self._lock:
-            self._check_open(session)
-            return len(self._queue(session, name).ready)
+        return len(self._queue(session, name).ready)
 
     # -- publishing -----------------------------------------------------------------------
 
-    def publish(
-        self,
-        session: Session,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        headers: Headers,
-        message_id: str | None,
-        user_id: str | None,
-    ) -> None:
-        with self._lock:
-            self._check_open(session)
-            full = self._route(exchange, routing_key, body, headers, message_id, user_id)
-            if full:
-                raise BackPressureError(
-                    f"queue(s) {', '.join(full)} full (reject-publish): exchange {exchange!r} "
-                    f"routing key {routing_key!r} refused the message; retry later"
-                )
-
-    def _route(
+    def route(
         self,
         exchange: str,
         routing_key: str,
@@ -269,22 +245,15 @@ class InMemoryHub:
     # -- consuming ------------------------------------------------------------------------
 
     def subscribe(self, session: Session, name: str, prefetch: int) -> None:
-        with self._lock:
-            self._check_open(session)
-            queue = self._queue(session, name)
-            if name in session.consumers:
-                return
-            consumer = _Consumer(session, queue, prefetch)
-            session.consumers[name] = consumer
-            queue.consumers.append(consumer)
-            self._dispatch(queue)
+        queue = self._queue(session, name)
+        if name in session.consumers:
+            return
+        consumer = _Consumer(session, queue, prefetch)
+        session.consumers[name] = consumer
+        queue.consumers.append(consumer)
+        self._dispatch(queue)
 
     def unsubscribe(self, session: Session, name: str) -> None:
-        with self._lock:
-            self._check_open(session)
-            self._unsubscribe(session, name)
-
-    def _unsubscribe(self, session: Session, name: str) -> None:
         consumer = session.consumers.pop(name, None)
         if consumer is None:
             return
@@ -307,33 +276,15 @@ class InMemoryHub:
                 self._dispatch(queue)
         self._settled.notify_all()
 
-    def next_delivery(self, session: Session, timeout: float) -> Delivery | None:
-        with self._lock:
-            self._check_open(session)
-            if not session.buffer:
-                session.wakeup.wait_for(lambda: session.buffer or session.closed, timeout)
-                self._check_open(session)
-                if not session.buffer:
-                    return None
-            delivery, pending = session.buffer.popleft()
-            session.handed[delivery.tag] = pending
-            return delivery
-
-    def ack(self, session: Session, delivery: Delivery) -> None:
-        with self._lock:
-            self._settle(self._take(session, delivery))
-
-    def nack(self, session: Session, delivery: Delivery, requeue: bool) -> None:
-        with self._lock:
-            pending = self._take(session, delivery)
-            message = pending.message
-            queue = pending.consumer.queue
-            live = self._queues.get(queue.spec.name) is queue  # else it died with its queue
-            if live and requeue:
-                self._requeue(queue, [message])
-            elif live and (key := queue.spec.dead_letter_routing_key) is not None:
-                self._server_dead_letter(queue, message, key)
-            self._settle(pending)
+    def nack(self, pending: _Pending, requeue: bool) -> None:
+        message = pending.message
+        queue = pending.consumer.queue
+        live = self._queues.get(queue.spec.name) is queue  # else it died with its queue
+        if live and requeue:
+            self._requeue(queue, [message])
+        elif live and (key := queue.spec.dead_letter_routing_key) is not None:
+            self._server_dead_letter(queue, message, key)
+        self.settle(pending)
 
     def _server_dead_letter(
         self, queue: _Queue, message: _Message, routing_key: str, why: str = "rejected"
@@ -344,7 +295,7 @@ class InMemoryHub:
         headers.setdefault("x-first-death-queue", queue.spec.name)
         headers.setdefault("x-first-death-exchange", message.exchange)
         try:
-            self._route(
+            self.route(
                 DEAD_EXCHANGE,
                 routing_key,
                 message.body,
@@ -355,73 +306,33 @@ class InMemoryHub:
         except BrokerError:
             pass  # RabbitMQ drops a dead letter it cannot route; so do we, to stay comparable
 
-    def dead_letter(self, session: Session, delivery: Delivery, reason: str) -> None:
-        with self._lock:
-            self._check_open(session)
-            key = self._dead_letter_key(session, delivery)
-            self._peek(session, delivery)
-            self._copy_to_dead(session, delivery, key, reason)
-            self._settle(self._take(session, delivery))
-
-    def dead_letter_many(
-        self, session: Session, letters: Sequence[tuple[Delivery, str]]
-    ) -> list[tuple[Delivery, BrokerError]]:
-        with self._lock:
-            self._check_open(session)
-            for delivery, _ in letters:  # usage errors first, before anything is settled
-                if delivery.tag not in session.handed and delivery.tag not in session.returned:
-                    self._peek(session, delivery)
-            unsettled: list[tuple[Delivery, BrokerError]] = []
-            for delivery, reason in letters:
-                try:
-                    key = self._dead_letter_key(session, delivery)
-                    self._peek(session, delivery)
-                    self._copy_to_dead(session, delivery, key, reason)
-                except BrokerError as exc:  # stale included
-                    unsettled.append((delivery, exc))
-                    continue
-                self._settle(self._take(session, delivery))
-            return unsettled
-
-    @staticmethod
-    def _dead_letter_key(session: Session, delivery: Delivery) -> str:
-        spec = session.declared.get(delivery.queue)
-        if spec is None or spec.dead_letter_routing_key is None:
-            raise BrokerError(
-                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
-                "declare its QueueSpec (with dead_letter_routing_key) here first"
-            )
-        return spec.dead_letter_routing_key
-
-    def _copy_to_dead(self, session: Session, delivery: Delivery, key: str, reason: str) -> None:
-        message = session.handed[delivery.tag].message
+    def copy_to_dead(
+        self, session: Session, message: _Message, queue: str, key: str, reason: str
+    ) -> None:
         headers: dict[str, HeaderValue] = dict(message.headers)
         headers[REASON_HEADER] = reason
-        headers[SOURCE_QUEUE_HEADER] = delivery.queue
+        headers[SOURCE_QUEUE_HEADER] = queue
         if message.user_id is not None:
             headers[USER_HEADER] = message.user_id
         copy = (DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
         try:
-            full = self._route(*copy)
+            full = self.route(*copy)
         except UnroutableError:
             # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
             dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
             self._declare_queue(session, dead)
-            full = self._route(*copy)
+            full = self.route(*copy)
         if full:
             raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
 
     def close(self, session: Session) -> None:
-        with self._lock:
-            if session.closed:
-                return
-            for name in list(session.consumers):
-                self._unsubscribe(session, name)
-            session.returned.clear()
-            for queue in [q for q in self._queues.values() if q.owner is session]:
-                self._remove_queue(queue)
-            session.closed = True
-            session.wakeup.notify_all()
+        for name in list(session.consumers):
+            self.unsubscribe(session, name)
+        session.returned.clear()
+        for queue in [q for q in self._queues.values() if q.owner is session]:
+            self._remove_queue(queue)
+        session.closed = True
+        session.wakeup.notify_all()
 
     def join(self, timeout: float, *, queues: Iterable[str] | None = None) -> bool:
         """Wait until the queues are empty with nothing unacknowledged; False on timeout.
@@ -437,10 +348,10 @@ class InMemoryHub:
                 if (q.spec.exchange != DEAD_EXCHANGE if names is None else q.spec.name in names)
             )
 
-        with self._lock:
+        with self.lock:
             return self._settled.wait_for(drained, timeout)
 
-    # -- internals (hub lock held) ----------------------------------------------------------
+    # -- internals --------------------------------------------------------------------------
 
     def _dispatch(self, queue: _Queue) -> None:
         while queue.ready:
@@ -502,28 +413,7 @@ class InMemoryHub:
             queue.ready = deque(sorted([*queue.ready, *messages], key=lambda m: m.seq))
         queue.ready_bytes += sum(len(m.body) for m in messages)
 
-    def _peek(self, session: Session, delivery: Delivery) -> _Pending:
-        self._check_open(session)
-        pending = session.handed.get(delivery.tag)
-        if pending is not None:
-            return pending
-        if delivery.tag in session.returned:
-            session.returned.discard(delivery.tag)
-            raise StaleDeliveryError(
-                f"delivery {delivery.tag} from {delivery.queue!r} was returned to its queue "
-                "(unsubscribed); it will be redelivered"
-            )
-        raise BrokerError(
-            f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this handle "
-            "(already acked/nacked, or received on another handle)"
-        )
-
-    def _take(self, session: Session, delivery: Delivery) -> _Pending:
-        pending = self._peek(session, delivery)
-        del session.handed[delivery.tag]
-        return pending
-
-    def _settle(self, pending: _Pending) -> None:
+    def settle(self, pending: _Pending) -> None:
         consumer = pending.consumer
         consumer.in_flight -= 1
         consumer.queue.unacked -= 1
@@ -545,11 +435,6 @@ class InMemoryHub:
                 f"RESOURCE_LOCKED - queue {queue.spec.name!r} is exclusive to another handle"
             )
 
-    @staticmethod
-    def _check_open(session: Session) -> None:
-        if session.closed:
-            raise BrokerError("this broker handle is closed")
-
 
 class InMemoryBroker:
     """One handle (like one connection) on an `InMemoryHub`; implements `broker.transport.Broker`.
@@ -569,7 +454,7 @@ class InMemoryBroker:
         meter: Meter | None = None,
     ) -> None:
         self._hub = hub if hub is not None else InMemoryHub()
-        self._session = self._hub.open_session()
+        self._session = Session(self._hub.lock)
         self._user = user
         self._max_message_bytes = max_message_bytes
         self.stamp = stamp
@@ -580,8 +465,17 @@ class InMemoryBroker:
     def hub(self) -> InMemoryHub:
         return self._hub
 
+    @contextmanager
+    def _open(self) -> Iterator[InMemoryHub]:
+        """The hub, locked, for a handle that is not closed."""
+        with self._hub.lock:
+            if self._session.closed:
+                raise BrokerError("this broker handle is closed")
+            yield self._hub
+
     def declare(self, queues: Sequence[QueueSpec]) -> None:
-        self._hub.declare(self._session, queues)
+        with self._open() as hub:
+            hub.declare(self._session, queues)
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
@@ -593,9 +487,13 @@ class InMemoryBroker:
         check_publish(body, self._max_message_bytes, user_id, self._user, target)
         headers = outgoing_headers(options.headers) or {}
         try:
-            self._hub.publish(
-                self._session, exchange, routing_key, body, headers, options.message_id, user_id
-            )
+            with self._open() as hub:
+                full = hub.route(exchange, routing_key, body, headers, options.message_id, user_id)
+            if full:
+                raise BackPressureError(
+                    f"queue(s) {', '.join(full)} full (reject-publish): exchange {exchange!r} "
+                    f"routing key {routing_key!r} refused the message; retry later"
+                )
         except (BackPressureError, UnroutableError) as exc:
             if not options.confirm_later:
                 raise
@@ -611,49 +509,110 @@ class InMemoryBroker:
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        self._hub.subscribe(self._session, queue, prefetch)
+        with self._open() as hub:
+            hub.subscribe(self._session, queue, prefetch)
 
     def unsubscribe(self, queue: str) -> None:
-        self._hub.unsubscribe(self._session, queue)
+        with self._open() as hub:
+            hub.unsubscribe(self._session, queue)
 
     def get(self, timeout: float) -> Delivery | None:
-        if self.meter is None:
-            return self._hub.next_delivery(self._session, timeout)
         started = time.perf_counter()
-        delivery = self._hub.next_delivery(self._session, timeout)
-        size = 0 if delivery is None else len(delivery.body)
-        self.meter.received(size, time.perf_counter() - started)
+        session = self._session
+        with self._open():
+            if not session.buffer:
+                session.wakeup.wait_for(lambda: session.buffer or session.closed, timeout)
+            if session.closed:
+                raise BrokerError("this broker handle is closed")
+            delivery: Delivery | None = None
+            if session.buffer:
+                delivery, pending = session.buffer.popleft()
+                session.handed[delivery.tag] = pending
+        if self.meter is not None:
+            size = 0 if delivery is None else len(delivery.body)
+            self.meter.received(size, time.perf_counter() - started)
         return delivery
 
     def ack(self, delivery: Delivery) -> None:
-        self._hub.ack(self._session, delivery)
+        with self._open() as hub:
+            hub.settle(self._take(delivery))
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
-        self._hub.nack(self._session, delivery, requeue)
+        with self._open() as hub:
+            hub.nack(self._take(delivery), requeue)
         if not requeue and self.meter is not None:
             self.meter.dead_lettered(None)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        self._hub.dead_letter(self._session, delivery, reason)
+        with self._open():
+            self._dead_letter(delivery, reason)
         if self.meter is not None:
             self.meter.dead_lettered(reason)
 
     def dead_letter_many(
         self, letters: Sequence[tuple[Delivery, str]]
     ) -> list[tuple[Delivery, BrokerError]]:
-        unsettled = self._hub.dead_letter_many(self._session, letters)
+        session = self._session
+        unsettled: list[tuple[Delivery, BrokerError]] = []
+        with self._open():
+            for delivery, _ in letters:  # usage errors first, before anything is settled
+                if delivery.tag not in session.handed and delivery.tag not in session.returned:
+                    self._peek(delivery)
+            for delivery, reason in letters:
+                try:
+                    self._dead_letter(delivery, reason)
+                except BrokerError as exc:  # stale included
+                    unsettled.append((delivery, exc))
         if self.meter is not None:
             count_settled(self.meter, letters, unsettled)
         return unsettled
 
+    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Copy to the queue's dead-letter routing with `reason`, then settle (lock held)."""
+        spec = self._session.declared.get(delivery.queue)
+        if spec is None or spec.dead_letter_routing_key is None:
+            raise BrokerError(
+                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
+                "declare its QueueSpec (with dead_letter_routing_key) here first"
+            )
+        message = self._peek(delivery).message
+        key = spec.dead_letter_routing_key
+        self._hub.copy_to_dead(self._session, message, delivery.queue, key, reason)
+        self._hub.settle(self._take(delivery))
+
+    def _peek(self, delivery: Delivery) -> _Pending:
+        session = self._session
+        pending = session.handed.get(delivery.tag)
+        if pending is not None:
+            return pending
+        if delivery.tag in session.returned:
+            session.returned.discard(delivery.tag)
+            raise StaleDeliveryError(
+                f"delivery {delivery.tag} from {delivery.queue!r} was returned to its queue "
+                "(unsubscribed); it will be redelivered"
+            )
+        raise BrokerError(
+            f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this handle "
+            "(already acked/nacked, or received on another handle)"
+        )
+
+    def _take(self, delivery: Delivery) -> _Pending:
+        pending = self._peek(delivery)
+        del self._session.handed[delivery.tag]
+        return pending
+
     def queue_depth(self, queue: str) -> int:
-        return self._hub.queue_depth(self._session, queue)
+        with self._open() as hub:
+            return hub.queue_depth(self._session, queue)
 
     def delete_queue(self, queue: str) -> None:
-        self._hub.delete_queue(self._session, queue)
+        with self._open() as hub:
+            hub.delete_queue(self._session, queue)
 
     def close(self) -> None:
-        self._hub.close(self._session)
+        with self._hub.lock:
+            if not self._session.closed:
+                self._hub.close(self._session)
 
     def server_info(self) -> ServerInfo:
         """Always healthy: the broker lives in this process."""
