@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
@@ -107,18 +107,12 @@ class Session:
         self.closed = False
 
 
-def _declared_args(spec: QueueSpec) -> tuple[object, ...]:
-    """The fields RabbitMQ compares when a queue is declared again (the binding is additive)."""
-    return (
-        spec.durable,
-        spec.exclusive,
-        spec.auto_delete,
-        spec.single_active_consumer,
-        spec.max_length,
-        spec.max_length_bytes,
-        spec.overflow if spec.max_length is not None or spec.max_length_bytes is not None else None,
-        spec.dead_letter_routing_key,
-    )
+def _declared_args(spec: QueueSpec) -> QueueSpec:
+    """What RabbitMQ compares when a queue is declared again: all but the binding (additive),
+    and the overflow only of a bounded queue."""
+    bounded = spec.max_length is not None or spec.max_length_bytes is not None
+    overflow = spec.overflow if bounded else "reject-publish"
+    return replace(spec, exchange="", routing_key="", overflow=overflow)
 
 
 def _overflows(queue: _Queue, size: int) -> bool:

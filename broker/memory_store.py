@@ -1,15 +1,16 @@
-"""`InMemoryWeightStore`: the embedded default, a faithful single-process stand-in for Redis.
+"""`InMemoryWeightStore`: the embedded default, a single-process stand-in for Redis that holds
+the same bytes under the same key names (`broker.store_codec`).
 
-It keeps the same bytes Redis would (safetensors blobs, msgpack metadata) under the same key
-names, so validation, copying and integrity checks behave identically. Expiry is driven by an
-injected clock, which lets tests expire heartbeats, leases and pending blobs without sleeping.
+Expiry is driven by an injected clock, which lets tests expire heartbeats, leases and pending
+blobs without sleeping.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, M
 from broker.store_codec import (
     PreparedBlob,
     PublishingStore,
+    decode_blob,
     decode_checkpoint,
     encode_checkpoint,
     lease_not_held,
@@ -101,26 +103,28 @@ class InMemoryWeightStore(PublishingStore):
         self._lock = threading.Lock()
         self._jobs: dict[str, _JobState] = {}
 
-    def _state(self, job: str, *, create: bool = False) -> _JobState:
-        """The job's state swept of expired entries (an empty one, unstored, for an unknown job
-        unless `create`); call with the lock held."""
-        state = self._jobs.get(keys.validate_job(job))
-        if state is None:
-            state = _JobState()
-            if create:
-                self._jobs[job] = state
-        state.sweep(self._clock())
-        return state
+    @contextmanager
+    def _job(self, job: str, *, create: bool = False) -> Iterator[_JobState]:
+        """The job's state swept of expired entries, under the lock (an empty one, unstored, for
+        an unknown job unless `create`)."""
+        keys.validate_job(job)
+        with self._lock:
+            state = self._jobs.get(job)
+            if state is None:
+                state = _JobState()
+                if create:
+                    self._jobs[job] = state
+            state.sweep(self._clock())
+            yield state
 
     # --- versions -----------------------------------------------------------------------------
     def current_version(self, job: str) -> int:
-        with self._lock:
-            return self._state(job).version
+        with self._job(job) as state:
+            return state.version
 
     def _write_pending(self, job: str, blobs: Sequence[PreparedBlob]) -> list[str]:
         created = []
-        with self._lock:
-            state = self._state(job, create=True)
+        with self._job(job, create=True) as state:
             expires_at = self._clock() + self._pending_ttl_s
             for blob in blobs:
                 if blob.key not in state.blobs:
@@ -137,8 +141,7 @@ class InMemoryWeightStore(PublishingStore):
         meta: Mapping[str, str],
     ) -> tuple[str, str]:
         version = expected + 1
-        with self._lock:
-            state = self._state(job, create=True)
+        with self._job(job, create=True) as state:
             if state.version != expected:
                 mine = state.versions.get(version)
                 if state.version > expected and mine is not None and mine.commit_id == commit_id:
@@ -161,24 +164,22 @@ class InMemoryWeightStore(PublishingStore):
         return "ok", ""
 
     def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:
-        with self._lock:
-            state = self._state(job)
+        with self._job(job) as state:
             for key in blob_keys:
                 blob = state.blobs.get(key)
                 if blob is not None and blob.expires_at is not None:
                     del state.blobs[key]
 
     def _apply_retention(self, job: str) -> None:
-        with self._lock:
-            state = self._state(job)
+        with self._job(job) as state:
             for version in sorted(state.versions)[: -self._keep_versions]:
                 dropped = state.versions.pop(version)
                 for key in dropped.blob_keys.values():
                     state.blobs.pop(key, None)
 
     def manifest(self, job: str, version: int) -> Manifest:
-        with self._lock:
-            record = self._state(job).versions.get(version)
+        with self._job(job) as state:
+            record = state.versions.get(version)
         if record is None:
             raise VersionNotFoundError(f"job {job}: version {version} is not retained")
         m = record.manifest
@@ -186,8 +187,7 @@ class InMemoryWeightStore(PublishingStore):
         return Manifest(m.version, dict(m.entries), m.created_at, dict(m.meta))
 
     def read_blob(self, job: str, version: int, ref: BlobRef) -> dict[str, torch.Tensor]:
-        with self._lock:
-            state = self._state(job)
+        with self._job(job) as state:
             record = state.versions.get(version)
             if record is None:
                 raise VersionNotFoundError(f"job {job}: version {version} is not retained")
@@ -195,17 +195,12 @@ class InMemoryWeightStore(PublishingStore):
             if key is None:
                 raise StoreError(f"job {job}: version {version} has no blob {ref.name}")
             blob = state.blobs.get(key)
-            if blob is None:
-                raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
-            data = blob.data
-        entry = record.manifest.entries[ref]
-        from broker.weights import decode_verified
-
-        return decode_verified(data, entry.sha256, entry.nbytes, key)
+        data = None if blob is None else blob.data
+        return decode_blob(job, version, key, record.manifest.entries[ref], data)
 
     def versions(self, job: str) -> list[int]:
-        with self._lock:
-            return sorted(self._state(job).versions)
+        with self._job(job) as state:
+            return sorted(state.versions)
 
     # --- shard checkpoints --------------------------------------------------------------------
     def save_checkpoint(
@@ -214,8 +209,7 @@ class InMemoryWeightStore(PublishingStore):
         keys.validate_job(job)
         data, sha256, meta = encode_checkpoint(checkpoint)
         stored = _StoredCheckpoint(int(checkpoint.applied), data, sha256, meta, self._clock())
-        with self._lock:
-            state = self._state(job, create=True)
+        with self._job(job, create=True) as state:
             if holder is not None:
                 lease = state.leases.get(holder[0])
                 if lease is None or lease.owner != holder[1] or lease.expires_at <= self._clock():
@@ -223,8 +217,8 @@ class InMemoryWeightStore(PublishingStore):
             state.checkpoints[int(checkpoint.shard)] = stored
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None:
-        with self._lock:
-            stored = self._state(job).checkpoints.get(int(shard))
+        with self._job(job) as state:
+            stored = state.checkpoints.get(int(shard))
         if stored is None:
             return None
         s = stored
@@ -237,8 +231,7 @@ class InMemoryWeightStore(PublishingStore):
     ) -> None:
         keys.validate_name("member id", member_id)
         ttl = positive_ttl(ttl_s)
-        with self._lock:
-            state = self._state(job, create=True)
+        with self._job(job, create=True) as state:
             previous = state.members.get(member_id)
             kept = previous.info if previous is not None else {}
             state.members[member_id] = Member(
@@ -248,20 +241,19 @@ class InMemoryWeightStore(PublishingStore):
             )
 
     def remove_member(self, job: str, member_id: str) -> None:
-        with self._lock:
-            self._state(job).members.pop(member_id, None)
+        with self._job(job) as state:
+            state.members.pop(member_id, None)
 
     def live_members(self, job: str) -> dict[str, Member]:
-        with self._lock:
-            return dict(self._state(job).members)
+        with self._job(job) as state:
+            return dict(state.members)
 
     # --- leases -------------------------------------------------------------------------------
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:
         keys.validate_name("lease name", name)
         keys.validate_name("lease owner", owner)
         ttl = positive_ttl(ttl_s)
-        with self._lock:
-            state = self._state(job, create=True)
+        with self._job(job, create=True) as state:
             lease = state.leases.get(name)
             if lease is not None and lease.owner != owner:
                 return False
@@ -269,24 +261,23 @@ class InMemoryWeightStore(PublishingStore):
             return True
 
     def release_lease(self, job: str, name: str, owner: str) -> None:
-        with self._lock:
-            state = self._state(job)
+        with self._job(job) as state:
             lease = state.leases.get(name)
             if lease is not None and lease.owner == owner:
                 del state.leases[name]
 
     # --- how the job ended --------------------------------------------------------------------
     def set_job_status(self, job: str, status: JobStatus) -> None:
-        with self._lock:  # frozen: stored as given
-            self._state(job, create=True).status = status
+        with self._job(job, create=True) as state:  # frozen: stored as given
+            state.status = status
 
     def job_status(self, job: str) -> JobStatus | None:
-        with self._lock:
-            return self._state(job).status
+        with self._job(job) as state:
+            return state.status
 
     def clear_job_status(self, job: str) -> None:
-        with self._lock:
-            self._state(job).status = None
+        with self._job(job) as state:
+            state.status = None
 
     # --- operations ---------------------------------------------------------------------------
     def delete_job(self, job: str) -> None:

@@ -52,6 +52,7 @@ from broker.store import (
 from broker.store_codec import (
     PreparedBlob,
     PublishingStore,
+    decode_blob,
     decode_checkpoint,
     decode_entry,
     decode_info,
@@ -365,12 +366,7 @@ class RedisWeightStore(PublishingStore):
             return key, entry, self._redis.get(key)
 
         key, entry, data = self._call("read_blob", read)
-        if data is None:
-            # Retention removed the version between the manifest read and this one.
-            raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
-        from broker.weights import decode_verified
-
-        return decode_verified(_as_bytes(data), entry.sha256, entry.nbytes, key)
+        return decode_blob(job, version, key, entry, None if data is None else _as_bytes(data))
 
     def versions(self, job: str) -> list[int]:
         raw = self._call("versions", lambda: self._redis.zrange(keys.versions_key(job), 0, -1))

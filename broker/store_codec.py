@@ -23,7 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -35,8 +35,12 @@ from broker.errors import (
     StoreError,
     StoreUnavailableError,
     VersionConflictError,
+    VersionNotFoundError,
 )
 from broker.store import NO_VERSION, BlobRef, Checkpoint, ManifestEntry, Weights
+
+if TYPE_CHECKING:
+    import torch
 
 _log = logging.getLogger(__name__)
 
@@ -121,31 +125,29 @@ def decode_entry(raw: bytes | str) -> tuple[str, ManifestEntry]:
         raise StoreError(f"malformed manifest entry {raw!r}: {exc}") from exc
 
 
-def encode_meta(meta: Mapping[str, Any]) -> bytes:
-    """msgpack bytes of checkpoint metadata (tuples come back as lists)."""
-    try:
-        packed: bytes = msgpack.packb(dict(meta), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise EncodeError(f"checkpoint meta is not msgpack-serialisable: {exc}") from exc
-    return packed
+def decode_blob(
+    job: str, version: int, key: str, entry: ManifestEntry, data: bytes | None
+) -> dict[str, torch.Tensor]:
+    """The blob `key` of a version as read (None: gone), verified against its manifest entry."""
+    if data is None:
+        # Retention removed the version between the manifest read and this one.
+        raise VersionNotFoundError(f"job {job}: blob {key} of version {version} is gone")
+    from broker.weights import decode_verified
 
-
-def decode_meta(data: bytes) -> dict[str, Any]:
-    try:
-        meta = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, TypeError) as exc:  # msgpack's unpack errors are ValueErrors
-        raise DecodeError(f"checkpoint meta is not valid msgpack: {exc}") from exc
-    if not isinstance(meta, dict):
-        raise DecodeError(f"checkpoint meta must be a map, got {type(meta).__name__}")
-    return meta
+    return decode_verified(data, entry.sha256, entry.nbytes, key)
 
 
 def encode_checkpoint(checkpoint: Checkpoint) -> tuple[bytes, str, bytes]:
-    """(safetensors bytes, their sha256, msgpack meta) of a checkpoint about to be saved."""
+    """(safetensors bytes, their sha256, msgpack meta) of a checkpoint about to be saved (tuples
+    in the meta come back as lists)."""
     from broker.weights import encode_weights, sha256_hex
 
     data = encode_weights(checkpoint.weights)
-    return data, sha256_hex(data), encode_meta(checkpoint.meta)
+    try:
+        meta: bytes = msgpack.packb(dict(checkpoint.meta), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EncodeError(f"checkpoint meta is not msgpack-serialisable: {exc}") from exc
+    return data, sha256_hex(data), meta
 
 
 def decode_checkpoint(
@@ -155,7 +157,13 @@ def decode_checkpoint(
     from broker.weights import decode_verified
 
     weights = decode_verified(data, sha256, len(data), what)
-    return Checkpoint(int(shard), applied, weights, decode_meta(meta), saved_at)
+    try:
+        decoded = msgpack.unpackb(meta, raw=False, strict_map_key=False)
+    except (ValueError, TypeError) as exc:  # msgpack's unpack errors are ValueErrors
+        raise DecodeError(f"checkpoint meta is not valid msgpack: {exc}") from exc
+    if not isinstance(decoded, dict):
+        raise DecodeError(f"checkpoint meta must be a map, got {type(decoded).__name__}")
+    return Checkpoint(int(shard), applied, weights, decoded, saved_at)
 
 
 def lease_not_held(shard: int, holder: tuple[str, str]) -> LeaseNotHeldError:

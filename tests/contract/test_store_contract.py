@@ -171,9 +171,9 @@ def _blob_keys(store: Any, job: str) -> dict[str, float | None]:
     """Every blob key of the job -> seconds until it expires (None: committed), read behind
     the store's back."""
     if isinstance(store, InMemoryWeightStore):
-        with store._lock:
+        with store._job(job) as state:
             now = store._clock()
-            blobs = store._state(job).blobs  # swept of expired blobs
+            blobs = state.blobs  # swept of expired blobs
             return {
                 k: None if b.expires_at is None else b.expires_at - now for k, b in blobs.items()
             }
@@ -186,8 +186,8 @@ def _blob_keys(store: Any, job: str) -> dict[str, float | None]:
 def lease_owner(store: Any, job: str, name: str) -> str | None:
     """Who holds lease `name`, read behind the store's back (no product code needs to ask)."""
     if isinstance(store, InMemoryWeightStore):
-        with store._lock:
-            lease = store._state(job).leases.get(name)  # swept of expired leases
+        with store._job(job) as state:
+            lease = state.leases.get(name)  # swept of expired leases
         return None if lease is None else str(lease.owner)
     raw = store._redis.get(keys.lease_key(job, name))
     return None if raw is None else str(raw.decode())
