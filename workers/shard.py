@@ -1,11 +1,12 @@
 """Everything one held shard does with its deliveries (architecture doc, sync round step 5).
 
 SmashedBatch → validate (the checks below), skip duplicates (seq at or below the client's last
-applied one), in async mode ask the clock (`workers.clock.Continuous`) whether it is too stale
-to train on, then the strategy's server step: one message at a time, up to `batch_messages`
-folded, or MiniBatch-SFL's step barrier; reply with each gradient, cast back to the dtype the
-client sent. Sync rounds also take markers: RoundStart remembers the cohort (a batch of a
-newer version reloads the replica), RoundEnd hands the replica in with a checkpoint.
+applied one), in async mode ask the clock (`workers.clock.Continuous`) whether it is too stale to
+train on, then the strategy's server step: one message at a time, up to `batch_messages` folded, or
+MiniBatch-SFL's step barrier; reply with each gradient, cast back to the dtype the client sent
+(`Replier`: back-pressure waited out, a vanished client not fatal). Sync rounds also take markers:
+RoundStart remembers the cohort (a batch of a newer version reloads the replica), RoundEnd hands the
+replica in with a checkpoint.
 Deliveries stay unacked until a checkpoint covers them (design §7): a crash at any instant
 loses nothing, and the seqs in the checkpoint make every redelivered batch apply exactly once.
 A step whose loss or gradients are not finite has poisoned the replica: nothing is recorded
@@ -20,27 +21,50 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
-from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
-from broker.messages import GradientReply, RoundEnd, RoundStart, SmashedBatch, new_message_id
-from broker.store import WeightStore
+from broker.codec import encode
+from broker.errors import (
+    BackPressureError,
+    EncodeError,
+    LeaseNotHeldError,
+    MessageTooLargeError,
+    StaleDeliveryError,
+    UnroutableError,
+    VersionNotFoundError,
+)
+from broker.messages import (
+    Error,
+    GradientReply,
+    InferReply,
+    RoundEnd,
+    RoundStart,
+    SmashedBatch,
+    new_message_id,
+)
+from broker.rejection import Rejected, dead_letter_safely
 from broker.tensors import all_finite
-from broker.transport import Broker, Delivery
+from broker.topology import REPLIES_EXCHANGE, reply_routing_key
+from broker.transport import Broker, Delivery, PublishOptions
 from models.split import Shape
-from services.algorithms.base import CohortBatch, Strategy
+from services.algorithms.base import CohortBatch
 from services.algorithms.staleness import TOO_STALE
-from services.metrics.recorder import NO_METRICS, Metrics
+from services.common.leases import lease_name
 from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
 from workers.clock import Clock, Continuous
 from workers.replica import Replica
-from workers.replies import Replier, empty_reply, reject
-from workers.stats import WorkerStats
+
+if TYPE_CHECKING:
+    from workers.worker import WorkerSession
 
 Rejection = tuple[str, str]
 
@@ -161,59 +185,25 @@ class Item:
     batch: SmashedBatch
 
 
-@dataclass(frozen=True)
-class ShardPolicy:
-    batch_messages: int
-    checkpoint_every_steps: int
-    checkpoint_every_s: float
-    pending_limit: int  # checkpoint before this many unacked deliveries: prefetch is finite
-    barrier_timeout_s: float
-
-
-@dataclass
-class ShardServices:
-    """What a shard needs from its worker: one broker handle, the store, counters."""
-
-    broker: Broker
-    store: WeightStore
-    strategy: Strategy
-    replier: Replier
-    stats: WorkerStats
-    renew_lease: Callable[[int], bool]
-    redeliver: Callable[[int], None]  # return every unacked delivery of a shard, in order
-    clock: Callable[[], float]
-    logger: logging.Logger
-    metrics: Metrics = NO_METRICS
-    # Whether the job's coordinator admitted a client (`workers.members.MemberCache`).
-    known_client: Callable[[str], bool] = lambda _client: True
-    # (lease name, owner) this worker saves checkpoints under; None: unguarded saves.
-    lease_holder: Callable[[int], tuple[str, str]] | None = None
-
-
 class ShardRunner:
     def __init__(
-        self,
-        replica: Replica,
-        want: ShardExpectations,
-        clock: Clock,
-        policy: ShardPolicy,
-        io: ShardServices,
+        self, replica: Replica, want: ShardExpectations, clock: Clock, session: WorkerSession
     ) -> None:
         self.replica = replica
         self._want = want
         self._clock = clock
-        self._policy = policy
-        self._io = io
+        self._io = session
         self._pending: list[Delivery] = []  # handled, waiting for a checkpoint to ack them
         self._pending_since = 0.0
         self._steps_since = 0
         self._dirty = False
         self._fold: list[Item] = []
+        workers = session.settings.workers
         self._barrier: StepBarrier[Item] | None = (
-            StepBarrier(policy.barrier_timeout_s) if io.strategy.server_barrier else None
+            StepBarrier(workers.step_barrier_timeout_s) if session.strategy.server_barrier else None
         )
         # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
-        self._send_grad = io.strategy.waits_for_gradient
+        self._send_grad = session.strategy.waits_for_gradient
 
     @property
     def shard(self) -> int:
@@ -269,13 +259,13 @@ class ShardRunner:
             self._step_barrier(force=False)
         else:
             self._fold.append(item)
-            if len(self._fold) >= self._policy.batch_messages:
+            if len(self._fold) >= self._io.settings.workers.batch_messages:
                 self.flush()
 
     def _member(self, client: str) -> bool:
         """Cohort members and clients already applied here are known without asking."""
         replica = self.replica
-        return client in replica.cohort or client in replica.seqs or self._io.known_client(client)
+        return client in replica.cohort or client in replica.seqs or self._io.members(client)
 
     def on_marker(self, delivery: Delivery, message: RoundStart | RoundEnd) -> None:
         if not self._clock.rounds:
@@ -333,10 +323,11 @@ class ShardRunner:
     def poll(self) -> None:
         """Time-driven work: a barrier past its timeout, a checkpoint that is due."""
         self._step_barrier(force=False)
+        workers = self._io.settings.workers
         if self._pending and (
-            self._steps_since >= self._policy.checkpoint_every_steps
-            or len(self._pending) >= self._policy.pending_limit
-            or self._io.clock() - self._pending_since >= self._policy.checkpoint_every_s
+            self._steps_since >= workers.checkpoint_every_steps
+            or len(self._pending) >= self._io.pending_limit
+            or self._io.clock() - self._pending_since >= workers.checkpoint_every_s
             or self._clock.due()
         ):
             self.checkpoint()
@@ -512,20 +503,19 @@ class ShardRunner:
         self._dirty = True
 
     def _say(self, message: str, *args: object, level: int = logging.INFO) -> None:
-        self._io.logger.log(level, "job %s shard %d: " + message, self._want.job, self.shard, *args)
+        self._io.log.log(level, "job %s shard %d: " + message, self._want.job, self.shard, *args)
 
     def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
-        io = self._io
-        reject(io.broker, delivery, code, detail, io.stats.dead_lettered, io.logger)
+        self._io.reject(delivery, code, detail)
 
     def checkpoint(self, *, force: bool = False) -> None:
         """Save the replica, then ack what it covers (raises `LeaseLostError`)."""
         if not (force or self._dirty or self._pending):
             return
         io = self._io
-        if not io.renew_lease(self.shard):
+        if not io.keeper.renew(self.shard):
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
-        holder = None if io.lease_holder is None else io.lease_holder(self.shard)
+        holder = (lease_name(self.shard), io.worker_id)
         try:
             saved = self._clock.save()
             io.store.save_checkpoint(self._want.job, saved, holder=holder)
@@ -536,7 +526,7 @@ class ShardRunner:
         self._clock.saved(saved)
         # The save may have waited out a store outage during which the lease expired and
         # another worker loaded the older checkpoint: acking now would lose these batches.
-        if not io.renew_lease(self.shard):
+        if not io.keeper.renew(self.shard):
             raise LeaseLostError(f"shard {self.shard}: lease lost while saving the checkpoint")
         io.stats.checkpoints += 1
         for delivery in self._pending:
@@ -547,3 +537,171 @@ class ShardRunner:
         self._pending.clear()
         self._steps_since = 0
         self._dirty = False
+
+
+# --- answers: GradientReplies and dead letters ---------------------------------------------
+Answer = GradientReply | InferReply | Error
+
+
+class Replier:
+    """The runner's reply step: sends replies on one broker handle, retrying
+    `BackPressureError` with capped backoff.
+
+    Replies are transient (see `send`): a broker restart drops the ones not consumed yet. The
+    client then publishes its batch again, and the worker, which applied it already, must not
+    apply it twice nor leave the client without its gradient: the Replier keeps the last "ok"
+    reply it sent each client and sends it again for a copy of that seq (`resend`). A
+    sequential client has one batch in flight, so its last reply is the only one it can still
+    be waiting for; the cache holds a reference to the reply the step built (no copy), one per
+    client, at most `keep` clients (the least recently answered go first).
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        stop: threading.Event,
+        logger: logging.Logger,
+        *,
+        first_delay_s: float = 0.05,
+        max_delay_s: float = 2.0,
+        sleep: Callable[[float], None] | None = None,
+        keep: int = 1024,
+    ) -> None:
+        self._broker = broker
+        self._stop = stop
+        self._logger = logger
+        self._first_delay_s = first_delay_s
+        self._max_delay_s = max_delay_s
+        # Waiting on the stop event, so a stopping worker does not sit out a long backoff.
+        self._sleep = sleep or (lambda s: bool(stop.wait(s)))
+        self._keep = max(1, keep)
+        self._last: OrderedDict[tuple[str, str], GradientReply] = OrderedDict()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def resend(self, job: str, client: str, seq: int) -> bool | None:
+        """Send the reply last sent to `client` again, under a new message id, if it answers
+        `seq`: whether it went out; None when no such reply is kept (another worker applied
+        the batch, or the client has been answered for a later seq since)."""
+        kept = self._last.get((job, client))
+        if kept is None or kept.seq != seq:
+            return None
+        return self.send(replace(kept, message_id=new_message_id()))
+
+    def send(self, reply: GradientReply) -> bool:
+        """True once sent (a refusal of it comes back later: `_settle`); False when it cannot
+        be delivered at all."""
+        if reply.status == "ok":
+            self._remember(reply)
+        self._settle()
+        # Not waiting for the confirm: the wait is a round trip to RabbitMQ on the job's
+        # critical path for every step (docs/benchmarks.md); a refusal comes back later.
+        return self.publish(reply, reply_routing_key(reply.job, reply.client), later=True)
+
+    def publish(self, message: Answer, routing_key: str, *, later: bool = False) -> bool:
+        """`message` on the replies exchange under `routing_key` (also split inference's);
+        `later`: without waiting for its confirm."""
+        try:
+            body = encode(message)
+        except EncodeError as exc:
+            self._logger.error("%s cannot be encoded: %s", _what(message), exc)
+            return False
+        options = PublishOptions(message.message_id, persistent=False, confirm_later=later)
+        return self._deliver(lambda: _what(message), routing_key, body, options)
+
+    def _settle(self) -> None:
+        """Refusals of earlier replies: a full queue is waited out, confirmed this time; a gone
+        client or connection is only logged (the client republishes a batch whose reply it
+        missed, and `resend` answers it)."""
+        for refused in self._broker.refused():
+            key = refused.routing_key
+            if isinstance(refused.error, BackPressureError):
+                options = replace(refused.options, confirm_later=False)
+                what = partial(str, f"the reply published to {key}")
+                self._deliver(what, key, refused.body, options)
+            else:
+                self._logger.warning(
+                    "the reply published to %s was not delivered: %s", key, refused.error
+                )
+
+    def _deliver(
+        self, what: Callable[[], str], routing_key: str, body: bytes, options: PublishOptions
+    ) -> bool:
+        # `what` names the message for a log line: built only when one is written, not for
+        # every reply on the worker's critical path.
+        delay = self._first_delay_s
+        attempts = 0
+        while True:
+            try:
+                # Transient: a gradient only matters to its client while that client waits
+                # for it; persisting it cost RabbitMQ a disk write and the worker (whose
+                # loop is the job's critical path) the wait for it (docs/benchmarks.md,
+                # "SFL-V2 throughput").
+                self._broker.publish(REPLIES_EXCHANGE, routing_key, body, options)
+                return True
+            except BackPressureError:
+                attempts += 1
+                # The client's own reply queue is full: keep trying, it only grows that way
+                # when the client is slow, and dropping the reply would leave it waiting. A
+                # stopping worker gives up after a few tries (the client will republish).
+                if self._stop.is_set() and attempts >= 3:
+                    self._logger.warning("%s dropped: full while stopping", what())
+                    return False
+                self._sleep(delay)
+                delay = min(delay * 2, self._max_delay_s)
+            except UnroutableError:
+                self._logger.warning("%s unroutable: the client's queue is gone", what())
+                return False
+            except MessageTooLargeError as exc:
+                self._logger.error("%s too large: %s", what(), exc)
+                return False
+
+    def _remember(self, reply: GradientReply) -> None:
+        key = (reply.job, reply.client)
+        self._last[key] = reply
+        self._last.move_to_end(key)
+        while len(self._last) > self._keep:
+            self._last.popitem(last=False)
+
+
+def _what(message: Answer) -> str:
+    return f"{type(message).__name__} to job {message.job} client {message.client}"
+
+
+def empty_reply(batch: SmashedBatch, version: int, status: str, reason: str) -> GradientReply:
+    """A reply without a gradient: "gone" (a duplicate), "rejected" (too stale)."""
+    return GradientReply(
+        job=batch.job,
+        client=batch.client,
+        message_id=new_message_id(),
+        version=version,
+        seq=batch.seq,
+        status=status,
+        loss=0.0,
+        correct=0,
+        samples=0,
+        grad=None,
+        reason=reason,
+    )
+
+
+def reject(
+    broker: Broker,
+    delivery: Delivery,
+    code: str,
+    detail: str,
+    counts: Counter[str],
+    logger: logging.Logger,
+) -> None:
+    """Dead-letter `delivery` with reason `"<code>: <detail>"` and count it under `code`."""
+    reason = f"{code}: {detail}"
+    # A full dead-letter queue: RabbitMQ's own dead-lettering still moves it there (or drops
+    # it), without our reason header; a poison message is never requeued.
+    if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
+        # Its connection is gone: it will be redelivered and rejected again then.
+        logger.info("dead-letter of a stale delivery from %s skipped (%s)", delivery.queue, reason)
+        return
+    counts[code] += 1
+    logger.warning("dead-lettered a message from %s: %s", delivery.queue, reason)

@@ -30,7 +30,7 @@ from services.algorithms.base import Strategy
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.jobmodel import job_hyper, job_model
-from services.common.leases import LeaseKeeper, lease_name
+from services.common.leases import LeaseKeeper
 from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
@@ -39,8 +39,7 @@ from workers.clock import Clock, Continuous, Rounds
 from workers.inference import start_inference
 from workers.members import MemberCache
 from workers.replica import ModelFactory, Replica, open_replica, pick_device
-from workers.replies import Replier, reject
-from workers.shard import LeaseLostError, ShardExpectations, ShardPolicy, ShardRunner, ShardServices
+from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
 from workers.stats import WorkerStats
 
 M = TypeVar("M", SmashedBatch, RoundStart | RoundEnd)
@@ -173,7 +172,8 @@ class WorkerSession:
     Each lease tick (a third of the lease TTL) it heartbeats, renews its leases and rebalances
     (`services.common.leases`); in between it pulls deliveries from the shard queues it
     subscribed to, decodes each, looks at its type once (which picks the check of its sender
-    and the handler) and hands it to the runner of its shard (`workers.shard`)."""
+    and the handler) and hands it to the runner of its shard (`workers.shard`), which uses the
+    session's broker handle, store, replier, leases and counters."""
 
     def __init__(
         self,
@@ -185,8 +185,8 @@ class WorkerSession:
     ) -> None:
         settings = self.settings = worker.settings
         self.worker_id = worker.worker_id
+        self.strategy = worker.strategy
         self.job = settings.job.name
-        self.shards = settings.shards
         self.broker = broker
         self.store = store
         self.stop = stop
@@ -195,7 +195,7 @@ class WorkerSession:
         self.clock = worker.clock
         self.metrics = worker.metrics
         ttl = settings.workers.lease_ttl_s
-        self.keeper = LeaseKeeper(store, self.job, self.worker_id, self.shards, ttl)
+        self.keeper = LeaseKeeper(store, self.job, self.worker_id, settings.shards, ttl)
         self.tick_s = ttl / 3
         self.next_tick = 0.0
         self.prefetch = prefetch_for(settings)
@@ -208,36 +208,19 @@ class WorkerSession:
         # The first optimizer of a process imports torch._dynamo: seconds, more than a short
         # lease TTL on a busy machine. Pay for it before holding any lease.
         self.hyper.server_optimizer(self.template.parameters())
-        self.barrier = worker.strategy.server_barrier
         self.poll_s = worker.poll_s
+        # Checkpoint before this many unacked deliveries: prefetch is finite.
         margin = max(settings.workers.batch_messages, settings.clients.count)
-        self.policy = ShardPolicy(
-            batch_messages=settings.workers.batch_messages,
-            checkpoint_every_steps=settings.workers.checkpoint_every_steps,
-            checkpoint_every_s=settings.workers.checkpoint_every_s,
-            pending_limit=max(1, self.prefetch - margin),
-            barrier_timeout_s=settings.workers.step_barrier_timeout_s,
-        )
+        self.pending_limit = max(1, self.prefetch - margin)
         # Async mode (docs/async.md): the bound on smashed data's staleness.
         self.max_staleness = (
             settings.asynchronous.worker_max_staleness if settings.asynchronous_mode else None
         )
-        self.services = ShardServices(
-            broker=broker,
-            store=self.store,
-            strategy=worker.strategy,
-            # The last reply per client, for a copy of a batch whose reply was lost: room for
-            # every member (clients beyond `count` are refused) and for some that left.
-            replier=Replier(broker, stop, self.log, keep=2 * settings.clients.count),
-            stats=stats,
-            renew_lease=self.keeper.renew,
-            redeliver=self.redeliver,
-            clock=self.clock,
-            logger=self.log,
-            metrics=worker.metrics,
-            known_client=MemberCache(self.store, self.job, self.clock),
-            lease_holder=lambda shard: (lease_name(shard), self.worker_id),
-        )
+        # The last reply per client, for a copy of a batch whose reply was lost: room for
+        # every member (clients beyond `count` are refused) and for some that left.
+        self.replier = Replier(broker, stop, self.log, keep=2 * settings.clients.count)
+        # Whether the job's coordinator admitted a client.
+        self.members = MemberCache(store, self.job, self.clock)
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
 
@@ -245,7 +228,10 @@ class WorkerSession:
     def start(self) -> None:
         self.broker.declare(self.settings.job_queues())
         self._say(
-            "joins (%d shards, device %s, prefetch %d)", self.shards, self.device, self.prefetch
+            "joins (%d shards, device %s, prefetch %d)",
+            self.settings.shards,
+            self.device,
+            self.prefetch,
         )
         self.rebalance()
 
@@ -329,7 +315,7 @@ class WorkerSession:
     def load(self, shard: int) -> None:
         # Batches may come from several cuts (FedSplitX's levels): the replica starts at the
         # shallowest, so it holds every layer any of them needs.
-        cuts = self.services.strategy.batch_cuts(self.template, self.settings.model.cut)
+        cuts = self.strategy.batch_cuts(self.template, self.settings.model.cut)
 
         def make() -> Replica:
             return Replica(shard, self.template, cuts[0], self.hyper.server_optimizer, self.device)
@@ -359,7 +345,7 @@ class WorkerSession:
             if bound is None
             else Continuous(replica, self.store, self.job, bound, self.stats, self.log)
         )
-        self.runners[queue] = ShardRunner(replica, want, clock, self.policy, self.services)
+        self.runners[queue] = ShardRunner(replica, want, clock, self)
         self.broker.subscribe(queue, prefetch=self.prefetch)
         self.stats.shards_acquired += 1
         args = (shard, replica.version, replica.applied, replica.round)
@@ -403,7 +389,7 @@ class WorkerSession:
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._reject(delivery, "decode", exc.reason)
+            self.reject(delivery, "decode", exc.reason)
             return
         # The one look at the message's type: it picks the check of its sender and the handler.
         if isinstance(message, SmashedBatch):
@@ -414,7 +400,7 @@ class WorkerSession:
             self._handle(runner, delivery, forged, runner.on_marker, message)
         else:
             detail = f"{type(message).__name__} does not belong on a shard queue"
-            self._reject(delivery, "wrong_type", detail)
+            self.reject(delivery, "wrong_type", detail)
 
     def _handle(
         self,
@@ -425,7 +411,7 @@ class WorkerSession:
         message: M,
     ) -> None:
         if forged is not None:
-            self._reject(delivery, "impostor", forged)
+            self.reject(delivery, "impostor", forged)
             return
         try:
             with log_context(shard=runner.shard, client=message.client or None):
@@ -439,7 +425,7 @@ class WorkerSession:
         prefix = "worker %s job %s: "
         self.log.log(level, prefix + message, self.worker_id, self.job, *args, exc_info=exc_info)
 
-    def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
+    def reject(self, delivery: Delivery, code: str, detail: str) -> None:
         reject(self.broker, delivery, code, detail, self.stats.dead_lettered, self.log)
 
     def _each(self, action: Callable[[ShardRunner], None]) -> None:
@@ -450,7 +436,7 @@ class WorkerSession:
                 self.drop(runner.shard)
 
     def _timeout(self, now: float) -> float:
-        if not self.barrier and any(r.buffered() for r in self.runners.values()):
+        if not self.strategy.server_barrier and any(r.buffered() for r in self.runners.values()):
             return 0.0  # fold only what is already waiting: look, don't wait
         until = [self.next_tick, now + self.poll_s]
         until += [d for r in self.runners.values() if (d := r.deadline()) is not None]
