@@ -7,7 +7,7 @@ names are the one naming scheme everything else uses (`blocks.<i>.<...>` for blo
 tensors line up by name whatever the cut, which is what heterogeneous averaging needs.
 
 Depth levels (FedSplitX) count cuts from 1: level m is `cuts[m - 1]`, and a client at level m
-holds the blocks up to that cut and the heads of the first m cuts.
+holds the blocks up to that cut and the heads of the first m cuts (`forward_heads`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -90,19 +90,6 @@ class SplitNet(nn.Module):
             raise ModelSpecError(f"unknown cut {cut!r}; this model's cuts are {self.cuts}")
         return self.block_names.index(cut)
 
-    def level_of(self, cut: str) -> int:
-        """The FedSplitX depth level (1-based) of `cut`."""
-        self.cut_index(cut)
-        return self.cuts.index(cut) + 1
-
-    def cuts_upto(self, cut: str) -> tuple[str, ...]:
-        """The cuts at or before `cut`: the heads a client at that cut holds (FedSplitX)."""
-        return self.cuts[: self.level_of(cut)]
-
-    def cuts_after(self, cut: str) -> tuple[str, ...]:
-        """The cuts after `cut`: the heads the server side trains (FedSplitX)."""
-        return self.cuts[self.level_of(cut) :]
-
     def cut_shape(self, cut: str) -> Shape:
         """The activation shape at `cut`, without the batch dimension."""
         return self._shapes[self.cut_index(cut)]
@@ -137,16 +124,6 @@ class SplitNet(nn.Module):
             x = block(x)
         return x
 
-    def forward_all(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The logits and every head's logits on its cut activation, in one pass."""
-        cut_at = {self.block_names.index(cut): cut for cut in self.cuts}
-        aux: dict[str, Tensor] = {}
-        for i, block in enumerate(self.blocks):
-            x = block(x)
-            if i in cut_at:
-                aux[cut_at[i]] = self.heads[cut_at[i]](x)
-        return x, aux
-
 
 def _check_blocks(blocks: Sequence[tuple[str, nn.Module]], names: tuple[str, ...]) -> None:
     if len(blocks) < 2:
@@ -171,6 +148,27 @@ def _check_cuts(cuts: tuple[str, ...], names: tuple[str, ...]) -> None:
     indices = [names.index(cut) for cut in cuts]
     if indices != sorted(set(indices)):
         raise ModelSpecError(f"cuts must be distinct and in block order, got {cuts}")
+
+
+def forward_heads(
+    blocks: nn.Sequential,
+    heads: Mapping[int, tuple[str, nn.Module]],
+    x: Tensor,
+    start: int = 0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`blocks` (a `block_range`, children named by block index) on `x` from block `start` on,
+    and by cut the logits of `heads` (keyed by the index of the block each follows) on the
+    way, in block order."""
+    aux: dict[str, Tensor] = {}
+    for name, block in blocks.named_children():
+        index = int(name)
+        if index < start:
+            continue
+        x = block(x)
+        if index in heads:
+            cut, head = heads[index]
+            aux[cut] = head(x)
+    return x, aux
 
 
 @contextmanager

@@ -25,21 +25,14 @@ def range_state(model: SplitNet, start: int, stop: int) -> dict[str, Tensor]:
     return _with_prefixes(model, [f"blocks.{i}." for i in range(start, stop)])
 
 
-def client_state(model: SplitNet, cut: str, *, with_heads: bool = False) -> dict[str, Tensor]:
-    """State of the blocks up to and including `cut`; with the heads of the cuts up to `cut`
-    when `with_heads`."""
-    state = range_state(model, 0, model.cut_index(cut) + 1)
-    if with_heads:
-        state.update(head_state(model, model.cuts_upto(cut)))
-    return state
+def client_state(model: SplitNet, cut: str) -> dict[str, Tensor]:
+    """State of the blocks up to and including `cut`."""
+    return range_state(model, 0, model.cut_index(cut) + 1)
 
 
-def server_state(model: SplitNet, cut: str, *, with_heads: bool = False) -> dict[str, Tensor]:
-    """State of the blocks after `cut`; with the heads of the later cuts when `with_heads`."""
-    state = range_state(model, model.cut_index(cut) + 1, len(model.blocks))
-    if with_heads:
-        state.update(head_state(model, model.cuts_after(cut)))
-    return state
+def server_state(model: SplitNet, cut: str) -> dict[str, Tensor]:
+    """State of the blocks after `cut`."""
+    return range_state(model, model.cut_index(cut) + 1, len(model.blocks))
 
 
 def head_state(model: SplitNet, cuts: Iterable[str]) -> dict[str, Tensor]:

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from models.flops import forward_flops
 from models.parts import ServerModel
-from models.split import SplitNet
+from models.split import SplitNet, forward_heads
 from models.state import client_state, head_state, load_partial, server_state
 from services.algorithms.averaging import holder_average
 from services.algorithms.base import (
@@ -191,33 +191,6 @@ class Structure:
     costs: tuple[LevelCost, ...]
 
 
-class _EarlyExit(nn.Module):
-    """A client model as it predicts on its own: blocks up to a cut and that cut's head."""
-
-    def __init__(self, model: SplitNet, cut: str) -> None:
-        super().__init__()
-        self.body = model.client_blocks(cut)
-        self.head = model.head(cut)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.body(x))
-        return out
-
-
-def client_forward(
-    body: nn.Sequential, heads: Mapping[int, nn.Module], x: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The activation at the end of `body` (blocks 0..k) and the logits of the heads keyed by
-    the index of the block they follow, in block order."""
-    logits = []
-    for index, block in enumerate(body):
-        x = block(x)
-        head = heads.get(index)
-        if head is not None:
-            logits.append(head(x))
-    return x, logits
-
-
 @algorithm("local_loss_sfl", params=FedSplitXSection, section="fedsplitx")
 @algorithm("fedsplitx", params=FedSplitXSection)
 @dataclass(frozen=True, kw_only=True)
@@ -285,14 +258,15 @@ class FedSplitX(StrategyBase):
             raise ValueError(f"{self.name}: cut {cut!r} is not one of the levels {levels}")
         own = levels[: levels.index(cut) + 1]
         body = model.client_blocks(cut)
-        heads = {model.cut_index(c): model.head(c) for c in own}
-        modules = [body, *heads.values()]
+        heads = {model.cut_index(c): (c, model.head(c)) for c in own}
+        modules = [body, *(head for _, head in heads.values())]
         for module in modules:
             module.train()
         optimizer = r.hyper.client_optimizer([p for m in modules for p in m.parameters()])
         samples, correct, loss_sum, last_sum = 0, 0, 0.0, 0.0
         for step, (x, y) in enumerate(r.batches):
-            z, logits = client_forward(body, heads, x)
+            z, aux = forward_heads(body, heads, x)
+            logits = list(aux.values())
             # Out first, so the server works on it while this client r.steps.
             r.channel.send(z.detach(), y, step, r.steps)
             loss = local_loss(logits, y)
@@ -404,7 +378,9 @@ class FedSplitX(StrategyBase):
         out: dict[str, float] = {}
         for cost in structure.costs:
             key = f"level{cost.level}"
-            out[f"{key}.client_accuracy"] = accuracy(_EarlyExit(model, cost.cut), x, y)
+            # The client model as it predicts on its own: blocks up to c_m and head a_m.
+            early_exit = nn.Sequential(model.client_blocks(cost.cut), model.head(cost.cut))
+            out[f"{key}.client_accuracy"] = accuracy(early_exit, x, y)
             out[f"{key}.client_flops"] = float(cost.client_flops)
             out[f"{key}.server_flops"] = float(cost.server_flops)
         return out

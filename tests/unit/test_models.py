@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.errors import ModelSpecError
-from models.parts import ClientModel, ServerModel
+from models.parts import ServerModel
 from models.registry import MODEL_NAMES, build_model
 from models.split import SplitNet
 from models.state import client_state, head_state, server_state
@@ -87,7 +87,7 @@ def test_client_then_server_equals_full_forward(
     with torch.no_grad():
         full = net(x)
         for cut in net.cuts:
-            split = ServerModel(net, cut)(ClientModel(net, cut)(x))
+            split = ServerModel(net, cut)(net.client_blocks(cut)(x))
             assert torch.equal(split, full), cut
             assert torch.equal(net.server_blocks(cut)(net.client_blocks(cut)(x)), full), cut
 
@@ -107,7 +107,7 @@ def test_gradient_through_the_split_equals_full_gradient(
 
     for cut in net.cuts:
         net.zero_grad()
-        client, server = ClientModel(net, cut), ServerModel(net, cut)
+        client, server = net.client_blocks(cut), ServerModel(net, cut)
         z = client(x)
         # What crosses the wire: a detached copy of z; the server returns dL/dz.
         z_server = z.detach().requires_grad_()
@@ -135,52 +135,36 @@ def test_client_and_server_state_partition_the_state_dict(
         assert not set(client) & set(server), cut
         assert set(client) | set(server) == blocks, cut
 
-        client_h = client_state(net, cut, with_heads=True)
-        server_h = server_state(net, cut, with_heads=True)
-        assert not set(client_h) & set(server_h), cut
-        assert set(client_h) | set(server_h) == set(full), cut
-        assert set(client_h) - set(client) == set(head_state(net, net.cuts_upto(cut)))
-        for k, t in {**client_h, **server_h}.items():
+        later = net.cuts[net.cuts.index(cut) + 1 :]
+        server_h = {**server, **head_state(net, later)}
+        for k, t in {**client, **server_h}.items():
             assert torch.equal(t, full[k]), k
         # BatchNorm running stats travel with their layer.
         assert any(k.endswith("running_mean") for k in client), cut
 
-        assert set(ClientModel(net, cut).state_dict()) == set(client_h), cut
         assert set(ServerModel(net, cut).state_dict()) == set(server_h), cut
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_CUTS))
-def test_forward_all_and_aux_outputs_match_heads_on_cut_activations(
-    nets: dict[str, SplitNet], name: str
-) -> None:
+def test_server_heads_match_heads_on_cut_activations(nets: dict[str, SplitNet], name: str) -> None:
     net = nets[name]
     net.eval()
     x, _ = batch(net)
     with torch.no_grad():
-        logits, aux = net.forward_all(x)
-        assert torch.equal(logits, net(x))
-        assert set(aux) == set(net.cuts)
-        for cut in net.cuts:
-            expected = net.head(cut)(net.client_blocks(cut)(x))
-            assert torch.equal(aux[cut], expected), cut
-
+        logits = net(x)
         cut = net.cuts[0]  # FedSplitX: server heads are those of the later cuts
-        client_out, client_aux = ClientModel(net, cut).forward_aux(x)
-        server_out, server_aux = ServerModel(net, cut).forward_aux(client_out)
-        assert set(client_aux) == {cut}
+        server_out, server_aux = ServerModel(net, cut).forward_from(net.client_blocks(cut)(x), cut)
         assert set(server_aux) == set(net.cuts[1:])
         assert torch.equal(server_out, logits)
-        for c, value in {**client_aux, **server_aux}.items():
-            assert torch.equal(value, aux[c]), c
+        for c, value in server_aux.items():
+            assert torch.equal(value, net.head(c)(net.client_blocks(c)(x))), c
 
 
 def test_depth_levels_follow_the_cut_order(nets: dict[str, SplitNet]) -> None:
     net = nets["resnet18"]
-    assert [net.level_of(cut) for cut in net.cuts] == list(range(1, 6))
+    indices = [net.cut_index(cut) for cut in net.cuts]
+    assert indices == sorted(indices)
     for cut in net.cuts:
-        level = net.level_of(cut)
-        assert net.cuts_upto(cut) + net.cuts_after(cut) == net.cuts
-        assert len(net.cuts_upto(cut)) == level
         assert net.cut_index(cut) == net.block_names.index(cut)
 
 
@@ -202,12 +186,12 @@ def test_unknown_cut_is_a_clear_error(nets: dict[str, SplitNet]) -> None:
         with pytest.raises(ModelSpecError, match=r"unknown cut 'nope'.*block1"):
             call("nope")
     with pytest.raises(ModelSpecError, match="unknown cut"):
-        ClientModel(net, "classifier")  # the last block is not a cut
+        ServerModel(net, "classifier")  # the last block is not a cut
 
 
-def test_client_replica_is_independent_after_deepcopy() -> None:
+def test_server_replica_is_independent_after_deepcopy() -> None:
     net = build_model("cnn5")
-    replica = copy.deepcopy(ClientModel(net, "block2"))
+    replica = copy.deepcopy(ServerModel(net, "block2"))
     with torch.no_grad():
         for p in replica.parameters():
             p.add_(1.0)

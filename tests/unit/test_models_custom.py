@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from models.custom import load_factory, split_module
 from models.errors import ModelSpecError
-from models.parts import ClientModel, ServerModel
+from models.parts import ServerModel
 from models.registry import build_model
 from models.split import SplitNet
 from models.state import client_state, server_state
@@ -140,7 +140,7 @@ def assert_split_is_exact(net: SplitNet) -> None:
     with torch.no_grad():
         full = net(x)
     for cut in net.cuts:
-        client, server = ClientModel(net, cut), ServerModel(net, cut)
+        client, server = net.client_blocks(cut), ServerModel(net, cut)
         with torch.no_grad():
             assert torch.equal(server(client(x)), full), cut
         net.zero_grad()

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from models.errors import StateDictError
-from models.parts import ClientModel, ServerModel
+from models.parts import ServerModel
 from models.registry import build_model
 from models.split import SplitNet
 from models.state import client_state, head_state, load_partial, range_state, server_state
@@ -31,7 +31,10 @@ def snapshot(net: SplitNet) -> dict[str, Tensor]:
 def test_client_state_round_trips_into_another_model() -> None:
     a, b = two_models()
     before = snapshot(b)
-    sent = {k: v.clone() for k, v in client_state(a, "block2", with_heads=True).items()}
+    sent = {
+        k: v.clone()
+        for k, v in {**client_state(a, "block2"), **head_state(a, ["block1", "block2"])}.items()
+    }
     load_partial(b, sent)
     after = b.state_dict()
     for name, value in after.items():
@@ -46,15 +49,15 @@ def test_client_state_round_trips_into_another_model() -> None:
 def test_server_state_loads_into_a_server_model_by_full_names() -> None:
     a, b = two_models()
     server_b = ServerModel(b, "block1")
-    load_partial(server_b, server_state(a, "block1", with_heads=True))
+    load_partial(server_b, {**server_state(a, "block1"), **head_state(a, a.cuts[1:])})
     x = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     a.eval()
     b.eval()
     with torch.no_grad():
-        z = ClientModel(a, "block1")(x)
+        z = a.client_blocks("block1")(x)
         assert torch.equal(server_b(z), ServerModel(a, "block1")(z))
         # b's client side was not touched
-        assert not torch.equal(ClientModel(b, "block1")(x), z)
+        assert not torch.equal(b.client_blocks("block1")(x), z)
 
 
 def test_range_and_head_slices() -> None:
