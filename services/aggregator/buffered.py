@@ -38,7 +38,7 @@ from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo
 from services.common.server_fold import FoldedCheckpoint, ServerLedger
 from services.common.supervise import JobFailedError
-from services.config.root import Settings
+from services.report.summary import STALENESS_PREFIX
 
 # How often the members' records are re-read (an unknown sender triggers a re-read at once).
 _MEMBER_CHECK_S = 1.0
@@ -46,17 +46,11 @@ _MEMBER_CHECK_S = 1.0
 _SEEN_LIMIT = 10_000
 # Manifest meta key: the message ids of the updates a version folded.
 FOLDED_IDS = "message_ids"
-# VersionRecord.extra keys: `staleness.<tau>` counts the folded updates by staleness.
-STALENESS_PREFIX = "staleness."
-
-
-def staleness_rule(settings: Settings) -> StalenessRule:
-    a = settings.asynchronous
-    return StalenessRule(a.staleness, a.a, a.b, a.max_staleness)
 
 
 def staleness_extra(taus: Sequence[int], refused: int, buffer_size: int) -> dict[str, float]:
-    """A version's staleness columns: the histogram of its folded updates and the refusals."""
+    """A version's staleness columns: the histogram of its folded updates (`staleness.<tau>`)
+    and the refusals."""
     counts = Counter(taus)
     extra = {f"{STALENESS_PREFIX}{tau}": float(n) for tau, n in sorted(counts.items())}
     extra["staleness_mean"] = sum(taus) / len(taus) if taus else 0.0
@@ -87,12 +81,10 @@ class BufferClock:
 
     def __init__(self, core: Core) -> None:
         self._core = core
-        settings = core.settings
+        settings, a = core.settings, core.settings.asynchronous
         self._k = settings.buffer_size
-        self._fruitless_limit = (
-            settings.asynchronous.max_fruitless_per_client * settings.clients.count
-        )
-        self._rule = staleness_rule(settings)
+        self._fruitless_limit = a.max_fruitless_per_client * settings.clients.count
+        self._rule = StalenessRule(a.staleness, a.a, a.b, a.max_staleness)
         self._server = ServerLedger(core.store, core.job, settings.shards, core.log)
         self._version_at = core.clock()
         self._members_at = float("-inf")
@@ -259,7 +251,6 @@ class BufferClock:
         self._server.commit(taken)
         # The clients owed weights train on while this version is evaluated (after the last
         # version they are dismissed instead).
-        self._at(published)
         if published - 1 < core.settings.job.rounds:
             self._answer(published)
         core.stats.folded += len(buffered)

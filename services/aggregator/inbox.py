@@ -123,9 +123,10 @@ class UpdateInbox:
             self._dead_letter(delivery, refusal.reason, refusal.kind, then)
             return
         if isinstance(message, RoundDropped):
-            self._on_drop(delivery, message, gate.offer_drop(message))
+            self._settle(delivery, message, gate.offer_drop(message), version)
         else:
-            self._on_update(delivery, message, gate.offer(message), version)
+            self.metrics.staleness(version - message.version)
+            self._settle(delivery, message, gate.offer(message), version)
 
     def flush(self) -> None:
         """Dead-letter the batch (the surplus, and what was judged meanwhile) in one go."""
@@ -156,38 +157,21 @@ class UpdateInbox:
                 refused,
             )
 
-    def _on_update(
-        self, delivery: Delivery, message: WeightsUpdate, offer: Offer, version: int
+    def _settle(
+        self, delivery: Delivery, message: WeightsUpdate | RoundDropped, offer: Offer, version: int
     ) -> None:
-        self.metrics.staleness(version - message.version)
-        if offer.verdict is Verdict.ACCEPT:
-            self.stats.accepted += 1
-            self.stats.accepted_bytes += len(delivery.body)
-            self.held.append(delivery)
-        elif offer.verdict is Verdict.DUPLICATE:
-            self.stats.duplicates += 1
-            self._ack(delivery)
-        elif offer.verdict is Verdict.LATE:
-            self.stats.late += 1
-            self.logger.info(
-                "job %s: late update from %s for round %d", self.job, message.client, message.round
-            )
-            told = self.outbox.error(
-                message.client, version, offer.code, offer.reason, message.message_id
-            )
-            if told:
-                self._ack(delivery)
-            else:  # a stranger's (no reply queue): nobody to tell, so nothing was handled
-                reason = f"{offer.reason}; client {message.client!r} unknown"
-                self._dead_letter(delivery, reason, "unknown_client")
-        else:
-            self._dead_letter(delivery, offer.reason, offer.kind)
-
-    def _on_drop(self, delivery: Delivery, message: RoundDropped, offer: Offer) -> None:
+        """Act on a gate's verdict. An accepted update is held until its version is published;
+        a late one is answered with an Error (a late drop notice needs no answer: the client
+        has moved on); everything but a refusal is acked."""
         if offer.verdict is Verdict.REJECT:
             self._dead_letter(delivery, offer.reason, offer.kind)
             return
         if offer.verdict is Verdict.ACCEPT:
+            if isinstance(message, WeightsUpdate):
+                self.stats.accepted += 1
+                self.stats.accepted_bytes += len(delivery.body)
+                self.held.append(delivery)
+                return
             self.stats.drops += 1
             self.logger.info(
                 "job %s: %s dropped round %d (%s): %s",
@@ -199,15 +183,22 @@ class UpdateInbox:
             )
         elif offer.verdict is Verdict.DUPLICATE:
             self.stats.duplicates += 1
-        else:  # late: nothing to answer, the client has moved on
+        else:
             self.stats.late += 1
             self.logger.info(
-                "job %s: late RoundDropped from %s for round %d: %s",
+                "job %s: late %s from %s for round %d: %s",
                 self.job,
+                type(message).__name__,
                 message.client,
                 message.round,
                 offer.reason,
             )
+            if isinstance(message, WeightsUpdate) and not self.outbox.error(
+                message.client, version, offer.code, offer.reason, message.message_id
+            ):  # a stranger's (no reply queue): nobody to tell, so nothing was handled
+                reason = f"{offer.reason}; client {message.client!r} unknown"
+                self._dead_letter(delivery, reason, "unknown_client")
+                return
         self._ack(delivery)
 
     def drain(self, gate: Gate, version: int) -> None:

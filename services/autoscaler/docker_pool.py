@@ -18,7 +18,6 @@ nothing else needs it; tests pass a fake client object.
 from __future__ import annotations
 
 import importlib
-import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,29 +58,21 @@ def _number(container: Any) -> int:
         return 0
 
 
-def _given_id(command: Sequence[str]) -> str | None:
-    for flag, value in itertools.pairwise(command):
-        if flag == "--id":
-            return value
-    return None
-
-
-def _without_id(command: Sequence[str]) -> list[str]:
-    out, skip = [], False
-    for arg in command:
-        if skip:
-            skip = False
-        elif arg == "--id":
-            skip = True
+def _split_id(command: Sequence[str] | None) -> tuple[str | None, list[str]]:
+    """The command's `--id` value (None without one) and the command without that option."""
+    given, rest, args = None, [], iter(command or [])
+    for arg in args:
+        if arg == "--id":
+            given = next(args, None)
         else:
-            out.append(arg)
-    return out
+            rest.append(arg)
+    return given, rest
 
 
 def worker_key(container: Any) -> str:
     """Its worker id (`--id`), else the prefix of the CLI's default `worker-<hostname>-<pid>`."""
     config = container.attrs.get("Config", {})
-    given = _given_id(list(config.get("Cmd") or []))
+    given, _ = _split_id(config.get("Cmd"))
     return given or f"worker-{config.get('Hostname') or container.name}"
 
 
@@ -108,7 +99,7 @@ def clone_arguments(template: Any, name: str, number: int) -> dict[str, Any]:
     labels = {**(config.get("Labels") or {}), NUMBER_LABEL: str(number), SCALED_LABEL: "true"}
     kwargs: dict[str, Any] = {
         "image": config.get("Image"),
-        "command": [*_without_id(list(config.get("Cmd") or [])), "--id", name],
+        "command": [*_split_id(config.get("Cmd"))[1], "--id", name],
         "name": name,
         "detach": True,
         "environment": list(config.get("Env") or []),

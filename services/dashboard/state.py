@@ -134,11 +134,7 @@ class DashboardState:
             elif event.kind == "member_left":
                 self._left += 1
             elif event.kind == "version_published":
-                row = self._versions.setdefault(event.version, {"version": event.version})
-                row.setdefault("t", at - self._started)
-                for name in VERSION_FIELDS:
-                    if name in event.data:
-                        row[name] = event.data[name]
+                self._version_row(event.version, event.data).setdefault("t", at - self._started)
             elif event.kind == "job_finished":
                 status = event.data.get("status")
                 self._finished = {
@@ -167,13 +163,14 @@ class DashboardState:
             self._report = report
             for record in report.records:
                 version = record.get("version")
-                if not isinstance(version, int):
-                    continue
-                row = self._versions.setdefault(version, {"version": version})
-                for name in VERSION_FIELDS:
-                    value = record.get(name)
-                    if value is not None:
-                        row[name] = value
+                if isinstance(version, int):
+                    self._version_row(version, record)
+
+    def _version_row(self, version: int, values: Mapping[str, Any]) -> dict[str, Any]:
+        """`version`'s row, updated with the `VERSION_FIELDS` that `values` has."""
+        row = self._versions.setdefault(version, {"version": version})
+        row.update({name: values[name] for name in VERSION_FIELDS if values.get(name) is not None})
+        return row
 
     # --- throughput ---------------------------------------------------------------------------
     def _count_trained(self, probe: Probe) -> None:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -142,25 +143,17 @@ class JobWatcher:
                 stop.wait(_RETRY_S)
 
     def _watch(self, stop: threading.Event) -> None:
-        broker = self._backends.open_broker("splitmq-watch")
-        try:
+        with ExitStack() as closing:  # closes each of them, last opened first
+            broker = self._backends.open_broker("splitmq-watch")
+            closing.callback(broker.close)
             store = self._backends.open_store()
-        except BaseException:
-            broker.close()
-            raise
-        try:
-            settings = self._settings
-            broker.declare(settings.job_queues())
+            closing.callback(store.close)
+            broker.declare(self._settings.job_queues())
             if self._events and self._state is not None:
                 spec = events_queue(self._job, f"watch-{uuid.uuid4().hex[:12]}")
                 broker.declare([spec])
                 broker.subscribe(spec.name, prefetch=256)
             self._loop(broker, store, stop)
-        finally:
-            try:
-                broker.close()
-            finally:
-                store.close()
 
     def _loop(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
         probe_s = self._settings.metrics.probe_s
