@@ -40,10 +40,8 @@ class BrokerUnavailableError(BrokerError):
 
 
 class BrokerAuthError(BrokerError):
-    """The broker refused the login (user, password) or the user's access to the vhost.
-
-    Never retried: waiting does not fix credentials.
-    """
+    """The broker refused the login (user, password) or the user's access to the vhost; never
+    retried: waiting does not fix credentials."""
 
 
 class ConnectionSettingsError(SplitMQError, ValueError):
@@ -51,10 +49,8 @@ class ConnectionSettingsError(SplitMQError, ValueError):
 
 
 class BackPressureError(BrokerError):
-    """The broker refused a publish because the target queue is full.
-
-    The caller should slow down and retry later; nothing was enqueued.
-    """
+    """The broker refused a publish because the target queue is full: nothing was enqueued; the
+    caller should slow down and retry later."""
 
 
 class UnroutableError(BrokerError):
@@ -66,10 +62,8 @@ class MessageTooLargeError(BrokerError):
 
 
 class StaleDeliveryError(BrokerError):
-    """Ack/nack of a delivery that belongs to a connection which has since been lost.
-
-    The broker will redeliver the message; the caller must not treat it as handled.
-    """
+    """Ack/nack of a delivery that belongs to a connection which has since been lost: the broker
+    will redeliver the message; the caller must not treat it as handled."""
 
 
 class StoreError(SplitMQError):

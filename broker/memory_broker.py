@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
 from broker.topology import (
@@ -40,7 +39,6 @@ from broker.transport import (
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
     USER_HEADER,
-    Broker,
     Delivery,
     Headers,
     HeaderValue,
@@ -190,9 +188,6 @@ class InMemoryHub:
         queue.consumers.clear()
         self._settled.notify_all()
 
-    def queue_depth(self, session: Session, name: str) -> int:
-        return len(self._queue(session, name).ready)
-
     # -- publishing -----------------------------------------------------------------------
 
     def route(
@@ -239,7 +234,7 @@ class InMemoryHub:
     # -- consuming ------------------------------------------------------------------------
 
     def subscribe(self, session: Session, name: str, prefetch: int) -> None:
-        queue = self._queue(session, name)
+        queue = self.queue(session, name)
         if name in session.consumers:
             return
         consumer = _Consumer(session, queue, prefetch)
@@ -415,7 +410,7 @@ class InMemoryHub:
             self._dispatch(consumer.queue)
         self._settled.notify_all()
 
-    def _queue(self, session: Session, name: str) -> _Queue:
+    def queue(self, session: Session, name: str) -> _Queue:
         queue = self._queues.get(name)
         if queue is None:
             raise BrokerError(f"NOT_FOUND - no queue {name!r}")
@@ -447,25 +442,21 @@ class InMemoryBroker:
         stamp: str | None = None,
         meter: Meter | None = None,
     ) -> None:
-        self._hub = hub if hub is not None else InMemoryHub()
-        self._session = Session(self._hub.lock)
+        self.hub = hub if hub is not None else InMemoryHub()
+        self._session = Session(self.hub.lock)
         self._user = user
         self._max_message_bytes = max_message_bytes
         self.stamp = stamp
         self.meter = meter
         self._refused: list[Refused] = []
 
-    @property
-    def hub(self) -> InMemoryHub:
-        return self._hub
-
     @contextmanager
     def _open(self) -> Iterator[InMemoryHub]:
         """The hub, locked, for a handle that is not closed."""
-        with self._hub.lock:
+        with self.hub.lock:
             if self._session.closed:
                 raise BrokerError("this broker handle is closed")
-            yield self._hub
+            yield self.hub
 
     def declare(self, queues: Sequence[QueueSpec]) -> None:
         with self._open() as hub:
@@ -571,8 +562,8 @@ class InMemoryBroker:
             )
         message = self._peek(delivery).message
         key = spec.dead_letter_routing_key
-        self._hub.copy_to_dead(self._session, message, delivery.queue, key, reason)
-        self._hub.settle(self._take(delivery))
+        self.hub.copy_to_dead(self._session, message, delivery.queue, key, reason)
+        self.hub.settle(self._take(delivery))
 
     def _peek(self, delivery: Delivery) -> _Pending:
         session = self._session
@@ -597,16 +588,16 @@ class InMemoryBroker:
 
     def queue_depth(self, queue: str) -> int:
         with self._open() as hub:
-            return hub.queue_depth(self._session, queue)
+            return len(hub.queue(self._session, queue).ready)
 
     def delete_queue(self, queue: str) -> None:
         with self._open() as hub:
             hub.delete_queue(self._session, queue)
 
     def close(self) -> None:
-        with self._hub.lock:
+        with self.hub.lock:
             if not self._session.closed:
-                self._hub.close(self._session)
+                self.hub.close(self._session)
 
     def server_info(self) -> ServerInfo:
         """Always healthy: the broker lives in this process."""
@@ -623,9 +614,3 @@ class InMemoryBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-if TYPE_CHECKING:  # mypy proves the class satisfies the protocol
-
-    def _conforms(broker: InMemoryBroker) -> Broker:
-        return broker
