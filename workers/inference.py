@@ -120,16 +120,8 @@ class ThetaCache:
         return wanted, theta
 
 
-def server_logits(theta: nn.Module, activations: torch.Tensor) -> torch.Tensor:
-    """theta's logits for smashed data `activations` (float32, on the CPU)."""
-    device = next(theta.parameters()).device
-    with torch.no_grad():
-        logits: torch.Tensor = theta(activations.to(device=device, dtype=torch.float32))
-    return logits.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
 class InferenceServer:
-    """Answers a job's InferRequests; `run` it on a thread of its own."""
+    """Answers a job's InferRequests; `run` it on a thread of its own (`start`)."""
 
     def __init__(
         self,
@@ -151,6 +143,26 @@ class InferenceServer:
         self._cut_shape: tuple[int, ...] = ()
         self._senders = sender_check(settings)
         self.stats = InferenceStats()
+
+    def start(self) -> Callable[[], None]:
+        """`run` on a daemon thread; returns what stops and joins it."""
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                self.run(stop)
+            except Exception:
+                # Training goes on without it; requesters get no answer and time out.
+                self._log.exception("split inference stopped after a failure")
+
+        thread = threading.Thread(target=run, name=f"infer-{self._worker_id}", daemon=True)
+        thread.start()
+
+        def close() -> None:
+            stop.set()
+            thread.join(30.0)
+
+        return close
 
     def run(self, stop: threading.Event) -> InferenceStats:
         template = self._model_factory()
@@ -224,13 +236,16 @@ class InferenceServer:
             refuse(code, detail)
             return
         version, theta = loaded
+        device = next(theta.parameters()).device
+        with torch.no_grad():
+            logits = theta(message.activations.to(device=device, dtype=torch.float32))
         reply = InferReply(
             job=message.job,
             client=message.client,
             message_id=new_message_id(),
             version=version,
             seq=message.seq,
-            logits=server_logits(theta, message.activations),
+            logits=logits.to(device="cpu", dtype=torch.float32).contiguous(),
         )
         if replier.publish(reply, _reply_key(reply)):
             self.stats.requests += 1
@@ -258,34 +273,3 @@ def _reply_key(message: InferReply | Error) -> str:
     """The requester's inference reply queue (not its training reply queue: a client's
     training loop consumes that one)."""
     return infer_reply_routing_key(message.job, message.client)
-
-
-def start_inference(
-    settings: Settings,
-    backends: Backends,
-    *,
-    worker_id: str,
-    model_factory: ModelFactory,
-    logger: logging.Logger,
-) -> Callable[[], None]:
-    """An `InferenceServer` on a daemon thread; returns what stops and joins it."""
-    server = InferenceServer(
-        settings, backends, worker_id=worker_id, model_factory=model_factory, logger=logger
-    )
-    stop = threading.Event()
-
-    def run() -> None:
-        try:
-            server.run(stop)
-        except Exception:
-            # Training goes on without it; requesters get no answer and time out.
-            logger.exception("split inference stopped after a failure")
-
-    thread = threading.Thread(target=run, name=f"infer-{worker_id}", daemon=True)
-    thread.start()
-
-    def close() -> None:
-        stop.set()
-        thread.join(30.0)
-
-    return close

@@ -244,7 +244,7 @@ class ShardRunner:
             # Valid, just too old: answered, and acked with the next checkpoint.
             self._hold(delivery)
             io.stats.too_stale += 1
-            io.replier.send(empty_reply(batch, clock.newest(), "rejected", detail))
+            io.replier.send(answer(batch, clock.newest(), "rejected", detail))
             return
         if io.metrics.enabled:
             io.metrics.staleness(clock.newest() - batch.version)
@@ -386,16 +386,12 @@ class ShardRunner:
             rows_total += rows
             replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut)
             self._hold(item.delivery)
-            reply = GradientReply(
-                job=b.job,
-                client=b.client,
-                message_id=new_message_id(),
-                version=replica.version,
-                seq=b.seq,
-                status="ok",
+            reply = answer(
+                b,
+                replica.version,
+                "ok",
                 loss=loss,
                 correct=correct,
-                samples=rows,
                 grad=(
                     grad.detach().to(device="cpu", dtype=b.activations.dtype).contiguous()
                     if self._send_grad
@@ -483,7 +479,7 @@ class ShardRunner:
             stats.replies_resent += resent
             return
         reason = f"duplicate: seq {batch.seq} was already applied; its gradient is no longer kept"
-        if replier.send(empty_reply(batch, self.replica.version, "gone", reason)):
+        if replier.send(answer(batch, self.replica.version, "gone", reason)):
             stats.gone_replies += 1
 
     def _reload(self, version: int) -> bool:
@@ -670,8 +666,19 @@ def _what(message: Answer) -> str:
     return f"{type(message).__name__} to job {message.job} client {message.client}"
 
 
-def empty_reply(batch: SmashedBatch, version: int, status: str, reason: str) -> GradientReply:
-    """A reply without a gradient: "gone" (a duplicate), "rejected" (too stale)."""
+def answer(
+    batch: SmashedBatch,
+    version: int,
+    status: str,
+    reason: str = "",
+    *,
+    loss: float = 0.0,
+    correct: int = 0,
+    grad: torch.Tensor | None = None,
+) -> GradientReply:
+    """The reply to `batch`: "ok" with its step's results; without a gradient, "gone" (a
+    duplicate) or "rejected" (too stale)."""
+    samples = int(batch.labels.shape[0]) if status == "ok" else 0
     return GradientReply(
         job=batch.job,
         client=batch.client,
@@ -679,10 +686,10 @@ def empty_reply(batch: SmashedBatch, version: int, status: str, reason: str) -> 
         version=version,
         seq=batch.seq,
         status=status,
-        loss=0.0,
-        correct=0,
-        samples=0,
-        grad=None,
+        loss=loss,
+        correct=correct,
+        samples=samples,
+        grad=grad,
         reason=reason,
     )
 

@@ -36,7 +36,7 @@ from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.busy import BusyMeter
 from workers.clock import Clock, Continuous, Rounds
-from workers.inference import start_inference
+from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import ModelFactory, Replica, open_replica, pick_device
 from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
@@ -102,13 +102,13 @@ class Worker:
             raise
         # Split inference (SplitGP) on a connection and thread of its own: ahead of training.
         stop_inference = (
-            start_inference(
+            InferenceServer(
                 self.settings,
                 self._backends,
                 worker_id=self.worker_id,
                 model_factory=self.model_factory,
                 logger=self.logger,
-            )
+            ).start()
             if self.strategy.split_inference
             else None
         )

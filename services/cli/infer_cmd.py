@@ -178,7 +178,7 @@ def theta_source(
     from models.state import load_partial
     from services.client.inference import BrokerTheta, LocalTheta
     from services.common.jobmodel import job_model
-    from workers.inference import start_inference
+    from workers.inference import InferenceServer
 
     if in_process:
         store = backends.open_store()
@@ -191,13 +191,13 @@ def theta_source(
         yield LocalTheta(theta)
         return
     stop_server = (
-        start_inference(
+        InferenceServer(
             settings,
             backends,
             worker_id="splitmq-infer",
             model_factory=lambda: job_model(settings),
             logger=logging.getLogger("splitmq.infer"),
-        )
+        ).start()
         if serve
         else None
     )

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -63,7 +62,7 @@ from services.client.errors import (
     StaleWeights,
     Superseded,
 )
-from services.client.link import Backoff, BrokerChannel, ClientLink, Tally
+from services.client.link import BrokerChannel, ClientLink, Tally
 from services.client.plan import RoundPlan, config_int
 from services.client.secured import secured_client_broker
 from services.client.stats import ClientStats
@@ -184,13 +183,7 @@ class Client:
         dataset: Dataset | JobData | None = None,
         join_retry_s: float = 5.0,
         join_give_up_s: float = 120.0,
-        route_wait_s: float = 60.0,
         max_republish: int = 5,
-        backoff: Backoff | None = None,
-        seq_start: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-        logger: logging.Logger | None = None,
     ) -> None:
         if not _CLIENT_ID.match(client_id):
             raise ClientSettingsError(
@@ -208,15 +201,7 @@ class Client:
         self._data = dataset if isinstance(dataset, JobData) else JobData(settings, dataset)
         self._join_retry_s = join_retry_s
         self._join_give_up_s = join_give_up_s
-        self._route_wait_s = route_wait_s
         self._max_republish = max_republish
-        self._backoff = backoff or Backoff()
-        # Seqs must keep rising across restarts of a client (workers skip seq <= last applied),
-        # so by default they start at the wall clock in microseconds.
-        self._seq_start = seq_start if seq_start is not None else time.time_ns() // 1000
-        self._clock = clock
-        self._rng = rng or random.Random()
-        self._log = logger or logging.getLogger("splitmq.client")
         self._job = settings.job.name
         self._session = new_message_id()  # renewed by each run()
 
@@ -239,15 +224,14 @@ class Client:
             client=self.client_id,
             stats=stats,
             stop=stop,
-            clock=self._clock,
-            logger=self._log,
+            clock=time.monotonic,
+            logger=logging.getLogger("splitmq.client"),
             heartbeat_s=settings.clients.heartbeat_s,
-            route_wait_s=self._route_wait_s,
-            backoff=self._backoff,
-            rng=self._rng,
             reply_timeout_s=settings.clients.reply_timeout_s,
             max_republish=self._max_republish,
-            seq_start=self._seq_start,
+            # Seqs must keep rising across restarts of a client (workers skip seq <= last
+            # applied), so they start at the wall clock in microseconds.
+            seq_start=time.time_ns() // 1000,
             model=model,
             plan=RoundPlan.from_settings(settings),
             # Heartbeats from a thread and connection of their own (services/client/beat.py).
@@ -289,10 +273,10 @@ class Client:
     def _join(self, link: ClientLink, model: SplitNet) -> tuple[Membership, Clock] | None:
         """Join until welcomed; None when the job turns out to be over already."""
         join_ids = {self._send_join(link, self._partition)}
-        give_up_at = self._clock() + self._join_give_up_s
-        resend_at = self._clock() + self._join_retry_s
+        give_up_at = link.clock() + self._join_give_up_s
+        resend_at = link.clock() + self._join_retry_s
         while True:
-            now = self._clock()
+            now = link.clock()
             if now >= give_up_at:
                 raise JoinTimeoutError(
                     f"job {self._job} client {self.client_id}: no Welcome after "
@@ -402,15 +386,15 @@ class Client:
     ) -> tuple[WeightsAssignment, Membership] | None:
         """The clock's next round, and the membership as it stands; None when the job is over.
         A clock that asks does so once nothing already here (the job's end, say) answers."""
-        deadline = self._clock() + (0.0 if clock.ask else clock.patience_s)
+        deadline = link.clock() + (0.0 if clock.ask else clock.patience_s)
         while True:
-            message = link.poll(max(0.0, deadline - self._clock()), deferred=True)
+            message = link.poll(max(0.0, deadline - link.clock()), deferred=True)
             if message is None:  # no answer within the clock's patience: ask for one
                 if not clock.ask:
                     link.log.warning("no new weights after %.0f s; asking again", clock.patience_s)
                 clock.ask = False
                 self._send_join(link, member.partition)
-                deadline = self._clock() + clock.patience_s
+                deadline = link.clock() + clock.patience_s
                 continue
             if isinstance(message, WeightsAssignment) and message.config.get("finished") is True:
                 self._dismissed(link, message)

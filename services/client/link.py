@@ -124,7 +124,7 @@ class ClientLink:
         clock: Callable[[], float],
         logger: logging.Logger,
         heartbeat_s: float,
-        route_wait_s: float,
+        route_wait_s: float = 60.0,
         backoff: Backoff = Backoff(),
         rng: random.Random | None = None,
         reply_timeout_s: float = 30.0,

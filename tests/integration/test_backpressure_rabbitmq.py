@@ -24,7 +24,8 @@ from broker.messages import SmashedBatch
 from broker.topology import SMASHED_EXCHANGE, shard_queue_name
 from broker.transport import Broker
 from services.aggregator import Aggregator
-from services.client import Client, JobData
+from services.client.client import Client
+from services.client.data import JobData
 from services.client.stats import ClientStats
 from services.common.backends import Backends
 from services.common.supervise import RoleSpec, Supervisor

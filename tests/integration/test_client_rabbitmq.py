@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from broker.store import WeightStore
-from services.client import Client, JobData
+from services.client.client import Client
+from services.client.data import JobData
 from services.common.backends import Backends
 from services.data.loaders import load_dataset
 from tests.unit.test_client_peers import (

@@ -21,7 +21,8 @@ import torch
 
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef
 from services.aggregator import Aggregator
-from services.client import Client, JobData
+from services.client.client import Client
+from services.client.data import JobData
 from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.common.supervise import Role, RoleSpec, Supervisor

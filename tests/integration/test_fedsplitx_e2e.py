@@ -23,7 +23,8 @@ from click.testing import CliRunner
 from services.aggregator import Aggregator
 from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
-from services.client import Client, JobData
+from services.client.client import Client
+from services.client.data import JobData
 from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.common.supervise import RoleSpec, Supervisor

@@ -38,7 +38,8 @@ from models.state import load_partial
 from services.aggregator import Aggregator
 from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
-from services.client import Client, JobData
+from services.client.client import Client
+from services.client.data import JobData
 from services.client.inference import (
     BrokerTheta,
     InferenceError,

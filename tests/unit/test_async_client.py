@@ -39,7 +39,8 @@ from broker.topology import (
 from broker.transport import Broker
 from services.algorithms.registry import build_strategy
 from services.algorithms.staleness import TOO_STALE
-from services.client import Client, JobData
+from services.client.client import Client
+from services.client.data import JobData
 from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.loaders import Dataset, load_dataset

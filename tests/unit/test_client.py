@@ -14,7 +14,10 @@ from broker.memory_broker import InMemoryBroker
 from broker.messages import Welcome, new_message_id
 from broker.topology import dead_queue_name, reply_routing_key
 from broker.transport import REASON_HEADER, Broker
-from services.client import Client, ClientStats, JobData, JoinTimeoutError
+from services.client.client import Client
+from services.client.data import JobData
+from services.client.errors import JoinTimeoutError
+from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.config.settings import BrokerSettings, StoreSettings

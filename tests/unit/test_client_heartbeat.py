@@ -23,8 +23,9 @@ from services.aggregator import ensure_initial_version
 from services.algorithms.base import LocalRound, RoundResult
 from services.algorithms.fedavg import FedAvg
 from services.algorithms.registry import build_strategy
-from services.client import Client, ClientStats
 from services.client.beat import HeartbeatThread
+from services.client.client import Client
+from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.common.handout import WeightsCache, assignment, dismissal
 from services.common.membership import client_members

@@ -21,7 +21,9 @@ from broker.topology import events_queue, reply_queue_name
 from services.aggregator import Aggregator, ensure_initial_version
 from services.aggregator.aggregator import ended_job
 from services.algorithms.registry import build_strategy
-from services.client import Client, ClientStats, JobData
+from services.client.client import Client
+from services.client.data import JobData
+from services.client.stats import ClientStats
 from services.common.membership import client_members
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
