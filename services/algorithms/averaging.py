@@ -53,22 +53,19 @@ def weighted_average(states: Sequence[State], weights: Sequence[float]) -> dict[
     return out
 
 
-def holder_average(
-    states: Sequence[State], weights: Sequence[float], previous: State | None = None
-) -> dict[str, torch.Tensor]:
-    """Average each tensor over the states that hold it (heteroavg of FedSplitX).
-
-    A name held by no state keeps its `previous` value (if given). Per name, the weights of its
-    holders are renormalised, so a deep layer trained only by high-level clients is their mean.
-    """
-    if len(states) != len(weights):
-        raise ValueError(f"{len(states)} states but {len(weights)} weights")
-    names: dict[str, None] = {}
-    for state in states:
-        names.update(dict.fromkeys(state.keys()))
-    out: dict[str, torch.Tensor] = dict(previous) if previous is not None else {}
+def heteroavg(holdings: Sequence[tuple[State, float]], previous: State) -> dict[str, torch.Tensor]:
+    """Each tensor of `previous` averaged over the holders (state, samples) that hold it
+    (FedSplitX's heteroavg). Per name, the weights of its holders are renormalised, so a deep
+    layer trained only by high-level clients is their mean; a tensor nobody holds keeps its
+    previous value. Holders with no samples are ignored."""
+    held = [(state, weight) for state, weight in holdings if weight > 0 and state]
+    names = dict.fromkeys(n for state, _ in held for n in state)
+    unknown = sorted(set(names) - set(previous))
+    if unknown:
+        raise ValueError(f"holders name tensors the model does not have: {unknown[:5]}")
+    out = dict(previous)
     for name in names:
-        holders = [(s, w) for s, w in zip(states, weights, strict=True) if name in s]
+        holders = [(s, w) for s, w in held if name in s]
         avg = weighted_average([{name: s[name]} for s, _ in holders], [w for _, w in holders])
         out[name] = avg[name]
     return out

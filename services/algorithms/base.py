@@ -340,6 +340,17 @@ def full_state(model: SplitNet) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")}
 
 
+def full_model_weights(blobs: VersionWeights, client: str | None = None) -> dict[str, torch.Tensor]:
+    """The whole model of a version: heads, server side, client side, and with `client` that
+    client's personal blobs on top. FedAvg's client blob already is the whole model."""
+    merged: dict[str, torch.Tensor] = {}
+    for part in (AUX_PART, SERVER_PART, CLIENT_PART):
+        merged.update(blobs.get(BlobRef(part), {}))
+        if client is not None:
+            merged.update(blobs.get(BlobRef(part, client), {}))
+    return merged
+
+
 def average_clients(
     previous: VersionWeights, updates: Sequence[ClientUpdate]
 ) -> dict[BlobRef, dict[str, torch.Tensor]]:

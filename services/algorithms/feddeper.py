@@ -55,18 +55,6 @@ class FedDeperSection(Params):
     rule: Literal["proximal"] = "proximal"
 
 
-def proximal_direction(
-    grad: torch.Tensor, v: torch.Tensor, x: torch.Tensor, rho: float
-) -> torch.Tensor:
-    """`g(v) + rho * (v - x)`: the gradient of `f_k(v) + rho/2 * ||v - x||^2`."""
-    return grad + rho * (v - x)
-
-
-def depersonalised(u: torch.Tensor, v: torch.Tensor, x: torch.Tensor, lam: float) -> torch.Tensor:
-    """The upload `y = u - lam * (v - x)`."""
-    return u - lam * (v - x)
-
-
 class DeperRule(Protocol):
     """Directions for the two per-step updates and the upload, per tensor."""
 
@@ -91,13 +79,15 @@ class ProximalRule:
     def personal_direction(
         self, grad: torch.Tensor, v: torch.Tensor, x: torch.Tensor
     ) -> torch.Tensor:
-        return proximal_direction(grad, v, x, self.rho)
+        """`g(v) + rho * (v - x)`: the gradient of `f_k(v) + rho/2 * ||v - x||^2`."""
+        return grad + self.rho * (v - x)
 
     def local_direction(self, grad: torch.Tensor, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return grad
 
     def upload(self, u: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return depersonalised(u, v, x, self.lam)
+        """The upload `y = u - lam * (v - x)`."""
+        return u - self.lam * (v - x)
 
 
 RULES: Mapping[str, Callable[[FedDeperSection], DeperRule]] = MappingProxyType(

@@ -35,7 +35,7 @@ from models.flops import forward_flops
 from models.parts import ServerModel
 from models.split import SplitNet, forward_heads
 from models.state import client_state, head_state, load_partial, server_state
-from services.algorithms.averaging import holder_average
+from services.algorithms.averaging import heteroavg
 from services.algorithms.base import (
     AUX,
     CLIENT,
@@ -121,18 +121,6 @@ def replica_holdings(
         if samples > 0:
             groups.setdefault(samples, {})[name] = tensor
     return [(state, samples) for samples, state in groups.items()]
-
-
-def heteroavg(holdings: Sequence[Holding], previous: State) -> dict[str, Tensor]:
-    """Each tensor of `previous` averaged over the holders that hold it, by their samples;
-    tensors nobody holds keep their previous value. Holders with no samples are ignored."""
-    held = [(state, weight) for state, weight in holdings if weight > 0 and state]
-    unknown = sorted({n for state, _ in held for n in state} - set(previous))
-    if unknown:
-        raise ValueError(f"holders name tensors the model does not have: {unknown[:5]}")
-    if not held:
-        return dict(previous)
-    return holder_average([s for s, _ in held], [w for _, w in held], previous)
 
 
 def check_levels(model: SplitNet, levels: Sequence[str]) -> tuple[str, ...]:

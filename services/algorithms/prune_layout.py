@@ -57,10 +57,6 @@ class PruneLayout:
         """The parameters in scope (what the parameter reduction is counted over)."""
         return {n: p for n, p in model.named_parameters() if n.startswith(self.prefixes)}
 
-    def initial_channels(self) -> Masks:
-        """All channels alive, keyed by the BN module's name."""
-        return {u.bn: torch.ones(u.channels, dtype=torch.bool) for u in self.units}
-
     def element_masks(
         self,
         weights: Mapping[str, torch.Tensor],

@@ -110,9 +110,6 @@ class AdoptionRule:
     def accepts(self, accuracy: float) -> bool:
         return accuracy > self.acc_thresh
 
-    def adopts(self, distance: float, sparsity: float, accuracy: float) -> bool:
-        return self.should_try(distance, sparsity) and self.accepts(accuracy)
-
 
 def apply_masks(module: nn.Module, masks: Mapping[str, torch.Tensor]) -> None:
     """Zero, in place, the entries of `module`'s state that `masks` prunes."""

@@ -37,7 +37,7 @@ from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
-from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
+from broker.store import AUX_PART, CLIENT_PART, BlobRef
 from models.split import SplitNet
 from models.state import client_state, head_state, load_partial
 from services.algorithms.averaging import weighted_average
@@ -56,6 +56,7 @@ from services.algorithms.base import (
     VersionWeights,
     algorithm,
     average_replicas,
+    full_model_weights,
 )
 from services.algorithms.sfl import rows_step
 
@@ -205,15 +206,6 @@ def cut_of(model: SplitNet, client_state: Mapping[str, torch.Tensor]) -> str:
     return cut
 
 
-def client_weights(blobs: VersionWeights, client: str) -> dict[str, torch.Tensor]:
-    """The whole model as client `client` holds it: global blobs, its personal ones on top."""
-    merged: dict[str, torch.Tensor] = {}
-    for part in (AUX_PART, SERVER_PART, CLIENT_PART):
-        merged.update(blobs.get(BlobRef(part), {}))
-        merged.update(blobs.get(BlobRef(part, client), {}))
-    return merged
-
-
 @dataclass(frozen=True)
 class RowResults:
     """Per test row, for one client's model: head entropy, and whether each answer is right."""
@@ -287,13 +279,13 @@ def version_metrics(
     `model` is a scratch model: it is left holding the last client's weights. A metric no
     client has (e.g. `*_ood` when every client holds every class) is left out.
     """
-    if not clients or BlobRef(CLIENT_PART) not in blobs:
+    if not clients or CLIENT not in blobs:
         return {}
-    cut = cut_of(model, blobs[BlobRef(CLIENT_PART)])
+    cut = cut_of(model, blobs[CLIENT])
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for client, classes in sorted(clients.items()):
-        load_partial(model, client_weights(blobs, client))
+        load_partial(model, full_model_weights(blobs, client))
         metrics = client_metrics(row_results(model, cut, x, y), y, classes, threshold, sweep)
         for name, value in metrics.items():
             if value == value:  # NaN: the client has no such rows

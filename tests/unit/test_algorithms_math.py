@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from services.algorithms.averaging import holder_average, weighted_average
+from services.algorithms.averaging import heteroavg, weighted_average
 from services.algorithms.sfl import weighted_step
 
 
@@ -29,11 +29,11 @@ def test_weighted_average_rejects_mismatches() -> None:
         weighted_average([{"a": torch.zeros(1)}], [0])
 
 
-def test_holder_average_overlapping_holders_keeps_unheld_previous() -> None:
+def test_heteroavg_overlapping_holders_keeps_unheld_previous() -> None:
     shallow = {"b1": torch.tensor([2.0])}
     deep = {"b1": torch.tensor([4.0]), "b2": torch.tensor([10.0])}
     previous = {"b1": torch.tensor([0.0]), "b2": torch.tensor([0.0]), "b3": torch.tensor([7.0])}
-    out = holder_average([shallow, deep], [1, 1], previous)
+    out = heteroavg([(shallow, 1), (deep, 1)], previous)
     assert torch.equal(out["b1"], torch.tensor([3.0]))  # both hold it
     assert torch.equal(out["b2"], torch.tensor([10.0]))  # only the deep one holds it
     assert torch.equal(out["b3"], torch.tensor([7.0]))  # nobody holds it: old value

@@ -31,8 +31,6 @@ from services.algorithms.feddeper import (
     PERSONAL,
     FedDeper,
     ProximalRule,
-    depersonalised,
-    proximal_direction,
     upload_state,
 )
 from services.algorithms.registry import build_strategy
@@ -57,7 +55,7 @@ def personal_step(
     v: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, *, lr: float, rho: float
 ) -> torch.Tensor:
     """`v - lr * (g(v) + rho * (v - x))`."""
-    return v - lr * proximal_direction(grad, v, x, rho)
+    return v - lr * ProximalRule(rho=rho, lam=0.0).personal_direction(grad, v, x)
 
 
 def local_step(u: torch.Tensor, grad: torch.Tensor, *, lr: float) -> torch.Tensor:
@@ -83,8 +81,12 @@ def test_local_step_by_hand() -> None:
 def test_upload_by_hand() -> None:
     u, v, x = torch.tensor([3.0, -1.0]), torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
     # v - x = [1, -1]; u - 0.5 * [1, -1] = [2.5, -0.5]
-    torch.testing.assert_close(depersonalised(u, v, x, 0.5), torch.tensor([2.5, -0.5]))
-    torch.testing.assert_close(depersonalised(u, v, x, 0.0), u)  # lam = 0: FedAvg's upload
+    torch.testing.assert_close(
+        ProximalRule(rho=0.0, lam=0.5).upload(u, v, x), torch.tensor([2.5, -0.5])
+    )
+    torch.testing.assert_close(
+        ProximalRule(rho=0.0, lam=0.0).upload(u, v, x), u
+    )  # lam = 0: FedAvg's upload
 
 
 def test_upload_state_applies_the_rule_to_parameters_and_keeps_us_buffers() -> None:

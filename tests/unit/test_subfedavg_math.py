@@ -127,7 +127,7 @@ def test_adoption_rule_each_condition(
     distance: float, sparsity: float, accuracy: float, adopted: bool
 ) -> None:
     rule = AdoptionRule(dist_thresh=0.0001, target=0.5, acc_thresh=0.5)
-    assert rule.adopts(distance, sparsity, accuracy) is adopted
+    assert (rule.should_try(distance, sparsity) and rule.accepts(accuracy)) is adopted
 
 
 # --- masking -----------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_hybrid_layout_turns_channel_masks_into_element_masks() -> None:
     model = hybrid_cnn5()
     layout = build_layout(model, "hybrid", range(len(model.blocks)))
     shapes = {n: t.shape for n, t in model.state_dict().items()}
-    channels = layout.initial_channels()
+    channels = {u.bn: torch.ones(u.channels, dtype=torch.bool) for u in layout.units}
     channels["blocks.0.bn"][[1, 3]] = False  # block1: 10 channels
     channels["blocks.1.bn"][0] = False  # block2: 20 channels, 4x4 each after the pool
     weights = {n: torch.ones(shapes[n], dtype=torch.bool) for n in layout.weights}
