@@ -21,8 +21,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
@@ -450,17 +449,14 @@ class InMemoryBroker:
         self.meter = meter
         self._refused: list[Refused] = []
 
-    @contextmanager
-    def _open(self) -> Iterator[InMemoryHub]:
-        """The hub, locked, for a handle that is not closed."""
-        with self.hub.lock:
-            if self._session.closed:
-                raise BrokerError("this broker handle is closed")
-            yield self.hub
+    def _check_open(self) -> None:
+        if self._session.closed:
+            raise BrokerError("this broker handle is closed")
 
     def declare(self, queues: Sequence[QueueSpec]) -> None:
-        with self._open() as hub:
-            hub.declare(self._session, queues)
+        with self.hub.lock:
+            self._check_open()
+            self.hub.declare(self._session, queues)
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
@@ -472,8 +468,11 @@ class InMemoryBroker:
         check_publish(body, self._max_message_bytes, user_id, self._user, target)
         headers = outgoing_headers(options.headers) or {}
         try:
-            with self._open() as hub:
-                full = hub.route(exchange, routing_key, body, headers, options.message_id, user_id)
+            with self.hub.lock:
+                self._check_open()
+                full = self.hub.route(
+                    exchange, routing_key, body, headers, options.message_id, user_id
+                )
             if full:
                 raise BackPressureError(
                     f"queue(s) {', '.join(full)} full (reject-publish): exchange {exchange!r} "
@@ -494,21 +493,23 @@ class InMemoryBroker:
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        with self._open() as hub:
-            hub.subscribe(self._session, queue, prefetch)
+        with self.hub.lock:
+            self._check_open()
+            self.hub.subscribe(self._session, queue, prefetch)
 
     def unsubscribe(self, queue: str) -> None:
-        with self._open() as hub:
-            hub.unsubscribe(self._session, queue)
+        with self.hub.lock:
+            self._check_open()
+            self.hub.unsubscribe(self._session, queue)
 
     def get(self, timeout: float) -> Delivery | None:
         started = time.perf_counter()
         session = self._session
-        with self._open():
+        with self.hub.lock:
+            self._check_open()
             if not session.buffer:
                 session.wakeup.wait_for(lambda: session.buffer or session.closed, timeout)
-            if session.closed:
-                raise BrokerError("this broker handle is closed")
+                self._check_open()
             delivery: Delivery | None = None
             if session.buffer:
                 delivery, pending = session.buffer.popleft()
@@ -519,17 +520,20 @@ class InMemoryBroker:
         return delivery
 
     def ack(self, delivery: Delivery) -> None:
-        with self._open() as hub:
-            hub.settle(self._take(delivery))
+        with self.hub.lock:
+            self._check_open()
+            self.hub.settle(self._take(delivery))
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
-        with self._open() as hub:
-            hub.nack(self._take(delivery), requeue)
+        with self.hub.lock:
+            self._check_open()
+            self.hub.nack(self._take(delivery), requeue)
         if not requeue and self.meter is not None:
             self.meter.dead_lettered(None)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        with self._open():
+        with self.hub.lock:
+            self._check_open()
             self._dead_letter(delivery, reason)
         if self.meter is not None:
             self.meter.dead_lettered(reason)
@@ -539,7 +543,8 @@ class InMemoryBroker:
     ) -> list[tuple[Delivery, BrokerError]]:
         session = self._session
         unsettled: list[tuple[Delivery, BrokerError]] = []
-        with self._open():
+        with self.hub.lock:
+            self._check_open()
             for delivery, _ in letters:  # usage errors first, before anything is settled
                 if delivery.tag not in session.handed and delivery.tag not in session.returned:
                     self._peek(delivery)
@@ -587,12 +592,14 @@ class InMemoryBroker:
         return pending
 
     def queue_depth(self, queue: str) -> int:
-        with self._open() as hub:
-            return len(hub.queue(self._session, queue).ready)
+        with self.hub.lock:
+            self._check_open()
+            return len(self.hub.queue(self._session, queue).ready)
 
     def delete_queue(self, queue: str) -> None:
-        with self._open() as hub:
-            hub.delete_queue(self._session, queue)
+        with self.hub.lock:
+            self._check_open()
+            self.hub.delete_queue(self._session, queue)
 
     def close(self) -> None:
         with self.hub.lock:

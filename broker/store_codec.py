@@ -1,7 +1,7 @@
 """What both weight stores share: the publish protocol, and the bytes they hold.
 
-Both stores hold the same bytes (safetensors blobs, msgpack metadata, JSON manifest fields) so
-they validate, copy and fail identically; the in-memory store is a faithful stand-in for Redis.
+Both stores hold the same bytes (safetensors blobs, msgpack checkpoint metadata) under the same
+keys, so they validate, copy and fail identically; the in-memory store stands in for Redis.
 
 Publishing (`PublishingStore.publish_version`; each store supplies the four storage steps):
 1. serialise and hash every blob (no store access);
