@@ -400,7 +400,7 @@ def run(cfg: FuzzConfig) -> Report:
 
     stop = threading.Event()
     state = DashboardState(job)
-    watcher = JobWatcher(settings, backends, state=state, events=True)
+    watcher = JobWatcher(settings, backends, state=state)
     watch_stop = threading.Event()
     watch_thread = threading.Thread(target=watcher.run, args=(watch_stop,), name="watcher")
     watch_thread.start()

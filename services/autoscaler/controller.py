@@ -15,9 +15,7 @@ RabbitMQ or Docker unreachable, a call that hangs) goes unhealthy once the key e
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +31,7 @@ from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.policy import Decision, Limits, Observation, PolicyState, decide
 from services.autoscaler.pool import PoolWorker, WorkerPool
 from services.common.backends import Backends
-from services.common.health import TTL_S, health_member
+from services.common.health import TTL_S, HealthBeat
 from services.common.leases import WorkerBeat, worker_beat
 from services.config.root import Settings
 
@@ -134,10 +132,7 @@ class Autoscaler:
         self._log = logger or logging.getLogger("splitmq.autoscaler")
         self._started: dict[str, float] = {}  # started by us, no heartbeat seen yet
         self._last_reason = ""
-        self._health = health_member(ROLE, instance)
-        self._health_info = {"host": socket.gethostname(), "pid": str(os.getpid())}
-        # A few polls' worth at least: a slow poll_s must not read as a dead autoscaler.
-        self._health_ttl_s = max(TTL_S, 3 * settings.autoscaler.poll_s)
+        self._instance = instance
 
     def run(self, stop: threading.Event) -> list[ScalingEvent]:
         """Until `stop`; then the pool is closed (local workers stop, containers stay)."""
@@ -156,18 +151,24 @@ class Autoscaler:
                 closing.callback(broker.close)
                 store = self._backends.open_store()
                 closing.callback(store.close)
-                # The health key must lapse during an outage, and removing it at exit must not
-                # wait one out: a raw store for it, as the other roles' health beats use.
-                health = self._backends.open_store(wait=False)
-                closing.callback(self._forget_health, health)
+                # Beaten from this loop, not its thread. The health key must lapse during an
+                # outage, and removing it at exit must not wait one out: a raw store for it, as
+                # the other roles' health beats use. A few polls' worth of TTL at least: a slow
+                # poll_s must not read as a dead autoscaler.
+                health = HealthBeat(
+                    lambda: self._backends.open_store(wait=False),
+                    settings.job.name,
+                    ROLE,
+                    self._instance,
+                    ttl_s=max(TTL_S, 3 * settings.autoscaler.poll_s),
+                )
+                closing.callback(health.end)
                 limits = settings.broker.queue_limits
                 observer = Observer(broker, store, settings.job.name, settings.shards, limits)
                 while not stop.is_set():
                     try:
                         self.step(observer)
-                        health.heartbeat(
-                            settings.job.name, self._health, self._health_ttl_s, self._health_info
-                        )
+                        health.beat()
                     except (SplitMQError, DockerUnavailableError) as exc:
                         self._log.warning("autoscaler: %s; trying again", exc)
                     stop.wait(settings.autoscaler.poll_s)
@@ -176,15 +177,6 @@ class Autoscaler:
             for exited in self.pool.reap():
                 self._record("exited", exited.name, f"exit code {exited.code}")
         return self.events
-
-    def _forget_health(self, store: WeightStore) -> None:
-        """Remove the health key (a stopped autoscaler is not alive), then close the store."""
-        try:
-            store.remove_member(self.settings.job.name, self._health)
-        except SplitMQError:
-            pass  # it expires on its own
-        finally:
-            store.close()
 
     def step(self, observer: SnapshotSource) -> Decision:
         now = self._clock()

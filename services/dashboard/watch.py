@@ -4,10 +4,10 @@ On a thread of its own, with its own broker and store handles: it takes the job'
 the fanout (members joining and leaving, rounds, versions), and every `metrics.probe_s` reads
 the store (version, live clients and workers with their heartbeat info) and the depth of each
 shard queue; every few seconds it rereads the run directory (metrics.json: records and status;
-summary.txt). It reports the version, members
-and queue depths to its recorder, so the coordinator's, the aggregator's and the embedded
-runner's /metrics show them. A broker or store failure is logged and retried: watching never
-takes a role down.
+summary.txt). It reports the version, members and queue depths to its recorder, so the
+coordinator's, the aggregator's and the embedded runner's /metrics show them. A broker or store
+failure is logged and retried: watching never takes a role down. Without a state to fill
+(gauges only) it takes no events.
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ class JobWatcher:
         *,
         state: DashboardState | None = None,
         metrics: Metrics = NO_METRICS,
-        events: bool = True,
         live: bool = True,
         run_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -116,7 +115,6 @@ class JobWatcher:
         self._backends = replace(backends, metrics=NO_METRICS)
         self._state = state
         self._metrics = metrics
-        self._events = events
         self._live = live
         self._run_dir = run_dir
         self._clock = clock
@@ -149,7 +147,7 @@ class JobWatcher:
             store = self._backends.open_store()
             closing.callback(store.close)
             broker.declare(self._settings.job_queues())
-            if self._events and self._state is not None:
+            if self._state is not None:
                 spec = events_queue(self._job, f"watch-{uuid.uuid4().hex[:12]}")
                 broker.declare([spec])
                 broker.subscribe(spec.name, prefetch=256)
@@ -167,7 +165,7 @@ class JobWatcher:
                 self.read_report()
                 next_report = now + _REPORT_S
             wait = max(0.0, min(next_probe, next_report) - self._clock())
-            if self._events and self._state is not None:
+            if self._state is not None:
                 delivery = broker.get(min(wait, _EVENT_WAIT_S))
                 if delivery is not None:
                     self._on_delivery(broker, delivery)

@@ -96,7 +96,6 @@ def observed(
             backends,
             state=state,
             metrics=meters.job_gauges(),
-            events=state is not None,
             live=live,
             run_dir=run_dir,
             logger=log,
