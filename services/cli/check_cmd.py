@@ -1,13 +1,9 @@
 """`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why;
 `splitmq doctor`: every check of the configured services at once, with what to do.
 
-coordinator, aggregator, worker and autoscaler are healthy while their health key
-(`services.common.health`; the autoscaler refreshes its own after each poll) is live in the
-store: by default one refreshed from this host (a
-container's hostname is its own), or the instance named with `--id`, or any with `--anywhere`.
-A client, which holds no store credentials, is healthy while its health file on this machine
-is fresh (`services.runtime.health_file`).
-broker and store are probed: RabbitMQ declares and publishes, Redis writes and reads.
+A role's health key (`services.common.health`; the autoscaler refreshes its own after each
+poll) is looked for on this host by default (a container's hostname is its own), else by `--id`,
+or anywhere; a client's health file (`services.runtime.health_file`) on this machine.
 """
 
 from __future__ import annotations

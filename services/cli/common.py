@@ -51,14 +51,10 @@ class GroupOptions:
 
 
 def group_options(ctx: click.Context | None = None) -> GroupOptions:
+    """What `splitmq [--config FILE] [--debug]` was given (`.debug`: tracebacks for all)."""
     ctx = ctx or click.get_current_context(silent=True)
     found = ctx.find_object(GroupOptions) if ctx is not None else None
     return found or GroupOptions()
-
-
-def debug_mode(ctx: click.Context | None = None) -> bool:
-    """Whether `splitmq --debug` (or SPLITMQ_DEBUG) was given."""
-    return group_options(ctx).debug
 
 
 class ErrorBoundary(click.Group):
@@ -69,7 +65,7 @@ class ErrorBoundary(click.Group):
             return super().invoke(ctx)
         except Exception as exc:  # click's own exceptions are no user_message: re-raised
             message = user_message(exc)
-            if message is None or debug_mode(ctx):
+            if message is None or group_options(ctx).debug:
                 raise
             raise click.ClickException(message) from None
 
@@ -110,7 +106,9 @@ class LogOptions:
         else:
             level = settings.log_level
         json_lines = self.json or settings.log_format == "json"
-        return configured_logging(level, json_lines=json_lines, context=context, debug=debug_mode())
+        return configured_logging(
+            level, json_lines=json_lines, context=context, debug=group_options().debug
+        )
 
 
 def log_options(func: F) -> F:

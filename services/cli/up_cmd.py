@@ -14,7 +14,7 @@ import click
 from services.cli.common import (
     LogOptions,
     config_argument,
-    debug_mode,
+    group_options,
     load,
     log_options,
     read_settings,
@@ -97,7 +97,7 @@ def up(
         f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
         f"{n_clients} client(s); run directory {run_dir}"
     )
-    if debug_mode():  # `splitmq --debug up`: the roles' tracebacks too
+    if group_options().debug:  # `splitmq --debug up`: the roles' tracebacks too
         env = {**env, "SPLITMQ_DEBUG": "1"}
     args = (
         *(("--log-json",) if log.json else ()),

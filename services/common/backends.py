@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -61,7 +62,7 @@ class Backends:
         *,
         stamp: str | None = None,
         give_up_after: float | None = None,
-        sleep: Callable[[float], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> Broker:
         """A new handle, metered for this role. `stamp`: the AMQP user_id its publishes carry
         (`identity.service_user`, the secured client's user); `give_up_after` shortens the
@@ -84,17 +85,14 @@ class Backends:
             passive_declare=settings.passive_declare,
             dead_letter_by_nack=settings.dead_letter_by_nack,
         )
-        url = settings.amqp_url
-        if sleep is None:
-            return RabbitMQBroker(url, options, stamp=stamp, meter=meter)
-        return RabbitMQBroker(url, options, sleep=sleep, stamp=stamp, meter=meter)
+        return RabbitMQBroker(settings.amqp_url, options, sleep=sleep, stamp=stamp, meter=meter)
 
     def open_store(
         self,
         *,
         wait: bool = True,
         give_up_after: float | None = None,
-        sleep: Callable[[float], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> WeightStore:
         """`wait`: ride out a Redis outage for `retry_for_s` (roles), or `give_up_after`
         seconds; False for probes and health checks, which must report an outage rather than
@@ -114,8 +112,6 @@ class Backends:
             tls=tls_options(settings.tls),
             retry=policy if wait else NO_RETRY,
         )
-        if sleep is None:
-            return RedisWeightStore(settings.redis_url, options)
         return RedisWeightStore(settings.redis_url, options, sleep=sleep)
 
     def _embedded(self) -> Embedded:

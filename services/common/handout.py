@@ -72,12 +72,6 @@ def dismissal(settings: Settings, client: str, version: int, status: str) -> Wei
     return WeightsAssignment(job, client, new_message_id(), version, rounds, False, {}, {}, config)
 
 
-def pick_ref(manifest: Manifest, part: str, client: str | None) -> BlobRef | None:
-    """`<part>/<client>` if the version holds it, else `<part>/global`, else None."""
-    candidates = [BlobRef(part)] if client is None else [BlobRef(part, client), BlobRef(part)]
-    return next((ref for ref in candidates if ref in manifest.entries), None)
-
-
 @dataclass
 class WeightsCache:
     """The client-side blobs of one version, read from the store once per blob."""
@@ -101,7 +95,9 @@ class WeightsCache:
             self._manifest = self.store.manifest(self.job, self.version)
         out: list[Tensors] = []
         for part in (CLIENT_PART, AUX_PART):
-            ref = pick_ref(self._manifest, part, client)
+            # `<part>/<client>` if the version holds it, else `<part>/global`, else none.
+            refs = [BlobRef(part)] if client is None else [BlobRef(part, client), BlobRef(part)]
+            ref = next((r for r in refs if r in self._manifest.entries), None)
             out.append({} if ref is None else self._read(ref))
         return out[0], out[1]
 

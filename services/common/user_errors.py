@@ -41,11 +41,8 @@ _HINTS: tuple[tuple[type[BaseException], str], ...] = (
 _USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
     ConnectionSettingsError,
-    BrokerAuthError,
-    BrokerUnavailableError,
-    StoreAuthError,
-    StoreUnavailableError,
     DataError,
+    *(kind for kind, _ in _HINTS),
 )
 
 # User errors of packages that import torch (`models`, `services.client`), by module and name:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.metrics.recorder import Metrics
+
+F = TypeVar("F", Counter, Gauge, Histogram)
 
 ROLE_LABELS = ("splitmq_job", "role", "member")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -65,60 +68,48 @@ class _Families:
     """The metric families of one registry (created once: a registry refuses duplicates)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.samples = Counter(
-            "splitmq_samples", "Training samples processed.", ROLE_LABELS, registry=r
-        )
-        self.step = Histogram(
+        def family(kind: type[F], name: str, text: str, labels: Sequence[str], **kw: Any) -> F:
+            return kind(name, text, labels, registry=registry, **kw)
+
+        role, dead = ROLE_LABELS, (*ROLE_LABELS, "reason")
+        self.samples = family(Counter, "splitmq_samples", "Training samples processed.", role)
+        self.step = family(
+            Histogram,
             "splitmq_step_latency_seconds",
             "Server step latency: forward, backward, optimizer step and replies.",
-            ROLE_LABELS,
+            role,
             buckets=STEP_BUCKETS,
-            registry=r,
         )
-        self.staleness = Histogram(
+        self.staleness = family(
+            Histogram,
             "splitmq_staleness_versions",
             "Version lag of arriving smashed batches (workers) and updates (aggregator).",
-            ROLE_LABELS,
+            role,
             buckets=STALENESS_BUCKETS,
-            registry=r,
         )
-        self.dead = Counter(
-            "splitmq_dead_lettered",
-            "Messages dead-lettered, by reason code.",
-            (*ROLE_LABELS, "reason"),
-            registry=r,
+        self.dead = family(
+            Counter, "splitmq_dead_lettered", "Messages dead-lettered, by reason code.", dead
         )
-        self.bytes_in = Counter(
-            "splitmq_bytes_in", "Message bytes received.", ROLE_LABELS, registry=r
-        )
-        self.bytes_out = Counter(
-            "splitmq_bytes_out", "Message bytes published.", ROLE_LABELS, registry=r
-        )
-        self.wait = Counter(
+        self.bytes_in = family(Counter, "splitmq_bytes_in", "Message bytes received.", role)
+        self.bytes_out = family(Counter, "splitmq_bytes_out", "Message bytes published.", role)
+        self.wait = family(
+            Counter,
             "splitmq_wait_seconds",
             "Time spent waiting for work (1 - its rate is the busy fraction).",
-            ROLE_LABELS,
-            registry=r,
+            role,
         )
-        self.busy = Gauge(
+        self.busy = family(
+            Gauge,
             "splitmq_busy_fraction",
             "Fraction of the last ~10 s not spent waiting for work.",
-            ROLE_LABELS,
-            registry=r,
+            role,
         )
-        self.queue_depth = Gauge(
-            "splitmq_queue_depth",
-            "Messages ready in a shard queue.",
-            ("splitmq_job", "shard"),
-            registry=r,
+        job = ("splitmq_job",)
+        self.queue_depth = family(
+            Gauge, "splitmq_queue_depth", "Messages ready in a shard queue.", (*job, "shard")
         )
-        self.version = Gauge(
-            "splitmq_version", "The job's current weights version.", ("splitmq_job",), registry=r
-        )
-        self.members = Gauge(
-            "splitmq_members", "Live members by kind.", ("splitmq_job", "kind"), registry=r
-        )
+        self.version = family(Gauge, "splitmq_version", "The job's current weights version.", job)
+        self.members = family(Gauge, "splitmq_members", "Live members by kind.", (*job, "kind"))
 
 
 class PrometheusMeters:

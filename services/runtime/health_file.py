@@ -22,12 +22,8 @@ from pathlib import Path
 from services.common.health import REFRESH_S, TTL_S, Beat, Verdict
 
 
-def health_dir() -> Path:
-    return Path(tempfile.gettempdir()) / "splitmq-health"
-
-
-def health_file(job: str, role: str, instance: str, base: Path | None = None) -> Path:
-    return (base or health_dir()) / job / f"{role}-{instance}.json"
+def _folder(job: str, base: Path | None) -> Path:
+    return (base or Path(tempfile.gettempdir()) / "splitmq-health") / job
 
 
 class FileHealthBeat(Beat):
@@ -46,7 +42,7 @@ class FileHealthBeat(Beat):
         clock: Callable[[], float] = time.time,
         logger: logging.Logger | None = None,
     ) -> None:
-        self.path = health_file(job, role, instance, base)
+        self.path = _folder(job, base) / f"{role}-{instance}.json"
         super().__init__(role, f"health file {self.path}", refresh_s, logger)
         self._clock = clock
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "instance": instance}
@@ -71,7 +67,7 @@ def assess_files(
     ttl_s: float = TTL_S,
 ) -> Verdict:
     """Is a `role` process of `job` alive on this machine (the one named `instance`, or any)?"""
-    folder = (base or health_dir()) / job
+    folder = _folder(job, base)
     pattern = f"{role}-{instance}.json" if instance is not None else f"{role}-*.json"
     now = time.time() if now is None else now
     stale = 0

@@ -197,7 +197,7 @@ class LocalProcesses:
                     code = child.process.poll()
                     if code is not None and code != 0:
                         return f"failed: {child.spec.name} exited with code {code}"
-                aggregator = self._child("aggregator")
+                aggregator = next(c for c in self._children if c.spec.name == "aggregator")
                 if aggregator.process.poll() == 0:
                     finished_at = finished_at if finished_at is not None else self._clock()
                     clients = [c for c in self._children if c.spec.role == "client"]
@@ -224,9 +224,6 @@ class LocalProcesses:
                 child.process.wait()
         for child in self._children:
             child.pump.join(5.0)
-
-    def _child(self, name: str) -> Child:
-        return next(c for c in self._children if c.spec.name == name)
 
     def _pump(self, name: str, stream: IO[str]) -> None:
         for line in stream:

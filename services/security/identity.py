@@ -22,7 +22,6 @@ comparison of a `user_id` with a client id goes through `client_user` / `user_cl
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
@@ -71,14 +70,6 @@ class SenderCheck:
     services: frozenset[str] = frozenset()
     job: str = ""  # whose clients' users (`client_user`) may send
 
-    @classmethod
-    def of(
-        cls, secured: bool, amqp_url: str, service_users: Iterable[str] = (), *, job: str = ""
-    ) -> SenderCheck:
-        """The check of a service of `job` connecting with `amqp_url`: that URL's user is a
-        service."""
-        return cls(secured, frozenset({amqp_user(amqp_url), *service_users}), job)
-
     def client_problem(self, delivery: Delivery, client: str) -> str | None:
         """Why a client's message may not claim to come from `client` (None: it may)."""
         user = delivery.user_id
@@ -104,14 +95,11 @@ class SenderCheck:
 
 
 def sender_check(settings: Settings) -> SenderCheck:
-    """The check a service of these settings applies to what it consumes."""
+    """The check a service of these settings applies to what it consumes: the user of its own
+    broker.amqp_url is a service, as are security.service_users."""
     security = settings.security
-    return SenderCheck.of(
-        security.per_client_users,
-        settings.broker.amqp_url,
-        security.service_users,
-        job=settings.job.name,
-    )
+    services = frozenset({amqp_user(settings.broker.amqp_url), *security.service_users})
+    return SenderCheck(security.per_client_users, services, settings.job.name)
 
 
 def default_client_id(settings: Settings) -> str:
