@@ -104,10 +104,12 @@ class Beat(ABC):
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop beating; whether the thread has ended (a daemon left in a beat otherwise)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> Self:
         self.start()
