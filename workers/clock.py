@@ -1,7 +1,7 @@
 """What differs between a sync and an async shard: the clock its replica follows.
 
-`Rounds` (sync): RoundStart/RoundEnd markers drive the replica; a batch of a newer version
-reloads it; RoundEnd hands it in with a checkpoint (`ShardRunner`).
+Sync rounds need none: RoundStart/RoundEnd markers drive the replica; a batch of a newer
+version reloads it; RoundEnd hands it in with a checkpoint (`ShardRunner`).
 
 `Continuous` (async, docs/async.md "Server side"): no markers, the replica trains on and
 follows the published versions. Two jobs:
@@ -49,31 +49,6 @@ from workers.stats import WorkerStats
 _RING = 6
 
 State = Mapping[str, torch.Tensor]
-
-
-class Rounds:
-    """Sync rounds: the markers are the clock; nothing to refuse (the runner asks only a
-    `Continuous` clock), nothing to stamp."""
-
-    rounds = True
-
-    def __init__(self, replica: Replica) -> None:
-        self._replica = replica
-
-    def newest(self) -> int:
-        return self._replica.version
-
-    def save(self) -> Checkpoint:
-        return self._replica.checkpoint()
-
-    def saved(self, checkpoint: Checkpoint) -> None:
-        pass
-
-    def due(self) -> bool:
-        return False
-
-    def restart(self) -> None:
-        pass
 
 
 class Continuous:
@@ -195,6 +170,3 @@ class Continuous:
         others = [k for k in sorted(self._ring) if k != self.anchor_applied]
         for old in others[:-_RING]:
             del self._ring[old]
-
-
-Clock = Rounds | Continuous

@@ -60,7 +60,7 @@ from services.algorithms.staleness import TOO_STALE
 from services.common.leases import lease_name
 from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
-from workers.clock import Clock, Continuous
+from workers.clock import Continuous
 from workers.replica import Replica
 
 if TYPE_CHECKING:
@@ -187,11 +187,17 @@ class Item:
 
 class ShardRunner:
     def __init__(
-        self, replica: Replica, want: ShardExpectations, clock: Clock, session: WorkerSession
+        self,
+        replica: Replica,
+        want: ShardExpectations,
+        continuous: Continuous | None,
+        session: WorkerSession,
     ) -> None:
+        """`continuous`: an async shard's clock (`workers.clock`); None in sync rounds, whose
+        markers drive the replica."""
         self.replica = replica
         self._want = want
-        self._clock = clock
+        self._async = continuous
         self._io = session
         self._pending: list[Delivery] = []  # handled, waiting for a checkpoint to ack them
         self._pending_since = 0.0
@@ -234,9 +240,9 @@ class ShardRunner:
             return
         if self._replaces_buffered(delivery, batch):
             return
-        clock = self._clock
-        refused = clock.refusal(batch) if isinstance(clock, Continuous) else None
-        if refused is not None:
+        clock = self._async
+        refused = clock.refusal(batch) if clock is not None else None
+        if clock is not None and refused is not None:
             code, detail = refused
             if code != TOO_STALE:
                 self._reject(delivery, code, detail)
@@ -247,8 +253,9 @@ class ShardRunner:
             io.replier.send(answer(batch, clock.newest(), "rejected", detail))
             return
         if io.metrics.enabled:
-            io.metrics.staleness(clock.newest() - batch.version)
-        if clock.rounds and batch.version > replica.version:
+            newest = replica.version if clock is None else clock.newest()
+            io.metrics.staleness(newest - batch.version)
+        if clock is None and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
                 self._reject(delivery, "unknown_version", f"version {batch.version} not found")
@@ -268,7 +275,7 @@ class ShardRunner:
         return client in replica.cohort or client in replica.seqs or self._io.members(client)
 
     def on_marker(self, delivery: Delivery, message: RoundStart | RoundEnd) -> None:
-        if not self._clock.rounds:
+        if self._async is not None:
             # Async mode has no rounds: a marker would reset the replica's sample count.
             self._reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
             return
@@ -328,7 +335,7 @@ class ShardRunner:
             self._steps_since >= workers.checkpoint_every_steps
             or len(self._pending) >= self._io.pending_limit
             or self._io.clock() - self._pending_since >= workers.checkpoint_every_s
-            or self._clock.due()
+            or (self._async is not None and self._async.due())
         ):
             self.checkpoint()
 
@@ -429,7 +436,8 @@ class ShardRunner:
             self._barrier.clear()
         io.redeliver(self.shard)
         fresh = self.replica.reset(io.store, self._want.job)
-        self._clock.restart()  # measured from the state it went back to
+        if self._async is not None:
+            self._async.restart()  # measured from the state it went back to
         io.stats.rollbacks += 1
         self._steps_since, self._dirty = 0, False
         self._say(
@@ -513,13 +521,14 @@ class ShardRunner:
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
         holder = (lease_name(self.shard), io.worker_id)
         try:
-            saved = self._clock.save()
+            saved = self.replica.checkpoint() if self._async is None else self._async.save()
             io.store.save_checkpoint(self._want.job, saved, holder=holder)
         except LeaseNotHeldError as exc:
             # The lease ran out before the save landed and another worker may own the shard:
             # its checkpoint stays, our unacked batches are redelivered to it.
             raise LeaseLostError(f"shard {self.shard}: {exc}") from exc
-        self._clock.saved(saved)
+        if self._async is not None:
+            self._async.saved(saved)
         # The save may have waited out a store outage during which the lease expired and
         # another worker loaded the older checkpoint: acking now would lose these batches.
         if not io.keeper.renew(self.shard):

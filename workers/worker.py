@@ -35,7 +35,7 @@ from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.busy import BusyMeter
-from workers.clock import Clock, Continuous, Rounds
+from workers.clock import Continuous
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import ModelFactory, Replica, open_replica, pick_device
@@ -340,8 +340,8 @@ class WorkerSession:
         )
         queue = shard_queue_name(self.job, shard)
         bound = self.max_staleness
-        clock: Clock = (
-            Rounds(replica)
+        clock = (
+            None
             if bound is None
             else Continuous(replica, self.store, self.job, bound, self.stats, self.log)
         )
