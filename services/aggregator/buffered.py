@@ -40,8 +40,6 @@ from services.common.server_fold import FoldedCheckpoint, ServerLedger
 from services.common.supervise import JobFailedError
 from services.report.summary import STALENESS_PREFIX
 
-# How often the members' records are re-read (an unknown sender triggers a re-read at once).
-_MEMBER_CHECK_S = 1.0
 # Message ids of updates already buffered or folded, remembered to spot redeliveries.
 _SEEN_LIMIT = 10_000
 # Manifest meta key: the message ids of the updates a version folded.
@@ -87,7 +85,6 @@ class BufferClock:
         self._rule = StalenessRule(a.staleness, a.a, a.b, a.max_staleness)
         self._server = ServerLedger(core.store, core.job, settings.shards, core.log)
         self._version_at = core.clock()
-        self._members_at = float("-inf")
         self.version = 0  # staleness counts from it
         self.buffer: list[Buffered] = []
         self.owed: list[Owed] = []
@@ -217,13 +214,10 @@ class BufferClock:
         return cache
 
     def _member(self, client: str) -> MemberInfo | None:
-        now = self._core.clock()
-        if now - self._members_at >= _MEMBER_CHECK_S:
-            # Fresh records (a member's partition, its classes) now and then; members that
-            # left keep their record in the book: an update sent just before a Leave is as
-            # good as any.
-            self._core.members.live()
-            self._members_at = now
+        # Fresh records (a member's partition, its classes) now and then (a stranger triggers a
+        # re-read at once); members that left keep their record in the book: an update sent
+        # just before a Leave is as good as any.
+        self._core.members.recent()
         return self._core.members.get(client)
 
     # --- versions -----------------------------------------------------------------------------

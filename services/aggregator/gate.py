@@ -123,6 +123,8 @@ def masks_problem(
 
 # Re-reads of the members on a stranger: a burst of this many, then this many a second.
 _STRANGER_READS = 20
+# How often the clocks re-read the members (liveness, fresh records) while they take updates.
+_REREAD_S = 1.0
 
 
 @dataclass
@@ -135,12 +137,18 @@ class MemberBook:
 
     def __post_init__(self) -> None:
         self._rereads = SenderBudgets(_STRANGER_READS, _STRANGER_READS, self.clock)
+        self._read_at = float("-inf")
 
     def live(self) -> dict[str, MemberInfo]:
         """The live client members, read from the store now (and remembered)."""
         live = client_members(self.store, self.job)
         self.known.update(live)
+        self._read_at = self.clock()
         return live
+
+    def recent(self) -> dict[str, MemberInfo] | None:
+        """The live members if the last read is `_REREAD_S` old (read again now), else None."""
+        return self.live() if self.clock() - self._read_at >= _REREAD_S else None
 
     def get(self, client: str) -> MemberInfo | None:
         """`client`'s record if it is or was a member this run, else None."""

@@ -1,12 +1,10 @@
 """The aggregator's side of `<job>.updates`: decode, check, hand to the round, ack.
 
-Validation comes before state: whatever the round's state, a message is decoded, checked for
-its job and sender, and screened (`services.aggregator.gate`: a member, the model's tensors)
-before a gate judges it against the round, so every invalid message is dead-lettered with its
-reason, in the sync and the async mode alike. Before all that, each sender spends its budget
-(`services.aggregator.budget`): a flooding client's surplus is refused unjudged, cheaply
-(dead-lettered a batch at a time, with the reason), so the others' updates are not stuck
-behind its flood.
+Validation comes before state: a message is decoded, checked for its job and sender, and
+screened (`services.aggregator.gate`) before a gate judges it against the round, so every
+invalid message is dead-lettered with its reason, in both modes. Before all that, each sender
+spends its budget (`services.aggregator.budget`): a flooding client's surplus is refused
+unjudged, a batch at a time, so the others' updates are not stuck behind its flood.
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update: the broker hands them to its successor.

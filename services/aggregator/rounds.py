@@ -36,8 +36,6 @@ from services.common.membership import MemberInfo
 from services.common.server_fold import meta_cuts, meta_int
 from services.common.supervise import JobFailedError
 
-# How often the members' liveness is re-read while a round waits for updates.
-_MEMBER_CHECK_S = 1.0
 # How often the store is read for the shards' replicas after RoundEnd.
 _POLL_S = 0.05
 
@@ -195,13 +193,10 @@ class RoundClock:
     def _collect(self, state: OpenRound) -> Decision | None:
         """Take updates until the round closes or must reopen; None when stopped."""
         core = self._core
-        last_check = state.opened_at
         while not core.stop.is_set():
             core.inbox.poll(core.poll_s, state, state.version)
-            now = core.clock()
-            if now - last_check >= _MEMBER_CHECK_S:
-                last_check = now
-                live = core.members.live()
+            live = core.members.recent()
+            if live is not None:
                 for client in state.drop(live):
                     core.log.info(
                         "job %s: round %d stops waiting for %s (%s)",
@@ -210,7 +205,7 @@ class RoundClock:
                         client,
                         "rejoined as a new process" if client in live else "left or expired",
                     )
-            if state.decide(now) is not Decision.WAIT:
+            if state.decide(core.clock()) is not Decision.WAIT:
                 # Updates already queued at the deadline still count.
                 core.inbox.drain(state, state.version)
                 return state.decide(core.clock())
