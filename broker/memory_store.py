@@ -41,8 +41,7 @@ class _Blob:
 
 @dataclass(frozen=True)
 class _Version:
-    manifest: Manifest
-    blob_keys: Mapping[BlobRef, str]
+    manifest: Manifest  # its blobs' keys follow from the entries (`keys.blob_key`)
     commit_id: str
 
 
@@ -158,8 +157,7 @@ class InMemoryWeightStore(PublishingStore):
                 created_at=self._clock(),
                 meta=dict(meta),
             )
-            blob_keys = {b.entry.ref: b.key for b in blobs}
-            state.versions[version] = _Version(manifest, blob_keys, commit_id)
+            state.versions[version] = _Version(manifest, commit_id)
             state.version = version
         return "ok", ""
 
@@ -173,9 +171,8 @@ class InMemoryWeightStore(PublishingStore):
     def _apply_retention(self, job: str) -> None:
         with self._job(job) as state:
             for version in sorted(state.versions)[: -self._keep_versions]:
-                dropped = state.versions.pop(version)
-                for key in dropped.blob_keys.values():
-                    state.blobs.pop(key, None)
+                for entry in state.versions.pop(version).manifest.entries.values():
+                    state.blobs.pop(keys.blob_key(job, entry.ref, version, entry.sha256), None)
 
     def manifest(self, job: str, version: int) -> Manifest:
         with self._job(job) as state:
@@ -191,12 +188,12 @@ class InMemoryWeightStore(PublishingStore):
             record = state.versions.get(version)
             if record is None:
                 raise VersionNotFoundError(f"job {job}: version {version} is not retained")
-            key = record.blob_keys.get(ref)
-            if key is None:
+            entry = record.manifest.entries.get(ref)
+            if entry is None:
                 raise StoreError(f"job {job}: version {version} has no blob {ref.name}")
+            key = keys.blob_key(job, ref, version, entry.sha256)
             blob = state.blobs.get(key)
-        data = None if blob is None else blob.data
-        return decode_blob(job, version, key, record.manifest.entries[ref], data)
+        return decode_blob(job, version, key, entry, None if blob is None else blob.data)
 
     def versions(self, job: str) -> list[int]:
         with self._job(job) as state:

@@ -5,15 +5,12 @@ MULTI/EXEC. redis errors never escape: connection problems become `StoreUnavaila
 rest `StoreError`.
 
 Every operation goes through `_call`, which rides out an outage (e.g. a Redis restart) for
-`RetryPolicy.retry_for_s`: it logs once per outage that it is waiting, retries with capped
-exponential backoff, logs when the store is back, and gives up (raises) once a call has waited
-that long. That is safe because every step is idempotent (docs/reliability.md "Redis
-restart"): reads change nothing but prune expired members; checkpoints, heartbeats, status and
-deletions replace or delete by key; a lease is taken or renewed for the same owner, so a retry
-after a lost reply finds it ours; blobs are written NX under content-addressed keys (a blob a
-lost reply created is not discarded on a later conflict, it expires); and a publication's
-commit carries an id, so a retried commit that had gone through finds its own manifest and
-reports success instead of a conflict with itself.
+`RetryPolicy.retry_for_s` with capped exponential backoff, logging once when it starts to wait
+and once when the store is back. So every step must be idempotent, a retry never doing twice
+what a lost reply hid: docs/reliability.md "Redis restart" says how each one is (leases renewed
+by the same owner; blobs written NX under content-addressed keys, one a lost reply created left
+to expire rather than discarded on a conflict; a commit id by which a retried commit that had
+gone through finds its own manifest instead of a conflict with itself).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The store protocols: versions, shard checkpoints, and members/leases/job status.
 
-Weights are immutable, content-addressed safetensors blobs. Publishing a version is two steps:
-blobs are written first with a short "pending" expiry, then one atomic compare-and-set commits
-the manifest, makes the blobs permanent and bumps the version. A crash between blob writes leaves
-only expiring orphans; a reader never sees a manifest that names a missing blob; of two racing
-aggregators exactly one commits.
+Weights are immutable, content-addressed safetensors blobs, published as a version in steps
+(`broker.store_codec`) such that a reader never sees a manifest that names a missing blob, a
+crash leaves only expiring orphans, and of two racing aggregators exactly one commits.
 """
 
 from __future__ import annotations
