@@ -1,9 +1,9 @@
 """`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why;
 `splitmq doctor`: every check of the configured services at once, with what to do.
 
-A role's health key (`services.common.health`; the autoscaler refreshes its own after each
-poll) is looked for on this host by default (a container's hostname is its own), else by `--id`,
-or anywhere; a client's health file (`services.runtime.health_file`) on this machine.
+A role's health key (the autoscaler refreshes its own after each poll) is looked for on this
+host by default (a container's hostname is its own), else by `--id`, or anywhere; a client's
+health file on this machine (both in `services.common.health`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import click
 from broker.errors import SplitMQError
 from services.cli.common import GroupOptions
 from services.common.backends import Backends
-from services.common.health import Verdict, assess
+from services.common.health import Verdict, assess, assess_files
 from services.config.root import Settings
 from services.runtime.doctor import check_broker, check_store, run_checks
-from services.runtime.health_file import assess_files
 
 ROLES = ("coordinator", "aggregator", "worker", "autoscaler", "client")
 PROBED = ("broker", "store")

@@ -32,11 +32,10 @@ from services.cli.common import (
     stop_on_signals,
 )
 from services.common.backends import Backends
-from services.common.health import HealthBeat
+from services.common.health import FileHealthBeat, HealthBeat
 from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
-from services.runtime.health_file import FileHealthBeat
 from services.runtime.preflight import StartInterrupted, check_services
 from services.security.identity import default_client_id
 

@@ -86,12 +86,6 @@ class LeaseKeeper:
         self._ttl_s = ttl_s
         self._home = home_shard(worker_id, shards)
 
-    def live_workers(self) -> int:
-        members = self._store.live_members(self._job)
-        live = {m for m in members if m.startswith(WORKER_MEMBER_PREFIX)}
-        live.add(self._member)  # we are alive, whatever the store's clock thinks
-        return len(live)
-
     def plan(self, held: Collection[int], info: Mapping[str, str] | None = None) -> LeasePlan:
         """Heartbeat, renew `held`, and decide what to hand back or take (taken leases are
         already ours; `release` ones are still ours until `release()`). `info` goes into the
@@ -102,7 +96,9 @@ class LeaseKeeper:
             self._ttl_s,
             info={**(info or {}), "shards": ",".join(str(s) for s in sorted(held))},
         )
-        workers = self.live_workers()
+        members = self._store.live_members(self._job)
+        live = {m for m in members if m.startswith(WORKER_MEMBER_PREFIX)}
+        workers = len(live | {self._member})  # we are alive, whatever the store's clock thinks
         target = math.ceil(self._shards / workers)
         kept: list[int] = []
         lost: list[int] = []

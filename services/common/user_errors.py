@@ -61,13 +61,9 @@ def _lazy_user_errors() -> tuple[type[BaseException], ...]:
     return tuple(kind for kind in found if isinstance(kind, type) and issubclass(kind, Exception))
 
 
-def is_user_error(exc: BaseException) -> bool:
-    return isinstance(exc, _USER_ERRORS + _lazy_user_errors())
-
-
 def user_message(exc: BaseException) -> str | None:
     """One line for a user error (what is wrong; what to do), None for anything else."""
-    if not is_user_error(exc):
+    if not isinstance(exc, _USER_ERRORS + _lazy_user_errors()):
         return None
     text = " ".join(str(exc).split()) or type(exc).__name__
     hint = next((hint for kind, hint in _HINTS if isinstance(exc, kind)), "")

@@ -61,8 +61,6 @@ def run_embedded(
     stop: threading.Event,
     dataset: Dataset | None = None,
     build_roles: RoleBuilder = embedded_roles,
-    client_grace_s: float = 10.0,
-    join_timeout_s: float = 30.0,
     logger: logging.Logger | None = None,
     backends: Backends | None = None,
 ) -> Outcome:
@@ -83,8 +81,6 @@ def run_embedded(
     except Exception as exc:
         sink.finish(f"failed: could not build the roles: {exc!r}")
         raise
-    outcome = Supervisor(
-        roles, stop, client_grace_s=client_grace_s, join_timeout_s=join_timeout_s, logger=log
-    ).run()
+    outcome = Supervisor(roles, stop, logger=log).run()
     sink.finish(outcome.status)
     return outcome

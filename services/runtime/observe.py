@@ -32,7 +32,6 @@ class Observation:
 
     backends: Backends
     url: str = ""
-    state: DashboardState | None = None
 
 
 def job_info(settings: Settings) -> dict[str, str | int]:
@@ -57,7 +56,6 @@ def observed(
     watch: bool = False,
     live: bool = True,
     run_dir: Path | None = None,
-    logger: logging.Logger | None = None,
 ) -> Iterator[Observation]:
     """Serve this process's metrics while the block runs.
 
@@ -69,7 +67,6 @@ def observed(
     if not config.enabled:
         yield Observation(backends)
         return
-    log = logger or logging.getLogger("splitmq.metrics")
     meters = PrometheusMeters(settings.job.name)
     state = DashboardState(settings.job.name, job_info(settings)) if dashboard else None
     routes = {"/metrics": metrics_route(meters.registry)}
@@ -98,14 +95,14 @@ def observed(
             metrics=meters.job_gauges(),
             live=live,
             run_dir=run_dir,
-            logger=log,
+            logger=logging.getLogger("splitmq.metrics"),
         )
         thread = threading.Thread(
             target=watcher.run, args=(stop,), name=f"splitmq-{kind}-watch", daemon=True
         )
         thread.start()
     try:
-        yield Observation(backends, endpoint.url if endpoint else "", state)
+        yield Observation(backends, endpoint.url if endpoint else "")
     finally:
         stop.set()
         if thread is not None:

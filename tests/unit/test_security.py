@@ -40,12 +40,12 @@ from services.cli.common import require_servers
 from services.client.errors import ClientError
 from services.client.secured import secured_client_broker
 from services.common.backends import Backends, Embedded, tls_options
+from services.common.health import FileHealthBeat, assess_files
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.config.settings import TLSSettings
 from services.report.sinks import RecordsOnly
 from services.runtime.embedded import run_embedded
-from services.runtime.health_file import FileHealthBeat, assess_files
 from services.runtime.roles import embedded_roles
 from services.security.admin import ManagementAdmin, Permissions, RabbitmqctlAdmin
 from services.security.identity import (
