@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from models.flops import forward_flops
 from models.parts import ServerModel
-from models.split import SplitNet, forward_heads
+from models.split import SplitNet, evaluating, forward_heads
 from models.state import client_state, head_state, load_partial, server_state
 from services.algorithms.averaging import heteroavg
 from services.algorithms.base import (
@@ -378,14 +378,11 @@ def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 5
     """Accuracy of `module` (inputs -> logits) on (x, y), in eval mode without autograd."""
     if not len(y):
         return float("nan")
-    was_training = module.training
-    module.eval()
     correct = 0
-    with torch.no_grad():
+    with evaluating([module]):
         for start in range(0, len(y), chunk):
             logits = module(x[start : start + chunk])
             correct += int((logits.argmax(dim=1) == y[start : start + chunk]).sum())
-    module.train(was_training)
     return correct / len(y)
 
 

@@ -12,7 +12,7 @@ a plain conv-BN chain, so hybrid refuses models with residual or grouped convolu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -52,26 +52,24 @@ class PruneLayout:
     weights: tuple[str, ...]  # weights pruned by |w|
     units: tuple[ConvUnit, ...] = ()  # hybrid only
     flat: FlatLinear | None = None
+    shapes: Mapping[str, torch.Size] = field(default_factory=dict)  # the model's state shapes
 
     def params(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters in scope (what the parameter reduction is counted over)."""
         return {n: p for n, p in model.named_parameters() if n.startswith(self.prefixes)}
 
     def element_masks(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        channels: Mapping[str, torch.Tensor],
-        shapes: Mapping[str, torch.Size],
+        self, weights: Mapping[str, torch.Tensor], channels: Mapping[str, torch.Tensor]
     ) -> Masks:
         """Masks of every pruned tensor: `weights` (the |w| masks) combined with what the
-        `channels` prune; `shapes` are the model's state shapes."""
+        `channels` prune."""
         out: Masks = {n: m.bool().clone() for n, m in weights.items()}
         for unit in self.units:
             keep = channels[unit.bn].bool()
             rows = keep.view(-1, 1, 1, 1)
             if unit.source >= 0:
                 rows = rows & channels[self.units[unit.source].bn].bool().view(1, -1, 1, 1)
-            out[f"{unit.conv}.weight"] = rows.expand(shapes[f"{unit.conv}.weight"]).clone()
+            out[f"{unit.conv}.weight"] = rows.expand(self.shapes[f"{unit.conv}.weight"]).clone()
             if unit.has_bias:
                 out[f"{unit.conv}.bias"] = keep.clone()
             for entry in BN_ENTRIES:
@@ -96,10 +94,11 @@ def build_layout(model: SplitNet, mode: Mode, blocks: Sequence[int]) -> PruneLay
     """The pruning layout of `model`'s blocks `blocks` (heads are never pruned)."""
     prefixes = scope_prefixes(model, blocks)
     modules = [(n, m) for n, m in model.named_modules() if f"{n}.".startswith(prefixes)]
+    shapes = {n: t.shape for n, t in model.state_dict().items()}
     if mode == "unstructured":
         weights = tuple(f"{n}.weight" for n, m in modules if isinstance(m, nn.Conv2d | nn.Linear))
-        return PruneLayout(mode, prefixes, weights)
-    return _hybrid(prefixes, modules)
+        return PruneLayout(mode, prefixes, weights, shapes=shapes)
+    return replace(_hybrid(prefixes, modules), shapes=shapes)
 
 
 def _hybrid(prefixes: tuple[str, ...], modules: list[tuple[str, nn.Module]]) -> PruneLayout:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from broker.store import AUX_PART, CLIENT_PART, BlobRef
-from models.split import SplitNet
+from models.split import SplitNet, evaluating
 from models.state import client_state, head_state, load_partial
 from services.algorithms.averaging import weighted_average
 from services.algorithms.base import (
@@ -218,10 +218,8 @@ class RowResults:
 def row_results(model: SplitNet, cut: str, x: torch.Tensor, y: torch.Tensor) -> RowResults:
     """Run `model` (already holding the client's weights) over (x, y) in eval mode."""
     body, head, server = model.client_blocks(cut), model.head(cut), model.server_blocks(cut)
-    was_training = model.training
-    model.eval()
     entropies, head_hits, theta_hits = [], [], []
-    with torch.no_grad():
+    with evaluating([model]):
         for start in range(0, len(y), CHUNK):
             xs, ys = x[start : start + CHUNK], y[start : start + CHUNK]
             z = body(xs)
@@ -229,7 +227,6 @@ def row_results(model: SplitNet, cut: str, x: torch.Tensor, y: torch.Tensor) -> 
             entropies.append(entropy(head_logits))
             head_hits.append(head_logits.argmax(dim=1) == ys)
             theta_hits.append(server(z).argmax(dim=1) == ys)
-    model.train(was_training)
     return RowResults(torch.cat(entropies), torch.cat(head_hits), torch.cat(theta_hits))
 
 

@@ -67,7 +67,6 @@ from services.algorithms.sfl import SFL
 
 WEIGHT_KEY = "subfedavg.weights."  # + weight name: the |w| masks in ClientContext.memory
 CHANNEL_KEY = "subfedavg.channels."  # + BN module name: the hybrid's channel masks
-Shapes = Mapping[str, torch.Size]
 
 
 class SubFedAvgSection(Params):
@@ -100,11 +99,9 @@ class MaskSet:
     channels: Masks
 
     @classmethod
-    def recall(
-        cls, memory: Mapping[str, torch.Tensor], layout: PruneLayout, shapes: Shapes
-    ) -> MaskSet:
+    def recall(cls, memory: Mapping[str, torch.Tensor], layout: PruneLayout) -> MaskSet:
         """The masks kept in `memory`; all ones for what it lacks (a first round, a new cut)."""
-        weights = {n: _kept(memory.get(WEIGHT_KEY + n), shapes[n]) for n in layout.weights}
+        weights = {n: _kept(memory.get(WEIGHT_KEY + n), layout.shapes[n]) for n in layout.weights}
         channels = {
             u.bn: _kept(memory.get(CHANNEL_KEY + u.bn), torch.Size([u.channels]))
             for u in layout.units
@@ -117,8 +114,8 @@ class MaskSet:
         for name, mask in self.channels.items():
             memory[CHANNEL_KEY + name] = mask
 
-    def elements(self, layout: PruneLayout, shapes: Shapes) -> Masks:
-        return layout.element_masks(self.weights, self.channels, shapes)
+    def elements(self, layout: PruneLayout) -> Masks:
+        return layout.element_masks(self.weights, self.channels)
 
 
 def _kept(saved: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
@@ -169,9 +166,8 @@ class SubFedAvg(StrategyBase):
         model, cut = r.model, r.cut
         last = len(model.blocks) if not self.splits else model.cut_index(cut) + 1
         layout = build_layout(model, self.config.mode, range(last))
-        shapes = {n: t.shape for n, t in model.state_dict().items()}
-        current = MaskSet.recall(r.context.memory, layout, shapes)
-        masks = current.elements(layout, shapes)
+        current = MaskSet.recall(r.context.memory, layout)
+        masks = current.elements(layout)
         apply_masks(model, masks)  # the assigned (global) weights, under this client's mask
         model.train()
         optimizer = r.hyper.client_optimizer(layout.params(model).values())
@@ -187,9 +183,9 @@ class SubFedAvg(StrategyBase):
             if step + 1 == first:
                 early = self._candidates(model, layout, current, masks, self.config.prune_percent)
         late = self._candidates(model, layout, current, masks, self.config.prune_percent)
-        trial = self._adopt(r, layout, shapes, current, early or current, late)
+        trial = self._adopt(r, layout, current, early or current, late)
         trial.masks.remember(r.context.memory)
-        final = trial.masks.elements(layout, shapes)
+        final = trial.masks.elements(layout)
         weights = client_state(model, cut) if self.splits else full_state(model)
         return RoundResult(
             {n: t.detach().clone() for n, t in weights.items()},
@@ -226,7 +222,6 @@ class SubFedAvg(StrategyBase):
         self,
         r: LocalRound,
         layout: PruneLayout,
-        shapes: Shapes,
         current: MaskSet,
         early: MaskSet,
         late: MaskSet,
@@ -241,29 +236,29 @@ class SubFedAvg(StrategyBase):
 
         chosen, adopted = current, 0
         distance = hamming_distance(early.weights, late.weights)
-        sparsity = param_reduction(params, current.elements(layout, shapes))
+        masks = current.elements(layout)
+        sparsity = param_reduction(params, masks)
         rule = AdoptionRule(cfg.dist_thresh, cfg.target, cfg.acc_thresh)
         if layout.weights and rule.should_try(distance, sparsity):
             percent = step_percent(cfg.prune_percent, sparsity, cfg.target)
-            masks = current.elements(layout, shapes)
             weights = (
                 late.weights
                 if percent == cfg.prune_percent
                 else self._candidates(model, layout, current, masks, percent).weights
             )
             candidate = MaskSet(weights, current.channels)
-            if self._trial(model, candidate.elements(layout, shapes), rule, accuracy):
+            if self._trial(model, candidate.elements(layout), rule, accuracy):
                 chosen, adopted = candidate, 1
         channel_distance = 0.0
         if layout.units:
             channel_distance = flat_hamming(
                 list(early.channels.values()), list(late.channels.values())
             )
-            sparsity = param_reduction(params, chosen.elements(layout, shapes))
+            sparsity = param_reduction(params, chosen.elements(layout))
             rule = AdoptionRule(cfg.channel_dist_thresh, cfg.target, cfg.acc_thresh)
             if rule.should_try(channel_distance, sparsity):
                 candidate = MaskSet(chosen.weights, late.channels)
-                if self._trial(model, candidate.elements(layout, shapes), rule, accuracy):
+                if self._trial(model, candidate.elements(layout), rule, accuracy):
                     chosen, adopted = candidate, adopted + 1
         return Trial(chosen, distance, adopted, channel_distance)
 

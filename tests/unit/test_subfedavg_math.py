@@ -180,7 +180,7 @@ def test_hybrid_layout_turns_channel_masks_into_element_masks() -> None:
     channels["blocks.0.bn"][[1, 3]] = False  # block1: 10 channels
     channels["blocks.1.bn"][0] = False  # block2: 20 channels, 4x4 each after the pool
     weights = {n: torch.ones(shapes[n], dtype=torch.bool) for n in layout.weights}
-    masks = layout.element_masks(weights, channels, shapes)
+    masks = layout.element_masks(weights, channels)
 
     conv0, conv1 = masks["blocks.0.conv.weight"], masks["blocks.1.conv.weight"]
     assert not conv0[1].any() and not conv0[3].any() and conv0[0].all()
