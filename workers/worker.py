@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from functools import partial
 
 from broker.codec import decode
 from broker.errors import BrokerError, DecodeError, StaleDeliveryError
@@ -41,8 +40,6 @@ from workers.members import MemberCache
 from workers.replica import ModelFactory, Replica, open_replica, pick_device
 from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
 from workers.stats import WorkerStats
-
-M = TypeVar("M", SmashedBatch, RoundStart | RoundEnd)
 
 
 def default_worker_id() -> str:
@@ -142,28 +139,6 @@ def prefetch_for(settings: Settings) -> int:
     cohort step twice over (MiniBatch-SFL buffers one batch per client), and a fold window."""
     w = settings.workers
     return max(2 * w.checkpoint_every_steps, 2 * settings.clients.count, 2 * w.batch_messages, 16)
-
-
-def run_worker_process(settings_json: str, worker_id: str | None = None) -> WorkerStats:
-    """Run one worker until SIGTERM or SIGINT, then hand its shards over gracefully.
-
-    Takes the settings as JSON so a `spawn`ed child gets them without pickling objects. Only
-    real backends make sense here: the in-memory ones do not cross processes.
-    """
-    settings = Settings.model_validate_json(settings_json)
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    stop = threading.Event()
-
-    def request_stop(signum: int, _frame: object) -> None:
-        logging.getLogger("splitmq.worker").info("signal %d: stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    backends = Backends(settings.broker, settings.store)
-    return Worker(settings, backends, worker_id=worker_id).run(stop)
 
 
 class WorkerSession:
@@ -392,30 +367,23 @@ class WorkerSession:
             self.reject(delivery, "decode", exc.reason)
             return
         # The one look at the message's type: it picks the check of its sender and the handler.
+        handle: Callable[[], None]
         if isinstance(message, SmashedBatch):
             forged = self.senders.client_problem(delivery, message.client)
-            self._handle(runner, delivery, forged, runner.on_batch, message)
+            handle = partial(runner.on_batch, delivery, message)
         elif isinstance(message, RoundStart | RoundEnd):
             forged = self.senders.service_problem(delivery, type(message).__name__)
-            self._handle(runner, delivery, forged, runner.on_marker, message)
+            handle = partial(runner.on_marker, delivery, message)
         else:
             detail = f"{type(message).__name__} does not belong on a shard queue"
             self.reject(delivery, "wrong_type", detail)
-
-    def _handle(
-        self,
-        runner: ShardRunner,
-        delivery: Delivery,
-        forged: str | None,
-        handler: Callable[[Delivery, M], None],
-        message: M,
-    ) -> None:
+            return
         if forged is not None:
             self.reject(delivery, "impostor", forged)
             return
         try:
             with log_context(shard=runner.shard, client=message.client or None):
-                handler(delivery, message)
+                handle()
         except LeaseLostError:
             self.drop(runner.shard)
 

@@ -27,6 +27,7 @@ from torch.testing import assert_close
 from broker.topology import QueueLimits, job_queues, reply_queue_name
 from services.algorithms.sfl import weighted_step
 from services.common.backends import Backends
+from services.config.root import Settings
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
@@ -35,7 +36,7 @@ from tests.unit.test_worker_support import (
     reference_server,
     seed_version,
 )
-from workers.worker import Worker, run_worker_process
+from workers.worker import Worker
 
 __all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here
 
@@ -95,7 +96,7 @@ def test_sigkilled_worker_process_loses_no_batch_and_applies_none_twice(
         client.round_end(0)
 
         process = multiprocessing.get_context("spawn").Process(
-            target=run_worker_process, args=(settings.model_dump_json(), "doomed"), daemon=True
+            target=run_worker, args=(settings.model_dump_json(), "doomed"), daemon=True
         )
         process.start()
         answered = client.drain_replies("c0", ANSWERED_BEFORE_KILL, timeout=90.0)
@@ -128,6 +129,13 @@ def test_sigkilled_worker_process_loses_no_batch_and_applies_none_twice(
     expected = server.state_dict()
     for name, tensor in checkpoint.weights.items():
         assert_close(tensor, expected[name], rtol=1e-4, atol=1e-5, msg=f"weight {name}")
+
+
+def run_worker(settings_json: str, worker_id: str) -> None:
+    """A worker in a `spawn`ed child: the settings as JSON, since objects do not cross."""
+    settings = Settings.model_validate_json(settings_json)
+    backends = Backends(settings.broker, settings.store)
+    Worker(settings, backends, worker_id=worker_id).run(threading.Event())
 
 
 def close_connection(connection_name: str) -> None:
