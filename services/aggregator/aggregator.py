@@ -21,7 +21,7 @@ from broker.store import JOB_FAILED, NO_VERSION, JobStatus, WeightStore
 from broker.topology import updates_queue_name
 from broker.transport import Broker
 from services.aggregator.buffered import BufferClock
-from services.aggregator.core import Core, Stats
+from services.aggregator.core import Stats
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import MemberBook, UpdateScreen
 from services.aggregator.inbox import InboxStats, UpdateInbox
@@ -178,7 +178,8 @@ class Aggregator:
             metrics=self._backends.metrics,
             senders=sender_check(self._settings),
         )
-        core = Core(
+        clock = BufferClock if self._settings.asynchronous_mode else RoundClock
+        core = clock(
             self._settings,
             store,
             outbox,
@@ -192,4 +193,4 @@ class Aggregator:
             self._poll_s,
             self.stats,
         )
-        return core.run(BufferClock(core) if self._settings.asynchronous_mode else RoundClock(core))
+        return core.run()

@@ -74,17 +74,17 @@ class Owed:
     next_round: int
 
 
-class BufferClock:
+class BufferClock(Core):
     """The async clock, and its gate: the inbox offers it every screened update and notice."""
 
-    def __init__(self, core: Core) -> None:
-        self._core = core
-        settings, a = core.settings, core.settings.asynchronous
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        settings, a = self.settings, self.settings.asynchronous
         self._k = settings.buffer_size
         self._fruitless_limit = a.max_fruitless_per_client * settings.clients.count
         self._rule = StalenessRule(a.staleness, a.a, a.b, a.max_staleness)
-        self._server = ServerLedger(core.store, core.job, settings.shards, core.log)
-        self._version_at = core.clock()
+        self._server = ServerLedger(self.store, self.job, settings.shards, self.log)
+        self._version_at = self.clock()
         self.version = 0  # staleness counts from it
         self.buffer: list[Buffered] = []
         self.owed: list[Owed] = []
@@ -98,20 +98,19 @@ class BufferClock:
 
     def start(self, version: int) -> None:
         """Start at `version`: what recent versions folded is never folded again."""
-        core = self._core
         self._at(version)
         oldest = version - self._rule.max_staleness - 2
-        for v in [v for v in core.store.versions(core.job) if v > oldest]:
+        for v in [v for v in self.store.versions(self.job) if v > oldest]:
             try:
-                meta = core.store.manifest(core.job, v).meta
+                meta = self.store.manifest(self.job, v).meta
             except VersionNotFoundError:
                 continue
             self._remember([m for m in meta.get(FOLDED_IDS, "").split(",") if m])
             if v == version:
                 self._server.restore(meta)
-        core.log.info(
+        self.log.info(
             "job %s: asynchronous at version %d (K=%d, %s staleness, max %d)",
-            core.job,
+            self.job,
             version,
             self._k,
             self._rule.kind,
@@ -121,14 +120,13 @@ class BufferClock:
     def step(self, version: int) -> int:
         """One poll of the inbox; a fold when K updates are buffered; the newest weights to
         the members owed them."""
-        core = self._core
-        core.inbox.poll(core.poll_s, self, version)
+        self.inbox.poll(self.poll_s, self, version)
         self._check_progress()
         if len(self.buffer) >= self._k:
             self._fold(version)
-            version = core.store.current_version(core.job)
+            version = self.store.current_version(self.job)
             self._at(version)
-        if version - 1 < core.settings.job.rounds:  # after the last, members are dismissed
+        if version - 1 < self.settings.job.rounds:  # after the last, members are dismissed
             self._answer(version)
         return version
 
@@ -209,7 +207,7 @@ class BufferClock:
     def _cache(self, version: int) -> WeightsCache:
         cache = self._weights.get(version)
         if cache is None:
-            cache = WeightsCache(self._core.store, self._core.job, version)
+            cache = WeightsCache(self.store, self.job, version)
             self._weights[version] = cache
         return cache
 
@@ -217,20 +215,19 @@ class BufferClock:
         # Fresh records (a member's partition, its classes) now and then (a stranger triggers a
         # re-read at once); members that left keep their record in the book: an update sent
         # just before a Leave is as good as any.
-        self._core.members.recent()
-        return self._core.members.get(client)
+        self.members.recent()
+        return self.members.get(client)
 
     # --- versions -----------------------------------------------------------------------------
     def _fold(self, version: int) -> None:
-        core = self._core
         buffered, self.buffer = self.buffer, []
         refused, self.too_stale = self.too_stale, 0
-        current = read_version(core.store, core.job, version)
+        current = read_version(self.store, self.job, version)
         replicas: list[ShardReplica] = []
         taken: dict[int, FoldedCheckpoint] = {}
-        if core.strategy.splits and BlobRef(SERVER_PART) in current:
+        if self.strategy.splits and BlobRef(SERVER_PART) in current:
             replicas, taken = self._server.fresh(current[BlobRef(SERVER_PART)])
-        blobs = fold(core.strategy, current, [b.stale for b in buffered], self._rule, replicas)
+        blobs = fold(self.strategy, current, [b.stale for b in buffered], self._rule, replicas)
         updates = [b.stale.update for b in buffered]
         taus = [b.stale.tau for b in buffered]
         meta = {
@@ -239,21 +236,21 @@ class BufferClock:
             FOLDED_IDS: ",".join(b.message_id for b in buffered),
             **self._server.meta(taken),
         }
-        published = core.commit(version, blobs, updates, replicas, meta)
+        published = self.commit(version, blobs, updates, replicas, meta)
         if published is None:
             return
         self._server.commit(taken)
         # The clients owed weights train on while this version is evaluated (after the last
         # version they are dismissed instead).
-        if published - 1 < core.settings.job.rounds:
+        if published - 1 < self.settings.job.rounds:
             self._answer(published)
-        core.stats.folded += len(buffered)
-        core.stats.too_stale += refused
-        now = core.clock()
+        self.stats.folded += len(buffered)
+        self.stats.too_stale += refused
+        now = self.clock()
         round_s, self._version_at = now - self._version_at, now
         extra = {**staleness_extra(taus, refused, self._k), "replicas": float(len(replicas))}
         classes = {b.info.client: b.info.classes for b in buffered}
-        core.record(
+        self.record(
             published, blobs, updates, classes, round_s=round_s, replicas=len(replicas), extra=extra
         )
 
@@ -262,10 +259,10 @@ class BufferClock:
         if not self.owed:
             return
         owed, self.owed = self.owed, []
-        weights = WeightsCache(self._core.store, self._core.job, version)
+        weights = WeightsCache(self.store, self.job, version)
         for o in owed:
-            if self._core.assign(weights, o.client, o.partition, o.next_round):
-                self._core.stats.assignments += 1
+            if self.assign(weights, o.client, o.partition, o.next_round):
+                self.stats.assignments += 1
 
     def _check_progress(self) -> None:
         """Fail the job when too many local rounds in a row came to nothing: every client

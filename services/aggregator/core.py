@@ -1,11 +1,11 @@
 """The aggregator's core, one for both modes: the loop to the job's end, the publication of a
 version (architecture step 6), its record, and the end of the job (step 7).
 
-What differs between the modes is the `Clock`: `rounds.RoundClock` (sync: cohorts, deadline,
-quorum, reopened rounds) or `buffered.BufferClock` (async: a version whenever K updates are
-buffered, docs/async.md). A clock judges updates through its gate (the inbox hands them over),
-decides when a version is due and what goes into it; the core publishes it by compare-and-set,
-acks the updates it holds, evaluates and records it, and ends the job.
+What differs between the modes is the clock, a subclass of `Core`: `rounds.RoundClock` (sync:
+cohorts, deadline, quorum, reopened rounds) or `buffered.BufferClock` (async: a version whenever
+K updates are buffered, docs/async.md). A clock judges updates through its gate (the inbox hands
+them over), decides when a version is due and what goes into it; the core publishes it by
+compare-and-set, acks the updates it holds, evaluates and records it, and ends the job.
 
 Round r trains version v = r + 1 (version 1 is the initial model), so the store's current
 version alone says what comes next: a restarted aggregator resumes where the last one published.
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from broker.errors import UnroutableError, VersionConflictError
 from broker.store import (
@@ -58,25 +58,13 @@ class Stats:
     assignments: int = 0  # async: new weights sent to a member after its upload
 
 
-class Clock(Protocol):
-    def start(self, version: int) -> None:
-        """Resume at the store's current `version`."""
-
-    def step(self, version: int) -> int:
-        """Take updates until a version is published, or for one poll; the version now.
-        Raises `JobFailedError` when the job cannot make progress."""
-
-    def abandon(self) -> int:
-        """The job ends: forget the updates held (the core acks them); how many there were."""
-
-
 def read_version(store: WeightStore, job: str, version: int) -> VersionWeights:
     """Every blob of `version`."""
     return {ref: store.read_blob(job, version, ref) for ref in store.manifest(job, version).entries}
 
 
 @dataclass
-class Core:
+class Core(ABC):
     settings: Settings
     store: WeightStore
     outbox: Outbox
@@ -108,19 +96,32 @@ class Core:
         """The inbox's book: a member a clock puts in a cohort is known to its screen."""
         return self.inbox.screen.members
 
-    def run(self, clock: Clock) -> tuple[list[VersionRecord], str]:
+    @abstractmethod
+    def start(self, version: int) -> None:
+        """Resume at the store's current `version`."""
+
+    @abstractmethod
+    def step(self, version: int) -> int:
+        """Take updates until a version is published, or for one poll; the version now.
+        Raises `JobFailedError` when the job cannot make progress."""
+
+    @abstractmethod
+    def abandon(self) -> int:
+        """The job ends: forget the updates held (the core acks them); how many there were."""
+
+    def run(self) -> tuple[list[VersionRecord], str]:
         """The clock's versions until `job.rounds` are trained (or `stop`); the records and how
         the run ended. A `JobFailedError` ends the job as failed, then propagates."""
         version = self.store.current_version(self.job)
-        clock.start(version)
+        self.start(version)
         while not self.stop.is_set():
             if version - 1 >= self.settings.job.rounds:
-                self.end(clock, version, JobStatus(JOB_FINISHED))
+                self.end(version, JobStatus(JOB_FINISHED))
                 return self.records, "finished"
             try:
-                version = clock.step(version)
+                version = self.step(version)
             except JobFailedError as exc:
-                self.end(clock, version, JobStatus(JOB_FAILED, str(exc)))
+                self.end(version, JobStatus(JOB_FAILED, str(exc)))
                 raise
         return self.records, "stopped"
 
@@ -225,14 +226,14 @@ class Core:
         self.records.append(record)
         return record
 
-    def end(self, clock: Clock, version: int, ended: JobStatus) -> None:
+    def end(self, version: int, ended: JobStatus) -> None:
         """Record how the job ended, dismiss every live member with that status and announce it.
 
         Updates still held are acked and dropped. The record is written before the members are
         read: a client that joins after this read is dismissed by the coordinator, which reads
         the record after writing the member.
         """
-        self.stats.unfolded_at_end += clock.abandon()
+        self.stats.unfolded_at_end += self.abandon()
         self.inbox.release()
         self.store.set_job_status(self.job, ended)
         for client in sorted(client_members(self.store, self.job)):

@@ -16,6 +16,7 @@ left out (its samples are lost for this round, the previous server weights stand
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from broker.messages import ConfigValue, Message, RoundEnd, RoundStart, new_message_id
 from broker.store import Checkpoint
@@ -56,11 +57,10 @@ def cohort_shards(cohort: Mapping[str, MemberInfo]) -> dict[int, dict[str, Confi
     return dict(sorted(by_shard.items()))
 
 
-class RoundClock:
-    def __init__(self, core: Core) -> None:
-        self._core = core
-        # Members already reported as not ready (no training samples): logged once each.
-        self._unready: set[str] = set()
+@dataclass
+class RoundClock(Core):
+    # Members already reported as not ready (no training samples): logged once each.
+    _unready: set[str] = field(default_factory=set, init=False)
 
     def start(self, version: int) -> None:
         pass  # the store's current version says which round comes next
@@ -71,18 +71,17 @@ class RoundClock:
     def step(self, version: int) -> int:
         """Train `version` into the next (unless stopped, or another aggregator publishes it
         first); the store's current version after."""
-        core = self._core
         with log_context(version=version, round=version - 1):
             self._round(version)
-        return core.store.current_version(core.job)
+        return self.store.current_version(self.job)
 
     def _round(self, version: int) -> None:
-        core, r = self._core, version - 1
-        core.mark()
+        r = version - 1
+        self.mark()
         earlier: frozenset[str] = frozenset()
         attempt = 0
-        streak = EmptyStreak(core.settings.rounds.max_empty_attempts)
-        while not core.stop.is_set():
+        streak = EmptyStreak(self.settings.rounds.max_empty_attempts)
+        while not self.stop.is_set():
             state = self._open(version, attempt, earlier)
             if state is None:
                 return
@@ -92,14 +91,14 @@ class RoundClock:
                 return
             if decision is None:
                 return
-            empty = EmptyAttempt.of(state, core.inbox.refusals)
+            empty = EmptyAttempt.of(state, self.inbox.refusals)
             if streak.add(empty):
                 raise JobFailedError(streak.failure(r, empty))
-            core.stats.reopened += 1
-            core.log.warning(
+            self.stats.reopened += 1
+            self.log.warning(
                 "job %s: round %d got no valid update (%s; %d of %s empty attempts in a row); "
                 "reopening it",
-                core.job,
+                self.job,
                 r,
                 empty.reasons(),
                 streak.count,
@@ -110,19 +109,19 @@ class RoundClock:
 
     # --- opening ------------------------------------------------------------------------------
     def _await_members(self, r: int, version: int) -> dict[str, MemberInfo] | None:
-        core, clients = self._core, self._core.settings.clients
+        clients = self.settings.clients
         need = clients.min_to_start if r == 0 else 1
-        since = core.clock()
+        since = self.clock()
         # Before round r opens, its updates can only come from an earlier attempt at it (this
         # run's, or a predecessor's): late, not malformed.
         gate = ClosedGate(r)
-        while not core.stop.is_set():
-            ready = self._ready(core.members.live())
-            timed_out = core.clock() - since >= clients.start_timeout_s
+        while not self.stop.is_set():
+            ready = self._ready(self.members.live())
+            timed_out = self.clock() - since >= clients.start_timeout_s
             if len(ready) >= need or (ready and timed_out):
                 return ready
             # Polling the updates queue doubles as the wait, and answers late updates meanwhile.
-            core.inbox.poll(core.poll_s, gate, version)
+            self.inbox.poll(self.poll_s, gate, version)
         return None
 
     def _ready(self, live: dict[str, MemberInfo]) -> dict[str, MemberInfo]:
@@ -131,40 +130,40 @@ class RoundClock:
         ready = {c: m for c, m in live.items() if m.ready}
         for client in sorted(live.keys() - ready.keys() - self._unready):
             self._unready.add(client)
-            self._core.log.info(
+            self.log.info(
                 "job %s: client %s (partition %d) has no training samples (yet): it is left "
                 "out of the cohorts until it reports some",
-                self._core.job,
+                self.job,
                 client,
                 live[client].partition,
             )
         return ready
 
     def _open(self, version: int, attempt: int, earlier: frozenset[str]) -> OpenRound | None:
-        core, r = self._core, version - 1
+        r = version - 1
         live = self._await_members(r, version)
         if live is None:
             return None
-        settings = core.settings
+        settings = self.settings
         chosen = sample_cohort(
             live, settings.clients.fraction, seed=settings.job.seed, round_index=r, attempt=attempt
         )
         cohort = {c: live[c] for c in chosen}
-        weights = WeightsCache(core.store, core.job, version)
+        weights = WeightsCache(self.store, self.job, version)
         global_client, global_aux = weights.global_weights()
         starts = {
-            s: RoundStart(core.job, "", new_message_id(), version, r, s, participants)
+            s: RoundStart(self.job, "", new_message_id(), version, r, s, participants)
             for s, participants in cohort_shards(cohort).items()
         }
-        if core.strategy.splits and not self._to_shards(starts):
+        if self.strategy.splits and not self._to_shards(starts):
             return None
         # Refusals count per attempt: the ones before it belong to an earlier one.
-        core.inbox.refusals.clear()
+        self.inbox.refusals.clear()
         state = OpenRound(
             round=r,
             version=version,
             cohort=cohort,
-            opened_at=core.clock(),
+            opened_at=self.clock(),
             deadline_s=settings.rounds.deadline_s,
             quorum=settings.rounds.quorum,
             client_ref=reference_of(global_client),
@@ -172,91 +171,88 @@ class RoundClock:
             earlier=earlier,
         )
         for client, info in cohort.items():
-            message_id = core.assign(weights, client, info.partition, r)
+            message_id = self.assign(weights, client, info.partition, r)
             if message_id:
                 state.assigned[client] = message_id
             else:  # no reply queue: not waited for
                 state.dropped.add(client)
-        core.log.info(
-            "job %s: round %d opened (version %d, cohort %s)", core.job, r, version, sorted(cohort)
+        self.log.info(
+            "job %s: round %d opened (version %d, cohort %s)", self.job, r, version, sorted(cohort)
         )
-        core.outbox.event(
+        self.outbox.event(
             "round_opened", version, {"round": r, "cohort": len(cohort), "attempt": attempt}
         )
         return state
 
     def _to_shards(self, markers: Mapping[int, Message]) -> bool:
         """Each shard its round marker (waiting out back-pressure); False if stopped first."""
-        return all(self._core.outbox.to_shard(s, m, self._core.stop) for s, m in markers.items())
+        return all(self.outbox.to_shard(s, m, self.stop) for s, m in markers.items())
 
     # --- collecting ---------------------------------------------------------------------------
     def _collect(self, state: OpenRound) -> Decision | None:
         """Take updates until the round closes or must reopen; None when stopped."""
-        core = self._core
-        while not core.stop.is_set():
-            core.inbox.poll(core.poll_s, state, state.version)
-            live = core.members.recent()
+        while not self.stop.is_set():
+            self.inbox.poll(self.poll_s, state, state.version)
+            live = self.members.recent()
             if live is not None:
                 for client in state.drop(live):
-                    core.log.info(
+                    self.log.info(
                         "job %s: round %d stops waiting for %s (%s)",
-                        core.job,
+                        self.job,
                         state.round,
                         client,
                         "rejoined as a new process" if client in live else "left or expired",
                     )
-            if state.decide(core.clock()) is not Decision.WAIT:
+            if state.decide(self.clock()) is not Decision.WAIT:
                 # Updates already queued at the deadline still count.
-                core.inbox.drain(state, state.version)
-                return state.decide(core.clock())
+                self.inbox.drain(state, state.version)
+                return state.decide(self.clock())
         return None
 
     # --- closing ------------------------------------------------------------------------------
     def _close(self, state: OpenRound) -> None:
-        core = self._core
-        round_s = core.clock() - state.opened_at
+        round_s = self.clock() - state.opened_at
         replicas = self._replicas(state)
         if replicas is None:
             return
         updates = [state.updates[c] for c in sorted(state.updates)]
-        current = read_version(core.store, core.job, state.version)
-        blobs = core.strategy.aggregate(current, updates, replicas)
-        version = core.commit(state.version, blobs, updates, replicas, {})
+        current = read_version(self.store, self.job, state.version)
+        blobs = self.strategy.aggregate(current, updates, replicas)
+        version = self.commit(state.version, blobs, updates, replicas, {})
         if version is not None:
             classes = {c: info.classes for c, info in state.cohort.items()}
-            core.record(version, blobs, updates, classes, round_s=round_s, replicas=len(replicas))
+            self.record(version, blobs, updates, classes, round_s=round_s, replicas=len(replicas))
 
     def _replicas(self, state: OpenRound) -> list[ShardReplica] | None:
         """RoundEnd behind the round's batches, then the replicas the shards' workers hand in
         for the round, in shard order; None if stopped first."""
-        core = self._core
-        if not core.strategy.splits:
+        if not self.strategy.splits:
             return []
         pending = list(cohort_shards(state.cohort))
         ends = {
-            s: RoundEnd(core.job, "", new_message_id(), state.version, state.round, s)
+            s: RoundEnd(self.job, "", new_message_id(), state.version, state.round, s)
             for s in pending
         }
         if not self._to_shards(ends):
             return None
         found: dict[int, ShardReplica] = {}
-        timeout_s = core.settings.rounds.replica_timeout_s
-        deadline = core.clock() + timeout_s
+        timeout_s = self.settings.rounds.replica_timeout_s
+        deadline = self.clock() + timeout_s
         while pending:
             for shard in list(pending):
-                checkpoint = core.store.load_checkpoint(core.job, shard)
+                checkpoint = self.store.load_checkpoint(self.job, shard)
                 if checkpoint is not None and meta_int(checkpoint.meta, "round", -1) >= state.round:
                     found[shard] = replica_of(checkpoint)
                     pending.remove(shard)
-            if pending and core.clock() >= deadline:
-                core.log.warning(
+            if pending and self.clock() >= deadline:
+                self.log.warning(
                     "job %s: no replica of shards %s for round %d after %.0f s; going on without",
-                    core.job,
+                    self.job,
                     pending,
                     state.round,
                     timeout_s,
                 )
                 break
-            if pending and core.stop.wait(_POLL_S):
+            if pending and self.stop.wait(_POLL_S):
                 return None
         return [found[s] for s in sorted(found)]
