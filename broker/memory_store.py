@@ -28,7 +28,6 @@ from broker.store_codec import (
     str_map,
 )
 
-# torch, and `broker.weights` with it, are imported where weights move, as in the Redis store.
 if TYPE_CHECKING:
     import torch
 

@@ -61,8 +61,6 @@ from broker.store_codec import (
 )
 from broker.tls import TLSOptions, redis_ssl_kwargs
 
-# torch, and `broker.weights` with it, are imported where weights move, not here: a store
-# opened only for members and health keys (`splitmq check`, every few seconds) starts fast.
 if TYPE_CHECKING:
     import torch
 

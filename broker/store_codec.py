@@ -39,6 +39,7 @@ from broker.errors import (
 )
 from broker.store import NO_VERSION, BlobRef, Checkpoint, ManifestEntry, Weights
 
+# `broker.weights` (torch) is imported inside the functions that move weights: why in broker.store.
 if TYPE_CHECKING:
     import torch
 
@@ -61,8 +62,6 @@ def prepare_blobs(
     samples: Mapping[BlobRef, int] | None,
 ) -> list[PreparedBlob]:
     """Serialise and hash every blob (the CPU-heavy part, done before touching the store)."""
-    # Here, not at the top: the stores import this module, and a store opened only for members
-    # (`splitmq check`) must not import torch.
     from broker.weights import encode_weights, sha256_hex
 
     samples = dict(samples or {})
