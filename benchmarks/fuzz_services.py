@@ -83,9 +83,8 @@ from services.config.root import Settings
 from services.dashboard.state import DashboardState
 from services.dashboard.watch import JobWatcher
 from services.report.records import VersionRecord
-from services.runtime.embedded import load_job_dataset
 from services.runtime.processes import clear_job
-from services.runtime.roles import embedded_roles
+from services.runtime.roles import embedded_roles, load_job_dataset
 
 LOG = logging.getLogger("splitmq.fuzz")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"

@@ -45,8 +45,9 @@ def run(
     """
     # Imported here, not at the top: every `splitmq` command (the `splitmq check` healthcheck
     # too) imports this module, and these import torch and the models.
-    from services.runtime.embedded import force_embedded, load_job_dataset, run_embedded
+    from services.runtime.embedded import force_embedded, run_embedded
     from services.runtime.observe import observed
+    from services.runtime.roles import load_job_dataset
 
     _, settings = load(config)
     # Progress lines say what happens; role logs below WARNING would drown them.

@@ -144,26 +144,6 @@ class QuietPika(logging.Filter):
         return self._keep_errors or record.levelno < logging.ERROR
 
 
-def make_handler(
-    *,
-    json_lines: bool = False,
-    stream: TextIO | None = None,
-    context: Mapping[str, ContextValue] | None = None,
-    debug: bool = False,
-) -> logging.Handler:
-    """`debug`: tracebacks for user errors too, and pika's own error records."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    if json_lines:
-        handler.setFormatter(JsonFormatter(fold_user_errors=not debug))
-    elif debug:
-        handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
-    else:
-        handler.setFormatter(OneLineUserErrors(HUMAN_FORMAT, HUMAN_DATEFMT))
-    handler.addFilter(QuietPika(keep_errors=debug))
-    handler.addFilter(ContextFilter(context))
-    return handler
-
-
 @contextmanager
 def configured_logging(
     level: str = "INFO",
@@ -174,9 +154,17 @@ def configured_logging(
     debug: bool = False,
 ) -> Iterator[logging.Handler]:
     """Route all logging to one handler at `level` for the duration of the block; user errors
-    are one line unless `debug` (`make_handler`)."""
+    are one line unless `debug`, which also keeps pika's own error records."""
     root = logging.getLogger()
-    handler = make_handler(json_lines=json_lines, stream=stream, context=context, debug=debug)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonFormatter(fold_user_errors=not debug))
+    elif debug:
+        handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
+    else:
+        handler.setFormatter(OneLineUserErrors(HUMAN_FORMAT, HUMAN_DATEFMT))
+    handler.addFilter(QuietPika(keep_errors=debug))
+    handler.addFilter(ContextFilter(context))
     saved_level = root.level
     quiet = [logging.getLogger(name) for name in QUIET_LOGGERS]
     saved_quiet = [q.level for q in quiet]

@@ -47,7 +47,6 @@ class Outcome:
     status: str
     failed_role: str = ""
     traceback: str = ""
-    aggregator_result: object = None
     stuck: tuple[str, ...] = ()  # roles that did not stop within the join timeout
 
     @property
@@ -67,7 +66,6 @@ class _RoleThread:
         self._stop = stop
         self._changed = changed
         self.done = False
-        self.result: object = None
         self.error: BaseException | None = None
         self.job_failure = ""  # the reason of a `JobFailedError`: the job ended, as failed
         self.traceback = ""
@@ -81,7 +79,7 @@ class _RoleThread:
                 {self.spec.kind: self.spec.name} if self.spec.kind in ("worker", "client") else {}
             )
             with log_context(role=self.spec.kind, **member):
-                self.result = self.spec.role.run(self._stop)
+                self.spec.role.run(self._stop)
         except JobFailedError as exc:
             self.job_failure = str(exc) or "job failed"
         except BaseException as exc:  # reported to the supervisor, not lost
@@ -126,12 +124,10 @@ class Supervisor:
             self._log.warning("interrupted: stopping all roles")
         self._stop.set()
         stuck = self._join()
-        aggregator = next(t for t in self._threads if t.spec.kind == "aggregator")
         return Outcome(
             status=status,
             failed_role=failed.spec.name if failed else "",
             traceback=failed.traceback if failed else "",
-            aggregator_result=aggregator.result,
             stuck=stuck,
         )
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from services.common.backends import Backends, Embedded
 from services.common.supervise import Outcome, RoleSpec, Supervisor
 from services.config.root import Settings
-from services.data.loaders import Dataset, load_dataset
+from services.data.loaders import Dataset
 from services.report.records import MetricsSink
 from services.report.sinks import RecordsOnly
-from services.runtime.roles import embedded_roles
+from services.runtime.roles import embedded_roles, load_job_dataset
 
 RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[RoleSpec]]
 
@@ -48,10 +48,6 @@ def force_embedded(settings: Settings, log: logging.Logger) -> Settings:
             ", ".join(changed),
         )
     return settings
-
-
-def load_job_dataset(settings: Settings) -> Dataset:
-    return load_dataset(settings.data.dataset, settings.data.dir or None)
 
 
 def run_embedded(

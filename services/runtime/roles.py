@@ -19,6 +19,10 @@ from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
 
 
+def load_job_dataset(settings: Settings) -> Dataset:
+    return load_dataset(settings.data.dataset, settings.data.dir or None)
+
+
 def build_coordinator(settings: Settings, backends: Backends) -> Role:
     from services.coordinator.coordinator import Coordinator
 
@@ -32,11 +36,7 @@ def build_aggregator(
     from services.aggregator.aggregator import Aggregator
     from services.aggregator.evaluation import build_evaluator
 
-    data = (
-        dataset
-        if dataset is not None
-        else load_dataset(settings.data.dataset, settings.data.dir or None)
-    )
+    data = dataset if dataset is not None else load_job_dataset(settings)
     evaluator = build_evaluator(settings, data.test)
     backends = backends.for_role("aggregator")
     if backends.metrics.enabled:

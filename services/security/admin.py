@@ -185,30 +185,22 @@ class ManagementAdmin:
             raise AdminError(f"{method} {path}: {exc}") from None
 
 
-def management_url_for(amqp_url: str) -> str:
-    """The management API on the broker's host, over https when AMQP is amqps."""
-    parsed = urlparse(amqp_url)
-    scheme = "https" if parsed.scheme == "amqps" else "http"
-    return f"{scheme}://{parsed.hostname or '127.0.0.1'}:{MANAGEMENT_PORT}"
-
-
 def pick_admin(kind: str, amqp_url: str, management_url: str | None = None) -> RabbitAdmin:
     """The admin tool asked for: "http", "rabbitmqctl", or "auto" (the API if it answers the
-    services' credentials, else rabbitmqctl if installed here)."""
+    services' credentials, else rabbitmqctl if installed here). The API defaults to the
+    broker's host, over https when AMQP is amqps."""
     parsed = urlparse(amqp_url)
-    http = ManagementAdmin(
-        management_url or management_url_for(amqp_url),
-        amqp_user(amqp_url),
-        parsed.password or "guest",
-    )
+    scheme = "https" if parsed.scheme == "amqps" else "http"
+    url = management_url or f"{scheme}://{parsed.hostname or '127.0.0.1'}:{MANAGEMENT_PORT}"
+    http = ManagementAdmin(url, amqp_user(amqp_url), parsed.password or "guest")
     if kind == "http":
         return http
     if kind == "rabbitmqctl" or (kind == "auto" and not http.available()):
         if not RabbitmqctlAdmin.available():
             raise AdminError(
-                "no way to manage RabbitMQ users: the management API does not answer at "
-                f"{management_url or management_url_for(amqp_url)} and rabbitmqctl is not "
-                "installed here (run this on the broker's host, or enable rabbitmq_management)"
+                f"no way to manage RabbitMQ users: the management API does not answer at {url} "
+                "and rabbitmqctl is not installed here (run this on the broker's host, or enable "
+                "rabbitmq_management)"
             )
         return RabbitmqctlAdmin()
     return http

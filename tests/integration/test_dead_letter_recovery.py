@@ -38,9 +38,8 @@ from broker.transport import PublishOptions
 from services.common.backends import Backends
 from services.common.membership import client_members
 from services.report.records import VersionRecord
-from services.runtime.embedded import load_job_dataset
 from services.runtime.processes import clear_job
-from services.runtime.roles import embedded_roles
+from services.runtime.roles import embedded_roles, load_job_dataset
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
 
