@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -71,9 +70,9 @@ from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
 from services.data.batches import Batch
 from services.data.loaders import Dataset
+from services.security.identity import CLIENT_ID
 
 EVAL_CHUNK = 512
-_CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # it becomes part of queue names and keys
 # The codec's wording for a tensor holding NaN or infinities (broker/codec.py), which is how a
 # diverged model shows: in its weights (the update) or its activations (a smashed batch).
 _NON_FINITE_WORDS = "NaN or infinite"
@@ -185,7 +184,7 @@ class Client:
         join_give_up_s: float = 120.0,
         max_republish: int = 5,
     ) -> None:
-        if not _CLIENT_ID.match(client_id):
+        if not CLIENT_ID.match(client_id):  # it becomes part of queue names and keys
             raise ClientSettingsError(
                 f"client id {client_id!r}: use 1-64 letters, digits, '_' or '-' (--id)"
             )
