@@ -1,30 +1,15 @@
-"""What differs between a sync and an async shard: the clock its replica follows.
+"""The clock an async shard's replica follows (`Continuous`); sync rounds need none: their
+RoundStart/RoundEnd markers drive the replica (`ShardRunner`).
 
-Sync rounds need none: RoundStart/RoundEnd markers drive the replica; a batch of a newer
-version reloads it; RoundEnd hands it in with a checkpoint (`ShardRunner`).
-
-`Continuous` (async, docs/async.md "Server side"): no markers, the replica trains on and
-follows the published versions. Two jobs:
-
-- **Staleness of smashed data.** A batch computed with client weights more than
-  `worker_max_staleness` versions behind the newest version this worker knows of is not
-  trained on: it is answered with `GradientReply(status="rejected", reason="too_stale: ...")`
-  (its delivery is acked with the next checkpoint, like a duplicate), and the client drops
-  its local round and fetches newer weights.
-- **Rebasing.** With no RoundEnd there is no moment at which the replica restarts from the
-  average: it never reloads. Instead, just before each checkpoint it looks at the newest
-  version; if that version folded one of this shard's recent checkpoints (manifest meta
-  `server.<s>`, see `services.common.server_fold`), the replica moves onto it, keeping
-  the progress it made since that checkpoint: `w <- server(v) + (w - w_folded)`. With one
-  shard this changes nothing (the version's server blob *is* the folded checkpoint); with
-  several, each replica picks up the others' progress. The optimizer state is kept: the
-  replica keeps training, it does not start a new model.
-
-Besides the usual cadence (`checkpoint_every_steps`, `checkpoint_every_s`), an async replica
-checkpoints as soon as it sees a newer version, so each fold finds recent server progress:
-a version's server blob is the replicas as of their last checkpoint. The weights of recent
-checkpoints are kept (`_ring`, by applied count, in the replica's current frame), so a fold
-of a checkpoint older than the last one still rebases exactly.
+In async mode (docs/async.md, "Server side", which states the rules) there are no markers:
+the replica trains on and follows the published versions. `Continuous` refuses smashed data
+more than `worker_max_staleness` versions behind the newest version this worker knows of
+(answered "rejected", acked with the next checkpoint), checkpoints as soon as it sees a newer
+version, and rebases just before each checkpoint onto a version that folded one of this
+shard's recent checkpoints (manifest meta `server.<s>`, `services.common.server_fold`):
+`w <- server(v) + (w - w_folded)`, the optimizer state kept. The weights of recent checkpoints
+are kept (`_ring`, by applied count, in the replica's current frame), so a fold of a
+checkpoint older than the last one still rebases exactly.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
-"""Split inference at the workers: InferRequests answered with theta's logits, ahead of training.
+"""Split inference at the workers: InferRequests answered with theta's logits, ahead of training
+(docs/algorithms.md, "Split inference").
 
 A worker of a strategy with split inference (SplitGP) runs an `InferenceServer` on a thread
-and a broker connection of its own, consuming the job's infer queue
-(`broker.topology.infer_queue`), while its main loop trains on the shard queues. A request
-therefore never queues behind training traffic, however deep the shard queues are: it waits
-only for the requests ahead of it and one forward pass. Every worker of the job consumes the
-infer queue, so inference scales with the pool.
-
-theta is the `server/global` blob of the version the request names (the client's `phi_k` of
-that version was trained with it), or the newest one when that version is gone (retention) or
-the request names 0; `InferReply.version` says which answered. A request the server cannot
-answer (wrong job, activations not of the cut's shape, no version yet) is dead-lettered with
-its reason and its requester gets an `Error` reply, so it does not wait in vain.
-
-Answers go to the requester's inference reply queue, `<job>.infer-reply.<requester>`. A
-request whose `client` is not the AMQP user that sent it is dead-lettered (`impostor`), in the
-secured mode also one without a user_id; only a service user (e.g. `splitmq infer`) may ask
-under any requester name.
+and a broker connection of its own, consuming the job's infer queue, so that a request never
+queues behind training traffic. theta is the `server/global` blob of the version the request
+names, or the newest one when that version is gone (retention) or the request names 0;
+`InferReply.version` says which answered. A request the server cannot answer is dead-lettered
+with its reason and its requester gets an `Error` reply, so it does not wait in vain. Answers
+go to `<job>.infer-reply.<requester>`; a request whose `client` is not the AMQP user that sent
+it is dead-lettered (`impostor`), in the secured mode also one without a user_id; only a
+service user (e.g. `splitmq infer`) may ask under any requester name.
 """
 
 from __future__ import annotations
