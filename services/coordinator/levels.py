@@ -11,6 +11,8 @@ scaled clients), and a re-joining member keeps its record.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from services.algorithms.base import StrategyBase, assign_level
 from services.algorithms.registry import build_strategy
 from services.common.jobmodel import job_model
@@ -20,26 +22,23 @@ from services.config.root import Settings
 class LevelDesk:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._strategy: StrategyBase | None = None
-        self._cuts: tuple[str, ...] | None = None
 
-    def strategy(self) -> StrategyBase:
-        if self._strategy is None:
-            algorithm = self._settings.algorithm
-            self._strategy = build_strategy(algorithm.name, algorithm.params())
-        return self._strategy
+    @cached_property
+    def _strategy(self) -> StrategyBase:
+        algorithm = self._settings.algorithm
+        return build_strategy(algorithm.name, algorithm.params())
+
+    @cached_property
+    def _cuts(self) -> tuple[str, ...]:
+        settings = self._settings
+        return self._strategy.batch_cuts(job_model(settings), settings.model.cut)
 
     def cuts(self) -> tuple[str, ...]:
         """The job's level cuts, shallow to deep (the model is built once)."""
-        if self._cuts is None:
-            settings = self._settings
-            self._cuts = self.strategy().batch_cuts(job_model(settings), settings.model.cut)
         return self._cuts
 
-    def level(self, capability: int, partition: int) -> int:
-        """The 1-based level of a client declaring `capability` with data `partition`."""
-        declared = capability or self._settings.clients.declared_capability(partition)
-        return assign_level(declared, len(self.cuts()), self.strategy().default_level)
-
     def cut(self, capability: int, partition: int) -> str:
-        return self.cuts()[self.level(capability, partition) - 1]
+        """The cut of the 1-based level of a client declaring `capability` with `partition`."""
+        declared = capability or self._settings.clients.declared_capability(partition)
+        level = assign_level(declared, len(self._cuts), self._strategy.default_level)
+        return self._cuts[level - 1]

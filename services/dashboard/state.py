@@ -248,19 +248,12 @@ class DashboardState:
             }
 
 
-PAGE = "dashboard.html"
-
-
-def page_html() -> bytes:
-    return resources.files("services.dashboard").joinpath(PAGE).read_bytes()
-
-
 def state_json(state: DashboardState) -> bytes:
     return json.dumps(finite(state.snapshot()), default=str, separators=(",", ":")).encode()
 
 
 def dashboard_routes(state: DashboardState) -> dict[str, Route]:
-    html = page_html()
+    html = resources.files("services.dashboard").joinpath("dashboard.html").read_bytes()
 
     def index() -> tuple[str, bytes]:
         return "text/html; charset=utf-8", html
