@@ -26,7 +26,6 @@ from models.errors import ModelSpecError
 from models.heads import HeadFactory, default_head
 from models.split import SplitNet, evaluating
 
-_INJECTED = ("num_classes", "input_shape")
 _CHECK_BATCH = 2
 _CHECK_SEED = 0
 _NOT_SEQUENTIAL_HINT = "the module a sequential composition of its top-level children?"
@@ -142,9 +141,9 @@ def _factory_kwargs(
         return dict(options)  # builtins without a signature get exactly the caller's options
     kwargs = dict(options)
     injected = {"num_classes": num_classes, "input_shape": tuple(input_shape)}
-    for name in _INJECTED:
+    for name, value in injected.items():
         if name in signature.parameters and name not in kwargs:
-            kwargs[name] = injected[name]
+            kwargs[name] = value
     try:
         signature.bind(**kwargs)
     except TypeError as exc:

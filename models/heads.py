@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from torch import Tensor, nn
 
@@ -47,14 +48,9 @@ class AuxHead(nn.Module):
         return out
 
 
-def default_head(shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return AuxHead(shape, num_classes)
+default_head: HeadFactory = AuxHead
 
 
 def pooled_head(pool: int) -> HeadFactory:
     """A head factory pooling feature maps to `pool` x `pool` (1 gives global average pooling)."""
-
-    def build(shape: tuple[int, ...], num_classes: int) -> nn.Module:
-        return AuxHead(shape, num_classes, pool)
-
-    return build
+    return partial(AuxHead, pool=pool)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -74,7 +75,6 @@ class Registry:
         self._group = group
         self._specs: dict[str, AlgorithmSpec] = {}
         self._plugins: dict[str, EntryPoint] | None = None
-        self._loaded: set[str] = set()
 
     def add(self, source: object) -> list[AlgorithmSpec]:
         """Register what a module or class declares; `ValueError` when a name is taken."""
@@ -131,25 +131,20 @@ class Registry:
     # --- loading ----------------------------------------------------------------------------
     def _import(self, name: str) -> None:
         module = self._builtins.get(name)
+        load: Callable[[], object]
         if module is not None:
-            self._load(module, lambda: importlib.import_module(module), (name,))
-            return
-        entry = self._entry_points().get(name)
-        if entry is not None:
-            self._load(f"plugin {entry.name!r} ({entry.value})", entry.load, (name,))
-
-    def _load(self, label: str, load: Callable[[], object], promised: Iterable[str]) -> None:
-        if label in self._loaded:
-            return
+            label, load = module, partial(importlib.import_module, module)
+        else:
+            entry = self._entry_points().get(name)
+            if entry is None:
+                return
+            label, load = f"plugin {entry.name!r} ({entry.value})", entry.load
         try:
             source = load()
         except Exception as exc:  # every ask says why, not only the first
             raise AlgorithmPluginError(f"algorithm {label} failed to import: {exc!r}") from exc
-        self._loaded.add(label)
-        names = {spec.name for spec in self.add(source)}
-        missing = sorted(set(promised) - names)
-        if missing:
-            raise AlgorithmPluginError(f"algorithm {label} registers no algorithm {missing}")
+        if name not in {spec.name for spec in self.add(source)}:
+            raise AlgorithmPluginError(f"algorithm {label} registers no algorithm {[name]}")
 
     def _entry_points(self) -> dict[str, EntryPoint]:
         if self._plugins is None:
