@@ -10,43 +10,68 @@ in the data section, so tensor bytes never pass through msgpack (which copies th
 unpack). Tensors are packed in header order, each at the next 64-byte boundary; an empty tensor
 has offset 0; nothing follows the last one. Decoding checks the whole header and layout before
 touching tensor bytes, then returns zero-copy views into the body.
+
+A message type's schema is read once off its dataclass annotations (`broker.messages`): a
+field's base type picks how it travels, its `Annotated` markers add checks. Both directions
+apply the same checks, field by field, with the same reasons (`EncodeError` one way,
+`DecodeError` the other). The encoder is lenient about Python types (an int may fill a float
+field, an IntEnum an int, any Mapping a map); the decoder accepts exact types only. bool never
+passes as an int either way.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    NamedTuple,
+    NoReturn,
+    TypeVar,
+    get_args,
+    get_origin,
+    overload,
+)
 
 import msgpack
 import numpy as np
+import torch
 
 from broker.bodies import fresh_body
 from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
-from broker.messages import SCHEMAS, SCHEMAS_BY_CLASS, Message, consistency_error
-from broker.schema import (
-    CodecLimits,
-    FieldPlan,
-    FieldSpec,
-    HeaderReader,
-    HeaderWriter,
-    MessageSchema,
-    Placed,
-    compile_fields,
+from broker.messages import (
+    MESSAGE_TYPES,
+    Finite,
+    Message,
+    NonEmpty,
+    NonNegative,
+    OneOf,
+    TensorRule,
+    consistency_error,
 )
 from broker.tensors import (
     ALIGN,
+    FloatBits,
     TensorSlot,
     align,
     all_finite,
     copy_checked,
     finite_array,
+    host_array,
+    parse_tensor_header,
+    shape_reason,
     shareable,
+    tensor_header,
     unpack_ext,
     view_from,
     wire_bytes,
+    wire_dtype,
 )
 
 __all__ = [
@@ -58,11 +83,11 @@ __all__ = [
     "decode",
     "encode",
     "encode_into",
-    "message_type_name",
 ]
 
 MAGIC = b"SMQ\x01"
 SCHEMA_VERSION = 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _PREFIX = struct.Struct("<4sI")
 _ZEROS = bytes(ALIGN)
 _RESERVED = frozenset({"v", "type"})
@@ -70,39 +95,311 @@ _OFFSET = operator.attrgetter("offset")
 # Reason prefix when decode meets an exception it did not anticipate: still a DecodeError for
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
 UNEXPECTED = "unexpected decoder failure: "
-DEFAULT_LIMITS = CodecLimits()
 _PACK_BUFFER = 4096  # initial msgpack buffer; it grows for larger headers
 # Bodies from this size up are written in place (see `encode`); below, joining costs less.
 _IN_PLACE = 1 << 20
-# Each schema's field checks, prepared once rather than re-derived from its specs per message.
-_PLANS: Mapping[str, tuple[FieldPlan, ...]] = MappingProxyType(
-    {name: compile_fields(schema) for name, schema in SCHEMAS.items()}
-)
-# Every key a header of each type has: its fields and the reserved ones.
-_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
-    {name: frozenset(s.name for s in schema.fields) | _RESERVED for name, schema in SCHEMAS.items()}
-)
-# The fields (position, spec) that decoding must turn from slots into tensor views; the rest
-# pass through as they are.
-_TENSOR_FIELDS: Mapping[str, tuple[tuple[int, FieldSpec], ...]] = MappingProxyType(
+
+
+@dataclass(frozen=True, slots=True)
+class CodecLimits:
+    """Bounds that keep a hostile body cheap. The codec's encoder obeys them too, so what it
+    produces decodes under the same limits."""
+
+    max_body_bytes: int = 256 * 2**20
+    max_header_bytes: int = 4 * 2**20
+    max_tensors: int = 4096
+    max_string_len: int = 64 * 2**10  # bytes of UTF-8, keys included
+    max_dict_entries: int = 4096
+    max_rank: int = 8
+
+
+DEFAULT_LIMITS = CodecLimits()
+
+
+# --- schemas ------------------------------------------------------------------------------------
+
+
+class Kind(NamedTuple):
+    """How a field travels: a scalar of the first of `types` it fits (bool before int: bool is
+    an int), a tensor when `types` is empty; with `is_map`, a map from strings to those."""
+
+    types: tuple[type, ...] = ()
+    is_map: bool = False
+    optional: bool = False  # a tensor that may be None
+
+
+_KINDS: Mapping[Any, Kind] = MappingProxyType(
     {
-        name: tuple((i, s) for i, s in enumerate(schema.fields) if s.tensor is not None)
-        for name, schema in SCHEMAS.items()
-    }
-)
-# A header of each type before its fields are filled in: every key in place, in field order,
-# so filling it never resizes the dict.
-_HEADERS: Mapping[str, dict[str, object]] = MappingProxyType(
-    {
-        name: {"v": SCHEMA_VERSION, "type": name} | dict.fromkeys(s.name for s in schema.fields)
-        for name, schema in SCHEMAS.items()
+        str: Kind((str,)),
+        int: Kind((int,)),
+        float: Kind((float,)),
+        bool: Kind((bool,)),
+        torch.Tensor: Kind(),
+        torch.Tensor | None: Kind(optional=True),
+        Mapping[str, torch.Tensor]: Kind(is_map=True),
+        Mapping[str, str]: Kind((str,), is_map=True),
+        Mapping[str, float]: Kind((float,), is_map=True),
+        Mapping[str, str | int | float | bool]: Kind((bool, int, float, str), is_map=True),
     }
 )
 
+# A scalar's checks: (a value of exactly its type, its path, the string byte limit) -> why it
+# may not travel, or None. Cheap when it passes: the fast path calls it for every field.
+Check = Callable[[Any, str, int], str | None]
 
-def message_type_name(message: Message) -> str:
-    """The wire `type` of a message."""
-    return _schema_of_message(message).name
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One field of a message type, read off its annotation once."""
+
+    name: str
+    path: str  # "SmashedBatch.seq", as its reasons start
+    kind: Kind
+    checks: tuple[Check, ...]  # one per `kind.types`; a scalar field's include its markers
+    tensor: TensorRule | None  # for a tensor field, or each value of a tensor map
+    # A scalar field's type: a value of exactly it that passes `checks[0]` travels as it is.
+    # Anything else takes the long way, which converts what it may or raises the precise
+    # reason: the fast path changes no outcome, only its cost.
+    exact: type | None
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """A message type's fields and what the codec needs of them, prepared once."""
+
+    name: str
+    cls: type[Any]
+    fields: tuple[Field, ...]
+    keys: frozenset[str]  # every key its header has: the fields and the reserved ones
+    # Its header before the fields are filled in: every key in place, in field order, so
+    # filling a copy never resizes the dict.
+    header: Mapping[str, object]
+    tensor_fields: tuple[int, ...]  # the fields decoding turns from slots into views
+
+
+def build_schema(cls: type[Any]) -> Schema:
+    """The schema of a message dataclass of at least two fields, whose module does not use
+    `from __future__ import annotations` (the field types must be objects, not strings)."""
+    prepared = tuple(_field(f"{cls.__name__}.{f.name}", f.name, f.type) for f in fields(cls))
+    names = [f.name for f in prepared]
+    return Schema(
+        name=cls.__name__,
+        cls=cls,
+        fields=prepared,
+        keys=frozenset(names) | _RESERVED,
+        header={"v": SCHEMA_VERSION, "type": cls.__name__} | dict.fromkeys(names),
+        tensor_fields=tuple(i for i, f in enumerate(prepared) if f.tensor is not None),
+    )
+
+
+def _field(path: str, name: str, annotation: Any) -> Field:
+    markers: list[Any] = []
+    if get_origin(annotation) is Annotated:
+        annotation, *markers = get_args(annotation)
+    kind = None if isinstance(annotation, str) else _KINDS.get(annotation)
+    if kind is None:
+        raise TypeError(f"{path}: no wire kind for annotation {annotation!r}")
+    rules = [m for m in markers if isinstance(m, TensorRule)]
+    if (not kind.types) != (len(rules) == 1):
+        raise TypeError(f"{path}: a tensor field needs exactly one TensorRule, others none")
+    scalar = bool(kind.types) and not kind.is_map
+    checks = tuple(_check(t, markers if scalar else []) for t in kind.types)
+    return Field(
+        name, path, kind, checks, rules[0] if rules else None, kind.types[0] if scalar else None
+    )
+
+
+def _check(kind: type, markers: list[Any]) -> Check:
+    """The checks of a scalar of `kind`: the wire's own (UTF-8 strings, int64) and `markers`."""
+    if kind is str:
+        choices = [m.choices for m in markers if isinstance(m, OneOf)]
+        return _str_check(any(isinstance(m, NonEmpty) for m in markers), next(iter(choices), None))
+    if kind is int:
+        return _int_check(0 if any(isinstance(m, NonNegative) for m in markers) else INT64_MIN)
+    if kind is float and any(isinstance(m, Finite) for m in markers):
+        return _finite
+    return _anything
+
+
+def _str_check(non_empty: bool, choices: frozenset[str] | None) -> Check:
+    def check(value: str, path: str, max_bytes: int) -> str | None:
+        # An ASCII string's UTF-8 size is its length (and it always encodes).
+        if not (value.isascii() and len(value) <= max_bytes):
+            try:
+                size = len(value.encode("utf-8"))
+            except UnicodeEncodeError:
+                return f"{path}: string is not encodable as UTF-8"
+            if size > max_bytes:
+                return f"{path}: string of {size} bytes exceeds the limit of {max_bytes}"
+        if non_empty and not value:
+            return f"{path}: must not be empty"
+        if choices is not None and value not in choices:
+            return f"{path}: {value!r} is not one of {sorted(choices)}"
+        return None
+
+    return check
+
+
+def _int_check(low: int) -> Check:
+    def check(value: int, path: str, max_bytes: int) -> str | None:
+        if low <= value <= INT64_MAX:
+            return None
+        if not INT64_MIN <= value <= INT64_MAX:
+            return f"{path}: {value} is outside the int64 range"
+        return f"{path}: {value} must be >= 0"
+
+    return check
+
+
+def _finite(value: float, path: str, max_bytes: int) -> str | None:
+    return None if math.isfinite(value) else f"{path}: {value} is not finite"
+
+
+def _anything(value: object, path: str, max_bytes: int) -> str | None:
+    return None
+
+
+_KEY_CHECK = _str_check(False, None)  # a map's keys
+_SCHEMAS: Mapping[type[Any], Schema] = MappingProxyType(
+    {cls: build_schema(cls) for cls in MESSAGE_TYPES}
+)
+_BY_NAME: Mapping[str, Schema] = MappingProxyType({s.name: s for s in _SCHEMAS.values()})
+
+
+# --- field checks, shared by both directions ----------------------------------------------------
+
+
+@dataclass
+class _Walker:
+    """The encoder's walk; `_Reader` narrows it to the decoder's."""
+
+    limits: CodecLimits
+    tensor_count: int = 0
+    error: ClassVar[type[Exception]] = EncodeError
+
+    def value(self, spec: Field, value: object) -> object:
+        """`value` as it travels, checked the long way."""
+        kind, rule, path = spec.kind, spec.tensor, spec.path
+        if rule is not None:
+            if kind.optional and value is None:
+                return None
+            if not kind.is_map:
+                return self.tensor(value, rule, path)
+            return {k: self.tensor(v, rule, f"{path}[{k!r}]") for k, v in self.items(value, path)}
+        if kind.is_map:
+            return {k: self.scalar(spec, v, f"{path}[{k!r}]") for k, v in self.items(value, path)}
+        return self.scalar(spec, value, path)
+
+    def items(self, value: object, path: str) -> list[tuple[str, object]]:
+        if not isinstance(value, Mapping):  # a decoded header's maps are dicts
+            raise self.error(f"{path}: expected a map, got {type(value).__name__}")
+        items = list(value.items())
+        limit = self.limits.max_dict_entries
+        if len(items) > limit:
+            raise self.error(f"{path}: {len(items)} entries exceed the limit of {limit}")
+        for key, _ in items:
+            if not isinstance(key, str):
+                raise self.error(f"{path}: key {key!r} is not a string")
+            reason = _KEY_CHECK(key, f"{path} key", self.limits.max_string_len)
+            if reason is not None:
+                raise self.error(reason)
+        return items
+
+    def scalar(self, spec: Field, value: object, path: str) -> object:
+        """`value` as the first of the field's types it fits, checked."""
+        for kind, check in zip(spec.kind.types, spec.checks, strict=True):
+            converted = self.convert(kind, value)
+            if converted is not None:
+                reason = check(converted, path, self.limits.max_string_len)
+                if reason is not None:
+                    raise self.error(reason)
+                return converted
+        expected = " or ".join(kind.__name__ for kind in spec.kind.types)
+        raise self.error(f"{path}: expected {expected}, got {type(value).__name__}")
+
+    def convert(self, kind: type, value: object) -> object | None:
+        """`value` as `kind` (which the encoder may convert it to), or None."""
+        if isinstance(value, bool) != (kind is bool):
+            return None
+        if kind is float and isinstance(value, int | float):
+            return float(value)
+        # Normalise subclasses (IntEnum, str enums) to the plain type msgpack writes.
+        return kind(value) if isinstance(value, kind) else None
+
+    def count_tensor(self, path: str) -> None:
+        self.tensor_count += 1
+        if self.tensor_count > self.limits.max_tensors:
+            raise self.error(f"{path}: more than {self.limits.max_tensors} tensors")
+
+    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        raise NotImplementedError  # each direction handles tensors its own way
+
+
+def _rule_reason(
+    rule: TensorRule, dtype: torch.dtype, shape: tuple[int, ...], path: str
+) -> str | None:
+    if dtype not in rule.dtypes:
+        allowed = sorted(_dtype_name(d) for d in rule.dtypes)
+        return f"{path}: dtype {_dtype_name(dtype)} is not allowed here (allowed: {allowed})"
+    if rule.rank is not None and len(shape) != rule.rank:
+        return f"{path}: shape {list(shape)} must have rank {rule.rank}"
+    if len(shape) < rule.min_rank:
+        return f"{path}: shape {list(shape)} must have rank >= {rule.min_rank}"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --- encoding -----------------------------------------------------------------------------------
+
+
+class Placed(NamedTuple):
+    """A non-empty tensor laid out in the data section, not yet checked for NaN and ±inf: the
+    encoder does that as it copies the tensor into the body."""
+
+    offset: int  # from the start of the data section
+    nbytes: int
+    tensor: torch.Tensor
+    host: np.ndarray[Any, Any] | None  # `host_array(tensor)` for a CPU tensor, else None
+    check: FloatBits | None  # the float format to check when its rule wants finite values
+    path: str
+
+
+@dataclass
+class _Writer(_Walker):
+    """Also lays out tensors: `tensors` lists every non-empty one, each at the next `ALIGN`
+    boundary; `cursor` is where the data ends."""
+
+    cursor: int = 0
+    tensors: list[Placed] = field(default_factory=list)
+
+    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        if not isinstance(value, torch.Tensor):
+            raise EncodeError(f"{path}: expected a tensor, got {type(value).__name__}")
+        dtype = wire_dtype(value.dtype)
+        if dtype is None or value.layout != torch.strided:
+            raise EncodeError(f"{path}: a {value.layout} {value.dtype} tensor cannot travel")
+        shape = tuple(value.shape)
+        limits = self.limits
+        max_rank, max_dim = limits.max_rank, limits.max_body_bytes
+        if len(shape) > max_rank or (shape and max(shape) > max_dim):
+            raise EncodeError(shape_reason(list(shape), path, max_rank=max_rank, max_dim=max_dim))
+        reason = _rule_reason(rule, dtype.torch_dtype, shape, path)
+        if reason is not None:
+            raise EncodeError(reason)
+        self.count_tensor(path)
+        nbytes = math.prod(shape) * dtype.itemsize
+        offset = 0
+        if nbytes:
+            offset = align(self.cursor)
+            self.cursor = offset + nbytes
+            # One numpy view of a CPU tensor serves the finite check and the copy.
+            host = host_array(value) if value.is_cpu else None
+            check = dtype.bits if rule.finite else None
+            self.tensors.append(Placed(offset, nbytes, value, host, check, path))
+        return tensor_header(dtype, shape, offset, nbytes)
 
 
 def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
@@ -151,56 +448,6 @@ def encode_into(
     return memoryview(buffer)[: plan.size]
 
 
-Body = bytes | bytearray | memoryview
-T1 = TypeVar("T1", bound=Message)
-T2 = TypeVar("T2", bound=Message)
-T3 = TypeVar("T3", bound=Message)
-
-
-@overload
-def decode(body: Body, limits: CodecLimits | None = None) -> Message: ...
-@overload
-def decode(body: Body, limits: CodecLimits | None = None, *, expect: type[T1]) -> T1: ...
-@overload
-def decode(
-    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[T1], type[T2]]
-) -> T1 | T2: ...
-@overload
-def decode(
-    body: Body,
-    limits: CodecLimits | None = None,
-    *,
-    expect: tuple[type[T1], type[T2], type[T3]],
-) -> T1 | T2 | T3: ...
-@overload
-def decode(
-    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[Message], ...]
-) -> Message: ...
-def decode(
-    body: Body,
-    limits: CodecLimits | None = None,
-    *,
-    expect: type[Any] | tuple[type[Any], ...] | None = None,
-) -> Message:
-    """Validate `body` and return its message: every check a consumer needs of the body, once;
-    raises `DecodeError` and nothing else. With `expect`, a message of another type raises
-    `UnexpectedMessageError` (before its tensors are looked at).
-
-    Tensors are zero-copy views of `body` (read-only in spirit when `body` is bytes: clone
-    before modifying in place).
-    """
-    wanted = (expect,) if isinstance(expect, type) else expect
-    try:
-        return _decode(body, limits or DEFAULT_LIMITS, wanted)
-    except DecodeError:
-        raise
-    except Exception as exc:
-        raise DecodeError(f"{UNEXPECTED}{type(exc).__name__}: {exc}") from exc
-
-
-# --- encoding -----------------------------------------------------------------------------------
-
-
 class _Plan(NamedTuple):
     prefix: bytes  # magic, header length and header
     data_start: int
@@ -208,25 +455,18 @@ class _Plan(NamedTuple):
     tensors: list[Placed]
 
 
-def _schema_of_message(message: object) -> MessageSchema:
-    schema = SCHEMAS_BY_CLASS.get(type(message))  # type: ignore[arg-type]
+def _plan(message: Message, limits: CodecLimits) -> _Plan:
+    schema = _SCHEMAS.get(type(message))
     if schema is None:
         raise EncodeError(f"{type(message).__name__} is not a SplitMQ message type")
-    return schema
-
-
-def _plan(message: Message, limits: CodecLimits) -> _Plan:
-    schema = _schema_of_message(message)
-    writer = HeaderWriter(limits, encoding=True)
-    header = _HEADERS[schema.name].copy()
+    writer = _Writer(limits)
+    header = dict(schema.header)
     max_bytes = limits.max_string_len
-    for plan in _PLANS[schema.name]:
-        name = plan.name
-        value = getattr(message, name)
-        fast = plan.fast
-        header[name] = (
-            value if fast is not None and fast(value, max_bytes) else plan.walk(writer, value)
-        )
+    for spec in schema.fields:  # as `_decode`'s loop: the fast path, else the long way
+        value = getattr(message, spec.name)
+        if type(value) is not spec.exact or spec.checks[0](value, spec.path, max_bytes):
+            value = writer.value(spec, value)
+        header[spec.name] = value
     reason = consistency_error(message)
     if reason is not None:
         raise EncodeError(reason)
@@ -292,18 +532,97 @@ def _non_finite(placed: Placed) -> str:
 # --- decoding -----------------------------------------------------------------------------------
 
 
+@dataclass
+class _Reader(_Walker):
+    """Tensors become `TensorSlot`s (collected in `slots`); `_decode` checks their layout and
+    only then turns them into views of the body."""
+
+    error: ClassVar[type[Exception]] = DecodeError
+    slots: list[TensorSlot] = field(default_factory=list)
+
+    def convert(self, kind: type, value: object) -> object | None:
+        return value if type(value) is kind else None
+
+    def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        limits = self.limits
+        slot = parse_tensor_header(
+            value, path, max_rank=limits.max_rank, max_dim=limits.max_body_bytes
+        )
+        reason = _rule_reason(rule, slot.dtype.torch_dtype, slot.shape, path)
+        if reason is not None:
+            raise DecodeError(reason)
+        self.count_tensor(path)
+        self.slots.append(slot)
+        return slot
+
+
+Body = bytes | bytearray | memoryview
+T1 = TypeVar("T1", bound=Message)
+T2 = TypeVar("T2", bound=Message)
+T3 = TypeVar("T3", bound=Message)
+
+
+@overload
+def decode(body: Body, limits: CodecLimits | None = None) -> Message: ...
+@overload
+def decode(body: Body, limits: CodecLimits | None = None, *, expect: type[T1]) -> T1: ...
+@overload
+def decode(
+    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[T1], type[T2]]
+) -> T1 | T2: ...
+@overload
+def decode(
+    body: Body,
+    limits: CodecLimits | None = None,
+    *,
+    expect: tuple[type[T1], type[T2], type[T3]],
+) -> T1 | T2 | T3: ...
+@overload
+def decode(
+    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[Message], ...]
+) -> Message: ...
+def decode(
+    body: Body,
+    limits: CodecLimits | None = None,
+    *,
+    expect: type[Any] | tuple[type[Any], ...] | None = None,
+) -> Message:
+    """Validate `body` and return its message: every check a consumer needs of the body, once;
+    raises `DecodeError` and nothing else. With `expect`, a message of another type raises
+    `UnexpectedMessageError` (before its tensors are looked at).
+
+    Tensors are zero-copy views of `body` (read-only in spirit when `body` is bytes: clone
+    before modifying in place).
+    """
+    wanted = (expect,) if isinstance(expect, type) else expect
+    try:
+        return _decode(body, limits or DEFAULT_LIMITS, wanted)
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"{UNEXPECTED}{type(exc).__name__}: {exc}") from exc
+
+
 def _decode(body: Body, limits: CodecLimits, expect: tuple[type[Any], ...] | None) -> Message:
     view = _byte_view(body)
     header, header_end = _read_header(view, limits)
     schema = _schema_of_header(header)
     if expect is not None and schema.cls not in expect:
         raise UnexpectedMessageError(schema.name, " or ".join(t.__name__ for t in expect))
-    reader = HeaderReader(limits, encoding=False)
-    values = reader.fields(schema, _PLANS[schema.name], header, _KEYS[schema.name])
+    if header.keys() != schema.keys:  # one C-level set comparison
+        _key_problem(schema, header)
+    reader = _Reader(limits)
+    max_bytes = limits.max_string_len
+    values: list[object] = []
+    for spec in schema.fields:
+        value = header[spec.name]
+        if type(value) is not spec.exact or spec.checks[0](value, spec.path, max_bytes):
+            value = reader.value(spec, value)
+        values.append(value)
     data_start = _check_layout(reader.slots, header_end, len(view))
     data = shareable(view) if reader.slots else view
-    for index, spec in _TENSOR_FIELDS[schema.name]:
-        values[index] = _materialise(spec, values[index], data, data_start)
+    for index in schema.tensor_fields:
+        values[index] = _materialise(schema.fields[index], values[index], data, data_start)
     message: Message = schema.cls(*values)  # every field, in declaration order
     reason = consistency_error(message)
     if reason is not None:
@@ -356,17 +675,26 @@ def _read_header(view: memoryview, limits: CodecLimits) -> tuple[dict[object, ob
     return header, end
 
 
-def _schema_of_header(header: dict[object, object]) -> MessageSchema:
+def _schema_of_header(header: dict[object, object]) -> Schema:
     version = header.get("v")
     if type(version) is not int:
         raise DecodeError(f"header needs an integer schema version 'v', got {version!r}")
     if version != SCHEMA_VERSION:
         raise DecodeError(f"unknown schema version {version} (this codec reads {SCHEMA_VERSION})")
     name = header.get("type")
-    schema = SCHEMAS.get(name) if isinstance(name, str) else None
+    schema = _BY_NAME.get(name) if isinstance(name, str) else None
     if schema is None:
         raise DecodeError(f"unknown message type {name!r}")
     return schema
+
+
+def _key_problem(schema: Schema, header: dict[object, object]) -> NoReturn:
+    # `v` and `type` are there (`_schema_of_header` read them): a field is missing or unknown.
+    for spec in schema.fields:
+        if spec.name not in header:
+            raise DecodeError(f"{schema.name}: missing field {spec.name!r}")
+    unknown = sorted(repr(k) for k in header if k not in schema.keys)
+    raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
 
 
 def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> int:
@@ -404,11 +732,10 @@ def _span(slot: TensorSlot) -> str:
     return f"{slot.path}: data [{slot.offset}, {slot.offset + slot.nbytes})"
 
 
-def _materialise(spec: FieldSpec, raw: object, body: memoryview, data_start: int) -> object:
-    rule = spec.tensor
-    if rule is None or raw is None:
-        return raw
-    finite = rule.finite
+def _materialise(spec: Field, raw: object, body: memoryview, data_start: int) -> object:
+    if raw is None:
+        return None
+    finite = spec.tensor is not None and spec.tensor.finite
     if isinstance(raw, TensorSlot):
         return view_from(body, data_start, raw, finite=finite)
     assert isinstance(raw, dict)  # a tensor map, as `_Walker.value` built it

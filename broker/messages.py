@@ -1,9 +1,11 @@
 """The message types of design §5.
 
-Each message is a frozen dataclass whose field annotations are its wire schema (see
-`broker.schema`): the base type picks how a field travels, `Annotated` markers add checks.
-Every message carries `job`, `client`, `message_id` and `version`, the weights version the
-sender computed with (not the wire schema version, which the codec carries as `v`).
+Each message is a frozen dataclass whose field annotations are its wire schema, which
+`broker.codec` reads off them: the base type picks how a field travels, `Annotated` markers (the
+small classes below) add checks. Every message carries `job`, `client`, `message_id` and
+`version`, the weights version the sender computed with (not the wire schema version, which the
+codec carries as `v`). This module must not use `from __future__ import annotations`: the codec
+needs the field types as real objects, not strings.
 
 Messages holding tensors compare by identity (`eq=False`): tensor `==` is elementwise, so the
 generated `__eq__` would raise instead of answering.
@@ -13,20 +15,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Annotated, get_args
 
 import torch
 
-from broker.schema import (
-    Finite,
-    MessageSchema,
-    NonEmpty,
-    NonNegative,
-    OneOf,
-    TensorRule,
-    build_schema,
-)
+from broker.tensors import WIRE_DTYPES
 
 
 def new_message_id() -> str:
@@ -35,24 +28,51 @@ def new_message_id() -> str:
     return os.urandom(16).hex()
 
 
+# --- field markers ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NonEmpty:
+    """A string that must not be empty."""
+
+
+@dataclass(frozen=True, slots=True)
+class NonNegative:
+    """An integer that must be >= 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finite:
+    """A float that must be neither NaN nor infinite."""
+
+
+@dataclass(frozen=True, slots=True)
+class OneOf:
+    """A string restricted to `choices`."""
+
+    choices: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRule:
+    """What a tensor field (or every value of a tensor-map field) may hold.
+
+    `finite` applies to floating-point dtypes only, so a weights map may also carry integer
+    buffers such as BatchNorm's `num_batches_tracked`.
+    """
+
+    dtypes: frozenset[torch.dtype]
+    finite: bool = False
+    rank: int | None = None
+    min_rank: int = 0
+
+
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 LABEL_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8})
 MASK_DTYPES = frozenset({torch.bool, torch.uint8})
-# Weight dicts may hold integer buffers (BatchNorm's num_batches_tracked) and quantised tensors.
-WEIGHT_DTYPES = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)
+# Weight dicts may hold any dtype that travels: integer buffers (BatchNorm's
+# num_batches_tracked), quantised tensors, float64.
+WEIGHT_DTYPES = frozenset(d.torch_dtype for d in WIRE_DTYPES.values())
 
 
 ConfigValue = str | int | float | bool
@@ -89,27 +109,29 @@ _CUT_NAME = re.compile(r"[A-Za-z0-9_]{1,128}\Z")
 # --- messages -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Join:
-    """A client asks to take part in a job."""
+@dataclass(frozen=True, slots=True, eq=False)
+class _Common:
+    """The fields every message starts with (a subclass without tensors compares by value)."""
 
     job: JobName
     client: ClientId
     message_id: MessageId
     version: Count
+
+
+@dataclass(frozen=True, slots=True)
+class Join(_Common):
+    """A client asks to take part in a job."""
+
     samples: Count
     capability: Count = 0
     info: Info = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Welcome:
+class Welcome(_Common):
     """The coordinator admits a client: its shard, cut and starting weights."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     shard: Count
     cut: str
     round: Count
@@ -119,31 +141,19 @@ class Welcome:
 
 
 @dataclass(frozen=True, slots=True)
-class Leave:
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
+class Leave(_Common):
     reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat:
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
+class Heartbeat(_Common):
     role: Annotated[str, NonEmpty()] = "client"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class SmashedBatch:
+class SmashedBatch(_Common):
     """Cut-layer activations of one minibatch and its labels; `seq` rises per client."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     seq: Count
     shard: Count
     round: Count
@@ -158,13 +168,9 @@ class SmashedBatch:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class GradientReply:
+class GradientReply(_Common):
     """The worker's answer to SmashedBatch `seq`: dL/dz (same shape as its activations)."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     seq: Count
     status: Annotated[str, OneOf(REPLY_STATUSES)]
     loss: Annotated[float, Finite()]
@@ -175,13 +181,9 @@ class GradientReply:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class WeightsUpdate:
+class WeightsUpdate(_Common):
     """A client's weights after its local round; `version` is the base version it started from."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     round: Count
     samples: Count
     client_weights: Weights
@@ -191,16 +193,12 @@ class WeightsUpdate:
 
 
 @dataclass(frozen=True, slots=True)
-class RoundDropped:
+class RoundDropped(_Common):
     """A client gives up its local round `round` (based on `version`) and says why, on the
     updates queue, so the aggregator need not wait for its deadline to learn that no
     WeightsUpdate is coming. `ref_message_id` names the WeightsAssignment it answers (a reopened
     round's attempts share round and version); `detail` is for logs only."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     round: Count
     reason: Annotated[str, OneOf(DROP_REASONS)]
     ref_message_id: str = ""
@@ -208,11 +206,7 @@ class RoundDropped:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class WeightsAssignment:
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
+class WeightsAssignment(_Common):
     round: Count
     participate: bool
     client_weights: Weights
@@ -221,75 +215,51 @@ class WeightsAssignment:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class InferRequest:
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
+class InferRequest(_Common):
     seq: Count
     activations: Activations
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class InferReply:
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
+class InferReply(_Common):
     seq: Count
     logits: Logits
 
 
 @dataclass(frozen=True, slots=True)
-class Error:
+class Error(_Common):
     """An error travelling as a reply (errors never cross processes as exceptions)."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     code: Annotated[str, NonEmpty()]
     reason: str
     ref_message_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
-class RoundStart:
+class RoundStart(_Common):
     """Aggregator → shard queue, ahead of a round's batches: who takes part, with |D_k|.
 
     Queue order puts it before every SmashedBatch of the round, so a worker knows the cohort
     of MiniBatch-SFL's step barrier without a side channel. `client` is empty.
     """
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     round: Count
     shard: Count
     participants: Config
 
 
 @dataclass(frozen=True, slots=True)
-class RoundEnd:
+class RoundEnd(_Common):
     """Aggregator → shard queue, behind all of a round's batches: hand in the replica."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     round: Count
     shard: Count
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
+class Event(_Common):
     """Fanout notice (version published, round opened/closed, member joined/left...)."""
 
-    job: JobName
-    client: ClientId
-    message_id: MessageId
-    version: Count
     kind: Annotated[str, NonEmpty()]
     data: Config
 
@@ -326,13 +296,3 @@ def consistency_error(message: Message) -> str | None:
         if message.cut and not _CUT_NAME.match(message.cut):
             return f"SmashedBatch.cut: {message.cut[:80]!r} is not a cut name"
     return None
-
-
-# --- schema -------------------------------------------------------------------------------------
-
-SCHEMAS: Mapping[str, MessageSchema] = MappingProxyType(
-    {cls.__name__: build_schema(cls) for cls in MESSAGE_TYPES}
-)
-SCHEMAS_BY_CLASS: Mapping[type[Message], MessageSchema] = MappingProxyType(
-    {schema.cls: schema for schema in SCHEMAS.values()}
-)

@@ -164,11 +164,11 @@ def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) 
     shape = obj["shape"]
     needed = dtype.itemsize
     if type(shape) is not list or len(shape) > max_rank:
-        _shape_problem(shape, path, max_rank=max_rank, max_dim=max_dim)
+        raise DecodeError(shape_reason(shape, path, max_rank=max_rank, max_dim=max_dim))
     for dim in shape:
         # bool is an int subclass; a shape of [True] is garbage, not [1].
         if type(dim) is not int or dim < 0 or dim > max_dim:
-            _shape_problem(shape, path, max_rank=max_rank, max_dim=max_dim)
+            raise DecodeError(shape_reason(shape, path, max_rank=max_rank, max_dim=max_dim))
         needed *= dim
     ref = obj["data"]
     if type(ref) is not tuple:
@@ -179,16 +179,18 @@ def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) 
     return TensorSlot(path, dtype, tuple(shape), offset, nbytes)
 
 
-def _shape_problem(obj: object, path: str, *, max_rank: int, max_dim: int) -> NoReturn:
+def shape_reason(obj: object, path: str, *, max_rank: int, max_dim: int) -> str:
+    """What is wrong with a shape (a header's, or an encoded tensor's as a list) that its
+    caller found at fault."""
     if not isinstance(obj, list):
-        raise DecodeError(f"{path}: shape must be a list, got {type(obj).__name__}")
+        return f"{path}: shape must be a list, got {type(obj).__name__}"
     if len(obj) > max_rank:
-        raise DecodeError(f"{path}: rank {len(obj)} exceeds the limit of {max_rank}")
+        return f"{path}: rank {len(obj)} exceeds the limit of {max_rank}"
     for dim in obj:
         if type(dim) is not int:
-            raise DecodeError(f"{path}: shape {obj!r} holds a non-integer dimension")
+            return f"{path}: shape {obj!r} holds a non-integer dimension"
         if dim < 0 or dim > max_dim:
-            raise DecodeError(f"{path}: dimension {dim} of shape {obj!r} is out of [0, {max_dim}]")
+            return f"{path}: dimension {dim} of shape {obj!r} is out of [0, {max_dim}]"
     raise AssertionError(f"{path}: shape {obj!r} has no problem")  # callers saw one
 
 
@@ -198,11 +200,6 @@ def _ref_problem(obj: object, path: str) -> NoReturn:
             f"{path}: tensor reference has {len(obj.data)} bytes, expected {_REF.size}"
         )
     raise DecodeError(f"{path}: data must be a tensor reference, msgpack ext {TENSOR_EXT_CODE}")
-
-
-def to_wire(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached, CPU, contiguous tensor (the input itself when it already is one)."""
-    return tensor.detach().cpu().contiguous()
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
@@ -216,7 +213,7 @@ def wire_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous buffer of a tensor's wire bytes (for `bytes.join`), sharing the tensor's
     memory when it already is a contiguous CPU tensor."""
     if not (tensor.is_cpu and tensor.is_contiguous()):
-        tensor = to_wire(tensor)
+        tensor = tensor.detach().cpu().contiguous()
     return host_array(tensor).data
 
 

@@ -26,10 +26,10 @@ from broker.codec import (
     SCHEMA_VERSION,
     UNEXPECTED,
     CodecLimits,
+    build_schema,
     decode,
     encode,
     encode_into,
-    message_type_name,
 )
 from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
 from broker.messages import (
@@ -43,6 +43,8 @@ from broker.messages import (
     Join,
     Leave,
     Message,
+    NonEmpty,
+    NonNegative,
     RoundDropped,
     RoundEnd,
     RoundStart,
@@ -52,11 +54,10 @@ from broker.messages import (
     Welcome,
     new_message_id,
 )
-from broker.schema import NonNegative, build_schema
 from broker.tensors import ALIGN, all_finite
 
 BROKER = Path(__file__).resolve().parents[2] / "broker"
-CODEC_MODULES = ("codec.py", "tensors.py", "messages.py", "schema.py")
+CODEC_MODULES = ("codec.py", "tensors.py", "messages.py")
 
 
 # --- building messages and bodies ---------------------------------------------------------------
@@ -227,7 +228,7 @@ def test_every_message_round_trips(message: Message) -> None:
     body = encode(message)
     assert body.startswith(MAGIC)
     assert_same(decode(body), message)
-    assert message_type_name(message) == type(message).__name__
+    assert split(body)[0]["type"] == type(message).__name__
 
 
 DESIGN_TYPES = (
@@ -832,7 +833,7 @@ def test_encode_refuses_foreign_objects() -> None:
     with pytest.raises(EncodeError, match="Leave2 is not a SplitMQ message type"):
         encode(Leave2("j"))  # type: ignore[arg-type]
     with pytest.raises(EncodeError, match="dict is not a SplitMQ message type"):
-        message_type_name({"type": "Leave"})  # type: ignore[arg-type]
+        encode({"type": "Leave"})  # type: ignore[arg-type]
 
 
 def test_messages_without_tensors_compare_by_value() -> None:
@@ -854,8 +855,12 @@ def test_schema_refuses_annotations_it_cannot_carry() -> None:
     bare = dataclasses.make_dataclass("Bare", [("t", torch.Tensor)])
     with pytest.raises(TypeError, match=r"Bare\.t: a tensor field needs exactly one TensorRule"):
         build_schema(bare)
-    fine = dataclasses.make_dataclass("Fine", [("n", Annotated[int, NonNegative()])])
-    assert build_schema(fine).fields[0].non_negative
+    fine = dataclasses.make_dataclass(
+        "Fine", [("n", Annotated[int, NonNegative()]), ("s", Annotated[str, NonEmpty()])]
+    )
+    n, s = build_schema(fine).fields
+    assert n.checks[0](-1, n.path, 10) == "Fine.n: -1 must be >= 0"
+    assert s.checks[0]("", s.path, 10) == "Fine.s: must not be empty"
 
 
 def test_no_pickle_in_the_broker_package() -> None:
