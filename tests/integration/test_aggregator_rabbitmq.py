@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef
-from services.aggregator import Aggregator, ensure_initial_version
+from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.config.root import Settings

@@ -23,14 +23,14 @@ from broker.errors import BackPressureError, BrokerError
 from broker.messages import SmashedBatch
 from broker.topology import SMASHED_EXCHANGE, shard_queue_name
 from broker.transport import Broker
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.client.client import Client
 from services.client.data import JobData
 from services.client.stats import ClientStats
 from services.common.backends import Backends
 from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
 from tests.integration.test_exactness import Kept

@@ -13,12 +13,12 @@ from broker.messages import Join, Leave, Message, Welcome, new_message_id
 from broker.store import CLIENT_PART, BlobRef
 from broker.topology import CONTROL_EXCHANGE, reply_queue_name
 from broker.transport import Broker
-from services.aggregator import ensure_initial_version
+from services.aggregator.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.membership import client_members
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
     declare_all,

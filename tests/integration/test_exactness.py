@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.client.client import Client
 from services.client.data import JobData
 from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.common.supervise import Role, RoleSpec, Supervisor
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
 from tests.integration.reference_loops import ReferenceResult, reference_run

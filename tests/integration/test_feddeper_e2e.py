@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
 from services.client.client import Client
@@ -27,7 +27,7 @@ from services.client.data import JobData
 from services.common.backends import Backends, Embedded
 from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import load_dataset
 from services.report.records import ListSink, VersionRecord
 from tests.unit.test_aggregator_peers import delete_all

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
 from services.client.client import Client
@@ -29,7 +29,7 @@ from services.client.stats import ClientStats
 from services.common.backends import Backends, Embedded
 from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
 from tests.integration.test_exactness import Kept

@@ -44,7 +44,7 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker, PublishOptions
-from services.aggregator import Aggregator, ensure_initial_version
+from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.handout import WeightsCache

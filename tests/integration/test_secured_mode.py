@@ -56,7 +56,7 @@ from broker.topology import (
 from broker.transport import REASON_HEADER, USER_HEADER, Broker, PublishOptions
 from models.parts import ServerModel
 from models.state import load_partial
-from services.aggregator import ensure_initial_version
+from services.aggregator.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.cli.main import cli
 from services.client.inference import BrokerTheta
@@ -65,7 +65,7 @@ from services.common.backends import Backends
 from services.common.jobmodel import job_model
 from services.config.loading import load_settings
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.security.admin import AdminError, pick_admin
 from services.security.identity import amqp_user, client_user
 from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running

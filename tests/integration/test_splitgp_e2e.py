@@ -35,7 +35,7 @@ from broker.topology import (
 from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import load_partial
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.aggregator.evaluation import build_evaluator
 from services.cli.main import cli
 from services.client.client import Client
@@ -51,7 +51,7 @@ from services.common.backends import Backends
 from services.common.jobmodel import job_model
 from services.common.supervise import RoleSpec, Supervisor
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink, VersionRecord
 from services.report.rundir import write_config

@@ -18,7 +18,7 @@ from broker.messages import Error, WeightsAssignment, WeightsUpdate
 from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef, Weights
 from broker.topology import dead_queue_name
 from broker.transport import REASON_HEADER
-from services.aggregator import Aggregator, ensure_initial_version
+from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.aggregator.evaluation import build_evaluator, evaluate, full_model_weights
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends, Embedded

@@ -15,7 +15,7 @@ from broker.codec import decode, encode
 from broker.errors import DecodeError
 from broker.messages import Event, RoundDropped, WeightsAssignment, WeightsUpdate
 from broker.topology import events_queue
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.aggregator.gate import Verdict
 from services.aggregator.inbox import decode_kind
 from services.aggregator.round_gate import (

@@ -21,12 +21,12 @@ from broker.codec import encode
 from broker.messages import Join, Leave, Message, WeightsAssignment, Welcome, new_message_id
 from broker.store import SERVER_PART, BlobRef
 from broker.topology import CONTROL_EXCHANGE
-from services.aggregator import Aggregator, ensure_initial_version
+from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends, Embedded
 from services.common.membership import client_members
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.report.records import ListSink, VersionRecord
 from tests.unit.test_aggregator_peers import (
     WAIT_S,

@@ -15,7 +15,7 @@ import pytest
 from broker.messages import RoundStart
 from broker.topology import dead_queue_name
 from broker.transport import REASON_HEADER
-from services.aggregator import Aggregator
+from services.aggregator.aggregator import Aggregator
 from services.report.records import ListSink
 from tests.unit.test_aggregator import SAMPLES, Job, client_value, wait_until
 from tests.unit.test_aggregator_peers import FakeClient, add_member, make_settings

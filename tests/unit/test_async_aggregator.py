@@ -27,7 +27,7 @@ from broker.messages import (
 from broker.store import CLIENT_PART, BlobRef, JobStatus
 from broker.topology import CONTROL_EXCHANGE, dead_queue_name, reply_queue_name, updates_routing_key
 from broker.transport import REASON_HEADER, Broker
-from services.aggregator import Aggregator, ensure_initial_version
+from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.async_fold import is_statistic
 from services.algorithms.registry import build_strategy
 from services.algorithms.staleness import TOO_STALE, polynomial

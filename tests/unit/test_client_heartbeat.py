@@ -19,7 +19,7 @@ from broker.memory_broker import InMemoryBroker
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import Heartbeat, Message
 from broker.topology import control_queue, control_queue_name
-from services.aggregator import ensure_initial_version
+from services.aggregator.aggregator import ensure_initial_version
 from services.algorithms.base import LocalRound, RoundResult
 from services.algorithms.fedavg import FedAvg
 from services.algorithms.registry import build_strategy
@@ -30,7 +30,7 @@ from services.common.backends import Backends, Embedded
 from services.common.handout import WeightsCache, assignment, dismissal
 from services.common.membership import client_members
 from services.common.outbox import Outbox
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import load_dataset
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock, running
 from tests.unit.test_client_peers import make_settings

@@ -32,12 +32,12 @@ from broker.topology import (
     reply_queue_name,
 )
 from broker.transport import REASON_HEADER, Broker, PublishOptions
-from services.aggregator import ensure_initial_version
+from services.aggregator.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends, Embedded
 from services.common.membership import MemberInfo, client_members, member_id
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock, make_settings, running
 
 LOG = logging.getLogger("test.coordinator")

@@ -18,8 +18,7 @@ from broker.memory_store import InMemoryWeightStore
 from broker.messages import Event
 from broker.store import NO_VERSION, JobStatus
 from broker.topology import events_queue, reply_queue_name
-from services.aggregator import Aggregator, ensure_initial_version
-from services.aggregator.aggregator import ended_job
+from services.aggregator.aggregator import Aggregator, ended_job, ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.client.client import Client
 from services.client.data import JobData
@@ -27,7 +26,7 @@ from services.client.stats import ClientStats
 from services.common.membership import client_members
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
-from services.coordinator import Coordinator
+from services.coordinator.coordinator import Coordinator
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
 from tests.unit.test_aggregator import Job
