@@ -224,7 +224,7 @@ class InferenceServer:
                     reason=detail,
                     ref_message_id=message.message_id,
                 )
-                if replier.publish(error, _reply_key(error)):
+                if replier.publish(error, infer_reply_routing_key(error.job, error.client)):
                     self.stats.errors += 1
             refuse(code, detail)
             return
@@ -240,7 +240,8 @@ class InferenceServer:
             seq=message.seq,
             logits=logits.to(device="cpu", dtype=torch.float32).contiguous(),
         )
-        if replier.publish(reply, _reply_key(reply)):
+        # The requester's inference reply queue, not its training one (whose loop consumes it).
+        if replier.publish(reply, infer_reply_routing_key(reply.job, reply.client)):
             self.stats.requests += 1
             self.stats.rows += int(message.activations.shape[0])
         elif not replier.stopping:
@@ -260,9 +261,3 @@ class InferenceServer:
             return "bad_client", "InferRequest without a client id to answer"
         wrong_shape = shape_problem(message.activations, self._cut_shape)
         return None if wrong_shape is None else ("bad_shape", wrong_shape)
-
-
-def _reply_key(message: InferReply | Error) -> str:
-    """The requester's inference reply queue (not its training reply queue: a client's
-    training loop consumes that one)."""
-    return infer_reply_routing_key(message.job, message.client)

@@ -1,16 +1,11 @@
-"""Everything one held shard does with its deliveries (architecture doc, sync round step 5).
-
-SmashedBatch → validate (the checks below), skip duplicates (seq at or below the client's last
-applied one), in async mode ask the clock (`workers.clock.Continuous`) whether it is too stale to
-train on, then the strategy's server step: one message at a time, up to `batch_messages` folded, or
-MiniBatch-SFL's step barrier; reply with each gradient, cast back to the dtype the client sent
-(`Replier`: back-pressure waited out, a vanished client not fatal). Sync rounds also take markers:
-RoundStart remembers the cohort (a batch of a newer version reloads the replica), RoundEnd hands the
-replica in with a checkpoint.
-Deliveries stay unacked until a checkpoint covers them (design §7): a crash at any instant
-loses nothing, and the seqs in the checkpoint make every redelivered batch apply exactly once.
-A step whose loss or gradients are not finite has poisoned the replica: nothing is recorded
-or answered, and it rolls back.
+"""Everything one held shard does with its deliveries (architecture doc, sync round step 5,
+which gives the order: checks, duplicates skipped, the server step, the reply, the ack after
+the checkpoint), and the replies it sends (`Replier`: back-pressure waited out, a vanished
+client not fatal). An async shard also asks its clock (`workers.clock.Continuous`) whether a
+batch is too stale to train on. Deliveries stay unacked until a checkpoint covers them (design
+§7): a crash at any instant loses nothing, and the seqs in the checkpoint make every
+redelivered batch apply exactly once. A step whose loss or gradients are not finite has
+poisoned the replica: nothing is recorded or answered, and it rolls back.
 
 The checks of what arrives (beyond what the codec checks) return `(code, detail)` when the
 message must be dead-lettered, else None; the code is the counter key and the head of the
@@ -67,6 +62,9 @@ if TYPE_CHECKING:
     from workers.worker import WorkerSession
 
 Rejection = tuple[str, str]
+# A reply refused by back-pressure is tried again after these, doubling.
+_FIRST_DELAY_S = 0.05
+_MAX_DELAY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -567,16 +565,12 @@ class Replier:
         stop: threading.Event,
         logger: logging.Logger,
         *,
-        first_delay_s: float = 0.05,
-        max_delay_s: float = 2.0,
         sleep: Callable[[float], None] | None = None,
         keep: int = 1024,
     ) -> None:
         self._broker = broker
         self._stop = stop
         self._logger = logger
-        self._first_delay_s = first_delay_s
-        self._max_delay_s = max_delay_s
         # Waiting on the stop event, so a stopping worker does not sit out a long backoff.
         self._sleep = sleep or (lambda s: bool(stop.wait(s)))
         self._keep = max(1, keep)
@@ -636,7 +630,7 @@ class Replier:
     ) -> bool:
         # `what` names the message for a log line: built only when one is written, not for
         # every reply on the worker's critical path.
-        delay = self._first_delay_s
+        delay = _FIRST_DELAY_S
         attempts = 0
         while True:
             try:
@@ -655,7 +649,7 @@ class Replier:
                     self._logger.warning("%s dropped: full while stopping", what())
                     return False
                 self._sleep(delay)
-                delay = min(delay * 2, self._max_delay_s)
+                delay = min(delay * 2, _MAX_DELAY_S)
             except UnroutableError:
                 self._logger.warning("%s unroutable: the client's queue is gone", what())
                 return False
