@@ -80,18 +80,14 @@ def run(
                 # (an unknown model), the traceback for a bug.
                 click.echo(f"report: {sink.run_dir}")
                 raise
-            lingering = linger > 0 and bool(seen.url)
-            if lingering:
-                click.echo("")
-                click.echo(sink.summary, nl=False)
+            click.echo("")
+            click.echo(sink.summary, nl=False)
+            if linger > 0 and seen.url:
                 click.echo(f"serving {seen.url}/ for {linger:g} s more (Ctrl-C to stop)")
                 # The run set `stop` when it ended; Ctrl-C now ends the wait.
                 rest = threading.Event()
                 with stop_on_signals(rest):
                     rest.wait(linger)
-    if not lingering:
-        click.echo("")
-        click.echo(sink.summary, nl=False)
     if outcome.traceback:
         click.echo(f"\n{outcome.failed_role} failed:\n{outcome.traceback}", err=True)
     if outcome.stuck:

@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from services.common.logs import log_context
@@ -43,11 +43,15 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    # "finished", "stopped", "interrupted", "failed: <role>: <error>", "failed: <reason>"
+    """How a run ended: an embedded one (threads) or `splitmq up`'s (processes)."""
+
+    # "finished", "stopped", "interrupted", "timeout" (`up`), "failed: <role>: <error>",
+    # "failed: <reason>"
     status: str
     failed_role: str = ""
     traceback: str = ""
     stuck: tuple[str, ...] = ()  # roles that did not stop within the join timeout
+    exit_codes: Mapping[str, int | None] = field(default_factory=dict)  # `up`'s children
 
     @property
     def ok(self) -> bool:

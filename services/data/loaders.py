@@ -53,14 +53,6 @@ class Dataset:
     train: Split
     test: Split
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def num_classes(self) -> int:
-        return self.spec.num_classes
-
 
 def _idx_paths(files: SplitFiles, root: Path) -> tuple[Path, Path] | None:
     if files.idx is None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.metrics.recorder import Metrics
+from services.metrics.recorder import Meters, Metrics
 
 F = TypeVar("F", Counter, Gauge, Histogram)
 
@@ -112,7 +112,7 @@ class _Families:
         self.members = family(Gauge, "splitmq_members", "Live members by kind.", (*job, "kind"))
 
 
-class PrometheusMeters:
+class PrometheusMeters(Meters):
     """One per process: the registry, and a recorder per role the process runs."""
 
     def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:

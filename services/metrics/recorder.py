@@ -8,7 +8,6 @@ few points and never imports Prometheus, so tests and metric-less runs pay nothi
 from __future__ import annotations
 
 import re
-from typing import Protocol
 
 from services.report.records import VersionRecord
 
@@ -55,19 +54,18 @@ class Metrics:
         return {}
 
 
-class Meters(Protocol):
-    """A process's source of recorders, one per role it runs."""
-
-    def role(self, kind: str, member: str = "") -> Metrics: ...
+NO_METRICS = Metrics()
 
 
-class NoMeters:
+class Meters:
+    """A process's source of recorders, one per role it runs; this base hands out
+    `NO_METRICS` (`NO_METERS`)."""
+
     def role(self, kind: str, member: str = "") -> Metrics:
         return NO_METRICS
 
 
-NO_METRICS = Metrics()
-NO_METERS = NoMeters()
+NO_METERS = Meters()
 
 _CODE = re.compile(r"([a-z][a-z0-9_]{1,31}):")
 OTHER_REASON = "rejected"

@@ -15,13 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import services
 from broker.topology import client_queue_names
 from services.common.backends import Backends
+from services.common.supervise import Outcome
 from services.config.root import Settings
 from services.runtime.doctor import check_broker, check_store
 
@@ -41,18 +42,6 @@ class Child:
     spec: ChildSpec
     process: subprocess.Popen[str]
     pump: threading.Thread
-
-
-@dataclass(frozen=True)
-class UpResult:
-    status: str  # "finished", "stopped", "timeout", "failed: ..."
-    exit_codes: Mapping[str, int | None] = field(default_factory=dict)
-
-    @property
-    def exit_code(self) -> int:
-        if self.status == "finished":
-            return 0
-        return 130 if self.status == "stopped" else 1
 
 
 def child_specs(workers: int, clients: int, run_dir: Path) -> list[ChildSpec]:
@@ -179,13 +168,13 @@ class LocalProcesses:
         pump.start()
         return Child(spec, process, pump)
 
-    def wait(self, stop: threading.Event, timeout_s: float = 0.0) -> UpResult:
+    def wait(self, stop: threading.Event, timeout_s: float = 0.0) -> Outcome:
         """Until the aggregator exits (then stop the rest), a child fails, `stop`, or timeout."""
         deadline = self._clock() + timeout_s if timeout_s > 0 else None
         status = self._watch(stop, deadline)
         self.stop()
         codes = {c.spec.name: c.process.returncode for c in self._children}
-        return UpResult(status, codes)
+        return Outcome(status, exit_codes=codes)
 
     def _watch(self, stop: threading.Event, deadline: float | None) -> str:
         finished_at: float | None = None
