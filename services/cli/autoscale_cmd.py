@@ -64,8 +64,7 @@ def autoscale(config: Path | None, log_dir: Path | None, log: LogOptions) -> Non
             "`splitmq autoscale` sizes workers in other processes: it needs RabbitMQ and Redis "
             "(SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis)"
         )
-    context = {"role": "autoscaler", "job": settings.job.name}
-    with log.logging(settings, context):
+    with log.logging(settings, {"role": "autoscaler", "job": settings.job.name}):
         pool = make_pool(settings, path, log_dir)
         stop = threading.Event()
         with stop_on_signals(stop):

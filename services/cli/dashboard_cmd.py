@@ -34,8 +34,7 @@ def dashboard(config: Path | None, run_dir: Path | None, log: LogOptions) -> Non
     if not settings.metrics.enabled:
         raise click.ClickException("metrics.enabled is false in the config: nothing to serve")
     live = settings.broker.kind == "rabbitmq" and settings.store.kind == "redis"
-    context = {"role": "dashboard", "job": settings.job.name}
-    with log.logging(settings, context):
+    with log.logging(settings, {"role": "dashboard", "job": settings.job.name}):
         stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
         watch = observed(

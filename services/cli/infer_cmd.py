@@ -59,7 +59,7 @@ def parse_thresholds(text: str) -> list[float]:
     show_default=True,
     help="Entropy thresholds E_th (nats), comma-separated.",
 )
-@click.option("--version", "version", type=int, default=0, help="Weights version (0: newest).")
+@click.option("--version", type=int, default=0, help="Weights version (0: newest).")
 @click.option(
     "--clients",
     "max_clients",
@@ -132,9 +132,7 @@ def infer(
         version = version or store.current_version(job)
         if version == 0:
             raise click.ClickException(f"job {job!r} has no published version in the store")
-        clients = personal_clients(store, job, version)
-        if max_clients:
-            clients = clients[:max_clients]
+        clients = personal_clients(store, job, version)[: max_clients or None]
         if not clients:
             raise click.ClickException(f"version {version} of {job!r} has no personalised clients")
         click.echo(f"job {job} version {version}: {len(clients)} clients, E_th {thresholds}")

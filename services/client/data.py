@@ -101,7 +101,7 @@ def client_batches(data: JobData, index: int, *, batch_size: int, seed: int) -> 
     indices = data.indices(index)
     # BatchNorm cannot train on a batch of one sample; drop such a trailing batch.
     drop_last = len(indices) > batch_size and len(indices) % batch_size == 1
-    return ClientBatches.create(
+    return ClientBatches(
         train.x,
         train.y,
         indices,

@@ -9,7 +9,6 @@ replays exactly the batches it would have seen, whichever process runs it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -34,26 +33,15 @@ def epoch_order(n: int, *, seed: int, client: int, epoch: int) -> npt.NDArray[np
     return rng.permutation(n).astype(np.int64)
 
 
-@dataclass(frozen=True, eq=False)
 class ClientBatches:
     """Shuffled minibatches of one client's partition of ``(x, y)``.
 
-    ``indices`` selects the client's samples from ``x``/``y`` (any shape [N, ...] / [N]).
-    Batches live on the device of ``x``; ``y`` must be on the same device.
+    ``indices`` (numpy or a list) selects the client's samples from ``x``/``y`` (any shape
+    [N, ...] / [N]). Batches live on the device of ``x``; ``y`` must be on the same device.
     """
 
-    x: torch.Tensor
-    y: torch.Tensor
-    indices: torch.Tensor
-    batch_size: int
-    seed: int
-    client: int
-    shuffle: bool = True
-    drop_last: bool = False
-
-    @classmethod
-    def create(
-        cls,
+    def __init__(
+        self,
         x: torch.Tensor,
         y: torch.Tensor,
         indices: npt.ArrayLike,
@@ -63,8 +51,7 @@ class ClientBatches:
         client: int,
         shuffle: bool = True,
         drop_last: bool = False,
-    ) -> ClientBatches:
-        """Validate the inputs and build the iterator; ``indices`` may be numpy or a list."""
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if x.shape[0] != y.shape[0]:
@@ -74,16 +61,14 @@ class ClientBatches:
             raise ValueError(f"indices must be 1-D, got shape {tuple(idx.shape)}")
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= x.shape[0]):
             raise ValueError(f"indices out of range for {x.shape[0]} samples")
-        return cls(
-            x=x,
-            y=y,
-            indices=idx.to(x.device),
-            batch_size=batch_size,
-            seed=seed,
-            client=client,
-            shuffle=shuffle,
-            drop_last=drop_last,
-        )
+        self.x = x
+        self.y = y
+        self.indices = idx.to(x.device)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.client = client
+        self.shuffle = shuffle
+        self.drop_last = drop_last
 
     @property
     def num_samples(self) -> int:

@@ -54,7 +54,7 @@ def union_batches(data: JobData, settings: Settings) -> ClientBatches:
     union = torch.cat([torch.as_tensor(data.indices(k)) for k in range(data.clients)])
     union, _ = torch.sort(union)
     size = settings.algorithm.batch_size
-    return ClientBatches.create(
+    return ClientBatches(
         train.x,
         train.y,
         union.numpy(),

@@ -101,7 +101,7 @@ def round_batches(settings: Settings, data: JobData, index: int, round_index: in
     indices = data.indices(index)
     # The client drops a trailing batch of one sample (BatchNorm); keep the tests clear of it.
     assert len(indices) <= a.batch_size or len(indices) % a.batch_size != 1
-    batches = ClientBatches.create(
+    batches = ClientBatches(
         data.dataset.train.x,
         data.dataset.train.y,
         indices,

@@ -105,7 +105,7 @@ def round_batches(
     """The batches the client should train on in `round_index`: epochs numbered across rounds,
     capped at max_steps_per_round."""
     a = settings.algorithm
-    batches = ClientBatches.create(
+    batches = ClientBatches(
         dataset.train.x,
         dataset.train.y,
         partition_indices(settings, dataset, index),

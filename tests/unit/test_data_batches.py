@@ -27,7 +27,7 @@ def flat(batches: list[list[int]]) -> list[int]:
 def test_epoch_covers_the_client_indices_once() -> None:
     x, y = make_data()
     indices = np.array([3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37])
-    batches = ClientBatches.create(x, y, indices, batch_size=4, seed=0, client=2)
+    batches = ClientBatches(x, y, indices, batch_size=4, seed=0, client=2)
     ids = batch_ids(batches, 0)
     assert [len(b) for b in ids] == [4, 4, 3]
     assert len(batches) == 3
@@ -39,9 +39,7 @@ def test_epoch_covers_the_client_indices_once() -> None:
 
 def test_drop_last() -> None:
     x, y = make_data()
-    batches = ClientBatches.create(
-        x, y, np.arange(10), batch_size=4, seed=0, client=0, drop_last=True
-    )
+    batches = ClientBatches(x, y, np.arange(10), batch_size=4, seed=0, client=0, drop_last=True)
     ids = batch_ids(batches, 0)
     assert len(batches) == 2
     assert [len(b) for b in ids] == [4, 4]
@@ -53,9 +51,7 @@ def test_order_depends_on_seed_client_and_epoch_only() -> None:
     idx = np.arange(0, 100, 2)
 
     def order(seed: int, client: int, epoch: int) -> list[list[int]]:
-        return batch_ids(
-            ClientBatches.create(x, y, idx, batch_size=8, seed=seed, client=client), epoch
-        )
+        return batch_ids(ClientBatches(x, y, idx, batch_size=8, seed=seed, client=client), epoch)
 
     base = order(1, 4, 2)
     assert base == order(1, 4, 2), "same (seed, client, epoch), same batches"
@@ -70,7 +66,7 @@ def test_order_depends_on_seed_client_and_epoch_only() -> None:
 def test_no_shuffle_keeps_index_order() -> None:
     x, y = make_data()
     idx = np.array([9, 2, 5, 1])
-    batches = ClientBatches.create(x, y, idx, batch_size=3, seed=0, client=0, shuffle=False)
+    batches = ClientBatches(x, y, idx, batch_size=3, seed=0, client=0, shuffle=False)
     assert batch_ids(batches, 0) == [[9, 2, 5], [1]]
     assert batch_ids(batches, 1) == [[9, 2, 5], [1]]
 
@@ -86,17 +82,15 @@ def test_epoch_order_is_a_permutation() -> None:
 def test_invalid_inputs() -> None:
     x, y = make_data(10)
     with pytest.raises(ValueError, match="batch_size"):
-        ClientBatches.create(x, y, [0], batch_size=0, seed=0, client=0)
+        ClientBatches(x, y, [0], batch_size=0, seed=0, client=0)
     with pytest.raises(ValueError, match="out of range"):
-        ClientBatches.create(x, y, [0, 10], batch_size=2, seed=0, client=0)
+        ClientBatches(x, y, [0, 10], batch_size=2, seed=0, client=0)
     with pytest.raises(ValueError, match="x has 10 samples but y has 9"):
-        ClientBatches.create(x, y[:9], [0], batch_size=2, seed=0, client=0)
+        ClientBatches(x, y[:9], [0], batch_size=2, seed=0, client=0)
 
 
 def test_empty_partition_yields_nothing() -> None:
     x, y = make_data(10)
-    batches = ClientBatches.create(
-        x, y, np.array([], dtype=np.int64), batch_size=2, seed=0, client=0
-    )
+    batches = ClientBatches(x, y, np.array([], dtype=np.int64), batch_size=2, seed=0, client=0)
     assert len(batches) == 0
     assert list(batches.epoch(0)) == []
