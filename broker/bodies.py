@@ -93,24 +93,20 @@ def probe(constructor: Callable[[], _Constructor] = _constructor) -> str | None:
 
 def enabled(environ: Mapping[str, str], probed: Callable[[], str | None]) -> bool:
     """Whether `fresh_body` may write in place: not switched off in `environ`, and `probed`
-    (called only then) found no reason against it."""
+    (called only then, its reason logged) found no reason against it."""
     if environ.get(SWITCH, "1").strip().lower() in {"0", "false", "no", "off"}:
         return False
-    return probed() is None
-
-
-def _probe_logged() -> str | None:
-    reason = probe()
+    reason = probed()
     if reason is not None:
         _log.info("bodies are joined, not written in place: %s", reason)
-    return reason
+    return reason is None
 
 
 @functools.cache
 def _constructor_here() -> _Constructor | None:
     # The one piece of process-wide state: the verdict, decided at the first big body. The
     # switch is read here, not from a job's settings: it is about the interpreter, not the job.
-    return _constructor() if enabled(os.environ, _probe_logged) else None
+    return _constructor() if enabled(os.environ, probe) else None
 
 
 def fresh_body(size: int) -> tuple[bytes, _Window] | None:

@@ -57,6 +57,7 @@ from broker.messages import (
 )
 from broker.tensors import (
     ALIGN,
+    BY_TORCH,
     FloatBits,
     TensorSlot,
     align,
@@ -71,19 +72,7 @@ from broker.tensors import (
     unpack_ext,
     view_from,
     wire_bytes,
-    wire_dtype,
 )
-
-__all__ = [
-    "DEFAULT_LIMITS",
-    "MAGIC",
-    "SCHEMA_VERSION",
-    "UNEXPECTED",
-    "CodecLimits",
-    "decode",
-    "encode",
-    "encode_into",
-]
 
 MAGIC = b"SMQ\x01"
 SCHEMA_VERSION = 1
@@ -378,7 +367,7 @@ class _Writer(_Walker):
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:
         if not isinstance(value, torch.Tensor):
             raise EncodeError(f"{path}: expected a tensor, got {type(value).__name__}")
-        dtype = wire_dtype(value.dtype)
+        dtype = BY_TORCH.get(value.dtype)
         if dtype is None or value.layout != torch.strided:
             raise EncodeError(f"{path}: a {value.layout} {value.dtype} tensor cannot travel")
         shape = tuple(value.shape)
@@ -557,26 +546,13 @@ class _Reader(_Walker):
 
 
 Body = bytes | bytearray | memoryview
-T1 = TypeVar("T1", bound=Message)
-T2 = TypeVar("T2", bound=Message)
-T3 = TypeVar("T3", bound=Message)
+T = TypeVar("T", bound=Message)
 
 
 @overload
 def decode(body: Body, limits: CodecLimits | None = None) -> Message: ...
 @overload
-def decode(body: Body, limits: CodecLimits | None = None, *, expect: type[T1]) -> T1: ...
-@overload
-def decode(
-    body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[T1], type[T2]]
-) -> T1 | T2: ...
-@overload
-def decode(
-    body: Body,
-    limits: CodecLimits | None = None,
-    *,
-    expect: tuple[type[T1], type[T2], type[T3]],
-) -> T1 | T2 | T3: ...
+def decode(body: Body, limits: CodecLimits | None = None, *, expect: type[T]) -> T: ...
 @overload
 def decode(
     body: Body, limits: CodecLimits | None = None, *, expect: tuple[type[Message], ...]

@@ -43,11 +43,7 @@ def dead_letter_safely(broker: Broker, delivery: Delivery, reason: str) -> Rejec
             exc,
             reason,
         )
-        try:
-            broker.nack(delivery, requeue=False)
-        except StaleDeliveryError:
-            return Rejected.REDELIVERED
-        return Rejected.WITHOUT_REASON
+        return _without_reason(broker, delivery)
     return Rejected.DEAD_LETTERED
 
 
@@ -78,13 +74,17 @@ def dead_letter_many_safely(
             "; ".join(sorted({reasons[id(delivery)] for delivery, _ in refused})),
         )
     for delivery, _ in refused:
-        try:
-            broker.nack(delivery, requeue=False)
-        except StaleDeliveryError:
-            outcome[id(delivery)] = Rejected.REDELIVERED
-        else:
-            outcome[id(delivery)] = Rejected.WITHOUT_REASON
+        outcome[id(delivery)] = _without_reason(broker, delivery)
     return [outcome[id(delivery)] for delivery, _ in letters]
+
+
+def _without_reason(broker: Broker, delivery: Delivery) -> Rejected:
+    """Nack without requeue: the queue's own dead-letter routing takes it."""
+    try:
+        broker.nack(delivery, requeue=False)
+    except StaleDeliveryError:
+        return Rejected.REDELIVERED
+    return Rejected.WITHOUT_REASON
 
 
 def ack_safely(broker: Broker, delivery: Delivery) -> bool:

@@ -99,7 +99,8 @@ WIRE_DTYPES: Mapping[str, WireDtype] = MappingProxyType(
         )
     }
 )
-_BY_TORCH: Mapping[torch.dtype, WireDtype] = MappingProxyType(
+# The wire dtype of each torch dtype that may travel.
+BY_TORCH: Mapping[torch.dtype, WireDtype] = MappingProxyType(
     {d.torch_dtype: d for d in WIRE_DTYPES.values()}
 )
 
@@ -107,11 +108,6 @@ _BY_TORCH: Mapping[torch.dtype, WireDtype] = MappingProxyType(
 def align(n: int) -> int:
     """`n` rounded up to a multiple of `ALIGN`."""
     return -(-n // ALIGN) * ALIGN
-
-
-def wire_dtype(dtype: torch.dtype) -> WireDtype | None:
-    """The whitelisted wire dtype of a torch dtype, or None if it may not travel."""
-    return _BY_TORCH.get(dtype)
 
 
 class TensorSlot(NamedTuple):
@@ -246,13 +242,10 @@ def copy_checked(
 
 def shareable(body: memoryview) -> memoryview:
     """`body`, or when it is read-only (a received `bytes`) a writable alias of its memory that
-    keeps it alive, for `view_from`.
-
-    torch has no read-only tensors: over a read-only numpy array, `torch.from_numpy` makes a
-    writable tensor anyway and warns once per process. Decoded tensors are views of the body on
-    purpose (callers clone before modifying in place), so the alias says what torch would do,
-    and no warning is raised: no warning filter is touched, so it is right on every CPython,
-    free-threaded ones included, and on every thread.
+    keeps it alive, for `view_from`. torch has no read-only tensors: over a read-only array
+    `torch.from_numpy` makes a writable tensor anyway, and warns. Decoded tensors are views of
+    the body on purpose, so the alias does what torch would, without the warning and without
+    touching a warning filter (right on every thread, free-threaded builds included).
     """
     return writable_alias(body).data if body.readonly else body
 
@@ -262,10 +255,8 @@ def view_from(
 ) -> torch.Tensor:
     """A zero-copy tensor over `body[start + slot.offset:]` (a fresh one when empty); checks
     bool bytes are 0 or 1 and, when `finite`, that floating-point values are neither NaN nor
-    infinite (raising `DecodeError` naming the slot's path).
-
-    Pass a read-only `body` through `shareable` first (torch would warn). torch cannot mark a
-    tensor read-only: callers that modify decoded tensors in place must clone them first.
+    infinite (raising `DecodeError` naming the slot's path). Pass a read-only `body` through
+    `shareable` first.
     """
     dtype = slot.dtype
     if not slot.nbytes:  # may lie past the end of a body without a data section
@@ -293,7 +284,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     2-core host; see docs/benchmarks.md). Other devices and float dtypes use one `aminmax`
     (NaN propagates, an infinity is an extreme).
     """
-    wire = _BY_TORCH.get(tensor.dtype)
+    wire = BY_TORCH.get(tensor.dtype)
     bits = None if wire is None else wire.bits
     if bits is not None and tensor.is_cpu:
         return tensor.numel() == 0 or finite_array(host_array(tensor), bits)
