@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 from broker.errors import SplitMQError
 from broker.store import WeightStore
-from broker.topology import QueueLimits, job_queues, shard_queue_name
+from broker.topology import shard_queue_name
 from broker.transport import Broker
 from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.policy import Decision, Limits, Observation, PolicyState, decide
@@ -65,26 +65,23 @@ class Observer:
     `busy` field of their `worker:<id>` heartbeat (workers/busy.py), is the second signal.
     """
 
-    def __init__(
-        self, broker: Broker, store: WeightStore, job: str, shards: int, limits: QueueLimits
-    ) -> None:
+    def __init__(self, broker: Broker, store: WeightStore, settings: Settings) -> None:
         self._broker = broker
         self._store = store
-        self._job = job
-        self._shards = shards
-        self._limits = limits
+        self._settings = settings
+        self._job = settings.job.name
         self._declared = False
 
     def snapshot(self) -> Snapshot:
         if not self._declared:
             # Idempotent, with the workers' own arguments: a passive declare of a queue that
             # does not exist yet would close the channel.
-            self._broker.declare(job_queues(self._job, self._shards, self._limits))
+            self._broker.declare(self._settings.job_queues())
             self._declared = True
         try:
             depths = {
                 s: self._broker.queue_depth(shard_queue_name(self._job, s))
-                for s in range(self._shards)
+                for s in range(self._settings.shards)
             }
         except Exception:
             self._declared = False  # e.g. a queue deleted under us: declare again next time
@@ -163,8 +160,7 @@ class Autoscaler:
                     ttl_s=max(TTL_S, 3 * settings.autoscaler.poll_s),
                 )
                 closing.callback(health.end)
-                limits = settings.broker.queue_limits
-                observer = Observer(broker, store, settings.job.name, settings.shards, limits)
+                observer = Observer(broker, store, settings)
                 while not stop.is_set():
                     try:
                         self.step(observer)

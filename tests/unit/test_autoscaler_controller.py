@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from broker.memory_broker import InMemoryBroker
 from broker.store import Member
-from broker.topology import SMASHED_EXCHANGE, QueueLimits, shard_routing_key
+from broker.topology import SMASHED_EXCHANGE, shard_routing_key
 from services.autoscaler.controller import Autoscaler, Observer, Snapshot
 from services.autoscaler.docker_pool import DockerUnavailableError
 from services.autoscaler.pool import Exited, PoolWorker
@@ -198,7 +198,7 @@ def test_observer_reads_ready_depth_per_shard_and_the_workers_heartbeats(job: st
     embedded = Embedded()
     broker = InMemoryBroker(embedded.hub)
     store = embedded.store
-    observer = Observer(broker, store, job, 2, QueueLimits())
+    observer = Observer(broker, store, make_settings(job, algorithm={"name": "sfl", "shards": 2}))
     assert observer.snapshot().depths == {0: 0, 1: 0}  # declared the queues itself
     for _ in range(3):
         broker.publish(SMASHED_EXCHANGE, shard_routing_key(job, 1), b"x")
