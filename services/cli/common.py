@@ -70,21 +70,16 @@ class ErrorBoundary(click.Group):
             raise click.ClickException(message) from None
 
 
-def config_argument(func: F) -> F:
-    """CONFIG: the job's TOML file; falls back to SPLITMQ_CONFIG, then the global --config."""
-    decorator = click.argument(
-        "config", required=False, envvar=CONFIG_ENV, type=click.Path(dir_okay=False, path_type=Path)
-    )
-    return decorator(func)
-
-
-def report_dir_option(func: F) -> F:
-    return click.option(
-        "--report-dir",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=None,
-        help="Where run directories go (default: report.dir from the config).",
-    )(func)
+# CONFIG: the job's TOML file; falls back to SPLITMQ_CONFIG, then the global --config.
+config_argument = click.argument(
+    "config", required=False, envvar=CONFIG_ENV, type=click.Path(dir_okay=False, path_type=Path)
+)
+report_dir_option = click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where run directories go (default: report.dir from the config).",
+)
 
 
 @dataclass(frozen=True)
@@ -111,33 +106,33 @@ class LogOptions:
         )
 
 
+_log_format = click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default=None,
+    help="text (default) or json: one object per line with job, client, shard and "
+    "version (also the log_format setting, SPLITMQ_LOG_FORMAT).",
+)
+_log_level = click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default=None,
+    help="Log level (default: log_level from the config, INFO).",
+)
+_log_json = click.option("--log-json", is_flag=True, help="Same as --log-format json.")
+
+
 def log_options(func: F) -> F:
     """--log-level, and the log format: --log-format json (or its older spelling --log-json);
     the command gets them as `log: LogOptions`."""
 
-    command = func
-
-    @functools.wraps(command)
+    @functools.wraps(func)
     def with_log(
         *args: Any, log_json: bool, log_level: str | None, log_format: str | None, **kwargs: Any
     ) -> Any:
-        return command(*args, log=LogOptions(log_json or log_format == "json", log_level), **kwargs)
+        return func(*args, log=LogOptions(log_json or log_format == "json", log_level), **kwargs)
 
-    func = cast(F, with_log)
-    func = click.option(
-        "--log-format",
-        type=click.Choice(["text", "json"]),
-        default=None,
-        help="text (default) or json: one object per line with job, client, shard and "
-        "version (also the log_format setting, SPLITMQ_LOG_FORMAT).",
-    )(func)
-    func = click.option(
-        "--log-level",
-        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-        default=None,
-        help="Log level (default: log_level from the config, INFO).",
-    )(func)
-    return click.option("--log-json", is_flag=True, help="Same as --log-format json.")(func)
+    return cast(F, _log_json(_log_level(_log_format(with_log))))
 
 
 def require_servers(settings: Settings, command: str, *, store: bool = True) -> None:
