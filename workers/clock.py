@@ -62,7 +62,7 @@ class Continuous:
         """Measure the replica's weights from its checkpoint's anchor, or from the version it
         was loaded from (at the start, and after a rollback to the last checkpoint)."""
         replica = self._replica
-        self.known_version = replica.version
+        self.known_version = replica.version  # the newest version this worker knows of
         self._checkpointed_at = replica.version  # known_version at the last checkpoint
         self.anchor_applied = NEVER
         self._ring: dict[int, State] = {}
@@ -78,9 +78,6 @@ class Continuous:
             )
         except VersionNotFoundError:
             pass  # anchored at a version no longer kept: rebase from a later checkpoint
-
-    def newest(self) -> int:
-        return self.known_version
 
     # --- smashed data ------------------------------------------------------------------------
     def refusal(self, batch: SmashedBatch) -> tuple[str, str] | None:

@@ -248,10 +248,10 @@ class ShardRunner:
             # Valid, just too old: answered, and acked with the next checkpoint.
             self._hold(delivery)
             io.stats.too_stale += 1
-            io.replier.send(answer(batch, clock.newest(), "rejected", detail))
+            io.replier.send(answer(batch, clock.known_version, "rejected", detail))
             return
         if io.metrics.enabled:
-            newest = replica.version if clock is None else clock.newest()
+            newest = replica.version if clock is None else clock.known_version
             io.metrics.staleness(newest - batch.version)
         if clock is None and batch.version > replica.version:
             self.settle()

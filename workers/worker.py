@@ -187,10 +187,6 @@ class WorkerSession:
         # Checkpoint before this many unacked deliveries: prefetch is finite.
         margin = max(settings.workers.batch_messages, settings.clients.count)
         self.pending_limit = max(1, self.prefetch - margin)
-        # Async mode (docs/async.md): the bound on smashed data's staleness.
-        self.max_staleness = (
-            settings.asynchronous.worker_max_staleness if settings.asynchronous_mode else None
-        )
         # The last reply per client, for a copy of a batch whose reply was lost: room for
         # every member (clients beyond `count` are refused) and for some that left.
         self.replier = Replier(broker, stop, self.log, keep=2 * settings.clients.count)
@@ -314,12 +310,10 @@ class WorkerSession:
             other_cuts={c: self.template.cut_shape(c) for c in cuts[1:]},
         )
         queue = shard_queue_name(self.job, shard)
-        bound = self.max_staleness
-        clock = (
-            None
-            if bound is None
-            else Continuous(replica, self.store, self.job, bound, self.stats, self.log)
-        )
+        clock = None
+        if self.settings.asynchronous_mode:  # docs/async.md: the bound on smashed data's staleness
+            bound = self.settings.asynchronous.worker_max_staleness
+            clock = Continuous(replica, self.store, self.job, bound, self.stats, self.log)
         self.runners[queue] = ShardRunner(replica, want, clock, self)
         self.broker.subscribe(queue, prefetch=self.prefetch)
         self.stats.shards_acquired += 1
