@@ -230,26 +230,18 @@ class StrategyBase:
         """The client blocks on a GradientReply after each SmashedBatch."""
         return self.splits
 
-    @property
-    def server_barrier(self) -> bool:
-        """MiniBatch-SFL: the worker takes one step per step index over the whole cohort."""
-        return False
-
-    @property
-    def personal_on_clients(self) -> bool:
-        """The personalised models live only on the clients (FedDeper's v_k): the run's
-        personalised accuracy is the mean of their `metrics["personal_accuracy"]`, not the
-        aggregator's evaluation of published blobs."""
-        return False
+    # MiniBatch-SFL: the worker takes one step per step index over the whole cohort.
+    server_barrier: ClassVar[bool] = False
+    # The personalised models live only on the clients (FedDeper's v_k): the run's personalised
+    # accuracy is the mean of their `metrics["personal_accuracy"]`, not the aggregator's
+    # evaluation of published blobs.
+    personal_on_clients: ClassVar[bool] = False
+    # Workers answer InferRequests for this algorithm (SplitGP's split inference).
+    split_inference: ClassVar[bool] = False
 
     @property
     def partial_client_updates(self) -> bool:
         """A client uploads only part of `client/global` (FedSplitX: up to its level)."""
-        return False
-
-    @property
-    def split_inference(self) -> bool:
-        """Workers answer InferRequests for this algorithm (SplitGP's split inference)."""
         return False
 
     @property

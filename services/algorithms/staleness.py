@@ -15,7 +15,6 @@ counts in full, whatever the choice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,8 +24,6 @@ TOO_STALE = "too_stale"
 
 StalenessKind = Literal["constant", "polynomial", "hinge"]
 STALENESS_KINDS: tuple[StalenessKind, ...] = ("constant", "polynomial", "hinge")
-
-StalenessFn = Callable[[int], float]
 
 
 def _check_tau(tau: int) -> None:
