@@ -11,12 +11,10 @@ unpack). Tensors are packed in header order, each at the next 64-byte boundary; 
 has offset 0; nothing follows the last one. Decoding checks the whole header and layout before
 touching tensor bytes, then returns zero-copy views into the body.
 
-A message type's schema is read once off its dataclass annotations (`broker.messages`): a
-field's base type picks how it travels, its `Annotated` markers add checks. Both directions
-apply the same checks, field by field, with the same reasons (`EncodeError` one way,
-`DecodeError` the other). The encoder is lenient about Python types (an int may fill a float
-field, an IntEnum an int, any Mapping a map); the decoder accepts exact types only. bool never
-passes as an int either way.
+Each message type's schema is read once off its dataclass annotations (`broker.messages`).
+Both directions apply its checks field by field with the same reasons; the encoder is lenient
+about Python types (an int may fill a float field, an IntEnum an int, any Mapping a map), the
+decoder accepts exact types only. bool never passes as an int either way.
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ SCHEMA_VERSION = 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _PREFIX = struct.Struct("<4sI")
 _ZEROS = bytes(ALIGN)
-_RESERVED = frozenset({"v", "type"})
 _OFFSET = operator.attrgetter("offset")
 # Reason prefix when decode meets an exception it did not anticipate: still a DecodeError for
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
@@ -159,9 +156,8 @@ class Schema:
     name: str
     cls: type[Any]
     fields: tuple[Field, ...]
-    keys: frozenset[str]  # every key its header has: the fields and the reserved ones
-    # Its header before the fields are filled in: every key in place, in field order, so
-    # filling a copy never resizes the dict.
+    # Its header before the fields are filled in: every key it has ("v", "type", the fields),
+    # in order, so filling a copy never resizes the dict.
     header: Mapping[str, object]
     tensor_fields: tuple[int, ...]  # the fields decoding turns from slots into views
 
@@ -175,7 +171,6 @@ def build_schema(cls: type[Any]) -> Schema:
         name=cls.__name__,
         cls=cls,
         fields=prepared,
-        keys=frozenset(names) | _RESERVED,
         header={"v": SCHEMA_VERSION, "type": cls.__name__} | dict.fromkeys(names),
         tensor_fields=tuple(i for i, f in enumerate(prepared) if f.tensor is not None),
     )
@@ -585,7 +580,7 @@ def _decode(body: Body, limits: CodecLimits, expect: tuple[type[Any], ...] | Non
     schema = _schema_of_header(header)
     if expect is not None and schema.cls not in expect:
         raise UnexpectedMessageError(schema.name, " or ".join(t.__name__ for t in expect))
-    if header.keys() != schema.keys:  # one C-level set comparison
+    if header.keys() != schema.header.keys():  # one C-level set comparison
         _key_problem(schema, header)
     reader = _Reader(limits)
     max_bytes = limits.max_string_len
@@ -669,7 +664,7 @@ def _key_problem(schema: Schema, header: dict[object, object]) -> NoReturn:
     for spec in schema.fields:
         if spec.name not in header:
             raise DecodeError(f"{schema.name}: missing field {spec.name!r}")
-    unknown = sorted(repr(k) for k in header if k not in schema.keys)
+    unknown = sorted(repr(k) for k in header if k not in schema.header)
     raise DecodeError(f"{schema.name}: unknown field {unknown[0]}")
 
 
