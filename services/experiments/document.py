@@ -8,7 +8,7 @@ outside the markers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.config.root import Settings
@@ -92,7 +92,7 @@ def render_section(
     ]
     parts += [render_table(table, results) for table in experiment.tables]
     parts += [block.strip() for block in extras if block.strip()]
-    verdict = experiment.verdict(results)
+    verdict = experiment.verdict(results) if experiment.verdict else []
     if verdict:
         parts.append(
             "**Our numbers against the claim.**\n\n" + "\n".join(f"- {v}" for v in verdict)
@@ -127,11 +127,7 @@ def write_results(experiment: Experiment, results: ResultSet, context: Context, 
     """Figures under `<out's folder>/results/`, then the section in `out`; returns `out`."""
     prefix = f"{experiment.name}-quick-" if context.quick else f"{experiment.name}-"
     slot = FigureSlot(out.parent / FIGURES_DIR, prefix, out.parent)
-    made = [
-        write_figure(replace(p, file=prefix + p.file), results, slot.directory)
-        for p in experiment.plots
-    ]
-    figures = [slot.link(path) for path in made if path is not None]
+    figures = [link for plot in experiment.plots if (link := write_figure(plot, results, slot))]
     extras = experiment.extras(results, slot) if experiment.extras else ()
     section = render_section(experiment, results, context, figures, extras)
     write_section(experiment.name, section, out)

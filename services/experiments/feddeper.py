@@ -1,10 +1,7 @@
-"""FedDeper vs FedAvg (Zhou, Li, Tang, Wang) on Fashion-MNIST, pathological non-IID shards.
-
-n = 10 clients (every client in every round) and n = 100 clients (10 % sampled per round);
-FedDeper at rho = 0.1 (its default) and rho = 1. Global accuracy: the aggregated model on the
-test set. Personalised accuracy: FedDeper's v_k on its client's local test set (reported by
-the clients); FedAvg has no personal model, so its personalised number is the global model on
-each participant's local test set (the aggregator's evaluation).
+"""FedDeper vs FedAvg (Zhou, Li, Tang, Wang) on Fashion-MNIST, pathological non-IID shards; the
+setup: `examples/experiments/feddeper.md`. Personalised accuracy: FedDeper's v_k on its client's
+local test set (reported by the clients); FedAvg has no personal model, so its personalised
+number is the global model on each participant's local test set (the aggregator's evaluation).
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from services.experiments.results import ResultSet, RunResult, finite, late_mean
 from services.experiments.spec import (
     CurvePlot,
     Experiment,
+    Metric,
     Run,
     Table,
     algorithm,
@@ -163,35 +161,23 @@ def verdict(results: ResultSet) -> list[str]:
 def build() -> Experiment:
     methods = (FEDAVG, *(feddeper_label(r) for r in RHOS))
     diffs = tuple((m, FEDAVG) for m in methods[1:])
+
+    def table(title: str, metric: Metric = "final_global", with_diffs: bool = True) -> Table:
+        return Table(title, ("n",), "method", metric, diffs if with_diffs else (), methods)
+
     return from_examples(
         NAME,
         runs=grid(POPULATIONS, RHOS),
         quick_runs=grid((("10", 1.0),), RHOS[:1]),
         quick=smoke(),
         tables=(
-            Table(
-                "Final global test accuracy (aggregated model, whole test set)",
-                ("n",),
-                "method",
-                columns=methods,
-                diffs=diffs,
-            ),
-            Table(
+            table("Final global test accuracy (aggregated model, whole test set)"),
+            table(
                 "Final personalised accuracy (FedDeper: v_k on local test sets; "
                 "FedAvg: global model on local test sets)",
-                ("n",),
-                "method",
                 "final_personal",
-                columns=methods,
-                diffs=diffs,
             ),
-            Table(
-                "Best global test accuracy over the rounds",
-                ("n",),
-                "method",
-                "best_global",
-                columns=methods,
-            ),
+            table("Best global test accuracy over the rounds", "best_global", with_diffs=False),
         ),
         plots=(
             CurvePlot("global.png", "Global test accuracy per round", "method", "n"),

@@ -1,12 +1,7 @@
-"""FedSplitX vs exclusive learning (EXC-level-1, EXC-level-3) and local-loss SFL (Shin et al.).
-
-Fashion-MNIST, 50 clients declaring depth levels 1/2/3 = 16/16/18 (`clients.capability_mix`),
-the cnn5's cuts block1/block2/block3 as the partition points; the baselines are described in
-`examples/experiments/fedsplitx.md`. EXC-level-m runs as `local_loss_sfl` at cut c_m: the
-client side of local-loss SFL *is* exclusive learning's FedAvg of the level-m model (the client
-never receives a gradient, and no server tensor is averaged into the client blocks or the
-head), so its level-m client accuracy is EXC's; its block1 run is also AccSFL's (full model
-and server FLOPs).
+"""FedSplitX vs exclusive learning (EXC-level-1, EXC-level-3) and local-loss SFL (Shin et al.);
+the setup and the baselines: `examples/experiments/fedsplitx.md`. EXC-level-m runs as
+`local_loss_sfl` at cut c_m, whose client side *is* exclusive learning's FedAvg of the level-m
+model; its block1 run is also AccSFL's (full model and server FLOPs).
 """
 
 from __future__ import annotations
@@ -97,12 +92,19 @@ def run_levels(result: RunResult) -> tuple[int, ...]:
 
 def client_accuracy(result: RunResult | None, level: int) -> float:
     """The final level-`level` client model on the whole test set (NaN: the run has none)."""
-    final = {} if result is None else result.final
-    return final.get(CLIENT_ACCURACY + LEVEL_CUTS[level - 1], math.nan)
+    return _final(result, CLIENT_ACCURACY + LEVEL_CUTS[level - 1])
 
 
 def full_accuracy(result: RunResult | None) -> float:
-    return math.nan if result is None else result.final.get(FULL_ACCURACY, math.nan)
+    return _final(result, FULL_ACCURACY)
+
+
+def _final(result: RunResult | None, key: str) -> float:
+    return math.nan if result is None else result.final.get(key, math.nan)
+
+
+def _method(results: ResultSet, method: str) -> RunResult | None:
+    return results.named(need="", method=method)
 
 
 def level_curve(result: RunResult, level: int | None) -> list[float]:
@@ -116,17 +118,18 @@ def level_curve(result: RunResult, level: int | None) -> list[float]:
     )
 
 
-def server_flops(result: RunResult) -> float:
+def server_flops(result: RunResult | None) -> float:
     """Mean server forward FLOPs per trained sample over the run: the mean over every
     (round, participant) of the FLOPs the server spends on that client's rows (each trains the
-    same number of rows a round; see `SCALING`)."""
-    return mean(v for r in result.records for k, v in r.extra.items() if k.startswith(SERVER_FLOPS))
+    same number of rows a round)."""
+    records = () if result is None else result.records
+    return mean(v for r in records for k, v in r.extra.items() if k.startswith(SERVER_FLOPS))
 
 
-def population(result: RunResult) -> tuple[int, ...]:
+def population(result: RunResult | None) -> tuple[int, ...]:
     """The run's clients per declared level (its `clients.capability_mix`); () if none."""
-    mix = str(result.run.overrides.get("clients", {}).get("capability_mix", ""))
-    return tuple(int(n) for n in mix.split(",")) if mix else ()
+    clients = {} if result is None else result.run.overrides.get("clients", {})
+    return tuple(int(n) for n in clients.get("capability_mix", "").split(",") if n)
 
 
 def _clients_line(result: RunResult) -> str:
@@ -151,7 +154,7 @@ def model_rows(result: RunResult) -> list[tuple[int | None, float]]:
 def accuracy_table(results: ResultSet) -> str:
     """One row per (run, model it yields): the final version on the whole test set."""
     costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
-    fed = results.named(need="", method=FEDSPLITX)
+    fed = _method(results, FEDSPLITX)
     fed_full = full_accuracy(fed)
     header = ["method", "clients (levels)", "model evaluated", "client fwd FLOPs/sample"]
     header += ["final accuracy %", f"mean of last {LATE_ROUNDS} rounds %", "best over rounds %"]
@@ -165,7 +168,6 @@ def accuracy_table(results: ResultSet) -> str:
                 what = f"level-{level} client model (blocks to {LEVEL_CUTS[level - 1]} + head)"
                 flops, same = f"{costs[level - 1].client_flops:,}", client_accuracy(fed, level)
             curve = level_curve(result, level)
-            best = finite(curve)
             own = result is fed
             rows.append(
                 [
@@ -175,7 +177,7 @@ def accuracy_table(results: ResultSet) -> str:
                     flops,
                     percent(acc),
                     percent(late_mean(curve, LATE_ROUNDS)),
-                    percent(max(best)) if best else "–",
+                    percent(max(finite(curve), default=math.nan)),
                     "" if own else points(acc - same),
                     "" if own and level is None else points(fed_full - acc),
                 ]
@@ -191,8 +193,7 @@ def accuracy_table(results: ResultSet) -> str:
 def flops_table(results: ResultSet) -> str:
     """Server forward FLOPs per trained sample, as measured over the runs' rows."""
     costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
-    accsfl = results.named(need="", method=EXC1)
-    reference = server_flops(accsfl) if accsfl is not None else math.nan
+    reference = server_flops(_method(results, EXC1))
     header = ["method", "clients (levels)", "server fwd FLOPs/sample (measured)"]
     header += ["relative to local-loss SFL block1", "samples trained"]
     header += ["server training GFLOPs (≈ 3 × fwd)", "bytes up / sample"]
@@ -222,8 +223,8 @@ def flops_table(results: ResultSet) -> str:
         f"forward FLOPs per sample: {per_level}; local-loss SFL at block1 leaves the server "
         f"{level_costs(build_model('cnn5'), ['block1'])[0].server_flops:,}."
     )
-    fed = results.named(need="", method=FEDSPLITX)
-    mix = population(fed) if fed is not None else ()
+    fed = _method(results, FEDSPLITX)
+    mix = population(fed)
     if fed is not None and mix:
         draws = [int(v) for r in fed.records for k, v in r.extra.items() if k.startswith(LEVEL_OF)]
         # The server's expected forward FLOPs per sample for `mix` training equal rows.
@@ -309,15 +310,11 @@ def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
     full, theirs = full_accuracy(fed), client_accuracy(exc, level)
     lines = []
     if math.isfinite(full - theirs):
-        judged = (
-            f"agrees: FedSplitX is ahead of {name}"
-            if full - theirs > 0
-            else f"**disagrees**: FedSplitX is not ahead of {name}"
-        )
+        judged = "agrees: FedSplitX is" if full - theirs > 0 else "**disagrees**: FedSplitX is not"
         late = f"mean of the last {LATE_ROUNDS} rounds {_late(fed, None)} vs {_late(exc, level)}"
         lines.append(
             f"FedSplitX's full model {pct(full)} vs {name}'s global model (the level-{level} "
-            f"model) {pct(theirs)} ({pts(full - theirs)}; {late}): {judged}."
+            f"model) {pct(theirs)} ({pts(full - theirs)}; {late}): {judged} ahead of {name}."
         )
     own = client_accuracy(fed, level)
     if math.isfinite(own - theirs):
@@ -336,14 +333,12 @@ def _accsfl_lines(fed: RunResult, accsfl: RunResult) -> list[str]:
     lines = []
     ours, theirs = server_flops(fed), server_flops(accsfl)
     if math.isfinite(ours) and math.isfinite(theirs) and theirs > 0:
+        judged = (
+            "agrees, FedSplitX leaves the server less work" if ours < theirs else "**disagrees**"
+        )
         lines.append(
             f"Server load: FedSplitX {ours:,.0f} forward FLOPs per sample vs local-loss SFL at "
-            f"block1 {theirs:,.0f} ({ours / theirs:.0%}): "
-            + (
-                "agrees, FedSplitX leaves the server less work."
-                if ours < theirs
-                else "**disagrees**."
-            )
+            f"block1 {theirs:,.0f} ({ours / theirs:.0%}): {judged}."
         )
     full, acc_full = full_accuracy(fed), full_accuracy(accsfl)
     if math.isfinite(acc_full) and math.isfinite(full):
@@ -359,16 +354,14 @@ def _accsfl_lines(fed: RunResult, accsfl: RunResult) -> list[str]:
 
 
 def verdict(results: ResultSet) -> list[str]:
-    fed = results.named(need="", method=FEDSPLITX)
+    fed = _method(results, FEDSPLITX)
     if fed is None:
         return []
     lines: list[str] = []
     for method, level in ((EXC1, 1), (EXC3, 3)):
-        exc = results.named(need="", method=method)
-        if exc is not None:
+        if (exc := _method(results, method)) is not None:
             lines += _exc_lines(fed, exc, level)
-    accsfl = results.named(need="", method=EXC1)
-    if accsfl is not None:
+    if (accsfl := _method(results, EXC1)) is not None:
         lines += _accsfl_lines(fed, accsfl)
     swings = [
         f"{r.tags['method']} {100 * swing(r.curve()):.1f} points"
@@ -380,15 +373,13 @@ def verdict(results: ResultSet) -> list[str]:
             "Round-to-round swing of the full model's accuracy (mean absolute change, "
             "evaluation rows): " + ", ".join(swings) + "."
         )
-    every, exc3 = results.named(need="", method=ALL3), results.named(need="", method=EXC3)
-    if every is not None and exc3 is not None:
-        lost = client_accuracy(every, 3) - client_accuracy(exc3, 3)
-        if math.isfinite(lost):
-            lines.append(
-                f"What exclusion costs at level 3: all clients at level 3 reach "
-                f"{pct(client_accuracy(every, 3))} with the level-3 model, the capable "
-                f"clients alone {pct(client_accuracy(exc3, 3))} ({pts(lost)})."
-            )
+    every = client_accuracy(_method(results, ALL3), 3)
+    capable = client_accuracy(_method(results, EXC3), 3)
+    if math.isfinite(every - capable):
+        lines.append(
+            f"What exclusion costs at level 3: all clients at level 3 reach {pct(every)} with "
+            f"the level-3 model, the capable clients alone {pct(capable)} ({pts(every - capable)})."
+        )
     return lines
 
 

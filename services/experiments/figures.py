@@ -1,7 +1,7 @@
 """PNG figures of an experiment: one row of panels, each filled by a drawing function.
 
 The declared plots (metric vs round, a run summary against a tag) and the experiments' own
-figures (`Experiment.extras`) go through `panel_figure`. matplotlib's object API on an explicit
+figures (`Experiment.extras`) go through `FigureSlot.figure`. matplotlib's object API on an explicit
 Agg canvas, imported on first use, as in `services.report.plots`: no pyplot state and no GUI
 backend.
 """
@@ -32,10 +32,15 @@ def line_style(i: int) -> dict[str, Any]:
 
 
 def plot_rounds(
-    axes: Any, i: int, records: Sequence[VersionRecord], ys: Sequence[float], label: str
+    axes: Any,
+    i: int,
+    records: Sequence[VersionRecord],
+    ys: Sequence[float],
+    label: str,
+    size: int = 2,
 ) -> None:
     """The i-th line of `ys` (one per record, in percent) against the round, from 1."""
-    axes.plot([r.round + 1 for r in records], ys, label=label, markersize=2, **line_style(i))
+    axes.plot([r.round + 1 for r in records], ys, label=label, markersize=size, **line_style(i))
     round_axis(axes)
 
 
@@ -89,9 +94,7 @@ def _curve(plot: CurvePlot, results: ResultSet, axes: Any, where: dict[str, str]
     for i, line in enumerate(results.values(plot.lines)):
         run = results.one({**where, plot.lines: line})
         if run is not None and run.records:
-            xs = [r.round + 1 for r in run.records]
-            ys = [100.0 * v for v in run.curve(plot.metric)]
-            axes.plot(xs, ys, label=line, markersize=3, **line_style(i))
+            plot_rounds(axes, i, run.records, [100.0 * v for v in run.curve(plot.metric)], line, 3)
             drawn = True
     round_axis(axes)
     axes.set_ylabel(f"{plot.metric.replace('_', ' ')} (%)")
@@ -113,10 +116,10 @@ def _final(plot: FinalPlot, results: ResultSet, axes: Any, where: dict[str, str]
     return drawn
 
 
-def write_figure(plot: Plot, results: ResultSet, directory: Path) -> Path | None:
-    """Draw `plot` into `directory/plot.file`; None when no run has data for it."""
+def write_figure(plot: Plot, results: ResultSet, slot: FigureSlot) -> str:
+    """Draw `plot` into the slot's `plot.file`: its link, "" when no run has data for it."""
     if not any(all(r.tags.get(k) == v for k, v in plot.where.items()) for r in results):
-        return None  # only tag-less baselines fit: nothing of this plot's own was run
+        return ""  # only tag-less baselines fit: nothing of this plot's own was run
     tag = plot.panels
     panels = results.values(tag) if tag else [""]
 
@@ -127,7 +130,7 @@ def write_figure(plot: Plot, results: ResultSet, directory: Path) -> Path | None
         return _final(plot, results, axes, where)
 
     titles = [f"{tag} = {value}" if tag else "" for value in panels]
-    return panel_figure(directory / plot.file, plot.title, panels, draw, titles=titles)
+    return slot.figure(plot.file, plot.title, panels, draw, "", titles)
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,6 @@ class FigureSlot:
     prefix: str
     base: Path
 
-    def path(self, name: str) -> Path:
-        return self.directory / (self.prefix + name)
-
-    def link(self, path: Path) -> str:
-        return f"![{path.stem}]({os.path.relpath(path, self.base).replace(os.sep, '/')})"
-
     def figure(
         self,
         name: str,
@@ -152,7 +149,13 @@ class FigureSlot:
         panels: Sequence[str],
         draw: PanelDraw,
         ylabel: str = "accuracy (%)",
+        titles: Sequence[str] = (),
     ) -> str:
-        """`panel_figure` drawn into `path(name)`: its link, "" when nothing was drawn."""
-        made = panel_figure(self.path(name), title, panels, draw, ylabel=ylabel)
-        return self.link(made) if made else ""
+        """`panel_figure` drawn into `<directory>/<prefix><name>`: its link, "" when nothing was
+        drawn."""
+        made = panel_figure(
+            self.directory / (self.prefix + name), title, panels, draw, ylabel=ylabel, titles=titles
+        )
+        if made is None:
+            return ""
+        return f"![{made.stem}]({os.path.relpath(made, self.base).replace(os.sep, '/')})"

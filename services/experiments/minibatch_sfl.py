@@ -1,8 +1,6 @@
-"""MiniBatch-SFL vs SFL-V2 vs FedAvg vs centralized (Huang, Tian, Tang) on Fashion-MNIST.
-
-N = 10 clients, non-IID ratio r in {0, 0.8, 0.95} (`label_ratio` partition), cut after
-block 1, 2 and 3 of the 5-layer CNN. FedAvg has no cut (one run per r) and the centralized
-baseline sees the union of the clients' data, which is the same for every r (one run).
+"""MiniBatch-SFL vs SFL-V2 vs FedAvg vs centralized (Huang, Tian, Tang) on Fashion-MNIST; the
+setup: `examples/experiments/minibatch_sfl.md`. FedAvg has no cut (one run per r) and the
+centralized baseline sees the union of the clients' data, the same for every r (one run).
 """
 
 from __future__ import annotations
@@ -10,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from services.experiments.results import ResultSet
+from services.experiments.results import ResultSet, finite, mean
 from services.experiments.spec import (
     CurvePlot,
     Experiment,
@@ -98,15 +96,12 @@ def _against(results: ResultSet, other: str, paper: float) -> list[str]:
     high = ratios[-1]
     best_cut = max(gains, key=lambda c: gains[c])
     ahead = sum(1 for g in gains.values() if g > TIE_POINTS)
+    size = "**far below**" if gains[best_cut] < paper / 2 else "of the size of"
     lines = [
         f"**vs {other}, r = {high}**: MiniBatch-SFL's final accuracy minus {other}'s, by cut: "
         f"{_listing(gains)} points; ahead by more than {TIE_POINTS:.0f} point at {ahead} of "
         f"{len(gains)} cuts. Our largest gain, {gains[best_cut]:+.1f} (cut {best_cut}), is "
-        + (
-            f"**far below** the paper's up to +{paper}."
-            if gains[best_cut] < paper / 2
-            else f"of the size of the paper's up to +{paper}."
-        )
+        f"{size} the paper's up to +{paper}."
     ]
     lead = _largest_lead(results, high, other)
     if lead is not None:
@@ -119,8 +114,7 @@ def _against(results: ResultSet, other: str, paper: float) -> list[str]:
         lines.append(f"vs {other}, r = {high}: the gain {_trend(list(gains.values()))}.")
     low_gains = _gains(results, ratios[0], other) if ratios[0] != high else {}
     if low_gains:
-        mean_low = sum(low_gains.values()) / len(low_gains)
-        mean_high = sum(gains.values()) / len(gains)
+        mean_low, mean_high = mean(low_gains.values()), mean(gains.values())
         if mean_high - mean_low > TIE_POINTS:
             how = "larger at high non-IID, as the paper says"
         elif mean_low - mean_high > TIE_POINTS:
@@ -141,10 +135,9 @@ def verdict(results: ResultSet) -> list[str]:
     ratios = results.values("r")
     if math.isfinite(central) and ratios:
         high = ratios[-1]
-        ours = [results.value("final_global", algorithm=MBSFL, r=high, cut=c) for c in CUTS]
-        finite = [v for v in ours if math.isfinite(v)]
-        if finite:
-            best = max(finite)
+        ours = finite(results.value("final_global", algorithm=MBSFL, r=high, cut=c) for c in CUTS)
+        if ours:
+            best = max(ours)
             lines.append(
                 f"Centralized training on the same data and step budget reaches "
                 f"{100 * central:.1f}%; MiniBatch-SFL's best cut at r = {high} reaches "

@@ -86,23 +86,17 @@ class FinalPlot:
 
 Plot = CurvePlot | FinalPlot
 Verdict = Callable[["ResultSet"], list[str]]
-# Metrics of a finished service run's last version (e.g. every client's model on its own
-# classes and on the others, which the aggregator evaluates for the round's cohort only),
-# computed in the experiment's process from the weights the embedded store still holds.
-# Kept in the run directory as `final.json`; a run's `RunResult.final`.
+# Metrics of a finished service run's last version, computed in the experiment's process from
+# the weights the embedded store still holds (e.g. every client's model, which the aggregator
+# evaluates for the round's cohort only); the run directory's `final.json`, `RunResult.final`.
 FinalEval = Callable[["Settings", "Dataset", "VersionWeights"], Mapping[str, float]]
-# Markdown blocks an experiment adds after its tables (its own tables over `RunResult.final`
-# or the records' extras, links to figures it draws into the `FigureSlot`).
+# Markdown blocks placed after the tables (own tables, links to figures drawn into the slot).
 Extras = Callable[["ResultSet", "FigureSlot"], Sequence[str]]
-
-
-def _no_verdict(_results: ResultSet) -> list[str]:
-    return []
 
 
 @dataclass(frozen=True)
 class Experiment:
-    """A named, reproducible comparison; see the package docstring for how to add one."""
+    """A named, reproducible comparison; how to add one: CONTRIBUTING.md."""
 
     name: str
     title: str
@@ -115,7 +109,7 @@ class Experiment:
     quick: Mapping[str, Any]  # overrides applied to every run under --quick
     tables: Sequence[Table] = ()
     plots: Sequence[Plot] = ()
-    verdict: Verdict = _no_verdict  # plain sentences from the numbers: agreement or not
+    verdict: Verdict | None = None  # plain sentences from the numbers: agreement or not
     notes: str = ""  # fixed remarks on how our setup differs from the paper's
     final_eval: FinalEval | None = None  # service runs only; see `FinalEval`
     extras: Extras | None = None  # see `Extras`
@@ -143,44 +137,34 @@ def algorithm(name: str, **params: Any) -> dict[str, Any]:
     return {"algorithm": {"name": name, **({name: params} if params else {})}}
 
 
-def example_config(name: str, directory: Path = EXAMPLES_DIR) -> dict[str, Any]:
-    """The base config `examples/experiments/<name>.toml` as a nested dict."""
-    path = directory / f"{name}.toml"
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"experiment config {path} not found: experiments run from a SplitMQ source tree"
-        ) from None
-
-
 # The sections of `examples/experiments/<name>.md` and the `Experiment` fields they fill.
 _WORDS = {"Summary": "summary", "Paper's claim": "claim", "Scaling": "scaling", "Notes": "notes"}
 
 
-def example_words(name: str, directory: Path = EXAMPLES_DIR) -> dict[str, str]:
-    """The experiment's words, `examples/experiments/<name>.md`: its `# title`, then the
-    `## Summary`, `## Paper's claim`, `## Scaling` and `## Notes` written into its section."""
-    title, _, rest = (directory / f"{name}.md").read_text(encoding="utf-8").partition("\n")
-    words = {"title": title.removeprefix("# ").strip()}
+def from_examples(name: str, **fields: Any) -> Experiment:
+    """Experiment `name` with its base config, `examples/experiments/<name>.toml`, its words
+    from `<name>.md` (a `# title`, then `## Summary`, `## Paper's claim`, `## Scaling` and
+    `## Notes`) and the rest from `fields`."""
+    path = EXAMPLES_DIR / f"{name}.toml"
+    try:
+        with path.open("rb") as fh:
+            base = tomllib.load(fh)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"experiment config {path} not found: experiments run from a SplitMQ source tree"
+        ) from None
+    title, _, rest = (EXAMPLES_DIR / f"{name}.md").read_text(encoding="utf-8").partition("\n")
+    words = {"notes": ""}
     for block in rest.split("\n## ")[1:]:
         heading, _, text = block.partition("\n")
         words[_WORDS[heading.strip()]] = text.strip()
-    return words
-
-
-def from_examples(name: str, **fields: Any) -> Experiment:
-    """Experiment `name` with its base config and its words from `examples/experiments/`
-    (`example_config`, `example_words`) and the rest from `fields`."""
-    words = example_words(name)
     return Experiment(
         name=name,
-        title=words["title"],
+        title=title.removeprefix("# ").strip(),
         summary=words["summary"],
         claim=words["claim"],
         scaling=words["scaling"],
-        notes=words.get("notes", ""),
-        base=example_config(name),
+        notes=words["notes"],
+        base=base,
         **fields,
     )

@@ -1,14 +1,8 @@
-"""SplitGP vs local-only vs FedAvg vs multi-exit (lam = 0) vs SFL (Han et al.), MNIST and FMNIST.
-
-K = 50 clients with 2 label-sorted shards each; the client holds four conv layers (`vgg_mini`
-cut at `stage3`) and, for SplitGP and multi-exit, a linear head. Each client is tested on a
-mix of its own classes (share 1 - p) and the other classes (share p, out of distribution):
-accuracy(p) = (1 - p) * local + p * ood, from every client's final model on the first
-`FINAL_ROWS` test images (`final_eval`). SplitGP and multi-exit answer by split inference at
-the configured E_th (the head when its entropy is <= E_th, else the server); SFL, FedAvg and
-local-only (`standalone`) by their whole model (SFL: the shared client side and theta;
-local-only: the client's own model). SplitGP's E_th sweep gives accuracy against the fraction
-of rows offloaded to the server.
+"""SplitGP vs local-only vs FedAvg vs multi-exit (lam = 0) vs SFL (Han et al.), MNIST and FMNIST;
+the setup: `examples/experiments/splitgp.md`. Each client is tested on a mix of its own classes
+(share 1 - p) and the others (share p): accuracy(p) = (1 - p) * local + p * ood, from every
+client's final model (`final_eval`). SplitGP and multi-exit answer by split inference at E_th,
+the others by their whole model.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from services.experiments.figures import FigureSlot, line_style
 from services.experiments.results import ResultSet, RunResult
 from services.experiments.spec import Experiment, Run, from_examples, smoke
 from services.experiments.tables import markdown_table, percent
+from services.report.summary import finite_or
 
 NAME = "splitgp"
 DATASETS = (("MNIST", "mnist"), ("FMNIST", "fashion_mnist"))
@@ -204,33 +199,24 @@ def verdict(results: ResultSet) -> list[str]:
         others = {m: v for m, v in rows.items() if m in (MULTI_EXIT, SFL, FEDAVG, LOCAL)}
         if ours is None or not others:
             continue
-        lost = []
+        lost, margins = [], []
         for i, p in enumerate(P_VALUES):
-            best_other = max(others, key=lambda m: _finite_or(others[m][i]))
-            gap = 100 * (ours[i] - others[best_other][i])
-            if not gap >= 0:
-                theirs = 100 * others[best_other][i]
+            best = max(others, key=lambda m: finite_or(others[m][i]))
+            theirs = others[best][i]
+            margins.append(100 * (ours[i] - finite_or(theirs)))
+            if not ours[i] >= theirs:
                 lost.append(
-                    f"p={p:g} ({best_other} {theirs:.1f}% vs {100 * ours[i]:.1f}%, {gap:+.1f})"
+                    f"p={p:g} ({best} {100 * theirs:.1f}% vs {100 * ours[i]:.1f}%, "
+                    f"{100 * (ours[i] - theirs):+.1f})"
                 )
-        margins = [
-            100 * (ours[i] - max(_finite_or(v[i]) for v in others.values()))
-            for i in range(len(P_VALUES))
-        ]
         span = (
             f"margin over the best other method {min(margins):+.1f} to {max(margins):+.1f} points"
         )
-        if not lost:
-            lines.append(
-                f"{dataset}: SplitGP is the most accurate at every p ({span}): "
-                "agrees with the paper."
-            )
+        if lost:
+            judged = f"is **not** best at every p ({span}); beaten at {'; '.join(lost)}"
         else:
-            lines.append(
-                f"{dataset}: SplitGP is **not** best at every p ({span}); beaten at "
-                + "; ".join(lost)
-                + "."
-            )
+            judged = f"is the most accurate at every p ({span}): agrees with the paper"
+        lines.append(f"{dataset}: SplitGP {judged}.")
     return lines + offload_lines(results)
 
 
@@ -267,10 +253,6 @@ def offload_lines(results: ResultSet) -> list[str]:
             )
         lines.append(line + ".")
     return lines
-
-
-def _finite_or(value: float, default: float = -math.inf) -> float:
-    return value if math.isfinite(value) else default
 
 
 def build() -> Experiment:

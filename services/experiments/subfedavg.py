@@ -1,8 +1,5 @@
-"""Sub-FedAvg vs Standalone vs FedAvg (Vahidian et al.): personalised accuracy, model size.
-
-100 clients with 2 label-sorted shards of 250 images, 10% per round; LeNet-5 on CIFAR-10 and
-the 5-layer CNN on MNIST; Sub-FedAvg with unstructured pruning to 30/50/70% and hybrid
-(channels by BN scale + unstructured FC) to 50/70%.
+"""Sub-FedAvg vs Standalone vs FedAvg (Vahidian et al.): personalised accuracy, model size; the
+setup: `examples/experiments/subfedavg.md`.
 
 The paper's metric is the mean over all clients of each client's own model on its local test
 set (the test images of its classes). Each client's model is the one it holds after its last
@@ -117,15 +114,8 @@ def _value(results: ResultSet, dataset: str, method: str) -> float:
 
 def main_table(results: ResultSet) -> str:
     datasets = results.values("dataset")
-    header = ["method"]
-    for d in datasets:
-        header += [
-            f"{d} acc",
-            f"{d} − Standalone",
-            f"{d} − FedAvg",
-            f"{d} params ↓",
-            f"{d} FLOPs ↓",
-        ]
+    columns = ("acc", "− Standalone", "− FedAvg", "params ↓", "FLOPs ↓")
+    header = ["method", *(f"{d} {c}" for d in datasets for c in columns)]
     rows = []
     for method in results.values("method"):
         row = [method]
@@ -133,7 +123,7 @@ def main_table(results: ResultSet) -> str:
         for d in datasets:
             found = results.named(dataset=d, method=method)
             if found is None:
-                row += ["–"] * 5
+                row += ["–"] * len(columns)
                 continue
             acc, n = personalised(found)
             counted.append(f"{n}")

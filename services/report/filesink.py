@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
@@ -29,25 +29,15 @@ from services.report.rundir import (
 from services.report.summary import summary_text
 from services.report.tables import metrics_csv, metrics_json
 
+_log = logging.getLogger("splitmq.report")
+
 
 class FileSink:
-    def __init__(
-        self,
-        run_dir: Path,
-        info: RunInfo,
-        *,
-        plots: bool = True,
-        now: Callable[[], datetime] = datetime.now,
-        clock: Callable[[], float] = time.monotonic,
-        logger: logging.Logger | None = None,
-    ) -> None:
+    def __init__(self, run_dir: Path, info: RunInfo, *, plots: bool = True) -> None:
         self.run_dir = run_dir
         self._info = info
         self._plots = plots
-        self._now = now
-        self._clock = clock
-        self._started = clock()
-        self._log = logger or logging.getLogger("splitmq.report")
+        self._started = time.monotonic()
         self._lock = threading.Lock()
         self._records: list[VersionRecord] = []
         self._summary = ""
@@ -62,10 +52,9 @@ class FileSink:
         command: str,
         base_dir: Path | None = None,
         run_dir: Path | None = None,
-        now: Callable[[], datetime] = datetime.now,
     ) -> FileSink:
         """A fresh run directory under `base_dir` (default `report.dir`), or exactly `run_dir`."""
-        started = now()
+        started = datetime.now()
         if run_dir is None:
             base = base_dir or Path(settings.report.dir)
             run_dir = create_run_dir(base, settings.job.name, started)
@@ -73,7 +62,7 @@ class FileSink:
             run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, settings)
         info = RunInfo.for_settings(settings, command, started)
-        return cls(run_dir, info, plots=settings.report.plots, now=now)
+        return cls(run_dir, info, plots=settings.report.plots)
 
     @property
     def info(self) -> RunInfo:
@@ -83,10 +72,6 @@ class FileSink:
     def records(self) -> list[VersionRecord]:
         with self._lock:
             return list(self._records)
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
 
     @property
     def summary(self) -> str:
@@ -104,18 +89,18 @@ class FileSink:
             if self._finished:
                 return
             self._finished = True
-            self._info = self._info.ended(status, self._now())
+            self._info = self._info.ended(status, datetime.now())
             self._write_metrics()
             if self._plots:
                 try:
                     write_plots(self.run_dir, self._records)
                 except (OSError, ValueError, RuntimeError) as exc:
                     # The metrics are the record of the run; a plot failure must not lose them.
-                    self._log.warning("could not write plots to %s: %s", self.run_dir, exc)
-            wall_s = self._clock() - self._started
+                    _log.warning("could not write plots to %s: %s", self.run_dir, exc)
+            wall_s = time.monotonic() - self._started
             self._summary = summary_text(self._info, self._records, self.run_dir, wall_s)
             write_atomic(self.run_dir / SUMMARY_FILE, self._summary)
 
     def _write_metrics(self) -> None:
-        write_atomic(self.run_dir / METRICS_JSON, metrics_json(self._info.to_dict(), self._records))
+        write_atomic(self.run_dir / METRICS_JSON, metrics_json(asdict(self._info), self._records))
         write_atomic(self.run_dir / METRICS_CSV, metrics_csv(self._records))

@@ -9,14 +9,12 @@ matplotlib is imported on first use: only the process that writes the report pay
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from services.report.records import VersionRecord
 from services.report.summary import staleness_histogram
-
-Series = tuple[str, Callable[[VersionRecord], float]]
 
 # (marker, line style, marker fill) per series of one plot.
 _STYLES = (("o", "-", "full"), ("s", "--", "none"))
@@ -47,22 +45,47 @@ def _save(figure: Any, path: Path) -> Path:
     return path
 
 
+# Each run plot: (file, title, y label, in percent, series as (label, VersionRecord field)).
+_PLOTS = (
+    (
+        ACCURACY_PNG,
+        "Test accuracy",
+        "accuracy (%)",
+        True,
+        (("global", "global_accuracy"), ("personalised", "personal_accuracy")),
+    ),
+    (
+        THROUGHPUT_PNG,
+        "Training throughput",
+        "samples / s",
+        False,
+        (("samples/s", "samples_per_s"),),
+    ),
+    (
+        LOSS_PNG,
+        "Loss",
+        "cross-entropy",
+        False,
+        (("train", "train_loss"), ("global test", "global_loss")),
+    ),
+)
+
+
 def _plot(
     path: Path,
     records: Sequence[VersionRecord],
-    series: Sequence[Series],
-    *,
     title: str,
     ylabel: str,
-    percent: bool = False,
+    percent: bool,
+    series: Sequence[tuple[str, str]],
 ) -> Path | None:
     from matplotlib.ticker import MaxNLocator
 
     xs = [r.round + 1 for r in records]  # counted from 1, as in the summary
     figure, axes = _axes(title, "round", ylabel)
     drawn = False
-    for (label, value), (marker, line, fill) in zip(series, _STYLES, strict=False):
-        ys = [value(r) * (100.0 if percent else 1.0) for r in records]
+    for (label, name), (marker, line, fill) in zip(series, _STYLES, strict=False):
+        ys = [float(getattr(r, name)) * (100.0 if percent else 1.0) for r in records]
         if not any(math.isfinite(y) for y in ys):
             continue  # a metric this algorithm does not report
         # Distinct markers and dashes: equal series (global = personal for SFL) stay visible.
@@ -82,40 +105,15 @@ def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
     if not records:
         return []
     made = [
-        _plot(
-            run_dir / ACCURACY_PNG,
-            records,
-            [
-                ("global", lambda r: r.global_accuracy),
-                ("personalised", lambda r: r.personal_accuracy),
-            ],
-            title="Test accuracy",
-            ylabel="accuracy (%)",
-            percent=True,
-        ),
-        _plot(
-            run_dir / THROUGHPUT_PNG,
-            records,
-            [("samples/s", lambda r: r.samples_per_s)],
-            title="Training throughput",
-            ylabel="samples / s",
-        ),
-        _plot(
-            run_dir / LOSS_PNG,
-            records,
-            [("train", lambda r: r.train_loss), ("global test", lambda r: r.global_loss)],
-            title="Loss",
-            ylabel="cross-entropy",
-        ),
-        # Async runs only (docs/async.md): how stale the folded updates were.
-        write_staleness_plot(run_dir / STALENESS_PNG, records),
+        _plot(run_dir / file, records, title, ylabel, percent, series)
+        for file, title, ylabel, percent, series in _PLOTS
     ]
+    # Async runs only (docs/async.md): how stale the folded updates were.
+    made.append(write_staleness_plot(run_dir / STALENESS_PNG, records))
     return [p for p in made if p is not None]
 
 
-def write_staleness_plot(
-    path: Path, records: Sequence[VersionRecord], *, title: str = "Staleness of updates"
-) -> Path | None:
+def write_staleness_plot(path: Path, records: Sequence[VersionRecord]) -> Path | None:
     """The staleness histogram of an async run as a bar chart (refused updates as the last,
     hatched bar); None without one."""
     histogram = staleness_histogram(records)
@@ -123,7 +121,7 @@ def write_staleness_plot(
         return None
     taus = list(range(max(histogram.folded, default=0) + 1))
     xlabel = "staleness tau = v_now - v_base (versions)"
-    figure, axes = _axes(title, xlabel, "updates")
+    figure, axes = _axes("Staleness of updates", xlabel, "updates")
     axes.bar([str(t) for t in taus], [histogram.folded.get(t, 0) for t in taus], label="folded")
     if histogram.refused:
         axes.bar(["refused"], [histogram.refused], hatch="//", color="lightgrey", label="refused")

@@ -6,10 +6,9 @@ import os
 import platform
 import socket
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -75,9 +74,6 @@ class RunInfo:
 
     def ended(self, status: str, at: datetime) -> RunInfo:
         return replace(self, status=status, ended_at=at.astimezone().isoformat(timespec="seconds"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def command_line(argv: list[str] | None = None) -> str:

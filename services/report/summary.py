@@ -121,7 +121,7 @@ class Totals:
     def of(cls, records: Sequence[VersionRecord]) -> Totals | None:
         if not records:
             return None
-        best = max(records, key=lambda r: _finite_or(r.global_accuracy, -1.0))
+        best = max(records, key=lambda r: finite_or(r.global_accuracy, -1.0))
         personal = [r.personal_accuracy for r in records if math.isfinite(r.personal_accuracy)]
         return cls(
             final_global=records[-1].global_accuracy,
@@ -137,7 +137,7 @@ class Totals:
         )
 
 
-def _finite_or(value: float, default: float) -> float:
+def finite_or(value: float, default: float = -math.inf) -> float:
     return value if math.isfinite(value) else default
 
 
