@@ -139,11 +139,8 @@ def run_service(
     run_dir: Path,
     final_eval: FinalEval | None = None,
 ) -> None:
-    """Run the job embedded; then `final_eval` its last published version into final.json.
-
-    The embedded runner is given its hub so that, once the job has ended (and set `stop`,
-    the run's own event), the store still holds the versions to read the last one back.
-    """
+    """Run the job embedded; then `final_eval` its last published version into final.json
+    (the embedded runner is given its hub, so its store still holds the versions)."""
     embedded, _ = embedded_settings(settings)
     hub = Embedded()
     backends = Backends(embedded.broker, embedded.store, hub)
@@ -180,11 +177,8 @@ def execute(
     except OSError:  # no load average on this OS
         load = None
     started = time.monotonic()
-
-    def stalled() -> None:
-        echo(f"  [{run.label}] no new version for {stall_s:.0f} s: stopping the run")
-
-    with run_stop(stop, stall_s, on_stall=stalled) as (this_run, beat):
+    stalled = f"  [{run.label}] no new version for {stall_s:.0f} s: stopping the run"
+    with run_stop(stop, stall_s, on_stall=lambda: echo(stalled)) as (this_run, beat):
         tee = TeeSink([tee, beat])
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, this_run)

@@ -12,24 +12,24 @@ from services.experiments.spec import Table
 MISSING = "–"
 
 
-def percent(value: float) -> str:
-    """An accuracy as a table cell: `82.5`."""
-    return MISSING if not math.isfinite(value) else f"{100.0 * value:.1f}"
+def percent(value: float, sign: str = "", unit: str = "") -> str:
+    """An accuracy in percent as a table cell, `82.5`; with `sign="+"` a difference of two,
+    in percentage points, `+1.5`; `unit` follows the number."""
+    return MISSING if not math.isfinite(value) else f"{100.0 * value:{sign}.1f}{unit}"
 
 
 def points(value: float) -> str:
-    """A difference of two accuracies as a table cell, in percentage points: `+1.5`."""
-    return MISSING if not math.isfinite(value) else f"{100.0 * value:+.1f}"
+    return percent(value, "+")
 
 
 def pct(value: float) -> str:
     """An accuracy in a sentence: `82.5%`."""
-    return MISSING if not math.isfinite(value) else f"{100 * value:.1f}%"
+    return percent(value, unit="%")
 
 
 def pts(value: float) -> str:
     """A difference in a sentence: `+1.5 points`."""
-    return MISSING if not math.isfinite(value) else f"{100 * value:+.1f} points"
+    return percent(value, "+", " points")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], caption: str = "") -> str:
@@ -65,6 +65,7 @@ def runs_table(results: Sequence[RunResult]) -> str:
     """Every run: its tags, status, rounds done, final and best accuracy, wall time."""
     tags = list(dict.fromkeys(t for result in results for t in result.tags))
     header = ["run", *tags, "status", "rounds", "final acc %", "best acc %", "wall s"]
+    header.append("load at start")
     rows = [
         [
             f"`{r.label}`",
@@ -78,4 +79,4 @@ def runs_table(results: Sequence[RunResult]) -> str:
         ]
         for r in results
     ]
-    return markdown_table([*header, "load at start"], rows)
+    return markdown_table(header, rows)
