@@ -9,6 +9,7 @@ health file on this machine (both in `services.common.health`).
 from __future__ import annotations
 
 import socket
+from contextlib import closing
 
 import click
 
@@ -42,11 +43,9 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
         )
     job = settings.job.name
     try:
-        store = backends.open_store(wait=False)  # report an outage, don't sit through it
-        try:
+        # Report an outage, don't sit through it.
+        with closing(backends.open_store(wait=False)) as store:
             members = store.live_members(job)
-        finally:
-            store.close()
     except SplitMQError as exc:
         return Verdict(False, f"store unreachable, cannot see the {role}: {exc}")
     return assess(members, role, job=job, host=host, instance=instance)

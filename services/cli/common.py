@@ -192,8 +192,8 @@ def default_member_id(prefix: str = "") -> str:
 
 
 @contextmanager
-def stop_on_signals(stop: threading.Event, *, sigint: bool = True) -> Iterator[None]:
-    """SIGTERM (and SIGINT) set `stop` for a graceful end; a second SIGINT interrupts hard.
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set `stop` for a graceful end; a second SIGINT interrupts hard.
 
     Handlers can only be installed from the main thread; elsewhere this does nothing.
     """
@@ -209,9 +209,10 @@ def stop_on_signals(stop: threading.Event, *, sigint: bool = True) -> Iterator[N
             raise KeyboardInterrupt
         stop.set()
 
-    saved = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
-    if sigint:
-        saved[signal.SIGINT] = signal.signal(signal.SIGINT, on_int)
+    saved = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, on_term),
+        signal.SIGINT: signal.signal(signal.SIGINT, on_int),
+    }
     try:
         yield
     finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,8 +126,7 @@ def infer(
     if settings.store.kind == "memory":
         raise click.ClickException(MEMORY_STORE)
     backends = Backends(settings.broker, settings.store)
-    store = backends.open_store()
-    try:
+    with closing(backends.open_store()) as store:
         job = settings.job.name
         version = version or store.current_version(job)
         if version == 0:
@@ -151,8 +150,6 @@ def infer(
                 clients=clients,
                 rows=rows,
             )
-    finally:
-        store.close()
     click.echo(table(results))
     if out is not None:
         write_csv(out, results)
@@ -179,11 +176,8 @@ def theta_source(
     from workers.inference import InferenceServer
 
     if in_process:
-        store = backends.open_store()
-        try:
+        with closing(backends.open_store()) as store:
             blob = store.read_blob(settings.job.name, version, BlobRef(SERVER_PART))
-        finally:
-            store.close()
         theta = ServerModel(job_model(settings), settings.model.cut)
         load_partial(theta, blob)
         yield LocalTheta(theta)

@@ -10,6 +10,7 @@ the stop event, so without this SIGTERM went unheard for the whole budget).
 from __future__ import annotations
 
 import threading
+from contextlib import closing
 
 from services.common.backends import Backends
 
@@ -44,8 +45,5 @@ def check_services(
     if not store:
         return
     give_up_after = min(wait_s, backends.store_settings.retry_for_s)
-    probe = backends.open_store(give_up_after=give_up_after, sleep=sleep)
-    try:
+    with closing(backends.open_store(give_up_after=give_up_after, sleep=sleep)) as probe:
         probe.current_version(job)
-    finally:
-        probe.close()

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -95,21 +96,15 @@ def clear_job(
     `backends`: where they live (default: the settings' servers; tests pass embedded ones)."""
     job = settings.job.name
     backends = backends or Backends(settings.broker, settings.store)
-    broker = backends.open_broker("splitmq-up", give_up_after=10.0)
-    try:
+    with closing(backends.open_broker("splitmq-up", give_up_after=10.0)) as broker:
         names = [q.name for q in settings.job_queues()]
         # The inference reply queues too: `provision-clients` declares them durable, so a
         # stale run's answers would otherwise wait there for this run's clients.
         names += [name for c in client_ids for name in client_queue_names(job, c)]
         for name in names:
             broker.delete_queue(name)
-    finally:
-        broker.close()
-    store = backends.open_store()
-    try:
+    with closing(backends.open_store()) as store:
         store.delete_job(job)
-    finally:
-        store.close()
 
 
 class LocalProcesses:

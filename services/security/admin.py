@@ -67,19 +67,17 @@ def _run(argv: Sequence[str], stdin: str) -> subprocess.CompletedProcess[str]:
 
 
 class RabbitmqctlAdmin:
-    """`rabbitmqctl` against the local node (or `node`)."""
+    """`rabbitmqctl` against the local node."""
 
     name = "rabbitmqctl"
 
-    def __init__(
-        self, *, executable: str = "rabbitmqctl", node: str | None = None, run: Runner = _run
-    ) -> None:
-        self._base = [executable, *(["--node", node] if node else [])]
+    def __init__(self, *, run: Runner = _run) -> None:
+        self._base = ["rabbitmqctl"]
         self._run = run
 
     @staticmethod
-    def available(executable: str = "rabbitmqctl") -> bool:
-        return shutil.which(executable) is not None
+    def available() -> bool:
+        return shutil.which("rabbitmqctl") is not None
 
     def users(self) -> frozenset[str]:
         done = self._run([*self._base, "list_users", "--quiet", "--formatter", "json"], "")
