@@ -45,10 +45,8 @@ from broker.bodies import fresh_body
 from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
 from broker.messages import (
     MESSAGE_TYPES,
-    Finite,
+    Marker,
     Message,
-    NonEmpty,
-    NonNegative,
     OneOf,
     TensorRule,
     consistency_error,
@@ -197,10 +195,10 @@ def _check(kind: type, markers: list[Any]) -> Check:
     """The checks of a scalar of `kind`: the wire's own (UTF-8 strings, int64) and `markers`."""
     if kind is str:
         choices = [m.choices for m in markers if isinstance(m, OneOf)]
-        return _str_check(any(isinstance(m, NonEmpty) for m in markers), next(iter(choices), None))
+        return _str_check(Marker.NON_EMPTY in markers, next(iter(choices), None))
     if kind is int:
-        return _int_check(0 if any(isinstance(m, NonNegative) for m in markers) else INT64_MIN)
-    if kind is float and any(isinstance(m, Finite) for m in markers):
+        return _int_check(0 if Marker.NON_NEGATIVE in markers else INT64_MIN)
+    if kind is float and Marker.FINITE in markers:
         return _finite
     return _anything
 

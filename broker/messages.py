@@ -1,8 +1,8 @@
 """The message types of design §5.
 
 Each message is a frozen dataclass whose field annotations are its wire schema, which
-`broker.codec` reads off them: the base type picks how a field travels, `Annotated` markers (the
-small classes below) add checks. Every message carries `job`, `client`, `message_id` and
+`broker.codec` reads off them: the base type picks how a field travels, `Annotated` markers
+(`Marker`, `OneOf`, `TensorRule`) add checks. Every message carries `job`, `client`, `message_id` and
 `version`, the weights version the sender computed with (not the wire schema version, which the
 codec carries as `v`). This module must not use `from __future__ import annotations`: the codec
 needs the field types as real objects, not strings.
@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Annotated, get_args
 
 import torch
@@ -31,19 +32,12 @@ def new_message_id() -> str:
 # --- field markers ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class NonEmpty:
-    """A string that must not be empty."""
+class Marker(Enum):
+    """What a field's value must be beyond its type."""
 
-
-@dataclass(frozen=True, slots=True)
-class NonNegative:
-    """An integer that must be >= 0."""
-
-
-@dataclass(frozen=True, slots=True)
-class Finite:
-    """A float that must be neither NaN nor infinite."""
+    NON_EMPTY = "a non-empty string"
+    NON_NEGATIVE = "an integer >= 0"
+    FINITE = "a float neither NaN nor infinite"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +70,10 @@ WEIGHT_DTYPES = frozenset(d.torch_dtype for d in WIRE_DTYPES.values())
 
 
 ConfigValue = str | int | float | bool
-JobName = Annotated[str, NonEmpty()]
+JobName = Annotated[str, Marker.NON_EMPTY]
 ClientId = str
-MessageId = Annotated[str, NonEmpty()]
-Count = Annotated[int, NonNegative()]
+MessageId = Annotated[str, Marker.NON_EMPTY]
+Count = Annotated[int, Marker.NON_NEGATIVE]
 Activations = Annotated[torch.Tensor, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
 Labels = Annotated[torch.Tensor, TensorRule(LABEL_DTYPES, rank=1)]
 Gradient = Annotated[torch.Tensor | None, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
@@ -147,7 +141,7 @@ class Leave(_Common):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(_Common):
-    role: Annotated[str, NonEmpty()] = "client"
+    role: Annotated[str, Marker.NON_EMPTY] = "client"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -173,7 +167,7 @@ class GradientReply(_Common):
 
     seq: Count
     status: Annotated[str, OneOf(REPLY_STATUSES)]
-    loss: Annotated[float, Finite()]
+    loss: Annotated[float, Marker.FINITE]
     correct: Count
     samples: Count
     grad: Gradient
@@ -230,7 +224,7 @@ class InferReply(_Common):
 class Error(_Common):
     """An error travelling as a reply (errors never cross processes as exceptions)."""
 
-    code: Annotated[str, NonEmpty()]
+    code: Annotated[str, Marker.NON_EMPTY]
     reason: str
     ref_message_id: str = ""
 
@@ -260,7 +254,7 @@ class RoundEnd(_Common):
 class Event(_Common):
     """Fanout notice (version published, round opened/closed, member joined/left...)."""
 
-    kind: Annotated[str, NonEmpty()]
+    kind: Annotated[str, Marker.NON_EMPTY]
     data: Config
 
 

@@ -42,9 +42,8 @@ from broker.messages import (
     InferRequest,
     Join,
     Leave,
+    Marker,
     Message,
-    NonEmpty,
-    NonNegative,
     RoundDropped,
     RoundEnd,
     RoundStart,
@@ -856,7 +855,8 @@ def test_schema_refuses_annotations_it_cannot_carry() -> None:
     with pytest.raises(TypeError, match=r"Bare\.t: a tensor field needs exactly one TensorRule"):
         build_schema(bare)
     fine = dataclasses.make_dataclass(
-        "Fine", [("n", Annotated[int, NonNegative()]), ("s", Annotated[str, NonEmpty()])]
+        "Fine",
+        [("n", Annotated[int, Marker.NON_NEGATIVE]), ("s", Annotated[str, Marker.NON_EMPTY])],
     )
     n, s = build_schema(fine).fields
     assert n.checks[0](-1, n.path, 10) == "Fine.n: -1 must be >= 0"
