@@ -2,10 +2,10 @@
 
 Each message is a frozen dataclass whose field annotations are its wire schema, which
 `broker.codec` reads off them: the base type picks how a field travels, `Annotated` markers
-(`Marker`, `OneOf`, `TensorRule`) add checks. Every message carries `job`, `client`, `message_id` and
-`version`, the weights version the sender computed with (not the wire schema version, which the
-codec carries as `v`). This module must not use `from __future__ import annotations`: the codec
-needs the field types as real objects, not strings.
+(`Marker`, `OneOf`, `TensorRule`) add checks. Every message carries `job`, `client`,
+`message_id` and `version`, the weights version the sender computed with (not the wire schema
+version, which the codec carries as `v`). This module must not use `from __future__ import
+annotations`: the codec needs the field types as real objects, not strings.
 
 Messages holding tensors compare by identity (`eq=False`): tensor `==` is elementwise, so the
 generated `__eq__` would raise instead of answering.
