@@ -12,18 +12,10 @@ global blobs, and every client's personal blobs mixed
 Split inference: a client answers with its head when the entropy of its softmax is <= E_th,
 else it sends `phi_k(x)` to the workers (`services.client.inference`, `workers.inference`).
 
-SplitGP's per-version evaluation: every client's personalised model, three ways.
-
-For each client k (its `phi_k`, `h_k` from the version's personal blobs, else the global ones,
-and the shared `theta`), on the test split:
-- `head`: `h_k(phi_k(x))`, the model it runs alone;
-- `theta`: `theta(phi_k(x))`, the full model with its own client side;
-- `split`: split inference, the head's answer when its entropy is <= E_th, else theta's;
-each on the client's local test set (`local`: the test samples of its classes), the others
-(`ood`: out of distribution) and the whole split (`global`), with the fraction of rows sent
-to the server (`offload_*`). Accuracy at an out-of-distribution fraction p is then
-`(1 - p) * local + p * ood`. Means over clients are reported as `splitgp.<metric>`, and
-split inference at each threshold of a sweep as `splitgp.sweep.<E_th>.<metric>`.
+Per-version evaluation (`version_metrics`): each client's personalised model (`phi_k`, `h_k`,
+the shared `theta`) as its head alone, as `theta(phi_k(x))` and by split inference, on its
+local, out-of-distribution and whole test rows; docs/algorithms.md "Reported per version"
+lists the metrics (accuracy at an out-of-distribution fraction p: `(1 - p) * local + p * ood`).
 """
 
 from __future__ import annotations
