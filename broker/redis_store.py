@@ -2,15 +2,8 @@
 
 Every multi-key step that must be atomic is one Lua script (`broker.redis_scripts`) or one
 MULTI/EXEC. redis errors never escape: connection problems become `StoreUnavailableError`, the
-rest `StoreError`.
-
-Every operation goes through `_call`, which rides out an outage (e.g. a Redis restart) for
-`RetryPolicy.retry_for_s` with capped exponential backoff, logging once when it starts to wait
-and once when the store is back. So every step must be idempotent, a retry never doing twice
-what a lost reply hid: docs/reliability.md "Redis restart" says how each one is (leases renewed
-by the same owner; blobs written NX under content-addressed keys, one a lost reply created left
-to expire rather than discarded on a conflict; a commit id by which a retried commit that had
-gone through finds its own manifest instead of a conflict with itself).
+rest `StoreError`. Every operation goes through `_call`, which rides out an outage, so every
+step must be idempotent: docs/reliability.md, "Redis restart", says how each one is.
 """
 
 from __future__ import annotations

@@ -2,16 +2,9 @@
 
 Both stores hold the same bytes (safetensors blobs, msgpack checkpoint metadata) under the same
 keys, so they validate, copy and fail identically; the in-memory store stands in for Redis.
-
-Publishing (`PublishingStore.publish_version`; each store supplies the four storage steps):
-1. serialise and hash every blob (no store access);
-2. write the blobs under content-addressed keys with a pending expiry ("SET NX PX");
-3. one atomic compare-and-set: version still `expected`, every blob present -> make the blobs
-   permanent, write the manifest, bump the version;
-4. on success apply retention; on a lost race or a torn write drop our still-pending blobs.
-
-A crash anywhere before step 3 leaves only expiring orphans; a crash after it leaves a complete
-version. The steps are methods so tests can inject a crash between blob writes.
+`PublishingStore.publish_version` runs the four steps of docs/architecture.md, "Weights and
+versions", each store supplying the storage; the steps are methods so tests can inject a crash
+between blob writes.
 """
 
 from __future__ import annotations

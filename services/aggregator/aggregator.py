@@ -1,12 +1,6 @@
 """The aggregator role: version 1 at start-up (architecture step 1), then the job's clock (sync
-rounds or async buffering, `core`) until `job.rounds` versions are trained (steps 3, 6, 7 and
-"Evaluation").
-
-The rule for a job name used again: a job that has a version and a status record (`JobStatus`)
-is over, and stays over for every role that starts later; a job without any version is new, so
-seeding version 1 first clears whatever status the name had. `splitmq up` (with `--fresh`, its
-default) deletes the job's keys before it starts, status included; `splitmq run` starts from an
-empty in-memory store; compose keeps Redis on a volume, so only `down -v` starts the job anew.
+rounds or async buffering, `core`) until `job.rounds` versions are trained. A job name used
+again: docs/reliability.md, "An ended job stays ended".
 """
 
 from __future__ import annotations

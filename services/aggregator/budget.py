@@ -1,19 +1,10 @@
 """Per-sender budgets on `<job>.updates`: one flooding client must not stall the others.
 
-RabbitMQ hands the queue out in order, so a legitimate update queued behind another client's
-flood is reached only once the flood ahead of it is consumed, and dead-lettering junk with its
-reason (a confirmed publish each) is slower than one client can publish it. So each sender
-gets a token bucket: within it a message is judged in full (an invalid one dead-lettered with
-its reason), beyond it a message is refused unjudged: it goes into the `Surplus`, which
-dead-letters a batch at a time (`Broker.dead_letter_many`: one wait for the broker a batch),
-each with the reason that its sender was over budget; while a batch is open, the judged junk
-joins it too. The aggregator then consumes a flood faster than a client can publish it, and
-the others' updates are never far behind (measurements: docs/reliability.md, the flood row).
-
-A sender is its AMQP user_id when the broker stamps one (the secured mode), else the client
-id it claims if that is a member; every stranger shares one budget, so made-up ids buy no
-fresh buckets. A legitimate client sends one update or drop notice per (local) round: the
-budget leaves it far more than that.
+RabbitMQ hands the queue out in order and dead-lettering junk (a confirmed publish each) is
+slower than one client publishes it, so without budgets a flood delays every update queued
+behind it. The rule (a token bucket per sender; strangers share one, so made-up ids buy no
+fresh buckets; the surplus dead-lettered in batches) and its measurements: docs/reliability.md,
+the flood row. A legitimate client sends one message per local round, far below its budget.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""The asynchronous (FedBuff-style) clock: no rounds, only versions (docs/async.md).
-
-Updates arrive whenever clients finish a local round. The `BufferClock` buffers each one from a
-member (screened by the inbox) based on a version at most `max_staleness` behind the current
-one, with what it started from and what it would start from now; a staler one is valid but
-refused: acked, counted and answered with `Error("too_stale")`. When `buffer_size` (K) are
-buffered they are folded into version v+1 (each rebased onto the current weights with its
-change scaled by s(tau), then the strategy's own `aggregate`, `services.algorithms.async_fold`),
-together with the shard replicas' fresh progress (`services.common.server_fold`). Every member
-whose update was judged (buffered or too stale) is then owed the newest weights, so it trains
-its next local round without waiting for anyone.
-
-A member's `RoundDropped` notice is taken and counted, nothing more (the client asks for new
-weights itself). Notices and members' unusable updates since the last buffered update are
-`fruitless`, by reason: `asynchronous.max_fruitless_per_client` x `clients.count` of them in a
-row fail the job (a diverged job would otherwise retrain and drop for ever).
-
-Buffered updates stay unacknowledged until the version holding them is published; each
-version's manifest names the message ids it folded, so a successor that gets them redelivered
-folds none twice.
+"""The asynchronous (FedBuff-style) clock: no rounds, only versions. What it does with each
+update and notice, when it folds, and how a successor avoids folding one twice (the manifest's
+folded message ids): docs/async.md, "The protocol".
 """
 
 from __future__ import annotations
@@ -188,7 +171,6 @@ class BufferClock(Core):
         return Offer(Verdict.LATE, reason, code=TOO_STALE)
 
     def _at(self, version: int) -> None:
-        """The current version is `version` now."""
         self.version = version
         client, aux = self._cache(version).global_weights()
         self._client_ref, self._aux_ref = reference_of(client), reference_of(aux)

@@ -1,14 +1,10 @@
 """The aggregator's core, one for both modes: the loop to the job's end, the publication of a
 version (architecture step 6), its record, and the end of the job (step 7).
 
-What differs between the modes is the clock, a subclass of `Core`: `rounds.RoundClock` (sync:
-cohorts, deadline, quorum, reopened rounds) or `buffered.BufferClock` (async: a version whenever
-K updates are buffered, docs/async.md). A clock judges updates through its gate (the inbox hands
-them over), decides when a version is due and what goes into it; the core publishes it by
-compare-and-set, acks the updates it holds, evaluates and records it, and ends the job.
-
-Round r trains version v = r + 1 (version 1 is the initial model), so the store's current
-version alone says what comes next: a restarted aggregator resumes where the last one published.
+The clock, a subclass of `Core` (`rounds.RoundClock` or `buffered.BufferClock`), judges updates
+through its gate and decides when a version is due and what goes into it; the core publishes it
+by compare-and-set, acks the updates it holds, evaluates and records it. Round r trains version
+r + 1, so a restarted aggregator resumes from the store's current version alone.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """What the inbox asks of every update and drop notice, in both modes: the screen, then a gate.
 
-The screen (`UpdateScreen`) checks what holds for every version of the job, whatever state the
-round is in: the sender is a member, and an update's tensors have the model's names, shapes
-and kinds (the model's structure never changes within a job). A message that fails it is
-dead-lettered with its reason even when its round is long closed. Which round, version,
-cohort or staleness it belongs to is the gate's business: the clock's (`rounds.OpenRound` and
-`rounds.ClosedGate` in sync mode, `buffered.AsyncGate` in async mode).
+The screen (`UpdateScreen`) checks what holds for every version of the job: the sender is a
+member, and an update's tensors have the model's names, shapes and kinds. A message that fails
+it is dead-lettered with its reason even when its round is long closed. Round, version, cohort
+and staleness are the gate's business (`round_gate.OpenRound` and `round_gate.ClosedGate` in
+sync mode, `buffered.BufferClock` in async mode).
 
 Every read of the members goes through one `MemberBook`, so a client the clock put in a cohort
-is known to the screen by construction. A member that left (or expired) stays known for the
-rest of the run: an update it sent just before is judged as anyone's. A stranger triggers a
-re-read, but only so many a second: a flood of made-up client ids must not turn into a store
-read per message.
+is known to the screen by construction. A member that left stays known for the rest of the run
+(an update it sent just before is judged as anyone's); a stranger triggers a re-read, but only
+so many a second, so a flood of made-up ids is not a store read per message.
 """
 
 from __future__ import annotations

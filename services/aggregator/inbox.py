@@ -1,16 +1,11 @@
-"""The aggregator's side of `<job>.updates`: decode, check, hand to the round, ack.
-
-Validation comes before state: a message is decoded, checked for its job and sender, and
-screened (`services.aggregator.gate`) before a gate judges it against the round, so every
-invalid message is dead-lettered with its reason, in both modes. Before all that, each sender
-spends its budget (`services.aggregator.budget`): a flooding client's surplus is refused
-unjudged, a batch at a time, so the others' updates are not stuck behind its flood.
+"""The aggregator's side of `<job>.updates`: spend the sender's budget (`budget`), decode,
+check, screen (`gate`), hand to the clock's gate, ack. Validation comes before state, so every
+invalid message is dead-lettered with its reason, in both modes.
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
-aggregator that dies mid-round loses no update: the broker hands them to its successor.
-A `RoundDropped` notice is acked once judged: it carries nothing to aggregate (and held ones
-would eat the prefetch across reopened attempts); a successor that never saw it waits for
-that member until the deadline, as before notices existed.
+aggregator that dies mid-round loses no update. A `RoundDropped` notice is acked once judged:
+it carries nothing to aggregate, and held ones would eat the prefetch across reopened attempts
+(a successor that never saw it waits for that member until the deadline).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The sync clock's pure parts: who takes part in a round, the verdict on each update, when the
-round closes, and when attempts without a valid update end the job.
-
-An `OpenRound` accepts one update per cohort member, for its round and version, or that
-member's `RoundDropped` notice (it stops waiting for the member and counts the reason); a
-`ClosedGate` stands in between rounds, when every update or notice is either late (its round
-is over) or premature. A gate sees only what the inbox's screen let through (`gate`).
-
-A round that gets no valid update is reopened with a fresh cohort (a member may have been
-unlucky). When its clients' models diverged, though, every attempt ends the same way: each
-client refuses to send NaN weights and says so (`RoundDropped`, reason `non_finite`), or sends
-an update that is dead-lettered as non-finite, and the job would reopen the round for ever.
-So `rounds.max_empty_attempts` attempts in a row without one valid update fail the job, with
-the reasons of the last one. An attempt whose whole cohort left (expired, no reply queue) does
-not count, whatever was refused meanwhile (garbage from strangers is refused too): the
-aggregator then waits for members to come back, which is churn, not a broken job.
+"""The sync clock's pure parts: who takes part in a round, the verdict on each update (a gate
+sees only what the inbox's screen let through), when the round closes, and when attempts
+without a valid update end the job (docs/reliability.md, "A round without one valid update").
 """
 
 from __future__ import annotations
@@ -222,8 +209,8 @@ class EmptyAttempt:
 
     @property
     def counts(self) -> bool:
-        """Whether it counts towards `max_empty_attempts` (see the module's docstring): some
-        member stayed to the end, or said why it had nothing to send."""
+        """Whether it counts towards `max_empty_attempts`: some member stayed to the end, or
+        said why it had nothing to send (a cohort that all left is churn)."""
         return self.awaited > 0 or sum(self.declined.values()) > 0
 
     def reasons(self) -> str:

@@ -1,16 +1,7 @@
-"""The sync clock (architecture steps 3 and 6): rounds with a cohort, a deadline and a quorum.
-
-A round waits for ready members, samples a cohort, announces the round to the shards that
-serve it (RoundStart ahead of its batches), assigns the version's weights and takes updates
-(`round_gate.OpenRound`) until every member answered, or the deadline passed with a quorum, or
-twice the deadline with at least one update. Then the shards hand in their replicas, the
-strategy aggregates, and the core publishes. A round without a valid update is reopened with a
-fresh cohort; a reopened round publishes nothing.
-
-After RoundEnd reaches a shard queue, the worker holding the shard checkpoints with
-`meta["round"] = r` (architecture step 5); its `round_samples` weight the replica in the
-server-side average. A shard whose worker does not answer within `rounds.replica_timeout_s` is
-left out (its samples are lost for this round, the previous server weights stand in for it).
+"""The sync clock: rounds with a cohort, a deadline and a quorum (docs/architecture.md, "Sync
+round protocol", steps 3, 5 and 6). A reopened round publishes nothing; a shard whose worker
+does not hand in its replica within `rounds.replica_timeout_s` is left out of the round (the
+previous server weights stand in for it).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The autoscaler role: every `poll_s`, observe, decide (services/autoscaler/policy.py), act.
 
-Acting is starting workers, or asking one at a time to stop: the one holding no shard if any,
-else the least busy, else the newest. A worker counts as starting from its start until its
-first heartbeat is in the store (or `start_grace_s` passed: a FedAvg worker never heartbeats,
-having nothing to serve), and as stopping until the backend saw it exit; meanwhile the policy
-holds, so nothing is decided on a picture that is about to change.
-
-Each poll that completes refreshes the health key `health:autoscaler:<instance>`
-(`services.common.health`, read by `splitmq check autoscaler`): from the loop itself, not a
-thread of its own as the other roles do, so an autoscaler that cannot observe or act (Redis,
-RabbitMQ or Docker unreachable, a call that hangs) goes unhealthy once the key expires.
+A worker counts as starting until its first heartbeat (or `start_grace_s`: a FedAvg worker,
+having nothing to serve, never heartbeats) and as stopping until the backend saw it exit;
+meanwhile the policy holds. The health key is refreshed from the loop itself, not a thread as
+the other roles do, so an autoscaler that cannot observe or act goes unhealthy once it expires.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Workers as containers of a compose project's `worker` service, through the Docker SDK.
+"""Workers as containers of a compose project's `worker` service, through the Docker SDK
+(docs/deployment.md, "Backends": how a new worker copies the newest one, how one is stopped).
 
-Compose has no scaling API, so the pool works on what compose leaves behind: containers
-labelled with the project and service. A new worker is a copy of the newest one (image,
-command, environment, mounts, network, init, labels with the next container number) named
-`<project>-<service>-<n>`, which `docker compose down` removes like its own. Its command gets
-`--id <name>`, so its store member is known even where containers share a hostname
-(`network_mode: host`).
-
-Scaling down sends SIGTERM (`init: true` forwards it to the worker, which hands its shards
-over and exits 0) after setting the container's restart policy to "no", and never follows up
-with SIGKILL; `reap` removes the container once it has exited.
-
-`docker` (the SDK, `pip install 'splitmq[docker]'`) is imported only when a client is made, so
-nothing else needs it; tests pass a fake client object.
+A new worker's command gets `--id <name>`, so its store member is known even where containers
+share a hostname (`network_mode: host`); scaling down never follows SIGTERM with SIGKILL.
+`docker` is imported only when a client is made, so nothing else needs it; tests pass a fake.
 """
 
 from __future__ import annotations

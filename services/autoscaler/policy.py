@@ -1,17 +1,6 @@
 """The scaling rule: a pure function of what was observed, the limits, the time and its state.
-
-Rules, first match wins:
-1. fewer workers than `min` (or more than `max`): go to the bound, cool-down or not;
-2. within `cooldown_s` of the last change: hold;
-3. workers still starting (no heartbeat yet) or stopping (handing over): hold, their effect
-   is not visible yet;
-4. pressure (ready depth above `target_depth` per worker, or mean busy fraction at least
-   `up_busy`): grow to cover the depth, by one at least, up to `max`;
-5. slack (depth below one worker's `target_depth` and busy at most `down_busy`, or no worker
-   reporting busy at all) sustained for `down_after_s`: shrink by one, down to `min`;
-6. otherwise hold.
-Pressure and slack thresholds differ (hysteresis), and slack must last, so a short pause between
-rounds does not shed the workers that the next round needs.
+The rules (first match wins) and why pressure and slack differ: docs/deployment.md,
+"Autoscaling workers".
 """
 
 from __future__ import annotations

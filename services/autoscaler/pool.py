@@ -1,10 +1,7 @@
 """What the autoscaler needs from a backend that runs workers: start one, stop one gently.
 
-`stop_worker` asks a worker to stop (SIGTERM: it finishes its step, checkpoints, acks what the
-checkpoint covers and hands its shards over) and returns at once; the backend then watches
-it, and `reap` reports it once it has exited. No backend ever kills a worker it is scaling
-down, so none is lost with unacknowledged work (its deliveries would be redelivered anyway,
-design §7, but a graceful hand-over costs no replay).
+`stop_worker` sends SIGTERM and returns at once; `reap` reports the worker once it has exited.
+No backend kills a worker it scales down (docs/deployment.md, "Autoscaling workers").
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Admitting a client: assignment, the member record, the Welcome.
+"""Admitting a client: assignment, the member record, the Welcome (docs/architecture.md, step 2).
 
-A re-Join of a live member (a client that restarted, or whose Welcome was lost) gets the same
-assignment again, so joining is idempotent; a Join when every data partition is taken is
-refused with an Error reply, not dropped. A Join after the job ended (finished, or failed:
-the store's `JobStatus`) gets the dismissal the members got, status included, so the client
-exits at once instead of waiting for a round that never comes.
-
-The record's `session` is the one the Join names (each client process names itself), else a
-fresh one for a new record: a restarted client (same id, another session) keeps its
-assignment but is recorded as a new incarnation, so the round it was in stops waiting for the
-old process's update (`membership.same_incarnation`).
+A re-Join of a live member gets the same assignment again, so joining is idempotent; a full job
+answers `Error(job_full)`; a Join after the end gets the members' dismissal (docs/reliability.md,
+"An ended job stays ended"). The record's `session` is the Join's, else a fresh one for a new
+record, so a restarted client is a new incarnation (`membership.same_incarnation`) and the round
+it was in stops waiting for the old process.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""A joining client's depth level and cut (FedSplitX), from the capability it declares.
-
-Jobs whose algorithm has one cut give every client the job's cut. A strategy with several
-(`batch_cuts`, FedSplitX's partition points, shallow to deep) gives a client declaring
-capability c (the deepest level it can run) level min(c, M); one declaring nothing gets the
-level its data partition has in `clients.capability_mix`, else the strategy's
-`default_level` (`[algorithm.fedsplitx] default_level`). So simulated clients get the same
-level whether they asked for a partition (`splitmq run`/`up`) or were given one (compose's
-scaled clients), and a re-joining member keeps its record.
+"""A joining client's depth level and cut (FedSplitX), from the capability it declares: the rule
+is docs/algorithms.md, "FedSplitX", **Levels**. Jobs whose algorithm has one cut give every
+client the job's cut.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""`JobWatcher`: follows one job for the dashboard and the job-wide gauges.
-
-On a thread of its own, with its own broker and store handles: it takes the job's events off
-the fanout (members joining and leaving, rounds, versions), and every `metrics.probe_s` reads
-the store (version, live clients and workers with their heartbeat info) and the depth of each
-shard queue; every few seconds it rereads the run directory (metrics.json: records and status;
-summary.txt). It reports the version, members and queue depths to its recorder, so the
-coordinator's, the aggregator's and the embedded runner's /metrics show them. A broker or store
-failure is logged and retried: watching never takes a role down. Without a state to fill
-(gauges only) it takes no events.
+"""`JobWatcher`: follows one job for the dashboard and the job-wide gauges (what it reads, and
+how often: docs/deployment.md, "The dashboard"). A broker or store failure is logged and
+retried: watching never takes a role down. Without a state to fill (gauges only) it takes no
+events.
 """
 
 from __future__ import annotations
