@@ -94,10 +94,6 @@ class SplitNet(nn.Module):
         """The activation shape at `cut`, without the batch dimension."""
         return self._shapes[self.cut_index(cut)]
 
-    def block_shape(self, index: int) -> Shape:
-        """The output shape of block `index`, without the batch dimension."""
-        return self._shapes[index]
-
     # --- views sharing this model's modules ---------------------------------------------------
     def block_range(self, start: int, stop: int) -> nn.Sequential:
         """Blocks `[start:stop]` as a Sequential whose child names are the block indices, so its

@@ -31,7 +31,7 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.flops import forward_flops
+from models.flops import flops_by_layer, forward_flops
 from models.parts import ServerModel
 from models.split import SplitNet, evaluating, forward_heads
 from models.state import client_state, head_state, load_partial, server_state
@@ -147,14 +147,9 @@ def level_costs(model: SplitNet, levels: Sequence[str]) -> list[LevelCost]:
     """Client and server forward FLOPs per sample for each level of `levels` (for local-loss SFL
     at cut c: `level_costs(model, [c])`)."""
     levels = check_levels(model, levels)
-    blocks = len(model.block_names)
-
-    def blocks_flops(start: int, stop: int) -> int:
-        if start >= stop:
-            return 0
-        shape = model.input_shape if start == 0 else model.block_shape(start - 1)
-        return forward_flops(model.block_range(start, stop), shape)
-
+    per_block = [0] * len(model.block_names)
+    for name, flops in flops_by_layer(model, model.input_shape).items():
+        per_block[int(name.split(".")[1])] += flops  # "blocks.<i>...."
     heads = {c: forward_flops(model.head(c), model.cut_shape(c)) for c in levels}
     costs = []
     for m, cut in enumerate(levels, start=1):
@@ -163,8 +158,8 @@ def level_costs(model: SplitNet, levels: Sequence[str]) -> list[LevelCost]:
             LevelCost(
                 level=m,
                 cut=cut,
-                client_flops=blocks_flops(0, split) + sum(heads[c] for c in levels[:m]),
-                server_flops=blocks_flops(split, blocks) + sum(heads[c] for c in levels[m:]),
+                client_flops=sum(per_block[:split]) + sum(heads[c] for c in levels[:m]),
+                server_flops=sum(per_block[split:]) + sum(heads[c] for c in levels[m:]),
             )
         )
     return costs
