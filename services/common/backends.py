@@ -20,9 +20,10 @@ from services.metrics.recorder import NO_METERS, NO_METRICS, Meters, Metrics
 
 
 def tls_options(settings: TLSSettings) -> TLSOptions | None:
-    """The broker layer's TLS options; None when the section keeps its defaults, so a plain
-    amqp:// or redis:// URL stays valid, and amqps:// or rediss:// get the defaults."""
-    if not settings.configured:
+    """The broker layer's TLS options; None when the section keeps its defaults (system CAs,
+    hostname checked), so a plain amqp:// or redis:// URL stays valid, and amqps:// or
+    rediss:// get the defaults."""
+    if settings == TLSSettings():
         return None
     return TLSOptions(
         ca_file=settings.ca_file,

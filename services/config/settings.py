@@ -28,11 +28,6 @@ class TLSSettings(_Section):
     key_file: str | None = None
     verify_hostname: bool = True
 
-    @property
-    def configured(self) -> bool:
-        """Whether anything differs from the defaults (system CAs, hostname checked)."""
-        return self != TLSSettings()
-
 
 class BrokerSettings(_Section):
     kind: Literal["memory", "rabbitmq"] = "memory"

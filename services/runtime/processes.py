@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import closing
+from contextlib import closing, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -197,14 +197,16 @@ class LocalProcesses:
         """SIGTERM every child still running, SIGKILL those still there after the grace."""
         running = [c for c in self._children if c.process.poll() is None]
         for child in running:
-            _signal(child.process, signal.SIGTERM)
+            with suppress(OSError):  # it exited meanwhile
+                child.process.send_signal(signal.SIGTERM)
         deadline = self._clock() + self._stop_grace_s
         for child in running:
             try:
                 child.process.wait(max(0.1, deadline - self._clock()))
             except subprocess.TimeoutExpired:
                 self._say("up", f"{child.spec.name} ignored SIGTERM; killing it")
-                _signal(child.process, signal.SIGKILL)
+                with suppress(OSError):
+                    child.process.send_signal(signal.SIGKILL)
                 child.process.wait()
         for child in self._children:
             child.pump.join(5.0)
@@ -217,10 +219,3 @@ class LocalProcesses:
     def _say(self, name: str, line: str) -> None:
         with self._echo_lock:
             self._echo(f"{name:<{self._width}} | {line}")
-
-
-def _signal(process: subprocess.Popen[str], signum: int) -> None:
-    try:
-        process.send_signal(signum)
-    except (ProcessLookupError, OSError):
-        pass  # it exited meanwhile
