@@ -1,9 +1,6 @@
-"""Tensors on the wire: the dtype whitelist, the `{dtype, shape, data}` header map, zero-copy
-views into a received body and a cheap finite check.
-
-A tensor's bytes never pass through msgpack (which copies bin payloads on pack and unpack): the
-header map's `data` is an ext value naming `(offset, nbytes)` in the body's data section, and
-`codec` lays the raw bytes out there. Everything is little-endian, as on every host we target.
+"""Tensors on the wire: the dtype whitelist, the `{dtype, shape, data}` header map (the body
+layout is `broker.codec`'s), zero-copy views into a received body and a cheap finite check.
+Everything is little-endian, as on every host we target.
 """
 
 from __future__ import annotations
