@@ -69,7 +69,7 @@ def render_section(
     data = f" (datasets from `{context.data_source}`)" if context.data_source else ""
     quick = context.quick
     sizes = "; ".join(  # distinct, in run order
-        dict.fromkeys(sizes_line(build_settings(experiment, r, quick=quick)) for r in results.runs)
+        dict.fromkeys(sizes_line(build_settings(experiment, r.run, quick=quick)) for r in results)
     )
     parts = [f"## {experiment.title}"]
     if context.quick:

@@ -115,16 +115,13 @@ class ResultSet:
     def __len__(self) -> int:
         return len(self.results)
 
-    def select(self, where: Mapping[str, str]) -> list[RunResult]:
-        return [r for r in self.results if matches(r.tags, where)]
-
     def one(self, where: Mapping[str, str]) -> RunResult | None:
         """The single run that fits `where` best: the one that names the most of its tags.
 
         A baseline without a `cut` tag fits `cut=block2`, but so may a run tagged
         `cut=block2`; the one that names the cut is the better match.
         """
-        found = self.select(where)
+        found = [r for r in self.results if matches(r.tags, where)]
         return max(found, key=lambda r: sum(k in r.tags for k in where)) if found else None
 
     def named(
@@ -143,10 +140,6 @@ class ResultSet:
         """`metric` of the run fitting `where`, NaN when there is none."""
         result = self.one(where)
         return result.metric(metric) if result is not None else math.nan
-
-    @property
-    def runs(self) -> list[Run]:
-        return [r.run for r in self.results]
 
     def values(self, tag: str) -> list[str]:
         """The values `tag` takes among the runs, in the order the runs were declared."""
