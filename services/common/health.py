@@ -1,19 +1,11 @@
-"""Health keys: a role process says "alive" in the store; `splitmq check ROLE` reads it.
+"""Health records: a role process says "alive"; `splitmq check ROLE` reads it (what each
+check means, and the keys' timing: docs/deployment.md, "Health checks").
 
-Each role that `splitmq <role>` runs refreshes the store member `health:<role>:<instance>`
-every `REFRESH_S` with a TTL of `TTL_S`, its host and pid in the member info. Members expire
-like any heartbeat (design §6), and the roles that count members only look at their own
-prefixes (`client:`, `worker:`), so health members never count as clients or workers.
-
-The key says the process is up and reaches the store. A role whose work fails exits non-zero
-(and its restart policy brings it back); a process that cannot reach the store goes unhealthy
-within `TTL_S`.
-
-An edge client's health is a file on its own machine, never a key in Redis: clients talk only
-to RabbitMQ (design §3) and hold no Redis credentials, so `splitmq client` refreshes
-`<tmp>/splitmq-health/<job>/client-<instance>.json` (its host, pid and the time) every
-`REFRESH_S`, and `splitmq check client` reads it on the same machine, which is where a container
-healthcheck runs. A file older than `TTL_S`, or whose process is gone, is unhealthy.
+A role refreshes the store member `health:<role>:<instance>` every `REFRESH_S` with a TTL of
+`TTL_S`; roles count only their own prefixes (`client:`, `worker:`), so health members never
+count as clients or workers. An edge client holds no Redis credentials (design §3): its record
+is a file on its own machine, `<tmp>/splitmq-health/<job>/client-<instance>.json`, read there by
+`splitmq check client`; one older than `TTL_S`, or whose process is gone, is unhealthy.
 """
 
 from __future__ import annotations

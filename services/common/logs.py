@@ -1,13 +1,10 @@
-"""Logging for the `splitmq` processes: readable lines by default, JSON lines on request.
+"""Logging for the `splitmq` processes: readable lines by default, JSON lines on request
+(their fields: docs/deployment.md, "Structured logs").
 
-Roles log through `logging.getLogger("splitmq.<role>")` and may pass context as `extra=`
-(job, client, shard, version, round...); the JSON formatter lifts those into fields, and a
-`ContextFilter` stamps process-wide ones (role, job) and the current thread's `log_context`
-(a worker's shard while it handles that shard's delivery, the aggregator's round version) on
-every record. JSON lines always hold job, client, shard and version (null where none
-applies), so a log pipeline can filter on them without guessing. Configuration happens
-only at the process edge (the CLI), inside `configured_logging`, which undoes itself on exit so
-repeated in-process invocations (tests) do not stack handlers.
+Roles may pass context as `extra=`; a `ContextFilter` stamps process-wide fields (role, job) and
+the current thread's `log_context` on every record. Configuration happens only at the process
+edge (the CLI), inside `configured_logging`, which undoes itself on exit so repeated in-process
+invocations (tests) do not stack handlers.
 """
 
 from __future__ import annotations

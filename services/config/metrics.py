@@ -1,10 +1,8 @@
 """`[metrics]`: the Prometheus endpoint each role serves, and the live dashboard.
 
-Every process of a job serves `/metrics` on its own port so several of them fit on one machine
-(`splitmq up`, `--scale worker=N` with host networking): a role starts at `port` plus its
-offset below and takes the first free port after that, within `port_span`. `port = 0` lets the
-operating system pick (tests); `enabled = false` serves nothing. Each process prints the URL it
-got.
+Every process of a job serves `/metrics` on its own port so several fit on one machine: it
+starts at `port` plus its offset below and takes the first free port within `port_span`
+(docs/deployment.md, "Prometheus endpoints").
 """
 
 from __future__ import annotations

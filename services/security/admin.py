@@ -1,10 +1,8 @@
 """Managing RabbitMQ users: through the management HTTP API, or `rabbitmqctl` on the broker's host.
 
-Both do the same four things (`RabbitAdmin`): list the users, create a user or reset its
-password, set its permissions in one vhost, delete it. The HTTP API needs the management plugin
-and an administrator's credentials; `rabbitmqctl` needs to run on the broker's machine with the
-right to talk to the node (root, or the rabbitmq user). Passwords never appear on a command
-line: `rabbitmqctl` reads them from standard input.
+Both do the same four things (`RabbitAdmin`); what each needs: docs/deployment.md,
+"Provisioning client users". Passwords never appear on a command line: `rabbitmqctl` reads them
+from standard input.
 """
 
 from __future__ import annotations

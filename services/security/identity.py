@@ -1,22 +1,14 @@
 """Who may send what: client ids, the AMQP user a message came from, stamping our own.
 
 RabbitMQ validates the `user_id` property against the publishing connection's user, so a
-delivery's `user_id`, when present, is the broker's word for who sent it. Consumers hold each
-message to it through a `SenderCheck`:
+delivery's `user_id`, when present, is the broker's word for who sent it; each consumer holds
+a message to it through a `SenderCheck` (the rules per consumer and mode: docs/deployment.md,
+"Two modes"). Client ids also become parts of queue names, routing keys (at most 255 bytes) and
+store keys, so every service refuses a client field that is not a plain id.
 
-- a client's message (Join, Leave, Heartbeat, SmashedBatch, WeightsUpdate, RoundDropped,
-  InferRequest) whose `user_id` is not its `client` field's user in this job (`client_user`)
-  is refused, in every mode;
-- in the secured mode (`security.per_client_users`) one without a `user_id` is refused too,
-  and a round marker (RoundStart / RoundEnd) must come from a service user.
-
-Client ids also become parts of queue names, routing keys (at most 255 bytes) and store keys,
-so every service refuses a client field that is not a plain id.
-
-A client's RabbitMQ user is `<job>.<client>` (`client_user`), not the bare client id: two jobs
-may both have a `client-0`, and provisioning or revoking one job's must not reset or delete the
-other's. Neither ids nor job names hold a '.', so the name says both unambiguously; every
-comparison of a `user_id` with a client id goes through `client_user` / `user_client`.
+A client's RabbitMQ user is `<job>.<client>`: neither ids nor job names hold a '.', so the name
+says both unambiguously; every comparison of a `user_id` with a client id goes through
+`client_user` / `user_client`.
 """
 
 from __future__ import annotations

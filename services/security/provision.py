@@ -1,25 +1,11 @@
 """One RabbitMQ user per client and job (design §3): what each may do, and the files that say how.
 
-Client `c` of job `j` logs in as `j.c` (`identity.client_user`): jobs sharing a broker and a
-`--prefix` get users of their own, so provisioning or revoking one job never resets or deletes
-another's. Provisioning refuses a user that exists already unless told to reset it (`force`):
-a reset locks out whichever client holds the old password.
-
-A client's user may
-- **configure** nothing: it cannot declare, bind or delete any exchange or queue (a bind would
-  let it copy another client's replies into a queue of its own); its handle only checks that
-  they exist (`broker.passive_declare`), so `provision` declares them first;
-- **write** to the exchanges clients publish to: `splitmq.smashed` (smashed data, inference
-  requests) and `splitmq.control` (Join, Heartbeat, Leave, WeightsUpdate, RoundDropped), and
-  nothing else: not the replies or events exchanges, so it can forge neither a gradient nor an
-  event, and not `splitmq.dead`, so it can neither forge dead letters nor fill a job's
-  dead-letter queue. It dead-letters a bad reply by rejecting it (`broker.dead_letter_by_nack`):
-  its reply queues' own dead-letter exchange, declared here with the services' handle, routes it;
-- **read** its own reply queue, `<job>.reply.<client>`, and its own inference reply queue,
-  `<job>.infer-reply.<client>` (split inference, SplitGP), and no other queue.
-
-Its publishes carry its user as the AMQP `user_id`, which RabbitMQ validates, and the services
-dead-letter a client message without one, or whose `client` field names another user.
+Client `c` of job `j` logs in as `j.c` (`identity.client_user`), so provisioning or revoking
+one job never resets or deletes another's. A user that exists already is refused unless told
+to reset it (`force`): a reset locks out whichever client holds the old password. The
+permissions and why each is what it is: docs/deployment.md, "Provisioning client users". A
+client user may configure nothing (a bind would let it copy another client's replies), so
+`provision` declares its queues with the services' handle.
 """
 
 from __future__ import annotations
