@@ -1,8 +1,6 @@
-"""The store protocols: versions, shard checkpoints, and members/leases/job status.
-
-Weights are immutable, content-addressed safetensors blobs, published as a version in steps
-(`broker.store_codec`) such that a reader never sees a manifest that names a missing blob, a
-crash leaves only expiring orphans, and of two racing aggregators exactly one commits.
+"""The store protocols: versions, shard checkpoints, and members/leases/job status. How a
+version is published so that a crash or a race never leaves a torn one: docs/architecture.md,
+"Weights and versions".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Client-side TLS for the AMQP and Redis connections (amqps://, rediss://).
-
-One `TLSOptions` per connection; `client_context` turns it into the `ssl.SSLContext` pika
-wants, `redis_ssl_kwargs` into redis-py's keyword arguments. The server is always verified
-(system CAs, or `ca_file`); `verify_hostname=False` only skips the name check, for servers
-reached by an address their certificate does not name.
+"""Client-side TLS for the AMQP and Redis connections (amqps://, rediss://; docs/deployment.md,
+"TLS"): `client_context` builds the `ssl.SSLContext` pika wants, `redis_ssl_kwargs` redis-py's
+keyword arguments.
 """
 
 from __future__ import annotations

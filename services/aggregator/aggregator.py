@@ -83,7 +83,6 @@ class Aggregator:
         evaluator: Evaluator | None = None,
         strategy: Strategy | None = None,
         clock: Callable[[], float] = time.monotonic,
-        logger: logging.Logger | None = None,
         poll_s: float = 0.1,
     ) -> None:
         self._settings = settings
@@ -95,7 +94,7 @@ class Aggregator:
             strategy or build_strategy(settings.algorithm.name, settings.algorithm.params())
         ).for_model(lambda: job_model(settings), settings.model.cut)
         self._clock = clock
-        self._log = logger or logging.getLogger("splitmq.aggregator")
+        self._log = logging.getLogger("splitmq.aggregator")
         self._poll_s = poll_s
         self.stats = Stats()
         self.inbox_stats = InboxStats()
@@ -111,11 +110,10 @@ class Aggregator:
         """Run the job's rounds; the records of the versions this aggregator published.
 
         Returns early when `stop` is set (the sink is told "stopped"); a failure of the broker
-        or the store propagates after the sink is told "failed: ...". Rounds that cannot make
-        progress (`rounds.max_empty_attempts`) dismiss the clients and raise `JobFailedError`.
-        A job that ended before this aggregator started (its store records a `JobStatus`) is
-        left as it is: nothing is published, and the run ends as the job did.
+        or the store propagates after the sink is told "failed: ...", and a job that cannot make
+        progress raises `JobFailedError` once the clients are dismissed.
         """
+
         # In the secured mode its round markers carry its AMQP user, which workers check.
         user = service_user(self._settings)
         broker = self._backends.open_broker("aggregator", stamp=user)

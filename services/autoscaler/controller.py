@@ -51,13 +51,8 @@ class Snapshot:
 
 
 class Observer:
-    """Reads one job's shard queues and worker heartbeats; owns neither handle.
-
-    Depth comes from the broker (`queue_depth`: on RabbitMQ a passive queue.declare, whose
-    message_count is the ready messages; no management plugin needed). It misses what workers
-    hold unacked in their prefetch window, which is why the workers' busy fraction, from the
-    `busy` field of their `worker:<id>` heartbeat (workers/busy.py), is the second signal.
-    """
+    """Reads one job's shard queues and worker heartbeats (why both: docs/deployment.md,
+    "Autoscaling workers"); owns neither handle."""
 
     def __init__(self, broker: Broker, store: WeightStore, settings: Settings) -> None:
         self._broker = broker
@@ -109,7 +104,6 @@ class Autoscaler:
         start_grace_s: float = 300.0,
         instance: str = ROLE,
         clock: Callable[[], float] = time.monotonic,
-        logger: logging.Logger | None = None,
     ) -> None:
         self.settings = settings
         self.limits = Limits.from_settings(settings.autoscaler, settings.shards)
@@ -120,7 +114,7 @@ class Autoscaler:
         self._backends = backends
         self._start_grace_s = start_grace_s
         self._clock = clock
-        self._log = logger or logging.getLogger("splitmq.autoscaler")
+        self._log = logging.getLogger("splitmq.autoscaler")
         self._started: dict[str, float] = {}  # started by us, no heartbeat seen yet
         self._last_reason = ""
         self._instance = instance

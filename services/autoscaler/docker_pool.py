@@ -126,13 +126,12 @@ class DockerPool:
         client: Any,
         project: str,
         service: str = "worker",
-        *,
-        logger: logging.Logger | None = None,
     ) -> None:
+
         self._client = client
         self._project = project
         self._service = service
-        self._log = logger or logging.getLogger("splitmq.autoscaler")
+        self._log = logging.getLogger("splitmq.autoscaler")
         self._stopping: set[str] = set()
 
     def _containers(self) -> list[Any]:

@@ -1,8 +1,6 @@
-"""Workers as local processes: `splitmq worker CONFIG --id <name>`, for machines without Docker.
-
-Each worker runs in its own session (a Ctrl-C to the autoscaler is not also a SIGTERM to
-every worker) with the autoscaler's environment, so SPLITMQ_* overrides reach it. Its output
-goes to `<log_dir>/<name>.log`, or to the autoscaler's own output without a log directory.
+"""Workers as local processes, for machines without Docker (docs/deployment.md, "Backends").
+Each runs in its own session, so a Ctrl-C to the autoscaler is not also a SIGTERM to every
+worker.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ class LocalProcessPool:
         python: str = sys.executable,
         stop_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
-        logger: logging.Logger | None = None,
     ) -> None:
         self._config = config
         self._env = worker_env(env)
@@ -63,7 +60,7 @@ class LocalProcessPool:
         self._python = python
         self._stop_timeout_s = stop_timeout_s
         self._clock = clock
-        self._log = logger or logging.getLogger("splitmq.autoscaler")
+        self._log = logging.getLogger("splitmq.autoscaler")
         self._next = 0
         self._children: dict[str, _Process] = {}
         self.exit_codes: dict[str, int] = {}  # every worker that ended, by name

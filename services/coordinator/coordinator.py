@@ -1,9 +1,6 @@
-"""The coordinator role: membership of one job (Join / Leave / Heartbeat / expiry).
-
-It consumes `<job>.control`, records each client in the store with its assignment (shard,
-cut, data partition) and answers a Join with a Welcome carrying the current version's weights.
-Membership lives in the store only, so a restarted coordinator, or the aggregator reading
-cohorts, sees the same members; liveness is the store's heartbeat expiry.
+"""The coordinator role: membership of one job (Join / Leave / Heartbeat / expiry; docs/
+architecture.md, step 2). Membership lives in the store only, so a restarted coordinator, or
+the aggregator reading cohorts, sees the same members.
 """
 
 from __future__ import annotations
@@ -53,15 +50,12 @@ class Coordinator:
         backends: Backends,
         *,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
-        logger: logging.Logger | None = None,
         poll_s: float = 0.2,
     ) -> None:
         self._settings = settings
         self._backends = backends
         self._clock = clock
-        self._wall_clock = wall_clock
-        self._log = logger or logging.getLogger("splitmq.coordinator")
+        self._log = logging.getLogger("splitmq.coordinator")
         self._poll_s = poll_s
         self.stats = CoordinatorStats()
         # Clients seen live at the last sweep, to announce the ones whose heartbeats stopped.
@@ -98,7 +92,8 @@ class Coordinator:
 
     def _serve(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
         outbox = Outbox(broker, self.job, self._log)
-        desk = JoinDesk(self._settings, store, outbox, self._wall_clock, self._log)
+        desk = JoinDesk(self._settings, store, outbox, self._log)
+
         self._known = set(client_members(store, self.job))
         next_sweep = self._clock()
         while not stop.is_set():

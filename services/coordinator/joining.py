@@ -10,8 +10,9 @@ it was in stops waiting for the old process.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Literal
 
@@ -81,13 +82,11 @@ class JoinDesk:
         settings: Settings,
         store: WeightStore,
         outbox: Outbox,
-        wall_clock: Callable[[], float],
         logger: logging.Logger,
     ) -> None:
         self._settings = settings
         self._store = store
         self._outbox = outbox
-        self._wall_clock = wall_clock
         self._log = logger
         self._job = settings.job.name
         self._weights: WeightsCache | None = None
@@ -165,7 +164,7 @@ class JoinDesk:
             samples=message.samples,
             partition=partition,
             classes=reported_classes(message) or (),
-            joined_at=self._wall_clock(),
+            joined_at=time.time(),
             session=session,
         )
 

@@ -1,7 +1,7 @@
 """What the dashboard shows, accumulated from events, probes and the run directory.
 
 Thread-safe: the watcher thread writes, HTTP request threads read `snapshot()`. Series are
-bounded (`max_points`), so a dashboard left open for days stays small. `dashboard_routes` serves
+bounded (`MAX_POINTS`), so a dashboard left open for days stays small. `dashboard_routes` serves
 it: the page itself and the state as JSON.
 """
 
@@ -26,6 +26,7 @@ from services.report.tables import finite
 # refresh the counters only every few seconds.
 THROUGHPUT_WINDOW_S = 10.0
 MAX_EVENTS = 200
+MAX_POINTS = 3600
 
 # Per-version fields taken from `version_published` events and metrics.json records.
 VERSION_FIELDS = (
@@ -93,15 +94,13 @@ class DashboardState:
         info: Mapping[str, Any] | None = None,
         *,
         clock: Callable[[], float] = time.time,
-        max_points: int = 3600,
     ) -> None:
         self.job = job
         self._info = dict(info or {})
         self._clock = clock
         self._started = clock()
-        self._max = max_points
         self._lock = threading.Lock()
-        self._series = _Series(deque(maxlen=max_points))
+        self._series = _Series(deque(maxlen=MAX_POINTS))
         self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._versions: dict[int, dict[str, Any]] = {}
         self._joined = 0
@@ -109,7 +108,7 @@ class DashboardState:
         self._last: Probe | None = None
         self._worker_samples: dict[str, int] = {}
         self._trained = 0  # samples the workers trained since this dashboard started
-        self._trained_at: deque[tuple[float, int]] = deque(maxlen=max_points)
+        self._trained_at: deque[tuple[float, int]] = deque(maxlen=MAX_POINTS)
         self._finished: dict[str, Any] | None = None
         self._report: RunReport | None = None
 
@@ -156,7 +155,7 @@ class DashboardState:
             }
             for shard, depth in probe.depths.items():
                 row[f"queue.{shard}"] = float(depth)
-            self._series.add(probe.at - self._started, row, self._max)
+            self._series.add(probe.at - self._started, row, MAX_POINTS)
 
     def on_report(self, report: RunReport) -> None:
         with self._lock:

@@ -101,7 +101,6 @@ class JobWatcher:
         live: bool = True,
         run_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
         logger: logging.Logger | None = None,
     ) -> None:
         self._settings = settings
@@ -112,8 +111,7 @@ class JobWatcher:
         self._live = live
         self._run_dir = run_dir
         self._clock = clock
-        self._wall = wall_clock
-        self._since = wall_clock() - _RUN_DIR_SLACK_S
+        self._since = time.time() - _RUN_DIR_SLACK_S
         self._log = logger or logging.getLogger("splitmq.dashboard")
         self._job = settings.job.name
         self._report_done = False
@@ -179,7 +177,7 @@ class JobWatcher:
         for shard, depth in depths.items():
             self._metrics.queue_depth(shard, depth)
         ended = store.job_status(self._job)
-        probe = Probe(self._wall(), version, clients, workers, depths, ended.text if ended else "")
+        probe = Probe(time.time(), version, clients, workers, depths, ended.text if ended else "")
         if self._state is not None:
             self._state.on_probe(probe)
         return probe
@@ -209,7 +207,8 @@ class JobWatcher:
             self._reject(broker, delivery, f"{type(message).__name__} is not an Event")
             return
         if self._state is not None:
-            self._state.on_event(message, self._wall())
+            self._state.on_event(message, time.time())
+
         # A reconnect requeued it if this fails; events are best-effort anyway.
         ack_safely(broker, delivery)
 
