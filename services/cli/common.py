@@ -1,11 +1,9 @@
 """What every `splitmq` command shares: the group's options, the CONFIG argument, logging
 options, signal handling, and the error boundary.
 
-The boundary: a user's mistake is one line on stderr, a bug a traceback. Every command runs
-inside it, so no command catches errors just to print them: a wrong URL, a server that is
-down, a refused password, an unknown model (`services.common.user_errors`) become click's
-one-line "Error: ..." and exit status 1; anything else keeps its traceback. `--debug` (or
-SPLITMQ_DEBUG=1) shows the traceback of user errors too.
+The boundary: a user's mistake (`services.common.user_errors`) is click's one-line "Error: ..."
+and exit status 1, a bug keeps its traceback (docs/reliability.md, "Beyond the consumers").
+Every command runs inside it, so no command catches errors just to print them.
 """
 
 from __future__ import annotations

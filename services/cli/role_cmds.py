@@ -3,9 +3,8 @@
 These are what compose services and `splitmq up` start. Each needs the real broker and store
 (the in-memory ones live inside one process), stops gracefully on SIGTERM / Ctrl-C, and exits
 non-zero when the role dies: with the traceback in its log for a bug, in one log line for a
-user's error (a wrong URL or password, a server that is not there, a bad --id; see
-`services.common.user_errors`, and `splitmq --debug` for their tracebacks too). A role waits
-up to `preflight.START_WAIT_S` for its broker and store before it starts.
+user's error (`services.common.user_errors`). A role waits up to `preflight.START_WAIT_S` for
+its broker and store before it starts.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Async mode's server side: folding the continuously training shard replicas into versions.
 
-Without rounds there is no RoundEnd at which a worker hands its replica in. Replicas keep
-training; at each version the aggregator reads every shard's latest checkpoint and folds in
-its *fresh* progress, the part no earlier version holds. A checkpoint's `meta` says where its
-weights are measured from: `version`, the version the replica is anchored at (it loaded or
-last rebased onto it), and `anchor_applied`, the `applied` count of the checkpoint of its own
-that this anchor version had folded (-1: none). Each version records, per shard, the
-checkpoint it folded last (`server.<s>` = "applied:anchor:samples"), from which
+At each version the aggregator reads every shard's latest checkpoint and folds in its *fresh*
+progress, the part no earlier version holds (what a checkpoint's `meta` anchors it to, and how
+the fresh part is weighted: docs/async.md, "Server side: replicas that never stop"). Each
+version records, per shard, the checkpoint it folded last (`server.<s>` =
+"applied:anchor:samples"), from which
 
 - a checkpoint with the same anchor as the last folded one: fresh = w - w_last_folded;
 - one anchored at a version that folded the last folded one: fresh = w - server(anchor);
 - anything else (the worker has not rebased onto the newest fold yet): skipped this time.
 
-The fresh progress, replayed on the current server weights, goes to the strategy's
-`aggregate` as a `ShardReplica` weighted by its fresh samples; with one shard the new server
-blob is the replica's checkpoint. The worker side is `workers.clock.Continuous`.
+The worker side is `workers.clock.Continuous`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""`[autoscaler]`: how `splitmq autoscale` sizes the worker pool (services/autoscaler).
-
-It scales up when the shard queues hold more than `target_depth_per_worker` ready messages per
-worker or the workers' mean busy fraction reaches `scale_up_busy`; down (one worker at a time)
-once both have stayed low, below one worker's depth and at most `scale_down_busy`, for
-`scale_down_after_s`. The gap between the two thresholds is the hysteresis; `cooldown_s`
-separates any two changes.
-"""
+"""`[autoscaler]`: how `splitmq autoscale` sizes the worker pool (services/autoscaler; the
+rule these settings feed: docs/deployment.md, "Autoscaling workers")."""
 
 from __future__ import annotations
 
