@@ -161,8 +161,8 @@ class Schema:
 
 
 def build_schema(cls: type[Any]) -> Schema:
-    """The schema of a message dataclass of at least two fields, whose module does not use
-    `from __future__ import annotations` (the field types must be objects, not strings)."""
+    """The schema of a message dataclass, whose module does not use `from __future__ import
+    annotations` (the field types must be objects, not strings)."""
     prepared = tuple(_field(f"{cls.__name__}.{f.name}", f.name, f.type) for f in fields(cls))
     names = [f.name for f in prepared]
     return Schema(
