@@ -42,17 +42,14 @@ class RabbitAdmin(Protocol):
 
     def users(self) -> frozenset[str]:
         """The names of every user the broker has."""
-        ...
 
     def put_user(self, user: str, password: str) -> None:
         """Create `user`, or set its password if it exists (no tags: not an administrator)."""
-        ...
 
     def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None: ...
 
     def delete_user(self, user: str) -> None:
         """Delete `user` (its connections are closed); a missing user is not an error."""
-        ...
 
 
 Runner = Callable[[Sequence[str], str], subprocess.CompletedProcess[str]]
