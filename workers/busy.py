@@ -1,9 +1,6 @@
-"""How busy a worker is: the share of wall time it spent on anything but waiting for a delivery.
-
-The autoscaler reads it from the worker's heartbeat (`busy` in its `worker:<id>` member info):
-a worker whose shard queues keep it fed is close to 1, an idle one close to 0. Queue depth alone
-cannot tell: with a prefetch window a busy worker holds its backlog unacked, so the ready count
-stays near zero while it is saturated.
+"""How busy a worker is: the share of wall time it spent on anything but waiting for a
+delivery, which the autoscaler reads from its heartbeat (docs/deployment.md, "Autoscaling
+workers": why queue depth alone cannot tell).
 """
 
 from __future__ import annotations
@@ -24,12 +21,10 @@ class BusyMeter:
         self._waited += max(0.0, seconds)
 
     def take(self, min_window_s: float = 0.0) -> float | None:
-        """The busy fraction since the previous `take`, then a new window starts.
-
-        A window shorter than `min_window_s` says too little (a worker that just started is
-        "busy" loading its replicas): the previous fraction is returned instead and the window
-        goes on; None until there is one.
-        """
+        """The busy fraction since the previous `take`, then a new window starts. A window
+        shorter than `min_window_s` says too little (a worker just started is "busy" loading
+        its replicas): the previous fraction instead (None until there is one), the window
+        goes on."""
         now = self._clock()
         elapsed = now - self._since
         if elapsed <= 0 or elapsed < min_window_s:

@@ -1,15 +1,8 @@
 """The clock an async shard's replica follows (`Continuous`); sync rounds need none: their
-RoundStart/RoundEnd markers drive the replica (`ShardRunner`).
-
-In async mode (docs/async.md, "Server side", which states the rules) there are no markers:
-the replica trains on and follows the published versions. `Continuous` refuses smashed data
-more than `worker_max_staleness` versions behind the newest version this worker knows of
-(answered "rejected", acked with the next checkpoint), checkpoints as soon as it sees a newer
-version, and rebases just before each checkpoint onto a version that folded one of this
-shard's recent checkpoints (manifest meta `server.<s>`, `services.common.server_fold`):
-`w <- server(v) + (w - w_folded)`, the optimizer state kept. The weights of recent checkpoints
-are kept (`_ring`, by applied count, in the replica's current frame), so a fold of a
-checkpoint older than the last one still rebases exactly.
+markers drive the replica. The rules (staleness refusal, checkpoint cadence, rebasing
+`w <- server(v) + (w - w_folded)`) are docs/async.md's, "Server side". What the code adds:
+recent checkpoints' weights are kept (`_ring`, by applied count, in the replica's current
+frame), so a fold of a checkpoint older than the last one still rebases exactly.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Split inference at the workers: InferRequests answered with theta's logits, ahead of training
-(docs/algorithms.md, "Split inference").
-
-A worker of a strategy with split inference (SplitGP) runs an `InferenceServer` on a thread
-and a broker connection of its own, consuming the job's infer queue, so that a request never
-queues behind training traffic. theta is the `server/global` blob of the version the request
-names, or the newest one when that version is gone (retention) or the request names 0;
-`InferReply.version` says which answered. A request the server cannot answer is dead-lettered
-with its reason and its requester gets an `Error` reply, so it does not wait in vain. Answers
-go to `<job>.infer-reply.<requester>`; a request whose `client` is not the AMQP user that sent
-it is dead-lettered (`impostor`), in the secured mode also one without a user_id; only a
-service user (e.g. `splitmq infer`) may ask under any requester name.
+"""Split inference at the workers: InferRequests answered with theta's logits, on a thread and
+connection of their own, ahead of training (docs/algorithms.md, SplitGP, "Split inference";
+the sender checks: docs/deployment.md, "Security"). `InferReply.version` says which version
+answered: the one the request names, or the newest when that one is gone or 0 is named.
 """
 
 from __future__ import annotations
@@ -75,14 +67,12 @@ class ThetaCache:
         template: SplitNet,
         cut: str,
         device: torch.device,
-        size: int = CACHED_VERSIONS,
     ) -> None:
         self._store = store
         self._job = job
         self._template = template
         self._cut = cut
         self._device = device
-        self._size = size
         self._models: OrderedDict[int, nn.Module] = OrderedDict()
 
     def get(self, version: int) -> tuple[int, nn.Module] | None:
@@ -108,7 +98,7 @@ class ThetaCache:
         load_partial(theta, weights)
         theta.to(self._device).eval()
         self._models[wanted] = theta
-        while len(self._models) > self._size:
+        while len(self._models) > CACHED_VERSIONS:
             self._models.popitem(last=False)
         return wanted, theta
 

@@ -1,9 +1,9 @@
 """Whether a client is a member of the job, as the store says, read sparingly.
 
-A shard refuses smashed data from a stranger (a client the coordinator never admitted), but it
-must never refuse a member's: a hit is trusted for `ttl_s`, and a miss always asks the store
-again, unless that very client was found missing less than `negative_ttl_s` ago (a stranger
-flooding the queue then costs one store read per id and interval, not one per message).
+A shard refuses smashed data from a stranger, but must never refuse a member's: a hit is
+trusted for `_TTL_S`, and a miss always asks the store again, unless that very client was found
+missing less than `_NEGATIVE_TTL_S` ago (a stranger flooding the queue then costs one store
+read per id and interval, not one per message).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from broker.store import MemberStore
 
 # Strangers remembered at once; the oldest is forgotten first.
 _MAX_STRANGERS = 4096
+_TTL_S = 2.0
+_NEGATIVE_TTL_S = 1.0
 
 
 class MemberCache:
@@ -24,26 +26,21 @@ class MemberCache:
         store: MemberStore,
         job: str,
         clock: Callable[[], float],
-        *,
-        ttl_s: float = 2.0,
-        negative_ttl_s: float = 1.0,
     ) -> None:
         self._store = store
         self._job = job
         self._clock = clock
-        self._ttl_s = ttl_s
-        self._negative_ttl_s = negative_ttl_s
         self._members: frozenset[str] = frozenset()
         self._read_at: float | None = None
         self._strangers: OrderedDict[str, float] = OrderedDict()  # client -> when found missing
 
     def __call__(self, client: str) -> bool:
         now = self._clock()
-        fresh = self._read_at is not None and now - self._read_at < self._ttl_s
+        fresh = self._read_at is not None and now - self._read_at < _TTL_S
         if client in self._members and fresh:
             return True
         missed_at = self._strangers.get(client)
-        if missed_at is not None and now - missed_at < self._negative_ttl_s:
+        if missed_at is not None and now - missed_at < _NEGATIVE_TTL_S:
             return False
         self._refresh(now)
         if client in self._members:

@@ -1,14 +1,11 @@
 """One shard's replica of the server-side model, and the bookkeeping its checkpoint carries.
 
-The checkpoint's `meta` is the contract with the aggregator and with the next worker to hold
-the shard (docs/architecture.md): `version` the replica was loaded from, `round` last handed
-in (-1 before any), `round_samples` applied since that round, `seqs` the last applied seq per
-client. We add `steps` (optimizer steps), the current round's `cohort` with its round
+The checkpoint's `meta` fields the aggregator reads are docs/architecture.md's ("Weights and
+versions"). We add `steps` (optimizer steps), the current round's `cohort` with its round
 (`cohort_round`) and each cohort client's `progress` ([last step applied, steps]), so a
-MiniBatch-SFL barrier resumed on another worker knows whom to wait for, and `cut_samples`
-(round_samples by the cut the batches came from: FedSplitX weighs each layer by the rows that
-reached it), and `audit`: per client, [batches applied, sum of their seqs mod 2^61], from which
-`benchmarks/soak.py` proves every batch sent was applied exactly once across failovers.
+MiniBatch-SFL barrier resumed on another worker knows whom to wait for, and `audit`: per
+client, [batches applied, sum of their seqs mod 2^61], from which `benchmarks/soak.py` proves
+every batch sent was applied exactly once across failovers.
 """
 
 from __future__ import annotations

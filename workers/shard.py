@@ -1,15 +1,10 @@
-"""Everything one held shard does with its deliveries (architecture doc, sync round step 5,
-which gives the order: checks, duplicates skipped, the server step, the reply, the ack after
-the checkpoint), and the replies it sends (`Replier`: back-pressure waited out, a vanished
-client not fatal). An async shard also asks its clock (`workers.clock.Continuous`) whether a
-batch is too stale to train on. Deliveries stay unacked until a checkpoint covers them (design
-§7): a crash at any instant loses nothing, and the seqs in the checkpoint make every
-redelivered batch apply exactly once. A step whose loss or gradients are not finite has
-poisoned the replica: nothing is recorded or answered, and it rolls back.
+"""Everything one held shard does with its deliveries, in the order of architecture step 5, and
+the replies it sends (`Replier`). Deliveries stay unacked until a checkpoint covers them
+(design §7): a crash loses nothing, and the checkpoint's seqs make a redelivered batch apply
+once. A non-finite step has poisoned the replica: nothing is recorded or answered; it rolls back.
 
-The checks of what arrives (beyond what the codec checks) return `(code, detail)` when the
-message must be dead-lettered, else None; the code is the counter key and the head of the
-dead-letter reason.
+A check returns `(code, detail)` for a message to dead-letter (the code: its counter key and the
+reason's head), else None.
 """
 
 from __future__ import annotations
@@ -133,11 +128,9 @@ def shape_problem(z: torch.Tensor, shape: Shape) -> str | None:
 def check_membership(
     message: SmashedBatch, cohort_round: int, cohort: Mapping[str, int]
 ) -> Rejection | None:
-    """A batch of a round whose cohort is known must come from a member of it.
-
-    Batches of other rounds (a straggler's late ones, or a round whose RoundStart this shard
-    never saw) are accepted: the cohort is the barrier's business, not a licence to train.
-    """
+    """A batch of a round whose cohort is known must come from a member of it. Other rounds'
+    (a straggler's, a round whose RoundStart this shard never saw) pass: the cohort is the
+    barrier's business, not a licence to train."""
     if message.round == cohort_round and message.client not in cohort:
         return "not_in_cohort", (
             f"client {message.client!r} is not in the cohort of round {cohort_round}"
@@ -191,8 +184,7 @@ class ShardRunner:
         continuous: Continuous | None,
         session: WorkerSession,
     ) -> None:
-        """`continuous`: an async shard's clock (`workers.clock`); None in sync rounds, whose
-        markers drive the replica."""
+        """`continuous`: an async shard's clock; None in sync rounds (markers drive them)."""
         self.replica = replica
         self._want = want
         self._async = continuous
@@ -469,15 +461,8 @@ class ShardRunner:
         return True
 
     def _answer_duplicate(self, batch: SmashedBatch) -> None:
-        """Answer a copy of a batch applied already (never applying it again).
-
-        A client publishes its batch again when no reply came within its timeout: the reply
-        was lost (a broker restart drops transient replies) or is late. Either way it is sent
-        again: the reply kept for this seq (`Replier.resend`), same seq and gradient, under a
-        new message id; a client that had it already drops the copy. Where no reply is kept
-        (the batch was applied by another worker before a failover, or the seq is not the
-        client's last), the client is told "gone": it cannot have that gradient, and waiting
-        would not bring it."""
+        """Answer a copy of a batch applied already, never applying it again: the kept reply, or
+        "gone" (docs/architecture.md, "Conventions the roles share")."""
         stats, replier = self._io.stats, self._io.replier
         stats.duplicates_skipped += 1
         resent = replier.resend(batch.job, batch.client, batch.seq)
@@ -547,16 +532,10 @@ Answer = GradientReply | InferReply | Error
 
 
 class Replier:
-    """The runner's reply step: sends replies on one broker handle, retrying
-    `BackPressureError` with capped backoff.
-
-    Replies are transient (see `send`): a broker restart drops the ones not consumed yet. The
-    client then publishes its batch again, and the worker, which applied it already, must not
-    apply it twice nor leave the client without its gradient: the Replier keeps the last "ok"
-    reply it sent each client and sends it again for a copy of that seq (`resend`). A
-    sequential client has one batch in flight, so its last reply is the only one it can still
-    be waiting for; the cache holds a reference to the reply the step built (no copy), one per
-    client, at most `keep` clients (the least recently answered go first).
+    """The runner's reply step: sends replies, waiting out back-pressure, and keeps each
+    client's last "ok" reply (by reference, at most `keep` clients) for `resend`: replies are
+    transient, so a broker restart loses them, and a sequential client's last reply is the only
+    one it can still be waiting for.
     """
 
     def __init__(
@@ -590,8 +569,7 @@ class Replier:
         return self.send(replace(kept, message_id=new_message_id()))
 
     def send(self, reply: GradientReply) -> bool:
-        """True once sent (a refusal of it comes back later: `_settle`); False when it cannot
-        be delivered at all."""
+        """True once sent (a refusal comes back later, to `_settle`); False if undeliverable."""
         if reply.status == "ok":
             self._remember(reply)
         self._settle()
@@ -634,10 +612,9 @@ class Replier:
         attempts = 0
         while True:
             try:
-                # Transient: a gradient only matters to its client while that client waits
-                # for it; persisting it cost RabbitMQ a disk write and the worker (whose
-                # loop is the job's critical path) the wait for it (docs/benchmarks.md,
-                # "SFL-V2 throughput").
+                # Transient: a gradient only matters while its client waits; persisting it
+                # costs a disk write on the job's critical path (docs/benchmarks.md, "SFL-V2
+                # throughput").
                 self._broker.publish(REPLIES_EXCHANGE, routing_key, body, options)
                 return True
             except BackPressureError:

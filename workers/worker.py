@@ -1,10 +1,8 @@
 """A worker: holds shard leases, consumes those shards' queues, trains their replicas.
 
-`Worker.run(stop)` blocks until `stop` is set (or, with `burst=True`, until its shard queues
-are empty and everything is checkpointed), then hands its shards over gracefully: checkpoint,
-ack what the checkpoint covers, unsubscribe (unacked deliveries return to their queues),
-release the leases. A crash skips all of that; the leases expire and another worker resumes
-from the checkpoints, the unacked deliveries being redelivered to it (design §7).
+`Worker.run(stop)` blocks until `stop` (or, with `burst=True`, until its shard queues are empty
+and checkpointed), then hands its shards over (docs/deployment.md, "Autoscaling workers": the
+steps); after a crash the leases expire and another worker resumes from the checkpoints.
 """
 
 from __future__ import annotations
@@ -47,12 +45,8 @@ def default_worker_id() -> str:
 
 
 class Worker:
-    """One worker of a job; `run` it on the thread that will own its broker handle.
-
-    `strategy` and `model_factory` default to the job's (`[algorithm]`, `[model]` and the
-    dataset's image shape); `clock` drives lease ticks, checkpoint intervals and the barrier
-    timeout; `poll_s` bounds how long a `get` waits, i.e. how quickly `stop` is noticed.
-    """
+    """One worker of a job; `run` it on the thread that will own its broker handle. `poll_s`
+    bounds how long a `get` waits, i.e. how quickly `stop` is noticed."""
 
     def __init__(
         self,
@@ -64,7 +58,6 @@ class Worker:
         model_factory: ModelFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.2,
-        logger: logging.Logger | None = None,
     ) -> None:
         self.settings = settings
         self.worker_id = worker_id or default_worker_id()
@@ -74,7 +67,7 @@ class Worker:
         self.model_factory = model_factory or (lambda: job_model(settings))
         self.clock = clock
         self.poll_s = poll_s
-        self.logger = logger or logging.getLogger("splitmq.worker")
+        self.logger = logging.getLogger("splitmq.worker")
         self._backends = backends
         self.metrics = backends.metrics
 
@@ -142,13 +135,9 @@ def prefetch_for(settings: Settings) -> int:
 
 
 class WorkerSession:
-    """The state of one `Worker.run`: its broker handle, leases and shard runners.
-
-    Each lease tick (a third of the lease TTL) it heartbeats, renews its leases and rebalances
-    (`services.common.leases`); in between it pulls deliveries from the shard queues it
-    subscribed to, decodes each, looks at its type once (which picks the check of its sender
-    and the handler) and hands it to the runner of its shard (`workers.shard`), which uses the
-    session's broker handle, store, replier, leases and counters."""
+    """The state of one `Worker.run`: its broker handle, leases and shard runners. Each lease
+    tick (a third of the TTL) it heartbeats, renews and rebalances; in between it dispatches
+    deliveries to their shard's runner."""
 
     def __init__(
         self,
@@ -405,9 +394,8 @@ class WorkerSession:
         return max(0.0, min(until) - now)
 
     def _drained(self) -> bool:
-        """Burst mode: our share of shards held and loaded, nothing buffered, nothing queued.
-
-        (A burst worker that can never get its share, W > S, runs until `stop`.)"""
+        """Burst mode: our share of shards held and loaded, nothing buffered, nothing queued
+        (a burst worker that can never get its share, W > S, runs until `stop`)."""
         if self.unloaded or len(self.runners) < self.target:
             return False
         if any(r.buffered() for r in self.runners.values()):

@@ -1,5 +1,1 @@
-"""The edge client: joins a job, trains its local layers each round, uploads its update.
-
-`services.client.client.Client(settings, backends, client_id=..., partition=...)`, then
-`run(stop) -> ClientStats`.
-"""
+"""The edge client: `services.client.client.Client(...).run(stop) -> ClientStats`."""

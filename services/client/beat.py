@@ -1,20 +1,5 @@
-"""A client's membership heartbeats, sent from a thread and a broker handle of their own.
-
-Liveness must not depend on how long a training step takes. Heartbeats sent by the training
-thread between steps stop whenever a step runs long: a big model on a slow edge CPU, an
-evaluation at the end of a round, or a host so loaded (or a process so crowded, as `splitmq
-run` with dozens of client threads is) that one step outlasts `clients.heartbeat_ttl_s`. The
-coordinator then drops a client that is alive and about to upload, and the round stops waiting
-for it. So the client beats from a dedicated thread, as Kafka's consumers do: the thread waits
-on an event, wakes every `clients.heartbeat_s`, and publishes a Heartbeat; CPU-bound torch
-steps release the GIL and the thread needs microseconds of it, so it keeps time under load.
-Progress is policed elsewhere: a member that beats but never uploads is what the round
-deadline is for.
-
-pika connections are not thread-safe, so the thread opens its own handle (one more AMQP
-connection per client, publish-only; in the secured mode it logs in as the same user). Its
-publishes are confirmed, so once `stop` has joined the thread, the client's Leave on the main
-handle lands behind its last heartbeat.
+"""A client's membership heartbeats, from a thread and a broker handle of their own, so that
+liveness does not depend on how long a training step takes (docs/reliability.md, "Liveness").
 """
 
 from __future__ import annotations
@@ -31,12 +16,7 @@ from services.common.health import Beat
 
 
 class HeartbeatThread(Beat):
-    """Publishes `Heartbeat(job, client, version())` every `interval_s` until stopped.
-
-    `version` is read on the thread (the latest weights version the client knows). `sent` and
-    `bytes_sent` are written by the thread only; read them after `stop` (which, with a publish
-    retrying through a broker outage, waits for it at most a few seconds).
-    """
+    """`sent` and `bytes_sent` are written by the thread only: read them after `stop`."""
 
     ERRORS = (BrokerError,)
 

@@ -1,20 +1,8 @@
 """An edge client (architecture steps 2, 4, 7): join, train, leave.
 
-The client talks only to the broker (design §3): weights arrive in Welcome and
-WeightsAssignment, updates leave as WeightsUpdate. It owns one broker handle, opened in `run`
-on the calling thread.
-
-Sync and async jobs (docs/async.md) run one loop: wait for weights, train a local round from
-them, upload, again. What differs is the clock the Welcome picks: `Rounds` trains each round
-the service assigns, once; `Newest` trains back to back from the Welcome and then from whatever
-each upload is answered with (the newest version), asking again (by joining: a live member's
-Join is answered with a Welcome of the current version) when no answer comes within
-`clients.reply_timeout_s` or when nothing was uploaded.
-
-A round that fails publishes no update; the client says so (`RoundDropped`: `non_finite` when
-the local model diverged, else `aborted`), so the aggregator need not wait for the round's
-deadline to learn it, unless the service has moved on anyway (`Superseded`) or a worker
-refused the weights as too stale (async mode working as meant).
+Sync and async jobs (docs/async.md, "The protocol") run one loop; the Welcome picks its clock
+(`Rounds`, `Newest`, `Idle`). A dropped round is said with a `RoundDropped`
+(docs/reliability.md, "Liveness").
 """
 
 from __future__ import annotations

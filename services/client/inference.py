@@ -1,14 +1,6 @@
-"""Split inference on a client (SplitGP): answer with the client's own head when it is sure
-enough, else ask the workers for theta's answer.
-
-For a batch x: `z = phi_k(x)`, head logits `h_k(z)`, entropy `E = -sum p log p` of their
-softmax; rows with `E <= E_th` are answered by the head, the others' `z` go to the workers as
-one `InferRequest` per chunk and come back as `InferReply` logits of theta. `ServerLogits` is
-where those come from: `BrokerTheta` (the service: RabbitMQ or the in-memory broker, answered
-by `workers.inference`) or `LocalTheta` (theta run in this process, for offline sweeps).
-
-`entropy_sweep` measures accuracy and the offloaded fraction at several thresholds with one
-pass: the head runs on every row, theta only on the rows some threshold offloads.
+"""Split inference on a client (SplitGP): the client's head answers the rows it is sure of,
+theta (`ServerLogits`: the workers over the broker, or in this process) the others
+(docs/algorithms.md, SplitGP, "Split inference").
 """
 
 from __future__ import annotations
@@ -16,7 +8,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +44,7 @@ from services.algorithms.splitgp import (
 DEFAULT_CHUNK = 256
 # Random start of a handle's seqs: 2^48 apart on average, far from any earlier handle's range.
 SEQ_BASE_BITS = 48
+_SWEEP_CHUNK = 1024  # rows per head pass of entropy_sweep
 
 
 class InferenceError(SplitMQError):
@@ -59,9 +52,7 @@ class InferenceError(SplitMQError):
 
 
 class ServerLogits(Protocol):
-    def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        """theta's logits for the smashed data `z` (one row per row of `z`)."""
-        ...
+    def __call__(self, z: torch.Tensor) -> torch.Tensor: ...  # theta's logits, a row per row of z
 
 
 class LocalTheta:
@@ -80,18 +71,13 @@ class LocalTheta:
 
 
 class BrokerTheta:
-    """theta's logits from the job's workers, over the broker.
+    """theta's logits from the job's workers, over the broker (docs/algorithms.md, SplitGP).
 
-    Consumes the requester's inference reply queue (`<job>.infer-reply.<requester>`) on
-    `broker`, which it then owns (one thread, as every broker handle; `close` closes it). By
-    default that queue is private: declared here, gone with the handle. A client user of the
-    secured mode may declare nothing, so with `provisioned` it uses the durable queue
-    `splitmq provision-clients` declared for it (`requester` is then its client id, which the
-    workers hold to its AMQP user; see `services.client.secured.client_theta`).
-
-    Each call publishes its chunks as InferRequests (all at once: the workers answer them in
-    parallel) and gathers the replies by seq; `version` names the weights version `z` was
-    computed with (0: the newest), and `last_version` holds the version that answered.
+    It owns `broker` (one thread, as every broker handle; `close` closes it). With
+    `provisioned` it consumes the durable reply queue provisioned for client `requester`
+    (docs/deployment.md, "Security"), else a private one. A call publishes its chunks all at
+    once, so the workers answer them in parallel. `version`: the weights version `z` was
+    computed with (0: the newest); `last_version`: the version that answered.
     """
 
     def __init__(
@@ -104,8 +90,6 @@ class BrokerTheta:
         version: int = 0,
         timeout_s: float = 30.0,
         chunk: int = DEFAULT_CHUNK,
-        wire_dtype: torch.dtype = torch.float32,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._broker = broker
         self.job = job
@@ -114,8 +98,6 @@ class BrokerTheta:
         self.last_version = 0
         self._timeout_s = timeout_s
         self._chunk = chunk
-        self._wire_dtype = wire_dtype
-        self._clock = clock
         if provisioned and requester is None:
             raise ValueError("a provisioned reply queue belongs to a client: name the requester")
         # Seqs start at a random point: a provisioned queue outlives its consumers, so answers
@@ -145,7 +127,7 @@ class BrokerTheta:
                 message_id=new_message_id(),
                 version=self.version,
                 seq=self._seq,
-                activations=rows.to(device="cpu", dtype=self._wire_dtype).contiguous(),
+                activations=rows.to(device="cpu", dtype=torch.float32).contiguous(),
             )
             self._publish(encode(request), request.message_id)
             pending[self._seq] = index
@@ -155,7 +137,7 @@ class BrokerTheta:
 
     def _publish(self, body: bytes, message_id: str) -> None:
         """Publish one request, waiting out a full infer queue until the timeout."""
-        deadline = self._clock() + self._timeout_s
+        deadline = time.monotonic() + self._timeout_s
         delay = 0.05
         while True:
             try:
@@ -173,7 +155,7 @@ class BrokerTheta:
                     "coordinator, aggregator) has never run"
                 ) from None
             except BackPressureError:
-                if self._clock() + delay > deadline:
+                if time.monotonic() + delay > deadline:
                     raise InferenceError(f"job {self.job}: the infer queue stays full") from None
                 time.sleep(delay)
                 delay = min(2 * delay, 1.0)
@@ -182,9 +164,9 @@ class BrokerTheta:
         self, pending: dict[int, int], ids: dict[str, int], rows: Sequence[int]
     ) -> dict[int, torch.Tensor]:
         answers: dict[int, torch.Tensor] = {}
-        deadline = self._clock() + self._timeout_s
+        deadline = time.monotonic() + self._timeout_s
         while pending:
-            left = deadline - self._clock()
+            left = deadline - time.monotonic()
             if left <= 0:
                 raise InferenceError(
                     f"job {self.job}: no answer to {len(pending)} InferRequest(s) after "
@@ -262,20 +244,18 @@ def entropy_sweep(
     x: torch.Tensor,
     y: torch.Tensor,
     thresholds: Sequence[float],
-    *,
-    chunk: int = 1024,
 ) -> list[SweepPoint]:
     """Accuracy and the offloaded fraction of split inference at each threshold on (x, y).
 
-    theta answers only the rows that the smallest threshold offloads (at a larger one, a row
-    is offloaded only if it was at the smallest), once each.
+    theta answers only the rows the smallest threshold offloads (a larger one offloads a
+    subset of them), once each.
     """
     if not thresholds:
         raise ValueError("no thresholds to sweep")
     lowest = min(thresholds)
     entropies, head_hits, server_hits = [], [], []
-    for start in range(0, len(y), chunk):
-        xs, ys = x[start : start + chunk], y[start : start + chunk]
+    for start in range(0, len(y), _SWEEP_CHUNK):
+        xs, ys = x[start : start + _SWEEP_CHUNK], y[start : start + _SWEEP_CHUNK]
         z, head_logits = predictor.head_pass(xs)
         e = entropy(head_logits)
         asked = ~stays_local(e, lowest)

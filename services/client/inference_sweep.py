@@ -1,10 +1,6 @@
-"""The E_th sweep of split inference over a published version, client by client.
-
-For each client with personalised blobs in the version (`client/<id>`, `aux/<id>`), its
-`phi_k`, `h_k` and the version's theta answer the first `rows` test samples (`global`) and
-those of them in the client's own classes (`local`), at every threshold; theta's answers come
-from wherever `theta_for(version)` says (the workers over the broker, or theta in this process).
-`splitmq infer` prints the means and writes the per-client rows; the experiments read them.
+"""The E_th sweep of split inference over a published version, client by client: each
+personalised client's `phi_k`, `h_k` and theta on its `local` and `global` test rows
+(docs/algorithms.md, SplitGP, "Sweep of a service run").
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""The client's broker handle: its reply queue in, publishes out, heartbeats on the side;
-and a round's `SmashedChannel` over it (`BrokerChannel`): SmashedBatch out to the shard,
-GradientReply back.
+"""The client's broker handle (`ClientLink`) and a round's `SmashedChannel` over it
+(`BrokerChannel`): SmashedBatch out to the shard, GradientReply back.
 
-Everything a client does with the broker goes through a `ClientLink`, on the client's own
-thread (a pika connection is not thread-safe). Membership heartbeats are the exception: they
-go out from a thread and a handle of their own (`services.client.beat`), so that a long
-training step cannot starve them. Every wait watches the stop event, so a stop interrupts the
-client wherever it is blocked.
-
-Every delivery is judged once, in `ClientLink.poll`: it must decode, be a reply type, be for
-this job and client, and fit (a Welcome's or an assignment's config and weights must fit the
-model; a GradientReply must answer a seq this client sent, and the awaited one must carry a
-gradient of its batch's shape). What fails is dead-lettered with its reason.
-
-Replies are matched by `seq`. A reply for an earlier seq is a duplicate (a worker answering a
-redelivered or republished copy of a batch the client already got an answer for) and is
-dropped; one for a seq never sent (at or past the next seq) is dead-lettered. A batch with no
-answer after `reply_timeout_s` is published again with the same seq; a worker that had applied
-it answers the copy with the reply it sent (a lost reply costs one timeout), or, where it no
-longer has that gradient (another worker applied the batch before a failover), with status
-"gone": the round cannot go on without it, and is dropped at once. "stale" (held, the answer is
-coming) keeps the client waiting. After `max_republish` copies without an answer the round is
-given up.
+Only the client's own thread calls a `ClientLink` (a pika connection is not thread-safe);
+heartbeats have a thread and handle of their own (`services.client.beat`). Every wait watches
+the stop event. Every delivery is judged once, in `ClientLink.poll` (docs/reliability.md, "Bad
+input", the client rows); replies are matched by seq, and unanswered batches republished
+(docs/architecture.md, "Conventions the roles share").
 """
 
 from __future__ import annotations
@@ -56,6 +40,7 @@ from broker.messages import (
     Welcome,
     new_message_id,
 )
+from broker.rabbitmq_connection import Backoff
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.topology import (
     CONTROL_EXCHANGE,
@@ -83,6 +68,9 @@ REPLY_TYPES = (Welcome, WeightsAssignment, GradientReply, Error, InferReply)
 REPLY_PREFETCH = 16
 # Longest single broker wait, so a stop is never held up for long.
 MAX_POLL_S = 0.25
+# For refused publishes. Equal jitter (never under half the cap): retries stay spaced out, yet
+# clients refused together do not retry in lockstep.
+_BACKOFF = Backoff(initial=0.05, cap=2.0)
 
 
 class Tagged(logging.LoggerAdapter[logging.Logger]):
@@ -98,20 +86,6 @@ class Tagged(logging.LoggerAdapter[logging.Logger]):
         return self._tag + str(msg), kwargs
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Capped exponential backoff with jitter for refused publishes."""
-
-    base_s: float = 0.05
-    max_s: float = 2.0
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        cap = min(self.max_s, self.base_s * 2.0 ** min(attempt, 30))
-        # "Equal jitter": never less than half the cap, so retries stay spaced out, yet clients
-        # refused together do not retry in lockstep.
-        return cap / 2 + rng.uniform(0.0, cap / 2)
-
-
 class ClientLink:
     def __init__(
         self,
@@ -125,7 +99,6 @@ class ClientLink:
         logger: logging.Logger,
         heartbeat_s: float,
         route_wait_s: float = 60.0,
-        backoff: Backoff = Backoff(),
         rng: random.Random | None = None,
         reply_timeout_s: float = 30.0,
         max_republish: int = 5,
@@ -147,7 +120,6 @@ class ClientLink:
         self._logger = logger
         self._heartbeat_s = heartbeat_s
         self._route_wait_s = route_wait_s
-        self._backoff = backoff
         self._rng = rng or random.Random()
         self.reply_timeout_s = reply_timeout_s
         self.max_republish = max_republish
@@ -224,7 +196,7 @@ class ClientLink:
             finally:
                 self.io_s += self.clock() - started
             started = self.clock()
-            stopped = self._stop.wait(self._backoff.delay(attempt, self._rng))
+            stopped = self._stop.wait(_BACKOFF.delay(attempt, self._rng))
             self.io_s += self.clock() - started
             if stopped:
                 raise ClientStopped("stop requested")

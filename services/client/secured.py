@@ -1,12 +1,5 @@
-"""A client's broker handle in the secured mode (design §3, docs/deployment.md "Security").
-
-Each client logs in as its own RabbitMQ user, `<job>.<client>` (`identity.client_user`). Such a
-user may not configure anything, so its handle only checks that the exchanges and its reply
-queue exist (`splitmq provision-clients` declared them); nor publish to `splitmq.dead`, so it
-dead-letters a bad reply by rejecting it, which the reply queue's own dead-letter exchange routes
-to `<job>.dead`; every publish carries the user as its AMQP user_id, which RabbitMQ validates
-and the services compare with the message's `client`.
-`client_theta` is the same handle asking the workers for split inference (SplitGP).
+"""A client's broker handle in the secured mode: its own user, passive declares, dead letters
+by rejection, its user stamped on every publish (docs/deployment.md, "Security").
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from services.security.identity import amqp_user, client_user
 def secured_client_broker(
     settings: Settings, backends: Backends, client_id: str, name: str
 ) -> Broker:
-    """The client's handle: as `backends` opens it, or secured as above."""
     if not settings.security.per_client_users:
         return backends.open_broker(name)
     broker_settings = backends.broker_settings
@@ -51,9 +43,8 @@ def client_theta(
     version: int = 0,
     timeout_s: float = 30.0,
 ) -> BrokerTheta:
-    """Split inference as client `client_id`: InferRequests in its name (stamped with its user
-    in the secured mode), answers on its own inference reply queue, which in the secured mode is
-    the durable one provisioned for it. `close` the result to close its connection."""
+    """Split inference as client `client_id` (docs/deployment.md, "Security"); `close` the
+    result to close its connection."""
     broker = secured_client_broker(settings, backends, client_id, f"splitmq-infer-{client_id}")
     try:
         return BrokerTheta(

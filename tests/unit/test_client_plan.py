@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from services.client.link import Backoff
+from broker.rabbitmq_connection import Backoff
 from services.client.plan import RoundPlan, config_int
 from tests.unit.test_client_peers import make_settings
 
@@ -56,7 +56,7 @@ def test_config_int() -> None:
 
 
 def test_backoff_grows_to_its_cap_with_jitter() -> None:
-    backoff = Backoff(base_s=0.1, max_s=1.0)
+    backoff = Backoff(initial=0.1, cap=1.0)
     rng = random.Random(0)
     for attempt in range(12):
         cap = min(1.0, 0.1 * 2**attempt)
