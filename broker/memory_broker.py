@@ -1,18 +1,10 @@
 """The embedded `Broker`: RabbitMQ's semantics inside one process, no server needed.
 
 Each thread opens its own `InMemoryBroker` handle over one shared `InMemoryHub`, as it would open
-its own RabbitMQ connection; the hub holds the queues. Everything the contract suite checks on
-RabbitMQ holds here too (confirms are implicit: `publish` returns once the message is enqueued).
-All the hub's state sits behind one lock; each handle's `Session` waits on its own condition
-over that lock, so a publish wakes only the consumer it was dispatched to.
-
-The rules are RabbitMQ's, because one contract suite holds both brokers to them: messages are
-pushed to consumers up to their prefetch (round-robin, or only the first-registered consumer of a
-single-active-consumer queue); `reject-publish` refuses a message when the queue would exceed
-its ready-message count or ready bytes, `drop-head` discards the oldest ready ones instead;
-unsettled deliveries return to their original position, marked redelivered, when their consumer
-goes away; `nack(requeue=False)` dead-letters through the queue's declared routing, adding
-RabbitMQ's scalar ``x-first-death-*`` headers.
+its own RabbitMQ connection; the hub holds the queues. All the hub's state sits behind one lock;
+each handle's `Session` waits on its own condition over that lock, so a publish wakes only the
+consumer it was dispatched to. Which RabbitMQ rules it keeps (the contract suite holds both
+brokers to them): CONTRIBUTING.md, "Adding a broker or a store".
 """
 
 from __future__ import annotations

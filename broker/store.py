@@ -78,12 +78,9 @@ JOB_STATES = (JOB_FINISHED, JOB_FAILED)
 
 @dataclass(frozen=True)
 class JobStatus:
-    """How a job ended, recorded by its aggregator before it dismisses the members.
-
-    A job without one is running (or not started). It lives with the job's other keys, so
-    `delete_job` (what `splitmq up --fresh` runs) forgets it, and seeding version 1 clears it:
-    a job without any version is a new one.
-    """
+    """How a job ended, recorded by its aggregator before it dismisses the members; a job
+    without one is running (or not started). When a name's record is forgotten:
+    docs/reliability.md, "An ended job stays ended"."""
 
     state: str  # JOB_FINISHED or JOB_FAILED
     detail: str = ""  # why it failed ("" when finished)

@@ -194,9 +194,8 @@ class BufferClock(Core):
         return cache
 
     def _member(self, client: str) -> MemberInfo | None:
-        # Fresh records (a member's partition, its classes) now and then (a stranger triggers a
-        # re-read at once); members that left keep their record in the book: an update sent
-        # just before a Leave is as good as any.
+        # Fresh records now and then; a member that left keeps its record (`gate.MemberBook`).
+
         self.members.recent()
         return self.members.get(client)
 

@@ -55,7 +55,6 @@ class Stats:
 
 
 def read_version(store: WeightStore, job: str, version: int) -> VersionWeights:
-    """Every blob of `version`."""
     return {ref: store.read_blob(job, version, ref) for ref in store.manifest(job, version).entries}
 
 
@@ -223,12 +222,10 @@ class Core(ABC):
         return record
 
     def end(self, version: int, ended: JobStatus) -> None:
-        """Record how the job ended, dismiss every live member with that status and announce it.
+        """Record how the job ended, dismiss every live member with that status and announce it;
+        updates still held are acked and dropped. The record comes before the members are read
+        (the coordinator's half of that race: `JoinDesk.join`)."""
 
-        Updates still held are acked and dropped. The record is written before the members are
-        read: a client that joins after this read is dismissed by the coordinator, which reads
-        the record after writing the member.
-        """
         self.stats.unfolded_at_end += self.abandon()
         self.inbox.release()
         self.store.set_job_status(self.job, ended)

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
 from models.state import load_partial
-from services.algorithms.base import StrategyBase, VersionWeights
+from services.algorithms.base import StrategyBase, VersionWeights, full_model_weights
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Split
@@ -74,17 +73,6 @@ def evaluate(model: SplitNet, weights: State, split: Split, *, batch_size: int =
         class_correct=tuple(int(c) for c in correct),
         class_total=tuple(int(t) for t in total),
     )
-
-
-def full_model_weights(blobs: VersionWeights, client: str | None = None) -> dict[str, torch.Tensor]:
-    """The whole model of a version: client side (+ the client's personal one), server side,
-    heads. FedAvg's client blob already is the whole model."""
-    merged: dict[str, torch.Tensor] = {}
-    for part in (AUX_PART, SERVER_PART, CLIENT_PART):
-        merged.update(blobs.get(BlobRef(part), {}))
-        if client is not None:
-            merged.update(blobs.get(BlobRef(part, client), {}))
-    return merged
 
 
 @dataclass(frozen=True)

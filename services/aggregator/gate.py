@@ -43,7 +43,7 @@ class Offer:
     reason: str = ""
     # The Error code a LATE update is answered with (async mode: "too_stale").
     code: str = "round_closed"
-    # What kind of refusal a REJECT is, counted per round attempt (`rounds.EmptyAttempt`).
+    # What kind of refusal a REJECT is, counted per round attempt (`round_gate.EmptyAttempt`).
     kind: str = "rejected"
 
 
@@ -159,7 +159,7 @@ class MemberBook:
 @dataclass(frozen=True)
 class Refusal:
     reason: str
-    kind: str  # counted per round attempt (`rounds.EmptyAttempt`)
+    kind: str  # counted per round attempt (`round_gate.EmptyAttempt`)
     member: bool  # whether it came from a member (its round came to nothing, async mode)
 
 

@@ -67,7 +67,6 @@ class Coordinator:
         return self._settings.job.name
 
     def run(self, stop: threading.Event) -> CoordinatorStats:
-        """Serve until `stop` is set; returns the counters."""
         user = service_user(self._settings)
         broker = self._backends.open_broker("coordinator", stamp=user)
         store = self._backends.open_store()

@@ -15,8 +15,7 @@ import torch
 
 from models.split import SplitNet
 from models.state import load_partial
-from services.aggregator.evaluation import full_model_weights
-from services.algorithms.base import VersionWeights
+from services.algorithms.base import VersionWeights, full_model_weights
 from services.client.data import JobData
 from services.common.jobmodel import job_model
 from services.config.root import Settings

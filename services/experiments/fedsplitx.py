@@ -12,8 +12,8 @@ from typing import Any
 
 from models.registry import build_model
 from models.split import SplitNet
-from services.aggregator.evaluation import evaluate, full_model_weights
-from services.algorithms.base import VersionWeights
+from services.aggregator.evaluation import evaluate
+from services.algorithms.base import VersionWeights, full_model_weights
 from services.algorithms.fedsplitx import level_costs
 from services.algorithms.registry import build_strategy
 from services.common.jobmodel import job_model

@@ -19,7 +19,8 @@ from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef, Weights
 from broker.topology import dead_queue_name
 from broker.transport import REASON_HEADER
 from services.aggregator.aggregator import Aggregator, ensure_initial_version
-from services.aggregator.evaluation import build_evaluator, evaluate, full_model_weights
+from services.aggregator.evaluation import build_evaluator, evaluate
+from services.algorithms.base import full_model_weights
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends, Embedded
 from services.common.membership import member_id

@@ -10,7 +10,8 @@ from torch import nn
 
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
-from services.aggregator.evaluation import Evaluator, evaluate, full_model_weights
+from services.aggregator.evaluation import Evaluator, evaluate
+from services.algorithms.base import full_model_weights
 from services.data.loaders import Split
 
 # Identity layers: the logits are the inputs, so the prediction is the larger coordinate.
