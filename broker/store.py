@@ -57,11 +57,9 @@ class Manifest:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A shard replica and how many server updates it has applied.
-
-    `meta` holds small msgpack-able bookkeeping (e.g. the last applied seq per client), so a
-    resuming worker can apply each redelivered batch exactly once on top of it.
-    """
+    """A shard replica and how many server updates it has applied; its msgpack-able `meta`
+    (docs/architecture.md, "Weights and versions") lets a resuming worker apply each
+    redelivered batch exactly once."""
 
     shard: int
     applied: int
@@ -150,13 +148,9 @@ class CheckpointStore(_Closable, Protocol):
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
-        """Atomically replace the shard's checkpoint.
-
-        With `holder` = (lease name, owner) the save happens only while `owner` holds that
-        lease, checked in the same atomic step; otherwise `LeaseNotHeldError` and nothing is
-        written. A worker whose lease ran out mid-save must never overwrite the checkpoint of
-        the worker that took the shard over (that one may already have acked on top of it).
-        """
+        """Atomically replace the shard's checkpoint; with `holder` = (lease name, owner), only
+        while `owner` holds that lease, checked in the same atomic step, else `LeaseNotHeldError`
+        and nothing is written (why: docs/reliability.md, "Redis restart")."""
         ...
 
     def load_checkpoint(self, job: str, shard: int) -> Checkpoint | None: ...

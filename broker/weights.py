@@ -1,8 +1,6 @@
-"""Weights <-> safetensors bytes, validated both ways.
-
-safetensors holds only raw tensor bytes and a JSON header, so decoding untrusted bytes cannot
-execute code (unlike `torch.load`). Both directions reject dtypes outside a whitelist and
-non-finite floating values: a NaN published as a version would silently poison every replica.
+"""Weights <-> safetensors bytes, validated both ways (safetensors decoding cannot execute code:
+docs/deployment.md, "No code from the wire"). Both directions reject dtypes outside a whitelist
+and non-finite floating values: a NaN published as a version would poison every replica.
 """
 
 from __future__ import annotations

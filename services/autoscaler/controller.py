@@ -2,8 +2,8 @@
 
 A worker counts as starting until its first heartbeat (or `start_grace_s`: a FedAvg worker,
 having nothing to serve, never heartbeats) and as stopping until the backend saw it exit;
-meanwhile the policy holds. The health key is refreshed from the loop itself, not a thread as
-the other roles do, so an autoscaler that cannot observe or act goes unhealthy once it expires.
+meanwhile the policy holds. Its health key is beaten from the loop (docs/deployment.md,
+"Health checks").
 """
 
 from __future__ import annotations
