@@ -151,13 +151,11 @@ class InferenceServer:
         template = self._model_factory()
         cut = self._settings.model.cut
         self._cut_shape = tuple(template.cut_shape(cut))
-        store = self._backends.open_store()
-        try:
-            broker = self._backends.open_broker(f"splitmq-infer-{self._worker_id}")
-        except BaseException:
-            store.close()
-            raise
-        try:
+        name = f"splitmq-infer-{self._worker_id}"
+        with (
+            contextlib.closing(self._backends.open_store()) as store,
+            contextlib.closing(self._backends.open_broker(name)) as broker,
+        ):
             limits = self._settings.broker.queue_limits
             broker.declare([dead_queue(self._job), infer_queue(self._job, limits)])
             broker.subscribe(infer_queue_name(self._job), prefetch=INFER_PREFETCH)
@@ -168,11 +166,6 @@ class InferenceServer:
                 delivery = broker.get(self._poll_s)
                 if delivery is not None:
                     self._handle(broker, replier, thetas, delivery)
-        finally:
-            try:
-                broker.close()
-            finally:
-                store.close()
         return self.stats
 
     # --- one request ------------------------------------------------------------------------------

@@ -81,17 +81,12 @@ class Replica:
     def load_version(self, store: VersionStore, job: str, version: int) -> None:
         """Weights of `server/global` at `version`; a new version is a new model, so the
         optimizer state starts afresh (architecture doc, "Weights and versions")."""
-        weights = store.read_blob(job, version, SERVER)
-        load_partial(self.server, weights)
-        self._names = frozenset(weights)
-        self.optimizer = self._optimizer_factory(self.server.parameters())
+        self._load(store.read_blob(job, version, SERVER))
         self.version = version
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Weights and bookkeeping of a checkpoint (raises `StateDictError` on foreign weights)."""
-        load_partial(self.server, checkpoint.weights)
-        self._names = frozenset(checkpoint.weights)
-        self.optimizer = self._optimizer_factory(self.server.parameters())
+        self._load(checkpoint.weights)
         self._clear()
         meta = checkpoint.meta
         self.applied = int(checkpoint.applied)
@@ -107,6 +102,11 @@ class Replica:
         self.audit = _progress(meta.get("audit"))
         if meta.get("handed_in") is True:
             self.start_counting()
+
+    def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        load_partial(self.server, weights)
+        self._names = frozenset(weights)
+        self.optimizer = self._optimizer_factory(self.server.parameters())
 
     def reset(self, store: WeightStore, job: str) -> str:
         """Back to the last checkpoint (or the version it started from); says which."""

@@ -84,45 +84,34 @@ class Worker:
             if not burst:
                 stop.wait()
             return stats
-        store = self._backends.open_store()
-        try:
-            broker = self._backends.open_broker(f"splitmq-worker-{self.worker_id}")
-        except BaseException:
-            store.close()
-            raise
-        # Split inference (SplitGP) on a connection and thread of its own: ahead of training.
-        stop_inference = (
-            InferenceServer(
-                self.settings,
-                self._backends,
-                worker_id=self.worker_id,
-                model_factory=self.model_factory,
-                logger=self.logger,
-            ).start()
-            if self.strategy.split_inference
-            else None
-        )
-        session: WorkerSession | None = None
-        try:
-            session = WorkerSession(self, broker, store, stop, stats)
-            session.start()
-            session.loop(burst)
-            session.hand_over_all()
-        except Exception:
-            # Our own failure: give the shards away now rather than after the lease TTL; the
-            # unacked deliveries go back with the connection and are applied on top of the
-            # last checkpoints, exactly as after a crash.
-            self.logger.exception("worker %s failed", self.worker_id)
-            if session is not None:
-                session.release_all()
-            raise
-        finally:
-            if stop_inference is not None:
-                stop_inference()
+        with contextlib.ExitStack() as handles:  # closed last-opened-first
+            store = handles.enter_context(contextlib.closing(self._backends.open_store()))
+            name = f"splitmq-worker-{self.worker_id}"
+            broker = handles.enter_context(contextlib.closing(self._backends.open_broker(name)))
+            if self.strategy.split_inference:
+                # SplitGP: on a connection and thread of its own, ahead of training.
+                server = InferenceServer(
+                    self.settings,
+                    self._backends,
+                    worker_id=self.worker_id,
+                    model_factory=self.model_factory,
+                    logger=self.logger,
+                )
+                handles.callback(server.start())
+            session: WorkerSession | None = None
             try:
-                broker.close()
-            finally:
-                store.close()
+                session = WorkerSession(self, broker, store, stop, stats)
+                session.start()
+                session.loop(burst)
+                session.hand_over_all()
+            except Exception:
+                # Our own failure: give the shards away now rather than after the lease TTL;
+                # the unacked deliveries go back with the connection and are applied on top of
+                # the last checkpoints, exactly as after a crash.
+                self.logger.exception("worker %s failed", self.worker_id)
+                if session is not None:
+                    session.release_all()
+                raise
         self.logger.info("worker %s stopped: %s", self.worker_id, stats)
         return stats
 

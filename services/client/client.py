@@ -119,11 +119,8 @@ class Rounds:
 
 
 class Idle(Rounds):
-    """Async mode for a member whose partition holds no training samples: its updates would
-    report 0 samples, which the aggregator refuses as `no_samples`. It stays a member, as in
-    sync mode, where such members are left out of every cohort, until the job's end dismisses
-    it (leaving early would read as a client that quit, and a supervisor restarting it would
-    only have it join and leave again)."""
+    """Async mode for a member whose partition holds no training samples: it trains nothing and
+    stays a member until dismissed (docs/async.md, "The protocol": why)."""
 
     def take(self, message: Message) -> WeightsAssignment | None:
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -29,12 +29,9 @@ class JobData:
         self,
         settings: Settings,
         dataset: Dataset | None = None,
-        *,
-        env: Mapping[str, str] | None = None,
     ) -> None:
         self._settings = settings
         self._dataset = dataset
-        self._env = env
         self._parts: list[Indices] | None = None
         self._lock = threading.Lock()  # clients of one process share an instance
 
@@ -43,7 +40,7 @@ class JobData:
         with self._lock:
             if self._dataset is None:
                 data = self._settings.data
-                self._dataset = load_dataset(data.dataset, data.dir or None, env=self._env)
+                self._dataset = load_dataset(data.dataset, data.dir or None)
             return self._dataset
 
     @property

@@ -162,9 +162,9 @@ class ClientLink:
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def send(self, routing_key: str, message: Message, exchange: str = CONTROL_EXCHANGE) -> None:
-        """Encode and publish `message` (retrying while refused)."""
-        self.publish(exchange, routing_key, encode(message), message_id=message.message_id)
+    def send(self, routing_key: str, message: Message) -> None:
+        """Encode and publish `message` to the control exchange (retrying while refused)."""
+        self.publish(CONTROL_EXCHANGE, routing_key, encode(message), message_id=message.message_id)
 
     def publish(self, exchange: str, routing_key: str, body: bytes, *, message_id: str) -> None:
         """Publish, sleeping with backoff while the queue is full or not declared yet.
