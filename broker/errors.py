@@ -1,7 +1,5 @@
-"""SplitMQ's own error hierarchy.
-
-Library exceptions (pika, redis, msgpack, safetensors) are wrapped at the boundary with
-``raise ... from None`` or ``from exc`` so callers never need to import those libraries.
+"""SplitMQ's own error hierarchy. Library exceptions (pika, redis, msgpack, safetensors) are
+wrapped at the boundary, so callers never need to import those libraries.
 """
 
 from __future__ import annotations

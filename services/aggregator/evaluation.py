@@ -1,9 +1,7 @@
-"""Accuracy and loss of a version's weights on a test split.
+"""Accuracy and loss of a version's weights on a test split (docs/architecture.md, "Evaluation").
 
-`evaluate` is the pure part: a `SplitNet`, named tensors and a split in, numbers out (batched,
-`no_grad`, eval mode). It also counts correct answers per class, so the personalised accuracy
-of every client that shares the global model (its local test set = the test samples of its
-classes) comes from the same single pass over the test set.
+`evaluate` also counts correct answers per class, so the personalised accuracy of every client
+that shares the global model comes from the same single pass over the test set.
 """
 
 from __future__ import annotations

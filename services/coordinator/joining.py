@@ -115,10 +115,9 @@ class JoinDesk:
             info = assigned
         ttl = self._settings.clients.heartbeat_ttl_s
         self._store.heartbeat(self._job, member_id(message.client), ttl, info.to_info())
-        # Read again after the member write: the aggregator records the job's end, then
-        # dismisses the members it finds, so a client it cannot have seen is dismissed here
-        # (else it would wait for a round that never comes). The version check covers a job
-        # whose last version is out but whose end is not recorded yet.
+        # Read again after the member write: a Join racing the job's end is dismissed here or by
+        # the aggregator. The version check covers a last version out with the end not recorded.
+
         ended = self._store.job_status(self._job)
         last = self._store.current_version(self._job)
         if ended is not None or last - 1 >= self._settings.job.rounds:
