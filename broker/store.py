@@ -78,7 +78,7 @@ JOB_STATES = (JOB_FINISHED, JOB_FAILED)
 class JobStatus:
     """How a job ended, recorded by its aggregator before it dismisses the members; a job
     without one is running (or not started). When a name's record is forgotten:
-    docs/reliability.md, "An ended job stays ended"."""
+    docs/reliability.md, **An ended job stays ended**."""
 
     state: str  # JOB_FINISHED or JOB_FAILED
     detail: str = ""  # why it failed ("" when finished)

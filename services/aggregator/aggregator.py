@@ -1,6 +1,6 @@
 """The aggregator role: version 1 at start-up (architecture step 1), then the job's clock (sync
 rounds or async buffering, `core`) until `job.rounds` versions are trained. A job name used
-again: docs/reliability.md, "An ended job stays ended".
+again: docs/reliability.md, **An ended job stays ended**.
 """
 
 from __future__ import annotations

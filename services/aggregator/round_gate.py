@@ -1,6 +1,6 @@
 """The sync clock's pure parts: who takes part in a round, the verdict on each update (a gate
 sees only what the inbox's screen let through), when the round closes, and when attempts
-without a valid update end the job (docs/reliability.md, "A round without one valid update").
+without a valid update end the job (docs/reliability.md, **A round without one valid update**).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A re-Join of a live member gets the same assignment again, so joining is idempotent; a full job
 answers `Error(job_full)`; a Join after the end gets the members' dismissal (docs/reliability.md,
-"An ended job stays ended"). The record's `session` is the Join's, else a fresh one for a new
+**An ended job stays ended**). The record's `session` is the Join's, else a fresh one for a new
 record, so a restarted client is a new incarnation (`membership.same_incarnation`) and the round
 it was in stops waiting for the old process.
 """

@@ -1,6 +1,7 @@
 """A joining client's depth level and cut (FedSplitX), from the capability it declares: the rule
-is docs/algorithms.md, "FedSplitX", **Levels**. Jobs whose algorithm has one cut give every
-client the job's cut.
+is docs/algorithms.md, "FedSplitX and local-loss SFL", **Levels**. Jobs whose algorithm has
+one cut give every client the job's cut.
+
 """
 
 from __future__ import annotations
