@@ -1,1 +1,1 @@
-"""Split-learning algorithms: pure tensor math (`math_*`) and one small strategy module each."""
+"""Split-learning algorithms: one strategy module each, over shared pure tensor functions."""

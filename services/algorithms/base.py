@@ -332,6 +332,11 @@ def full_state(model: SplitNet) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("blocks.")}
 
 
+def block_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The blocks' parameters (heads excluded): what a non-split algorithm trains."""
+    return {n: p for n, p in model.named_parameters() if n.startswith("blocks.")}
+
+
 def full_model_weights(blobs: VersionWeights, client: str | None = None) -> dict[str, torch.Tensor]:
     """The whole model of a version: heads, server side, client side, and with `client` that
     client's personal blobs on top. FedAvg's client blob already is the whole model."""

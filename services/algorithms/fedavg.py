@@ -12,6 +12,7 @@ from services.algorithms.base import (
     RoundResult,
     Unsplit,
     algorithm,
+    block_parameters,
     full_state,
 )
 
@@ -24,8 +25,7 @@ class FedAvg(Unsplit):
     def client_round(self, r: LocalRound) -> RoundResult:
         model = r.model
         model.train()
-        params = [p for name, p in model.named_parameters() if name.startswith("blocks.")]
-        optimizer = r.hyper.client_optimizer(params)
+        optimizer = r.hyper.client_optimizer(block_parameters(model).values())
         samples = 0
         for x, y in r.batches:
             loss = F.cross_entropy(model(x), y)

@@ -39,6 +39,7 @@ from services.algorithms.base import (
     State,
     Unsplit,
     algorithm,
+    block_parameters,
     full_state,
 )
 
@@ -133,10 +134,6 @@ def remember(memory: dict[str, torch.Tensor], v: State) -> None:
     for name in [n for n in memory if n.startswith(PERSONAL)]:
         del memory[name]
     memory.update({PERSONAL + name: t.detach().clone() for name, t in v.items()})
-
-
-def block_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if n.startswith("blocks.")}
 
 
 def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
