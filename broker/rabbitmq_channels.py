@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import struct
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from typing import Any, TypeVar
 
 import pika
 import pika.exceptions
+import pika.frame
+import pika.spec
 
 from broker.errors import (
     BackPressureError,
@@ -43,7 +46,6 @@ from broker.rabbitmq_connection import (
     describe,
     is_auth_failure,
     server_url,
-    tune_receive,
 )
 from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
 from broker.transport import Delivery, PublishOptions, QueueSpec, Refused, incoming_headers
@@ -235,25 +237,36 @@ class ChannelKeeper:
         def send() -> None:
             channel = self._later()
             mandatory = exchange not in BEST_EFFORT_EXCHANGES
-            # Not in BlockingChannel's confirm mode, so this only writes the frames.
-            channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
-            self._sent[self._next_tag] = _Sent(self._sends, exchange, routing_key, body, options)
+            # Noted first: writing the frames takes in what RabbitMQ sent meanwhile, and its
+            # basic.return and confirm of this very message may be among it.
+            tag = self._next_tag
+            self._sent[tag] = _Sent(self._sends, exchange, routing_key, body, options)
+            try:
+                # Not in BlockingChannel's confirm mode, so this only writes the frames.
+                channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
+            except BaseException:
+                self._sent.pop(tag, None)  # `call` sends it again, or raises
+                raise
             self._next_tag += 1
             self._sends += 1
 
         self.call(send, f"publish to exchange {exchange!r}, key {routing_key!r}")
 
     def take_refused(self) -> list[Refused]:
-        """The `send_later` publishes refused since the last call; takes in what RabbitMQ has
-        sent meanwhile first (without waiting)."""
+        """The `send_later` publishes refused since the last call, in publish order; takes in
+        what RabbitMQ has sent meanwhile first (without waiting). RabbitMQ confirms out of
+        order (an unroutable message at once, a full queue's nack later), so a refusal is held
+        back until every earlier publish is confirmed."""
         waiting = self._sent or self._acked  # confirms, or late basic.returns
         if waiting and self._connection is not None and self._connection.is_open:
             try:
                 self._connection.process_data_events(time_limit=0)
             except PIKA_ERRORS:
                 self._drop_connection()  # the unconfirmed ones become refusals
-        taken, self._refused = self._refused, []
-        return [refusal for _, refusal in sorted(taken, key=lambda pair: pair[0])]
+        taken = sorted(self._refused, key=lambda pair: pair[0])
+        first_open = min((sent.order for sent in self._sent.values()), default=self._sends)
+        self._refused = [pair for pair in taken if pair[0] > first_open]
+        return [refusal for order, refusal in taken if order < first_open]
 
     def _later(self) -> Any:
         self.publisher()  # the connection, and the exchanges declared on it
@@ -502,7 +515,7 @@ class ChannelKeeper:
         if self._connection is None or not self._connection.is_open:
             self._drop_connection()
             self._connection = pika.BlockingConnection(self._params)
-            tune_receive(self._connection)
+            tune_frames(self._connection)
             self.connects += 1
             if self._lost_at is not None:
                 _log.info(
@@ -558,3 +571,112 @@ class ChannelKeeper:
         self._consumer_tags.clear()
         self.generation += 1
         self._on_void()
+
+
+# -- pika's frames --------------------------------------------------------------------------
+
+_FRAME_HEAD = struct.Struct(">BHL")  # type, channel, payload size; the payload and 0xCE follow
+_FRAME_END = bytes([pika.spec.FRAME_END])
+# Bytes one `recv` may take in (pika's default: 4 KiB).
+RECV_BYTES = 1 << 20
+
+
+def tune_frames(connection: Any) -> bool:
+    """Give an open pika connection a frame reader and writer that copy each body once; False
+    if pika's internals differ from what this expects (then its own stay: only slower).
+
+    pika 1.x reads the socket 4 KiB at a time into a `bytes` buffer it re-slices after every
+    frame (`+=`, then `buffer[n:]`), and publishes by slicing the body into frames and joining
+    each slice with its frame header: a 360 KiB body was copied ~5 times on receipt and twice
+    on publish, a 16 MiB one ~130 times on receipt. Here a read of up to `RECV_BYTES` is
+    parsed in place (body fragments are views into it, joined once by pika into the message
+    body; only a frame cut by the end of a read is copied to complete it), and a publish is
+    one buffer of all its frames, sent without further copies (docs/benchmarks.md, "SFL-V2
+    throughput").
+    """
+    impl: Any = getattr(connection, "_impl", None)
+    transport: Any = getattr(impl, "_transport", None)
+    if not (
+        isinstance(getattr(transport, "_MAX_RECV_BYTES", None), int)
+        and isinstance(getattr(impl, "_frame_buffer", None), bytes)
+        and isinstance(getattr(impl, "_body_max_length", None), int)
+        and all(callable(getattr(impl, name, None)) for name in _PIKA_HOOKS)
+    ):
+        return False
+    reader = _FrameReader(impl)
+    impl._on_data_available = reader.feed
+    impl._send_message = functools.partial(_send_message, impl)
+    transport._MAX_RECV_BYTES = RECV_BYTES
+    transport._MAX_CONSUME_BYTES = max(RECV_BYTES, transport._MAX_CONSUME_BYTES)
+    return True
+
+
+_PIKA_HOOKS = ("_on_data_available", "_send_message", "_process_frame", "_adapter_emit_data")
+
+
+class _FrameReader:
+    """pika's `Connection._on_data_available`, with frames parsed where they lie."""
+
+    def __init__(self, impl: Any) -> None:
+        self._impl = impl
+        self._partial = bytearray(impl._frame_buffer)  # a frame cut by the end of a read
+        impl._frame_buffer = b""
+
+    def feed(self, data: bytes) -> None:
+        start = 0
+        partial = self._partial
+        if partial:
+            if len(partial) < _FRAME_HEAD.size:
+                start = _FRAME_HEAD.size - len(partial)
+                partial += data[:start]
+                if len(partial) < _FRAME_HEAD.size:
+                    return
+            missing = _FRAME_HEAD.unpack_from(partial)[2] + 8 - len(partial)
+            if missing > len(data) - start:
+                partial += data[start:]
+                return
+            partial += data[start : start + missing]
+            start += missing
+            whole = bytes(partial)
+            partial.clear()
+            self._parse(whole, 0)
+        self._parse(data, start)
+
+    def _parse(self, data: bytes, offset: int) -> None:
+        impl = self._impl
+        view = memoryview(data)
+        while len(data) - offset >= _FRAME_HEAD.size:
+            kind, channel, size = _FRAME_HEAD.unpack_from(data, offset)
+            end = offset + size + 8
+            if end > len(data):
+                break
+            if data[end - 1] != pika.spec.FRAME_END:
+                raise pika.exceptions.InvalidFrameError("Invalid FRAME_END marker")
+            if kind == pika.spec.FRAME_BODY:
+                value: Any = pika.frame.Body(channel, view[offset + 7 : end - 1])
+            else:
+                value = pika.frame.decode_frame(data[offset:end])[1]
+            impl.bytes_received += end - offset  # pika's heartbeat checker watches it
+            offset = end
+            impl._process_frame(value)
+        self._partial += view[offset:]
+
+
+def _send_message(impl: Any, channel: int, method: Any, content: tuple[Any, bytes]) -> None:
+    """pika's `Connection._send_message` (method, header and body frames), in one buffer."""
+    properties, body = content
+    pieces: list[bytes | memoryview] = [
+        pika.frame.Method(channel, method).marshal(),
+        pika.frame.Header(channel, len(body), properties).marshal(),
+    ]
+    limit = impl._body_max_length
+    starts = range(0, len(body), limit)
+    with memoryview(body) as view:
+        for start in starts:
+            chunk = view[start : start + limit]
+            head = _FRAME_HEAD.pack(pika.spec.FRAME_BODY, channel, len(chunk))
+            pieces += (head, chunk, _FRAME_END)
+        data = b"".join(pieces)
+    impl.bytes_sent += len(data)
+    impl.frames_sent += 2 + len(starts)
+    impl._adapter_emit_data(memoryview(data))  # a partial send re-queues a view, not a copy

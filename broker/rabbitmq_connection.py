@@ -11,7 +11,6 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import quote, urlparse
 
 import pika
@@ -105,36 +104,6 @@ def connection_parameters(
     params.connection_attempts = 1
     params.client_properties = {"connection_name": connection_name}
     return params
-
-
-# AMQP frame header (type, channel, size) and end marker around each frame's payload.
-_FRAME_OVERHEAD = 8
-_DEFAULT_FRAME_MAX = 131072
-# How much one readable-socket event may take in before pika's ioloop runs its other work.
-CONSUME_BYTES_PER_EVENT = 4 * 1024 * 1024
-
-
-def tune_receive(connection: Any) -> bool:
-    """Have pika read a whole frame per `recv` instead of 4 KiB; False if pika's internals
-    differ from what this expects (then its defaults stay, which only costs speed).
-
-    pika 1.x reads the socket 4 KiB at a time and appends every read to its frame buffer
-    (`bytes +=`), so one 128 KiB body frame takes 32 reads and ~2 MiB of copying: receiving
-    a 16 MiB body cost 55-80 ms of CPU, 16-20 ms with frame-sized reads (a 360 KiB body: 2.0
-    ms → 1.1-1.5 ms; docs/benchmarks.md, "SFL-V2 throughput"). Bigger reads do not help
-    more: the buffer then holds several frames, and pika re-slices it after each one.
-    """
-    impl = getattr(connection, "_impl", None)
-    transport = getattr(impl, "_transport", None)
-    if transport is None or not isinstance(getattr(transport, "_MAX_RECV_BYTES", None), int):
-        return False
-    params = getattr(impl, "params", None)
-    frame_max = getattr(params, "frame_max", None)
-    if not isinstance(frame_max, int) or frame_max <= 0:
-        frame_max = _DEFAULT_FRAME_MAX
-    transport._MAX_RECV_BYTES = frame_max + _FRAME_OVERHEAD
-    transport._MAX_CONSUME_BYTES = max(CONSUME_BYTES_PER_EVENT, frame_max + _FRAME_OVERHEAD)
-    return True
 
 
 def is_auth_failure(exc: BaseException) -> bool:

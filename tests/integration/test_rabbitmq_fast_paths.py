@@ -1,8 +1,9 @@
 """The RabbitMQ broker's two fast paths, on a real server (docs/benchmarks.md, SFL-V2 section).
 
-- Frame-sized socket reads (`broker.rabbitmq_connection.tune_receive`): pika reads 4 KiB per
-  `recv` unless told otherwise. Checked: the pika internals it relies on are still there (a
-  canary for pika upgrades) and multi-frame bodies still arrive byte for byte.
+- Frames read and written with one copy of the body (`broker.rabbitmq_channels.tune_frames`):
+  pika reads 4 KiB per `recv` and copies a body several times unless told otherwise. Checked:
+  the pika internals it relies on are still there (a canary for pika upgrades) and multi-frame
+  bodies, cut anywhere by the reads, still arrive byte for byte.
 - `publish(..., persistent=False)`: the message goes out with delivery mode 1, still confirmed
   and mandatory. Checked on the wire with a raw pika `basic_get`.
 """
@@ -17,7 +18,7 @@ import pytest
 
 from broker.errors import UnroutableError
 from broker.rabbitmq import RabbitMQBroker
-from broker.rabbitmq_connection import CONSUME_BYTES_PER_EVENT, tune_receive
+from broker.rabbitmq_channels import RECV_BYTES, tune_frames
 from broker.topology import CONTROL_EXCHANGE
 from broker.transport import PublishOptions, QueueSpec
 
@@ -33,23 +34,22 @@ def queue(amqp_url: str, job: str) -> Iterator[QueueSpec]:
         admin.delete_queue(spec.name)
 
 
-def test_a_real_connection_gets_frame_sized_reads(amqp_url: str) -> None:
+def test_a_real_connection_gets_the_frame_reader_and_writer(amqp_url: str) -> None:
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
-        assert tune_receive(connection)
-        transport = connection._impl._transport
-        frame_max = connection._impl.params.frame_max
-        assert transport._MAX_RECV_BYTES == frame_max + 8
-        assert transport._MAX_CONSUME_BYTES == max(CONSUME_BYTES_PER_EVENT, frame_max + 8)
+        assert tune_frames(connection)
+        assert connection._impl._transport._MAX_RECV_BYTES == RECV_BYTES
+        channel = connection.channel()  # frames both ways through the replacements
+        assert channel.queue_declare("", exclusive=True).method.queue
     finally:
         connection.close()
 
 
-def test_tune_receive_leaves_unknown_objects_alone() -> None:
+def test_tune_frames_leaves_unknown_objects_alone() -> None:
     class Stranger:
         pass
 
-    assert not tune_receive(Stranger())
+    assert not tune_frames(Stranger())
 
 
 def test_multi_frame_bodies_arrive_intact(amqp_url: str, queue: QueueSpec) -> None:
