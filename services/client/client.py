@@ -76,7 +76,6 @@ def drop_reason(exc: Exception) -> str:
 def drop_notice(
     job: str, client: str, assignment: WeightsAssignment, exc: Exception
 ) -> RoundDropped:
-    """The notice that `client` dropped the round `assignment` gave it, because of `exc`."""
     return RoundDropped(
         job=job,
         client=client,
@@ -191,10 +190,7 @@ class Client:
 
     def run(self, stop: threading.Event) -> ClientStats:
         """Join, train every assigned round, leave; returns when the job finishes or on stop.
-
-        Raises `ClientError` when the client cannot take part at all (no Welcome in time, no
-        data partition, the service side missing).
-        """
+        `ClientError`: the client cannot take part at all (no Welcome, no data, no service)."""
         stats = ClientStats()
         # Every Join of this run names it: a run after a leave, or a restart after a crash,
         # is another process to the aggregator (it drops the old one from an open round).

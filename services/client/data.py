@@ -48,7 +48,6 @@ class JobData:
         return self._settings.clients.count
 
     def indices(self, index: int) -> Indices:
-        """Training-set indices of client partition `index`."""
         if not 0 <= index < self.clients:
             raise ValueError(f"partition index {index} outside 0..{self.clients - 1}")
         labels = self.dataset.train.y.numpy()
@@ -81,11 +80,8 @@ class JobData:
 def round_batches(
     batches: ClientBatches, *, local_epochs: int, max_steps: int, round_index: int
 ) -> tuple[Iterator[Batch], int]:
-    """The batches of one round and how many there are.
-
-    Epochs are numbered across rounds (`round * local_epochs + e`) so each round gets fresh
-    shuffles that any process can replay; `max_steps` caps the round (0: no cap).
-    """
+    """The batches of one round and how many there are (`max_steps`: a cap; 0: none). Epochs
+    are numbered across rounds, so each round gets fresh shuffles any process can replay."""
     total = len(batches) * local_epochs
     steps = min(total, max_steps) if max_steps else total
     first = round_index * local_epochs

@@ -36,6 +36,5 @@ class Superseded(RoundAborted):
 
 
 class StaleWeights(RoundAborted):
-    """Async mode: a worker refused smashed data as computed with too old weights
-    (GradientReply "rejected", reason "too_stale: ..."); the client drops the local round and
-    fetches the newest weights."""
+    """Async mode: a worker refused smashed data as too stale (GradientReply "rejected",
+    "too_stale: ..."); the client drops the local round and fetches the newest weights."""

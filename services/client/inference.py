@@ -245,11 +245,8 @@ def entropy_sweep(
     y: torch.Tensor,
     thresholds: Sequence[float],
 ) -> list[SweepPoint]:
-    """Accuracy and the offloaded fraction of split inference at each threshold on (x, y).
-
-    theta answers only the rows the smallest threshold offloads (a larger one offloads a
-    subset of them), once each.
-    """
+    """Accuracy and the offloaded fraction of split inference at each threshold on (x, y);
+    theta answers only the rows the smallest threshold offloads (a superset), once each."""
     if not thresholds:
         raise ValueError("no thresholds to sweep")
     lowest = min(thresholds)

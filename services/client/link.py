@@ -167,11 +167,8 @@ class ClientLink:
         self.publish(CONTROL_EXCHANGE, routing_key, encode(message), message_id=message.message_id)
 
     def publish(self, exchange: str, routing_key: str, body: bytes, *, message_id: str) -> None:
-        """Publish, sleeping with backoff while the queue is full or not declared yet.
-
-        A missing queue means the service side has not started (or declared) yet; after
-        `route_wait_s` of that the client gives up with a `ClientError`.
-        """
+        """Publish, sleeping with backoff while the queue is full or not declared yet (the
+        service side has not started); after `route_wait_s` of that, a `ClientError`."""
         attempt = 0
         unroutable_since: float | None = None
         while True:
@@ -243,12 +240,9 @@ class ClientLink:
     def poll(
         self, timeout: float, *, deferred: bool = False, awaiting: SmashedBatch | None = None
     ) -> Message | None:
-        """The next valid reply within `timeout` seconds (deferred ones first when `deferred`).
-
-        Invalid deliveries are dead-lettered and counted. When the reply to `awaiting` is the
-        invalid one (an ok answer without a gradient of its batch's shape), this raises
-        `RoundAborted`: the caller cannot go on without it.
-        """
+        """The next valid reply within `timeout` seconds (deferred ones first when `deferred`);
+        invalid ones are dead-lettered. An invalid answer to `awaiting` (ok, without a gradient
+        of its batch's shape) raises `RoundAborted`: the caller cannot go on without it."""
         if deferred and self._deferred:
             return self._deferred.popleft()
         started = self.clock()
@@ -493,8 +487,7 @@ class BrokerChannel:
                 )
             return None
         if reply.status == "stale":
-            # The worker holds this seq (e.g. in MiniBatch-SFL's step barrier) and saw our
-            # republished copy: its real answer is on the way.
+            # Held (e.g. in MiniBatch-SFL's step barrier): its real answer is on the way.
             self._link.stats.stale_replies += 1
             return None
         if reply.status == "ok":
@@ -504,9 +497,8 @@ class BrokerChannel:
             return reply.grad
         where = f"round {self._round} step {batch.step}: shard {self._shard}"
         if reply.status == "gone":
-            # Applied, but no worker has its gradient any more: no wait brings it. The batch
-            # counts on the server side; the client side cannot take this step, and every
-            # algorithm that waits needs it, so the round ends here (and says so at once).
+            # Applied, its gradient lost: no wait brings it, and every algorithm that waits
+            # needs it, so the round ends here (and says so at once).
             self._link.stats.gone_replies += 1
             raise RoundAborted(
                 f"{where} applied seq {batch.seq}, its gradient is gone: "

@@ -45,10 +45,8 @@ class RoundPlan:
         )
 
     def updated(self, config: Mapping[str, ConfigValue]) -> RoundPlan:
-        """This plan with the known keys of `config` applied; raises `ValueError` on a bad one.
-
-        Unknown keys (partition, finished, ...) are other parts' business and ignored.
-        """
+        """This plan with the known keys of `config` applied (`ValueError` on a bad one);
+        unknown keys (partition, finished, ...) are other parts' business."""
         changes: dict[str, Any] = {}
         hyper: dict[str, Any] = {}
         if "algorithm" in config:
