@@ -1,21 +1,16 @@
 """Asynchronous aggregation as a wrapper around any strategy's `aggregate` (pure functions).
 
-A buffered update was trained from the weights the client was handed at its base version; the
-aggregator is at a newer version by then. Rather than a second aggregation rule per algorithm,
-each update is *rebased*: its change is scaled by the staleness weight and replayed on what
-the client would be handed now,
+Each buffered update is *rebased*: its change is scaled by the staleness weight and replayed on
+what the client would be handed now,
 
     w' = w_now + s(tau) * (w - w_base)
 
 and the K rebased updates go to the strategy's own `aggregate` with the current version as
-`previous`. For the averaging strategies this is FedBuff's step with a server learning rate of
-1: `x_new = x_now + sum_k alpha_k s(tau_k) (w_k - w_base_k)`, alpha_k by samples; with tau = 0
-for every update it is exactly the synchronous rule. Masks (Sub-FedAvg), partial uploads
-(FedSplitX) and personal blobs (SplitGP) pass through unchanged: only the tensors an update
-holds are rebased, each against the blob of the same part the client was (or would be) handed.
-
-Shard replicas are rebased the same way (weight 1: a worker's step is never stale, it trains
-on the newest smashed data it gets), from their last folded state: see `rebased_replica`.
+`previous` (for the averaging strategies, FedBuff's step with a server learning rate of 1; with
+tau = 0 for every update, exactly the synchronous rule). docs/async.md, "The fold: a wrapper
+around each strategy's own aggregation", says why and what passes through unchanged. Shard
+replicas are rebased the same way with weight 1 (a worker's step is never stale: it trains on
+the newest smashed data it gets), from their last folded state: see `rebased_replica`.
 """
 
 from __future__ import annotations
