@@ -1,23 +1,13 @@
 """A fresh `bytes` body written in place, so the encoder can check each piece of a tensor right
-after copying it, while the piece is still in the core's cache.
-
-`bytes.join` is the only standard way to build a body without a second copy, and it makes all
-its copies in one call, so the encoder's finite check has to read every source tensor on its
-own: one more pass over memory than the copy itself. A 16 MiB encode + decode takes about a
-quarter less time written in place (docs/benchmarks.md, codec section: the "body joined" row).
+after copying it, while the piece is still in the core's cache (`bytes.join` makes all its
+copies in one call). What it saves: docs/benchmarks.md, codec section; the switch and the
+probe: CONTRIBUTING.md.
 
 `fresh_body` allocates the body uninitialised, as C code builds a bytes object
 (`PyBytes_FromStringAndSize(NULL, n)`, soft-deprecated by PEP 782 but not scheduled for
-removal), and hands out a writable numpy view of its storage. Like that C code, the caller
-fills every byte before the object is hashed or shared and drops the view first. Nothing else
-here relies on CPython's object layout: the storage's address comes from the buffer protocol.
-
-The trick is earned at first use, once per process (`probe`): CPython (elsewhere bytes may
-move or be copied on export), the constructor found and returning a `bytes` of the asked size,
-a write through the window landing in the object, which then compares, hashes and copies as
-an ordinary `bytes`. A free-threaded build changes nothing: the object is private to the
-calling thread until `encode` returns it. If the probe fails, or `SPLITMQ_IN_PLACE_BODIES=0`
-turns the trick off, `fresh_body` returns None and the encoder joins; the bytes are the same.
+removal), and like that C code the caller fills every byte before the object is hashed or
+shared. `probe` earns the trick once per process. A free-threaded build changes nothing: the
+object is private to the calling thread until `encode` returns it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Encode and decode messages: a msgpack header plus out-of-line, 64-byte-aligned tensor bytes.
 
-Body layout (integers little-endian)::
-
-    b"SMQ\\x01" | u32 header length H | msgpack header (H bytes) | zero pad to 64 | tensor data
-
-The header is a msgpack map `{"v": SCHEMA_VERSION, "type": <class name>, <field>: <value>...}`.
-A tensor is a map `{dtype, shape, data}` whose `data` is an ext value naming `(offset, nbytes)`
-in the data section, so tensor bytes never pass through msgpack (which copies them on pack and
-unpack). Tensors are packed in header order, each at the next 64-byte boundary; an empty tensor
-has offset 0; nothing follows the last one. Decoding checks the whole header and layout before
-touching tensor bytes, then returns zero-copy views into the body.
-
-Each message type's schema is read once off its dataclass annotations (`broker.messages`).
-Both directions apply its checks field by field with the same reasons; the encoder is lenient
-about Python types (an int may fill a float field, an IntEnum an int, any Mapping a map), the
-decoder accepts exact types only. bool never passes as an int either way.
+The body layout, the schema read off `broker.messages` and the checks of both directions:
+docs/architecture.md, "Messages on the wire".
 """
 
 from __future__ import annotations
@@ -80,14 +67,14 @@ _OFFSET = operator.attrgetter("offset")
 # the caller (bad input must never crash a service), but a bug for us; the fuzz tests look for it.
 UNEXPECTED = "unexpected decoder failure: "
 _PACK_BUFFER = 4096  # initial msgpack buffer; it grows for larger headers
-# Bodies from this size up are written in place (see `encode`); below, joining costs less.
+# Bodies from this size up are written in place (`bodies.fresh_body`), each piece of a tensor
+# checked right after its copy; below, joining after the check costs less per message.
 _IN_PLACE = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class CodecLimits:
-    """Bounds that keep a hostile body cheap. The codec's encoder obeys them too, so what it
-    produces decodes under the same limits."""
+    """Bounds that keep a hostile body cheap; the encoder obeys them too."""
 
     max_body_bytes: int = 256 * 2**20
     max_header_bytes: int = 4 * 2**20
@@ -161,8 +148,7 @@ class Schema:
 
 
 def build_schema(cls: type[Any]) -> Schema:
-    """The schema of a message dataclass, whose module does not use `from __future__ import
-    annotations` (the field types must be objects, not strings)."""
+    """The schema of a message dataclass (its annotations must be objects: see broker.messages)."""
     prepared = tuple(_field(f"{cls.__name__}.{f.name}", f.name, f.type) for f in fields(cls))
     names = [f.name for f in prepared]
     return Schema(
@@ -386,11 +372,8 @@ class _Writer(_Walker):
 
 def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
     """Validate and encode; tensor bytes are copied exactly once, into the body (plus a
-    device-to-host or contiguity copy for CUDA or strided tensors).
-
-    A body of at least `_IN_PLACE` bytes is written in place (`bodies.fresh_body`), checking
-    each piece of a tensor for NaN and ±inf right after copying it; a smaller one is joined
-    from its parts after checking the tensors, which costs less per message.
+    device-to-host or contiguity copy for CUDA or strided tensors). In place or joined: see
+    `_IN_PLACE` and docs/benchmarks.md, codec section.
     """
     plan = _plan(message, limits or DEFAULT_LIMITS)
     fresh = fresh_body(plan.size) if plan.size >= _IN_PLACE else None
@@ -407,12 +390,9 @@ def encode(message: Message, limits: CodecLimits | None = None) -> bytes:
 def encode_into(
     message: Message, buffer: bytearray, limits: CodecLimits | None = None
 ) -> memoryview:
-    """Validate and encode into a caller-owned buffer (grown when too small); returns the body,
-    a view of `buffer` valid until the next call.
-
-    Tensors are copied and checked piece by piece as `encode` does for big bodies, straight
-    from the source tensor (a torch copy for strided or non-CPU ones). The buffer cannot grow
-    while a view from an earlier call is alive.
+    """Validate and encode into a caller-owned buffer (grown when too small), as `encode` writes
+    a big body in place; returns the body, a view of `buffer` valid until the next call. The
+    buffer cannot grow while a view from an earlier call is alive.
     """
     plan = _plan(message, limits or DEFAULT_LIMITS)
     if len(buffer) < plan.size:

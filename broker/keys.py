@@ -1,10 +1,5 @@
-"""Every Redis key name of design §6, built in one place.
-
-The in-memory store uses the same names for its blobs, so both stores report identical keys.
-Job names are restricted to a glob-free alphabet without ':' because `delete_job` removes
-`splitmq:<job>:*` with SCAN MATCH: a job "a" must never match the keys of a job "a:b", and a job
-name must never be read as a pattern.
-"""
+"""Every Redis key name, built in one place (the table and the rules for names:
+docs/architecture.md, "Weights and versions")."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ from broker.store import BlobRef
 
 ROOT = "splitmq"
 
+# Glob-free and without ':', for `job_pattern`'s SCAN MATCH (see the docs above).
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 # Length of the sha256 prefix that makes blob keys content-addressed.
 SHA_PREFIX_LEN = 16
@@ -67,8 +63,7 @@ def version_key(job: str) -> str:
     return job_prefix(job) + "version"
 
 
-def versions_key(job: str) -> str:
-    """Sorted set of retained versions (member and score: the version number)."""
+def versions_key(job: str) -> str:  # member and score: the version number
     return job_prefix(job) + "versions"
 
 
@@ -77,11 +72,7 @@ def manifest_key(job: str, version: int) -> str:
 
 
 def blob_key(job: str, ref: BlobRef, version: int, sha256: str) -> str:
-    """`splitmq:<job>:w:<part>:<owner>:<v>:<sha16>`.
-
-    The sha suffix (beyond design §6) makes keys content-addressed: two aggregators racing for
-    the same version write different keys, so the loser can never overwrite the winner's blob.
-    """
+    """Content-addressed by its sha suffix (why: docs/architecture.md, store keys)."""
     validate_ref(ref)
     return job_prefix(job) + f"w:{ref.part}:{ref.owner}:{int(version)}:{sha256[:SHA_PREFIX_LEN]}"
 
@@ -95,17 +86,14 @@ def checkpoint_key(job: str, shard: int) -> str:
 
 
 def members_key(job: str) -> str:
-    """Sorted set: member id -> expiry (server epoch seconds)."""
     return job_prefix(job) + "members"
 
 
 def members_info_key(job: str) -> str:
-    """Hash: member id -> JSON object of the member's info."""
     return job_prefix(job) + "members:info"
 
 
 def status_key(job: str) -> str:
-    """Hash: how the job ended (`state`, `detail`); absent while it runs."""
     return job_prefix(job) + "status"
 
 

@@ -1,14 +1,9 @@
-"""The message types of design §5.
+"""The message types: frozen dataclasses whose field annotations are the wire schema
+(docs/architecture.md, "Messages on the wire").
 
-Each message is a frozen dataclass whose field annotations are its wire schema, which
-`broker.codec` reads off them: the base type picks how a field travels, `Annotated` markers
-(`Marker`, `OneOf`, `TensorRule`) add checks. Every message carries `job`, `client`,
-`message_id` and `version`, the weights version the sender computed with (not the wire schema
-version, which the codec carries as `v`). This module must not use `from __future__ import
-annotations`: the codec needs the field types as real objects, not strings.
-
-Messages holding tensors compare by identity (`eq=False`): tensor `==` is elementwise, so the
-generated `__eq__` would raise instead of answering.
+This module must not use `from __future__ import annotations`: the codec needs the field types
+as real objects, not strings. Messages holding tensors compare by identity (`eq=False`): tensor
+`==` is elementwise, so the generated `__eq__` would raise instead of answering.
 """
 
 import os
@@ -29,9 +24,6 @@ def new_message_id() -> str:
     return os.urandom(16).hex()
 
 
-# --- field markers ------------------------------------------------------------------------------
-
-
 class Marker(Enum):
     """What a field's value must be beyond its type."""
 
@@ -49,11 +41,8 @@ class OneOf:
 
 @dataclass(frozen=True, slots=True)
 class TensorRule:
-    """What a tensor field (or every value of a tensor-map field) may hold.
-
-    `finite` applies to floating-point dtypes only, so a weights map may also carry integer
-    buffers such as BatchNorm's `num_batches_tracked`.
-    """
+    """What a tensor field (or every value of a tensor-map field) may hold; `finite` applies to
+    floating-point dtypes only (see `WEIGHT_DTYPES`)."""
 
     dtypes: frozenset[torch.dtype]
     finite: bool = False
@@ -65,7 +54,7 @@ FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 LABEL_DTYPES = frozenset({torch.int64, torch.int32, torch.uint8})
 MASK_DTYPES = frozenset({torch.bool, torch.uint8})
 # Weight dicts may hold any dtype that travels: integer buffers (BatchNorm's
-# num_batches_tracked), quantised tensors, float64.
+# num_batches_tracked, which `finite` lets through), quantised tensors, float64.
 WEIGHT_DTYPES = frozenset(d.torch_dtype for d in WIRE_DTYPES.values())
 
 
@@ -98,9 +87,6 @@ ABORTED = "aborted"
 DROP_REASONS = frozenset({NON_FINITE, ABORTED})
 # A model's block (cut) names: models.split.check_name's rule, bounded in length.
 _CUT_NAME = re.compile(r"[A-Za-z0-9_]{1,128}\Z")
-
-
-# --- messages -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, eq=False)

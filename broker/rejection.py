@@ -1,12 +1,6 @@
-"""Rejecting a delivery, so that neither the rejection nor its settlement can crash a consumer.
-
-Every consumer that meets bad input goes through `dead_letter_safely` and `ack_safely`: a
-connection lost between `get` and the settlement makes the broker redeliver the message (it is
-judged again then), and a full dead-letter queue falls back to the queue's own dead-letter
-routing, without the reason header but never requeued (a poison message must not loop). So does
-a dead-letter queue that is gone and cannot be declared again (the broker tries), or any other
-refusal of the copy: one bad message must never end its consumer. `dead_letter_many_safely`
-does the same for a batch, waiting for the broker once for all of it (a flood's surplus).
+"""Rejecting a delivery so that neither the rejection nor its settlement can crash a consumer
+(what becomes of it: docs/reliability.md, "Bad input"). `dead_letter_many_safely` does the same
+for a batch, waiting for the broker once for all of it (a flood's surplus).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Tensors on the wire: the dtype whitelist, the `{dtype, shape, data}` header map (the body
-layout is `broker.codec`'s), zero-copy views into a received body and a cheap finite check.
-Everything is little-endian, as on every host we target.
+"""Tensors on the wire (docs/architecture.md, "Messages on the wire"): the dtype whitelist,
+the `{dtype, shape, data}` header map, zero-copy views into a received body, the finite check.
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ import torch
 from broker.bodies import writable_alias
 from broker.errors import DecodeError
 
-# Tensor data starts at multiples of this from the start of the data section, so a receiver may
-# read any dtype (and SIMD loads) aligned when the body itself is 64-byte aligned.
-ALIGN = 64
+ALIGN = 64  # tensor data starts at multiples of this from the start of the data section
 # msgpack ext type code of a tensor's `data` reference; the payload is `_REF` (offset, nbytes).
 TENSOR_EXT_CODE = 1
 _REF = struct.Struct("<QQ")
@@ -103,7 +100,6 @@ BY_TORCH: Mapping[torch.dtype, WireDtype] = MappingProxyType(
 
 
 def align(n: int) -> int:
-    """`n` rounded up to a multiple of `ALIGN`."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -121,13 +117,10 @@ def tensor_header(
     dtype: WireDtype, shape: tuple[int, ...], offset: int, nbytes: int
 ) -> dict[str, object]:
     """The header map of one tensor whose bytes lie at `offset` of the data section."""
-    return {"dtype": dtype.name, "shape": list(shape), "data": _tensor_ref(offset, nbytes)}
-
-
-def _tensor_ref(offset: int, nbytes: int) -> msgpack.ExtType:
     # ExtType.__new__ re-checks its code and data in Python, a third of this function's cost;
     # ours are valid by construction, so build the namedtuple as that __new__ finally does.
-    return tuple.__new__(msgpack.ExtType, (TENSOR_EXT_CODE, _REF.pack(offset, nbytes)))
+    ref = tuple.__new__(msgpack.ExtType, (TENSOR_EXT_CODE, _REF.pack(offset, nbytes)))
+    return {"dtype": dtype.name, "shape": list(shape), "data": ref}
 
 
 def unpack_ext(code: int, data: bytes) -> object:
@@ -141,10 +134,7 @@ def unpack_ext(code: int, data: bytes) -> object:
 
 def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) -> TensorSlot:
     """Check one decoded header map (unpacked with `unpack_ext`); raises `DecodeError` naming
-    `path` on any inconsistency.
-
-    Only Python integers are involved, so a shape claiming 10^12 elements costs nothing.
-    """
+    `path` on any inconsistency."""
     if not isinstance(obj, dict):
         raise DecodeError(f"{path}: expected a tensor map, got {type(obj).__name__}")
     if obj.keys() != _HEADER_KEYS:
@@ -219,10 +209,9 @@ def copy_checked(
     """Copy `tensor`'s wire bytes into `dst` (uint8, exactly `tensor.nbytes` long); with
     `finite`, also check them for NaN and ±inf and return False if there are any.
 
-    A contiguous CPU tensor (`host` is its `host_array`) is copied by numpy in `_CHUNK`-byte
-    pieces, each checked right after its copy, while it is still in the core's cache: the
-    source is read from memory once. Others (strided, other devices) take one torch copy,
-    which handles strides, devices and bfloat16, and a check of the copy.
+    A contiguous CPU tensor (`host`: its `host_array`) is copied in `_CHUNK`-byte pieces, each
+    checked while still in the core's cache (docs/benchmarks.md, codec section); others take
+    one torch copy (strides, devices, bfloat16) and a check of the copy.
     """
     if host is not None and host.flags.c_contiguous:
         source = host.reshape(-1).view(np.uint8)
@@ -274,12 +263,9 @@ def view_from(
 def all_finite(tensor: torch.Tensor) -> bool:
     """True unless a floating-point tensor holds NaN or ±inf.
 
-    CPU tensors of the wire's float dtypes are scanned by numpy on the calling thread
-    (`finite_array`), never by torch: torch splits a large scan over its OpenMP pool, and on
-    a host also busy with RabbitMQ and the other end of the link, that pool's barrier and
-    spinning threads cost far more than the scan (1.5 MiB: 0.05 ms idle, 20+ ms on a loaded
-    2-core host; see docs/benchmarks.md). Other devices and float dtypes use one `aminmax`
-    (NaN propagates, an infinity is an extreme).
+    CPU tensors of the wire's float dtypes are scanned by numpy on the calling thread, never by
+    torch, whose OpenMP pool stalls for tens of ms on a loaded host (docs/benchmarks.md, round
+    trip section). Other devices and dtypes: one `aminmax` (NaN propagates, inf is an extreme).
     """
     wire = BY_TORCH.get(tensor.dtype)
     bits = None if wire is None else wire.bits
