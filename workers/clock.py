@@ -32,8 +32,6 @@ State = Mapping[str, torch.Tensor]
 class Continuous:
     """Async buffering: staleness refusals and rebasing at checkpoints (see the module doc)."""
 
-    rounds = False
-
     def __init__(
         self,
         replica: Replica,

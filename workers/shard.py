@@ -221,7 +221,7 @@ class ShardRunner:
         if problem is None and not self._member(batch.client):
             problem = ("unknown_client", f"client {batch.client!r} is not a member of the job")
         if problem is not None:
-            self._reject(delivery, *problem)
+            self._io.reject(delivery, *problem)
             return
         last = replica.seqs.get(batch.client)
         if last is not None and batch.seq <= last:
@@ -235,7 +235,7 @@ class ShardRunner:
         if clock is not None and refused is not None:
             code, detail = refused
             if code != TOO_STALE:
-                self._reject(delivery, code, detail)
+                self._io.reject(delivery, code, detail)
                 return
             # Valid, just too old: answered, and acked with the next checkpoint.
             self._hold(delivery)
@@ -248,7 +248,7 @@ class ShardRunner:
         if clock is None and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
-                self._reject(delivery, "unknown_version", f"version {batch.version} not found")
+                self._io.reject(delivery, "unknown_version", f"version {batch.version} not found")
                 return
         item = Item(delivery, batch)
         if self._barrier is not None:
@@ -267,13 +267,13 @@ class ShardRunner:
     def on_marker(self, delivery: Delivery, message: RoundStart | RoundEnd) -> None:
         if self._async is not None:
             # Async mode has no rounds: a marker would reset the replica's sample count.
-            self._reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
+            self._io.reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
             return
         problem = check_addressing(message, self._want) or check_marker(
             message, self._io.store.current_version(self._want.job)
         )
         if problem is not None:
-            self._reject(delivery, *problem)
+            self._io.reject(delivery, *problem)
         elif isinstance(message, RoundStart):
             self._on_round_start(delivery, message)
         else:
@@ -282,7 +282,7 @@ class ShardRunner:
     def _on_round_start(self, delivery: Delivery, message: RoundStart) -> None:
         cohort, problem = parse_cohort(message)
         if problem is not None or cohort is None:
-            self._reject(delivery, *(problem or ("bad_cohort", "unusable participants")))
+            self._io.reject(delivery, *(problem or ("bad_cohort", "unusable participants")))
             return
         self.settle()
         if message.version > self.replica.version and not self._reload(message.version):
@@ -362,7 +362,7 @@ class ShardRunner:
         except Exception as exc:  # never let one step take the worker down
             self._say("server step failed: %r", exc, level=logging.ERROR)
             for item in items:
-                self._reject(item.delivery, "server_step", repr(exc))
+                self._io.reject(item.delivery, "server_step", repr(exc))
             return
         # all_finite: numpy's scan on this thread, not torch's OpenMP pool (10x less here).
         if not all(math.isfinite(loss) and all_finite(g) for g, loss, _ in results):
@@ -419,7 +419,7 @@ class ShardRunner:
         with the ones prefetched behind them, so seqs still rise and none looks a duplicate."""
         io = self._io
         for item in poisoned:
-            self._reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
+            self._io.reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
         returned = len(self._pending) + self.buffered()
         self._pending, self._fold = [], []
         if self._barrier is not None:
@@ -491,9 +491,6 @@ class ShardRunner:
 
     def _say(self, message: str, *args: object, level: int = logging.INFO) -> None:
         self._io.log.log(level, "job %s shard %d: " + message, self._want.job, self.shard, *args)
-
-    def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
-        self._io.reject(delivery, code, detail)
 
     def checkpoint(self, *, force: bool = False) -> None:
         """Save the replica, then ack what it covers (raises `LeaseLostError`)."""

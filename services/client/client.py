@@ -34,7 +34,7 @@ from broker.messages import (
     new_message_id,
 )
 from broker.topology import updates_routing_key
-from models.split import SplitNet
+from models.split import SplitNet, evaluating
 from models.state import load_partial
 from services.algorithms.base import ClientContext, LocalRound, Strategy
 from services.algorithms.registry import build_strategy
@@ -581,12 +581,9 @@ class RoundRunner:
         picked = torch.from_numpy(self.data.local_test(index))
         if not len(picked):
             return 0.0
-        was_training = model.training
-        model.eval()
         correct = 0
-        with torch.no_grad():
+        with evaluating([model]):
             for chunk in picked.split(EVAL_CHUNK):
                 logits = model(test.x.index_select(0, chunk))
                 correct += int((logits.argmax(dim=1) == test.y.index_select(0, chunk)).sum())
-        model.train(was_training)
         return correct / len(picked)

@@ -31,7 +31,7 @@ from broker.topology import (
     infer_routing_key,
 )
 from broker.transport import Broker, PublishOptions
-from models.split import SplitNet
+from models.split import SplitNet, evaluating
 from services.algorithms.splitgp import (
     SweepPoint,
     entropy,
@@ -62,11 +62,8 @@ class LocalTheta:
         self._theta = theta
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        was_training = self._theta.training
-        self._theta.eval()
-        with torch.no_grad():
+        with evaluating([self._theta]):
             logits: torch.Tensor = self._theta(z.to(torch.float32))
-        self._theta.train(was_training)
         return logits
 
 
@@ -219,9 +216,7 @@ class SplitPredictor:
 
     def head_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, head logits) in eval mode."""
-        self._body.eval()
-        self._head.eval()
-        with torch.no_grad():
+        with evaluating([self._body, self._head]):
             z = self._body(x)
             return z, self._head(z)
 
