@@ -19,10 +19,11 @@ from services.algorithms.registry import build_strategy
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.experiments.figures import FigureSlot, plot_rounds
+from services.experiments.figures import FigureSlot
 from services.experiments.results import ResultSet, RunResult, finite, late_mean, mean, swing
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, pct, percent, points, pts
+from services.report.plots import plot_rounds
 
 NAME = "fedsplitx"
 LEVEL_CUTS = ("block1", "block2", "block3")

@@ -1,92 +1,22 @@
 """PNG figures of an experiment: one row of panels, each filled by a drawing function.
 
 The declared plots (metric vs round, a run summary against a tag) and the experiments' own
-figures (`Experiment.extras`) go through `FigureSlot.figure`. matplotlib's object API on an explicit
-Agg canvas, imported on first use, as in `services.report.plots`: no pyplot state and no GUI
-backend.
+figures (`Experiment.extras`) go through `FigureSlot.figure`, drawn on
+`services.report.plots.panel_figure`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.experiments.results import ResultSet
 from services.experiments.spec import CurvePlot, FinalPlot, Plot
-from services.report.records import VersionRecord
-
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-_LINES = ("-", "--", "-.", ":")
-
-# Fills one panel (`axes`, the panel's value); True when it drew labelled lines.
-PanelDraw = Callable[[Any, str], bool]
-
-
-def line_style(i: int) -> dict[str, Any]:
-    """Marker and dash of the i-th line: equal lines stay visible."""
-    return {"marker": _MARKERS[i % len(_MARKERS)], "linestyle": _LINES[i % len(_LINES)]}
-
-
-def plot_rounds(
-    axes: Any,
-    i: int,
-    records: Sequence[VersionRecord],
-    ys: Sequence[float],
-    label: str,
-    size: int = 2,
-) -> None:
-    """The i-th line of `ys` (one per record, in percent) against the round, from 1."""
-    axes.plot([r.round + 1 for r in records], ys, label=label, markersize=size, **line_style(i))
-    round_axis(axes)
-
-
-def round_axis(axes: Any) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    axes.set_xlabel("round")
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def panel_figure(
-    path: Path,
-    title: str,
-    panels: Sequence[str],
-    draw: PanelDraw,
-    *,
-    ylabel: str = "",
-    titles: Sequence[str] = (),
-) -> Path | None:
-    """One row of panels, each filled by `draw(axes, panel)` and titled by `titles` (default:
-    the panels); None, and no file, when nothing was drawn."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    if not panels:
-        return None
-    figure = Figure(figsize=(4.2 * len(panels) + 0.6, 3.8), dpi=100)
-    FigureCanvasAgg(figure)
-    axes_row = figure.subplots(1, len(panels), squeeze=False)[0]
-    drawn = False
-    for axes, panel, name in zip(axes_row, panels, titles or panels, strict=True):
-        if draw(axes, panel):
-            drawn = True
-            axes.grid(True, alpha=0.3)
-            axes.legend(fontsize="small")
-        if name:
-            axes.set_title(name)
-        if ylabel:
-            axes.set_ylabel(ylabel)
-    if not drawn:
-        return None
-    figure.suptitle(title)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")
-    return path
+from services.report.plots import PanelDraw, line_style, panel_figure, plot_rounds, round_axis
 
 
 def _curve(plot: CurvePlot, results: ResultSet, axes: Any, where: dict[str, str]) -> bool:

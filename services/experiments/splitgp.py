@@ -18,10 +18,11 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
-from services.experiments.figures import FigureSlot, line_style
+from services.experiments.figures import FigureSlot
 from services.experiments.results import ResultSet, RunResult
 from services.experiments.spec import Experiment, Run, from_examples, smoke
 from services.experiments.tables import markdown_table, percent
+from services.report.plots import line_style
 from services.report.summary import finite_or
 
 NAME = "splitgp"

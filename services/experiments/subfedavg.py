@@ -20,10 +20,11 @@ from services.algorithms.base import VersionWeights
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import local_test_accuracy
-from services.experiments.figures import FigureSlot, plot_rounds
+from services.experiments.figures import FigureSlot
 from services.experiments.results import ResultSet, RunResult, mean
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, percent, points
+from services.report.plots import plot_rounds
 
 NAME = "subfedavg"
 # (tag, dataset, model)

@@ -1,4 +1,5 @@
-"""PNG plots of a run: accuracy, throughput and loss per round.
+"""PNG plots of a run (accuracy, throughput, loss and staleness per round) and `panel_figure`,
+the row of panels that they and the experiments' figures are drawn on.
 
 Figures are built on matplotlib's object API with an explicit Agg canvas: no pyplot, so no
 global figure registry, no GUI backend and no rcParams change in whoever imports this.
@@ -9,38 +10,82 @@ matplotlib is imported on first use: only the process that writes the report pay
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from services.report.records import VersionRecord
 from services.report.summary import staleness_histogram
 
-# (marker, line style, marker fill) per series of one plot.
-_STYLES = (("o", "-", "full"), ("s", "--", "none"))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINES = ("-", "--", "-.", ":")
 
-ACCURACY_PNG = "accuracy.png"
-THROUGHPUT_PNG = "throughput.png"
-LOSS_PNG = "loss.png"
 STALENESS_PNG = "staleness.png"
 
+# Fills one panel (`axes`, the panel's value); True when it drew labelled lines.
+PanelDraw = Callable[[Any, str], bool]
 
-def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
-    """A figure on an Agg canvas of its own, and its one axes."""
+
+def line_style(i: int) -> dict[str, Any]:
+    """Marker and dash of the i-th line: equal lines (global = personal for SFL) stay visible."""
+    return {"marker": _MARKERS[i % len(_MARKERS)], "linestyle": _LINES[i % len(_LINES)]}
+
+
+def plot_rounds(
+    axes: Any,
+    i: int,
+    records: Sequence[VersionRecord],
+    ys: Sequence[float],
+    label: str,
+    size: int = 2,
+) -> None:
+    """The i-th line of `ys` (one per record) against the round, counted from 1 as in the
+    summary."""
+    axes.plot([r.round + 1 for r in records], ys, label=label, markersize=size, **line_style(i))
+    round_axis(axes)
+
+
+def round_axis(axes: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axes.set_xlabel("round")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def panel_figure(
+    path: Path,
+    title: str,
+    panels: Sequence[str],
+    draw: PanelDraw,
+    *,
+    ylabel: str = "",
+    titles: Sequence[str] = (),
+) -> Path | None:
+    """One row of panels, each filled by `draw(axes, panel)` and titled by `titles` (default:
+    the panels); None, and no file, when nothing was drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(6.4, 4.0), dpi=100)
+    if not panels:
+        return None
+    figure = Figure(figsize=(4.2 * len(panels) + 0.6, 3.8), dpi=100)
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
-    axes.set_title(title)
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
-    return figure, axes
-
-
-def _save(figure: Any, path: Path) -> Path:
+    axes_row = figure.subplots(1, len(panels), squeeze=False)[0]
+    drawn = False
+    for axes, panel, name in zip(axes_row, panels, titles or panels, strict=True):
+        if draw(axes, panel):
+            drawn = True
+            axes.grid(True, alpha=0.3)
+            axes.legend(fontsize="small")
+        if name:
+            axes.set_title(name)
+        if ylabel:
+            axes.set_ylabel(ylabel)
+    if not drawn:
+        return None
+    figure.suptitle(title)
     figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png")
     return path
 
@@ -48,21 +93,21 @@ def _save(figure: Any, path: Path) -> Path:
 # Each run plot: (file, title, y label, in percent, series as (label, VersionRecord field)).
 _PLOTS = (
     (
-        ACCURACY_PNG,
+        "accuracy.png",
         "Test accuracy",
         "accuracy (%)",
         True,
         (("global", "global_accuracy"), ("personalised", "personal_accuracy")),
     ),
     (
-        THROUGHPUT_PNG,
+        "throughput.png",
         "Training throughput",
         "samples / s",
         False,
         (("samples/s", "samples_per_s"),),
     ),
     (
-        LOSS_PNG,
+        "loss.png",
         "Loss",
         "cross-entropy",
         False,
@@ -71,33 +116,39 @@ _PLOTS = (
 )
 
 
-def _plot(
-    path: Path,
-    records: Sequence[VersionRecord],
-    title: str,
-    ylabel: str,
-    percent: bool,
-    series: Sequence[tuple[str, str]],
-) -> Path | None:
-    from matplotlib.ticker import MaxNLocator
+def _series(
+    records: Sequence[VersionRecord], percent: bool, series: Sequence[tuple[str, str]]
+) -> PanelDraw:
+    def draw(axes: Any, _: str) -> bool:
+        drawn = False
+        for i, (label, name) in enumerate(series):
+            ys = [float(getattr(r, name)) * (100.0 if percent else 1.0) for r in records]
+            if any(math.isfinite(y) for y in ys):  # else a metric this algorithm does not report
+                plot_rounds(axes, i, records, ys, label, 4)
+                drawn = True
+        return drawn
 
-    xs = [r.round + 1 for r in records]  # counted from 1, as in the summary
-    figure, axes = _axes(title, "round", ylabel)
-    drawn = False
-    for (label, name), (marker, line, fill) in zip(series, _STYLES, strict=False):
-        ys = [float(getattr(r, name)) * (100.0 if percent else 1.0) for r in records]
-        if not any(math.isfinite(y) for y in ys):
-            continue  # a metric this algorithm does not report
-        # Distinct markers and dashes: equal series (global = personal for SFL) stay visible.
-        axes.plot(xs, ys, label=label, marker=marker, linestyle=line, fillstyle=fill)
-        drawn = True
-    if not drawn:
-        return None
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.grid(True, alpha=0.3)
-    if len(series) > 1:
-        axes.legend()
-    return _save(figure, path)
+    return draw
+
+
+def _staleness(records: Sequence[VersionRecord]) -> PanelDraw:
+    """The staleness histogram of an async run (docs/async.md) as bars, refused updates as the
+    last, hatched bar; draws nothing without one."""
+    histogram = staleness_histogram(records)
+
+    def draw(axes: Any, _: str) -> bool:
+        if histogram is None or histogram.total == 0:
+            return False
+        taus = list(range(max(histogram.folded, default=0) + 1))
+        axes.bar([str(t) for t in taus], [histogram.folded.get(t, 0) for t in taus], label="folded")
+        if histogram.refused:
+            axes.bar(
+                ["refused"], [histogram.refused], hatch="//", color="lightgrey", label="refused"
+            )
+        axes.set_xlabel("staleness tau = v_now - v_base (versions)")
+        return True
+
+    return draw
 
 
 def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
@@ -105,26 +156,13 @@ def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
     if not records:
         return []
     made = [
-        _plot(run_dir / file, records, title, ylabel, percent, series)
+        panel_figure(run_dir / file, title, [""], _series(records, percent, series), ylabel=ylabel)
         for file, title, ylabel, percent, series in _PLOTS
     ]
-    # Async runs only (docs/async.md): how stale the folded updates were.
-    made.append(write_staleness_plot(run_dir / STALENESS_PNG, records))
+    staleness = _staleness(records)
+    made.append(
+        panel_figure(
+            run_dir / STALENESS_PNG, "Staleness of updates", [""], staleness, ylabel="updates"
+        )
+    )
     return [p for p in made if p is not None]
-
-
-def write_staleness_plot(path: Path, records: Sequence[VersionRecord]) -> Path | None:
-    """The staleness histogram of an async run as a bar chart (refused updates as the last,
-    hatched bar); None without one."""
-    histogram = staleness_histogram(records)
-    if histogram is None or histogram.total == 0:
-        return None
-    taus = list(range(max(histogram.folded, default=0) + 1))
-    xlabel = "staleness tau = v_now - v_base (versions)"
-    figure, axes = _axes("Staleness of updates", xlabel, "updates")
-    axes.bar([str(t) for t in taus], [histogram.folded.get(t, 0) for t in taus], label="folded")
-    if histogram.refused:
-        axes.bar(["refused"], [histogram.refused], hatch="//", color="lightgrey", label="refused")
-    axes.grid(True, axis="y", alpha=0.3)
-    axes.legend()
-    return _save(figure, path)
