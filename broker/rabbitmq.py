@@ -30,7 +30,7 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.rabbitmq_channels import ChannelKeeper, Returned, queue_arguments
+from broker.rabbitmq_channels import ChannelKeeper, Returned, queue_arguments, unroutable
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
 from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
 from broker.transport import (
@@ -248,7 +248,7 @@ class RabbitMQBroker:
 
     def dead_letter_many(self, letters: Sequence[tuple[Delivery, str]]) -> Unsettled:
         for delivery, _ in letters:  # a usage error raises before anything is settled
-            self._check_settleable(delivery)
+            self._outstanding(delivery, stale_passes=True)
         unsettled, copies, one_by_one = self._sort_letters(letters)
         if self._options.dead_letter_by_nack:
             _log_by_nack(one_by_one)
@@ -323,10 +323,7 @@ class RabbitMQBroker:
             channel = self._keeper.batch()
             generation = self._keeper.generation
             for copy in [c for c in copies if c.delivery.generation != generation]:
-                # Opening the channel reconnected: the original is requeued already, and a
-                # copy now would be a second one when it is dead-lettered again.
-                why = "was lost with its connection before dead-lettering"
-                refused.append((copy.delivery, self._stale(copy.delivery, why)))
+                refused.append((copy.delivery, self._lost_before_copy(copy.delivery)))
             pending = [c for c in copies if c.delivery.generation == generation]
             back = self._commit(channel, pending)
             landed, pending = [c for c in pending if c not in back], back
@@ -337,12 +334,12 @@ class RabbitMQBroker:
                 if refusal is None:
                     retry.extend(lost)
                 else:
-                    why = f"{_unroutable(key)}; declaring it again failed: {refusal}"
-                    refused.extend((c.delivery, UnroutableError(why)) for c in lost)
+                    why = f"; declaring it again failed: {refusal}"
+                    refused.extend((c.delivery, unroutable(DEAD_EXCHANGE, key, why)) for c in lost)
             pending = retry
             again = self._commit(self._keeper.batch(), retry)
             landed.extend(c for c in retry if c not in again)
-            refused.extend((c.delivery, UnroutableError(_unroutable(c.routing_key))) for c in again)
+            refused.extend((c.delivery, unroutable(DEAD_EXCHANGE, c.routing_key)) for c in again)
         except PIKA_ERRORS as exc:
             # On a lost connection RabbitMQ requeues every original (the copies that landed
             # are duplicates, never a loss, and their acks fail as stale); a channel error (no
@@ -370,9 +367,7 @@ class RabbitMQBroker:
         while True:
             publisher = self._keeper.publisher()
             if delivery.generation != self._keeper.generation:
-                # Reopening the publisher reconnected: the original is requeued already, and a
-                # copy now would be a second one when it is dead-lettered again.
-                raise self._stale(delivery, "was lost with its connection before dead-lettering")
+                raise self._lost_before_copy(delivery)
             try:
                 self._keeper.send(publisher, DEAD_EXCHANGE, routing_key, delivery.body, properties)
                 return
@@ -483,25 +478,21 @@ class RabbitMQBroker:
         self._unacked.clear()
         self._returned.clear()
 
-    def _check_settleable(self, delivery: Delivery) -> None:
-        """Raise as `_outstanding` does for a usage error (closed handle, a delivery never
-        handed out or settled already); a stale one passes, and keeps its mark."""
-        if self._keeper.closed:
-            raise BrokerError("this broker handle is closed")
-        if self._keeper.live_consumer_channel(delivery.generation) is None:
-            return
-        if delivery.tag not in self._unacked and delivery.tag not in self._returned:
-            self._outstanding(delivery)
-
-    def _outstanding(self, delivery: Delivery) -> Any:
-        """The consumer channel, if `delivery` can still be settled on it."""
+    def _outstanding(self, delivery: Delivery, *, stale_passes: bool = False) -> Any:
+        """The consumer channel, if `delivery` can still be settled on it. `stale_passes`:
+        raise only for a usage error (closed handle, a delivery never handed out or settled
+        already); a stale delivery gives None, and keeps its mark."""
         if self._keeper.closed:
             raise BrokerError("this broker handle is closed")
         channel = self._keeper.live_consumer_channel(delivery.generation)
         if channel is None:
+            if stale_passes:
+                return None
             raise self._stale(delivery, "arrived on a channel that has since been lost")
         if delivery.tag not in self._unacked:
             if delivery.tag in self._returned:
+                if stale_passes:
+                    return None
                 self._returned.discard(delivery.tag)
                 raise self._stale(delivery, "was returned to its queue by unsubscribe")
             raise BrokerError(
@@ -509,6 +500,11 @@ class RabbitMQBroker:
                 "handle (already acked/nacked, or received on another handle)"
             )
         return channel
+
+    def _lost_before_copy(self, delivery: Delivery) -> StaleDeliveryError:
+        # Opening a channel reconnected: the original is requeued already, and a copy now
+        # would be a second one when it is dead-lettered again.
+        return self._stale(delivery, "was lost with its connection before dead-lettering")
 
     @staticmethod
     def _stale(delivery: Delivery, why: str) -> StaleDeliveryError:
@@ -541,10 +537,6 @@ def _no_routing(delivery: Delivery) -> BrokerError:
         f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
         "declare its QueueSpec (with dead_letter_routing_key) here first"
     )
-
-
-def _unroutable(routing_key: str) -> str:
-    return f"no queue is bound to exchange {DEAD_EXCHANGE!r} with routing key {routing_key!r}"
 
 
 def _matched(copies: list[_Copy], returned: list[Returned]) -> list[_Copy]:

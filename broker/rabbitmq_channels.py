@@ -78,6 +78,11 @@ class _Sent:
         return self.order, Refused(self.exchange, self.routing_key, self.body, self.options, error)
 
 
+def unroutable(exchange: str, routing_key: str, why: str = "") -> UnroutableError:
+    bound = f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
+    return UnroutableError(bound + why)
+
+
 def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
     """The x-arguments that give a declared queue the behaviour its spec asks for."""
     args: dict[str, Any] = {}
@@ -205,24 +210,22 @@ class ChannelKeeper:
             mandatory = exchange not in BEST_EFFORT_EXCHANGES
             channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
         except pika.exceptions.NackError as exc:
-            raise BackPressureError(
-                f"RabbitMQ refused the message for exchange {exchange!r} key {routing_key!r}: "
-                f"queue {self._bound_queues(exchange, routing_key)} is full (reject-publish); "
-                "nothing was enqueued, retry later"
-            ) from exc
+            raise self._full(exchange, routing_key) from exc
         except pika.exceptions.UnroutableError as exc:
-            raise UnroutableError(
-                f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
-            ) from exc
+            raise unroutable(exchange, routing_key) from exc
 
-    def _bound_queues(self, exchange: str, routing_key: str) -> str:
+    def _full(self, exchange: str, routing_key: str) -> BackPressureError:
         fanout = dict(EXCHANGES).get(exchange) == "fanout"
         names = [
             repr(spec.name)
             for spec in self._specs.values()
             if spec.exchange == exchange and (fanout or spec.routing_key == routing_key)
         ]
-        return ", ".join(names) or "(not declared on this handle)"
+        return BackPressureError(
+            f"RabbitMQ refused the message for exchange {exchange!r} key {routing_key!r}: "
+            f"queue {', '.join(names) or '(not declared on this handle)'} is full "
+            "(reject-publish); nothing was enqueued, retry later"
+        )
 
     def send_later(
         self,
@@ -289,11 +292,7 @@ class ChannelKeeper:
             if sent is None:
                 continue
             if isinstance(method, pika.spec.Basic.Nack):
-                queues = self._bound_queues(sent.exchange, sent.routing_key)
-                sent.error = BackPressureError(
-                    f"RabbitMQ refused the message for exchange {sent.exchange!r} key "
-                    f"{sent.routing_key!r}: queue {queues} is full (reject-publish)"
-                )
+                sent.error = self._full(sent.exchange, sent.routing_key)
             if sent.error is not None:
                 self._refused.append(sent.refused(sent.error))
             else:
@@ -304,10 +303,7 @@ class ChannelKeeper:
         # then it is read after it: then the message is among the lately confirmed.
         for sent in [*self._sent.values(), *self._acked]:
             if sent.error is None and sent.routing_key == method.routing_key and sent.body == body:
-                sent.error = UnroutableError(
-                    f"no queue is bound to exchange {sent.exchange!r} with routing key "
-                    f"{sent.routing_key!r}"
-                )
+                sent.error = unroutable(sent.exchange, sent.routing_key)
                 if sent in self._acked:
                     self._acked.remove(sent)
                     self._refused.append(sent.refused(sent.error))

@@ -72,10 +72,6 @@ def updates_routing_key(job: str) -> str:
     return f"{job}.updates"
 
 
-def events_queue_name(job: str, subscriber: str) -> str:
-    return f"{job}.events.{subscriber}"
-
-
 def dead_queue_name(job: str) -> str:
     return f"{job}.dead"
 
@@ -166,7 +162,7 @@ def events_queue(job: str, subscriber: str) -> QueueSpec:
     fanout carries every job's events; subscribers filter on `Event.job`, and dead-letter
     what is no event at all to `<job>.dead`."""
     return QueueSpec(
-        name=events_queue_name(job, subscriber),
+        name=f"{job}.events.{subscriber}",
         exchange=EVENTS_EXCHANGE,
         routing_key="",
         durable=False,
