@@ -73,10 +73,7 @@ Config = Mapping[str, ConfigValue]
 Metrics = Mapping[str, float]
 Info = Mapping[str, str]
 
-# `GradientReply.status`: "ok" (applied; the gradient, for algorithms that wait for one),
-# "stale" (the worker holds the seq and its answer is still to come), "gone" (a copy of a seq
-# applied before whose gradient the worker no longer has: the client cannot wait it out),
-# "rejected" (not applied: `reason` says why, e.g. "too_stale: ...").
+# `GradientReply.status`, as docs/architecture.md's "Conventions the roles share" defines them.
 REPLY_STATUSES = frozenset({"ok", "stale", "gone", "rejected"})
 # Why a client gives up its local round (`RoundDropped.reason`): its model diverged (weights or
 # activations hold NaN or infinities), or anything else ended the round (an error reply, no
@@ -174,10 +171,9 @@ class WeightsUpdate(_Common):
 
 @dataclass(frozen=True, slots=True)
 class RoundDropped(_Common):
-    """A client gives up its local round `round` (based on `version`) and says why, on the
-    updates queue, so the aggregator need not wait for its deadline to learn that no
-    WeightsUpdate is coming. `ref_message_id` names the WeightsAssignment it answers (a reopened
-    round's attempts share round and version); `detail` is for logs only."""
+    """A client gives up its local round (docs/architecture.md, sync round step 4).
+    `ref_message_id` names the WeightsAssignment it answers (a reopened round's attempts share
+    round and version); `detail` is for logs only."""
 
     round: Count
     reason: Annotated[str, OneOf(DROP_REASONS)]
@@ -217,11 +213,8 @@ class Error(_Common):
 
 @dataclass(frozen=True, slots=True)
 class RoundStart(_Common):
-    """Aggregator → shard queue, ahead of a round's batches: who takes part, with |D_k|.
-
-    Queue order puts it before every SmashedBatch of the round, so a worker knows the cohort
-    of MiniBatch-SFL's step barrier without a side channel. `client` is empty.
-    """
+    """Aggregator → shard queue, ahead of a round's batches: who takes part, with |D_k|
+    (`client` is empty; why a marker: docs/architecture.md, "Queues")."""
 
     round: Count
     shard: Count

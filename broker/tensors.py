@@ -239,11 +239,9 @@ def shareable(body: memoryview) -> memoryview:
 def view_from(
     body: memoryview, start: int, slot: TensorSlot, *, finite: bool = False
 ) -> torch.Tensor:
-    """A zero-copy tensor over `body[start + slot.offset:]` (a fresh one when empty); checks
-    bool bytes are 0 or 1 and, when `finite`, that floating-point values are neither NaN nor
-    infinite (raising `DecodeError` naming the slot's path). Pass a read-only `body` through
-    `shareable` first.
-    """
+    """A zero-copy tensor over `body[start + slot.offset:]` (a fresh one when empty), its bool
+    bytes and, when `finite`, its floats checked (`DecodeError` naming the slot's path). Pass a
+    read-only `body` through `shareable` first."""
     dtype = slot.dtype
     if not slot.nbytes:  # may lie past the end of a body without a data section
         return torch.empty(slot.shape, dtype=dtype.torch_dtype)
