@@ -222,9 +222,16 @@ def row_results(model: SplitNet, cut: str, x: torch.Tensor, y: torch.Tensor) -> 
     return RowResults(torch.cat(entropies), torch.cat(head_hits), torch.cat(theta_hits))
 
 
-def _rate(flags: torch.Tensor, rows: torch.Tensor) -> float:
+def rate(flags: torch.Tensor, rows: torch.Tensor) -> float:
     n = int(rows.sum())
     return float(flags[rows].sum()) / n if n else float("nan")
+
+
+def own_rows(y: torch.Tensor, classes: Sequence[int]) -> torch.Tensor:
+    """The rows of `y` in `classes`; all of them without classes (its own distribution)."""
+    if not classes:
+        return torch.ones_like(y, dtype=torch.bool)
+    return torch.isin(y, torch.tensor(sorted(set(classes)), dtype=y.dtype))
 
 
 def client_metrics(
@@ -235,21 +242,18 @@ def client_metrics(
     sweep: Sequence[float],
 ) -> dict[str, float]:
     """One client's metrics (names without the `splitgp.` prefix)."""
-    if classes:
-        local = torch.isin(y, torch.tensor(sorted(set(classes)), dtype=y.dtype))
-    else:  # no classes reported: every test row is its own distribution
-        local = torch.ones_like(y, dtype=torch.bool)
+    local = own_rows(y, classes)
     rows = {"local": local, "ood": ~local, "global": torch.ones_like(local)}
     out: dict[str, float] = {}
     for name, where in rows.items():
-        out[f"head_{name}"] = _rate(results.head_correct, where)
-        out[f"theta_{name}"] = _rate(results.theta_correct, where)
+        out[f"head_{name}"] = rate(results.head_correct, where)
+        out[f"theta_{name}"] = rate(results.theta_correct, where)
     for prefix, th in [("", threshold), *((f"sweep.{t:g}.", t) for t in sweep)]:
         kept = stays_local(results.entropy, th)
         correct = torch.where(kept, results.head_correct, results.theta_correct)
         for name, where in rows.items():
-            out[f"{prefix}split_{name}"] = _rate(correct, where)
-            out[f"{prefix}offload_{name}"] = _rate(~kept, where)
+            out[f"{prefix}split_{name}"] = rate(correct, where)
+            out[f"{prefix}offload_{name}"] = rate(~kept, where)
     return out
 
 

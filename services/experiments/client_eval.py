@@ -16,6 +16,7 @@ import torch
 from models.split import SplitNet
 from models.state import load_partial
 from services.algorithms.base import VersionWeights, full_model_weights
+from services.algorithms.splitgp import own_rows, rate
 from services.client.data import JobData
 from services.common.jobmodel import job_model
 from services.config.root import Settings
@@ -76,11 +77,6 @@ def client_hits(
     }
 
 
-def _rate(hits: torch.Tensor, rows: torch.Tensor) -> float:
-    n = int(rows.sum())
-    return float(hits[rows].sum()) / n if n else float("nan")
-
-
 def local_and_ood(
     model: SplitNet,
     blobs: VersionWeights,
@@ -94,12 +90,9 @@ def local_and_ood(
     hits = client_hits(model, blobs, x, y, {client: every for client in clients})
     out: dict[str, float] = {}
     for client, classes in sorted(clients.items()):
-        if classes:
-            local = torch.isin(y, torch.tensor(sorted(set(classes)), dtype=y.dtype))
-        else:  # no classes: every row is its own distribution
-            local = torch.ones_like(y, dtype=torch.bool)
-        out[f"local.{client}"] = _rate(hits[client], local)
-        out[f"ood.{client}"] = _rate(hits[client], ~local)
+        local = own_rows(y, classes)
+        out[f"local.{client}"] = rate(hits[client], local)
+        out[f"ood.{client}"] = rate(hits[client], ~local)
     for name, key in (("local", "full_local"), ("ood", "full_ood")):
         values = [v for k, v in out.items() if k.startswith(name + ".") and v == v]
         out[key] = sum(values) / len(values) if values else float("nan")

@@ -1,10 +1,7 @@
-"""Run every job of an experiment in this process and collect the results.
-
-Service runs go through the embedded runner (`services.runtime.embedded`: every role on a
-thread over the in-memory broker and store, the same code as a deployment); centralized runs
-through `services.experiments.centralized`. Each run writes an ordinary report directory
-(`<runs_dir>/<experiment>/<label>/`) plus `experiment.json` (its tags, wall time and config),
-and its metrics are read back from there, so the results come from what was recorded.
+"""Run every job of an experiment in this process and collect the results (CONTRIBUTING.md,
+"Adding an experiment"): service runs through the embedded runner, centralized ones through
+`services.experiments.centralized`. Each run's report directory also gets `experiment.json`
+(its tags, wall time and config); results are read back from there, not kept in memory.
 """
 
 from __future__ import annotations

@@ -30,12 +30,7 @@ Metric = Literal["final_global", "best_global", "final_personal", "best_personal
 
 @dataclass(frozen=True)
 class Run:
-    """One job of an experiment.
-
-    `overrides` is a nested dict merged over the experiment's base config (same shape as the
-    TOML file). `kind="centralized"` trains the same model in-process on the union of the
-    clients' data instead of running the service (`services.experiments.centralized`).
-    """
+    """One job of an experiment (fields: CONTRIBUTING.md, "Adding an experiment")."""
 
     label: str
     tags: Mapping[str, str]
@@ -142,9 +137,8 @@ _WORDS = {"Summary": "summary", "Paper's claim": "claim", "Scaling": "scaling", 
 
 
 def from_examples(name: str, **fields: Any) -> Experiment:
-    """Experiment `name` with its base config, `examples/experiments/<name>.toml`, its words
-    from `<name>.md` (a `# title`, then `## Summary`, `## Paper's claim`, `## Scaling` and
-    `## Notes`) and the rest from `fields`."""
+    """Experiment `name` with its base config and words from `examples/experiments/<name>.toml`
+    and `.md` (CONTRIBUTING.md, "Adding an experiment"), the rest from `fields`."""
     path = EXAMPLES_DIR / f"{name}.toml"
     try:
         with path.open("rb") as fh:

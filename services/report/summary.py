@@ -3,10 +3,8 @@
 Rounds are numbered from 1 here ("round 1/3"), as people count; metrics.json and metrics.csv
 keep the protocol's numbering, which starts at 0.
 
-An asynchronous run's staleness histogram (docs/async.md) comes from its records too: each async
-version's record counts the updates it folded by staleness (`extra["staleness.<tau>"]`) and the
-updates refused as too stale since the previous version (`extra["too_stale"]`). A sync run's
-records have neither, and no histogram.
+An async run's staleness histogram is read from its records' extras (docs/async.md, "Metrics:
+the staleness histogram"); a sync run's records have none.
 """
 
 from __future__ import annotations
