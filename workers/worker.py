@@ -40,10 +40,6 @@ from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunne
 from workers.stats import WorkerStats
 
 
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
 class Worker:
     """One worker of a job; `run` it on the thread that will own its broker handle. `poll_s`
     bounds how long a `get` waits, i.e. how quickly `stop` is noticed."""
@@ -60,7 +56,7 @@ class Worker:
         poll_s: float = 0.2,
     ) -> None:
         self.settings = settings
-        self.worker_id = worker_id or default_worker_id()
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.strategy = strategy or build_strategy(
             settings.algorithm.name, settings.algorithm.params()
         )
