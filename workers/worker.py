@@ -112,13 +112,6 @@ class Worker:
         return stats
 
 
-def prefetch_for(settings: Settings) -> int:
-    """Deliveries a shard may hold unacked: room for a checkpoint interval twice over, a whole
-    cohort step twice over (MiniBatch-SFL buffers one batch per client), and a fold window."""
-    w = settings.workers
-    return max(2 * w.checkpoint_every_steps, 2 * settings.clients.count, 2 * w.batch_messages, 16)
-
-
 class WorkerSession:
     """The state of one `Worker.run`: its broker handle, leases and shard runners. Each lease
     tick (a third of the TTL) it heartbeats, renews and rebalances; in between it dispatches
@@ -147,7 +140,12 @@ class WorkerSession:
         self.keeper = LeaseKeeper(store, self.job, self.worker_id, settings.shards, ttl)
         self.tick_s = ttl / 3
         self.next_tick = 0.0
-        self.prefetch = prefetch_for(settings)
+        # Deliveries a shard may hold unacked: a checkpoint interval, a whole cohort step
+        # (MiniBatch-SFL buffers one batch per client) and a fold window, each twice over.
+        w = settings.workers
+        self.prefetch = max(
+            2 * w.checkpoint_every_steps, 2 * settings.clients.count, 2 * w.batch_messages, 16
+        )
         self.target = 1  # ceil(S / W) as of the last rebalance
         self.runners: dict[str, ShardRunner] = {}  # by queue name
         self.unloaded: set[int] = set()  # leased, but nothing published to load yet
