@@ -108,9 +108,7 @@ class Experiment:
     notes: str = ""  # fixed remarks on how our setup differs from the paper's
     final_eval: FinalEval | None = None  # service runs only; see `FinalEval`
     extras: Extras | None = None  # see `Extras`
-    # Stop a run that publishes no version for this long (a diverged model whose every update
-    # is refused never publishes again; `services.experiments.watchdog`); 0: wait for ever.
-    stall_s: float = 0.0
+    stall_s: float = 0.0  # see CONTRIBUTING.md; 0: wait for ever
 
     def grid(self, quick: bool) -> Sequence[Run]:
         return self.quick_runs if quick else self.runs

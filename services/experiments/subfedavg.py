@@ -1,13 +1,10 @@
 """Sub-FedAvg vs Standalone vs FedAvg (Vahidian et al.): personalised accuracy, model size; the
-setup: `examples/experiments/subfedavg.md`.
+setup and the metric: `examples/experiments/subfedavg.md`.
 
-The paper's metric is the mean over all clients of each client's own model on its local test
-set (the test images of its classes). Each client's model is the one it holds after its last
-local training: Sub-FedAvg's pruned model, as the client reports it
-(`report.local_accuracy.<client>` in the records), Standalone's own model (its personal blob,
-evaluated at the end by `final_eval`), and for FedAvg the final global model (evaluated at the
-end on every client's local test set). Parameter and FLOP reductions are each client's last
-reported ones, averaged over the clients.
+Each client's model is the one it holds after its last local training: Sub-FedAvg's pruned
+model, as the client reports it (`report.local_accuracy.<client>` in the records), Standalone's
+own model (its personal blob) and FedAvg's final global model, both evaluated at the end by
+`final_eval`. Parameter and FLOP reductions are each client's last reported ones, averaged.
 """
 
 from __future__ import annotations

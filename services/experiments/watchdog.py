@@ -2,12 +2,8 @@
 no longer publishes versions.
 
 The embedded runner sets its stop event itself when the job ends; the experiment's event must
-survive that, and still reach the run in progress, so each run gets a fresh one. A synchronous
-job whose model has diverged publishes no version again: every client refuses to send an
-update holding NaN, the round gets no update and reopens, until `rounds.max_empty_attempts`
-empty attempts (each twice the round deadline) fail the job. An experiment must still finish
-and report the rounds it got, and sooner, so a run that publishes nothing for `stall_s` seconds
-is stopped (its status is then "stopped", its records kept).
+survive that, and still reach the run in progress, so each run gets a fresh one. Why a run
+that publishes nothing for `stall_s` is stopped: CONTRIBUTING.md, "Adding an experiment".
 """
 
 from __future__ import annotations

@@ -76,9 +76,9 @@ class RunInfo:
         return replace(self, status=status, ended_at=at.astimezone().isoformat(timespec="seconds"))
 
 
-def command_line(argv: list[str] | None = None) -> str:
+def command_line() -> str:
     """The command as typed (program name shortened to `splitmq`)."""
-    args = list(sys.argv if argv is None else argv)
+    args = list(sys.argv)
     if args:
         args[0] = "splitmq"
     return " ".join(args)

@@ -68,8 +68,8 @@ def pct(value: float) -> str:
     return "   n/a" if not math.isfinite(value) else f"{100.0 * value:5.1f}%"
 
 
-def num(value: float, digits: int = 3) -> str:
-    return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
+def num(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.3f}"
 
 
 def size(n: float) -> str:
