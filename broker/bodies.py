@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-# Set to 0 to build every body by `bytes.join` (e.g. to rule the trick out while debugging).
 SWITCH = "SPLITMQ_IN_PLACE_BODIES"
 _Constructor = Callable[[None, int], bytes]
 _Window = np.ndarray[Any, np.dtype[np.uint8]]

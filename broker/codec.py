@@ -54,7 +54,6 @@ from broker.tensors import (
     tensor_header,
     unpack_ext,
     view_from,
-    wire_bytes,
 )
 
 MAGIC = b"SMQ\x01"
@@ -85,9 +84,6 @@ class CodecLimits:
 
 
 DEFAULT_LIMITS = CodecLimits()
-
-
-# --- schemas ------------------------------------------------------------------------------------
 
 
 class Kind(NamedTuple):
@@ -234,9 +230,6 @@ _SCHEMAS: Mapping[type[Any], Schema] = MappingProxyType(
 _BY_NAME: Mapping[str, Schema] = MappingProxyType({s.name: s for s in _SCHEMAS.values()})
 
 
-# --- field checks, shared by both directions ----------------------------------------------------
-
-
 @dataclass
 class _Walker:
     """The encoder's walk; `_Reader` narrows it to the decoder's."""
@@ -318,9 +311,6 @@ def _rule_reason(
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-# --- encoding -----------------------------------------------------------------------------------
 
 
 class Placed(NamedTuple):
@@ -460,9 +450,12 @@ def _joined(plan: _Plan) -> bytes:
             raise EncodeError(_non_finite(placed))
         start = plan.data_start + placed.offset
         parts.append(_ZEROS[: start - position])
-        # The finite check's numpy view of the tensor is its wire bytes when contiguous.
+        # The finite check's numpy view of the tensor is its wire bytes when contiguous; a strided
+        # or non-CPU tensor takes one contiguous host copy.
         data = None if host is None else host.data
-        parts.append(data if data is not None and data.c_contiguous else wire_bytes(placed.tensor))
+        if data is None or not data.c_contiguous:
+            data = host_array(placed.tensor.detach().cpu().contiguous()).data
+        parts.append(data)
         position = start + placed.nbytes
     return b"".join(parts)
 
@@ -489,9 +482,6 @@ def _fill(window: np.ndarray[Any, np.dtype[np.uint8]], plan: _Plan) -> str | Non
 
 def _non_finite(placed: Placed) -> str:
     return f"{placed.path}: holds NaN or infinite values"
-
-
-# --- decoding -----------------------------------------------------------------------------------
 
 
 @dataclass

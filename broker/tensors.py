@@ -192,14 +192,6 @@ def host_array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 
 
-def wire_bytes(tensor: torch.Tensor) -> memoryview:
-    """A contiguous buffer of a tensor's wire bytes (for `bytes.join`), sharing the tensor's
-    memory when it already is a contiguous CPU tensor."""
-    if not (tensor.is_cpu and tensor.is_contiguous()):
-        tensor = tensor.detach().cpu().contiguous()
-    return host_array(tensor).data
-
-
 def copy_checked(
     dst: np.ndarray[Any, np.dtype[np.uint8]],
     tensor: torch.Tensor,
