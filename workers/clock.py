@@ -72,10 +72,8 @@ class Continuous:
 
     # --- smashed data ------------------------------------------------------------------------
     def refusal(self, batch: SmashedBatch) -> tuple[str, str] | None:
-        """("unknown_version", why) for a version never published (dead-lettered); (TOO_STALE,
-        why) for one too far behind (answered, not trained on); None to train on it. The store
-        is asked only when a batch names a version newer than any seen: a forged one must not
-        make every honest batch look stale."""
+        """("unknown_version", why), to dead-letter; (TOO_STALE, why), to answer and not train
+        on; None to train on it (docs/async.md, "Stale smashed data")."""
         if batch.version > self.known_version:
             self.known_version = max(self.known_version, self._store.current_version(self._job))
             if batch.version > self.known_version:

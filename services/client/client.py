@@ -126,10 +126,8 @@ class Idle(Rounds):
 
 
 class Newest:
-    """Async mode: local rounds back to back from the newest weights (a Welcome's or an
-    assignment's), numbered by the client, never below the round an assignment names. A
-    local round answers no real assignment: what it trains from carries no message id, so a
-    `RoundDropped` for it refers to none."""
+    """Async mode (docs/async.md, "The protocol"): local rounds numbered by the client, never
+    below an assignment's; one answers no real assignment, so its `RoundDropped` refers to none."""
 
     def __init__(self, patience_s: float) -> None:
         self.patience_s = patience_s  # for the answer to an upload: then ask again
@@ -209,8 +207,7 @@ class Client:
             heartbeat_s=settings.clients.heartbeat_s,
             reply_timeout_s=settings.clients.reply_timeout_s,
             max_republish=self._max_republish,
-            # Seqs must keep rising across restarts of a client (workers skip seq <= last
-            # applied), so they start at the wall clock in microseconds.
+            # Above any earlier run's (workers skip seq <= last applied): the clock in µs.
             seq_start=time.time_ns() // 1000,
             model=model,
             plan=RoundPlan.from_settings(settings),
