@@ -152,7 +152,6 @@ def run_report(
 ) -> tuple[FileSink, MetricsSink]:
     """The run directory's sink, and one that also prints a line per round; the banner and
     the run directory are printed first."""
-    # Imported here: the report pulls in torch, which `splitmq check` must not pay for.
     from services.report.filesink import FileSink
     from services.report.rundir import command_line
     from services.report.sinks import EchoSink, TeeSink

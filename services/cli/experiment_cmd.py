@@ -74,7 +74,6 @@ def experiment(
     centralized loop); progress is printed per round. The section NAME of the results file
     is replaced; the rest of the file is kept.
     """
-    # Imported here: every role process imports the CLI, and none of them needs these.
     from services.experiments.document import Context, write_results
     from services.experiments.runner import run_experiment
 

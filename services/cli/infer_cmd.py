@@ -26,8 +26,6 @@ from services.common.backends import Backends
 from services.config.root import Settings
 from services.security.identity import service_user
 
-# The models, the algorithms and the sweep (torch) are imported where they are used: every
-# `splitmq` command, the `splitmq check` healthcheck included, imports this module.
 if TYPE_CHECKING:
     from services.client.inference import ServerLogits
     from services.client.inference_sweep import SweepRow

@@ -38,8 +38,6 @@ from services.config.root import Settings
 from services.runtime.preflight import StartInterrupted, check_services
 from services.security.identity import default_client_id
 
-# The roles, the report and the metrics (torch, the models) are imported inside the commands:
-# every `splitmq` invocation imports this module, the `splitmq check` healthcheck included.
 RoleFactory: TypeAlias = Callable[[Settings, Backends], Role]
 
 

@@ -43,8 +43,6 @@ def run(
     round and a summary, and writes the run directory. Serves /metrics and the live
     dashboard while it runs (see [metrics]).
     """
-    # Imported here, not at the top: every `splitmq` command (the `splitmq check` healthcheck
-    # too) imports this module, and these import torch and the models.
     from services.runtime.embedded import force_embedded, run_embedded
     from services.runtime.observe import observed
     from services.runtime.roles import load_job_dataset

@@ -30,9 +30,6 @@ from services.runtime.processes import (
     preflight,
 )
 
-# The report and the roles (torch, the models) are imported inside the functions: every
-# `splitmq` command, the `splitmq check` healthcheck included, imports this module.
-
 
 @click.command()
 @config_argument
