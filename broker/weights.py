@@ -14,6 +14,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from broker.errors import DecodeError, EncodeError
+from broker.tensors import all_finite
 
 ALLOWED_DTYPES: frozenset[torch.dtype] = frozenset(
     {
@@ -40,18 +41,9 @@ def sha256_hex(data: bytes) -> str:
 def _problem(name: str, tensor: torch.Tensor) -> str | None:
     if tensor.dtype not in ALLOWED_DTYPES:
         return f"tensor {name!r} has unsupported dtype {tensor.dtype}"
-    if tensor.is_floating_point() and not _all_finite(tensor):
+    if tensor.is_floating_point() and not all_finite(tensor):
         return f"tensor {name!r} has non-finite values"
     return None
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
-        return True
-    # min/max propagate NaN and expose +-inf; about 10x faster than isfinite().all() on CPU,
-    # which matters for tens of MB of weights checked on every publish and read.
-    lo, hi = torch.aminmax(tensor.detach())
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def _prepare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
