@@ -1,5 +1,5 @@
-"""The centralized baseline: the job's model trained in one plain loop on the union of the
-clients' data, with the same optimiser and the same budget of minibatch steps per round.
+"""The centralized baseline (`Run(kind="centralized")`, CONTRIBUTING.md): one plain loop, the
+same optimiser as the clients'.
 
 A round here is the training the federation does in one round: the sum over a cohort of the
 clients' local steps (`clients.fraction` of them, each capped by `max_steps_per_round`). The

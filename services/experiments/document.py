@@ -123,12 +123,11 @@ def write_section(name: str, text: str, path: Path) -> None:
     path.write_text(updated, encoding="utf-8")
 
 
-def write_results(experiment: Experiment, results: ResultSet, context: Context, out: Path) -> Path:
-    """Figures under `<out's folder>/results/`, then the section in `out`; returns `out`."""
+def write_results(experiment: Experiment, results: ResultSet, context: Context, out: Path) -> None:
+    """Figures under `<out's folder>/results/`, then the section in `out`."""
     prefix = f"{experiment.name}-quick-" if context.quick else f"{experiment.name}-"
     slot = FigureSlot(out.parent / FIGURES_DIR, prefix, out.parent)
     figures = [link for plot in experiment.plots if (link := write_figure(plot, results, slot))]
     extras = experiment.extras(results, slot) if experiment.extras else ()
     section = render_section(experiment, results, context, figures, extras)
     write_section(experiment.name, section, out)
-    return out

@@ -15,10 +15,6 @@ from services.report.records import VersionRecord
 _BASE_COLUMNS = tuple(f.name for f in fields(VersionRecord) if f.name != "extra")
 
 
-def record_to_dict(record: VersionRecord) -> dict[str, Any]:
-    return {k: finite(v) for k, v in asdict(record).items()}
-
-
 def record_from_dict(data: Mapping[str, Any]) -> VersionRecord:
     known = {f.name for f in fields(VersionRecord)}
     values: dict[str, Any] = {
@@ -30,7 +26,7 @@ def record_from_dict(data: Mapping[str, Any]) -> VersionRecord:
 
 def metrics_json(run: Mapping[str, Any], records: Sequence[VersionRecord]) -> str:
     """`{"run": {...}, "records": [...]}`; NaN becomes null so any JSON reader accepts it."""
-    doc = {"run": dict(run), "records": [record_to_dict(r) for r in records]}
+    doc = {"run": dict(run), "records": [finite(asdict(r)) for r in records]}
     return json.dumps(doc, indent=2, allow_nan=False) + "\n"
 
 
