@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import ssl
 import struct
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -588,7 +589,7 @@ def tune_frames(connection: Any) -> bool:
     parsed in place (body fragments are views into it, joined once by pika into the message
     body; only a frame cut by the end of a read is copied to complete it), and a publish is
     one buffer of all its frames, sent without further copies (docs/benchmarks.md, "SFL-V2
-    throughput").
+    throughput"). On a plain TCP connection, output is also sent at once (`_send_now`).
     """
     impl: Any = getattr(connection, "_impl", None)
     transport: Any = getattr(impl, "_transport", None)
@@ -604,10 +605,30 @@ def tune_frames(connection: Any) -> bool:
     impl._send_message = functools.partial(_send_message, impl)
     transport._MAX_RECV_BYTES = RECV_BYTES
     transport._MAX_CONSUME_BYTES = max(RECV_BYTES, transport._MAX_CONSUME_BYTES)
+    plain = not isinstance(getattr(transport, "_sock", None), ssl.SSLSocket)
+    if plain and all(hasattr(transport, name) for name in _TRANSPORT_STATE):
+        transport.write = functools.partial(_send_now, transport, transport.write)
     return True
 
 
+def _send_now(transport: Any, buffered: Callable[[Any], None], data: bytes | memoryview) -> None:
+    """pika's transport `write`, which only buffers and has the ioloop wait until the socket
+    is writable, with a `send` first when nothing waits before `data`: a publish or an ack
+    then goes out without a poll of the ioloop. What the socket does not take is buffered as
+    pika would (also on an error, which pika's own send then meets and handles)."""
+    if transport._tx_buffers or transport._state != transport._STATE_ACTIVE:
+        buffered(data)
+        return
+    try:
+        sent = transport._sock.send(data)
+    except OSError:  # would block, or an error: pika's own send meets it again
+        sent = 0
+    if sent < len(data):
+        buffered(memoryview(data)[sent:])
+
+
 _PIKA_HOOKS = ("_on_data_available", "_send_message", "_process_frame", "_adapter_emit_data")
+_TRANSPORT_STATE = ("_sock", "_tx_buffers", "_state", "_STATE_ACTIVE", "write")
 
 
 class _FrameReader:
