@@ -18,7 +18,7 @@ import pika.exceptions
 
 from broker.errors import BrokerAuthError, BrokerUnavailableError, ConnectionSettingsError
 from broker.tls import TLSOptions, client_context
-from broker.transport import DEFAULT_MAX_MESSAGE_BYTES
+from broker.transport import DEFAULT_MAX_MESSAGE_BYTES, Backoff
 
 # Failures of the credentials or vhost: a reconnect cannot fix them.
 _AUTH_FAILURES = (
@@ -162,18 +162,6 @@ def describe(exc: BaseException) -> str:
         return _root_cause(exc)
     text = str(exc) or repr(exc)
     return f"{type(exc).__name__}: {text}"
-
-
-@dataclass(frozen=True)
-class Backoff:
-    initial: float
-    cap: float
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        """Exponential in `attempt`, capped, with "equal jitter": between half and all of it."""
-        # Bound the exponent: the cap is reached long before 2**32 anyway.
-        base = min(self.cap, self.initial * 2.0 ** min(attempt, 32))
-        return base / 2 + rng.random() * base / 2
 
 
 class Outage:

@@ -7,6 +7,7 @@ a shard into one batch without callbacks, and lets tests step a consumer determi
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -283,3 +284,15 @@ class Broker(Protocol):
     def close(self) -> None:
         """Close the connection; unacked deliveries return to their queues."""
         ...
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial: float
+    cap: float
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Exponential in `attempt`, capped, with "equal jitter": between half and all of it."""
+        # Bound the exponent: the cap is reached long before 2**32 anyway.
+        base = min(self.cap, self.initial * 2.0 ** min(attempt, 32))
+        return base / 2 + rng.random() * base / 2

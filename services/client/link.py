@@ -40,7 +40,6 @@ from broker.messages import (
     Welcome,
     new_message_id,
 )
-from broker.rabbitmq_connection import Backoff
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.topology import (
     CONTROL_EXCHANGE,
@@ -49,7 +48,7 @@ from broker.topology import (
     reply_queue_name,
     shard_routing_key,
 )
-from broker.transport import Broker, Delivery, PublishOptions
+from broker.transport import Backoff, Broker, Delivery, PublishOptions
 from models.split import SplitNet
 from services.algorithms.staleness import TOO_STALE
 from services.client.beat import HeartbeatThread

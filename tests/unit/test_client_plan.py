@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from broker.rabbitmq_connection import Backoff
+from broker.transport import Backoff
 from services.client.plan import RoundPlan, config_int
 from tests.unit.test_client_peers import make_settings
 

@@ -9,8 +9,9 @@ import pytest
 
 from broker.errors import BrokerUnavailableError
 from broker.rabbitmq import RabbitMQBroker, queue_arguments
-from broker.rabbitmq_connection import Backoff, Outage, RabbitMQOptions, connection_parameters
+from broker.rabbitmq_connection import Outage, RabbitMQOptions, connection_parameters
 from broker.topology import DEAD_EXCHANGE, shard_queue
+from broker.transport import Backoff
 
 
 class FakeTime:
