@@ -187,15 +187,10 @@ class BufferClock(Core):
             self._seen.popitem(last=False)
 
     def _cache(self, version: int) -> WeightsCache:
-        cache = self._weights.get(version)
-        if cache is None:
-            cache = WeightsCache(self.store, self.job, version)
-            self._weights[version] = cache
-        return cache
+        return self._weights.setdefault(version, WeightsCache(self.store, self.job, version))
 
     def _member(self, client: str) -> MemberInfo | None:
         # Fresh records now and then; a member that left keeps its record (`gate.MemberBook`).
-
         self.members.recent()
         return self.members.get(client)
 

@@ -100,9 +100,10 @@ class Core(ABC):
         """Take updates until a version is published, or for one poll; the version now.
         Raises `JobFailedError` when the job cannot make progress."""
 
-    @abstractmethod
     def abandon(self) -> int:
-        """The job ends: forget the updates held (the core acks them); how many there were."""
+        """The job ends: forget the updates held (the core acks them); how many there were
+        (sync: none, between rounds)."""
+        return 0
 
     def run(self) -> tuple[list[VersionRecord], str]:
         """The clock's versions until `job.rounds` are trained (or `stop`); the records and how

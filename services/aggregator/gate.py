@@ -47,6 +47,10 @@ class Offer:
     kind: str = "rejected"
 
 
+# Refusal kind of a message whose sender is no member (the only one that is not a member's).
+NOT_MEMBER = "not_member"
+
+
 class Gate(Protocol):
     def offer(self, update: WeightsUpdate) -> Offer: ...
 
@@ -157,13 +161,6 @@ class MemberBook:
 
 
 @dataclass(frozen=True)
-class Refusal:
-    reason: str
-    kind: str  # counted per round attempt (`round_gate.EmptyAttempt`)
-    member: bool  # whether it came from a member (its round came to nothing, async mode)
-
-
-@dataclass(frozen=True)
 class UpdateScreen:
     members: MemberBook
     client_ref: Reference
@@ -179,15 +176,17 @@ class UpdateScreen:
         client, aux = WeightsCache(store, job, version).global_weights()
         return cls(members, reference_of(client), reference_of(aux), partial)
 
-    def refusal(self, message: WeightsUpdate | RoundDropped) -> Refusal | None:
+    def refusal(self, message: WeightsUpdate | RoundDropped) -> Offer | None:
+        """The REJECT of a message that fails the screen; None when it passes. Every kind but
+        `NOT_MEMBER` comes from a member (its round came to nothing, async mode)."""
         if self.members.get(message.client) is None:
             reason = f"client {message.client!r} is not a member of the job"
-            return Refusal(reason, "not_member", member=False)
+            return Offer(Verdict.REJECT, reason, kind=NOT_MEMBER)
         if isinstance(message, RoundDropped):
             return None
         if message.samples < 1:
             reason = "an update must report at least one training sample"
-            return Refusal(reason, "no_samples", member=True)
+            return Offer(Verdict.REJECT, reason, kind="no_samples")
         bad = (
             masks_problem(message.masks, message.client_weights)
             or weights_problem(
@@ -198,4 +197,4 @@ class UpdateScreen:
             )
             or weights_problem(message.aux_weights, self.aux_ref, "aux_weights", subset=True)
         )
-        return None if bad is None else Refusal(bad, "wrong_tensors", member=True)
+        return None if bad is None else Offer(Verdict.REJECT, bad, kind="wrong_tensors")

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.codec import decode
-from broker.errors import DecodeError, StaleDeliveryError
+from broker.errors import DecodeError
 from broker.messages import Message, RoundDropped, WeightsUpdate
-from broker.rejection import Rejected, dead_letter_many_safely, dead_letter_safely
+from broker.rejection import Rejected, ack_safely, dead_letter_many_safely, dead_letter_safely
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
 from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
-from services.aggregator.gate import Gate, Offer, UpdateScreen, Verdict
+from services.aggregator.gate import NOT_MEMBER, Gate, Offer, UpdateScreen, Verdict
 from services.common.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
 from services.security.identity import SenderCheck, client_id_problem
@@ -112,7 +112,7 @@ class UpdateInbox:
         refusal = self.screen.refusal(message)
         if refusal is not None:
             client = message.client
-            then = (lambda: gate.refused(client)) if refusal.member else None
+            then = (lambda: gate.refused(client)) if refusal.kind != NOT_MEMBER else None
             self._dead_letter(delivery, refusal.reason, refusal.kind, then)
             return
         if isinstance(message, RoundDropped):
@@ -206,9 +206,7 @@ class UpdateInbox:
             self._ack(delivery)
 
     def _ack(self, delivery: Delivery) -> None:
-        try:
-            self.broker.ack(delivery)
-        except StaleDeliveryError:
+        if not ack_safely(self.broker, delivery):
             # The connection dropped meanwhile: the broker redelivers it, and it will be late.
             self.logger.info("job %s: ack of an update on a lost connection", self.job)
 

@@ -56,9 +56,6 @@ class RoundClock(Core):
     def start(self, version: int) -> None:
         pass  # the store's current version says which round comes next
 
-    def abandon(self) -> int:
-        return 0  # between rounds nothing is held
-
     def step(self, version: int) -> int:
         """Train `version` into the next (unless stopped, or another aggregator publishes it
         first); the store's current version after."""

@@ -109,11 +109,11 @@ class Coordinator:
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._dead_letter(broker, delivery, f"undecodable: {exc.reason}")
+            self._settle(broker, delivery, f"undecodable: {exc.reason}")
             return
         reason = self._misaddressed(message, delivery)
         if reason is not None:
-            self._dead_letter(broker, delivery, reason)
+            self._settle(broker, delivery, reason)
             return
         with log_context(client=message.client):
             if isinstance(message, Join):
@@ -129,10 +129,7 @@ class Coordinator:
                 reason = self._heartbeat(store, outbox, message)
             elif isinstance(message, Leave):
                 reason = self._leave(store, outbox, message)
-            if reason is not None:
-                self._dead_letter(broker, delivery, reason)
-                return
-        ack_safely(broker, delivery)
+            self._settle(broker, delivery, reason)
 
     def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:
         if not isinstance(message, Join | Heartbeat | Leave):
@@ -198,7 +195,11 @@ class Coordinator:
                 outbox.event("member_left", version, {"reason": "expired"}, client)
         self._known = live
 
-    def _dead_letter(self, broker: Broker, delivery: Delivery, reason: str) -> None:
+    def _settle(self, broker: Broker, delivery: Delivery, reason: str | None) -> None:
+        """Ack a handled message; dead-letter one with a `reason`."""
+        if reason is None:
+            ack_safely(broker, delivery)
+            return
         if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
             return  # its connection is gone: it comes back and is judged again
         self.stats.dead_lettered += 1

@@ -195,10 +195,6 @@ class DashboardState:
         return (self._trained - base_n) / elapsed if elapsed > 0 else None
 
     # --- output -------------------------------------------------------------------------------
-    def status(self) -> str:
-        with self._lock:
-            return self._status()
-
     def _status(self) -> str:
         if self._report is not None and self._report.status not in ("", "running"):
             return self._report.status

@@ -201,18 +201,15 @@ class JobWatcher:
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._reject(broker, delivery, f"undecodable: {exc.reason}")
-            return
-        if not isinstance(message, Event):
-            self._reject(broker, delivery, f"{type(message).__name__} is not an Event")
-            return
-        if self._state is not None:
-            self._state.on_event(message, time.time())
-
-        # A reconnect requeued it if this fails; events are best-effort anyway.
-        ack_safely(broker, delivery)
-
-    def _reject(self, broker: Broker, delivery: Delivery, reason: str) -> None:
+            reason = f"undecodable: {exc.reason}"
+        else:
+            if isinstance(message, Event):
+                if self._state is not None:
+                    self._state.on_event(message, time.time())
+                # A reconnect requeued it if this fails; events are best-effort anyway.
+                ack_safely(broker, delivery)
+                return
+            reason = f"{type(message).__name__} is not an Event"
         if dead_letter_safely(broker, delivery, reason) is not Rejected.REDELIVERED:
             self.dead_lettered += 1
             self._log.warning("job %s: dead-lettered an event: %s", self._job, reason)

@@ -50,7 +50,7 @@ def test_events_make_the_timeline_and_the_accuracy_curve() -> None:
     assert snap["events"][0]["kind"] == "member_left"  # newest first
     assert snap["status"] == "running"
     state.on_event(event("job_finished", 3, rounds=2), 1008.0)
-    assert state.status() == "finished"
+    assert state.snapshot()["status"] == "finished"
 
 
 def test_a_failed_job_shows_as_failed_with_its_reason() -> None:
@@ -66,10 +66,10 @@ def test_a_failed_job_shows_as_failed_with_its_reason() -> None:
 def test_a_dashboard_started_after_the_end_reads_it_from_the_store() -> None:
     state = DashboardState("job", clock=Clock())
     state.on_probe(probe(1001.0, 3, {}, {}))
-    assert state.status() == "running"
+    assert state.snapshot()["status"] == "running"
     ended = Probe(1002.0, 3, [], [], {}, ended="failed: diverged")
     state.on_probe(ended)
-    assert state.status() == "failed: diverged"
+    assert state.snapshot()["status"] == "failed: diverged"
 
 
 def test_probes_make_series_and_throughput_from_worker_counters() -> None:
