@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,43 +29,37 @@ _RING = 6
 State = Mapping[str, torch.Tensor]
 
 
+@dataclass(eq=False)
 class Continuous:
     """Async buffering: staleness refusals and rebasing at checkpoints (see the module doc)."""
 
-    def __init__(
-        self,
-        replica: Replica,
-        store: WeightStore,
-        job: str,
-        max_staleness: int,
-        stats: WorkerStats,
-        logger: logging.Logger,
-    ) -> None:
-        self._replica = replica
-        self._store = store
-        self._job = job
-        self._max_staleness = max_staleness
-        self._stats = stats
-        self._log = logger
+    replica: Replica
+    store: WeightStore
+    job: str
+    max_staleness: int
+    stats: WorkerStats
+    log: logging.Logger
+
+    def __post_init__(self) -> None:
         self.restart()
 
     def restart(self) -> None:
         """Measure the replica's weights from its checkpoint's anchor, or from the version it
         was loaded from (at the start, and after a rollback to the last checkpoint)."""
-        replica = self._replica
+        replica = self.replica
         self.known_version = replica.version  # the newest version this worker knows of
         self._checkpointed_at = replica.version  # known_version at the last checkpoint
         self.anchor_applied = NEVER
         self._ring: dict[int, State] = {}
-        checkpoint = self._store.load_checkpoint(self._job, replica.shard)
+        checkpoint = self.store.load_checkpoint(self.job, replica.shard)
         if checkpoint is not None and checkpoint.meta.get("version") == replica.version:
             anchor_applied = checkpoint.meta.get("anchor_applied", NEVER)
             if isinstance(anchor_applied, int):
                 self.anchor_applied = anchor_applied
             self._ring[checkpoint.applied] = dict(checkpoint.weights)
         try:
-            self._ring[self.anchor_applied] = self._store.read_blob(
-                self._job, replica.version, SERVER
+            self._ring[self.anchor_applied] = self.store.read_blob(
+                self.job, replica.version, SERVER
             )
         except VersionNotFoundError:
             pass  # anchored at a version no longer kept: rebase from a later checkpoint
@@ -75,35 +69,35 @@ class Continuous:
         """("unknown_version", why), to dead-letter; (TOO_STALE, why), to answer and not train
         on; None to train on it (docs/async.md, "Stale smashed data")."""
         if batch.version > self.known_version:
-            self.known_version = max(self.known_version, self._store.current_version(self._job))
+            self.known_version = max(self.known_version, self.store.current_version(self.job))
             if batch.version > self.known_version:
                 detail = f"version {batch.version} not found (newest {self.known_version})"
                 return "unknown_version", detail
         tau = self.known_version - batch.version
-        if tau <= self._max_staleness:
+        if tau <= self.max_staleness:
             return None
         return TOO_STALE, (
             f"{TOO_STALE}: smashed data computed with version {batch.version}, "
-            f"{tau} versions behind {self.known_version} (max {self._max_staleness})"
+            f"{tau} versions behind {self.known_version} (max {self.max_staleness})"
         )
 
     # --- checkpoints -------------------------------------------------------------------------
     def rebase(self) -> bool:
         """Move the replica onto the newest version if it folded a checkpoint we remember;
         whether it moved."""
-        replica = self._replica
-        newest = self._store.current_version(self._job)
+        replica = self.replica
+        newest = self.store.current_version(self.job)
         self.known_version = max(self.known_version, newest)
         if newest <= replica.version:
             return False
         try:
-            meta = self._store.manifest(self._job, newest).meta
+            meta = self.store.manifest(self.job, newest).meta
             folded = folded_of(meta).get(replica.shard)
             applied = folded.applied if folded is not None else NEVER
             base = self._ring.get(applied)
             if base is None:
                 return False  # a fold we cannot place; the next one will be of ours
-            target = self._store.read_blob(self._job, newest, SERVER)
+            target = self.store.read_blob(self.job, newest, SERVER)
         except VersionNotFoundError:
             return False
         own = {n: t.detach().to("cpu") for n, t in replica.server.state_dict().items()}
@@ -116,17 +110,17 @@ class Continuous:
         self._ring[applied] = dict(target)
         replica.version = newest
         self.anchor_applied = applied
-        self._stats.rebases += 1
-        self._log.info(
+        self.stats.rebases += 1
+        self.log.info(
             "job %s shard %d: rebased onto version %d (it folded checkpoint %d)",
-            *(self._job, replica.shard, newest, applied),
+            *(self.job, replica.shard, newest, applied),
         )
         return True
 
     def save(self) -> Checkpoint:
         """The checkpoint to save, rebased first and stamped with its anchor for the fold."""
         self.rebase()
-        checkpoint = self._replica.checkpoint()
+        checkpoint = self.replica.checkpoint()
         return replace(checkpoint, meta={**checkpoint.meta, "anchor_applied": self.anchor_applied})
 
     def due(self) -> bool:

@@ -57,30 +57,23 @@ class InferenceStats:
     dead_lettered: Counter[str] = field(default_factory=Counter)
 
 
+@dataclass(eq=False)
 class ThetaCache:
     """theta of the last few versions, in eval mode on `device`."""
 
-    def __init__(
-        self,
-        store: VersionStore,
-        job: str,
-        template: SplitNet,
-        cut: str,
-        device: torch.device,
-    ) -> None:
-        self._store = store
-        self._job = job
-        self._template = template
-        self._cut = cut
-        self._device = device
-        self._models: OrderedDict[int, nn.Module] = OrderedDict()
+    store: VersionStore
+    job: str
+    template: SplitNet
+    cut: str
+    device: torch.device
+    _models: OrderedDict[int, nn.Module] = field(default_factory=OrderedDict)
 
     def get(self, version: int) -> tuple[int, nn.Module] | None:
         """(the version used, its theta): `version` if retained, else the newest; None when
         nothing is published yet."""
         wanted = version
         if wanted == NO_VERSION or wanted not in self._models:
-            current = self._store.current_version(self._job)
+            current = self.store.current_version(self.job)
             if current == NO_VERSION:
                 return None
             if wanted == NO_VERSION or wanted > current:
@@ -90,13 +83,13 @@ class ThetaCache:
             self._models.move_to_end(wanted)
             return wanted, cached
         try:
-            weights = self._store.read_blob(self._job, wanted, SERVER)
+            weights = self.store.read_blob(self.job, wanted, SERVER)
         except VersionNotFoundError:  # expired by retention meanwhile: the newest answers
-            wanted = self._store.current_version(self._job)
-            weights = self._store.read_blob(self._job, wanted, SERVER)
-        theta = ServerModel(copy.deepcopy(self._template), self._cut)
+            wanted = self.store.current_version(self.job)
+            weights = self.store.read_blob(self.job, wanted, SERVER)
+        theta = ServerModel(copy.deepcopy(self.template), self.cut)
         load_partial(theta, weights)
-        theta.to(self._device).eval()
+        theta.to(self.device).eval()
         self._models[wanted] = theta
         while len(self._models) > CACHED_VERSIONS:
             self._models.popitem(last=False)

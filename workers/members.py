@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from broker.keys import CLIENT_MEMBER_PREFIX
 from broker.store import MemberStore
@@ -20,22 +21,17 @@ _TTL_S = 2.0
 _NEGATIVE_TTL_S = 1.0
 
 
+@dataclass(eq=False)
 class MemberCache:
-    def __init__(
-        self,
-        store: MemberStore,
-        job: str,
-        clock: Callable[[], float],
-    ) -> None:
-        self._store = store
-        self._job = job
-        self._clock = clock
-        self._members: frozenset[str] = frozenset()
-        self._read_at: float | None = None
-        self._strangers: OrderedDict[str, float] = OrderedDict()  # client -> when found missing
+    store: MemberStore
+    job: str
+    clock: Callable[[], float]
+    _members: frozenset[str] = frozenset()
+    _read_at: float | None = None
+    _strangers: OrderedDict[str, float] = field(default_factory=OrderedDict)  # when found missing
 
     def __call__(self, client: str) -> bool:
-        now = self._clock()
+        now = self.clock()
         fresh = self._read_at is not None and now - self._read_at < _TTL_S
         if client in self._members and fresh:
             return True
@@ -53,7 +49,7 @@ class MemberCache:
         return False
 
     def _refresh(self, now: float) -> None:
-        members = self._store.live_members(self._job)
+        members = self.store.live_members(self.job)
         self._members = frozenset(
             m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
         )

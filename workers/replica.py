@@ -88,19 +88,11 @@ class Replica:
         """Weights and bookkeeping of a checkpoint (raises `StateDictError` on foreign weights)."""
         self._load(checkpoint.weights)
         self._clear()
-        meta = checkpoint.meta
         self.applied = int(checkpoint.applied)
-        self.version = _int(meta, "version", 0)
-        self.steps = _int(meta, "steps", 0)
-        self.round = _int(meta, "round", -1)
-        self.round_samples = _int(meta, "round_samples", 0)
-        self.cut_samples = _int_map(meta.get("cut_samples"))
-        self.seqs = _int_map(meta.get("seqs"))
-        self.cohort_round = _int(meta, "cohort_round", -1)
-        self.cohort = _int_map(meta.get("cohort"))
-        self.progress = _progress(meta.get("progress"))
-        self.audit = _progress(meta.get("audit"))
-        if meta.get("handed_in") is True:
+        for key, check in _META.items():  # a field the checkpoint lacks keeps its default
+            if key in checkpoint.meta:
+                setattr(self, key, check(key, checkpoint.meta[key]))
+        if checkpoint.meta.get("handed_in") is True:
             self.start_counting()
 
     def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -163,19 +155,9 @@ class Replica:
             for name, t in state.items()
             if name in self._names
         }
-        meta: dict[str, Any] = {
-            "version": self.version,
-            "round": self.round,
-            "round_samples": self.round_samples,
-            "cut_samples": dict(self.cut_samples),
-            "seqs": dict(self.seqs),
-            "steps": self.steps,
-            "cohort_round": self.cohort_round,
-            "cohort": dict(self.cohort),
-            "progress": {c: [s, n] for c, (s, n) in self.progress.items()},
-            "handed_in": self.handed_in,
-            "audit": {c: [n, s] for c, (n, s) in self.audit.items()},
-        }
+        # The checks copy the maps: the replica goes on changing its own.
+        meta: dict[str, Any] = {key: check(key, getattr(self, key)) for key, check in _META.items()}
+        meta["handed_in"] = self.handed_in
         return Checkpoint(shard=self.shard, applied=self.applied, weights=weights, meta=meta)
 
 
@@ -209,24 +191,31 @@ def open_replica(
     return replica
 
 
-def _int(meta: Mapping[str, Any], key: str, default: int) -> int:
-    value = meta.get(key, default)
+def _int(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"checkpoint meta {key!r} must be an int, got {value!r}")
     return value
 
 
-def _int_map(raw: object) -> dict[str, int]:
+def _mapping(key: str, raw: object) -> Mapping[Any, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise TypeError(f"checkpoint meta map expected, got {type(raw).__name__}")
-    return {str(k): int(v) for k, v in raw.items()}
+        raise TypeError(f"checkpoint meta {key!r} must be a map, got {type(raw).__name__}")
+    return raw
 
 
-def _progress(raw: object) -> dict[str, tuple[int, int]]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise TypeError(f"checkpoint meta progress must be a map, got {type(raw).__name__}")
-    return {str(k): (int(v[0]), int(v[1])) for k, v in raw.items()}
+def _int_map(key: str, raw: object) -> dict[str, int]:
+    return {str(k): int(v) for k, v in _mapping(key, raw).items()}
+
+
+def _pairs(key: str, raw: object) -> dict[str, tuple[int, int]]:
+    return {str(k): (int(v[0]), int(v[1])) for k, v in _mapping(key, raw).items()}
+
+
+# The replica's fields its checkpoint's meta carries, each with its check.
+_META: dict[str, Callable[[str, Any], Any]] = {
+    **dict.fromkeys(("version", "round", "round_samples", "steps", "cohort_round"), _int),
+    **dict.fromkeys(("cut_samples", "seqs", "cohort"), _int_map),
+    **dict.fromkeys(("progress", "audit"), _pairs),
+}
