@@ -15,7 +15,7 @@ from broker.codec import decode
 from broker.errors import DecodeError
 from broker.messages import Heartbeat, Join, Leave, Message
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
-from broker.store import VersionStore, WeightStore
+from broker.store import WeightStore
 from broker.topology import control_queue_name
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
@@ -72,8 +72,10 @@ class Coordinator:
         store = self._backends.open_store()
         try:
             broker.declare(self._settings.job_queues())
-            if not self._await_version(store, stop):
-                return self.stats
+            # Joins wait in the queue until the aggregator has published version 1.
+            while store.current_version(self.job) < 1:
+                if stop.wait(self._poll_s):
+                    return self.stats
             broker.subscribe(control_queue_name(self.job), prefetch=_PREFETCH)
             self._log.info("job %s: coordinator serving %s", self.job, control_queue_name(self.job))
             self._serve(broker, store, stop)
@@ -81,13 +83,6 @@ class Coordinator:
             broker.close()
             store.close()
         return self.stats
-
-    def _await_version(self, store: VersionStore, stop: threading.Event) -> bool:
-        """Joins wait in the queue until the aggregator has published version 1."""
-        while store.current_version(self.job) < 1:
-            if stop.wait(self._poll_s):
-                return False
-        return True
 
     def _serve(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
         outbox = Outbox(broker, self.job, self._log)

@@ -14,12 +14,16 @@ import time
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import replace
+from functools import cached_property
 from typing import Literal
 
 from broker.errors import UnroutableError
 from broker.messages import ConfigValue, Join, Welcome, new_message_id
 from broker.store import JOB_FINISHED, WeightStore
+from services.algorithms.base import StrategyBase, assign_level
+from services.algorithms.registry import build_strategy
 from services.common.handout import WeightsCache, client_config, dismissal
+from services.common.jobmodel import job_model
 from services.common.membership import (
     MemberInfo,
     client_members,
@@ -29,7 +33,6 @@ from services.common.membership import (
 )
 from services.common.outbox import Outbox
 from services.config.root import Settings
-from services.coordinator.levels import LevelDesk
 
 # What became of a Join: "refused" (job full), "finished" (the job is over: told so instead of
 # welcomed), "unreachable" (no reply queue: the join was undone).
@@ -74,6 +77,32 @@ def reported_classes(join: Join) -> tuple[int, ...] | None:
         return parse_classes(text)
     except ValueError:
         return None
+
+
+class LevelDesk:
+    """A joining client's depth level and cut (FedSplitX), from the capability it declares: the
+    rule is docs/algorithms.md, "FedSplitX and local-loss SFL", **Levels**. Jobs whose
+    algorithm has one cut give every client the job's cut."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+
+    @cached_property
+    def _strategy(self) -> StrategyBase:
+        algorithm = self._settings.algorithm
+        return build_strategy(algorithm.name, algorithm.params())
+
+    @cached_property
+    def cuts(self) -> tuple[str, ...]:
+        """The job's level cuts, shallow to deep (the model is built once)."""
+        settings = self._settings
+        return self._strategy.batch_cuts(job_model(settings), settings.model.cut)
+
+    def cut(self, capability: int, partition: int) -> str:
+        """The cut of the 1-based level of a client declaring `capability` with `partition`."""
+        declared = capability or self._settings.clients.declared_capability(partition)
+        level = assign_level(declared, len(self.cuts), self._strategy.default_level)
+        return self.cuts[level - 1]
 
 
 class JoinDesk:
@@ -209,5 +238,5 @@ class JoinDesk:
 
     def _level_of(self, cut: str) -> dict[str, ConfigValue]:
         """`{"level": m}` for a job with several depth levels (FedSplitX), else nothing."""
-        cuts = self._levels.cuts()
+        cuts = self._levels.cuts
         return {"level": cuts.index(cut) + 1} if len(cuts) > 1 and cut in cuts else {}

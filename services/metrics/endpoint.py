@@ -72,13 +72,6 @@ class Endpoint:
         self.thread.join(5.0)
 
 
-def _url(host: str, port: int) -> str:
-    shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
-    if ":" in shown:
-        shown = f"[{shown}]"
-    return f"http://{shown}:{port}"
-
-
 def serve(
     routes: Mapping[str, Route],
     *,
@@ -90,6 +83,8 @@ def serve(
     """Serve `routes` on the first free port in [first_port, first_port + span) (first_port 0:
     any free port); None, logged, when none is free."""
     ports = [0] if first_port == 0 else range(first_port, min(65536, first_port + span))
+    shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    shown = f"[{shown}]" if ":" in shown else shown
     handler = _handler(dict(routes))
     for port in ports:
         try:
@@ -102,7 +97,7 @@ def serve(
         server.daemon_threads = True
         thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
         thread.start()
-        return Endpoint(server, thread, _url(host, server.server_address[1]))
+        return Endpoint(server, thread, f"http://{shown}:{server.server_address[1]}")
     _log.warning(
         "cannot serve metrics: ports %d-%d on %s are all taken",
         first_port,

@@ -14,7 +14,7 @@ from broker.memory_store import InMemoryWeightStore
 from broker.messages import Join, SmashedBatch, new_message_id
 from services.aggregator.rounds import replica_of
 from services.common.jobmodel import job_hyper, job_model
-from services.coordinator.levels import LevelDesk
+from services.coordinator.joining import LevelDesk
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
 from workers.replica import Replica, open_replica
@@ -100,7 +100,7 @@ def test_level_desk_by_capability_then_mix_then_default(job: str) -> None:
         clients={"count": 3, "capability_mix": "1,0,2"},
     )
     desk = LevelDesk(fsx)
-    assert desk.cuts() == ("block1", "block2", "block3")
+    assert desk.cuts == ("block1", "block2", "block3")
     assert desk.cut(0, 0) == "block1"  # the mix: partition 0 has capability 1
     assert desk.cut(0, 2) == "block3"
     assert desk.cut(2, 0) == "block2"  # a declared capability wins
@@ -108,8 +108,8 @@ def test_level_desk_by_capability_then_mix_then_default(job: str) -> None:
     no_mix = settings_for(job, algorithm={"name": "fedsplitx", "fedsplitx": {"default_level": 2}})
     assert LevelDesk(no_mix).cut(0, 0) == "block2"  # the default
     lls = settings_for(job, algorithm={"name": "local_loss_sfl"}, model={"cut": "block2"})
-    assert LevelDesk(lls).cuts() == ("block2",) and LevelDesk(lls).cut(3, 0) == "block2"
-    assert LevelDesk(settings_for(job)).cuts() == ("block1",)  # sfl_v2: the job's cut
+    assert LevelDesk(lls).cuts == ("block2",) and LevelDesk(lls).cut(3, 0) == "block2"
+    assert LevelDesk(settings_for(job)).cuts == ("block1",)  # sfl_v2: the job's cut
 
 
 def test_coordinator_welcomes_each_client_at_its_level(job: str) -> None:
