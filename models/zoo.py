@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from models.errors import ModelSpecError
-from models.heads import HeadFactory, default_head
+from models.heads import AuxHead, HeadFactory, default_head
 from models.split import SplitNet, flat_features
 
 
@@ -211,20 +211,6 @@ class BasicBlock(nn.Module):
         return result
 
 
-class PoolClassifier(nn.Module):
-    """Global average pool, flatten, linear."""
-
-    def __init__(self, in_channels: int, num_classes: int) -> None:
-        super().__init__()
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.flatten = nn.Flatten()
-        self.fc = nn.Linear(in_channels, num_classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.fc(self.flatten(self.pool(x)))
-        return out
-
-
 def resnet18(
     *,
     num_classes: int = 10,
@@ -253,7 +239,8 @@ def resnet18(
             ("layer2", stage(w, 2 * w, 2)),
             ("layer3", stage(2 * w, 4 * w, 2)),
             ("layer4", stage(4 * w, 8 * w, 2)),
-            ("classifier", PoolClassifier(8 * w, num_classes)),
+            # Global average pool, flatten, linear: a head pooled to 1x1 (only C matters).
+            ("classifier", AuxHead((8 * w, 1, 1), num_classes, pool=1)),
         ],
         input_shape=(in_channels, input_size, input_size),
         num_classes=num_classes,

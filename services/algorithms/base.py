@@ -348,19 +348,6 @@ def full_model_weights(blobs: VersionWeights, client: str | None = None) -> dict
     return merged
 
 
-def average_clients(
-    previous: VersionWeights, updates: Sequence[ClientUpdate]
-) -> dict[BlobRef, dict[str, torch.Tensor]]:
-    """`previous` with `client/global` the FedAvg of the uploads, alpha_k = |D_k| / sum |D_i|."""
-    if not updates:
-        raise ValueError("no client updates to aggregate")
-    out = dict(previous)
-    out[CLIENT] = weighted_average(
-        [u.client_weights for u in updates], [u.samples for u in updates]
-    )
-    return out
-
-
 def average_replicas(out: VersionWeights, replicas: Sequence[ShardReplica]) -> VersionWeights:
     """`out` with `server/global` the replicas averaged by the samples they trained on (kept
     as it is when none trained)."""
@@ -373,8 +360,15 @@ def average_replicas(out: VersionWeights, replicas: Sequence[ShardReplica]) -> V
 def average_round(
     previous: VersionWeights, updates: Sequence[ClientUpdate], replicas: Sequence[ShardReplica]
 ) -> VersionWeights:
-    """FedAvg of the client sides, and of the shard replicas by samples trained."""
-    return average_replicas(average_clients(previous, updates), replicas)
+    """`previous` with `client/global` the FedAvg of the uploads, alpha_k = |D_k| / sum |D_i|,
+    and `server/global` that of the shard replicas by samples trained."""
+    if not updates:
+        raise ValueError("no client updates to aggregate")
+    out = dict(previous)
+    out[CLIENT] = weighted_average(
+        [u.client_weights for u in updates], [u.samples for u in updates]
+    )
+    return average_replicas(out, replicas)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,8 @@ lists the metrics (accuracy at an out-of-distribution fraction p: `(1 - p) * loc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -145,46 +146,11 @@ def split_predictions(
     return predicted
 
 
-@dataclass(frozen=True)
-class SweepPoint:
-    """Split inference at one threshold: accuracy and the fraction of rows sent to the server."""
-
-    threshold: float
-    accuracy: float
-    offloaded: float
-    rows: int
-
-
-def sweep(
-    entropies: torch.Tensor,
-    head_correct: torch.Tensor,
-    server_correct: torch.Tensor,
-    thresholds: Sequence[float],
-) -> list[SweepPoint]:
-    """Split inference at each threshold, from per-row entropies and per-row correctness of
-    the head's and the server's answers (both computed once for every row)."""
-    rows = int(entropies.shape[0])
-    points = []
-    for threshold in thresholds:
-        local = stays_local(entropies, threshold)
-        correct = torch.where(local, head_correct, server_correct)
-        points.append(
-            SweepPoint(
-                threshold=float(threshold),
-                accuracy=float(correct.sum()) / rows if rows else float("nan"),
-                offloaded=float((~local).sum()) / rows if rows else float("nan"),
-                rows=rows,
-            )
-        )
-    return points
-
-
 # --- evaluation -------------------------------------------------------------------------------
 
 # E_th of the sweep reported with every version (nats; log 10 = 2.30 is the most a 10-class
 # softmax can have, so the last one keeps nearly everything on the client).
 SWEEP_THRESHOLDS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
-SETS = ("local", "ood", "global")
 CHUNK = 512
 
 
@@ -206,25 +172,73 @@ class RowResults:
     head_correct: torch.Tensor
     theta_correct: torch.Tensor
 
+    def split(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split inference at `threshold`: which rows stay local, and which are answered right."""
+        kept = stays_local(self.entropy, threshold)
+        return kept, torch.where(kept, self.head_correct, self.theta_correct)
 
-def row_results(model: SplitNet, cut: str, x: torch.Tensor, y: torch.Tensor) -> RowResults:
-    """Run `model` (already holding the client's weights) over (x, y) in eval mode."""
-    body, head, server = model.client_blocks(cut), model.head(cut), model.server_blocks(cut)
+
+def head_pass(model: SplitNet, cut: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, head logits) of the client side of `model` at `cut`, in eval mode."""
+    body, head = model.client_blocks(cut), model.head(cut)
+    with evaluating([body, head]):
+        z = body(x)
+        return z, head(z)
+
+
+def row_results(
+    model: SplitNet,
+    cut: str,
+    server: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    asked_above: float = -math.inf,
+    chunk: int = CHUNK,
+) -> RowResults:
+    """Run `model` (already holding the client's weights) over (x, y) in eval mode; `server`
+    (theta's logits) answers only the rows whose entropy is above `asked_above`, once each
+    (the others count as wrong: every threshold from `asked_above` on keeps them local)."""
     entropies, head_hits, theta_hits = [], [], []
-    with evaluating([model]):
-        for start in range(0, len(y), CHUNK):
-            xs, ys = x[start : start + CHUNK], y[start : start + CHUNK]
-            z = body(xs)
-            head_logits = head(z)
-            entropies.append(entropy(head_logits))
-            head_hits.append(head_logits.argmax(dim=1) == ys)
-            theta_hits.append(server(z).argmax(dim=1) == ys)
+    for start in range(0, len(y), chunk):
+        xs, ys = x[start : start + chunk], y[start : start + chunk]
+        z, head_logits = head_pass(model, cut, xs)
+        e = entropy(head_logits)
+        asked = ~stays_local(e, asked_above)
+        hits = torch.zeros_like(ys, dtype=torch.bool)
+        if bool(asked.any()):
+            hits[asked] = server(z[asked]).argmax(dim=1).to(ys.device) == ys[asked]
+        entropies.append(e)
+        head_hits.append(head_logits.argmax(dim=1) == ys)
+        theta_hits.append(hits)
     return RowResults(torch.cat(entropies), torch.cat(head_hits), torch.cat(theta_hits))
 
 
 def rate(flags: torch.Tensor, rows: torch.Tensor) -> float:
     n = int(rows.sum())
     return float(flags[rows].sum()) / n if n else float("nan")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """Split inference at one threshold: accuracy and the fraction of rows sent to the server."""
+
+    threshold: float
+    accuracy: float
+    offloaded: float
+    rows: int
+
+
+def sweep(results: RowResults, thresholds: Sequence[float]) -> list[SweepPoint]:
+    """Split inference over every row at each threshold."""
+    every = torch.ones_like(results.entropy, dtype=torch.bool)
+    points = []
+    for threshold in thresholds:
+        kept, correct = results.split(threshold)
+        points.append(
+            SweepPoint(float(threshold), rate(correct, every), rate(~kept, every), len(every))
+        )
+    return points
 
 
 def own_rows(y: torch.Tensor, classes: Sequence[int]) -> torch.Tensor:
@@ -249,8 +263,7 @@ def client_metrics(
         out[f"head_{name}"] = rate(results.head_correct, where)
         out[f"theta_{name}"] = rate(results.theta_correct, where)
     for prefix, th in [("", threshold), *((f"sweep.{t:g}.", t) for t in sweep)]:
-        kept = stays_local(results.entropy, th)
-        correct = torch.where(kept, results.head_correct, results.theta_correct)
+        kept, correct = results.split(th)
         for name, where in rows.items():
             out[f"{prefix}split_{name}"] = rate(correct, where)
             out[f"{prefix}offload_{name}"] = rate(~kept, where)
@@ -279,7 +292,9 @@ def version_metrics(
     counts: dict[str, int] = {}
     for client, classes in sorted(clients.items()):
         load_partial(model, full_model_weights(blobs, client))
-        metrics = client_metrics(row_results(model, cut, x, y), y, classes, threshold, sweep)
+        with evaluating([model]):
+            results = row_results(model, cut, model.server_blocks(cut), x, y)
+        metrics = client_metrics(results, y, classes, threshold, sweep)
         for name, value in metrics.items():
             if value == value:  # NaN: the client has no such rows
                 sums[name] = sums.get(name, 0.0) + value

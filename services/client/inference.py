@@ -35,6 +35,8 @@ from models.split import SplitNet, evaluating
 from services.algorithms.splitgp import (
     SweepPoint,
     entropy,
+    head_pass,
+    row_results,
     split_predictions,
     stays_local,
     sweep,
@@ -209,19 +211,12 @@ class SplitPredictor:
     """A client's split inference with its `phi_k`, `h_k` (in `model`, at `cut`) and E_th."""
 
     def __init__(self, model: SplitNet, cut: str, server: ServerLogits, threshold: float) -> None:
-        self._body = model.client_blocks(cut)
-        self._head = model.head(cut)
+        self.model, self.cut = model, cut
         self.server = server
         self.threshold = threshold
 
-    def head_pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z, head logits) in eval mode."""
-        with evaluating([self._body, self._head]):
-            z = self._body(x)
-            return z, self._head(z)
-
     def predict(self, x: torch.Tensor) -> SplitPrediction:
-        z, head_logits = self.head_pass(x)
+        z, head_logits = head_pass(self.model, self.cut, x)
         e = entropy(head_logits)
         local = stays_local(e, self.threshold)
         offloaded = ~local
@@ -244,17 +239,13 @@ def entropy_sweep(
     theta answers only the rows the smallest threshold offloads (a superset), once each."""
     if not thresholds:
         raise ValueError("no thresholds to sweep")
-    lowest = min(thresholds)
-    entropies, head_hits, server_hits = [], [], []
-    for start in range(0, len(y), _SWEEP_CHUNK):
-        xs, ys = x[start : start + _SWEEP_CHUNK], y[start : start + _SWEEP_CHUNK]
-        z, head_logits = predictor.head_pass(xs)
-        e = entropy(head_logits)
-        asked = ~stays_local(e, lowest)
-        hits = torch.zeros_like(ys, dtype=torch.bool)
-        if bool(asked.any()):
-            hits[asked] = predictor.server(z[asked]).argmax(dim=1).to(ys.device) == ys[asked]
-        entropies.append(e)
-        head_hits.append(head_logits.argmax(dim=1) == ys)
-        server_hits.append(hits)
-    return sweep(torch.cat(entropies), torch.cat(head_hits), torch.cat(server_hits), thresholds)
+    results = row_results(
+        predictor.model,
+        predictor.cut,
+        predictor.server,
+        x,
+        y,
+        asked_above=min(thresholds),
+        chunk=_SWEEP_CHUNK,
+    )
+    return sweep(results, thresholds)

@@ -11,6 +11,7 @@ from torch import nn
 from broker.store import AUX_PART, CLIENT_PART, BlobRef
 from services.algorithms.base import ClientUpdate, CohortBatch
 from services.algorithms.splitgp import (
+    RowResults,
     SplitGP,
     client_objective,
     entropy,
@@ -191,7 +192,7 @@ def test_sweep_counts_accuracy_and_offloaded_fraction_per_threshold() -> None:
     entropies = torch.tensor([0.0, 0.3, 0.6, 1.2])
     head_ok = torch.tensor([True, True, False, False])
     server_ok = torch.tensor([False, True, True, False])
-    points = sweep(entropies, head_ok, server_ok, [0.0, 0.3, 1.0, 5.0])
+    points = sweep(RowResults(entropies, head_ok, server_ok), [0.0, 0.3, 1.0, 5.0])
     # E_th = 0: row 0 local (right), rows 1-3 server (right, right, wrong): 3/4, 3/4 sent.
     # E_th = 0.3: rows 0, 1 local (both right), 2 server right, 3 wrong: 3/4, 2/4 sent.
     # E_th = 1.0: rows 0-2 local (right, right, wrong), 3 server wrong: 2/4, 1/4 sent.
