@@ -121,13 +121,7 @@ def clone_arguments(template: Any, name: str, number: int) -> dict[str, Any]:
 class DockerPool:
     """`WorkerPool` over the containers of `project`'s `service`."""
 
-    def __init__(
-        self,
-        client: Any,
-        project: str,
-        service: str = "worker",
-    ) -> None:
-
+    def __init__(self, client: Any, project: str, service: str = "worker") -> None:
         self._client = client
         self._project = project
         self._service = service
@@ -188,7 +182,7 @@ class DockerPool:
         return gone
 
     def close(self) -> None:
-        """Nothing to do: the containers belong to the compose project, not to us."""
+        """The containers stay: they belong to the compose project, not to us."""
         self._client.close()
 
     def _find(self, name: str) -> Any | None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -20,8 +21,9 @@ import services
 from services.autoscaler.pool import Exited, PoolWorker
 
 
-def worker_env(base: Mapping[str, str]) -> dict[str, str]:
-    """`base`, plus unbuffered output and this checkout on PYTHONPATH (as `splitmq up`)."""
+def role_env(base: Mapping[str, str]) -> dict[str, str]:
+    """`base`, plus unbuffered output and this code on PYTHONPATH: a child imports the same
+    code as this process, installed or run from a checkout (`splitmq up` uses it too)."""
     env = dict(base)
     env["PYTHONUNBUFFERED"] = "1"
     root = str(Path(services.__file__).resolve().parent.parent)
@@ -31,7 +33,6 @@ def worker_env(base: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class _Process:
-    worker: PoolWorker
     process: subprocess.Popen[bytes]
     log: IO[bytes] | None
     stop_asked_at: float | None = None
@@ -53,7 +54,7 @@ class LocalProcessPool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
-        self._env = worker_env(env)
+        self._env = role_env(env)
         self._prefix = prefix
         self._log_dir = log_dir
         self._extra = extra_args
@@ -67,8 +68,8 @@ class LocalProcessPool:
 
     def workers(self) -> list[PoolWorker]:
         return [
-            PoolWorker(c.worker.name, c.worker.key, stopping=c.stop_asked_at is not None)
-            for c in self._children.values()
+            PoolWorker(name, name, stopping=c.stop_asked_at is not None)
+            for name, c in self._children.items()
         ]
 
     def start_worker(self) -> PoolWorker:
@@ -93,15 +94,15 @@ class LocalProcessPool:
             if log is not None:
                 log.close()
             raise
-        worker = PoolWorker(name, name)
-        self._children[name] = _Process(worker, process, log)
-        return worker
+        self._children[name] = _Process(process, log)
+        return PoolWorker(name, name)
 
     def stop_worker(self, name: str) -> None:
         child = self._children[name]
         if child.stop_asked_at is None:
             child.stop_asked_at = self._clock()
-            _signal(child.process, signal.SIGTERM)
+            with suppress(OSError):  # it exited meanwhile
+                child.process.send_signal(signal.SIGTERM)
 
     def reap(self) -> list[Exited]:
         gone = []
@@ -131,13 +132,7 @@ class LocalProcessPool:
                     name,
                     self._stop_timeout_s,
                 )
-                _signal(child.process, signal.SIGKILL)
+                with suppress(OSError):
+                    child.process.send_signal(signal.SIGKILL)
                 child.process.wait()
         self.reap()
-
-
-def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
-    try:
-        process.send_signal(signum)
-    except (ProcessLookupError, OSError):
-        pass  # it exited meanwhile

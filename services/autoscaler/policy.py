@@ -62,12 +62,8 @@ class Decision:
 def decide(obs: Observation, limits: Limits, state: PolicyState, now: float) -> Decision:
     running = obs.running
     slack = _slack(obs, limits)
-    state = replace(
-        state,
-        slack_since=(state.slack_since if state.slack_since is not None else now)
-        if slack
-        else None,
-    )
+    since = state.slack_since if state.slack_since is not None else now
+    state = replace(state, slack_since=since if slack else None)
 
     def change(target: int, reason: str) -> Decision:
         return Decision(target, reason, PolicyState(last_change_at=now, slack_since=None))

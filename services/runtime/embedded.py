@@ -25,17 +25,13 @@ RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[Role
 
 def embedded_settings(settings: Settings) -> tuple[Settings, list[str]]:
     """`settings` with broker and store forced to the in-memory kinds, and what was changed."""
-    changed: list[str] = []
-    broker, store = settings.broker, settings.store
-    if broker.kind != "memory":
-        changed.append(f"broker.kind {broker.kind!r} -> 'memory'")
-        broker = broker.model_copy(update={"kind": "memory"})
-    if store.kind != "memory":
-        changed.append(f"store.kind {store.kind!r} -> 'memory'")
-        store = store.model_copy(update={"kind": "memory"})
-    if not changed:
-        return settings, changed
-    return settings.model_copy(update={"broker": broker, "store": store}), changed
+    update = {
+        name: section.model_copy(update={"kind": "memory"})
+        for name, section in (("broker", settings.broker), ("store", settings.store))
+        if section.kind != "memory"
+    }
+    changed = [f"{name}.kind {getattr(settings, name).kind!r} -> 'memory'" for name in update]
+    return (settings.model_copy(update=update) if update else settings), changed
 
 
 def force_embedded(settings: Settings, log: logging.Logger) -> Settings:

@@ -8,7 +8,6 @@ after a grace period.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import services
 from broker.topology import client_queue_names
+from services.autoscaler.local import role_env
 from services.common.backends import Backends
 from services.common.supervise import Outcome
 from services.config.root import Settings
@@ -64,28 +63,21 @@ def child_env(
     base: Mapping[str, str], *, workers: int, clients: int, min_to_start: int | None = None
 ) -> dict[str, str]:
     """The children's environment: real broker/store, the counts `up` was given, unbuffered."""
-    env = dict(base)
+    env = role_env(base)
     env["SPLITMQ_BROKER"] = "rabbitmq"
     env["SPLITMQ_STORE"] = "redis"
     env["SPLITMQ_WORKERS__COUNT"] = str(workers)
     env["SPLITMQ_CLIENTS__COUNT"] = str(clients)
     if min_to_start is not None:
         env["SPLITMQ_CLIENTS__MIN_TO_START"] = str(min_to_start)
-    env["PYTHONUNBUFFERED"] = "1"
-    # Children import the same code as this process, installed or run from a checkout.
-    root = str(Path(services.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
 
 
 def preflight(settings: Settings) -> list[str]:
     """What is missing for `up`, in plain words (empty: RabbitMQ and Redis both answer)."""
     backends = Backends(settings.broker, settings.store)
-    problems = []
-    for check in (check_broker(backends), check_store(backends)):
-        if not check.ok:
-            problems.append(check.detail + (f" ({check.hint})" if check.hint else ""))
-    return problems
+    checks = (check_broker(backends), check_store(backends))
+    return [c.detail + (f" ({c.hint})" if c.hint else "") for c in checks if not c.ok]
 
 
 def clear_job(

@@ -65,11 +65,8 @@ def build_client(
 
 def worker_count(settings: Settings) -> int:
     """Workers to start: none when the algorithm has no server-side layers (FedAvg)."""
-    return (
-        settings.workers.count
-        if build_strategy(settings.algorithm.name, settings.algorithm.params()).splits
-        else 0
-    )
+    strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
+    return settings.workers.count if strategy.splits else 0
 
 
 def embedded_roles(
