@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,7 @@ def role_env(base: Mapping[str, str]) -> dict[str, str]:
 class _Process:
     process: subprocess.Popen[bytes]
     log: IO[bytes] | None
-    stop_asked_at: float | None = None
+    stopping: bool = False
 
 
 class LocalProcessPool:
@@ -48,35 +48,25 @@ class LocalProcessPool:
         *,
         prefix: str,
         log_dir: Path | None = None,
-        extra_args: tuple[str, ...] = (),
-        python: str = sys.executable,
         stop_timeout_s: float = 120.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._env = role_env(env)
         self._prefix = prefix
         self._log_dir = log_dir
-        self._extra = extra_args
-        self._python = python
         self._stop_timeout_s = stop_timeout_s
-        self._clock = clock
         self._log = logging.getLogger("splitmq.autoscaler")
         self._next = 0
         self._children: dict[str, _Process] = {}
-        self.exit_codes: dict[str, int] = {}  # every worker that ended, by name
 
     def workers(self) -> list[PoolWorker]:
-        return [
-            PoolWorker(name, name, stopping=c.stop_asked_at is not None)
-            for name, c in self._children.items()
-        ]
+        return [PoolWorker(name, name, stopping=c.stopping) for name, c in self._children.items()]
 
     def start_worker(self) -> PoolWorker:
         name = f"{self._prefix}-{self._next}"
         self._next += 1
-        argv = [self._python, "-m", "services.cli.main", "worker", str(self._config)]
-        argv += ["--id", name, *self._extra]
+        argv = [sys.executable, "-m", "services.cli.main", "worker", str(self._config)]
+        argv += ["--id", name]
         log: IO[bytes] | None = None
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +89,8 @@ class LocalProcessPool:
 
     def stop_worker(self, name: str) -> None:
         child = self._children[name]
-        if child.stop_asked_at is None:
-            child.stop_asked_at = self._clock()
+        if not child.stopping:
+            child.stopping = True
             with suppress(OSError):  # it exited meanwhile
                 child.process.send_signal(signal.SIGTERM)
 
@@ -113,7 +103,6 @@ class LocalProcessPool:
             del self._children[name]
             if child.log is not None:
                 child.log.close()
-            self.exit_codes[name] = code
             gone.append(Exited(name, code))
         return gone
 
@@ -122,10 +111,10 @@ class LocalProcessPool:
         (the autoscaler is going away; a killed worker's batches are redelivered, design §7)."""
         for name in list(self._children):
             self.stop_worker(name)
-        deadline = self._clock() + self._stop_timeout_s
+        deadline = time.monotonic() + self._stop_timeout_s
         for name, child in list(self._children.items()):
             try:
-                child.process.wait(max(0.1, deadline - self._clock()))
+                child.process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._log.warning(
                     "worker %s still running %.0f s after SIGTERM; killing it",

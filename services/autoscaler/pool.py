@@ -32,18 +32,14 @@ class Exited:
 class WorkerPool(Protocol):
     def workers(self) -> list[PoolWorker]:
         """Every worker this backend runs, the stopping ones included, oldest first."""
-        ...
 
     def start_worker(self) -> PoolWorker: ...
 
     def stop_worker(self, name: str) -> None:
         """Ask `name` to stop gracefully; returns without waiting."""
-        ...
 
     def reap(self) -> list[Exited]:
         """Workers that exited since the last call (they are gone from `workers()`)."""
-        ...
 
     def close(self) -> None:
         """The autoscaler stops: release what the backend holds (see each backend)."""
-        ...

@@ -113,7 +113,6 @@ class LocalProcesses:
         python: str = sys.executable,
         client_grace_s: float = 15.0,
         stop_grace_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._specs = list(specs)
@@ -123,7 +122,6 @@ class LocalProcesses:
         self._python = python
         self._client_grace_s = client_grace_s
         self._stop_grace_s = stop_grace_s
-        self._clock = clock
         self._children: list[Child] = []
         self._echo_lock = threading.Lock()
         self._width = max((len(s.name) for s in specs), default=0)
@@ -157,7 +155,7 @@ class LocalProcesses:
 
     def wait(self, stop: threading.Event, timeout_s: float = 0.0) -> Outcome:
         """Until the aggregator exits (then stop the rest), a child fails, `stop`, or timeout."""
-        deadline = self._clock() + timeout_s if timeout_s > 0 else None
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         status = self._watch(stop, deadline)
         self.stop()
         codes = {c.spec.name: c.process.returncode for c in self._children}
@@ -175,12 +173,12 @@ class LocalProcesses:
                         return f"failed: {child.spec.name} exited with code {code}"
                 aggregator = next(c for c in self._children if c.spec.name == "aggregator")
                 if aggregator.process.poll() == 0:
-                    finished_at = finished_at if finished_at is not None else self._clock()
+                    finished_at = finished_at if finished_at is not None else time.monotonic()
                     clients = [c for c in self._children if c.spec.role == "client"]
                     idle = all(c.process.poll() is not None for c in clients)
-                    if idle or self._clock() - finished_at > self._client_grace_s:
+                    if idle or time.monotonic() - finished_at > self._client_grace_s:
                         return "finished"
-                if deadline is not None and self._clock() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     return "timeout"
         except KeyboardInterrupt:
             return "stopped"
@@ -191,10 +189,10 @@ class LocalProcesses:
         for child in running:
             with suppress(OSError):  # it exited meanwhile
                 child.process.send_signal(signal.SIGTERM)
-        deadline = self._clock() + self._stop_grace_s
+        deadline = time.monotonic() + self._stop_grace_s
         for child in running:
             try:
-                child.process.wait(max(0.1, deadline - self._clock()))
+                child.process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._say("up", f"{child.spec.name} ignored SIGTERM; killing it")
                 with suppress(OSError):

@@ -14,7 +14,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Protocol
 from urllib.parse import quote, urlparse
 
@@ -67,7 +67,6 @@ class RabbitmqctlAdmin:
     name = "rabbitmqctl"
 
     def __init__(self, *, run: Runner = _run) -> None:
-        self._base = ["rabbitmqctl"]
         self._run = run
 
     @staticmethod
@@ -75,7 +74,7 @@ class RabbitmqctlAdmin:
         return shutil.which("rabbitmqctl") is not None
 
     def users(self) -> frozenset[str]:
-        done = self._run([*self._base, "list_users", "--quiet", "--formatter", "json"], "")
+        done = self._run(["rabbitmqctl", "list_users", "--quiet", "--formatter", "json"], "")
         self._check(done, "list the users")
         try:
             rows = json.loads(done.stdout)
@@ -84,21 +83,19 @@ class RabbitmqctlAdmin:
             raise AdminError(f"rabbitmqctl list_users: unexpected output ({exc})") from None
 
     def put_user(self, user: str, password: str) -> None:
-        done = self._run([*self._base, "add_user", user], password)
+        done = self._run(["rabbitmqctl", "add_user", user], password)
         # "user_already_exists" (older releases) or 'User "x" already exists' (3.10)
         said = (done.stdout + done.stderr).replace("_", " ")
         if done.returncode != 0 and "already exists" in said:
-            done = self._run([*self._base, "change_password", user], password)
+            done = self._run(["rabbitmqctl", "change_password", user], password)
         self._check(done, f"create user {user!r}")
 
     def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
-        p = permissions
-        argv = [*self._base, "set_permissions", "--vhost", vhost, user]
-        argv += [p.configure, p.write, p.read]
+        argv = ["rabbitmqctl", "set_permissions", "--vhost", vhost, user, *astuple(permissions)]
         self._check(self._run(argv, ""), f"set the permissions of {user!r}")
 
     def delete_user(self, user: str) -> None:
-        done = self._run([*self._base, "delete_user", user], "")
+        done = self._run(["rabbitmqctl", "delete_user", user], "")
         if done.returncode != 0 and "no_such_user" in done.stdout + done.stderr:
             return
         self._check(done, f"delete user {user!r}")
@@ -153,9 +150,8 @@ class ManagementAdmin:
         self._call("PUT", f"/api/users/{quote(user, safe='')}", body)
 
     def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
-        p = permissions
         path = f"/api/permissions/{quote(vhost, safe='')}/{quote(user, safe='')}"
-        self._call("PUT", path, {"configure": p.configure, "write": p.write, "read": p.read})
+        self._call("PUT", path, asdict(permissions))
 
     def delete_user(self, user: str) -> None:
         try:

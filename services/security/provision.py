@@ -31,15 +31,13 @@ from broker.transport import Broker, QueueSpec
 from services.security.admin import AdminError, Permissions, RabbitAdmin
 from services.security.identity import client_id_problem, client_user
 
-CLIENT_EXCHANGES = (SMASHED_EXCHANGE, CONTROL_EXCHANGE)
-
 
 class UsersExistError(AdminError):
     """Provisioning would reset users that exist already (and lock their clients out)."""
 
 
 def client_permissions(job: str, client: str) -> Permissions:
-    write = "|".join(re.escape(name) for name in CLIENT_EXCHANGES)
+    write = "|".join(re.escape(name) for name in (SMASHED_EXCHANGE, CONTROL_EXCHANGE))
     queues = (reply_queue_name(job, client), infer_reply_queue_name(job, client))
     read = "|".join(re.escape(name) for name in queues)
     return Permissions(configure="^$", write=f"^({write})$", read=f"^({read})$")
