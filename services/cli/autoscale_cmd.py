@@ -18,6 +18,7 @@ from services.cli.common import (
     default_member_id,
     load,
     log_options,
+    require_servers,
     stop_on_signals,
 )
 from services.common.backends import Backends
@@ -46,7 +47,6 @@ def make_pool(settings: Settings, config: Path, log_dir: Path | None) -> WorkerP
 @click.option(
     "--log-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=None,
     help="Local backend: each worker's output goes to DIR/<worker>.log (default: here).",
 )
 @log_options
@@ -59,11 +59,7 @@ def autoscale(config: Path | None, log_dir: Path | None, log: LogOptions) -> Non
     containers. On exit, local workers are stopped; containers stay.
     """
     path, settings = load(config)
-    if settings.broker.kind != "rabbitmq" or settings.store.kind != "redis":
-        raise click.ClickException(
-            "`splitmq autoscale` sizes workers in other processes: it needs RabbitMQ and Redis "
-            "(SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis)"
-        )
+    require_servers(settings, "autoscale")  # it sizes workers in other processes
     with log.logging(settings, {"role": "autoscaler", "job": settings.job.name}):
         pool = make_pool(settings, path, log_dir)
         stop = threading.Event()

@@ -30,8 +30,7 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
     if kinds.get(role) == "memory":
         return Verdict(False, f"{role}.kind is memory: it lives inside one process, none to check")
     if role in PROBED:
-        probe = check_broker if role == "broker" else check_store
-        result = probe(backends)
+        result = (check_broker if role == "broker" else check_store)(backends)
         return Verdict(result.ok, result.detail)
     if role == "client":
         # Edge clients never touch Redis (design §3): their health is a file on their machine.
@@ -53,7 +52,7 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
 
 @click.command()
 @click.argument("role", type=click.Choice([*ROLES, *PROBED]))
-@click.option("--id", "instance", default=None, help="Check this instance (its id).")
+@click.option("--id", "instance", help="Check this instance (its id).")
 @click.option("--anywhere", is_flag=True, help="Any live instance, not only one on this host.")
 @click.pass_obj
 def check(group: GroupOptions, role: str, instance: str | None, anywhere: bool) -> None:

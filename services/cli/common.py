@@ -75,7 +75,6 @@ config_argument = click.argument(
 report_dir_option = click.option(
     "--report-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=None,
     help="Where run directories go (default: report.dir from the config).",
 )
 
@@ -107,14 +106,12 @@ class LogOptions:
 _log_format = click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
-    default=None,
     help="text (default) or json: one object per line with job, client, shard and "
     "version (also the log_format setting, SPLITMQ_LOG_FORMAT).",
 )
 _log_level = click.option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    default=None,
     help="Log level (default: log_level from the config, INFO).",
 )
 _log_json = click.option("--log-json", is_flag=True, help="Same as --log-format json.")
@@ -198,18 +195,12 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
         yield
         return
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    def on_int(signum: int, frame: FrameType | None) -> None:
-        if stop.is_set():
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and stop.is_set():
             raise KeyboardInterrupt
         stop.set()
 
-    saved = {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, on_term),
-        signal.SIGINT: signal.signal(signal.SIGINT, on_int),
-    }
+    saved = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:

@@ -16,7 +16,6 @@ from services.common.backends import Backends
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
-    default=None,
     help="The run directory whose report to show (default: the job's newest under report.dir).",
 )
 @log_options

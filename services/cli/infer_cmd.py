@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,7 +95,6 @@ def parse_thresholds(text: str) -> list[float]:
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
     help="Write the per-client rows to this CSV file.",
 )
 def infer(
@@ -174,31 +173,25 @@ def theta_source(
     from workers.inference import InferenceServer
 
     if in_process:
-        with closing(backends.open_store()) as store:
-            blob = store.read_blob(settings.job.name, version, BlobRef(SERVER_PART))
         theta = ServerModel(job_model(settings), settings.model.cut)
-        load_partial(theta, blob)
+        with closing(backends.open_store()) as store:
+            load_partial(theta, store.read_blob(settings.job.name, version, BlobRef(SERVER_PART)))
         yield LocalTheta(theta)
         return
-    stop_server = (
-        InferenceServer(
-            settings,
-            backends,
-            worker_id="splitmq-infer",
-            model_factory=lambda: job_model(settings),
-            logger=logging.getLogger("splitmq.infer"),
-        ).start()
-        if serve
-        else None
-    )
-    # In the secured mode its requests carry the services' AMQP user (workers check it).
-    broker = backends.open_broker("splitmq-infer-client", stamp=service_user(settings))
-    try:
+    with ExitStack() as stack:  # the broker handle closed first, then the server stopped
+        if serve:
+            server = InferenceServer(
+                settings,
+                backends,
+                worker_id="splitmq-infer",
+                model_factory=lambda: job_model(settings),
+                logger=logging.getLogger("splitmq.infer"),
+            )
+            stack.callback(server.start())
+        # In the secured mode its requests carry the services' AMQP user (workers check it).
+        broker = backends.open_broker("splitmq-infer-client", stamp=service_user(settings))
+        stack.callback(broker.close)
         yield BrokerTheta(broker, settings.job.name, version=version, timeout_s=timeout_s)
-    finally:
-        broker.close()
-        if stop_server is not None:
-            stop_server()
 
 
 def table(results: list[SweepRow]) -> str:

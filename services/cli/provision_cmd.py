@@ -37,10 +37,9 @@ from services.security.provision import client_names, provision, revoke, vhost_o
     help="How to manage users: the management HTTP API (with the config's AMQP credentials, "
     "which need the administrator tag), rabbitmqctl on this host, or whichever works.",
 )
-@click.option("--management-url", default=None, help="Default: http(s)://<AMQP host>:15672.")
+@click.option("--management-url", help="Default: http(s)://<AMQP host>:15672.")
 @click.option(
     "--client-url",
-    default=None,
     help="The AMQP URL clients connect to (default: the config's broker.amqp_url); "
     "its credentials are replaced by each client's.",
 )

@@ -109,9 +109,7 @@ def coordinator(config: Path | None, log: LogOptions) -> None:
 
 @click.command()
 @config_argument
-@click.option(
-    "--id", "worker_id", default=None, help="Worker id (default: worker-HOSTNAME-PID-RANDOM)."
-)
+@click.option("--id", "worker_id", help="Worker id (default: worker-HOSTNAME-PID-RANDOM).")
 @log_options
 def worker(config: Path | None, worker_id: str | None, log: LogOptions) -> None:
     """Run a worker (trains the server-side layers).
@@ -128,13 +126,10 @@ def worker(config: Path | None, worker_id: str | None, log: LogOptions) -> None:
 
 @click.command()
 @config_argument
-@click.option(
-    "--id", "client_id", default=None, help="Client id (default: client-HOSTNAME-PID-RANDOM)."
-)
+@click.option("--id", "client_id", help="Client id (default: client-HOSTNAME-PID-RANDOM).")
 @click.option(
     "--partition",
     type=click.IntRange(min=0),
-    default=None,
     help="Which data partition this simulated client trains on (default: the coordinator's).",
 )
 @log_options

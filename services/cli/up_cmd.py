@@ -33,8 +33,8 @@ from services.runtime.processes import (
 
 @click.command()
 @config_argument
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker processes.")
-@click.option("--clients", type=click.IntRange(min=1), default=None, help="Client processes.")
+@click.option("--workers", type=click.IntRange(min=1), help="Worker processes.")
+@click.option("--clients", type=click.IntRange(min=1), help="Client processes.")
 @click.option(
     "--fresh/--no-fresh",
     default=True,

@@ -82,15 +82,12 @@ class WeightsCache:
     _manifest: Manifest | None = None
     _shared: dict[BlobRef, Tensors] = field(default_factory=dict)
 
-    def for_client(self, client: str) -> tuple[Tensors, Tensors]:
-        """(client weights, aux weights) for `client`; aux is empty when the version has none."""
-        return self._pair(client)
-
     def global_weights(self) -> tuple[Tensors, Tensors]:
         """(client weights, aux weights) shared by the clients without personal ones."""
-        return self._pair(None)
+        return self.for_client(None)
 
-    def _pair(self, client: str | None) -> tuple[Tensors, Tensors]:
+    def for_client(self, client: str | None) -> tuple[Tensors, Tensors]:
+        """(client weights, aux weights) for `client`; aux is empty when the version has none."""
         if self._manifest is None:
             self._manifest = self.store.manifest(self.job, self.version)
         out: list[Tensors] = []

@@ -64,8 +64,7 @@ def assess(
     else:
         mine, where = found, "anywhere"
     if not mine:
-        elsewhere = len(found)
-        note = f" ({elsewhere} live elsewhere)" if elsewhere else ""
+        note = f" ({len(found)} live elsewhere)" if found else ""
         return Verdict(False, f"no live {role} {where} in job {job}{note}")
     name, member = max(mine.items(), key=lambda item: item[1].expires_at)
     left = member.expires_at - (time.time() if now is None else now)
@@ -150,12 +149,11 @@ class HealthBeat(Beat):
         *,
         refresh_s: float = REFRESH_S,
         ttl_s: float = TTL_S,
-        logger: logging.Logger | None = None,
     ) -> None:
         if not 0 < refresh_s < ttl_s:
             raise ValueError(f"refresh ({refresh_s} s) must be positive and below the TTL")
         self._member = health_member(role, instance)
-        super().__init__(role, f"health key {self._member}", refresh_s, logger)
+        super().__init__(role, f"health key {self._member}", refresh_s, None)
         self._open_store = open_store
         self._store: MemberStore | None = None
         self._job = job
@@ -194,12 +192,10 @@ class FileHealthBeat(Beat):
         instance: str,
         *,
         base: Path | None = None,
-        refresh_s: float = REFRESH_S,
         clock: Callable[[], float] = time.time,
-        logger: logging.Logger | None = None,
     ) -> None:
         self.path = _folder(job, base) / f"{role}-{instance}.json"
-        super().__init__(role, f"health file {self.path}", refresh_s, logger)
+        super().__init__(role, f"health file {self.path}", REFRESH_S, None)
         self._clock = clock
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "instance": instance}
 

@@ -162,9 +162,8 @@ def configured_logging(
         handler.setFormatter(OneLineUserErrors(HUMAN_FORMAT, HUMAN_DATEFMT))
     handler.addFilter(QuietPika(keep_errors=debug))
     handler.addFilter(ContextFilter(context))
-    saved_level = root.level
     quiet = [logging.getLogger(name) for name in QUIET_LOGGERS]
-    saved_quiet = [q.level for q in quiet]
+    saved = {logger: logger.level for logger in (root, *quiet)}
     root.addHandler(handler)
     root.setLevel(level)
     for q in quiet:
@@ -173,7 +172,6 @@ def configured_logging(
         yield handler
     finally:
         root.removeHandler(handler)
-        root.setLevel(saved_level)
-        for q, saved in zip(quiet, saved_quiet, strict=True):
-            q.setLevel(saved)
+        for logger, saved_level in saved.items():
+            logger.setLevel(saved_level)
         handler.flush()

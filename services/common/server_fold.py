@@ -45,14 +45,6 @@ class FoldedCheckpoint:
     def describe(self) -> str:
         return f"{self.applied}:{self.anchor}:{self.samples}"
 
-    @classmethod
-    def parse(cls, text: str) -> FoldedCheckpoint | None:
-        try:
-            applied, anchor, samples = (int(part) for part in text.split(":"))
-        except ValueError:
-            return None
-        return cls(applied, anchor, samples)
-
 
 def meta_int(meta: Mapping[str, Any], key: str, default: int) -> int:
     """A checkpoint's integer `meta[key]` (`default` when absent or of another type)."""
@@ -72,10 +64,14 @@ def folded_of(meta: Mapping[str, str]) -> dict[int, FoldedCheckpoint]:
     """The per-shard `server.<s>` entries of a version's manifest meta."""
     out: dict[int, FoldedCheckpoint] = {}
     for key, value in meta.items():
-        if key.startswith(META_PREFIX) and key[len(META_PREFIX) :].isdigit():
-            parsed = FoldedCheckpoint.parse(value)
-            if parsed is not None:
-                out[int(key[len(META_PREFIX) :])] = parsed
+        shard = key.removeprefix(META_PREFIX)
+        if shard == key or not shard.isdigit():
+            continue
+        try:
+            applied, anchor, samples = (int(part) for part in value.split(":"))
+        except ValueError:
+            continue  # not a fold record of ours
+        out[int(shard)] = FoldedCheckpoint(applied, anchor, samples)
     return out
 
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -104,7 +104,6 @@ class Supervisor:
         *,
         client_grace_s: float = 10.0,
         join_timeout_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
     ) -> None:
         if sum(1 for r in roles if r.kind == "aggregator") != 1:
@@ -114,7 +113,6 @@ class Supervisor:
         self._threads = [_RoleThread(spec, stop, self._changed) for spec in roles]
         self._client_grace_s = client_grace_s
         self._join_timeout_s = join_timeout_s
-        self._clock = clock
         self._log = logger or logging.getLogger("splitmq.runtime")
 
     def run(self) -> Outcome:
@@ -150,18 +148,19 @@ class Supervisor:
             if not aggregator.done:
                 continue
             if finished_at is None:
-                finished_at = self._clock()
+                finished_at = time.monotonic()
             # A failed job ends like a finished one: its clients were dismissed and leave.
             clients = [t for t in self._threads if t.spec.kind == "client"]
-            if all(t.done for t in clients) or self._clock() - finished_at > self._client_grace_s:
+            grace_over = time.monotonic() - finished_at > self._client_grace_s
+            if all(t.done for t in clients) or grace_over:
                 failure = aggregator.job_failure
                 return (f"failed: {failure}" if failure else "finished"), None
 
     def _join(self) -> tuple[str, ...]:
-        deadline = self._clock() + self._join_timeout_s
+        deadline = time.monotonic() + self._join_timeout_s
         stuck: list[str] = []
         for t in self._threads:
-            t.thread.join(max(0.0, deadline - self._clock()))
+            t.thread.join(max(0.0, deadline - time.monotonic()))
             if t.thread.is_alive():
                 stuck.append(t.spec.name)
             elif t.error is not None and t.traceback:

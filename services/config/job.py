@@ -117,10 +117,7 @@ class AlgorithmSection(_Section):
     def params(self) -> dict[str, str | int | float | bool]:
         """The chosen algorithm's own parameters (empty for those without any)."""
         kind = REGISTRY.get(self.name).params
-        if kind is None:
-            return {}
-        values: dict[str, str | int | float | bool] = self.section(kind).model_dump()
-        return values
+        return {} if kind is None else self.section(kind).model_dump()
 
 
 class ClientsSection(_Section):
@@ -254,16 +251,10 @@ class JobConfig(_Section):
                 f"clients.min_to_start ({self.clients.min_to_start}) exceeds clients.count "
                 f"({self.clients.count})"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _async_fits(self) -> JobConfig:
-        if self.rounds.mode != "async":
-            return self
         # Algorithms that need rounds (MiniBatch-SFL: a per-step barrier over the cohort,
-        # docs/async.md) say so at registration.
-        spec = REGISTRY.get(self.algorithm.name)
-        if spec.sync_only:
+        # docs/async.md) say so at registration (their module, with torch, imported only then).
+        spec = REGISTRY.get(self.algorithm.name) if self.asynchronous_mode else None
+        if spec is not None and spec.sync_only:
             refusal = spec.build(self.algorithm.params()).async_refusal()
             raise ValueError(
                 f"rounds.mode = 'async': algorithm {spec.name} stays synchronous ({refusal}); "
