@@ -84,20 +84,15 @@ class VersionEval:
 class Evaluator:
     """Evaluates versions of one job on (the first `max_samples` of) its test split."""
 
-    def __init__(
-        self, model: SplitNet, test: Split, *, batch_size: int = 256, max_samples: int = 0
-    ) -> None:
+    def __init__(self, model: SplitNet, test: Split, *, max_samples: int = 0) -> None:
         if max_samples and max_samples < len(test):
             test = Split(test.x[:max_samples], test.y[:max_samples])
         self._model = model
         self._test = test
-        self._batch_size = batch_size
 
     def evaluate(self, blobs: VersionWeights, clients: Mapping[str, Sequence[int]]) -> VersionEval:
         """Global metrics, and the mean personalised accuracy over `clients` (id → classes)."""
-        shared = evaluate(
-            self._model, full_model_weights(blobs), self._test, batch_size=self._batch_size
-        )
+        shared = evaluate(self._model, full_model_weights(blobs), self._test)
         personal: list[float] = []
         for client, classes in sorted(clients.items()):
             if any(ref.owner == client for ref in blobs):
@@ -128,7 +123,7 @@ class Evaluator:
                 return float("nan")
             test = Split(test.x[rows], test.y[rows])
         weights = full_model_weights(blobs, client)
-        return evaluate(self._model, weights, test, batch_size=self._batch_size).accuracy
+        return evaluate(self._model, weights, test).accuracy
 
 
 def build_evaluator(settings: Settings, test: Split) -> Evaluator:

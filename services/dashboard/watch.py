@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -100,7 +100,6 @@ class JobWatcher:
         metrics: Metrics = NO_METRICS,
         live: bool = True,
         run_dir: Path | None = None,
-        clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
     ) -> None:
         self._settings = settings
@@ -110,7 +109,6 @@ class JobWatcher:
         self._metrics = metrics
         self._live = live
         self._run_dir = run_dir
-        self._clock = clock
         self._since = time.time() - _RUN_DIR_SLACK_S
         self._log = logger or logging.getLogger("splitmq.dashboard")
         self._job = settings.job.name
@@ -147,16 +145,16 @@ class JobWatcher:
 
     def _loop(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
         probe_s = self._settings.metrics.probe_s
-        next_probe = next_report = self._clock()
+        next_probe = next_report = time.monotonic()
         while not stop.is_set():
-            now = self._clock()
+            now = time.monotonic()
             if now >= next_probe:
                 self.probe(broker, store)
                 next_probe = now + probe_s
             if now >= next_report:
                 self.read_report()
                 next_report = now + _REPORT_S
-            wait = max(0.0, min(next_probe, next_report) - self._clock())
+            wait = max(0.0, min(next_probe, next_report) - time.monotonic())
             if self._state is not None:
                 delivery = broker.get(min(wait, _EVENT_WAIT_S))
                 if delivery is not None:
