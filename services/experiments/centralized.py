@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
 
 import torch
 from torch.nn import functional as F
@@ -24,7 +23,7 @@ from services.algorithms.base import full_state
 from services.client.data import JobData, client_batches
 from services.common.jobmodel import job_model
 from services.config.root import Settings
-from services.data.batches import Batch, ClientBatches
+from services.data.batches import ClientBatches
 from services.data.loaders import Dataset
 from services.report.records import MetricsSink, VersionRecord
 
@@ -65,10 +64,6 @@ def union_batches(data: JobData, settings: Settings) -> ClientBatches:
     )
 
 
-def _endless(batches: ClientBatches) -> Iterator[Batch]:
-    return itertools.chain.from_iterable(batches.epoch(e) for e in itertools.count())
-
-
 def train_centralized(
     settings: Settings, dataset: Dataset, sink: MetricsSink, stop: threading.Event
 ) -> str:
@@ -80,7 +75,8 @@ def train_centralized(
     evaluator = build_evaluator(settings, dataset.test)
     classes = {f"client-{k}": data.classes(k) for k in range(data.clients)}
     per_round = steps_per_round(data, settings)
-    stream = _endless(union_batches(data, settings))
+    batches = union_batches(data, settings)
+    stream = itertools.chain.from_iterable(batches.epoch(e) for e in itertools.count())
     started = time.monotonic()
     status = "finished"
     for round_index in range(settings.job.rounds):

@@ -21,6 +21,7 @@ from services.client.data import JobData
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
+from services.experiments.results import mean
 
 CHUNK = 512
 
@@ -93,9 +94,8 @@ def local_and_ood(
         local = own_rows(y, classes)
         out[f"local.{client}"] = rate(hits[client], local)
         out[f"ood.{client}"] = rate(hits[client], ~local)
-    for name, key in (("local", "full_local"), ("ood", "full_ood")):
-        values = [v for k, v in out.items() if k.startswith(name + ".") and v == v]
-        out[key] = sum(values) / len(values) if values else float("nan")
+    for name in ("local", "ood"):
+        out[f"full_{name}"] = mean(out[f"{name}.{client}"] for client in clients)
     return out
 
 

@@ -91,16 +91,10 @@ def run_levels(result: RunResult) -> tuple[int, ...]:
     return (int(level),) if level else (1, 2, 3)
 
 
-def client_accuracy(result: RunResult | None, level: int) -> float:
-    """The final level-`level` client model on the whole test set (NaN: the run has none)."""
-    return _final(result, CLIENT_ACCURACY + LEVEL_CUTS[level - 1])
-
-
-def full_accuracy(result: RunResult | None) -> float:
-    return _final(result, FULL_ACCURACY)
-
-
-def _final(result: RunResult | None, key: str) -> float:
+def accuracy(result: RunResult | None, level: int | None) -> float:
+    """The final level-`level` client model (the full model for None) on the whole test set
+    (NaN: the run has none)."""
+    key = FULL_ACCURACY if level is None else CLIENT_ACCURACY + LEVEL_CUTS[level - 1]
     return math.nan if result is None else result.final.get(key, math.nan)
 
 
@@ -144,19 +138,17 @@ def _clients_line(result: RunResult) -> str:
 def model_rows(result: RunResult) -> list[tuple[int | None, float]]:
     """The models a run yields: (level, or None for the full model; final accuracy on the
     whole test set)."""
-    rows: list[tuple[int | None, float]] = [
-        (m, client_accuracy(result, m)) for m in run_levels(result)
-    ]
+    levels: list[int | None] = list(run_levels(result))
     if result.tags["method"] in WITH_FULL_MODEL:
-        rows.append((None, full_accuracy(result)))
-    return rows
+        levels.append(None)
+    return [(level, accuracy(result, level)) for level in levels]
 
 
 def accuracy_table(results: ResultSet) -> str:
     """One row per (run, model it yields): the final version on the whole test set."""
     costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
     fed = _method(results, FEDSPLITX)
-    fed_full = full_accuracy(fed)
+    fed_full = accuracy(fed, None)
     header = ["method", "clients (levels)", "model evaluated", "client fwd FLOPs/sample"]
     header += ["final accuracy %", f"mean of last {LATE_ROUNDS} rounds %", "best over rounds %"]
     header += ["this − FedSplitX same model", "FedSplitX full − this"]
@@ -167,7 +159,7 @@ def accuracy_table(results: ResultSet) -> str:
                 what, flops, same = "full model (client side + server side)", "", fed_full
             else:
                 what = f"level-{level} client model (blocks to {LEVEL_CUTS[level - 1]} + head)"
-                flops, same = f"{costs[level - 1].client_flops:,}", client_accuracy(fed, level)
+                flops, same = f"{costs[level - 1].client_flops:,}", accuracy(fed, level)
             curve = level_curve(result, level)
             own = result is fed
             rows.append(
@@ -308,7 +300,7 @@ def _late(result: RunResult, level: int | None) -> str:
 
 def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
     name = f"EXC-level-{level}"
-    full, theirs = full_accuracy(fed), client_accuracy(exc, level)
+    full, theirs = accuracy(fed, None), accuracy(exc, level)
     lines = []
     if math.isfinite(full - theirs):
         judged = "agrees: FedSplitX is" if full - theirs > 0 else "**disagrees**: FedSplitX is not"
@@ -317,7 +309,7 @@ def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
             f"FedSplitX's full model {pct(full)} vs {name}'s global model (the level-{level} "
             f"model) {pct(theirs)} ({pts(full - theirs)}; {late}): {judged} ahead of {name}."
         )
-    own = client_accuracy(fed, level)
+    own = accuracy(fed, level)
     if math.isfinite(own - theirs):
         word = "better" if own > theirs else "**not better**"
         lines.append(
@@ -341,7 +333,7 @@ def _accsfl_lines(fed: RunResult, accsfl: RunResult) -> list[str]:
             f"Server load: FedSplitX {ours:,.0f} forward FLOPs per sample vs local-loss SFL at "
             f"block1 {theirs:,.0f} ({ours / theirs:.0%}): {judged}."
         )
-    full, acc_full = full_accuracy(fed), full_accuracy(accsfl)
+    full, acc_full = accuracy(fed, None), accuracy(accsfl, None)
     if math.isfinite(acc_full) and math.isfinite(full):
         word = "ahead of" if full > acc_full else "**behind**"
         lines.append(
@@ -374,8 +366,8 @@ def verdict(results: ResultSet) -> list[str]:
             "Round-to-round swing of the full model's accuracy (mean absolute change, "
             "evaluation rows): " + ", ".join(swings) + "."
         )
-    every = client_accuracy(_method(results, ALL3), 3)
-    capable = client_accuracy(_method(results, EXC3), 3)
+    every = accuracy(_method(results, ALL3), 3)
+    capable = accuracy(_method(results, EXC3), 3)
     if math.isfinite(every - capable):
         lines.append(
             f"What exclusion costs at level 3: all clients at level 3 reach {pct(every)} with "

@@ -101,8 +101,7 @@ def best_threshold(result: RunResult, p: float) -> tuple[float, float]:
     """(accuracy, E_th) of the sweep's best threshold at `p` (chosen on the test rows); of
     equally good ones the largest, which offloads the fewest rows."""
     best = (math.nan, math.nan)
-    for t in SWEEP:
-        acc = mix(*result.pair(f"splitgp.sweep.{t:g}.split"), p)
+    for t, acc in zip(SWEEP, _sweep(result, "split", p), strict=True):
         if math.isfinite(acc) and not acc < best[0]:
             best = (acc, t)
     return best

@@ -137,7 +137,7 @@ def _staleness(records: Sequence[VersionRecord]) -> PanelDraw:
     histogram = staleness_histogram(records)
 
     def draw(axes: Any, _: str) -> bool:
-        if histogram is None or histogram.total == 0:
+        if histogram is None or sum(histogram.folded.values()) + histogram.refused == 0:
             return False
         taus = list(range(max(histogram.folded, default=0) + 1))
         axes.bar([str(t) for t in taus], [histogram.folded.get(t, 0) for t in taus], label="folded")

@@ -28,18 +28,11 @@ class StalenessHistogram:
     folded: dict[int, int]  # tau -> updates folded with that staleness
     refused: int  # updates refused as too stale
 
-    @property
-    def total(self) -> int:
-        return sum(self.folded.values()) + self.refused
-
-    @property
-    def mean(self) -> float:
-        n = sum(self.folded.values())
-        return sum(t * c for t, c in self.folded.items()) / n if n else 0.0
-
     def line(self) -> str:
         bins = ", ".join(f"{t}: {c}" for t, c in sorted(self.folded.items()))
-        return f"{bins}; refused {self.refused} (mean {self.mean:.2f})"
+        n = sum(self.folded.values())
+        mean = sum(t * c for t, c in self.folded.items()) / n if n else 0.0
+        return f"{bins}; refused {self.refused} (mean {mean:.2f})"
 
 
 def staleness_histogram(records: Sequence[VersionRecord]) -> StalenessHistogram | None:
@@ -73,11 +66,11 @@ def num(value: float) -> str:
 
 
 def size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024.0
-    raise AssertionError("unreachable")
+    return f"{n:.1f} GiB"
 
 
 def banner(info: RunInfo) -> str:
