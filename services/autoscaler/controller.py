@@ -22,7 +22,7 @@ from broker.store import WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker
 from services.autoscaler.docker_pool import DockerUnavailableError
-from services.autoscaler.policy import Decision, Limits, Observation, PolicyState, decide
+from services.autoscaler.policy import Decision, Observation, PolicyState, capped, decide
 from services.autoscaler.pool import PoolWorker, WorkerPool
 from services.common.backends import Backends
 from services.common.health import TTL_S, HealthBeat
@@ -106,7 +106,7 @@ class Autoscaler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self.limits = Limits.from_settings(settings.autoscaler, settings.shards)
+        self.limits = capped(settings.autoscaler, settings.shards)
         self.pool = pool
         self.events: list[ScalingEvent] = []
         self.running = 0  # as of the last step

@@ -11,30 +11,13 @@ from dataclasses import dataclass, replace
 from services.config.autoscaler import AutoscalerSection
 
 
-@dataclass(frozen=True)
-class Limits:
-    min_workers: int
-    max_workers: int
-    target_depth: int
-    up_busy: float
-    down_busy: float
-    cooldown_s: float
-    down_after_s: float
-
-    @classmethod
-    def from_settings(cls, section: AutoscalerSection, shards: int) -> Limits:
-        """The configured limits, `max` capped at the job's shard count S (and `min` with it):
-        a worker beyond S would hold no shard."""
-        top = min(section.max_workers, shards)
-        return cls(
-            min_workers=min(section.min_workers, top),
-            max_workers=top,
-            target_depth=section.target_depth_per_worker,
-            up_busy=section.scale_up_busy,
-            down_busy=section.scale_down_busy,
-            cooldown_s=section.cooldown_s,
-            down_after_s=section.scale_down_after_s,
-        )
+def capped(section: AutoscalerSection, shards: int) -> AutoscalerSection:
+    """The configured limits, `max_workers` capped at the job's shard count S (and
+    `min_workers` with it): a worker beyond S would hold no shard."""
+    top = min(section.max_workers, shards)
+    return section.model_copy(
+        update={"min_workers": min(section.min_workers, top), "max_workers": top}
+    )
 
 
 @dataclass(frozen=True)
@@ -59,7 +42,7 @@ class Decision:
     state: PolicyState
 
 
-def decide(obs: Observation, limits: Limits, state: PolicyState, now: float) -> Decision:
+def decide(obs: Observation, limits: AutoscalerSection, state: PolicyState, now: float) -> Decision:
     running = obs.running
     slack = _slack(obs, limits)
     since = state.slack_since if state.slack_since is not None else now
@@ -83,25 +66,27 @@ def decide(obs: Observation, limits: Limits, state: PolicyState, now: float) -> 
     if pressure:
         if running >= limits.max_workers:
             return hold(f"at the maximum of {limits.max_workers} ({pressure})")
-        wanted = max(running + 1, math.ceil(obs.depth / limits.target_depth))
+        wanted = max(running + 1, math.ceil(obs.depth / limits.target_depth_per_worker))
         return change(min(limits.max_workers, wanted), pressure)
     if slack and state.slack_since is not None:
         if running <= limits.min_workers:
             return hold(f"at the minimum of {limits.min_workers}")
-        if now - state.slack_since >= limits.down_after_s:
+        if now - state.slack_since >= limits.scale_down_after_s:
             return change(running - 1, f"idle for {now - state.slack_since:.0f} s")
         return hold("idle, not for long enough")
     return hold("within the band")
 
 
-def _pressure(obs: Observation, limits: Limits) -> str:
+def _pressure(obs: Observation, limits: AutoscalerSection) -> str:
     """Why more workers are needed ("" when they are not)."""
-    if obs.depth > limits.target_depth * obs.running:
+    if obs.depth > limits.target_depth_per_worker * obs.running:
         return f"{obs.depth} ready for {obs.running} workers"
-    if obs.busy is not None and obs.busy >= limits.up_busy:
+    if obs.busy is not None and obs.busy >= limits.scale_up_busy:
         return f"workers {obs.busy:.0%} busy"
     return ""
 
 
-def _slack(obs: Observation, limits: Limits) -> bool:
-    return obs.depth < limits.target_depth and (obs.busy is None or obs.busy <= limits.down_busy)
+def _slack(obs: Observation, limits: AutoscalerSection) -> bool:
+    return obs.depth < limits.target_depth_per_worker and (
+        obs.busy is None or obs.busy <= limits.scale_down_busy
+    )

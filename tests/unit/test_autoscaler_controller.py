@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -148,7 +148,7 @@ def test_scales_down_the_idle_shardless_worker_and_waits_for_it_to_exit(job: str
     pool, clock, seen = FakePool(), Clock(), FakeObserver()
     auto = scaler(job, pool, clock, min_workers=3)
     auto.step(seen)
-    auto.limits = replace(auto.limits, min_workers=1)
+    auto.limits = auto.limits.model_copy(update={"min_workers": 1})
     # w1 holds no shard: it goes first although w2 is less busy and newer.
     seen.set(w0=((0,), 0.1), w1=((), 0.15), w2=((1, 2), 0.0))
     clock.now = 10

@@ -7,17 +7,17 @@ from dataclasses import dataclass, field
 import pytest
 from pydantic import ValidationError
 
-from services.autoscaler.policy import Decision, Limits, Observation, PolicyState, decide
+from services.autoscaler.policy import Decision, Observation, PolicyState, capped, decide
 from services.config.autoscaler import AutoscalerSection
 
-LIMITS = Limits(
+LIMITS = AutoscalerSection(
     min_workers=1,
     max_workers=4,
-    target_depth=10,
-    up_busy=0.8,
-    down_busy=0.2,
+    target_depth_per_worker=10,
+    scale_up_busy=0.8,
+    scale_down_busy=0.2,
     cooldown_s=30.0,
-    down_after_s=60.0,
+    scale_down_after_s=60.0,
 )
 
 
@@ -25,7 +25,7 @@ LIMITS = Limits(
 class Scaler:
     """The policy with its state threaded through, and a clock the test moves."""
 
-    limits: Limits = LIMITS
+    limits: AutoscalerSection = LIMITS
     now: float = 1000.0
     state: PolicyState = field(default_factory=PolicyState)
 
@@ -44,7 +44,7 @@ def test_below_the_minimum_starts_workers_at_once_even_while_cooling_down() -> N
     s = Scaler()
     assert s.see(0).target == 1
     assert s.see(0).target == 1  # still none up (it died): the minimum holds regardless
-    s2 = Scaler(limits=Limits(**{**LIMITS.__dict__, "min_workers": 3}))
+    s2 = Scaler(limits=LIMITS.model_copy(update={"min_workers": 3}))
     assert s2.see(1, busy=0.0).target == 3
 
 
@@ -122,7 +122,7 @@ def test_a_queue_that_is_not_empty_is_not_idle() -> None:
 
 
 def test_no_busy_report_with_an_empty_queue_counts_as_idle_and_a_backlog_starts_one() -> None:
-    limits = Limits(**{**LIMITS.__dict__, "min_workers": 0, "down_after_s": 0.0})
+    limits = LIMITS.model_copy(update={"min_workers": 0, "scale_down_after_s": 0.0})
     s = Scaler(limits=limits)
     assert s.see(1, busy=None).target == 0
     s.wait(31)
@@ -132,8 +132,8 @@ def test_no_busy_report_with_an_empty_queue_counts_as_idle_and_a_backlog_starts_
 
 def test_limits_cap_the_maximum_at_the_shard_count() -> None:
     section = AutoscalerSection(min_workers=2, max_workers=8)
-    assert Limits.from_settings(section, shards=3).max_workers == 3
-    assert Limits.from_settings(section, shards=1) == Limits.from_settings(
+    assert capped(section, shards=3).max_workers == 3
+    assert capped(section, shards=1) == capped(
         AutoscalerSection(min_workers=1, max_workers=1), shards=1
     )
 
