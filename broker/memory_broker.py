@@ -9,11 +9,12 @@ brokers to them): CONTRIBUTING.md, "Adding a broker or a store".
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
@@ -48,13 +49,13 @@ __all__ = ["InMemoryBroker", "InMemoryHub"]
 
 @dataclass(eq=False)
 class _Message:
-    seq: int  # publish order; requeued messages go back to their original position
-    body: bytes
     exchange: str
     routing_key: str
+    body: bytes
     headers: Headers
     message_id: str | None
     user_id: str | None
+    seq: int = 0  # publish order; requeued messages go back to their original position
     redelivered: bool = False
 
 
@@ -181,16 +182,9 @@ class InMemoryHub:
 
     # -- publishing -----------------------------------------------------------------------
 
-    def route(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        headers: Headers,
-        message_id: str | None,
-        user_id: str | None,
-    ) -> list[str]:
-        """Enqueue on every bound queue; returns the names of the queues that were full."""
+    def route(self, message: _Message) -> list[str]:
+        """Enqueue a copy on every bound queue; returns the names of the queues that were full."""
+        exchange, routing_key, size = message.exchange, message.routing_key, len(message.body)
         kind = self._exchanges.get(exchange)
         if kind is None:
             raise BrokerError(f"NOT_FOUND - no exchange {exchange!r}")
@@ -208,17 +202,14 @@ class InMemoryHub:
         full: list[str] = []
         for name in targets:
             queue = self._queues[name]
-            if _overflows(queue, len(body)):
+            if _overflows(queue, size):
                 if queue.spec.overflow == "reject-publish":
                     full.append(name)
                     continue
-                if not self._drop_head(queue, len(body)):
+                if not self._drop_head(queue, size):
                     continue  # larger than the whole bound: RabbitMQ drops it as well
-            message = _Message(
-                next(self._seq), body, exchange, routing_key, headers, message_id, user_id
-            )
-            queue.ready.append(message)
-            queue.ready_bytes += len(body)
+            queue.ready.append(replace(message, seq=next(self._seq), redelivered=False))
+            queue.ready_bytes += size
             self._dispatch(queue)
         return full
 
@@ -274,17 +265,10 @@ class InMemoryHub:
         headers.setdefault("x-first-death-reason", why)
         headers.setdefault("x-first-death-queue", queue.spec.name)
         headers.setdefault("x-first-death-exchange", message.exchange)
-        try:
-            self.route(
-                DEAD_EXCHANGE,
-                routing_key,
-                message.body,
-                headers,
-                message.message_id,
-                message.user_id,
-            )
-        except BrokerError:
-            pass  # RabbitMQ drops a dead letter it cannot route; so do we, to stay comparable
+        dead = replace(message, exchange=DEAD_EXCHANGE, routing_key=routing_key, headers=headers)
+        # RabbitMQ drops a dead letter it cannot route; so do we, to stay comparable.
+        with contextlib.suppress(BrokerError):
+            self.route(dead)
 
     def copy_to_dead(
         self, session: Session, message: _Message, queue: str, key: str, reason: str
@@ -294,14 +278,14 @@ class InMemoryHub:
         headers[SOURCE_QUEUE_HEADER] = queue
         if message.user_id is not None:
             headers[USER_HEADER] = message.user_id
-        copy = (DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
+        copy = _Message(DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
         try:
-            full = self.route(*copy)
+            full = self.route(copy)
         except UnroutableError:
             # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
             dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
             self._declare_queue(session, dead)
-            full = self.route(*copy)
+            full = self.route(copy)
         if full:
             raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
 
@@ -445,10 +429,16 @@ class InMemoryBroker:
         if self._session.closed:
             raise BrokerError("this broker handle is closed")
 
-    def declare(self, queues: Sequence[QueueSpec]) -> None:
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[Session]:
+        """The hub's lock held, on a handle that is not closed: its session."""
         with self.hub.lock:
             self._check_open()
-            self.hub.declare(self._session, queues)
+            yield self._session
+
+    def declare(self, queues: Sequence[QueueSpec]) -> None:
+        with self._open() as session:
+            self.hub.declare(session, queues)
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
@@ -460,11 +450,9 @@ class InMemoryBroker:
         check_publish(body, self._max_message_bytes, user_id, self._user, target)
         headers = outgoing_headers(options.headers) or {}
         try:
-            with self.hub.lock:
-                self._check_open()
-                full = self.hub.route(
-                    exchange, routing_key, body, headers, options.message_id, user_id
-                )
+            message = _Message(exchange, routing_key, body, headers, options.message_id, user_id)
+            with self._open():
+                full = self.hub.route(message)
             if full:
                 raise BackPressureError(
                     f"queue(s) {', '.join(full)} full (reject-publish): exchange {exchange!r} "
@@ -485,20 +473,16 @@ class InMemoryBroker:
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        with self.hub.lock:
-            self._check_open()
-            self.hub.subscribe(self._session, queue, prefetch)
+        with self._open() as session:
+            self.hub.subscribe(session, queue, prefetch)
 
     def unsubscribe(self, queue: str) -> None:
-        with self.hub.lock:
-            self._check_open()
-            self.hub.unsubscribe(self._session, queue)
+        with self._open() as session:
+            self.hub.unsubscribe(session, queue)
 
     def get(self, timeout: float) -> Delivery | None:
         started = time.perf_counter()
-        session = self._session
-        with self.hub.lock:
-            self._check_open()
+        with self._open() as session:
             if not session.buffer:
                 session.wakeup.wait_for(lambda: session.buffer or session.closed, timeout)
                 self._check_open()
@@ -512,20 +496,17 @@ class InMemoryBroker:
         return delivery
 
     def ack(self, delivery: Delivery) -> None:
-        with self.hub.lock:
-            self._check_open()
+        with self._open():
             self.hub.settle(self._take(delivery))
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
-        with self.hub.lock:
-            self._check_open()
+        with self._open():
             self.hub.nack(self._take(delivery), requeue)
         if not requeue and self.meter is not None:
             self.meter.dead_lettered(None)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        with self.hub.lock:
-            self._check_open()
+        with self._open():
             self._dead_letter(delivery, reason)
         if self.meter is not None:
             self.meter.dead_lettered(reason)
@@ -533,10 +514,8 @@ class InMemoryBroker:
     def dead_letter_many(
         self, letters: Sequence[tuple[Delivery, str]]
     ) -> list[tuple[Delivery, BrokerError]]:
-        session = self._session
         unsettled: list[tuple[Delivery, BrokerError]] = []
-        with self.hub.lock:
-            self._check_open()
+        with self._open() as session:
             for delivery, _ in letters:  # usage errors first, before anything is settled
                 if delivery.tag not in session.handed and delivery.tag not in session.returned:
                     self._peek(delivery)
@@ -584,14 +563,12 @@ class InMemoryBroker:
         return pending
 
     def queue_depth(self, queue: str) -> int:
-        with self.hub.lock:
-            self._check_open()
-            return len(self.hub.queue(self._session, queue).ready)
+        with self._open() as session:
+            return len(self.hub.queue(session, queue).ready)
 
     def delete_queue(self, queue: str) -> None:
-        with self.hub.lock:
-            self._check_open()
-            self.hub.delete_queue(self._session, queue)
+        with self._open() as session:
+            self.hub.delete_queue(session, queue)
 
     def close(self) -> None:
         with self.hub.lock:

@@ -44,13 +44,8 @@ class _Version:
     commit_id: str
 
 
-@dataclass(frozen=True)
-class _StoredCheckpoint:
-    applied: int
-    weights: bytes
-    sha256: str
-    meta: bytes
-    saved_at: float
+# What `decode_checkpoint` takes after the shard: applied, weights, sha256, meta, saved_at.
+_StoredCheckpoint = tuple[int, bytes, str, bytes, float]
 
 
 @dataclass(frozen=True)
@@ -71,12 +66,9 @@ class _JobState:
 
     def sweep(self, now: float) -> None:
         """Forget everything whose expiry has passed (Redis does this by itself)."""
-        for key in [k for k, b in self.blobs.items() if _expired(b.expires_at, now)]:
-            del self.blobs[key]
-        for name in [n for n, m in self.members.items() if _expired(m.expires_at, now)]:
-            del self.members[name]
-        for name in [n for n, lease in self.leases.items() if _expired(lease.expires_at, now)]:
-            del self.leases[name]
+        for records in (self.blobs, self.members, self.leases):
+            for key in [k for k, r in records.items() if _expired(r.expires_at, now)]:
+                del records[key]
 
 
 def _expired(expires_at: float | None, now: float) -> bool:
@@ -204,7 +196,7 @@ class InMemoryWeightStore(PublishingStore):
     ) -> None:
         keys.validate_job(job)
         data, sha256, meta = encode_checkpoint(checkpoint)
-        stored = _StoredCheckpoint(int(checkpoint.applied), data, sha256, meta, self._clock())
+        stored = (int(checkpoint.applied), data, sha256, meta, self._clock())
         with self._job(job, create=True) as state:
             if holder is not None:
                 lease = state.leases.get(holder[0])
@@ -217,9 +209,7 @@ class InMemoryWeightStore(PublishingStore):
             stored = state.checkpoints.get(int(shard))
         if stored is None:
             return None
-        s = stored
-        what = f"checkpoint {keys.checkpoint_key(job, shard)}"
-        return decode_checkpoint(what, shard, s.applied, s.weights, s.sha256, s.meta, s.saved_at)
+        return decode_checkpoint(f"checkpoint {keys.checkpoint_key(job, shard)}", shard, *stored)
 
     # --- membership ---------------------------------------------------------------------------
     def heartbeat(

@@ -116,15 +116,11 @@ return out
 # KEYS[1] lease; ARGV[1] owner, ARGV[2] ttl in ms. 1 if taken or renewed, 0 if held by another.
 ACQUIRE_LEASE = """
 local owner = redis.call('GET', KEYS[1])
-if owner == false then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
+if owner ~= false and owner ~= ARGV[1] then
+  return 0
 end
-if owner == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 
 # KEYS[1] lease; ARGV[1] owner. Compare-and-delete.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from broker.transport import QueueSpec
 
@@ -103,17 +103,27 @@ def infer_reply_routing_key(job: str, requester: str) -> str:
     return f"{job}.infer-reply.{requester}"
 
 
-def shard_queue(job: str, shard: int, limits: QueueLimits | None = None) -> QueueSpec:
-    limits = limits or QueueLimits()
+def _bounded(
+    job: str, name: str, exchange: str, key: str, bounds: tuple[int, int], sac: bool = False
+) -> QueueSpec:
+    """A durable queue of `job` bounded by `bounds` (messages, bytes), refusing publishes when
+    full, whose rejected messages go to `<job>.dead`."""
+    length, nbytes = bounds
     return QueueSpec(
-        name=shard_queue_name(job, shard),
-        exchange=SMASHED_EXCHANGE,
-        routing_key=shard_routing_key(job, shard),
-        single_active_consumer=True,
-        max_length=limits.max_length,
-        max_length_bytes=limits.max_length_bytes,
+        name,
+        exchange,
+        key,
+        single_active_consumer=sac,
+        max_length=length,
+        max_length_bytes=nbytes,
         dead_letter_routing_key=job,
     )
+
+
+def shard_queue(job: str, shard: int, limits: QueueLimits | None = None) -> QueueSpec:
+    limits = limits or QueueLimits()
+    key, bounds = shard_routing_key(job, shard), (limits.max_length, limits.max_length_bytes)
+    return _bounded(job, shard_queue_name(job, shard), SMASHED_EXCHANGE, key, bounds, sac=True)
 
 
 def infer_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
@@ -121,39 +131,23 @@ def infer_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
     behind training traffic. Every worker of the job consumes it (competing consumers) on a
     connection and thread of its own (`workers.inference`)."""
     limits = limits or QueueLimits()
-    return QueueSpec(
-        name=infer_queue_name(job),
-        exchange=SMASHED_EXCHANGE,
-        routing_key=infer_routing_key(job),
-        max_length=limits.max_length,
-        max_length_bytes=limits.max_length_bytes,
-        dead_letter_routing_key=job,
-    )
+    bounds = (limits.max_length, limits.max_length_bytes)
+    return _bounded(job, infer_queue_name(job), SMASHED_EXCHANGE, infer_routing_key(job), bounds)
 
 
 def control_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
     limits = limits or QueueLimits()
-    return QueueSpec(
-        name=control_queue_name(job),
-        exchange=CONTROL_EXCHANGE,
-        routing_key=job,
-        max_length=limits.control_max_length,
-        max_length_bytes=limits.control_max_length_bytes,
-        dead_letter_routing_key=job,
-    )
+    bounds = (limits.control_max_length, limits.control_max_length_bytes)
+    return _bounded(job, control_queue_name(job), CONTROL_EXCHANGE, job, bounds)
 
 
 def updates_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
     """WeightsUpdates, apart from `<job>.control` so the coordinator and the aggregator can be
     separate processes (two consumers of one queue would get each other's messages)."""
     limits = limits or QueueLimits()
-    return QueueSpec(
-        name=updates_queue_name(job),
-        exchange=CONTROL_EXCHANGE,
-        routing_key=updates_routing_key(job),
-        max_length=limits.updates_max_length,
-        max_length_bytes=limits.updates_max_length_bytes,
-        dead_letter_routing_key=job,
+    bounds = (limits.updates_max_length, limits.updates_max_length_bytes)
+    return _bounded(
+        job, updates_queue_name(job), CONTROL_EXCHANGE, updates_routing_key(job), bounds
     )
 
 
@@ -216,12 +210,8 @@ def client_infer_reply_queue(job: str, client: str) -> QueueSpec:
     `infer_reply_queue`, but durable and shared-access, because the client may not declare (or
     bind) a queue: `splitmq provision-clients` declares it for the client with the services'
     connection, and the client only checks that it exists."""
-    return QueueSpec(
-        name=infer_reply_queue_name(job, client),
-        exchange=REPLIES_EXCHANGE,
-        routing_key=infer_reply_routing_key(job, client),
-        dead_letter_routing_key=job,
-    )
+    private = infer_reply_queue(job, client)
+    return replace(private, durable=True, exclusive=False, auto_delete=False)
 
 
 def client_queue_names(job: str, client: str) -> list[str]:

@@ -14,22 +14,11 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from broker.errors import DecodeError, EncodeError
-from broker.tensors import all_finite
+from broker.tensors import BY_TORCH, all_finite
 
-ALLOWED_DTYPES: frozenset[torch.dtype] = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)
+# The dtypes a message may carry (`broker.tensors.WIRE_DTYPES`), so a blob never holds one the
+# wire refuses.
+ALLOWED_DTYPES: frozenset[torch.dtype] = frozenset(BY_TORCH)
 
 _METADATA = {"format": "pt"}
 
