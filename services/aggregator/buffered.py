@@ -118,7 +118,6 @@ class BufferClock(Core):
         dropped, self.buffer = len(self.buffer), []
         return dropped
 
-    # --- the gate -----------------------------------------------------------------------------
     def offer(self, update: WeightsUpdate) -> Offer:
         if update.message_id in self._seen:
             return Offer(Verdict.DUPLICATE)
@@ -194,7 +193,6 @@ class BufferClock(Core):
         self.members.recent()
         return self.members.get(client)
 
-    # --- versions -----------------------------------------------------------------------------
     def _fold(self, version: int) -> None:
         buffered, self.buffer = self.buffer, []
         refused, self.too_stale = self.too_stale, 0

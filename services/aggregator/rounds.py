@@ -95,7 +95,6 @@ class RoundClock(Core):
             earlier = earlier | frozenset(state.cohort)
             attempt += 1
 
-    # --- opening ------------------------------------------------------------------------------
     def _await_members(self, r: int, version: int) -> dict[str, MemberInfo] | None:
         clients = self.settings.clients
         need = clients.min_to_start if r == 0 else 1
@@ -176,7 +175,6 @@ class RoundClock(Core):
         """Each shard its round marker (waiting out back-pressure); False if stopped first."""
         return all(self.outbox.to_shard(s, m, self.stop) for s, m in markers.items())
 
-    # --- collecting ---------------------------------------------------------------------------
     def _collect(self, state: OpenRound) -> Decision | None:
         """Take updates until the round closes or must reopen; None when stopped."""
         while not self.stop.is_set():
@@ -197,7 +195,6 @@ class RoundClock(Core):
                 return state.decide(self.clock())
         return None
 
-    # --- closing ------------------------------------------------------------------------------
     def _close(self, state: OpenRound) -> None:
         round_s = self.clock() - state.opened_at
         replicas = self._replicas(state)

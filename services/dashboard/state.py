@@ -112,7 +112,6 @@ class DashboardState:
         self._finished: dict[str, Any] | None = None
         self._report: RunReport | None = None
 
-    # --- inputs -------------------------------------------------------------------------------
     def on_event(self, event: Event, at: float | None = None) -> None:
         """A notice from the events fanout (other jobs' events are ignored)."""
         if event.job != self.job:
@@ -171,7 +170,6 @@ class DashboardState:
         row.update({name: values[name] for name in VERSION_FIELDS if values.get(name) is not None})
         return row
 
-    # --- throughput ---------------------------------------------------------------------------
     def _count_trained(self, probe: Probe) -> None:
         for worker in probe.workers:
             if worker.samples is None:
@@ -194,7 +192,6 @@ class DashboardState:
         elapsed = now - base_t
         return (self._trained - base_n) / elapsed if elapsed > 0 else None
 
-    # --- output -------------------------------------------------------------------------------
     def _status(self) -> str:
         if self._report is not None and self._report.status not in ("", "running"):
             return self._report.status

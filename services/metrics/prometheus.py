@@ -115,9 +115,9 @@ class _Families:
 class PrometheusMeters(Meters):
     """One per process: the registry, and a recorder per role the process runs."""
 
-    def __init__(self, job: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, job: str) -> None:
         self.job = job
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry = CollectorRegistry()
         self._families = _Families(self.registry)
         self._lock = threading.Lock()
         self._roles: dict[tuple[str, str], RoleRecorder] = {}
