@@ -12,7 +12,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 from torch import nn
@@ -96,28 +96,24 @@ class ThetaCache:
         return wanted, theta
 
 
+@dataclass(eq=False)
 class InferenceServer:
     """Answers a job's InferRequests; `run` it on a thread of its own (`start`)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        backends: Backends,
-        *,
-        worker_id: str,
-        model_factory: ModelFactory,
-        poll_s: float = 0.2,
-        logger: logging.Logger | None = None,
-    ) -> None:
-        self._settings = settings
-        self._backends = backends
-        self._worker_id = worker_id
-        self._model_factory = model_factory
-        self._poll_s = poll_s
-        self._log = logger or logging.getLogger("splitmq.worker.inference")
-        self._job = settings.job.name
+    settings: Settings
+    backends: Backends
+    _: KW_ONLY
+    worker_id: str
+    model_factory: ModelFactory
+    poll_s: float = 0.2
+    logger: logging.Logger = field(
+        default_factory=lambda: logging.getLogger("splitmq.worker.inference")
+    )
+
+    def __post_init__(self) -> None:
+        self._job = self.settings.job.name
         self._cut_shape: tuple[int, ...] = ()
-        self._senders = sender_check(settings)
+        self._senders = sender_check(self.settings)
         self.stats = InferenceStats()
 
     def start(self) -> Callable[[], None]:
@@ -129,9 +125,9 @@ class InferenceServer:
                 self.run(stop)
             except Exception:
                 # Training goes on without it; requesters get no answer and time out.
-                self._log.exception("split inference stopped after a failure")
+                self.logger.exception("split inference stopped after a failure")
 
-        thread = threading.Thread(target=run, name=f"infer-{self._worker_id}", daemon=True)
+        thread = threading.Thread(target=run, name=f"infer-{self.worker_id}", daemon=True)
         thread.start()
 
         def close() -> None:
@@ -141,22 +137,22 @@ class InferenceServer:
         return close
 
     def run(self, stop: threading.Event) -> InferenceStats:
-        template = self._model_factory()
-        cut = self._settings.model.cut
+        template = self.model_factory()
+        cut = self.settings.model.cut
         self._cut_shape = tuple(template.cut_shape(cut))
-        name = f"splitmq-infer-{self._worker_id}"
+        name = f"splitmq-infer-{self.worker_id}"
         with (
-            contextlib.closing(self._backends.open_store()) as store,
-            contextlib.closing(self._backends.open_broker(name)) as broker,
+            contextlib.closing(self.backends.open_store()) as store,
+            contextlib.closing(self.backends.open_broker(name)) as broker,
         ):
-            limits = self._settings.broker.queue_limits
+            limits = self.settings.broker.queue_limits
             broker.declare([dead_queue(self._job), infer_queue(self._job, limits)])
             broker.subscribe(infer_queue_name(self._job), prefetch=INFER_PREFETCH)
-            device = pick_device(self._settings.workers.device)
+            device = pick_device(self.settings.workers.device)
             thetas = ThetaCache(store, self._job, template, cut, device)
-            replier = Replier(broker, stop, self._log)
+            replier = Replier(broker, stop, self.logger)
             while not stop.is_set():
-                delivery = broker.get(self._poll_s)
+                delivery = broker.get(self.poll_s)
                 if delivery is not None:
                     self._handle(broker, replier, thetas, delivery)
         return self.stats
@@ -166,7 +162,7 @@ class InferenceServer:
         self, broker: Broker, replier: Replier, thetas: ThetaCache, delivery: Delivery
     ) -> None:
         def refuse(code: str, detail: str) -> None:
-            reject(broker, delivery, code, detail, self.stats.dead_lettered, self._log)
+            reject(broker, delivery, code, detail, self.stats.dead_lettered, self.logger)
 
         try:  # the type is checked before any tensor is decoded
             message = decode(delivery.body, expect=InferRequest)

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 from broker.codec import decode
@@ -112,27 +113,24 @@ class Worker:
         return stats
 
 
+@dataclass(eq=False)
 class WorkerSession:
     """The state of one `Worker.run`: its broker handle, leases and shard runners. Each lease
     tick (a third of the TTL) it heartbeats, renews and rebalances; in between it dispatches
     deliveries to their shard's runner."""
 
-    def __init__(
-        self,
-        worker: Worker,
-        broker: Broker,
-        store: WeightStore,
-        stop: threading.Event,
-        stats: WorkerStats,
-    ) -> None:
+    worker: Worker
+    broker: Broker
+    store: WeightStore
+    stop: threading.Event
+    stats: WorkerStats
+
+    def __post_init__(self) -> None:
+        worker, store = self.worker, self.store
         settings = self.settings = worker.settings
         self.worker_id = worker.worker_id
         self.strategy = worker.strategy
         self.job = settings.job.name
-        self.broker = broker
-        self.store = store
-        self.stop = stop
-        self.stats = stats
         self.log = worker.logger
         self.clock = worker.clock
         self.metrics = worker.metrics
@@ -161,7 +159,7 @@ class WorkerSession:
         self.pending_limit = max(1, self.prefetch - margin)
         # The last reply per client, for a copy of a batch whose reply was lost: room for
         # every member (clients beyond `count` are refused) and for some that left.
-        self.replier = Replier(broker, stop, self.log, keep=2 * settings.clients.count)
+        self.replier = Replier(self.broker, self.stop, self.log, keep=2 * settings.clients.count)
         # Whether the job's coordinator admitted a client.
         self.members = MemberCache(store, self.job, self.clock)
         self.senders = sender_check(settings)

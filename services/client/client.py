@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, InitVar, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -153,37 +153,31 @@ class Newest:
 Clock = Rounds | Newest
 
 
+@dataclass(eq=False)
 class Client:
-    def __init__(
-        self,
-        settings: Settings,
-        backends: Backends,
-        *,
-        client_id: str,
-        partition: int | None = None,
-        dataset: Dataset | JobData | None = None,
-        join_retry_s: float = 5.0,
-        join_give_up_s: float = 120.0,
-        max_republish: int = 5,
-    ) -> None:
-        if not CLIENT_ID.match(client_id):  # it becomes part of queue names and keys
+    settings: Settings
+    backends: Backends
+    _: KW_ONLY
+    client_id: str
+    partition: int | None = None
+    dataset: InitVar[Dataset | JobData | None] = None
+    join_retry_s: float = 5.0
+    join_give_up_s: float = 120.0
+    max_republish: int = 5
+
+    def __post_init__(self, dataset: Dataset | JobData | None) -> None:
+        count = self.settings.clients.count
+        if not CLIENT_ID.match(self.client_id):  # it becomes part of queue names and keys
             raise ClientSettingsError(
-                f"client id {client_id!r}: use 1-64 letters, digits, '_' or '-' (--id)"
+                f"client id {self.client_id!r}: use 1-64 letters, digits, '_' or '-' (--id)"
             )
-        if partition is not None and not 0 <= partition < settings.clients.count:
+        if self.partition is not None and not 0 <= self.partition < count:
             raise ClientSettingsError(
-                f"partition {partition} outside 0..{settings.clients.count - 1}: the job has "
-                f"{settings.clients.count} clients (--partition, clients.count)"
+                f"partition {self.partition} outside 0..{count - 1}: the job has "
+                f"{count} clients (--partition, clients.count)"
             )
-        self._settings = settings
-        self._backends = backends
-        self.client_id = client_id
-        self._partition = partition
-        self._data = dataset if isinstance(dataset, JobData) else JobData(settings, dataset)
-        self._join_retry_s = join_retry_s
-        self._join_give_up_s = join_give_up_s
-        self._max_republish = max_republish
-        self._job = settings.job.name
+        self._data = dataset if isinstance(dataset, JobData) else JobData(self.settings, dataset)
+        self._job = self.settings.job.name
         self._session = new_message_id()  # renewed by each run()
 
     def run(self, stop: threading.Event) -> ClientStats:
@@ -193,9 +187,9 @@ class Client:
         # Every Join of this run names it: a run after a leave, or a restart after a crash,
         # is another process to the aggregator (it drops the old one from an open round).
         self._session = new_message_id()
-        settings, name = self._settings, f"splitmq-client-{self.client_id}"
+        settings, name = self.settings, f"splitmq-client-{self.client_id}"
         model = job_model(settings)  # its weights come from the service, not the seed
-        broker = secured_client_broker(settings, self._backends, self.client_id, name)
+        broker = secured_client_broker(settings, self.backends, self.client_id, name)
         link = ClientLink(
             broker,
             job=self._job,
@@ -206,14 +200,14 @@ class Client:
             logger=logging.getLogger("splitmq.client"),
             heartbeat_s=settings.clients.heartbeat_s,
             reply_timeout_s=settings.clients.reply_timeout_s,
-            max_republish=self._max_republish,
+            max_republish=self.max_republish,
             # Above any earlier run's (workers skip seq <= last applied): the clock in µs.
             seq_start=time.time_ns() // 1000,
             model=model,
             plan=RoundPlan.from_settings(settings),
             # Heartbeats from a thread and connection of their own (services/client/beat.py).
             open_beat_broker=lambda: secured_client_broker(
-                settings, self._backends, self.client_id, f"{name}-heartbeat"
+                settings, self.backends, self.client_id, f"{name}-heartbeat"
             ),
         )
         reason = "finished"
@@ -249,20 +243,20 @@ class Client:
 
     def _join(self, link: ClientLink, model: SplitNet) -> tuple[Membership, Clock] | None:
         """Join until welcomed; None when the job turns out to be over already."""
-        join_ids = {self._send_join(link, self._partition)}
-        give_up_at = link.clock() + self._join_give_up_s
-        resend_at = link.clock() + self._join_retry_s
+        join_ids = {self._send_join(link, self.partition)}
+        give_up_at = link.clock() + self.join_give_up_s
+        resend_at = link.clock() + self.join_retry_s
         while True:
             now = link.clock()
             if now >= give_up_at:
                 raise JoinTimeoutError(
                     f"job {self._job} client {self.client_id}: no Welcome after "
-                    f"{self._join_give_up_s:.0f} s ({len(join_ids)} Joins sent); is the "
+                    f"{self.join_give_up_s:.0f} s ({len(join_ids)} Joins sent); is the "
                     "coordinator running?"
                 )
             if now >= resend_at:
-                join_ids.add(self._send_join(link, self._partition))
-                resend_at = now + self._join_retry_s
+                join_ids.add(self._send_join(link, self.partition))
+                resend_at = now + self.join_retry_s
             message = link.poll(min(resend_at, give_up_at) - now)
             if isinstance(message, Welcome):
                 return self._welcomed(link, model, message)
@@ -291,7 +285,7 @@ class Client:
             samples = len(self._data.indices(index))
             info["index"] = str(index)
             info["classes"] = ",".join(str(c) for c in self._data.classes(index))
-        capability = self._settings.clients.declared_capability(index)
+        capability = self.settings.clients.declared_capability(index)
         join = Join(
             self._job, self.client_id, new_message_id(), link.version, samples, capability, info
         )
@@ -306,21 +300,21 @@ class Client:
         # evaluation go by its record, and it may have moved a client off a taken index.
         index = config_int(welcome.config, "partition")
         if index is None:
-            index = self._partition
-        if index is None or index >= self._settings.clients.count:
+            index = self.partition
+        if index is None or index >= self.settings.clients.count:
             raise ClientError(
                 f"job {self._job} client {self.client_id}: no usable data partition (Welcome "
                 f"says {welcome.config.get('partition')!r}): pass one, or have the coordinator "
                 "assign it"
             )
-        if index != self._partition:
-            if self._partition is not None:
+        if index != self.partition:
+            if self.partition is not None:
                 link.log.warning(
-                    "asked for partition %d, the coordinator assigned %d", self._partition, index
+                    "asked for partition %d, the coordinator assigned %d", self.partition, index
                 )
             # The coordinator records samples and classes from a Join: send the right ones.
             self._send_join(link, index)
-        plan = RoundPlan.from_settings(self._settings).updated(welcome.config)
+        plan = RoundPlan.from_settings(self.settings).updated(welcome.config)
         load_partial(model, welcome.client_weights)
         load_partial(model, welcome.aux_weights)
         link.version = welcome.version
@@ -345,7 +339,7 @@ class Client:
             )
             return member, Idle()
         link.defer(welcome, first=True)  # the first local round's weights
-        return member, Newest(self._settings.clients.reply_timeout_s)
+        return member, Newest(self.settings.clients.reply_timeout_s)
 
     # --- rounds -----------------------------------------------------------------------------------
 
