@@ -43,17 +43,20 @@ class JobData:
                 self._dataset = load_dataset(data.dataset, data.dir or None)
             return self._dataset
 
+    @property
+    def clients(self) -> int:
+        return self._settings.clients.count
+
     def indices(self, index: int) -> Indices:
-        clients = self._settings.clients.count
-        if not 0 <= index < clients:
-            raise ValueError(f"partition index {index} outside 0..{clients - 1}")
+        if not 0 <= index < self.clients:
+            raise ValueError(f"partition index {index} outside 0..{self.clients - 1}")
         labels = self.dataset.train.y.numpy()
         with self._lock:
             if self._parts is None:
                 d = self._settings.data
                 spec = PartitionSpec(
                     kind=d.partition,
-                    n_clients=clients,
+                    n_clients=self.clients,
                     seed=self._settings.job.seed,
                     alpha=d.alpha,
                     shards_per_client=d.shards_per_client,
