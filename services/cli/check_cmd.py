@@ -26,8 +26,7 @@ PROBED = ("broker", "store")
 
 def check_role(settings: Settings, role: str, *, instance: str | None, host: str | None) -> Verdict:
     backends = Backends(settings.broker, settings.store)
-    kinds = {"broker": settings.broker.kind, "store": settings.store.kind}
-    if kinds.get(role) == "memory":
+    if role in PROBED and getattr(settings, role).kind == "memory":
         return Verdict(False, f"{role}.kind is memory: it lives inside one process, none to check")
     if role in PROBED:
         result = (check_broker if role == "broker" else check_store)(backends)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
-from typing import TypeAlias
 
 import click
 
@@ -38,13 +37,11 @@ from services.config.root import Settings
 from services.runtime.preflight import StartInterrupted, check_services
 from services.security.identity import default_client_id
 
-RoleFactory: TypeAlias = Callable[[Settings, Backends], Role]
-
 
 def _serve(
     settings: Settings,
     kind: RoleKind,
-    factory: RoleFactory,
+    factory: Callable[[Settings, Backends], Role],
     log: LogOptions,
     context: dict[str, ContextValue] | None = None,
 ) -> bool:

@@ -23,14 +23,7 @@ def tls_options(settings: TLSSettings) -> TLSOptions | None:
     """The broker layer's TLS options; None when the section keeps its defaults (system CAs,
     hostname checked), so a plain amqp:// or redis:// URL stays valid, and amqps:// or
     rediss:// get the defaults."""
-    if settings == TLSSettings():
-        return None
-    return TLSOptions(
-        ca_file=settings.ca_file,
-        cert_file=settings.cert_file,
-        key_file=settings.key_file,
-        verify_hostname=settings.verify_hostname,
-    )
+    return None if settings == TLSSettings() else TLSOptions(**settings.model_dump())
 
 
 @dataclass

@@ -1,11 +1,7 @@
-"""Health records: a role process says "alive"; `splitmq check ROLE` reads it (what each
-check means, and the keys' timing: docs/deployment.md, "Health checks").
-
-A role refreshes the store member `health:<role>:<instance>` every `REFRESH_S` with a TTL of
-`TTL_S`; roles count only their own prefixes (`client:`, `worker:`), so health members never
-count as clients or workers. An edge client holds no Redis credentials (design §3): its record
-is a file on its own machine, `<tmp>/splitmq-health/<job>/client-<instance>.json`, read there by
-`splitmq check client`; one older than `TTL_S`, or whose process is gone, is unhealthy.
+"""Health records: a role process says "alive"; `splitmq check ROLE` reads it. A role's is the
+store member `health:<role>:<instance>`, refreshed every `REFRESH_S` with a TTL of `TTL_S`; an
+edge client's (it holds no Redis credentials) a file on its own machine (`FileHealthBeat`).
+What each check means and the keys' timing: docs/deployment.md, "Health checks".
 """
 
 from __future__ import annotations

@@ -108,12 +108,11 @@ class LeaseKeeper:
         release = kept[target:]
         kept = kept[:target]
         acquired: list[int] = []
-        if len(kept) < target:
-            for shard in sorted(range(self._shards), key=self._distance):
-                if len(kept) + len(acquired) >= target:
-                    break
-                if shard not in held and self.renew(shard):
-                    acquired.append(shard)
+        for shard in sorted(range(self._shards), key=self._distance):
+            if len(kept) + len(acquired) >= target:
+                break
+            if shard not in held and self.renew(shard):
+                acquired.append(shard)
         return LeasePlan(target, lost, release, acquired, workers)
 
     def release(self, shard: int) -> None:

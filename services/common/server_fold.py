@@ -1,16 +1,9 @@
 """Async mode's server side: folding the continuously training shard replicas into versions.
 
-At each version the aggregator reads every shard's latest checkpoint and folds in its *fresh*
-progress, the part no earlier version holds (what a checkpoint's `meta` anchors it to, and how
-the fresh part is weighted: docs/async.md, "Server side: replicas that never stop"). Each
-version records, per shard, the checkpoint it folded last (`server.<s>` =
-"applied:anchor:samples"), from which
-
-- a checkpoint with the same anchor as the last folded one: fresh = w - w_last_folded;
-- one anchored at a version that folded the last folded one: fresh = w - server(anchor);
-- anything else (the worker has not rebased onto the newest fold yet): skipped this time.
-
-The worker side is `workers.clock.Continuous`.
+Each version records, per shard, the checkpoint it folded last (`server.<s>` =
+"applied:anchor:samples"); which checkpoint's progress is fresh, and what it is measured from:
+docs/async.md, "Server side: replicas that never stop". The worker side is
+`workers.clock.Continuous`.
 """
 
 from __future__ import annotations
