@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from torch import Tensor, nn
 
@@ -49,8 +48,3 @@ class AuxHead(nn.Module):
 
 
 default_head: HeadFactory = AuxHead
-
-
-def pooled_head(pool: int) -> HeadFactory:
-    """A head factory pooling feature maps to `pool` x `pool` (1 gives global average pooling)."""
-    return partial(AuxHead, pool=pool)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
 from models.custom import load_factory
 from models.errors import ModelSpecError
-from models.heads import HeadFactory, default_head, pooled_head
+from models.heads import AuxHead, HeadFactory, default_head
 from models.split import SplitNet
 from models.zoo import cnn5, lenet5, resnet18, vgg_mini, vgg_small
 
@@ -80,4 +81,5 @@ def _head_factory(head_pool: int | None, head_factory: HeadFactory | None) -> He
         raise ModelSpecError("give head_pool or head_factory, not both")
     if head_factory is not None:
         return head_factory
-    return default_head if head_pool is None else pooled_head(head_pool)
+    # `head_pool` x `head_pool` pooled feature maps (1 gives global average pooling).
+    return default_head if head_pool is None else partial(AuxHead, pool=head_pool)

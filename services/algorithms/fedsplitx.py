@@ -214,12 +214,6 @@ class FedSplitX(StrategyBase):
         )
         return replace(self, structure=structure)
 
-    def _server_heads(self) -> tuple[str, ...] | None:
-        """The heads the server trains (None: every head of the replica, i.e. model cuts)."""
-        if self.one_level:
-            return ()
-        return self.cuts or None
-
     def _bound(self) -> Structure:
         if self.structure is None:
             raise RuntimeError(f"{self.name}: call for_model(model, cut) before aggregating")
@@ -295,7 +289,7 @@ class FedSplitX(StrategyBase):
             raise ValueError("no batches to train on")
         device = next(server.parameters()).device
         total = float(sum(int(b.labels.shape[0]) for b in batches))
-        heads = self._server_heads()
+        heads = () if self.one_level else (self.cuts or None)  # None: every head of the replica
         objective = torch.zeros((), device=device)
         results: StepResults = []
         for b in batches:

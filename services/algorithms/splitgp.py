@@ -128,24 +128,6 @@ def stays_local(entropies: torch.Tensor, threshold: float) -> torch.Tensor:
     return entropies <= threshold
 
 
-def split_predictions(
-    head_logits: torch.Tensor, server_logits: torch.Tensor, local: torch.Tensor
-) -> torch.Tensor:
-    """The class of each row: the head's where `local`, the server's elsewhere.
-
-    `server_logits` holds one row per offloaded row (`~local`), in order.
-    """
-    predicted = head_logits.argmax(dim=1)
-    offloaded = ~local
-    if int(offloaded.sum()) != server_logits.shape[0]:
-        raise ValueError(
-            f"{int(offloaded.sum())} rows offloaded but {server_logits.shape[0]} server answers"
-        )
-    if server_logits.shape[0]:
-        predicted[offloaded] = server_logits.argmax(dim=1).to(predicted.device)
-    return predicted
-
-
 # --- evaluation -------------------------------------------------------------------------------
 
 # E_th of the sweep reported with every version (nats; log 10 = 2.30 is the most a 10-class

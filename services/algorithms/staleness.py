@@ -26,32 +26,6 @@ StalenessKind = Literal["constant", "polynomial", "hinge"]
 STALENESS_KINDS: tuple[StalenessKind, ...] = ("constant", "polynomial", "hinge")
 
 
-def _check_tau(tau: int) -> None:
-    if tau < 0:
-        raise ValueError(f"staleness must be >= 0, got {tau} (an update from a future version?)")
-
-
-def constant(tau: int) -> float:
-    _check_tau(tau)
-    return 1.0
-
-
-def polynomial(tau: int, a: float = 0.5) -> float:
-    _check_tau(tau)
-    if a < 0:
-        raise ValueError(f"polynomial staleness needs a >= 0, got {a}")
-    return float((1.0 + tau) ** -a)
-
-
-def hinge(tau: int, a: float = 0.5, b: int = 4) -> float:
-    _check_tau(tau)
-    if a < 0 or b < 0:
-        raise ValueError(f"hinge staleness needs a >= 0 and b >= 0, got a={a}, b={b}")
-    if tau <= b:
-        return 1.0
-    return 1.0 / (a * (tau - b) + 1.0)
-
-
 @dataclass(frozen=True)
 class StalenessRule:
     """One configured staleness function, plus the bound beyond which an update is refused."""
@@ -66,15 +40,22 @@ class StalenessRule:
             raise ValueError(f"unknown staleness function {self.kind!r}; use {STALENESS_KINDS}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        self.weight(0)  # checks a and b
+        if self.kind == "polynomial" and self.a < 0:
+            raise ValueError(f"polynomial staleness needs a >= 0, got {self.a}")
+        if self.kind == "hinge" and (self.a < 0 or self.b < 0):
+            raise ValueError(f"hinge staleness needs a >= 0 and b >= 0, got a={self.a}, b={self.b}")
 
     def weight(self, tau: int) -> float:
-        """s(tau); raises ValueError for tau < 0."""
-        if self.kind == "constant":
-            return constant(tau)
+        """s(tau) (module docstring); raises ValueError for tau < 0."""
+        if tau < 0:
+            raise ValueError(
+                f"staleness must be >= 0, got {tau} (an update from a future version?)"
+            )
         if self.kind == "polynomial":
-            return polynomial(tau, self.a)
-        return hinge(tau, self.a, self.b)
+            return float((1.0 + tau) ** -self.a)
+        if self.kind == "hinge" and tau > self.b:
+            return 1.0 / (self.a * (tau - self.b) + 1.0)
+        return 1.0
 
     def accepts(self, tau: int) -> bool:
         """Whether an update this stale is folded in at all."""

@@ -37,7 +37,6 @@ from services.algorithms.splitgp import (
     entropy,
     head_pass,
     row_results,
-    split_predictions,
     stays_local,
     sweep,
 )
@@ -218,14 +217,15 @@ class SplitPredictor:
     def predict(self, x: torch.Tensor) -> SplitPrediction:
         z, head_logits = head_pass(self.model, self.cut, x)
         e = entropy(head_logits)
-        local = stays_local(e, self.threshold)
-        offloaded = ~local
-        server_logits = (
-            self.server(z[offloaded])
-            if bool(offloaded.any())
-            else torch.empty(0, head_logits.shape[1])
-        )
-        labels = split_predictions(head_logits, server_logits, local)
+        offloaded = ~stays_local(e, self.threshold)
+        labels = head_logits.argmax(dim=1)
+        if bool(offloaded.any()):
+            answers = self.server(z[offloaded])  # one row per offloaded row, in order
+            if answers.shape[0] != int(offloaded.sum()):
+                raise ValueError(
+                    f"{int(offloaded.sum())} rows offloaded but {answers.shape[0]} server answers"
+                )
+            labels[offloaded] = answers.argmax(dim=1).to(labels.device)
         return SplitPrediction(labels, offloaded, e)
 
 

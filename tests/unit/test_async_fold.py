@@ -18,7 +18,7 @@ from services.algorithms.async_fold import (
 )
 from services.algorithms.base import ClientUpdate, ShardReplica
 from services.algorithms.registry import REGISTRY, build_strategy
-from services.algorithms.staleness import StalenessRule, constant, hinge, polynomial
+from services.algorithms.staleness import StalenessRule
 
 CLIENT = BlobRef(CLIENT_PART)
 SERVER = BlobRef(SERVER_PART)
@@ -26,6 +26,14 @@ AUX = BlobRef(AUX_PART)
 
 
 # --- staleness functions ------------------------------------------------------------------------
+
+
+def polynomial(tau: int, a: float = 0.5) -> float:
+    return StalenessRule("polynomial", a=a).weight(tau)
+
+
+def hinge(tau: int, a: float, b: int) -> float:
+    return StalenessRule("hinge", a=a, b=b).weight(tau)
 
 
 def test_polynomial_is_one_over_root_of_one_plus_tau_by_default() -> None:
@@ -44,7 +52,7 @@ def test_hinge_is_flat_up_to_b_then_falls_hyperbolically() -> None:
 
 
 def test_constant_ignores_staleness() -> None:
-    assert [constant(t) for t in (0, 1, 50)] == [1.0, 1.0, 1.0]
+    assert [StalenessRule("constant").weight(t) for t in (0, 1, 50)] == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("kind", ["constant", "polynomial", "hinge"])

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from broker.store import AUX_PART, CLIENT_PART, BlobRef
+from models.split import SplitNet
 from services.algorithms.base import ClientUpdate, CohortBatch
 from services.algorithms.splitgp import (
     RowResults,
@@ -17,10 +18,10 @@ from services.algorithms.splitgp import (
     entropy,
     mix,
     personalise,
-    split_predictions,
     stays_local,
     sweep,
 )
+from services.client.inference import SplitPredictor
 
 
 def t(*values: float) -> torch.Tensor:
@@ -179,13 +180,20 @@ def test_a_row_exactly_at_the_threshold_stays_local() -> None:
     ]
 
 
-def test_split_predictions_take_the_server_answer_for_offloaded_rows_in_order() -> None:
+def test_split_prediction_takes_the_server_answer_for_offloaded_rows_in_order() -> None:
+    # The head is the identity: the inputs are its logits.
+    blocks = [("a", nn.Identity()), ("b", nn.Linear(3, 3))]
+    model = SplitNet(
+        blocks, input_shape=(3,), num_classes=3, head_factory=lambda _s, _n: nn.Identity()
+    )
     head = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
-    local = torch.tensor([True, False, False])
     server = torch.tensor([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0]])  # rows 1 and 2
-    assert split_predictions(head, server, local).tolist() == [0, 1, 0]
+    threshold = float(entropy(head[:1])[0])  # row 0 stays local, rows 1 and 2 are less sure
+    prediction = SplitPredictor(model, "a", lambda _z: server, threshold).predict(head)
+    assert prediction.offloaded.tolist() == [False, True, True]
+    assert prediction.labels.tolist() == [0, 1, 0]
     with pytest.raises(ValueError, match="offloaded"):
-        split_predictions(head, server[:1], local)
+        SplitPredictor(model, "a", lambda _z: server[:1], threshold).predict(head)
 
 
 def test_sweep_counts_accuracy_and_offloaded_fraction_per_threshold() -> None:
