@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 
 from broker.codec import decode
@@ -68,9 +69,10 @@ class Coordinator:
 
     def run(self, stop: threading.Event) -> CoordinatorStats:
         user = service_user(self._settings)
-        broker = self._backends.open_broker("coordinator", stamp=user)
-        store = self._backends.open_store()
-        try:
+        with (
+            closing(self._backends.open_broker("coordinator", stamp=user)) as broker,
+            closing(self._backends.open_store()) as store,
+        ):
             broker.declare(self._settings.job_queues())
             # Joins wait in the queue until the aggregator has published version 1.
             while store.current_version(self.job) < 1:
@@ -79,9 +81,6 @@ class Coordinator:
             broker.subscribe(control_queue_name(self.job), prefetch=_PREFETCH)
             self._log.info("job %s: coordinator serving %s", self.job, control_queue_name(self.job))
             self._serve(broker, store, stop)
-        finally:
-            broker.close()
-            store.close()
         return self.stats
 
     def _serve(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from contextlib import ExitStack
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,11 +131,10 @@ class JobWatcher:
                 stop.wait(_RETRY_S)
 
     def _watch(self, stop: threading.Event) -> None:
-        with ExitStack() as closing:  # closes each of them, last opened first
-            broker = self._backends.open_broker("splitmq-watch")
-            closing.callback(broker.close)
-            store = self._backends.open_store()
-            closing.callback(store.close)
+        with (
+            closing(self._backends.open_broker("splitmq-watch")) as broker,
+            closing(self._backends.open_store()) as store,
+        ):
             broker.declare(self._settings.job_queues())
             if self._state is not None:
                 spec = events_queue(self._job, f"watch-{uuid.uuid4().hex[:12]}")
