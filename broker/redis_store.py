@@ -138,25 +138,6 @@ def _ms(ttl_s: float) -> int:
     return max(1, round(positive_ttl(ttl_s) * 1000))
 
 
-def _parse_manifest(job: str, version: int, fields: Mapping[bytes, bytes]) -> Manifest:
-    entries: dict[BlobRef, ManifestEntry] = {}
-    for name, raw in fields.items():
-        if name.startswith(_BLOB_FIELD):
-            _, entry = decode_entry(raw)
-            entries[entry.ref] = entry
-    try:
-        meta = json.loads(fields.get(b"meta", b"{}"))
-        created_at = float(fields.get(b"created_at", b"0"))
-    except ValueError as exc:
-        raise StoreError(f"job {job}: malformed manifest of version {version}: {exc}") from exc
-    return Manifest(
-        version=version,
-        entries=entries,
-        created_at=created_at,
-        meta={str(k): str(v) for k, v in meta.items()},
-    )
-
-
 class RedisWeightStore(PublishingStore):
     """Thread-safe (redis-py's connection pool); one instance per process is enough."""
 
@@ -317,26 +298,31 @@ class RedisWeightStore(PublishingStore):
         def drop_old() -> None:
             newest_dropped = -(self._options.keep_versions + 1)
             for raw in self._redis.zrange(keys.versions_key(job), 0, newest_dropped):
-                self._drop_version(job, int(_as_bytes(raw)))
+                # One version whole: index entry, manifest and blobs in one MULTI/EXEC.
+                version = int(_as_bytes(raw))
+                manifest_key = keys.manifest_key(job, version)
+                fields = _hash(self._redis.hgetall(manifest_key))
+                blobs = [decode_entry(v)[0] for k, v in fields.items() if k.startswith(_BLOB_FIELD)]
+                pipe = self._redis.pipeline(transaction=True)
+                pipe.zrem(keys.versions_key(job), str(version))
+                pipe.unlink(manifest_key, *blobs)
+                pipe.execute()
 
         self._call("retention", drop_old)
-
-    def _drop_version(self, job: str, version: int) -> None:
-        """Remove one version whole: index entry, manifest and blobs in one MULTI/EXEC."""
-        manifest_key = keys.manifest_key(job, version)
-        fields = _hash(self._redis.hgetall(manifest_key))
-        blob_keys = [decode_entry(v)[0] for k, v in fields.items() if k.startswith(_BLOB_FIELD)]
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.zrem(keys.versions_key(job), str(version))
-        pipe.unlink(manifest_key, *blob_keys)
-        pipe.execute()
 
     def manifest(self, job: str, version: int) -> Manifest:
         key = keys.manifest_key(job, version)
         fields = _hash(self._call("manifest", lambda: self._redis.hgetall(key)))
         if not fields:
             raise VersionNotFoundError(f"job {job}: version {version} is not retained")
-        return _parse_manifest(job, version, fields)
+        entries = [decode_entry(v)[1] for k, v in fields.items() if k.startswith(_BLOB_FIELD)]
+        try:
+            meta = json.loads(fields.get(b"meta", b"{}"))
+            created_at = float(fields.get(b"created_at", b"0"))
+        except ValueError as exc:
+            raise StoreError(f"job {job}: malformed manifest of version {version}: {exc}") from exc
+        meta = {str(k): str(v) for k, v in meta.items()}
+        return Manifest(version, {e.ref: e for e in entries}, created_at, meta)
 
     def read_blob(self, job: str, version: int, ref: BlobRef) -> dict[str, torch.Tensor]:
         manifest_key = keys.manifest_key(job, version)
@@ -478,7 +464,11 @@ class RedisWeightStore(PublishingStore):
         info: Any = self._redis.info
         server, persistence, memory = info("server"), info("persistence"), info("memory")
         can_write, can_read, probe_problem = self._probe()
-        fsync = self._aof_fsync()
+        try:
+            found: Any = self._redis.config_get("appendfsync")
+        except redis.ResponseError:  # CONFIG renamed away or denied by an ACL (managed Redis)
+            found = {}
+        fsync = {_text(k): _text(v) for k, v in dict(found).items()}.get("appendfsync", "unknown")
         problems = [] if probe_problem is None else [probe_problem]
         aof_enabled = bool(int(persistence.get("aof_enabled", 0)))
         aof_status = str(persistence.get("aof_last_write_status", "unknown"))
@@ -498,14 +488,6 @@ class RedisWeightStore(PublishingStore):
             )
         version = str(server.get("redis_version", "unknown"))
         return RedisServerInfo(version, can_write, can_read, aof_enabled, tuple(problems), fsync)
-
-    def _aof_fsync(self) -> str:
-        try:
-            found: Any = self._redis.config_get("appendfsync")
-        except redis.ResponseError:  # CONFIG renamed away or denied by an ACL (managed Redis)
-            return "unknown"
-        values = {_text(k): _text(v) for k, v in dict(found).items()}
-        return values.get("appendfsync", "unknown")
 
     def _probe(self) -> tuple[bool, bool, str | None]:
         """(can write, can read, problem) of a scratch key written, read back and deleted."""

@@ -20,8 +20,6 @@ from broker.tensors import BY_TORCH, all_finite
 # wire refuses.
 ALLOWED_DTYPES: frozenset[torch.dtype] = frozenset(BY_TORCH)
 
-_METADATA = {"format": "pt"}
-
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -35,7 +33,8 @@ def _problem(name: str, tensor: torch.Tensor) -> str | None:
     return None
 
 
-def _prepare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def encode_weights(weights: Mapping[str, torch.Tensor]) -> bytes:
+    """Safetensors bytes of `weights`; `EncodeError` on bad names, dtypes or non-finite values."""
     prepared: dict[str, torch.Tensor] = {}
     seen_storages: set[int] = set()
     for name, tensor in weights.items():
@@ -57,14 +56,8 @@ def _prepare(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         elif t.numel() > 0:
             seen_storages.add(ptr)
         prepared[name] = t
-    return prepared
-
-
-def encode_weights(weights: Mapping[str, torch.Tensor]) -> bytes:
-    """Safetensors bytes of `weights`; `EncodeError` on bad names, dtypes or non-finite values."""
-    prepared = _prepare(weights)
     try:
-        return _st_save(prepared, metadata=_METADATA)
+        return _st_save(prepared, metadata={"format": "pt"})
     except (SafetensorError, ValueError, RuntimeError, TypeError) as exc:
         raise EncodeError(f"cannot serialise weights: {exc}") from exc
 
