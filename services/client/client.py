@@ -260,10 +260,9 @@ class Client:
             message = link.poll(min(resend_at, give_up_at) - now)
             if isinstance(message, Welcome):
                 return self._welcomed(link, model, message)
+            if self._dismissed(link, message):
+                return None
             if isinstance(message, WeightsAssignment):
-                if message.config.get("finished") is True:
-                    self._dismissed(link, message)
-                    return None
                 link.defer(message)  # raced ahead of the Welcome
             elif isinstance(message, Error) and message.ref_message_id in join_ids:
                 raise JoinRejectedError(
@@ -273,10 +272,17 @@ class Client:
             elif message is not None:
                 self._note(link, message)
 
-    def _dismissed(self, link: ClientLink, finished: WeightsAssignment) -> None:
-        status = link.stats.dismissed(finished.config)
-        if status != "finished":  # e.g. "failed: ..." when no round could make progress
-            link.log.warning("the job ended: %s", status)
+    def _dismissed(self, link: ClientLink, message: Message | None) -> bool:
+        """Whether `message` dismisses us (a `finished` assignment); notes how the job ended."""
+        if not isinstance(message, WeightsAssignment) or message.config.get("finished") is not True:
+            return False
+        status = message.config.get("status")
+        link.stats.finished = True
+        # A service of an older make sends no status: its dismissal meant "finished".
+        link.stats.job_status = status if isinstance(status, str) and status else "finished"
+        if link.stats.job_status != "finished":  # e.g. "failed: ..." when no round could progress
+            link.log.warning("the job ended: %s", link.stats.job_status)
+        return True
 
     def _send_join(self, link: ClientLink, index: int | None) -> str:
         info = {"session": self._session}
@@ -367,8 +373,7 @@ class Client:
                 self._send_join(link, member.partition)
                 deadline = link.clock() + clock.patience_s
                 continue
-            if isinstance(message, WeightsAssignment) and message.config.get("finished") is True:
-                self._dismissed(link, message)
+            if self._dismissed(link, message):
                 return None
             if isinstance(message, Welcome):
                 # The answer to our own Join: shard and cut are the coordinator's record.

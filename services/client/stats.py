@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -29,11 +28,3 @@ class ClientStats:
     finished: bool = False  # the job told this client it is over
     stale_rounds: int = 0  # async mode: local rounds dropped because a worker said too_stale
     job_status: str = ""  # how the job ended, from its dismissal: "finished", "failed: ..."
-
-    def dismissed(self, config: Mapping[str, object]) -> str:
-        """Note the job's dismissal (a `finished` assignment's config); the job's status."""
-        status = config.get("status")
-        self.finished = True
-        # A service of an older make sends no status: its dismissal meant "finished".
-        self.job_status = status if isinstance(status, str) and status else "finished"
-        return self.job_status
