@@ -235,8 +235,7 @@ class BufferClock(Core):
         owed, self.owed = self.owed, []
         weights = WeightsCache(self.store, self.job, version)
         for o in owed:
-            if self.assign(weights, o.client, o.partition, o.next_round):
-                self.stats.assignments += 1
+            self.assign(weights, o.client, o.partition, o.next_round)
 
     def _check_progress(self) -> None:
         """Fail the job when too many local rounds in a row came to nothing: every client

@@ -51,7 +51,6 @@ class Stats:
     folded: int = 0  # async: updates folded into versions
     too_stale: int = 0  # async: updates refused for staleness
     unfolded_at_end: int = 0  # async: buffered when the job ended
-    assignments: int = 0  # async: new weights sent to a member after its upload
 
 
 def read_version(store: WeightStore, job: str, version: int) -> VersionWeights:

@@ -30,7 +30,7 @@ from broker.transport import REASON_HEADER, Broker
 from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.algorithms.async_fold import is_statistic
 from services.algorithms.registry import build_strategy
-from services.algorithms.staleness import TOO_STALE, polynomial
+from services.algorithms.staleness import TOO_STALE, StalenessRule
 from services.common.backends import Backends, Embedded
 from services.common.supervise import JobFailedError
 from services.report.records import ListSink, VersionRecord
@@ -153,7 +153,7 @@ def test_versions_fold_k_updates_each_and_answer_every_uploader(aj: AsyncJob) ->
         aj.send("c", 1, 2.0)
         aj.send("a", 2, 1.0, round_=1)
         aj.wait_version(3)
-        s = polynomial(1)
+        s = StalenessRule("polynomial", a=0.5).weight(1)
         expected = (300 * s * 2.0 + 100 * 1.0) / 400
         assert_moved(aj.blob(3), aj.blob(2), expected)
         name = "blocks.0.bn.running_mean"
