@@ -82,17 +82,13 @@ class PruneLayout:
         return out
 
 
-def scope_prefixes(model: SplitNet, blocks: Sequence[int]) -> tuple[str, ...]:
+def build_layout(model: SplitNet, mode: Mode, blocks: Sequence[int]) -> PruneLayout:
+    """The pruning layout of `model`'s blocks `blocks` (heads are never pruned)."""
     if not blocks:
         raise ValueError("no blocks in scope")
     for i in blocks:
         model.block_range(i, i + 1)  # validates the index
-    return tuple(f"blocks.{i}." for i in blocks)
-
-
-def build_layout(model: SplitNet, mode: Mode, blocks: Sequence[int]) -> PruneLayout:
-    """The pruning layout of `model`'s blocks `blocks` (heads are never pruned)."""
-    prefixes = scope_prefixes(model, blocks)
+    prefixes = tuple(f"blocks.{i}." for i in blocks)
     modules = [(n, m) for n, m in model.named_modules() if f"{n}.".startswith(prefixes)]
     shapes = {n: t.shape for n, t in model.state_dict().items()}
     if mode == "unstructured":

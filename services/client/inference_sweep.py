@@ -13,6 +13,7 @@ import torch
 
 from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, SERVER_PART, BlobRef, WeightStore
 from models.state import load_partial
+from services.algorithms.splitgp import SweepPoint
 from services.client.data import JobData
 from services.client.inference import ServerLogits, SplitPredictor, entropy_sweep
 from services.common.jobmodel import job_model
@@ -21,14 +22,10 @@ from services.config.root import Settings
 _SIMULATED = re.compile(r"client-(\d+)\Z")  # how `splitmq run` / `up` name partition i's client
 
 
-@dataclass(frozen=True)
-class SweepRow:
+@dataclass(frozen=True, kw_only=True)
+class SweepRow(SweepPoint):
     client: str
     rows_set: str  # "local" (the client's classes) or "global" (every row)
-    threshold: float
-    accuracy: float
-    offloaded: float
-    rows: int
 
 
 def personal_clients(store: WeightStore, job: str, version: int) -> list[str]:
@@ -90,12 +87,8 @@ def sweep_clients(
         for name, where in sets.items():
             if not bool(where.any()):
                 continue
-            for point in entropy_sweep(predictor, x[where], y[where], thresholds):
-                out.append(
-                    SweepRow(
-                        client, name, point.threshold, point.accuracy, point.offloaded, point.rows
-                    )
-                )
+            points = entropy_sweep(predictor, x[where], y[where], thresholds)
+            out += [SweepRow(**vars(p), client=client, rows_set=name) for p in points]
     return out
 
 
