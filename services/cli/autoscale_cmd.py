@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import click
@@ -62,8 +61,7 @@ def autoscale(config: Path | None, log_dir: Path | None, log: LogOptions) -> Non
     require_servers(settings, "autoscale")  # it sizes workers in other processes
     with log.logging(settings, {"role": "autoscaler", "job": settings.job.name}):
         pool = make_pool(settings, path, log_dir)
-        stop = threading.Event()
-        with stop_on_signals(stop):
+        with stop_on_signals() as stop:
             backends = Backends(settings.broker, settings.store)
             # `splitmq check autoscaler` (the compose healthcheck) reads its health key.
             instance = default_member_id("autoscaler-")

@@ -186,13 +186,15 @@ def default_member_id(prefix: str = "") -> str:
 
 
 @contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set `stop` for a graceful end; a second SIGINT interrupts hard.
+def stop_on_signals(stop: threading.Event | None = None) -> Iterator[threading.Event]:
+    """SIGTERM and SIGINT set `stop` (a new event by default) for a graceful end; a second
+    SIGINT interrupts hard.
 
-    Handlers can only be installed from the main thread; elsewhere this does nothing.
+    Handlers can only be installed from the main thread; elsewhere the event is only yielded.
     """
+    stop = stop or threading.Event()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stop
         return
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -202,7 +204,7 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
     saved = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield stop
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import click
@@ -34,7 +33,6 @@ def dashboard(config: Path | None, run_dir: Path | None, log: LogOptions) -> Non
         raise click.ClickException("metrics.enabled is false in the config: nothing to serve")
     live = settings.broker.kind == "rabbitmq" and settings.store.kind == "redis"
     with log.logging(settings, {"role": "dashboard", "job": settings.job.name}):
-        stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
         watch = observed(
             settings,
@@ -45,7 +43,7 @@ def dashboard(config: Path | None, run_dir: Path | None, log: LogOptions) -> Non
             live=live,
             run_dir=run_dir,
         )
-        with stop_on_signals(stop), watch as seen:
+        with stop_on_signals() as stop, watch as seen:
             if not seen.url:
                 raise click.ClickException("no free port for the dashboard (see [metrics])")
             if not live:

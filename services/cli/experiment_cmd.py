@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import shlex
-import threading
 from pathlib import Path
 
 import click
@@ -86,8 +85,7 @@ def experiment(
 
     torch.set_num_threads(torch_threads)
     command = _command(click.get_current_context())
-    stop = threading.Event()
-    with configured_logging("WARNING"), stop_on_signals(stop):
+    with configured_logging("WARNING"), stop_on_signals() as stop:
         try:
             spec = get_experiment(name)
             results = run_experiment(

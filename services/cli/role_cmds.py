@@ -10,7 +10,6 @@ its broker and store before it starts.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
@@ -51,11 +50,10 @@ def _serve(
     context = context or {}
     with log.logging(settings, {"role": kind, "job": settings.job.name, **context}):
         logger = logging.getLogger(f"splitmq.{kind}")
-        stop = threading.Event()
         backends = Backends(settings.broker, settings.store)
         # `splitmq check <kind>` (the containers' healthcheck) reads this key.
         instance = str(context.get(kind) or default_member_id(f"{kind}-"))
-        with stop_on_signals(stop):
+        with stop_on_signals() as stop:
             # A wrong URL, a refused password or a server that is not there: one line now,
             # not after the outage budget (the logging folds user errors into their line).
             failed = "could not start"

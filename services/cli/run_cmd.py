@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import click
@@ -53,7 +52,6 @@ def run(
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
         dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.common)
         sink, both = run_report(settings, report_dir)
-        stop = threading.Event()
         backends = Backends(settings.broker, settings.store, Embedded())
         watch = observed(
             settings,
@@ -64,7 +62,7 @@ def run(
             watch=True,
             run_dir=sink.run_dir,
         )
-        with stop_on_signals(stop), watch as seen:
+        with stop_on_signals() as stop, watch as seen:
             try:
                 outcome = run_embedded(
                     settings,
@@ -83,8 +81,7 @@ def run(
             if linger > 0 and seen.url:
                 click.echo(f"serving {seen.url}/ for {linger:g} s more (Ctrl-C to stop)")
                 # The run set `stop` when it ended; Ctrl-C now ends the wait.
-                rest = threading.Event()
-                with stop_on_signals(rest):
+                with stop_on_signals() as rest:
                     rest.wait(linger)
     if outcome.traceback:
         click.echo(f"\n{outcome.failed_role} failed:\n{outcome.traceback}", err=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -101,8 +100,7 @@ def up(
         *(("--log-level", log.level) if log.level else ()),
     )
     procs = LocalProcesses(path, specs, env, echo=click.echo, extra_args=args)
-    stop = threading.Event()
-    with stop_on_signals(stop):
+    with stop_on_signals() as stop:
         procs.start()
         result = procs.wait(stop, timeout)
     click.echo("")

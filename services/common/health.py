@@ -212,7 +212,6 @@ def assess_files(
     instance: str | None = None,
     base: Path | None = None,
     now: float | None = None,
-    ttl_s: float = TTL_S,
 ) -> Verdict:
     """Is a `role` process of `job` alive on this machine (the one named `instance`, or any)?"""
     folder = _folder(job, base)
@@ -226,7 +225,7 @@ def assess_files(
             pid = int(info["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if age <= ttl_s and _running(pid):
+        if age <= TTL_S and _running(pid):
             name = info.get("instance", path.stem)
             return Verdict(
                 True, f"{role} {name} alive in job {job} (pid {pid}, beat {age:.0f} s ago)"
