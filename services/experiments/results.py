@@ -65,9 +65,8 @@ class RunResult:
 
     def pair(self, prefix: str) -> tuple[float, float]:
         """The final evaluation's (`<prefix>_local`, `<prefix>_ood`), NaN where absent."""
-        return self.final.get(f"{prefix}_local", math.nan), self.final.get(
-            f"{prefix}_ood", math.nan
-        )
+        local, ood = (self.final.get(f"{prefix}_{part}", math.nan) for part in ("local", "ood"))
+        return local, ood
 
 
 def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ...]]:

@@ -168,7 +168,6 @@ def execute(
     sink = FileSink.create(settings, command=command, run_dir=run_dir)
     # A short line per round; the runner prints the run's end itself, with its wall time.
     progress = EchoSink(lambda line: echo(f"  [{run.label}] {line}"), rounds=settings.job.rounds)
-    tee = TeeSink([sink, RecordsOnly(progress)])
     try:
         load: float | None = os.getloadavg()[0]
     except OSError:  # no load average on this OS
@@ -176,7 +175,7 @@ def execute(
     started = time.monotonic()
     stalled = f"  [{run.label}] no new version for {stall_s:.0f} s: stopping the run"
     with run_stop(stop, stall_s, on_stall=lambda: echo(stalled)) as (this_run, beat):
-        tee = TeeSink([tee, beat])
+        tee = TeeSink([sink, RecordsOnly(progress), beat])
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, this_run)
         else:

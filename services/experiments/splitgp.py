@@ -27,13 +27,8 @@ from services.report.summary import finite_or
 
 NAME = "splitgp"
 DATASETS = (("MNIST", "mnist"), ("FMNIST", "fashion_mnist"))
-SPLITGP, MULTI_EXIT, SFL, FEDAVG, LOCAL = (
-    "SplitGP",
-    "Multi-exit (λ=0)",
-    "SFL",
-    "FedAvg",
-    "Local-only",
-)
+SPLITGP, MULTI_EXIT, SFL = "SplitGP", "Multi-exit (λ=0)", "SFL"
+FEDAVG, LOCAL = "FedAvg", "Local-only"
 # (method tag, label part, algorithm overrides)
 METHODS: tuple[tuple[str, str, Mapping[str, Any]], ...] = (
     (SPLITGP, "splitgp", {"name": "splitgp"}),

@@ -74,12 +74,9 @@ def size(n: float) -> str:
 
 
 def banner(info: RunInfo) -> str:
-    if not info.cut:
-        cut = "no split"
-    elif info.cut.startswith("levels"):
+    cut = f"cut {info.cut}" if info.cut else "no split"
+    if info.cut.startswith("levels"):
         cut = info.cut
-    else:
-        cut = f"cut {info.cut}"
     return (
         f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
         f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"

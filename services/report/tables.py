@@ -33,14 +33,13 @@ def metrics_json(run: Mapping[str, Any], records: Sequence[VersionRecord]) -> st
 def metrics_csv(records: Sequence[VersionRecord]) -> str:
     """One row per version; `extra` metrics become `extra.<name>` columns (union, sorted)."""
     extra_keys = sorted({k for r in records for k in r.extra})
-    header = [*_BASE_COLUMNS, *(f"extra.{k}" for k in extra_keys)]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(header)
+    writer.writerow([*_BASE_COLUMNS, *(f"extra.{k}" for k in extra_keys)])
     for r in records:
-        row: list[Any] = [getattr(r, c) for c in _BASE_COLUMNS]
-        row.extend(r.extra.get(k, "") for k in extra_keys)
-        writer.writerow(row)
+        writer.writerow(
+            [getattr(r, c) for c in _BASE_COLUMNS] + [r.extra.get(k, "") for k in extra_keys]
+        )
     return out.getvalue()
 
 
