@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from broker.errors import BackPressureError, BrokerError, StaleDeliveryError, UnroutableError
@@ -65,7 +65,6 @@ class _Queue:
     owner: Session | None  # exclusive queues belong to the session that declared them
     ready: deque[_Message] = field(default_factory=deque)
     ready_bytes: int = 0
-    unacked: int = 0
     consumers: list[_Consumer] = field(default_factory=list)
     next_consumer: int = 0
 
@@ -114,14 +113,11 @@ def _overflows(queue: _Queue, size: int) -> bool:
 
 
 class InMemoryHub:
-    """Exchanges, queues and bindings shared by `InMemoryBroker` handles (thread-safe).
-
-    Handles call its methods with `lock` held; only `join` takes the lock itself.
-    """
+    """Exchanges, queues and bindings shared by `InMemoryBroker` handles (thread-safe): they
+    call its methods with `lock` held."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._settled = threading.Condition(self.lock)  # notified whenever work is settled
         self._exchanges: dict[str, str] = {}
         # exchange -> routing key -> queue names, in binding order
         self._bindings: dict[str, dict[str, list[str]]] = {}
@@ -178,7 +174,6 @@ class InMemoryHub:
                 del session.consumers[name]
             session.buffer = deque(p for p in session.buffer if p[1].consumer is not consumer)
         queue.consumers.clear()
-        self._settled.notify_all()
 
     # -- publishing -----------------------------------------------------------------------
 
@@ -237,7 +232,6 @@ class InMemoryHub:
                 del session.handed[tag]
                 session.returned.add(tag)
                 returned.append(pending.message)
-        queue.unacked -= len(returned)
         consumer.in_flight = 0
         if self._queues.get(name) is queue:
             self._requeue(queue, returned)
@@ -245,7 +239,6 @@ class InMemoryHub:
                 self._remove_queue(queue)
             else:
                 self._dispatch(queue)
-        self._settled.notify_all()
 
     def nack(self, pending: _Pending, requeue: bool) -> None:
         message = pending.message
@@ -298,23 +291,6 @@ class InMemoryHub:
         session.closed = True
         session.wakeup.notify_all()
 
-    def join(self, timeout: float, *, queues: Iterable[str] | None = None) -> bool:
-        """Wait until the queues are empty with nothing unacknowledged; False on timeout.
-
-        By default every queue except the dead-letter queues (which only operators drain).
-        """
-        names = None if queues is None else set(queues)
-
-        def drained() -> bool:
-            return all(
-                not q.ready and q.unacked == 0
-                for q in self._queues.values()
-                if (q.spec.exchange != DEAD_EXCHANGE if names is None else q.spec.name in names)
-            )
-
-        with self.lock:
-            return self._settled.wait_for(drained, timeout)
-
     # -- internals --------------------------------------------------------------------------
 
     def _dispatch(self, queue: _Queue) -> None:
@@ -324,7 +300,6 @@ class InMemoryHub:
                 return
             message = queue.ready.popleft()
             queue.ready_bytes -= len(message.body)
-            queue.unacked += 1
             consumer.in_flight += 1
             delivery = Delivery(
                 body=message.body,
@@ -380,10 +355,8 @@ class InMemoryHub:
     def settle(self, pending: _Pending) -> None:
         consumer = pending.consumer
         consumer.in_flight -= 1
-        consumer.queue.unacked -= 1
         if self._queues.get(consumer.queue.spec.name) is consumer.queue:
             self._dispatch(consumer.queue)
-        self._settled.notify_all()
 
     def queue(self, session: Session, name: str) -> _Queue:
         queue = self._queues.get(name)

@@ -21,6 +21,7 @@ from broker.transport import REASON_HEADER, Broker, Delivery
 from services.algorithms.sfl import weighted_step
 from services.common.backends import Backends, Embedded
 from services.metrics.recorder import NO_METRICS
+from tests.unit.test_memory_broker import drained
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
@@ -94,7 +95,7 @@ def test_round_gives_the_sequential_gradients_and_a_checkpoint(job: str) -> None
     assert (stats.batches_applied, stats.steps, stats.replies) == (5, 5, 5)
     assert stats.duplicates_skipped == 0 and stats.dead_lettered_total == 0
     # Everything acked: nothing ready, nothing unacknowledged on the shard queue.
-    assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])
+    assert drained(embedded.hub, 1.0, queues=[shard_queue_name(job, 0)])
 
 
 def test_folded_messages_take_one_step_over_their_rows(job: str) -> None:
@@ -368,7 +369,7 @@ def test_killed_worker_resumes_from_checkpoint_exactly_once(job: str, kill: dict
     for z, y in batches:  # each batch exactly once, in order
         weighted_step(server, optimizer, [z], [y], [1.0])
     assert_same_weights(checkpoint.weights, server)
-    assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])
+    assert drained(embedded.hub, 1.0, queues=[shard_queue_name(job, 0)])
 
 
 def test_a_poisoned_step_is_rolled_back_and_the_rest_applied_once(job: str) -> None:
@@ -423,7 +424,7 @@ def test_a_copy_of_a_buffered_batch_is_served_once(job: str) -> None:
     checkpoint = embedded.store.load_checkpoint(job, 0)
     assert checkpoint is not None and checkpoint.applied == 2
     assert_same_weights(checkpoint.weights, server)
-    assert embedded.hub.join(1.0, queues=[shard_queue_name(job, 0)])  # both copies acked
+    assert drained(embedded.hub, 1.0, queues=[shard_queue_name(job, 0)])  # both copies acked
 
 
 def test_worker_idles_on_an_algorithm_without_a_server_side(job: str) -> None:
