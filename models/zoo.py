@@ -9,6 +9,7 @@ they follow (every block but the classifier).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from torch import Tensor, nn
 
@@ -80,10 +81,11 @@ class FCBlock(nn.Module):
 def _classic(
     convs: tuple[int, int],
     hidden: tuple[int, ...],
-    num_classes: int,
+    *,
+    num_classes: int = 10,
     in_channels: int,
     input_size: int,
-    head_factory: HeadFactory,
+    head_factory: HeadFactory = default_head,
 ) -> SplitNet:
     """Two conv5x5-BN-ReLU-pool2 blocks (with conv biases), FC layers of `hidden` (ReLU each),
     FC num_classes; blocks `block1`, `block2`, ... and `classifier`."""
@@ -108,29 +110,13 @@ def _classic(
     )
 
 
-def cnn5(
-    *,
-    num_classes: int = 10,
-    in_channels: int = 1,
-    input_size: int = 28,
-    head_factory: HeadFactory = default_head,
-) -> SplitNet:
-    """The classic "5-layer CNN" of the FedAvg / Sub-FedAvg MNIST experiments, with BatchNorm:
-    conv5x5(10), conv5x5(20), FC 50, FC num_classes. For 28x28x1 input: about 21.9k parameters.
-    Cuts: `block1`, `block2`, `block3` (after FC 50)."""
-    return _classic((10, 20), (50,), num_classes, in_channels, input_size, head_factory)
-
-
-def lenet5(
-    *,
-    num_classes: int = 10,
-    in_channels: int = 3,
-    input_size: int = 32,
-    head_factory: HeadFactory = default_head,
-) -> SplitNet:
-    """LeNet-5 with BatchNorm, for 32x32 colour images (CIFAR-10): conv5x5(6), conv5x5(16),
-    FC 120, FC 84, FC num_classes. Cuts: `block1`..`block4`."""
-    return _classic((6, 16), (120, 84), num_classes, in_channels, input_size, head_factory)
+# The classic "5-layer CNN" of the FedAvg / Sub-FedAvg MNIST experiments, with BatchNorm:
+# conv5x5(10), conv5x5(20), FC 50, FC num_classes. For 28x28x1 input: about 21.9k parameters.
+# Cuts: `block1`, `block2`, `block3` (after FC 50).
+cnn5 = partial(_classic, (10, 20), (50,), in_channels=1, input_size=28)
+# LeNet-5 with BatchNorm, for 32x32 colour images (CIFAR-10): conv5x5(6), conv5x5(16), FC 120,
+# FC 84, FC num_classes. Cuts: `block1`..`block4`.
+lenet5 = partial(_classic, (6, 16), (120, 84), in_channels=3, input_size=32)
 
 
 def vgg_small(
