@@ -17,7 +17,7 @@ import numpy.typing as npt
 from services.config.root import Settings
 from services.data.batches import Batch, ClientBatches
 from services.data.loaders import Dataset, load_dataset
-from services.data.partition import PartitionSpec, client_classes, local_test_indices, partition
+from services.data.partition import client_classes, local_test_indices, partition
 
 Indices = npt.NDArray[np.int64]
 
@@ -54,16 +54,16 @@ class JobData:
         with self._lock:
             if self._parts is None:
                 d = self._settings.data
-                spec = PartitionSpec(
-                    kind=d.partition,
-                    n_clients=self.clients,
+                self._parts = partition(
+                    labels,
+                    d.partition,
+                    self.clients,
                     seed=self._settings.job.seed,
                     alpha=d.alpha,
                     shards_per_client=d.shards_per_client,
                     shard_size=d.shard_size,
                     ratio=d.ratio,
                 )
-                self._parts = partition(labels, spec)
             return self._parts[index]
 
     def classes(self, index: int) -> list[int]:

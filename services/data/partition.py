@@ -8,7 +8,6 @@ owns), so the same labels, parameters and seed always give the same partition.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -195,49 +194,40 @@ def label_ratio(
     return _sorted([np.concatenate(pair) for pair in zip(uniform_parts, block_parts, strict=True)])
 
 
-@dataclass(frozen=True)
-class PartitionSpec:
-    """A partition request: the kind, the client count, the seed and the kind's parameters.
-
-    Parameters a kind does not use are ignored: ``alpha``/``min_size`` (dirichlet),
-    ``shards_per_client``/``shard_size`` (shards), ``ratio`` (label_ratio).
-    """
-
-    kind: PartitionKind
-    n_clients: int
-    seed: int = 0
-    alpha: float = 0.5
-    min_size: int = 10
-    shards_per_client: int = 2
-    shard_size: int = 250
-    ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("iid", "dirichlet", "shards", "label_ratio"):
-            raise PartitionError(
-                f"unknown partition kind {self.kind!r}; known: iid, dirichlet, shards, label_ratio"
-            )
-        if self.n_clients < 1:
-            raise PartitionError(f"n_clients must be >= 1, got {self.n_clients}")
-        if self.seed < 0:
-            raise PartitionError(f"seed must be >= 0, got {self.seed}")
-
-
-def partition(labels: npt.ArrayLike, spec: PartitionSpec) -> list[Indices]:
-    """Dispatch ``spec`` to its partitioner."""
-    if spec.kind == "iid":
-        return iid(labels, spec.n_clients, seed=spec.seed)
-    if spec.kind == "dirichlet":
-        return dirichlet(labels, spec.n_clients, spec.alpha, min_size=spec.min_size, seed=spec.seed)
-    if spec.kind == "shards":
+def partition(
+    labels: npt.ArrayLike,
+    kind: PartitionKind,
+    n_clients: int,
+    *,
+    seed: int = 0,
+    alpha: float = 0.5,
+    min_size: int = 10,
+    shards_per_client: int = 2,
+    shard_size: int = 250,
+    ratio: float = 0.0,
+) -> list[Indices]:
+    """The `kind` partitioner's split. Parameters a kind does not use are ignored:
+    ``alpha``/``min_size`` (dirichlet), ``shards_per_client``/``shard_size`` (shards), ``ratio``
+    (label_ratio)."""
+    if seed < 0:
+        raise PartitionError(f"seed must be >= 0, got {seed}")
+    if kind == "iid":
+        return iid(labels, n_clients, seed=seed)
+    if kind == "dirichlet":
+        return dirichlet(labels, n_clients, alpha, min_size=min_size, seed=seed)
+    if kind == "shards":
         return shards(
             labels,
-            spec.n_clients,
-            shards_per_client=spec.shards_per_client,
-            shard_size=spec.shard_size,
-            seed=spec.seed,
+            n_clients,
+            shards_per_client=shards_per_client,
+            shard_size=shard_size,
+            seed=seed,
         )
-    return label_ratio(labels, spec.n_clients, spec.ratio, seed=spec.seed)
+    if kind == "label_ratio":
+        return label_ratio(labels, n_clients, ratio, seed=seed)
+    raise PartitionError(
+        f"unknown partition kind {kind!r}; known: iid, dirichlet, shards, label_ratio"
+    )
 
 
 def client_classes(labels: npt.ArrayLike, indices: npt.ArrayLike) -> npt.NDArray[np.int64]:

@@ -55,7 +55,7 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.batches import ClientBatches
 from services.data.loaders import Dataset
-from services.data.partition import PartitionSpec, partition
+from services.data.partition import partition
 
 Tensors = dict[str, torch.Tensor]
 
@@ -95,8 +95,9 @@ def hyper(settings: Settings) -> Hyper:
 
 
 def partition_indices(settings: Settings, dataset: Dataset, index: int) -> Any:
-    spec = PartitionSpec("iid", settings.clients.count, seed=settings.job.seed)
-    return partition(dataset.train.y.numpy(), spec)[index]
+    return partition(
+        dataset.train.y.numpy(), "iid", settings.clients.count, seed=settings.job.seed
+    )[index]
 
 
 def round_batches(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -10,7 +11,7 @@ import pytest
 
 from services.data.errors import PartitionError
 from services.data.partition import (
-    PartitionSpec,
+    PartitionKind,
     client_classes,
     dirichlet,
     iid,
@@ -203,40 +204,41 @@ def test_label_ratio_one_deals_sorted_blocks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("spec", "direct"),
+    ("kind", "params", "direct"),
     [
-        (PartitionSpec("iid", 5, seed=3), lambda y: iid(y, 5, seed=3)),
+        ("iid", {}, lambda y: iid(y, 5, seed=3)),
         (
-            PartitionSpec("dirichlet", 5, seed=3, alpha=0.2, min_size=4),
+            "dirichlet",
+            {"alpha": 0.2, "min_size": 4},
             lambda y: dirichlet(y, 5, 0.2, min_size=4, seed=3),
         ),
         (
-            PartitionSpec("shards", 5, seed=3, shards_per_client=3, shard_size=40),
+            "shards",
+            {"shards_per_client": 3, "shard_size": 40},
             lambda y: shards(y, 5, shards_per_client=3, shard_size=40, seed=3),
         ),
-        (
-            PartitionSpec("label_ratio", 5, seed=3, ratio=0.6),
-            lambda y: label_ratio(y, 5, 0.6, seed=3),
-        ),
+        ("label_ratio", {"ratio": 0.6}, lambda y: label_ratio(y, 5, 0.6, seed=3)),
     ],
 )
 def test_partition_dispatches(
-    spec: PartitionSpec, direct: Callable[[npt.NDArray[np.int64]], Parts]
+    kind: PartitionKind,
+    params: dict[str, Any],
+    direct: Callable[[npt.NDArray[np.int64]], Parts],
 ) -> None:
     y = balanced_labels(100)
-    got, expected = partition(y, spec), direct(y)
+    got, expected = partition(y, kind, 5, seed=3, **params), direct(y)
     assert len(got) == 5
     assert all(np.array_equal(p, q) for p, q in zip(got, expected, strict=True))
 
 
-def test_partition_spec_validation() -> None:
+def test_partition_validation() -> None:
+    y = balanced_labels(10)
     with pytest.raises(PartitionError, match="unknown partition kind 'pathological'"):
-        PartitionSpec("pathological", 3)  # type: ignore[arg-type]
+        partition(y, "pathological", 3)  # type: ignore[arg-type]
     with pytest.raises(PartitionError, match="n_clients"):
-        PartitionSpec("iid", 0)
-    spec = PartitionSpec("iid", 3)
-    with pytest.raises(AttributeError):
-        spec.n_clients = 4  # type: ignore[misc]
+        partition(y, "iid", 0)
+    with pytest.raises(PartitionError, match="seed must be >= 0"):
+        partition(y, "iid", 3, seed=-1)
 
 
 def test_local_test_indices_hold_exactly_the_client_classes() -> None:
