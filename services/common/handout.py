@@ -44,8 +44,6 @@ def assignment(
     settings: Settings, weights: WeightsCache, client: str, partition: int, round_index: int
 ) -> WeightsAssignment:
     """Weights of `weights.version` and the config for `client`'s next (local) round."""
-    client_weights, aux_weights = weights.for_client(client)
-    config = client_config(settings, partition)
     return WeightsAssignment(
         settings.job.name,
         client,
@@ -53,9 +51,8 @@ def assignment(
         weights.version,
         round_index,
         True,
-        client_weights,
-        aux_weights,
-        config,
+        *weights.for_client(client),  # client weights, aux weights
+        client_config(settings, partition),
     )
 
 

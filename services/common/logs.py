@@ -61,22 +61,20 @@ def fold_user_error(record: logging.LogRecord) -> logging.LogRecord:
 
 
 class OneLineUserErrors(logging.Formatter):
-    """The human format, with user errors folded into their line (`fold_user_error`)."""
+    """`inner`'s format, with user errors folded into their line (`fold_user_error`)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self._inner = inner
 
     def format(self, record: logging.LogRecord) -> str:
-        return super().format(fold_user_error(record))
+        return self._inner.format(fold_user_error(record))
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, context fields, exc."""
 
-    def __init__(self, *, fold_user_errors: bool = False) -> None:
-        super().__init__()
-        self._fold = fold_user_errors
-
     def format(self, record: logging.LogRecord) -> str:
-        if self._fold:
-            record = fold_user_error(record)
         obj: dict[str, object] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
@@ -154,12 +152,8 @@ def configured_logging(
     are one line unless `debug`, which also keeps pika's own error records."""
     root = logging.getLogger()
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    if json_lines:
-        handler.setFormatter(JsonFormatter(fold_user_errors=not debug))
-    elif debug:
-        handler.setFormatter(logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT))
-    else:
-        handler.setFormatter(OneLineUserErrors(HUMAN_FORMAT, HUMAN_DATEFMT))
+    formatter = JsonFormatter() if json_lines else logging.Formatter(HUMAN_FORMAT, HUMAN_DATEFMT)
+    handler.setFormatter(formatter if debug else OneLineUserErrors(formatter))
     handler.addFilter(QuietPika(keep_errors=debug))
     handler.addFilter(ContextFilter(context))
     quiet = [logging.getLogger(name) for name in QUIET_LOGGERS]

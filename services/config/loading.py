@@ -62,12 +62,9 @@ def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, A
     """Nested dict of the overrides that `env` holds for `model`."""
     out: dict[str, Any] = {}
     for key, value in sorted(env.items()):
-        if key in ENV_ALIASES:
-            path = ENV_ALIASES[key]
-        elif key.startswith(ENV_PREFIX):
-            path = tuple(key[len(ENV_PREFIX) :].lower().split("__"))
-        else:
+        if not key.startswith(ENV_PREFIX):  # the aliases too
             continue
+        path = ENV_ALIASES.get(key) or tuple(key.removeprefix(ENV_PREFIX).lower().split("__"))
         if not _known_path(model, path):
             continue
         node = out
