@@ -7,6 +7,7 @@ frame), so a fold of a checkpoint older than the last one still rebases exactly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -57,12 +58,11 @@ class Continuous:
             if isinstance(anchor_applied, int):
                 self.anchor_applied = anchor_applied
             self._ring[checkpoint.applied] = dict(checkpoint.weights)
-        try:
+        # Anchored at a version no longer kept: rebase from a later checkpoint.
+        with contextlib.suppress(VersionNotFoundError):
             self._ring[self.anchor_applied] = self.store.read_blob(
                 self.job, replica.version, SERVER
             )
-        except VersionNotFoundError:
-            pass  # anchored at a version no longer kept: rebase from a later checkpoint
 
     # --- smashed data ------------------------------------------------------------------------
     def refusal(self, batch: SmashedBatch) -> tuple[str, str] | None:

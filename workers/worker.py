@@ -257,10 +257,9 @@ class WorkerSession:
         # Batches may come from several cuts (FedSplitX's levels): the replica starts at the
         # shallowest, so it holds every layer any of them needs.
         cuts = self.strategy.batch_cuts(self.template, self.settings.model.cut)
-
-        def make() -> Replica:
-            return Replica(shard, self.template, cuts[0], self.hyper.server_optimizer, self.device)
-
+        make = partial(
+            Replica, shard, self.template, cuts[0], self.hyper.server_optimizer, self.device
+        )
         replica = open_replica(self.store, self.job, make, self.log)
         if replica is None:
             self.unloaded.add(shard)

@@ -4,6 +4,7 @@ liveness does not depend on how long a training step takes (docs/reliability.md,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -63,7 +64,5 @@ class HeartbeatThread(Beat):
     def end(self) -> None:
         broker, self._broker = self._broker, None
         if broker is not None:
-            try:
+            with contextlib.suppress(BrokerError):  # it is dropped either way
                 broker.close()
-            except BrokerError:
-                pass  # it is dropped either way

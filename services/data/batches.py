@@ -70,20 +70,16 @@ class ClientBatches:
         self.shuffle = shuffle
         self.drop_last = drop_last
 
-    @property
-    def num_samples(self) -> int:
-        return int(self.indices.shape[0])
-
     def __len__(self) -> int:
         """Batches per epoch."""
-        n, b = self.num_samples, self.batch_size
+        n, b = len(self.indices), self.batch_size
         return n // b if self.drop_last else -(-n // b)
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         """The batches of ``epoch``, in that epoch's seeded order."""
         order = self.indices
         if self.shuffle:
-            perm = epoch_order(self.num_samples, seed=self.seed, client=self.client, epoch=epoch)
+            perm = epoch_order(len(order), seed=self.seed, client=self.client, epoch=epoch)
             order = order[torch.from_numpy(perm).to(order.device)]
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             chunk = order[start : start + self.batch_size]
