@@ -124,10 +124,6 @@ class Registry:
         """The strategy `name` with `params`; `ValueError` for an unknown name or bad params."""
         return self.get(name).build(params)
 
-    def all(self) -> list[AlgorithmSpec]:
-        """Every spec, each module imported (for the contract suite and listings)."""
-        return [self.get(name) for name in self.names()]
-
     # --- loading ----------------------------------------------------------------------------
     def _import(self, name: str) -> None:
         module = self._builtins.get(name)

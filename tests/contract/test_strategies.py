@@ -37,7 +37,7 @@ from services.algorithms.base import (
 from services.algorithms.registry import BUILTINS, REGISTRY, AlgorithmPluginError, Registry
 from services.config.root import Settings
 
-SPECS = REGISTRY.all()
+SPECS = [REGISTRY.get(name) for name in REGISTRY.names()]  # each module imported
 CUT = "block1"
 ROWS = 8
 
