@@ -22,8 +22,6 @@ from services.algorithms.registry import REGISTRY
 from services.config.settings import _Section
 
 P = TypeVar("P", bound=BaseModel)
-PartitionKind = Literal["iid", "dirichlet", "shards", "label_ratio"]
-WireDtype = Literal["float32", "float16", "bfloat16"]
 
 
 class JobSection(_Section):
@@ -44,7 +42,7 @@ class DataSection(_Section):
     dataset: str = "fashion_mnist_sample"
     # Where full datasets live; empty: $SPLITMQ_DATA_DIR, else only the shipped sample.
     dir: str = ""
-    partition: PartitionKind = "iid"
+    partition: Literal["iid", "dirichlet", "shards", "label_ratio"] = "iid"
     alpha: float = Field(default=0.5, gt=0)
     shards_per_client: int = Field(default=2, ge=1)
     shard_size: int = Field(default=250, ge=1)
@@ -70,7 +68,7 @@ class AlgorithmSection(_Section):
     server_lr: float = Field(default=0.0, ge=0)  # 0: same as lr
     # Cap on local steps per round (0: whole local epochs) — keeps demo rounds short.
     max_steps_per_round: int = Field(default=0, ge=0)
-    smashed_dtype: WireDtype = "float32"
+    smashed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
     @field_validator("name")
     @classmethod
