@@ -114,34 +114,28 @@ def _overflows(queue: _Queue, size: int) -> bool:
 
 class InMemoryHub:
     """Exchanges, queues and bindings shared by `InMemoryBroker` handles (thread-safe): they
-    call its methods with `lock` held."""
+    work on it with `lock` held."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._exchanges: dict[str, str] = {}
+        self.exchanges: dict[str, str] = {}
         # exchange -> routing key -> queue names, in binding order
         self._bindings: dict[str, dict[str, list[str]]] = {}
-        self._queues: dict[str, _Queue] = {}
+        self.queues: dict[str, _Queue] = {}
         self._tags = itertools.count(1)  # hub-wide, so a tag from another handle is never valid
         self._seq = itertools.count()
 
     # -- topology -------------------------------------------------------------------------
 
-    def declare(self, session: Session, specs: Sequence[QueueSpec]) -> None:
-        for name, kind in EXCHANGES:
-            self._exchanges.setdefault(name, kind)
-        for spec in specs:
-            self._declare_queue(session, spec)
-
-    def _declare_queue(self, session: Session, spec: QueueSpec) -> None:
-        if spec.exchange not in self._exchanges:
+    def declare_queue(self, session: Session, spec: QueueSpec) -> None:
+        if spec.exchange not in self.exchanges:
             raise BrokerError(f"NOT_FOUND - no exchange {spec.exchange!r} to bind {spec.name!r}")
-        queue = self._queues.get(spec.name)
+        queue = self.queues.get(spec.name)
         if queue is None:
             queue = _Queue(spec, owner=session if spec.exclusive else None)
-            self._queues[spec.name] = queue
+            self.queues[spec.name] = queue
         else:
-            self._check_access(session, queue)
+            self.check_access(session, queue)
             if _declared_args(queue.spec) != _declared_args(spec):
                 raise BrokerError(
                     f"PRECONDITION_FAILED - inequivalent arguments for queue {spec.name!r}: "
@@ -152,17 +146,9 @@ class InMemoryHub:
             bound.append(spec.name)
         session.declared[spec.name] = spec
 
-    def delete_queue(self, session: Session, name: str) -> None:
-        session.declared.pop(name, None)
-        queue = self._queues.get(name)
-        if queue is None:
-            return  # deleting a missing queue succeeds, as on RabbitMQ
-        self._check_access(session, queue)
-        self._remove_queue(queue)
-
-    def _remove_queue(self, queue: _Queue) -> None:
+    def remove_queue(self, queue: _Queue) -> None:
         name = queue.spec.name
-        del self._queues[name]
+        del self.queues[name]
         for by_key in self._bindings.values():
             for names in by_key.values():
                 if name in names:
@@ -180,7 +166,7 @@ class InMemoryHub:
     def route(self, message: _Message) -> list[str]:
         """Enqueue a copy on every bound queue; returns the names of the queues that were full."""
         exchange, routing_key, size = message.exchange, message.routing_key, len(message.body)
-        kind = self._exchanges.get(exchange)
+        kind = self.exchanges.get(exchange)
         if kind is None:
             raise BrokerError(f"NOT_FOUND - no exchange {exchange!r}")
         by_key = self._bindings.get(exchange, {})
@@ -196,7 +182,7 @@ class InMemoryHub:
             )
         full: list[str] = []
         for name in targets:
-            queue = self._queues[name]
+            queue = self.queues[name]
             if _overflows(queue, size):
                 if queue.spec.overflow == "reject-publish":
                     full.append(name)
@@ -205,19 +191,10 @@ class InMemoryHub:
                     continue  # larger than the whole bound: RabbitMQ drops it as well
             queue.ready.append(replace(message, seq=next(self._seq), redelivered=False))
             queue.ready_bytes += size
-            self._dispatch(queue)
+            self.dispatch(queue)
         return full
 
     # -- consuming ------------------------------------------------------------------------
-
-    def subscribe(self, session: Session, name: str, prefetch: int) -> None:
-        queue = self.queue(session, name)
-        if name in session.consumers:
-            return
-        consumer = _Consumer(session, queue, prefetch)
-        session.consumers[name] = consumer
-        queue.consumers.append(consumer)
-        self._dispatch(queue)
 
     def unsubscribe(self, session: Session, name: str) -> None:
         consumer = session.consumers.pop(name, None)
@@ -233,17 +210,17 @@ class InMemoryHub:
                 session.returned.add(tag)
                 returned.append(pending.message)
         consumer.in_flight = 0
-        if self._queues.get(name) is queue:
+        if self.queues.get(name) is queue:
             self._requeue(queue, returned)
             if queue.spec.auto_delete and not queue.consumers:
-                self._remove_queue(queue)
+                self.remove_queue(queue)
             else:
-                self._dispatch(queue)
+                self.dispatch(queue)
 
     def nack(self, pending: _Pending, requeue: bool) -> None:
         message = pending.message
         queue = pending.consumer.queue
-        live = self._queues.get(queue.spec.name) is queue  # else it died with its queue
+        live = self.queues.get(queue.spec.name) is queue  # else it died with its queue
         if live and requeue:
             self._requeue(queue, [message])
         elif live and (key := queue.spec.dead_letter_routing_key) is not None:
@@ -263,37 +240,9 @@ class InMemoryHub:
         with contextlib.suppress(BrokerError):
             self.route(dead)
 
-    def copy_to_dead(
-        self, session: Session, message: _Message, queue: str, key: str, reason: str
-    ) -> None:
-        headers: dict[str, HeaderValue] = dict(message.headers)
-        headers[REASON_HEADER] = reason
-        headers[SOURCE_QUEUE_HEADER] = queue
-        if message.user_id is not None:
-            headers[USER_HEADER] = message.user_id
-        copy = _Message(DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
-        try:
-            full = self.route(copy)
-        except UnroutableError:
-            # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
-            dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
-            self._declare_queue(session, dead)
-            full = self.route(copy)
-        if full:
-            raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
-
-    def close(self, session: Session) -> None:
-        for name in list(session.consumers):
-            self.unsubscribe(session, name)
-        session.returned.clear()
-        for queue in [q for q in self._queues.values() if q.owner is session]:
-            self._remove_queue(queue)
-        session.closed = True
-        session.wakeup.notify_all()
-
     # -- internals --------------------------------------------------------------------------
 
-    def _dispatch(self, queue: _Queue) -> None:
+    def dispatch(self, queue: _Queue) -> None:
         while queue.ready:
             consumer = self._pick(queue)
             if consumer is None:
@@ -355,18 +304,18 @@ class InMemoryHub:
     def settle(self, pending: _Pending) -> None:
         consumer = pending.consumer
         consumer.in_flight -= 1
-        if self._queues.get(consumer.queue.spec.name) is consumer.queue:
-            self._dispatch(consumer.queue)
+        if self.queues.get(consumer.queue.spec.name) is consumer.queue:
+            self.dispatch(consumer.queue)
 
     def queue(self, session: Session, name: str) -> _Queue:
-        queue = self._queues.get(name)
+        queue = self.queues.get(name)
         if queue is None:
             raise BrokerError(f"NOT_FOUND - no queue {name!r}")
-        self._check_access(session, queue)
+        self.check_access(session, queue)
         return queue
 
     @staticmethod
-    def _check_access(session: Session, queue: _Queue) -> None:
+    def check_access(session: Session, queue: _Queue) -> None:
         if queue.owner is not None and queue.owner is not session:
             raise BrokerError(
                 f"RESOURCE_LOCKED - queue {queue.spec.name!r} is exclusive to another handle"
@@ -411,7 +360,10 @@ class InMemoryBroker:
 
     def declare(self, queues: Sequence[QueueSpec]) -> None:
         with self._open() as session:
-            self.hub.declare(session, queues)
+            for name, kind in EXCHANGES:
+                self.hub.exchanges.setdefault(name, kind)
+            for spec in queues:
+                self.hub.declare_queue(session, spec)
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, options: PublishOptions = PLAIN
@@ -447,7 +399,12 @@ class InMemoryBroker:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         with self._open() as session:
-            self.hub.subscribe(session, queue, prefetch)
+            found = self.hub.queue(session, queue)
+            if queue not in session.consumers:
+                consumer = _Consumer(session, found, prefetch)
+                session.consumers[queue] = consumer
+                found.consumers.append(consumer)
+                self.hub.dispatch(found)
 
     def unsubscribe(self, queue: str) -> None:
         with self._open() as session:
@@ -503,15 +460,29 @@ class InMemoryBroker:
 
     def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy to the queue's dead-letter routing with `reason`, then settle (lock held)."""
-        spec = self._session.declared.get(delivery.queue)
-        if spec is None or spec.dead_letter_routing_key is None:
+        session = self._session
+        spec = session.declared.get(delivery.queue)
+        if spec is None or (key := spec.dead_letter_routing_key) is None:
             raise BrokerError(
                 f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
                 "declare its QueueSpec (with dead_letter_routing_key) here first"
             )
         message = self._peek(delivery).message
-        key = spec.dead_letter_routing_key
-        self.hub.copy_to_dead(self._session, message, delivery.queue, key, reason)
+        headers: dict[str, HeaderValue] = dict(message.headers)
+        headers[REASON_HEADER] = reason
+        headers[SOURCE_QUEUE_HEADER] = delivery.queue
+        if message.user_id is not None:
+            headers[USER_HEADER] = message.user_id
+        copy = _Message(DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
+        try:
+            full = self.hub.route(copy)
+        except UnroutableError:
+            # `<job>.dead` was deleted: declare it again and retry once, as RabbitMQ does.
+            dead = session.declared.get(dead_queue_name(key)) or dead_queue(key)
+            self.hub.declare_queue(session, dead)
+            full = self.hub.route(copy)
+        if full:
+            raise BackPressureError(f"dead-letter queue(s) {', '.join(full)} full")
         self.hub.settle(self._take(delivery))
 
     def _peek(self, delivery: Delivery) -> _Pending:
@@ -541,12 +512,24 @@ class InMemoryBroker:
 
     def delete_queue(self, queue: str) -> None:
         with self._open() as session:
-            self.hub.delete_queue(session, queue)
+            session.declared.pop(queue, None)
+            found = self.hub.queues.get(queue)
+            if found is not None:  # deleting a missing queue succeeds, as on RabbitMQ
+                self.hub.check_access(session, found)
+                self.hub.remove_queue(found)
 
     def close(self) -> None:
+        session = self._session
         with self.hub.lock:
-            if not self._session.closed:
-                self.hub.close(self._session)
+            if session.closed:
+                return
+            for name in list(session.consumers):
+                self.hub.unsubscribe(session, name)
+            session.returned.clear()
+            for queue in [q for q in self.hub.queues.values() if q.owner is session]:
+                self.hub.remove_queue(queue)
+            session.closed = True
+            session.wakeup.notify_all()
 
     def server_info(self) -> ServerInfo:
         """Always healthy: the broker lives in this process."""

@@ -30,7 +30,7 @@ def drained(hub: InMemoryHub, timeout: float, queues: Iterable[str] | None = Non
         with hub.lock:
             watched = [
                 q
-                for q in hub._queues.values()
+                for q in hub.queues.values()
                 if (q.spec.exchange != DEAD_EXCHANGE if names is None else q.spec.name in names)
             ]
             if not any(q.ready or any(c.in_flight for c in q.consumers) for q in watched):
