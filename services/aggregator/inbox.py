@@ -89,13 +89,12 @@ class UpdateInbox:
         return STRANGERS
 
     def _judge(
-        self, delivery: Delivery, decoded: Message | DecodeError, gate: Gate, version: int
+        self, delivery: Delivery, message: Message | DecodeError, gate: Gate, version: int
     ) -> None:
-        if isinstance(decoded, DecodeError):
-            reason = decoded.reason
+        if isinstance(message, DecodeError):
+            reason = message.reason
             self._dead_letter(delivery, f"undecodable: {reason}", decode_kind(reason))
             return
-        message = decoded
         if not isinstance(message, WeightsUpdate | RoundDropped):
             reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
             self._dead_letter(delivery, reason, "wrong_type")
@@ -111,8 +110,7 @@ class UpdateInbox:
             return
         refusal = self.screen.refusal(message)
         if refusal is not None:
-            client = message.client
-            then = (lambda: gate.refused(client)) if refusal.kind != NOT_MEMBER else None
+            then = (lambda: gate.refused(message.client)) if refusal.kind != NOT_MEMBER else None
             self._dead_letter(delivery, refusal.reason, refusal.kind, then)
             return
         if isinstance(message, RoundDropped):

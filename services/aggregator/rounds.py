@@ -59,41 +59,37 @@ class RoundClock(Core):
     def step(self, version: int) -> int:
         """Train `version` into the next (unless stopped, or another aggregator publishes it
         first); the store's current version after."""
-        with log_context(version=version, round=version - 1):
-            self._round(version)
-        return self.store.current_version(self.job)
-
-    def _round(self, version: int) -> None:
         r = version - 1
         self.mark()
         earlier: frozenset[str] = frozenset()
         attempt = 0
         streak = EmptyStreak(self.settings.rounds.max_empty_attempts)
-        while not self.stop.is_set():
-            state = self._open(version, attempt, earlier)
-            if state is None:
-                return
-            decision = self._collect(state)
-            if decision is Decision.CLOSE:
-                self._close(state)
-                return
-            if decision is None:
-                return
-            empty = EmptyAttempt.of(state, self.inbox.refusals)
-            if streak.add(empty):
-                raise JobFailedError(streak.failure(r, empty))
-            self.stats.reopened += 1
-            self.log.warning(
-                "job %s: round %d got no valid update (%s; %d of %s empty attempts in a row); "
-                "reopening it",
-                self.job,
-                r,
-                empty.reasons(),
-                streak.count,
-                streak.limit or "unlimited",
-            )
-            earlier = earlier | frozenset(state.cohort)
-            attempt += 1
+        with log_context(version=version, round=r):
+            while not self.stop.is_set():
+                state = self._open(version, attempt, earlier)
+                if state is None:
+                    break
+                decision = self._collect(state)
+                if decision is Decision.CLOSE:
+                    self._close(state)
+                if decision is not Decision.REOPEN:
+                    break
+                empty = EmptyAttempt.of(state, self.inbox.refusals)
+                if streak.add(empty):
+                    raise JobFailedError(streak.failure(r, empty))
+                self.stats.reopened += 1
+                self.log.warning(
+                    "job %s: round %d got no valid update (%s; %d of %s empty attempts in a row); "
+                    "reopening it",
+                    self.job,
+                    r,
+                    empty.reasons(),
+                    streak.count,
+                    streak.limit or "unlimited",
+                )
+                earlier = earlier | frozenset(state.cohort)
+                attempt += 1
+        return self.store.current_version(self.job)
 
     def _await_members(self, r: int, version: int) -> dict[str, MemberInfo] | None:
         clients = self.settings.clients

@@ -112,11 +112,10 @@ class DashboardState:
         self._finished: dict[str, Any] | None = None
         self._report: RunReport | None = None
 
-    def on_event(self, event: Event, at: float | None = None) -> None:
-        """A notice from the events fanout (other jobs' events are ignored)."""
+    def on_event(self, event: Event, at: float) -> None:
+        """A notice from the events fanout, received `at` (wall clock); other jobs' are ignored."""
         if event.job != self.job:
             return
-        at = self._clock() if at is None else at
         with self._lock:
             self._events.append(
                 {
