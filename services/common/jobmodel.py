@@ -22,10 +22,9 @@ _BUILD_LOCK = threading.Lock()
 def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
     """The job's `SplitNet` shaped for its dataset's images; seeded when `seed` is given.
 
-    Built under a forked RNG so building (and seeding) does not disturb the caller's random
-    stream, and one build at a time, so a seeded build is not disturbed by another thread's:
-    in the embedded runner every role shares one process. Only the aggregator's version 1
-    depends on these initial weights; other roles load published versions.
+    Built under a forked RNG, so the caller's random stream is left alone, and one build at a
+    time (`_BUILD_LOCK`). Only the aggregator's version 1 depends on these initial weights;
+    other roles load published versions.
     """
     spec = get_spec(settings.data.dataset)
     if spec.height != spec.width:

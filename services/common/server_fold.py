@@ -39,6 +39,10 @@ class FoldedCheckpoint:
         return f"{self.applied}:{self.anchor}:{self.samples}"
 
 
+# A shard's last fold before it has one: nothing applied, no samples.
+_NOTHING_FOLDED = FoldedCheckpoint(NEVER, NEVER, 0)
+
+
 def meta_int(meta: Mapping[str, Any], key: str, default: int) -> int:
     """A checkpoint's integer `meta[key]` (`default` when absent or of another type)."""
     value = meta.get(key, default)
@@ -107,37 +111,30 @@ class ServerLedger:
             cut_samples=meta_cuts(meta),
             weights=checkpoint.weights,
         )
-        last = self.folded.get(checkpoint.shard)
-        if last is not None and now.applied == last.applied:
+        last = self.folded.get(checkpoint.shard, _NOTHING_FOLDED)
+        if now.applied == last.applied:
             return None  # nothing new since the last fold
         base = self._base(checkpoint.shard, now, meta_int(meta, "anchor_applied", NEVER), last)
         if base is None:
             self.skipped += 1
             return None
-        samples = now.samples - (last.samples if last is not None else 0)
+        samples = now.samples - last.samples
         if samples <= 0:
             return None
-        cuts = {
-            c: n - (last.cut_samples.get(c, 0) if last is not None else 0)
-            for c, n in now.cut_samples.items()
-        }
+        old = last.cut_samples
+        cuts = {c: n - old.get(c, 0) for c, n in now.cut_samples.items() if n > old.get(c, 0)}
         replica = rebased_replica(
-            checkpoint.shard,
-            checkpoint.weights,
-            base,
-            current,
-            samples,
-            {c: n for c, n in cuts.items() if n > 0},
+            checkpoint.shard, checkpoint.weights, base, current, samples, cuts
         )
         return replica, now
 
     def _base(
-        self, shard: int, now: FoldedCheckpoint, anchor_applied: int, last: FoldedCheckpoint | None
+        self, shard: int, now: FoldedCheckpoint, anchor_applied: int, last: FoldedCheckpoint
     ) -> State | None:
         """What the fresh progress of `now` is measured from, or None if it cannot be told."""
-        if last is not None and last.weights is not None and now.anchor == last.anchor:
+        if last.weights is not None and now.anchor == last.anchor:
             return last.weights
-        if anchor_applied == (last.applied if last is not None else NEVER):
+        if anchor_applied == last.applied:
             try:
                 return self.store.read_blob(self.job, now.anchor, SERVER)
             except VersionNotFoundError:
