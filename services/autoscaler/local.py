@@ -108,7 +108,8 @@ class LocalProcessPool:
 
     def close(self) -> None:
         """Stop every worker gracefully; one still running after `stop_timeout_s` is killed
-        (the autoscaler is going away; a killed worker's batches are redelivered, design §7)."""
+        (the autoscaler is going away; a killed worker's batches are redelivered, design §7).
+        `reap` then reports them all."""
         for name in list(self._children):
             self.stop_worker(name)
         deadline = time.monotonic() + self._stop_timeout_s
@@ -124,4 +125,3 @@ class LocalProcessPool:
                 with suppress(OSError):
                     child.process.send_signal(signal.SIGKILL)
                 child.process.wait()
-        self.reap()
