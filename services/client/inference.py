@@ -210,6 +210,7 @@ class SplitPredictor:
     """A client's split inference with its `phi_k`, `h_k` (in `model`, at `cut`) and E_th."""
 
     def __init__(self, model: SplitNet, cut: str, server: ServerLogits, threshold: float) -> None:
+        model.cut_index(cut)  # an unknown cut fails here, not at the first prediction
         self.model, self.cut = model, cut
         self.server = server
         self.threshold = threshold
