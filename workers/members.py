@@ -38,7 +38,11 @@ class MemberCache:
         missed_at = self._strangers.get(client)
         if missed_at is not None and now - missed_at < _NEGATIVE_TTL_S:
             return False
-        self._refresh(now)
+        members = self.store.live_members(self.job)
+        self._members = frozenset(
+            m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
+        )
+        self._read_at = now
         if client in self._members:
             self._strangers.pop(client, None)
             return True
@@ -47,10 +51,3 @@ class MemberCache:
         while len(self._strangers) > _MAX_STRANGERS:
             self._strangers.popitem(last=False)
         return False
-
-    def _refresh(self, now: float) -> None:
-        members = self.store.live_members(self.job)
-        self._members = frozenset(
-            m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
-        )
-        self._read_at = now

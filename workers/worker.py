@@ -215,7 +215,13 @@ class WorkerSession:
     def rebalance(self) -> None:
         self.next_tick = self.clock() + self.tick_s
         held = {r.shard for r in self.runners.values()} | self.unloaded
-        plan = self.keeper.plan(held, self._heartbeat_info())
+        # Who and how busy we are, for `splitmq check worker`, the autoscaler and (samples, the
+        # metrics URL) the dashboard's workers table.
+        info = {**self.metrics.member_info(), "host": socket.gethostname(), "pid": str(os.getpid())}
+        busy = self.busy.take(min_window_s=self.tick_s / 2)
+        if busy is not None:
+            info["busy"] = f"{busy:.3f}"
+        plan = self.keeper.plan(held, info)
         self.target = plan.target
         for shard in plan.lost:
             self.drop(shard)
@@ -243,15 +249,6 @@ class WorkerSession:
                 self.log.debug("worker %s: no depth of %s: %r", self.worker_id, queue, exc)
                 continue
             self.metrics.queue_depth(runner.shard, depth)
-
-    def _heartbeat_info(self) -> dict[str, str]:
-        """Who and how busy we are, for `splitmq check worker` and the autoscaler."""
-        # samples and the metrics URL, for the dashboard's workers table
-        info = {**self.metrics.member_info(), "host": socket.gethostname(), "pid": str(os.getpid())}
-        busy = self.busy.take(min_window_s=self.tick_s / 2)
-        if busy is not None:
-            info["busy"] = f"{busy:.3f}"
-        return info
 
     def load(self, shard: int) -> None:
         # Batches may come from several cuts (FedSplitX's levels): the replica starts at the

@@ -49,17 +49,13 @@ def read_npz(
         # ValueError covers "object arrays need allow_pickle", malformed .npy headers and files
         # that are neither .npz nor .npy (numpy then assumes a pickle and refuses it).
         raise DataFormatError(path, f"cannot read .npz: {exc}") from exc
-    _check_pair(path, x, y)
-    return x, y
-
-
-def _check_pair(path: Path, x: npt.NDArray[np.generic], y: npt.NDArray[np.generic]) -> None:
     if x.dtype != np.uint8 or x.ndim not in (3, 4):
         raise DataFormatError(path, f"expected uint8 images [N,H,W(,C)], got {x.dtype} {x.shape}")
     if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
         raise DataFormatError(path, f"expected integer labels [N], got {y.dtype} {y.shape}")
     if len(x) != len(y):
         raise DataFormatError(path, f"{len(y)} labels for {len(x)} images")
+    return x, y
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -74,19 +70,6 @@ _IDX_DTYPES: dict[int, str] = {
     0x0D: ">f4",
     0x0E: ">f8",
 }
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataFormatError(path, f"cannot read file: {exc.strerror or exc}") from exc
-    if raw[:2] != _GZIP_MAGIC:
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DataFormatError(path, f"corrupt gzip stream: {exc}") from exc
 
 
 def parse_idx(data: bytes, source: object = "<bytes>") -> npt.NDArray[np.generic]:
@@ -123,7 +106,16 @@ def parse_idx(data: bytes, source: object = "<bytes>") -> npt.NDArray[np.generic
 def read_idx(path: str | Path) -> npt.NDArray[np.generic]:
     """Read an IDX file (raw or gzip) into a native-endian numpy array."""
     path = Path(path)
-    return parse_idx(_read_bytes(path), path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataFormatError(path, f"cannot read file: {exc.strerror or exc}") from exc
+    if raw[:2] == _GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DataFormatError(path, f"corrupt gzip stream: {exc}") from exc
+    return parse_idx(raw, path)
 
 
 def read_idx_pair(
