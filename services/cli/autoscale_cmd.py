@@ -17,7 +17,6 @@ from services.cli.common import (
     default_member_id,
     load,
     log_options,
-    require_servers,
     stop_on_signals,
 )
 from services.common.backends import Backends
@@ -58,7 +57,11 @@ def autoscale(config: Path | None, log_dir: Path | None, log: LogOptions) -> Non
     containers. On exit, local workers are stopped; containers stay.
     """
     path, settings = load(config)
-    require_servers(settings, "autoscale")  # it sizes workers in other processes
+    if settings.broker.kind != "rabbitmq" or settings.store.kind != "redis":
+        raise click.ClickException(
+            "`splitmq autoscale` sizes workers in other processes: it needs RabbitMQ and Redis "
+            "(SPLITMQ_BROKER=rabbitmq SPLITMQ_STORE=redis)"
+        )
     with log.logging(settings, {"role": "autoscaler", "job": settings.job.name}):
         pool = make_pool(settings, path, log_dir)
         with stop_on_signals() as stop:
