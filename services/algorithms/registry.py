@@ -65,13 +65,8 @@ def specs_in(source: object) -> list[AlgorithmSpec]:
 class Registry:
     """The algorithms of one process (tests build their own, with other modules or group)."""
 
-    def __init__(
-        self,
-        builtins: Mapping[str, str] = BUILTINS,
-        package: str = "services.algorithms",
-        group: str = GROUP,
-    ) -> None:
-        self._builtins = {name: f"{package}.{module}" for name, module in builtins.items()}
+    def __init__(self, builtins: Mapping[str, str] = BUILTINS, group: str = GROUP) -> None:
+        self._builtins = {name: f"services.algorithms.{m}" for name, m in builtins.items()}
         self._group = group
         self._specs: dict[str, AlgorithmSpec] = {}
         self._plugins: dict[str, EntryPoint] | None = None

@@ -6,7 +6,7 @@ personalised client's `phi_k`, `h_k` and theta on its `local` and `global` test 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +62,6 @@ def sweep_clients(
     thresholds: Sequence[float],
     clients: Sequence[str],
     rows: int,
-    progress: Callable[[str], None] = lambda _c: None,
 ) -> list[SweepRow]:
     job, cut = settings.job.name, settings.model.cut
     test = data.dataset.test
@@ -73,7 +72,6 @@ def sweep_clients(
     }
     out: list[SweepRow] = []
     for client in clients:
-        progress(client)
         model = job_model(settings)
         for blob in shared.values():
             load_partial(model, blob)
