@@ -35,9 +35,7 @@ def ended_job(store: WeightStore, job: str) -> JobStatus | None:
     """How the job ended, if it has; None when it runs or is new (no version yet: a leftover
     status is cleared when version 1 is seeded)."""
     status = store.job_status(job)
-    if status is None or store.current_version(job) == NO_VERSION:
-        return None
-    return status
+    return None if status is None or store.current_version(job) == NO_VERSION else status
 
 
 def ensure_initial_version(

@@ -186,7 +186,7 @@ class Core(ABC):
         round_s: float,
         replicas: int,
         extra: Mapping[str, float] | None = None,
-    ) -> VersionRecord:
+    ) -> None:
         """Evaluate a published version, record it, announce it; counts traffic from `mark`."""
         evaluator = self.evaluator
         evaluation = evaluator.evaluate(blobs, classes) if evaluator else None
@@ -219,7 +219,6 @@ class Core(ABC):
         )
         self.outbox.event("version_published", version, event_data(record))
         self.records.append(record)
-        return record
 
     def end(self, version: int, ended: JobStatus) -> None:
         """Record how the job ended, dismiss every live member with that status and announce it;

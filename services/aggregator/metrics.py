@@ -32,11 +32,7 @@ REPORT_PREFIX = "report."
 
 
 def metric(metrics: Mapping[str, float], names: Sequence[str]) -> float | None:
-    for name in names:
-        value = metrics.get(name)
-        if value is not None:
-            return float(value)
-    return None
+    return next((float(metrics[n]) for n in names if metrics.get(n) is not None), None)
 
 
 def sample_weighted(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:

@@ -94,13 +94,11 @@ class OpenRound:
     assigned: dict[str, str] = field(default_factory=dict)
 
     def offer(self, update: WeightsUpdate) -> Offer:
-        misplaced = self._misplaced(update)
-        if misplaced is not None:
+        if (misplaced := self._misplaced(update)) is not None:
             return misplaced
         if update.client in self.updates:
             return Offer(Verdict.DUPLICATE)
-        wrong = self._wrong_version(update)
-        if wrong is not None:
+        if (wrong := self._wrong_version(update)) is not None:
             return wrong
         # A valid update outweighs an earlier notice that the round was dropped.
         self.declined.pop(update.client, None)
@@ -110,16 +108,14 @@ class OpenRound:
     def offer_drop(self, drop: RoundDropped) -> Offer:
         """A member's notice that it dropped this round: no longer awaited, and its reason
         counts when the attempt ends without a valid update."""
-        misplaced = self._misplaced(drop)
-        if misplaced is not None:
+        if (misplaced := self._misplaced(drop)) is not None:
             return misplaced
         if drop.client in self.updates:
             reason = f"client {drop.client!r} already sent its update for round {self.round}"
             return Offer(Verdict.REJECT, reason, kind="contradicts_update")
         if drop.client in self.declined:
             return Offer(Verdict.DUPLICATE)
-        wrong = self._wrong_version(drop)
-        if wrong is not None:
+        if (wrong := self._wrong_version(drop)) is not None:
             return wrong
         expected = self.assigned.get(drop.client)
         if drop.ref_message_id and expected and drop.ref_message_id != expected:

@@ -132,14 +132,13 @@ class Coordinator:
             return f"message for job {message.job!r} on job {self.job!r}'s control queue"
         if not message.client:
             return f"{type(message).__name__} without a client id"
-        bad_id = client_id_problem(message.client)
-        if bad_id is not None:
-            return bad_id
         # Design §3: the broker vouches for user_id; the client field must not claim someone
         # else's identity (and in the secured mode a client message must carry one).
-        impostor = self._senders.client_problem(delivery, message.client)
-        if impostor is not None:
-            return impostor
+        sender = client_id_problem(message.client) or self._senders.client_problem(
+            delivery, message.client
+        )
+        if sender is not None:
+            return sender
         if isinstance(message, Heartbeat) and message.role != "client":
             return f"heartbeat of role {message.role!r}: only clients are members"
         return None
