@@ -107,7 +107,7 @@ def _bounded(
     job: str, name: str, exchange: str, key: str, bounds: tuple[int, int], sac: bool = False
 ) -> QueueSpec:
     """A durable queue of `job` bounded by `bounds` (messages, bytes), refusing publishes when
-    full, whose rejected messages go to `<job>.dead`."""
+    full, whose rejected messages go to `<job>.dead`; `sac`: with a single active consumer."""
     length, nbytes = bounds
     return QueueSpec(
         name,
