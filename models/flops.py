@@ -12,7 +12,8 @@ restored and no state changes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -37,14 +38,11 @@ def flops_by_layer(module: nn.Module, input_shape: Sequence[int]) -> dict[str, i
     and Linear that `module`'s forward runs, by module name."""
     found: dict[str, int] = {}
 
-    def counter(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
-        def count(layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
-            found[name] = found.get(name, 0) + layer_flops(layer, args[0], output)
-
-        return count
+    def count(name: str, layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        found[name] = found.get(name, 0) + layer_flops(layer, args[0], output)
 
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
-    handles = [layer.register_forward_hook(counter(name)) for name, layer in layers]
+    handles = [layer.register_forward_hook(partial(count, name)) for name, layer in layers]
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     try:
         with evaluating([module]):

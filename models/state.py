@@ -72,9 +72,7 @@ def load_partial(module: nn.Module, state: Mapping[str, Tensor]) -> None:
 
 
 def _with_prefixes(model: nn.Module, prefixes: Iterable[str]) -> dict[str, Tensor]:
-    wanted = tuple(prefixes)
-    if not wanted:
-        return {}
+    wanted = tuple(prefixes)  # () matches nothing
     return {name: t for name, t in model.state_dict().items() if name.startswith(wanted)}
 
 

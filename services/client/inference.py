@@ -101,10 +101,7 @@ class BrokerTheta:
         # Seqs start at a random point: a provisioned queue outlives its consumers, so answers
         # to an earlier handle's requests (same requester, seqs from 1) may still be in it.
         self._seq = secrets.randbits(SEQ_BASE_BITS)
-        if provisioned:
-            spec = client_infer_reply_queue(job, self.requester)
-        else:
-            spec = infer_reply_queue(job, self.requester)
+        spec = (client_infer_reply_queue if provisioned else infer_reply_queue)(job, self.requester)
         broker.declare([spec])
         broker.subscribe(spec.name, prefetch=64)
 
