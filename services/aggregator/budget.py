@@ -46,9 +46,7 @@ class SenderBudgets:
     def spend(self, sender: str) -> bool:
         """Take one message's worth of `sender`'s budget; False when it has none left."""
         now = self.clock()
-        bucket = self._buckets.get(sender)
-        if bucket is None:
-            bucket = self._buckets[sender] = _Bucket(float(self.burst), now)
+        bucket = self._buckets.setdefault(sender, _Bucket(float(self.burst), now))
         bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.rate_per_s)
         bucket.at = now
         if bucket.tokens >= 1.0:
