@@ -1,9 +1,7 @@
 """`splitmq check ROLE`: a container healthcheck, exit code 0 healthy, 1 not, one line why;
-`splitmq doctor`: every check of the configured services at once, with what to do.
-
-A role's health key (the autoscaler refreshes its own after each poll) is looked for on this
-host by default (a container's hostname is its own), else by `--id`, or anywhere; a client's
-health file on this machine (both in `services.common.health`).
+`splitmq doctor`: every check of the configured services at once, with what to do. Which
+health record counts (this host's by default, `--id`, `--anywhere`): docs/deployment.md,
+"Health checks".
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""`splitmq infer CONFIG --sweep 0,0.1,0.5,1,2`: split inference of a SplitGP run, E_th sweep.
-
-Reads a version (default: the newest) of the job's weights from the store and, for each client
-with personalised blobs, answers test samples with its own head where the head's entropy is at
-most E_th and with theta elsewhere; theta answers through the broker, as InferRequests to the
-job's workers (`--serve` starts an inference server in this process for a job whose workers
-are gone), or in this process (`--local`). Prints the mean over clients of the accuracy and of
-the fraction offloaded, on the clients' own classes (local) and on every test row (global);
-`--out` writes the per-client rows as CSV.
+"""`splitmq infer CONFIG --sweep 0,0.1,0.5,1,2`: split inference of a SplitGP run, E_th sweep
+(what it reads, whom it asks and what it prints: docs/algorithms.md, "Sweep of a service run").
 """
 
 from __future__ import annotations
