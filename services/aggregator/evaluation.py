@@ -15,13 +15,11 @@ from torch.nn import functional as F
 
 from models.split import SplitNet
 from models.state import load_partial
-from services.algorithms.base import StrategyBase, VersionWeights, full_model_weights
+from services.algorithms.base import State, StrategyBase, VersionWeights, full_model_weights
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Split
 from services.data.partition import local_test_indices
-
-State = Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
