@@ -1,15 +1,49 @@
-"""The root of a SplitMQ configuration file: connections plus the job description."""
+"""The root of a SplitMQ configuration file: connections, the job description and [metrics]."""
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from broker.topology import job_queues
 from broker.transport import QueueSpec
 from services.config.autoscaler import AutoscalerSection
 from services.config.job import JobConfig
-from services.config.metrics import MetricsSection
-from services.config.settings import ConnectionSettings
+from services.config.settings import ConnectionSettings, _Section
+
+# Where each kind of process starts looking for a free port, relative to `port`.
+PORT_OFFSETS: dict[str, int] = {
+    "coordinator": 0,  # also serves the dashboard
+    "run": 0,  # `splitmq run`: every role in one process, dashboard included
+    "aggregator": 1,
+    "dashboard": 2,  # `splitmq dashboard CONFIG`
+    "worker": 10,  # worker processes take 9410, 9411, ... in start order
+    "client": 100,
+}
+
+
+class MetricsSection(_Section):
+    """`[metrics]`: the Prometheus endpoint each role serves, and the live dashboard. Every
+    process of a job serves `/metrics` on its own port so several fit on one machine: it starts
+    at `port` plus its offset and takes the first free port within `port_span`
+    (docs/deployment.md, "Prometheus endpoints")."""
+
+    enabled: bool = True
+    # Loopback by default; "0.0.0.0" to be scraped from other hosts or containers.
+    host: str = "127.0.0.1"
+    # Base port (0: any free port, chosen by the operating system).
+    port: int = Field(default=9400, ge=0, le=65535)
+    # How many ports after its own a process tries before giving up on serving metrics.
+    port_span: int = Field(default=64, ge=1, le=1000)
+    # Serve the dashboard page from the coordinator and from `splitmq run`.
+    dashboard: bool = True
+    # How often queue depths, members and the version are sampled (and the page refreshed).
+    probe_s: float = Field(default=1.0, gt=0)
+
+    def first_port(self, kind: str) -> int:
+        """The port a process of `kind` tries first (0: let the OS choose)."""
+        if self.port == 0:
+            return 0
+        return min(65535, self.port + PORT_OFFSETS.get(kind, 0))
 
 
 class Settings(ConnectionSettings, JobConfig):
