@@ -19,7 +19,6 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pika
@@ -30,7 +29,7 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.rabbitmq_channels import ChannelKeeper, Returned, queue_arguments, unroutable
+from broker.rabbitmq_channels import ChannelKeeper, queue_arguments, unroutable
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
 from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
 from broker.transport import (
@@ -56,22 +55,6 @@ __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
 _TRANSIENT, _PERSISTENT = 1, 2
 _log = logging.getLogger("splitmq.broker")
 Unsettled = list[tuple[Delivery, BrokerError]]
-
-
-@dataclass(frozen=True, eq=False)  # compared by identity: two letters may be equal
-class _Copy:
-    """A dead letter's copy, on its way to the dead-letter exchange."""
-
-    delivery: Delivery
-    routing_key: str
-    reason: str
-
-    @property
-    def properties(self) -> Any:
-        return _dead_letter_properties(self.delivery, self.reason)
-
-    def came_back_as(self, returned: Returned) -> bool:
-        return returned.routing_key == self.routing_key and returned.body == self.delivery.body
 
 
 class RabbitMQBroker:
@@ -249,34 +232,31 @@ class RabbitMQBroker:
     def dead_letter_many(self, letters: Sequence[tuple[Delivery, str]]) -> Unsettled:
         for delivery, _ in letters:  # a usage error raises before anything is settled
             self._outstanding(delivery, stale_passes=True)
-        unsettled, copies, one_by_one = self._sort_letters(letters)
-        if self._options.dead_letter_by_nack:
-            _log_by_nack(one_by_one)
-        for delivery, reason in one_by_one:
-            try:
-                self._settle_one(delivery, reason)
-            except BrokerError as exc:
-                unsettled.append((delivery, exc))
-        if copies:
-            landed, refused = self._commit_copies(copies)
-            unsettled.extend(refused)
-            for copy in landed:  # after the commit: a crash in between duplicates, never loses
+        unsettled, ready = self._sort_letters(letters)
+        by_nack = self._options.dead_letter_by_nack
+        if by_nack:
+            _log_by_nack([(delivery, reason) for delivery, reason, _ in ready])
+        errors = {} if by_nack else self._copy_all(ready)
+        for index, (delivery, _, _) in enumerate(ready):
+            error = errors.get(index)
+            if error is None:  # copied: a crash before the ack duplicates, never loses
                 try:
-                    self.ack(copy.delivery)
+                    self._nack(delivery, False) if by_nack else self.ack(delivery)
                 except BrokerError as exc:
-                    unsettled.append((copy.delivery, exc))
+                    error = exc
+            if error is not None:
+                unsettled.append((delivery, error))
         if self.meter is not None:
             count_settled(self.meter, letters, unsettled)
         return unsettled
 
     def _sort_letters(
         self, letters: Sequence[tuple[Delivery, str]]
-    ) -> tuple[Unsettled, list[_Copy], list[tuple[Delivery, str]]]:
-        """The letters that cannot go (stale, no routing), the copies for one transaction,
-        and the letters to settle one by one (by nack, or into a queue that may refuse)."""
+    ) -> tuple[Unsettled, list[tuple[Delivery, str, str]]]:
+        """The letters that cannot go (stale, no routing), and the others with their
+        dead-letter routing key."""
         unsettled: Unsettled = []
-        copies: list[_Copy] = []
-        one_by_one: list[tuple[Delivery, str]] = []
+        ready: list[tuple[Delivery, str, str]] = []
         for delivery, reason in letters:
             spec = self._keeper.specs.get(delivery.queue)
             if spec is None or spec.dead_letter_routing_key is None:
@@ -287,77 +267,31 @@ class RabbitMQBroker:
             except StaleDeliveryError as exc:
                 unsettled.append((delivery, exc))
                 continue
-            key = spec.dead_letter_routing_key
-            if self._options.dead_letter_by_nack or self._may_refuse(key):
-                one_by_one.append((delivery, reason))
-            else:
-                copies.append(_Copy(delivery, key, reason))
-        if len(copies) == 1:  # a commit's own disk sync costs more than one confirm (~3x)
-            one_by_one.append((copies[0].delivery, copies[0].reason))
-            copies = []
-        return unsettled, copies, one_by_one
+            ready.append((delivery, reason, spec.dead_letter_routing_key))
+        return unsettled, ready
 
-    def _settle_one(self, delivery: Delivery, reason: str) -> None:
-        """A letter the batch cannot take: by nack (dead_letter_by_nack), or confirmed, since
-        in a transaction a reject-publish queue would drop the copy without a word."""
-        if self._options.dead_letter_by_nack:
-            self._nack(delivery, False)
-        else:
-            self._dead_letter(delivery, reason)
-
-    def _may_refuse(self, routing_key: str) -> bool:
-        """Whether the dead-letter queue for `routing_key`, as this handle declared it, may
-        refuse a message (the topology's drop-head never does)."""
-        spec = self._keeper.specs.get(dead_queue_name(routing_key))
-        if spec is None or spec.overflow != "reject-publish":
-            return False
-        return spec.max_length is not None or spec.max_length_bytes is not None
-
-    def _commit_copies(self, copies: list[_Copy]) -> tuple[list[_Copy], Unsettled]:
-        """Publish the copies in one transaction; those that landed, and the others with why.
-        A `<job>.dead` that was gone is declared again and its copies are sent once more."""
-        landed: list[_Copy] = []
-        refused: Unsettled = []
-        pending = copies  # neither landed nor refused yet
-        try:
-            channel = self._keeper.batch()
-            generation = self._keeper.generation
-            for copy in [c for c in copies if c.delivery.generation != generation]:
-                refused.append((copy.delivery, self._lost_before_copy(copy.delivery)))
-            pending = [c for c in copies if c.delivery.generation == generation]
-            back = self._commit(channel, pending)
-            landed, pending = [c for c in pending if c not in back], back
-            retry: list[_Copy] = []
-            for key in dict.fromkeys(c.routing_key for c in back):
-                lost = [c for c in back if c.routing_key == key]
-                refusal = self._restore_dead_queue(key)
-                if refusal is None:
-                    retry.extend(lost)
+    def _copy_all(self, letters: list[tuple[Delivery, str, str]]) -> dict[int, BrokerError]:
+        """The letters' copies, all confirmed at once; the refused ones by index. Copies to a
+        `<job>.dead` that was gone are sent once more after declaring it again."""
+        if not letters:
+            return {}
+        copies = [(key, d.body, _dead_letter_properties(d, r)) for d, r, key in letters]
+        refused = self._keeper.copy_all(copies, letters[0][0].generation)
+        gone = [i for i, error in refused.items() if isinstance(error, UnroutableError)]
+        for key in dict.fromkeys(letters[i][2] for i in gone):
+            lost = [i for i in gone if letters[i][2] == key]
+            refusal = self._restore_dead_queue(key)
+            if refusal is not None:
+                why = f"; declaring it again failed: {refusal}"
+                refused.update({i: unroutable(DEAD_EXCHANGE, key, why) for i in lost})
+                continue
+            again = self._keeper.copy_all([copies[i] for i in lost], letters[0][0].generation)
+            for at, i in enumerate(lost):
+                if at in again:
+                    refused[i] = again[at]
                 else:
-                    why = f"; declaring it again failed: {refusal}"
-                    refused.extend((c.delivery, unroutable(DEAD_EXCHANGE, key, why)) for c in lost)
-            pending = retry
-            again = self._commit(self._keeper.batch(), retry)
-            landed.extend(c for c in retry if c not in again)
-            refused.extend((c.delivery, unroutable(DEAD_EXCHANGE, c.routing_key)) for c in again)
-        except PIKA_ERRORS as exc:
-            # On a lost connection RabbitMQ requeues every original (the copies that landed
-            # are duplicates, never a loss, and their acks fail as stale); a channel error (no
-            # write permission on the dead-letter exchange) rolled its transaction back.
-            failure = self._keeper.settle_failure(exc, copies[0].delivery, "batched dead-letter")
-            refused.extend((c.delivery, failure) for c in pending)
-        return landed, refused
-
-    def _commit(self, channel: Any, copies: list[_Copy]) -> list[_Copy]:
-        """Publish and commit `copies` (the one wait); those RabbitMQ handed back (unroutable)."""
-        if not copies:
-            return []
-        for copy in copies:
-            channel.basic_publish(
-                DEAD_EXCHANGE, copy.routing_key, copy.delivery.body, copy.properties, mandatory=True
-            )
-        channel.tx_commit()
-        return _matched(copies, self._keeper.take_returned())
+                    del refused[i]
+        return refused
 
     def _copy_to_dead(self, delivery: Delivery, routing_key: str, properties: Any) -> None:
         """Publish the dead letter's copy; if no queue takes it (`<job>.dead` was deleted),
@@ -537,20 +471,6 @@ def _no_routing(delivery: Delivery) -> BrokerError:
         f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
         "declare its QueueSpec (with dead_letter_routing_key) here first"
     )
-
-
-def _matched(copies: list[_Copy], returned: list[Returned]) -> list[_Copy]:
-    """The copies RabbitMQ handed back: its basic.returns come in publish order."""
-    back: list[_Copy] = []
-    at = 0
-    for message in returned:
-        while at < len(copies) and not copies[at].came_back_as(message):
-            at += 1
-        if at == len(copies):
-            break  # not one of these (cannot happen: the channel is ours alone)
-        back.append(copies[at])
-        at += 1
-    return back
 
 
 def _log_by_nack(letters: Sequence[tuple[Delivery, str]]) -> None:

@@ -1,9 +1,10 @@
 """One RabbitMQ connection and its channels, kept alive for a `RabbitMQBroker`.
 
 The *publisher* channel (confirms on) carries declarations, publishes, queue depth and deletion;
-the *consumer* channel carries subscriptions and acks; the *batch* channel, opened on first use
-in transaction mode, carries batched dead letters (`RabbitMQBroker.dead_letter_many`): pika's
-BlockingChannel waits for each confirm in turn, while N publishes and one commit wait once.
+the *consumer* channel carries subscriptions and acks. Two more channels, opened on first use,
+publish without pika's wait for each confirm (`Unconfirmed`): `confirm_later` publishes, and
+batched dead letters (`RabbitMQBroker.dead_letter_many`), whose N copies wait for their
+confirms once.
 A channel error (a bug, or a conflicting declaration) closes only the channel it happened on,
 so a bad publish does not return the consumer's unacknowledged messages; a closed channel is
 reopened on next use, once, never in a loop. A lost connection is reopened by `call` with
@@ -49,24 +50,22 @@ from broker.rabbitmq_connection import (
     server_url,
 )
 from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
-from broker.transport import Delivery, PublishOptions, QueueSpec, Refused, incoming_headers
+from broker.transport import (
+    PLAIN,
+    Delivery,
+    PublishOptions,
+    QueueSpec,
+    Refused,
+    incoming_headers,
+)
 
 T = TypeVar("T")
 _log = logging.getLogger("splitmq.broker")
 
 
-@dataclass(frozen=True)
-class Returned:
-    """A message RabbitMQ handed back (basic.return): no queue was bound to take it."""
-
-    routing_key: str
-    body: bytes
-    properties: Any
-
-
 @dataclass(eq=False)
 class _Sent:
-    """A `send_later` publish awaiting its confirm; `error` is set by a basic.return."""
+    """A publish awaiting its confirm; `error` is set by a basic.return."""
 
     order: int  # across channels: confirms of one channel may come out of order, too
     exchange: str
@@ -101,6 +100,101 @@ def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
     return args
 
 
+class Unconfirmed:
+    """A confirm-mode channel nothing blocks on: each publish is noted by its delivery tag,
+    confirms and basic.returns only take notes, and `take` hands out the refusals in publish
+    order. RabbitMQ confirms out of order (an unroutable message at once, a full queue's nack
+    later), so a refusal is held back until every earlier publish is confirmed."""
+
+    def __init__(self, full: Callable[[str, str], BackPressureError]) -> None:
+        self._full = full
+        self.channel: Any = None
+        self.sent: dict[int, _Sent] = {}  # by delivery tag, unconfirmed
+        self._acked: deque[_Sent] = deque(maxlen=64)  # lately confirmed: a late basic.return
+        self._next_tag = 1
+        self._refused: list[tuple[int, Refused]] = []  # (order, refusal), not yet taken
+        self._sends = 0  # publishes so far, for their order
+
+    def waiting(self) -> bool:
+        """Whether a confirm, or a late basic.return, may still come in."""
+        return bool(self.sent or self._acked)
+
+    def open(self, connection: Any) -> Any:
+        channel = self.channel
+        if channel is None or not channel.is_open:
+            self.lose("its channel closed before the confirm")
+            channel = connection.channel()
+            # pika's BlockingChannel would wait for every confirm: confirms go to the
+            # underlying channel, to callbacks that only take notes (nowait select).
+            channel._impl.confirm_delivery(ack_nack_callback=self._on_confirm)
+            channel._impl.add_on_return_callback(self._on_return)
+            self.channel, self._next_tag = channel, 1
+        return channel
+
+    def send(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: Any,
+        options: PublishOptions,
+    ) -> int:
+        """Write one publish on the open channel; its order, which `take` reports."""
+        mandatory = exchange not in BEST_EFFORT_EXCHANGES
+        # Noted first: writing the frames takes in what RabbitMQ sent meanwhile, and its
+        # basic.return and confirm of this very message may be among it.
+        tag, order = self._next_tag, self._sends
+        self.sent[tag] = _Sent(order, exchange, routing_key, body, options)
+        try:
+            # Not in BlockingChannel's confirm mode, so this only writes the frames.
+            self.channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
+        except BaseException:
+            self.sent.pop(tag, None)
+            raise
+        self._next_tag += 1
+        self._sends += 1
+        return order
+
+    def take(self) -> list[tuple[int, Refused]]:
+        """The refusals since the last call, with their orders, in publish order."""
+        taken = sorted(self._refused, key=lambda pair: pair[0])
+        first_open = min((sent.order for sent in self.sent.values()), default=self._sends)
+        self._refused = [pair for pair in taken if pair[0] > first_open]
+        return [pair for pair in taken if pair[0] < first_open]
+
+    def lose(self, why: str) -> None:
+        """Every unconfirmed publish is refused, with `why` (the channel or connection went)."""
+        for sent in self.sent.values():
+            error = BrokerUnavailableError(f"publish to {sent.routing_key!r}: {why}")
+            self._refused.append(sent.refused(sent.error or error))
+        self.sent.clear()
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        tags = [t for t in self.sent if t <= method.delivery_tag] if method.multiple else []
+        for tag in tags or [method.delivery_tag]:
+            sent = self.sent.pop(tag, None)
+            if sent is None:
+                continue
+            if isinstance(method, pika.spec.Basic.Nack):
+                sent.error = self._full(sent.exchange, sent.routing_key)
+            if sent.error is not None:
+                self._refused.append(sent.refused(sent.error))
+            else:
+                self._acked.append(sent)
+
+    def _on_return(self, _channel: Any, method: Any, _props: Any, body: bytes) -> None:
+        # A basic.return is sent before the confirm of the message it hands back, but now and
+        # then it is read after it: then the message is among the lately confirmed.
+        for sent in [*self.sent.values(), *self._acked]:
+            if sent.error is None and sent.routing_key == method.routing_key and sent.body == body:
+                sent.error = unroutable(sent.exchange, sent.routing_key)
+                if sent in self._acked:
+                    self._acked.remove(sent)
+                    self._refused.append(sent.refused(sent.error))
+                return
+
+
 class ChannelKeeper:
     """The connection, its publisher and consumer channels, and what to restore on them."""
 
@@ -125,14 +219,8 @@ class ChannelKeeper:
         self._connection: Any = None  # pika.BlockingConnection
         self._publisher_channel: Any = None  # pika BlockingChannel with confirms
         self._consumer_channel: Any = None
-        self._batch_channel: Any = None  # in transaction mode, opened on first use
-        self._returned: list[Returned] = []  # basic.returns on the batch channel, not yet taken
-        self._later_channel: Any = None  # confirms on, nothing waits for them
-        self._sent: dict[int, _Sent] = {}  # confirm_later publishes by delivery tag, unconfirmed
-        self._acked: deque[_Sent] = deque(maxlen=64)  # lately confirmed: a late basic.return
-        self._next_tag = 1
-        self._refused: list[tuple[int, Refused]] = []  # (order, refusal), not yet taken
-        self._sends = 0  # confirm_later publishes so far, for their order
+        self._later = Unconfirmed(self._full)  # confirm_later publishes
+        self._dead = Unconfirmed(self._full)  # batched dead letters' copies
         self.connects = 0
         self.generation = 0  # carried by deliveries; bumped when older ones become void
         self.closed = False
@@ -239,88 +327,61 @@ class ChannelKeeper:
         """Publish without waiting for the confirm: `take_refused` reports a refusal later."""
 
         def send() -> None:
-            channel = self._later()
-            mandatory = exchange not in BEST_EFFORT_EXCHANGES
-            # Noted first: writing the frames takes in what RabbitMQ sent meanwhile, and its
-            # basic.return and confirm of this very message may be among it.
-            tag = self._next_tag
-            self._sent[tag] = _Sent(self._sends, exchange, routing_key, body, options)
-            try:
-                # Not in BlockingChannel's confirm mode, so this only writes the frames.
-                channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
-            except BaseException:
-                self._sent.pop(tag, None)  # `call` sends it again, or raises
-                raise
-            self._next_tag += 1
-            self._sends += 1
+            self._open(self._later).send(exchange, routing_key, body, properties, options)
 
         self.call(send, f"publish to exchange {exchange!r}, key {routing_key!r}")
 
     def take_refused(self) -> list[Refused]:
         """The `send_later` publishes refused since the last call, in publish order; takes in
-        what RabbitMQ has sent meanwhile first (without waiting). RabbitMQ confirms out of
-        order (an unroutable message at once, a full queue's nack later), so a refusal is held
-        back until every earlier publish is confirmed."""
-        waiting = self._sent or self._acked  # confirms, or late basic.returns
-        if waiting and self._connection is not None and self._connection.is_open:
+        what RabbitMQ has sent meanwhile first (without waiting)."""
+        if self._later.waiting() and self._connection is not None and self._connection.is_open:
             try:
                 self._connection.process_data_events(time_limit=0)
             except PIKA_ERRORS:
                 self._drop_connection()  # the unconfirmed ones become refusals
-        taken = sorted(self._refused, key=lambda pair: pair[0])
-        first_open = min((sent.order for sent in self._sent.values()), default=self._sends)
-        self._refused = [pair for pair in taken if pair[0] > first_open]
-        return [refusal for order, refusal in taken if order < first_open]
+        return [refusal for _, refusal in self._later.take()]
 
-    def _later(self) -> Any:
+    def copy_all(
+        self, copies: Sequence[tuple[str, bytes, Any]], generation: int
+    ) -> dict[int, BrokerError]:
+        """Publish each (routing key, body, properties) to the dead-letter exchange and wait
+        for all their confirms at once; the refused ones by index. On a lost connection, or
+        once deliveries of `generation` are void, nothing is sent (again): RabbitMQ requeues
+        the originals, and a copy that landed is a duplicate, never a loss."""
+        dead = self._dead
+        stale = StaleDeliveryError(
+            "batched dead-letter: the connection was lost; RabbitMQ will redeliver the messages"
+        )
+        try:
+            self._open(dead)
+            if generation != self.generation:  # opening the channel reconnected
+                return dict.fromkeys(range(len(copies)), stale)
+            orders = {
+                dead.send(DEAD_EXCHANGE, key, body, properties, PLAIN): index
+                for index, (key, body, properties) in enumerate(copies)
+            }
+            channel = dead.channel
+            # pika's own wait (as in its confirmed publish), until the last confirm is in.
+            self._connection._flush_output(lambda: not dead.sent or not channel.is_open)
+        except PIKA_ERRORS as exc:
+            if not self._connection_lost(exc):  # the channel was closed: nothing was lost
+                failure = self.channel_failure(exc, "batched dead-letter")
+                return dict.fromkeys(range(len(copies)), failure)
+            self._drop_connection()
+            self._note_lost(exc, "batched dead-letter")
+            return dict.fromkeys(range(len(copies)), stale)
+        if not channel.is_open:  # closed by RabbitMQ (say, no write permission)
+            dead.lose("the dead-letter channel was closed by RabbitMQ")
+        return {orders[o]: refusal.error for o, refusal in dead.take() if o in orders}
+
+    def _open(self, unconfirmed: Unconfirmed) -> Unconfirmed:
         self.publisher()  # the connection, and the exchanges declared on it
-        channel = self._later_channel
-        if channel is None or not channel.is_open:
-            self._lose_sent("its channel closed before the confirm")
-            channel = self._connection.channel()
-            # pika's BlockingChannel would wait for every confirm: confirms go to the
-            # underlying channel, to callbacks that only take notes (nowait select).
-            channel._impl.confirm_delivery(ack_nack_callback=self._on_confirm)
-            channel._impl.add_on_return_callback(self._on_later_return)
-            self._later_channel, self._next_tag = channel, 1
-        return channel
-
-    def _on_confirm(self, frame: Any) -> None:
-        method = frame.method
-        tags = [t for t in self._sent if t <= method.delivery_tag] if method.multiple else []
-        for tag in tags or [method.delivery_tag]:
-            sent = self._sent.pop(tag, None)
-            if sent is None:
-                continue
-            if isinstance(method, pika.spec.Basic.Nack):
-                sent.error = self._full(sent.exchange, sent.routing_key)
-            if sent.error is not None:
-                self._refused.append(sent.refused(sent.error))
-            else:
-                self._acked.append(sent)
-
-    def _on_later_return(self, _channel: Any, method: Any, _props: Any, body: bytes) -> None:
-        # A basic.return is sent before the confirm of the message it hands back, but now and
-        # then it is read after it: then the message is among the lately confirmed.
-        for sent in [*self._sent.values(), *self._acked]:
-            if sent.error is None and sent.routing_key == method.routing_key and sent.body == body:
-                sent.error = unroutable(sent.exchange, sent.routing_key)
-                if sent in self._acked:
-                    self._acked.remove(sent)
-                    self._refused.append(sent.refused(sent.error))
-                return
-
-    def _lose_sent(self, why: str) -> None:
-        for sent in self._sent.values():
-            error = BrokerUnavailableError(f"publish to {sent.routing_key!r}: {why}")
-            self._refused.append(sent.refused(sent.error or error))
-        self._sent.clear()
+        unconfirmed.open(self._connection)
+        return unconfirmed
 
     def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
         if self._publisher_channel is not None and not self._publisher_channel.is_open:
             self._publisher_channel = None
-        if self._batch_channel is not None and not self._batch_channel.is_open:
-            self._batch_channel = None
         if self._consumer_channel is not None and not self._consumer_channel.is_open:
             self._void_consumer()
         return BrokerError(f"{what} failed: {describe(exc)}")
@@ -352,30 +413,6 @@ class ChannelKeeper:
                 self._declare_exchanges(channel)
                 self.declare_on(channel, list(self._specs.values()))
         return channel
-
-    def batch(self) -> Any:
-        """The transactional channel: publishes on it take effect at its `tx_commit`, and the
-        unroutable ones come back to `take_returned`."""
-        self.publisher()  # the connection, and the exchanges declared on it
-        channel = self._batch_channel
-        if channel is None or not channel.is_open:
-            self._returned.clear()
-            channel = self._connection.channel()
-            channel.tx_select()
-            channel.add_on_return_callback(self._on_returned)
-            self._batch_channel = channel
-        return channel
-
-    def take_returned(self) -> list[Returned]:
-        """The messages handed back since the last call, in publish order. RabbitMQ sends a
-        basic.return before the tx.commit-ok it belongs to, but pika only runs the callback
-        when it dispatches events, so this does that first (consumer deliveries included)."""
-        self._connection.process_data_events(time_limit=0)
-        taken, self._returned = self._returned, []
-        return taken
-
-    def _on_returned(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
-        self._returned.append(Returned(method.routing_key, body, properties))
 
     def consumer(self) -> Any:
         # Topology first: a re-subscription after a reconnect needs its queue to exist again.
@@ -554,8 +591,9 @@ class ChannelKeeper:
 
     def _drop_connection(self) -> None:
         connection, self._connection = self._connection, None
-        self._publisher_channel = self._batch_channel = self._later_channel = None
-        self._lose_sent("the connection was lost before the confirm")
+        self._publisher_channel = self._later.channel = self._dead.channel = None
+        self._later.lose("the connection was lost before the confirm")
+        self._dead.lose("the connection was lost before the confirm")
         self._void_consumer()
         if connection is not None and connection.is_open:
             try:
