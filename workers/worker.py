@@ -24,7 +24,6 @@ from broker.messages import RoundEnd, RoundStart, SmashedBatch
 from broker.store import WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
-from services.algorithms.base import Strategy
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.jobmodel import job_hyper, job_model
@@ -36,7 +35,7 @@ from workers.busy import BusyMeter
 from workers.clock import Continuous
 from workers.inference import InferenceServer
 from workers.members import MemberCache
-from workers.replica import ModelFactory, Replica, open_replica, pick_device
+from workers.replica import Replica, open_replica, pick_device
 from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
 from workers.stats import WorkerStats
 
@@ -51,18 +50,11 @@ class Worker:
         backends: Backends,
         *,
         worker_id: str | None = None,
-        strategy: Strategy | None = None,
-        model_factory: ModelFactory | None = None,
-        clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.2,
     ) -> None:
         self.settings = settings
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.strategy = strategy or build_strategy(
-            settings.algorithm.name, settings.algorithm.params()
-        )
-        self.model_factory = model_factory or (lambda: job_model(settings))
-        self.clock = clock
+        self.strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         self.poll_s = poll_s
         self.logger = logging.getLogger("splitmq.worker")
         self._backends = backends
@@ -91,7 +83,7 @@ class Worker:
                     self.settings,
                     self._backends,
                     worker_id=self.worker_id,
-                    model_factory=self.model_factory,
+                    model_factory=lambda: job_model(self.settings),
                     logger=self.logger,
                 )
                 handles.callback(server.start())
@@ -132,7 +124,7 @@ class WorkerSession:
         self.strategy = worker.strategy
         self.job = settings.job.name
         self.log = worker.logger
-        self.clock = worker.clock
+        self.clock = time.monotonic
         self.metrics = worker.metrics
         ttl = settings.workers.lease_ttl_s
         self.keeper = LeaseKeeper(store, self.job, self.worker_id, settings.shards, ttl)
@@ -148,7 +140,7 @@ class WorkerSession:
         self.runners: dict[str, ShardRunner] = {}  # by queue name
         self.unloaded: set[int] = set()  # leased, but nothing published to load yet
         self.device = pick_device(settings.workers.device)
-        self.template = worker.model_factory()
+        self.template = job_model(settings)
         self.hyper = job_hyper(settings)
         # The first optimizer of a process imports torch._dynamo: seconds, more than a short
         # lease TTL on a busy machine. Pay for it before holding any lease.
