@@ -6,14 +6,13 @@ from pathlib import Path
 
 import click
 
-from services.cli.autoscale_cmd import autoscale
 from services.cli.check_cmd import check, doctor
 from services.cli.common import ErrorBoundary, GroupOptions
 from services.cli.dashboard_cmd import dashboard
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
 from services.cli.provision_cmd import provision_clients
-from services.cli.role_cmds import aggregator, client, coordinator, worker
+from services.cli.role_cmds import aggregator, autoscale, client, coordinator, worker
 from services.cli.run_cmd import run
 from services.cli.up_cmd import up
 
