@@ -13,8 +13,7 @@ from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
 from services.cli.provision_cmd import provision_clients
 from services.cli.role_cmds import aggregator, autoscale, client, coordinator, worker
-from services.cli.run_cmd import run
-from services.cli.up_cmd import up
+from services.cli.run_cmd import run, up
 
 
 @click.group(cls=ErrorBoundary, context_settings={"help_option_names": ["-h", "--help"]})

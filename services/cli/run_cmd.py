@@ -1,8 +1,13 @@
-"""`splitmq run CONFIG`: the whole job in this process, on the in-memory broker and store."""
+"""`splitmq run CONFIG`: the whole job in this process, on the in-memory broker and store;
+`splitmq up CONFIG`: every role as a local process over RabbitMQ and Redis."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import click
@@ -10,13 +15,23 @@ import click
 from services.cli.common import (
     LogOptions,
     config_argument,
+    group_options,
     load,
     log_options,
+    read_settings,
     report_dir_option,
     run_report,
     stop_on_signals,
 )
 from services.common.backends import Backends, Embedded
+from services.report.tables import record_from_dict
+from services.runtime.processes import (
+    LocalProcesses,
+    child_env,
+    child_specs,
+    clear_job,
+    preflight,
+)
 
 
 @click.command()
@@ -89,3 +104,111 @@ def run(
         click.echo(f"roles that did not stop in time: {', '.join(outcome.stuck)}", err=True)
     if outcome.exit_code:
         raise click.exceptions.Exit(outcome.exit_code)
+
+
+@click.command()
+@config_argument
+@click.option("--workers", type=click.IntRange(min=1), help="Worker processes.")
+@click.option("--clients", type=click.IntRange(min=1), help="Client processes.")
+@click.option(
+    "--fresh/--no-fresh",
+    default=True,
+    show_default=True,
+    help="Delete the job's queues and store keys before starting (a stale run of the same "
+    "job name would otherwise feed old messages and versions into this one).",
+)
+@report_dir_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Give up after this many seconds (0: wait for the job to finish).",
+)
+@log_options  # the roles' logging: passed on to each of them
+def up(
+    config: Path | None,
+    workers: int | None,
+    clients: int | None,
+    fresh: bool,
+    report_dir: Path | None,
+    timeout: float,
+    log: LogOptions,
+) -> None:
+    """Run every role as a local process (RabbitMQ + Redis).
+
+    Starts the aggregator, the coordinator, the workers and the clients, prefixes their
+    output with their names, waits for the job to finish, stops them and prints the summary.
+    """
+    from services.report.rundir import create_run_dir
+    from services.runtime.roles import worker_count
+
+    path, file_settings = load(config)
+    n_workers = workers or file_settings.workers.count
+    if not worker_count(file_settings):
+        n_workers = 0  # FedAvg: nothing is split, so there is nothing for a worker to train
+    n_clients = clients or file_settings.clients.count
+    # The children's environment and their exact view of the settings, validated up front;
+    # fewer clients than the file's round-1 quorum would never start: lower it to match.
+    min_to_start = min(file_settings.clients.min_to_start, n_clients)
+    env = child_env(
+        os.environ, workers=max(n_workers, 1), clients=n_clients, min_to_start=min_to_start
+    )
+    settings = read_settings(path, env)
+    problems = preflight(settings)
+    if problems:
+        raise click.ClickException(
+            "splitmq up needs RabbitMQ and Redis:\n  " + "\n  ".join(problems)
+        )
+    run_dir = create_run_dir(
+        report_dir or Path(settings.report.dir), settings.job.name, datetime.now()
+    )
+    specs = child_specs(n_workers, n_clients, run_dir)
+    if fresh:
+        clear_job(settings, [s.name for s in specs if s.role == "client"])
+    click.echo(
+        f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
+        f"{n_clients} client(s); run directory {run_dir}"
+    )
+    if group_options().debug:  # `splitmq --debug up`: the roles' tracebacks too
+        env = {**env, "SPLITMQ_DEBUG": "1"}
+    args = (
+        *(("--log-json",) if log.json else ()),
+        *(("--log-level", log.level) if log.level else ()),
+    )
+    procs = LocalProcesses(path, specs, env, echo=click.echo, extra_args=args)
+    with stop_on_signals() as stop:
+        procs.start()
+        result = procs.wait(stop, timeout)
+    click.echo("")
+    summary, reported = _report(run_dir)
+    click.echo(summary, nl=False)
+    if result.status == "finished" and reported != "finished":
+        # The aggregator exited cleanly but did not finish the job (someone stopped it).
+        result = replace(result, status=f"failed: the report says {reported!r}")
+    unclean = [f"{n} exited with {c}" for n, c in result.exit_codes.items() if c != 0]
+    if unclean:
+        # After the job, children get SIGTERM and should stop gracefully with 0.
+        click.echo(f"splitmq up: did not stop cleanly: {', '.join(unclean)}", err=True)
+    if result.status != "finished":
+        click.echo(f"splitmq up: {result.status}", err=True)
+    if result.exit_code:
+        raise click.exceptions.Exit(result.exit_code)
+
+
+def _report(run_dir: Path) -> tuple[str, str]:
+    """The run's summary (summary.txt when the aggregator wrote it, else one rebuilt from
+    metrics.json) and the status its report says."""
+    from services.report.rundir import METRICS_JSON, SUMMARY_FILE, RunInfo
+    from services.report.summary import summary_text
+
+    try:
+        doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        doc = None
+    status = "no report" if doc is None else str(doc.get("run", {}).get("status", "unknown"))
+    if (run_dir / SUMMARY_FILE).is_file():
+        return (run_dir / SUMMARY_FILE).read_text(encoding="utf-8"), status
+    if doc is None:
+        return f"no report in {run_dir} (the aggregator did not start)\n", status
+    records = [record_from_dict(r) for r in doc["records"]]
+    return summary_text(RunInfo(**doc["run"]), records, run_dir), status
