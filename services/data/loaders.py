@@ -57,13 +57,11 @@ class Dataset:
 def _idx_paths(files: SplitFiles, root: Path) -> tuple[Path, Path] | None:
     if files.idx is None:
         return None
-    found: list[Path] = []
-    for name in (files.idx.images, files.idx.labels):
-        path = next((root / c for c in files.idx.candidates(name) if (root / c).is_file()), None)
-        if path is None:
-            return None
-        found.append(path)
-    return found[0], found[1]
+    images, labels = (
+        next((root / c for c in files.idx.candidates(name) if (root / c).is_file()), None)
+        for name in (files.idx.images, files.idx.labels)
+    )
+    return None if images is None or labels is None else (images, labels)
 
 
 def _split_available(files: SplitFiles, root: Path) -> bool:

@@ -116,35 +116,31 @@ def _idx_splits(prefix: str) -> tuple[SplitFiles, SplitFiles]:
     )
 
 
-def _build() -> Mapping[str, DatasetSpec]:
-    sample = "fashion_mnist_sample.npz"
-    specs = (
-        _grayscale("mnist", *_idx_splits("mnist"), ((0.1307,), (0.3081,)), _DIGITS),
-        _grayscale("fashion_mnist", *_idx_splits("fashion_mnist"), _FASHION_NORM, _FASHION),
-        DatasetSpec(
-            name="cifar10",
-            train=SplitFiles(npz=tuple(f"cifar10_train_part{k}.npz" for k in range(1, 6))),
-            test=SplitFiles(npz=("cifar10_test.npz",)),
-            height=32,
-            width=32,
-            channels=3,
-            mean=(0.4914, 0.4822, 0.4465),
-            std=(0.2470, 0.2435, 0.2616),
-            class_names=_CIFAR10,
-        ),
-        _grayscale(
-            "fashion_mnist_sample",
-            SplitFiles(npz=(sample,), x_key="x_train", y_key="y_train"),
-            SplitFiles(npz=(sample,), x_key="x_test", y_key="y_test"),
-            _FASHION_NORM,
-            _FASHION,
-            bundled=True,
-        ),
-    )
-    return MappingProxyType({spec.name: spec for spec in specs})
-
-
-DATASETS: Mapping[str, DatasetSpec] = _build()
+_SAMPLE = "fashion_mnist_sample.npz"
+_SPECS = (
+    _grayscale("mnist", *_idx_splits("mnist"), ((0.1307,), (0.3081,)), _DIGITS),
+    _grayscale("fashion_mnist", *_idx_splits("fashion_mnist"), _FASHION_NORM, _FASHION),
+    DatasetSpec(
+        name="cifar10",
+        train=SplitFiles(npz=tuple(f"cifar10_train_part{k}.npz" for k in range(1, 6))),
+        test=SplitFiles(npz=("cifar10_test.npz",)),
+        height=32,
+        width=32,
+        channels=3,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+        class_names=_CIFAR10,
+    ),
+    _grayscale(
+        "fashion_mnist_sample",
+        SplitFiles(npz=(_SAMPLE,), x_key="x_train", y_key="y_train"),
+        SplitFiles(npz=(_SAMPLE,), x_key="x_test", y_key="y_test"),
+        _FASHION_NORM,
+        _FASHION,
+        bundled=True,
+    ),
+)
+DATASETS: Mapping[str, DatasetSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
 
 
 def get_spec(name: str) -> DatasetSpec:
