@@ -161,7 +161,7 @@ class JobWatcher:
             else:
                 stop.wait(wait)
 
-    def probe(self, broker: Broker, store: WeightStore) -> Probe:
+    def probe(self, broker: Broker, store: WeightStore) -> None:
         version = store.current_version(self._job)
         clients, workers = split_members(store.live_members(self._job))
         depths = {
@@ -177,7 +177,6 @@ class JobWatcher:
         probe = Probe(time.time(), version, clients, workers, depths, ended.text if ended else "")
         if self._state is not None:
             self._state.on_probe(probe)
-        return probe
 
     def read_report(self) -> None:
         if self._state is None or self._report_done:
