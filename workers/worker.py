@@ -195,9 +195,7 @@ class WorkerSession:
     def release_all(self) -> None:
         """After a failure: leases go without a checkpoint (the deliveries return unacked)."""
         try:
-            for runner in self.runners.values():
-                self.keeper.release(runner.shard)
-            for shard in self.unloaded:
+            for shard in {r.shard for r in self.runners.values()} | self.unloaded:
                 self.keeper.release(shard)
             self.keeper.leave()
         except Exception:
