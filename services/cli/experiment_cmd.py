@@ -18,8 +18,7 @@ from services.experiments.registry import NAMES, get_experiment
 DEFAULT_OUT = Path("docs/results.md")
 # A smoke run must not replace real results unless asked to.
 QUICK_OUT = Path("runs/experiments/results-quick.md")
-# Options that do not change the results (left out of the command stated with them).
-_SAME = ("reuse", "runs_dir")
+_SAME = ("reuse", "runs_dir")  # left out of the stated command (`_command`)
 
 
 @click.command()
@@ -108,8 +107,7 @@ def experiment(
             err=True,
         )
         raise click.exceptions.Exit(130)
-    context = Context(command, quick, _data_source(data_dir))
-    write_results(spec, results, context, target)
+    write_results(spec, results, Context(command, quick, _data_source(data_dir)), target)
     click.echo(f"wrote section {name!r} of {target}")
     failed = [r.label for r in results if not r.complete]
     if failed:

@@ -125,7 +125,6 @@ def infer(
         if not clients:
             raise click.ClickException(f"version {version} of {job!r} has no personalised clients")
         click.echo(f"job {job} version {version}: {len(clients)} clients, E_th {thresholds}")
-        data = JobData(settings)
         source = theta_source(
             settings, backends, version, in_process=in_process, serve=serve, timeout_s=timeout_s
         )
@@ -133,7 +132,7 @@ def infer(
             results = sweep_clients(
                 settings,
                 store,
-                data,
+                JobData(settings),
                 theta,
                 version=version,
                 thresholds=thresholds,

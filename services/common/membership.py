@@ -4,11 +4,9 @@ The coordinator writes these records and the aggregator reads them (cohorts, sha
 classes behind personalised accuracy), so both go through this one module. Store info values
 are strings; `classes` is a comma-separated list of class indices.
 
-A record's `session` names the client process (the incarnation) it belongs to: a client that
-leaves and joins again, or is killed and restarted, keeps its id but not its session, and the
-new process knows nothing of the old one's round. The aggregator polls the records, so a
-leave and a rejoin between two polls would look like nothing happened; the changed session
-says it did (`same_incarnation`).
+A record's `session` names the client process (the incarnation): one that rejoins under its id
+between two of the aggregator's polls shows as another process (`same_incarnation`; why it
+matters: docs/reliability.md, the row of a cohort member that leaves and rejoins).
 """
 
 from __future__ import annotations
