@@ -35,8 +35,7 @@ class ConfigError(ValueError):
 
 def read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(path.read_bytes().decode())  # what tomllib.load does
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
@@ -91,7 +90,5 @@ def load_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
         return Settings.model_validate(data)
     except ValidationError as exc:
         lines = [f"invalid configuration ({path or 'environment'}):"]
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
+        lines += (f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ConfigError("\n".join(lines)) from None
