@@ -63,9 +63,8 @@ def check(group: GroupOptions, role: str, instance: str | None, anywhere: bool) 
     \b
       splitmq --config job.toml check worker
     """
-    settings = group.settings()
     host = None if anywhere or instance else socket.gethostname()
-    verdict = check_role(settings, role, instance=instance, host=host)
+    verdict = check_role(group.settings(), role, instance=instance, host=host)
     click.echo(f"{'healthy' if verdict.ok else 'unhealthy'}: {verdict.reason}")
     if not verdict.ok:
         raise click.exceptions.Exit(1)

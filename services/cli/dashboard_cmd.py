@@ -33,11 +33,10 @@ def dashboard(config: Path | None, run_dir: Path | None, log: LogOptions) -> Non
         raise click.ClickException("metrics.enabled is false in the config: nothing to serve")
     live = settings.broker.kind == "rabbitmq" and settings.store.kind == "redis"
     with log.logging(settings, {"role": "dashboard", "job": settings.job.name}):
-        backends = Backends(settings.broker, settings.store)
         watch = observed(
             settings,
             "dashboard",
-            backends,
+            Backends(settings.broker, settings.store),
             echo=click.echo,
             dashboard=True,
             live=live,

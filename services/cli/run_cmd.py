@@ -67,11 +67,10 @@ def run(
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
         dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.common)
         sink, both = run_report(settings, report_dir)
-        backends = Backends(settings.broker, settings.store, Embedded())
         watch = observed(
             settings,
             "run",
-            backends,
+            Backends(settings.broker, settings.store, Embedded()),
             echo=click.echo,
             dashboard=settings.metrics.dashboard,
             watch=True,
