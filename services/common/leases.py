@@ -105,8 +105,7 @@ class LeaseKeeper:
         for shard in sorted(held, key=self._distance):
             (kept if self.renew(shard) else lost).append(shard)
         # Keep the shards nearest our home, hand back the farthest: assignments stay stable.
-        release = kept[target:]
-        kept = kept[:target]
+        kept, release = kept[:target], kept[target:]
         acquired: list[int] = []
         for shard in sorted(range(self._shards), key=self._distance):
             if len(kept) + len(acquired) >= target:

@@ -7,6 +7,7 @@ deployment, so all processes of a job agree on it.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, Literal, TypeVar
 
 from pydantic import (
@@ -168,12 +169,8 @@ class ClientsSection(_Section):
         else 0 (none)."""
         if self.capability or partition is None:
             return self.capability
-        upto = 0
-        for level, count in enumerate(self.mix_counts(), start=1):
-            upto += count
-            if partition < upto:
-                return level
-        return 0
+        ends = accumulate(self.mix_counts())
+        return next((level for level, end in enumerate(ends, start=1) if partition < end), 0)
 
 
 class RoundsSection(_Section):

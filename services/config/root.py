@@ -41,9 +41,7 @@ class MetricsSection(_Section):
 
     def first_port(self, kind: str) -> int:
         """The port a process of `kind` tries first (0: let the OS choose)."""
-        if self.port == 0:
-            return 0
-        return min(65535, self.port + PORT_OFFSETS.get(kind, 0))
+        return 0 if self.port == 0 else min(65535, self.port + PORT_OFFSETS.get(kind, 0))
 
 
 class Settings(ConnectionSettings, JobConfig):
