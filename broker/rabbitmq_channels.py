@@ -361,8 +361,15 @@ class ChannelKeeper:
                 for index, (key, body, properties) in enumerate(copies)
             }
             channel = dead.channel
-            # pika's own wait (as in its confirmed publish), until the last confirm is in.
-            self._connection._flush_output(lambda: not dead.sent or not channel.is_open)
+
+            def done() -> bool:
+                return not dead.sent or not channel.is_open
+
+            wait = getattr(self._connection, "_flush_output", None)
+            if callable(wait):  # pika's own wait, as in its confirmed publish
+                wait(done)
+            while not done():  # a pika without it: poll, no slower than a confirm comes
+                self._connection.process_data_events(time_limit=0.001)
         except PIKA_ERRORS as exc:
             if not self._connection_lost(exc):  # the channel was closed: nothing was lost
                 failure = self.channel_failure(exc, "batched dead-letter")

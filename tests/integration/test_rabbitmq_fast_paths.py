@@ -6,12 +6,15 @@
   bodies, cut anywhere by the reads, still arrive byte for byte.
 - `publish(..., persistent=False)`: the message goes out with delivery mode 1, still confirmed
   and mandatory. Checked on the wire with a raw pika `basic_get`.
+- Batched dead letters wait for all their copies' confirms with pika's own (private) wait,
+  `BlockingConnection._flush_output`, and without it by polling: both checked.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pika
 import pytest
@@ -19,7 +22,7 @@ import pytest
 from broker.errors import UnroutableError
 from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_channels import RECV_BYTES, tune_frames
-from broker.topology import CONTROL_EXCHANGE
+from broker.topology import CONTROL_EXCHANGE, control_queue, dead_queue
 from broker.transport import PublishOptions, QueueSpec
 
 pytestmark = pytest.mark.rabbitmq
@@ -96,3 +99,43 @@ def test_transient_publish_is_still_mandatory(amqp_url: str, job: str) -> None:
             producer.publish(
                 CONTROL_EXCHANGE, f"{job}.nobody", b"x", PublishOptions(persistent=False)
             )
+
+
+class _WithoutWait:
+    """A pika connection as one would be whose BlockingConnection has no `_flush_output`."""
+
+    def __init__(self, connection: Any) -> None:
+        self.__dict__["_inner"] = connection
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_flush_output":
+            raise AttributeError(name)
+        return getattr(self.__dict__["_inner"], name)
+
+
+def test_batched_dead_letters_are_confirmed_with_and_without_pikas_wait(
+    amqp_url: str, job: str
+) -> None:
+    assert callable(getattr(pika.BlockingConnection, "_flush_output", None))  # pika's, still
+    dead, control = dead_queue(job), control_queue(job)
+    with RabbitMQBroker(amqp_url) as broker:
+        broker.declare([dead, control])
+        try:
+            broker.subscribe(control.name, prefetch=3)
+            for round_ in range(2):
+                for index in range(3):
+                    body = f"junk-{round_}-{index}".encode()
+                    broker.publish(CONTROL_EXCHANGE, control.routing_key, body)
+                deliveries = [broker.get(5) for _ in range(3)]
+                assert all(d is not None for d in deliveries)
+                keeper: Any = broker._keeper
+                if round_ == 1:
+                    keeper._connection = _WithoutWait(keeper._connection)
+                letters = [(d, "bad") for d in deliveries if d is not None]
+                assert broker.dead_letter_many(letters) == []
+                assert not keeper._dead.sent  # every copy confirmed before the originals' acks
+                assert broker.queue_depth(dead.name) == 3 * (round_ + 1)
+            assert broker.queue_depth(control.name) == 0
+        finally:
+            broker.delete_queue(control.name)
+            broker.delete_queue(dead.name)
