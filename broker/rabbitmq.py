@@ -193,9 +193,8 @@ class RabbitMQBroker:
             self.meter.dead_lettered(None)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        self._dead_letter(delivery, reason)
-        if self.meter is not None:
-            self.meter.dead_lettered(reason)
+        for _, error in self.dead_letter_many([(delivery, reason)]):
+            raise error
 
     def _nack(self, delivery: Delivery, requeue: bool) -> None:
         channel = self._outstanding(delivery)
@@ -203,30 +202,6 @@ class RabbitMQBroker:
             channel.basic_nack(delivery.tag, requeue=requeue)
         except PIKA_ERRORS as exc:
             raise self._keeper.settle_failure(exc, delivery, "nack") from exc
-        del self._unacked[delivery.tag]
-
-    def _dead_letter(self, delivery: Delivery, reason: str) -> None:
-        spec = self._keeper.specs.get(delivery.queue)
-        if spec is None or spec.dead_letter_routing_key is None:
-            raise _no_routing(delivery)
-        if self._options.dead_letter_by_nack:
-            # No write permission on the dead-letter exchange: the queue's x-dead-letter routing
-            # moves the message (RabbitMQ adds x-death); only this line keeps the reason.
-            _log.warning(
-                "dead-lettering a message from %s by nack (no reason header): %s",
-                delivery.queue,
-                reason,
-            )
-            self._nack(delivery, False)
-            return
-        channel = self._outstanding(delivery)
-        properties = _dead_letter_properties(delivery, reason)
-        try:
-            # Confirmed copy first, then the ack: a crash in between duplicates, never loses.
-            self._copy_to_dead(delivery, spec.dead_letter_routing_key, properties)
-            channel.basic_ack(delivery.tag)
-        except PIKA_ERRORS as exc:
-            raise self._keeper.settle_failure(exc, delivery, "dead-letter") from exc
         del self._unacked[delivery.tag]
 
     def dead_letter_many(self, letters: Sequence[tuple[Delivery, str]]) -> Unsettled:
@@ -241,7 +216,10 @@ class RabbitMQBroker:
             error = errors.get(index)
             if error is None:  # copied: a crash before the ack duplicates, never loses
                 try:
-                    self._nack(delivery, False) if by_nack else self.ack(delivery)
+                    if by_nack:
+                        self._nack(delivery, False)
+                    else:
+                        self.ack(delivery)
                 except BrokerError as exc:
                     error = exc
             if error is not None:
@@ -292,26 +270,6 @@ class RabbitMQBroker:
                 else:
                     del refused[i]
         return refused
-
-    def _copy_to_dead(self, delivery: Delivery, routing_key: str, properties: Any) -> None:
-        """Publish the dead letter's copy; if no queue takes it (`<job>.dead` was deleted),
-        declare the dead-letter queue again and retry once. Raises `UnroutableError` when it
-        cannot be declared (passive handle, no configure permission)."""
-        restored = False
-        while True:
-            publisher = self._keeper.publisher()
-            if delivery.generation != self._keeper.generation:
-                raise self._lost_before_copy(delivery)
-            try:
-                self._keeper.send(publisher, DEAD_EXCHANGE, routing_key, delivery.body, properties)
-                return
-            except UnroutableError as exc:
-                if restored:
-                    raise
-                refusal = self._restore_dead_queue(routing_key)
-                if refusal is not None:
-                    raise UnroutableError(f"{exc}; declaring it again failed: {refusal}") from exc
-                restored = True
 
     def _restore_dead_queue(self, routing_key: str) -> str | None:
         """Declare the dead-letter queue for `routing_key` again (with the spec this handle
@@ -434,11 +392,6 @@ class RabbitMQBroker:
                 "handle (already acked/nacked, or received on another handle)"
             )
         return channel
-
-    def _lost_before_copy(self, delivery: Delivery) -> StaleDeliveryError:
-        # Opening a channel reconnected: the original is requeued already, and a copy now
-        # would be a second one when it is dead-lettered again.
-        return self._stale(delivery, "was lost with its connection before dead-lettering")
 
     @staticmethod
     def _stale(delivery: Delivery, why: str) -> StaleDeliveryError:

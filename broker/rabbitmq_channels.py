@@ -350,7 +350,7 @@ class ChannelKeeper:
         the originals, and a copy that landed is a duplicate, never a loss."""
         dead = self._dead
         stale = StaleDeliveryError(
-            "batched dead-letter: the connection was lost; RabbitMQ will redeliver the messages"
+            "dead-letter copy: the connection was lost; RabbitMQ will redeliver the messages"
         )
         try:
             self._open(dead)
@@ -372,10 +372,10 @@ class ChannelKeeper:
                 self._connection.process_data_events(time_limit=0.001)
         except PIKA_ERRORS as exc:
             if not self._connection_lost(exc):  # the channel was closed: nothing was lost
-                failure = self.channel_failure(exc, "batched dead-letter")
+                failure = self.channel_failure(exc, "dead-letter copy")
                 return dict.fromkeys(range(len(copies)), failure)
             self._drop_connection()
-            self._note_lost(exc, "batched dead-letter")
+            self._note_lost(exc, "dead-letter copy")
             return dict.fromkeys(range(len(copies)), stale)
         if not channel.is_open:  # closed by RabbitMQ (say, no write permission)
             dead.lose("the dead-letter channel was closed by RabbitMQ")
