@@ -60,16 +60,17 @@ Unsettled = list[tuple[Delivery, BrokerError]]
 class RabbitMQBroker:
     """`broker.transport.Broker` over one RabbitMQ connection. Not thread-safe: one per thread.
 
-    Connects in the constructor (retrying as for any outage). `get` is also how the handle
-    services heartbeats, so a consumer should call it (`get(0)` will do) at least every
-    `options.heartbeat` seconds. `stamp` is the user_id of publishes that name none (RabbitMQ
-    accepts only the connection's user); `meter` hears of every message sent, received and
-    dead-lettered.
+    `url`: one node's, or a list of a cluster's nodes (any live one will do; see
+    `ChannelKeeper`). Connects in the constructor (retrying as for any outage). `get` is also
+    how the handle services heartbeats, so a consumer should call it (`get(0)` will do) at
+    least every `options.heartbeat` seconds. `stamp` is the user_id of publishes that name none
+    (RabbitMQ accepts only the connection's user); `meter` hears of every message sent,
+    received and dead-lettered.
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         options: RabbitMQOptions | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -88,8 +89,9 @@ class RabbitMQBroker:
         self._buffer: deque[Delivery] = deque()  # received, not yet handed out by get()
         self._unacked: dict[int, str] = {}  # handed out, not yet settled: tag -> queue
         self._returned: set[int] = set()  # tags given back by unsubscribe
+        urls = [url] if isinstance(url, str) else list(url)
         self._keeper = ChannelKeeper(
-            connection_parameters(url, self._options, self._name),
+            [connection_parameters(u, self._options, self._name) for u in urls],
             self._options,
             on_delivery=self._buffer.append,
             on_void=self._void,

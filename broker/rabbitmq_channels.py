@@ -83,9 +83,22 @@ def unroutable(exchange: str, routing_key: str, why: str = "") -> UnroutableErro
     return UnroutableError(bound + why)
 
 
-def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
-    """The x-arguments that give a declared queue the behaviour its spec asks for."""
+def queue_arguments(
+    spec: QueueSpec, queue_type: str = "classic", delivery_limit: int = 20
+) -> dict[str, Any]:
+    """The x-arguments that give a declared queue the behaviour its spec asks for, as a
+    `queue_type` queue (`RabbitMQOptions.queue_type`).
+
+    A quorum queue must be durable and shared, so a private (exclusive or auto-delete) queue
+    stays classic: it is gone with its connection anyway. A quorum queue that dead-letters does
+    so at-least-once (RabbitMQ keeps the message until the dead-letter queue has confirmed it,
+    so a node's death between the two loses nothing), which needs reject-publish overflow, and
+    has a delivery limit, past which a message that kept coming back is dead-lettered.
+    """
     args: dict[str, Any] = {}
+    quorum = queue_type == "quorum" and spec.durable and not (spec.exclusive or spec.auto_delete)
+    if quorum:
+        args["x-queue-type"] = "quorum"
     if spec.single_active_consumer:
         args["x-single-active-consumer"] = True
     if spec.max_length is not None:
@@ -97,6 +110,10 @@ def queue_arguments(spec: QueueSpec) -> dict[str, Any]:
     if spec.dead_letter_routing_key is not None:
         args["x-dead-letter-exchange"] = DEAD_EXCHANGE
         args["x-dead-letter-routing-key"] = spec.dead_letter_routing_key
+        if quorum:
+            args["x-delivery-limit"] = delivery_limit
+            if args.setdefault("x-overflow", "reject-publish") == "reject-publish":
+                args["x-dead-letter-strategy"] = "at-least-once"
     return args
 
 
@@ -196,11 +213,17 @@ class Unconfirmed:
 
 
 class ChannelKeeper:
-    """The connection, its publisher and consumer channels, and what to restore on them."""
+    """The connection, its publisher and consumer channels, and what to restore on them.
+
+    `nodes` are the parameters of one broker's nodes (one, or a cluster's): the connection
+    goes to one of them, picked at random so that a pool of handles spreads over the cluster,
+    and each time it is lost the next attempt goes to the next node, so a dead node costs one
+    failed attempt, not an outage.
+    """
 
     def __init__(
         self,
-        params: pika.URLParameters,
+        nodes: Sequence[pika.URLParameters],
         options: RabbitMQOptions,
         *,
         on_delivery: Callable[[Delivery], None],
@@ -209,7 +232,10 @@ class ChannelKeeper:
         sleep: Callable[[float], None],
         rng: random.Random,
     ) -> None:
-        self._params = params
+        if not nodes:
+            raise ValueError("a RabbitMQ broker needs at least one node's URL")
+        self._nodes = list(nodes)
+        self._node = rng.randrange(len(self._nodes))
         self._options = options
         self._on_delivery = on_delivery
         self._on_void = on_void
@@ -234,6 +260,11 @@ class ChannelKeeper:
     def specs(self) -> Mapping[str, QueueSpec]:
         """The queues declared through this handle, by name."""
         return self._specs
+
+    @property
+    def _params(self) -> pika.URLParameters:
+        """The node connected to, or to be tried next."""
+        return self._nodes[self._node]
 
     @property
     def user(self) -> str:
@@ -270,14 +301,16 @@ class ChannelKeeper:
                 if is_auth_failure(exc):
                     raise auth_refused(exc, what, self._params) from exc
                 if outage is None:
+                    where = ", ".join(server_url(node) for node in self._nodes)
                     outage = Outage(
                         self._options,
                         clock=self._clock,
                         sleep=self._sleep,
                         rng=self._rng,
-                        where=server_url(self._params),
+                        where=where if len(self._nodes) == 1 else f"any of {where}",
                     )
                     self._note_lost(exc, what)
+                self._node = (self._node + 1) % len(self._nodes)
                 outage.wait_or_give_up(exc, what)
 
     def publish(
@@ -466,7 +499,10 @@ class ChannelKeeper:
                 durable=spec.durable,
                 exclusive=spec.exclusive,
                 auto_delete=spec.auto_delete,
-                arguments=queue_arguments(spec) or None,
+                arguments=queue_arguments(
+                    spec, self._options.queue_type, self._options.delivery_limit
+                )
+                or None,
             )
             channel.queue_bind(spec.name, spec.exchange, routing_key=spec.routing_key)
             self._specs[spec.name] = spec

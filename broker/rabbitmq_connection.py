@@ -11,6 +11,7 @@ import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 from urllib.parse import quote, urlparse
 
 import pika
@@ -71,6 +72,14 @@ class RabbitMQOptions:
     # RabbitMQ records x-death, but our x-splitmq-reason/-queue/-user headers are lost (the
     # reason is logged at WARNING instead).
     dead_letter_by_nack: bool = False
+    # How the job's durable queues are kept (`broker.rabbitmq_channels.queue_arguments`):
+    # "quorum" replicates each over the cluster's nodes (Raft), so a node's death loses none of
+    # their messages; "classic" keeps each on one node (a single-node broker's default).
+    queue_type: Literal["classic", "quorum"] = "classic"
+    # Quorum queues only: a message returned this many times (its consumer died or requeued
+    # it) is dead-lettered instead of delivered again, so one that crashes every worker cannot
+    # go round for ever.
+    delivery_limit: int = 20
 
 
 def connection_parameters(

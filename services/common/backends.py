@@ -78,8 +78,10 @@ class Backends:
             tls=tls_options(settings.tls),
             passive_declare=settings.passive_declare,
             dead_letter_by_nack=settings.dead_letter_by_nack,
+            queue_type="quorum" if settings.quorum else "classic",
+            delivery_limit=settings.delivery_limit,
         )
-        return RabbitMQBroker(settings.amqp_url, options, sleep=sleep, stamp=stamp, meter=meter)
+        return RabbitMQBroker(settings.urls, options, sleep=sleep, stamp=stamp, meter=meter)
 
     def open_store(
         self,

@@ -21,6 +21,7 @@ from services.config.root import Settings
 ENV_PREFIX = "SPLITMQ_"
 ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "SPLITMQ_AMQP_URL": ("broker", "amqp_url"),
+    "SPLITMQ_AMQP_URLS": ("broker", "amqp_urls"),
     "SPLITMQ_REDIS_URL": ("store", "redis_url"),
     "SPLITMQ_BROKER": ("broker", "kind"),
     "SPLITMQ_STORE": ("store", "kind"),

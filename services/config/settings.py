@@ -6,9 +6,9 @@ Every role gets a `Settings` object passed in; nothing reads the environment exc
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.topology import QueueLimits
 
@@ -29,9 +29,25 @@ class TLSSettings(_Section):
     verify_hostname: bool = True
 
 
+def _comma_separated(value: object) -> object:
+    """A list given as one string ("a,b"), as environment variables give it."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value
+
+
 class BrokerSettings(_Section):
     kind: Literal["memory", "rabbitmq"] = "memory"
+    # With `amqp_urls` set, its first URL (the user, password and vhost of every node).
     amqp_url: str = DEFAULT_AMQP_URL
+    # A cluster's nodes (SPLITMQ_AMQP_URLS="url1,url2,url3"): each connection goes to a live
+    # one and moves to another when its node goes (docs/deployment.md, "Local cluster").
+    amqp_urls: tuple[str, ...] = ()
+    # How the job's durable queues are kept: "quorum" (replicated over the nodes, surviving a
+    # node's death), "classic" (on one node), or "auto": quorum with more than one node.
+    queue_type: Literal["auto", "classic", "quorum"] = "auto"
+    # Quorum queues: deliveries of one message before it is dead-lettered (x-delivery-limit).
+    delivery_limit: int = Field(default=20, gt=0)
     # RabbitMQ 3.x accepts 128 MiB by default, 4.x only 16 MiB: set this to the server's limit.
     max_message_bytes: int = Field(default=128 * 1024 * 1024, gt=0)
     heartbeat_s: int = Field(default=60, ge=0)
@@ -47,6 +63,39 @@ class BrokerSettings(_Section):
     # Dead-letter by rejecting (the queue's own dead-letter exchange routes it; the reason is
     # only logged): for a user without write permission on splitmq.dead (the same clients).
     dead_letter_by_nack: bool = False
+
+    _urls_as_list = field_validator("amqp_urls", mode="before")(_comma_separated)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_node(cls, data: Any) -> Any:
+        """`amqp_url` is the first node's when only `amqp_urls` is given; both given: the
+        one must be among the others, or two settings would name different brokers."""
+        if not isinstance(data, dict) or not data.get("amqp_urls"):
+            return data
+        urls = _comma_separated(data["amqp_urls"])
+        if not isinstance(urls, tuple | list) or not urls:
+            return data  # the field's own validation says what is wrong
+        if "amqp_url" not in data:
+            return {**data, "amqp_url": urls[0]}
+        if data["amqp_url"] not in urls:
+            raise ValueError(
+                "broker.amqp_url is not one of broker.amqp_urls: set only amqp_urls for a "
+                "cluster (amqp_url is then its first node)"
+            )
+        return data
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every node to connect to."""
+        return self.amqp_urls or (self.amqp_url,)
+
+    @property
+    def quorum(self) -> bool:
+        """Whether the job's durable queues are quorum queues."""
+        if self.queue_type == "auto":
+            return len(self.urls) > 1
+        return self.queue_type == "quorum"
 
     @property
     def queue_limits(self) -> QueueLimits:
@@ -75,13 +124,8 @@ class SecuritySettings(_Section):
     # besides the user of this process's own broker.amqp_url (the services' user).
     service_users: tuple[str, ...] = ()
 
-    @field_validator("service_users", mode="before")
-    @classmethod
-    def _comma_separated(cls, value: object) -> object:
-        # SPLITMQ_SECURITY__SERVICE_USERS="a,b": environment values arrive as one string.
-        if isinstance(value, str):
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        return value
+    # SPLITMQ_SECURITY__SERVICE_USERS="a,b": environment values arrive as one string.
+    _users_as_list = field_validator("service_users", mode="before")(_comma_separated)
 
 
 class ConnectionSettings(_Section):

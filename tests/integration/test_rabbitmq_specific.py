@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -348,3 +349,54 @@ def test_an_inequivalent_queue_says_which_and_how_to_mend_it(
         assert f"rabbitmqctl delete_queue {job}.dead" in text and "splitmq up --fresh" in text
     finally:
         broker.delete_queue(old.name)
+
+
+def test_quorum_queue_dead_letters_a_message_that_keeps_coming_back(
+    open_broker: Callable[..., RabbitMQBroker], job: str
+) -> None:
+    # A message whose consumer dies on it each time (a poison batch that crashes the worker
+    # before it can dead-letter it) ends in <job>.dead after `delivery_limit` returns, with
+    # RabbitMQ's reason, instead of taking down every worker that picks it up.
+    quorum = {"queue_type": "quorum", "delivery_limit": 2}
+    dead, control = dead_queue(job), control_queue(job)
+    operator = open_broker("operator", **quorum)
+    operator.declare([dead, control])
+    try:
+        operator.publish(
+            CONTROL_EXCHANGE, control.routing_key, b"crashes", PublishOptions(message_id="p-1")
+        )
+        for attempt in range(3):  # the first delivery, then two returns: the limit
+            doomed = open_broker(f"doomed-{attempt}", **quorum)
+            doomed.subscribe(control.name, prefetch=1)
+            delivery = doomed.get(WAIT)
+            assert delivery is not None and delivery.body == b"crashes"
+            doomed.close()  # no ack: the consumer died
+
+        operator.subscribe(dead.name, prefetch=1)
+        letter = operator.get(WAIT)
+        assert letter is not None
+        assert (letter.body, letter.message_id) == (b"crashes", "p-1")
+        assert letter.headers["x-first-death-queue"] == control.name
+        assert letter.headers["x-first-death-reason"] == "delivery_limit"
+        operator.ack(letter)
+        assert operator.queue_depth(control.name) == 0
+    finally:
+        operator.delete_queue(control.name)
+        operator.delete_queue(dead.name)
+
+
+def test_a_handle_given_several_nodes_connects_to_a_live_one(amqp_url: str, job: str) -> None:
+    # Whichever node it tries first, a dead one costs one failed attempt, not an outage.
+    dead = "amqp://guest:guest@127.0.0.1:1/%2F"
+    for seed in range(4):  # the first node tried is picked at random
+        options = RabbitMQOptions(give_up_after=10.0, connection_name=f"{job}-{seed}")
+        handle = RabbitMQBroker([dead, amqp_url, dead], options, rng=random.Random(seed))
+        try:
+            assert handle.connects == 1
+            spec = control_queue(job)
+            handle.declare([spec])
+            handle.publish(CONTROL_EXCHANGE, spec.routing_key, b"x")
+            assert handle.queue_depth(spec.name) == 1
+            handle.delete_queue(spec.name)
+        finally:
+            handle.close()

@@ -10,7 +10,14 @@ import pytest
 from broker.errors import BrokerUnavailableError
 from broker.rabbitmq import RabbitMQBroker, queue_arguments
 from broker.rabbitmq_connection import Outage, RabbitMQOptions, connection_parameters
-from broker.topology import DEAD_EXCHANGE, shard_queue
+from broker.topology import (
+    DEAD_EXCHANGE,
+    dead_queue,
+    events_queue,
+    infer_reply_queue,
+    reply_queue,
+    shard_queue,
+)
 from broker.transport import Backoff
 
 
@@ -120,3 +127,32 @@ def test_queue_arguments_follow_the_spec() -> None:
         "x-dead-letter-exchange": DEAD_EXCHANGE,
         "x-dead-letter-routing-key": "job",
     }
+
+
+def test_quorum_queues_replicate_every_durable_shared_queue() -> None:
+    shard = queue_arguments(shard_queue("job", 3), "quorum", delivery_limit=7)
+    assert shard == {
+        "x-queue-type": "quorum",
+        "x-single-active-consumer": True,
+        "x-max-length": 10_000,
+        "x-max-length-bytes": 1 << 30,
+        "x-overflow": "reject-publish",
+        "x-dead-letter-exchange": DEAD_EXCHANGE,
+        "x-dead-letter-routing-key": "job",
+        "x-delivery-limit": 7,
+        "x-dead-letter-strategy": "at-least-once",
+    }
+    # A reply queue has no bound: reject-publish is still set, as at-least-once needs it.
+    reply = queue_arguments(reply_queue("job", "c1"), "quorum")
+    assert reply["x-overflow"] == "reject-publish"
+    assert reply["x-dead-letter-strategy"] == "at-least-once"
+    # The dead-letter queue drops its oldest and dead-letters nowhere: no limit, no strategy.
+    assert queue_arguments(dead_queue("job"), "quorum") == {
+        "x-queue-type": "quorum",
+        "x-max-length": 100_000,
+        "x-max-length-bytes": 2 << 30,
+        "x-overflow": "drop-head",
+    }
+    # Private queues go with their connection: classic, whatever the setting.
+    assert "x-queue-type" not in queue_arguments(events_queue("job", "w"), "quorum")
+    assert "x-queue-type" not in queue_arguments(infer_reply_queue("job", "r"), "quorum")

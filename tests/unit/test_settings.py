@@ -61,3 +61,25 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("[broker\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(bad, {})
+
+
+def test_a_cluster_is_a_list_of_nodes_and_gets_quorum_queues(tmp_path: Path) -> None:
+    nodes = [f"amqp://u:p@127.0.0.1:{port}/%2F" for port in (5701, 5702, 5703)]
+    path = tmp_path / "c.toml"
+    path.write_text(f'[broker]\nkind = "rabbitmq"\namqp_urls = {nodes!r}\n'.replace("'", '"'))
+    broker = load_settings(path, {}).broker
+    assert broker.urls == tuple(nodes)
+    assert broker.amqp_url == nodes[0]  # whose user and vhost the roles' identities use
+    assert broker.quorum  # auto: more than one node
+
+    from_env = load_settings(None, {"SPLITMQ_AMQP_URLS": " , ".join(nodes[:2])}).broker
+    assert from_env.urls == tuple(nodes[:2]) and from_env.quorum
+    one = load_settings(None, {"SPLITMQ_AMQP_URLS": nodes[0]}).broker
+    assert one.urls == (nodes[0],) and not one.quorum
+    forced = load_settings(None, {"SPLITMQ_BROKER__QUEUE_TYPE": "quorum"}).broker
+    assert forced.quorum and forced.urls == (forced.amqp_url,)
+    classic = {"SPLITMQ_AMQP_URLS": ",".join(nodes), "SPLITMQ_BROKER__QUEUE_TYPE": "classic"}
+    assert not load_settings(None, classic).broker.quorum
+
+    with pytest.raises(ConfigError, match=r"amqp_url is not one of broker\.amqp_urls"):
+        load_settings(path, {"SPLITMQ_AMQP_URL": "amqp://u:p@elsewhere:5672/%2F"})
