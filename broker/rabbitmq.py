@@ -451,6 +451,13 @@ def _inequivalent_advice(cause: BaseException | None) -> str | None:
     if "inequivalent arg" not in text or found is None:
         return None
     queue = found.group(1)
+    if "x-queue-type" in text:
+        return (
+            f"queue {queue!r} exists as another queue type than broker.queue_type asks for "
+            "(quorum is the default with more than one node); set queue_type to match, or "
+            f"delete the queue (`rabbitmqctl delete_queue {queue}`, losing its messages) or "
+            "start the job afresh with `splitmq up --fresh`"
+        )
     return (
         f"queue {queue!r} exists with other arguments than this SplitMQ declares (made by an "
         f"older version or with other queue limits); delete it (`rabbitmqctl delete_queue "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from broker.errors import (
     BrokerAuthError,
@@ -32,6 +32,8 @@ class Check:
 
 def check_broker(backends: Backends) -> Check:
     settings = backends.broker_settings
+    if settings.kind == "rabbitmq" and len(settings.urls) > 1:
+        return _check_nodes(backends)
     where = redact_url(settings.amqp_url) if settings.kind == "rabbitmq" else "in this process"
     try:
         broker = backends.open_broker("splitmq-doctor", give_up_after=5.0)
@@ -73,6 +75,30 @@ def check_broker(backends: Backends) -> Check:
     if not ok:
         hint = info.detail or "grant the user configure/write/read permissions on the vhost"
     return Check("broker", ok, detail, hint)
+
+
+def _check_nodes(backends: Backends) -> Check:
+    """A cluster, node by node: usable while one node is, worth a warning while any is down
+    (its quorum queues have one replica fewer; two down of three and they stop)."""
+    settings = backends.broker_settings
+    checks = [
+        check_broker(
+            replace(
+                backends,
+                broker_settings=settings.model_copy(update={"amqp_url": url, "amqp_urls": (url,)}),
+            )
+        )
+        for url in settings.urls
+    ]
+    up = sum(check.ok for check in checks)
+    kind = "quorum" if settings.quorum else "classic"
+    detail = f"{up} of {len(checks)} nodes up, {kind} queues: " + "; ".join(
+        f"[{'ok' if check.ok else 'DOWN'}] {check.detail}" for check in checks
+    )
+    hints = [check.hint for check in checks if not check.ok and check.hint]
+    return Check(
+        "broker", up > 0, detail, "; ".join(dict.fromkeys(hints)), warning=0 < up < len(checks)
+    )
 
 
 def check_store(backends: Backends) -> Check:

@@ -400,3 +400,17 @@ def test_a_handle_given_several_nodes_connects_to_a_live_one(amqp_url: str, job:
             handle.delete_queue(spec.name)
         finally:
             handle.close()
+
+
+def test_doctor_checks_each_node_of_a_cluster(amqp_url: str) -> None:
+    from services.common.backends import Backends, Embedded
+    from services.config.settings import BrokerSettings, StoreSettings
+    from services.runtime.doctor import check_broker
+
+    dead = "amqp://guest:guest@127.0.0.1:1/%2F"
+    cluster = BrokerSettings(kind="rabbitmq", amqp_urls=(amqp_url, dead))
+    check = check_broker(Backends(cluster, StoreSettings(), Embedded()))
+
+    assert check.ok and check.warning  # usable, but a node is down
+    assert check.detail.startswith("1 of 2 nodes up, quorum queues: [ok] RabbitMQ")
+    assert "[DOWN] cannot reach RabbitMQ at amqp://guest:***@127.0.0.1:1/" in check.detail
