@@ -106,13 +106,17 @@ def write_section(name: str, text: str, path: Path = DOCS_PATH) -> None:
     path.write_text(updated)
 
 
-def cnn5_sample_sections(redis_url: str, job: str, seed: int, rounds: int) -> str:
+def cnn5_sample_sections(
+    redis_url: str, job: str, seed: int, rounds: int, store_lines: str = ""
+) -> str:
     """The `[store]`, `[job]`, `[model]` and `[data]` TOML sections the service benchmarks
-    share: cnn5 cut after block1 on the shipped Fashion-MNIST sample, weights in Redis."""
+    share: cnn5 cut after block1 on the shipped Fashion-MNIST sample, weights in Redis
+    (`store_lines`: more of the store's settings, e.g. its Sentinels)."""
     return f"""
 [store]
 kind = "redis"
 redis_url = "{redis_url}"
+{store_lines}
 
 [job]
 name = "{job}"

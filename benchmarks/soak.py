@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from benchmarks.common import cnn5_sample_sections
 from benchmarks.soak_events import EventChaos
@@ -101,6 +101,10 @@ class SoakConfig:
     timeout_s: float = 1200.0
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # A cluster instead (benchmarks/cluster_chaos.py): its nodes and its Redis Sentinels.
+    amqp_urls: tuple[str, ...] = ()
+    sentinels: tuple[str, ...] = ()
+    min_replicas: int = 0
     out_dir: str = ""  # logs and the aggregator's run directory (default: a temporary one)
 
 
@@ -141,12 +145,20 @@ class SoakReport:
 
 
 def job_toml(cfg: SoakConfig, job: str, report_dir: Path) -> str:
+    nodes = f"amqp_urls = {json.dumps(cfg.amqp_urls)}" if cfg.amqp_urls else ""
+    sentinels = (
+        f'sentinels = {json.dumps(cfg.sentinels)}\nmaster_name = "splitmq"\n'
+        f"min_replicas = {cfg.min_replicas}"
+        if cfg.sentinels
+        else ""
+    )
     return f"""
 [broker]
 kind = "rabbitmq"
-amqp_url = "{cfg.amqp_url}"
+amqp_url = "{cfg.amqp_urls[0] if cfg.amqp_urls else cfg.amqp_url}"
+{nodes}
 reconnect_give_up_s = 300.0
-{cnn5_sample_sections(cfg.redis_url, job, cfg.seed, cfg.rounds)}
+{cnn5_sample_sections(cfg.redis_url, job, cfg.seed, cfg.rounds, sentinels)}
 [algorithm]
 name = "sfl"
 shards = {cfg.shards}
@@ -193,6 +205,7 @@ class Tap:
             for s, name in enumerate(self.names)
         ]
         self.sent: set[tuple[int, str, int]] = set()
+        self.arrivals: list[float] = []  # monotonic time each new batch was first seen
         self._per_client: Counter[str] = Counter()  # distinct batches, read from other threads
         self.copies = 0
         self._stop = threading.Event()
@@ -223,6 +236,7 @@ class Tap:
                 key = (message.shard, message.client, message.seq)
                 if key not in self.sent:
                     self.sent.add(key)
+                    self.arrivals.append(time.monotonic())
                     self._per_client[message.client] += 1
             broker.ack(delivery)
 
@@ -567,7 +581,16 @@ def final_accuracy(run_dir: Path) -> tuple[int, float | None]:
 # --- one run ------------------------------------------------------------------------------------
 
 
-def run_once(cfg: SoakConfig) -> SoakReport:
+class ChaosRunner(Protocol):
+    def run(self, stop: threading.Event, started: Callable[[], float | None]) -> None: ...
+
+
+# Builds the chaos of a run from its processes, report, tap and a store handle of its own.
+MakeChaos = Callable[["Children", SoakReport, Tap, WeightStore], ChaosRunner]
+
+
+def run_once(cfg: SoakConfig, make_chaos: MakeChaos | None = None) -> SoakReport:
+    """One job, with `cfg`'s chaos, or with `make_chaos`'s when given."""
     job = f"soak-{'chaos' if cfg.chaos else 'calm'}-{uuid.uuid4().hex[:6]}"
     out = Path(cfg.out_dir or tempfile.mkdtemp(prefix="splitmq-soak-")) / job
     out.mkdir(parents=True, exist_ok=True)
@@ -597,7 +620,11 @@ def run_once(cfg: SoakConfig) -> SoakReport:
         return started_at[0] if started_at else None
 
     chaos_store = backends.open_store()
-    chaos = _chaos(cfg, children, report, rng, tap, chaos_store, job)
+    chaos: ChaosRunner | None = (
+        make_chaos(children, report, tap, chaos_store)
+        if make_chaos is not None
+        else _chaos(cfg, children, report, rng, tap, chaos_store, job)
+    )
     chaos_thread = (
         threading.Thread(target=chaos.run, args=(stop, training_started), daemon=True)
         if chaos
