@@ -1,0 +1,137 @@
+"""scripts/cluster.sh builds a real cluster: three RabbitMQ nodes in one cluster, a quorum queue
+that outlives its leader, and a Redis primary that Sentinel replaces when it dies.
+
+Each destructive test restarts what it killed, so the next one finds the cluster whole.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pika
+import pytest
+import redis
+
+from benchmarks.cluster import NODES, REDIS_PORTS, LocalCluster, node_name, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _wait_whole(cluster: LocalCluster, timeout: float = 60.0) -> None:
+    wait_for("the cluster whole again", lambda: True if cluster.is_up() else None, timeout, 0.5)
+
+
+def test_up_is_idempotent_and_status_shows_the_whole_cluster(cluster: LocalCluster) -> None:
+    before = [cluster.rabbit_pid(n) for n in NODES]
+    cluster.up()
+    assert [cluster.rabbit_pid(n) for n in NODES] == before, "up restarted a running node"
+
+    status = cluster.status()
+    assert status.ok
+    rabbits = status.of_kind("rabbit")
+    assert [r.name for r in rabbits] == [node_name(n) for n in NODES]
+    assert all(r.up and r.fields["members"] == "3" for r in rabbits)
+
+    servers = status.of_kind("redis")
+    roles = sorted(s.fields["role"] for s in servers if s.up)
+    assert roles == ["primary", "replica"]
+    replica = next(s for s in servers if s.fields["role"] == "replica")
+    assert replica.fields["link"] == "up"
+    primary = next(s for s in servers if s.fields["role"] == "primary")
+    assert cluster.redis_primary() == f"127.0.0.1:{primary.name}"
+
+    sentinels = status.of_kind("sentinel")
+    assert len(sentinels) == 3
+    for s in sentinels:
+        assert s.up and s.fields["master"] == primary.name
+        assert s.fields["replicas"] == "1" and s.fields["peers"] == "2"
+
+
+def _node_of(name: str) -> int:
+    return next(n for n in NODES if node_name(n) == name)
+
+
+def test_a_quorum_queue_keeps_its_messages_when_its_leader_is_killed(
+    cluster: LocalCluster,
+) -> None:
+    queue = f"cluster-test-{uuid.uuid4().hex[:8]}"
+    bodies = {f"m{i}".encode() for i in range(50)}
+    conn = pika.BlockingConnection(pika.URLParameters(cluster.amqp_url(1)))
+    try:
+        channel = conn.channel()
+        channel.queue_declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        channel.confirm_delivery()
+        for body in sorted(bodies):
+            channel.basic_publish(
+                "", queue, body, pika.BasicProperties(delivery_mode=2), mandatory=True
+            )
+    finally:
+        conn.close()
+
+    leader = cluster.quorum_leader(queue)
+    victim = _node_of(leader)
+    try:
+        cluster.kill_rabbit(victim)
+        change = cluster.wait_for_new_leader(queue, leader, timeout=60)
+        print(f"\nquorum leader {leader} killed: {change.new} leads after {change.seconds:.1f} s")
+        reader = next(n for n in NODES if n != victim)
+        got = _drain(cluster.amqp_url(reader), queue, len(bodies))
+        assert sorted(got) == sorted(bodies), "a confirmed message was lost or duplicated"
+    finally:
+        cluster.start_rabbit(victim)
+        _wait_whole(cluster)
+        cluster.rabbitmqctl("delete_queue", queue)
+
+
+def _drain(url: str, queue: str, count: int, timeout: float = 30.0) -> list[bytes]:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    got: list[bytes] = []
+    try:
+        channel = conn.channel()
+        deadline = time.monotonic() + timeout
+        while len(got) < count and time.monotonic() < deadline:
+            method, _, body = channel.basic_get(queue)
+            if method is None:
+                conn.sleep(0.1)  # not yet readable from this member: ask again
+                continue
+            got.append(body)
+            channel.basic_ack(method.delivery_tag)
+        method, _, _ = channel.basic_get(queue)
+        assert method is None, "more messages than were published"
+    finally:
+        conn.close()
+    return got
+
+
+def test_sentinel_replaces_a_killed_redis_primary_and_the_replica_kept_the_write(
+    cluster: LocalCluster,
+) -> None:
+    old = cluster.redis_primary()
+    old_port = int(old.rsplit(":", 1)[1])
+    replica_port = next(p for p in REDIS_PORTS if p != old_port)
+    key, value = f"cluster-test-{uuid.uuid4().hex[:8]}", b"kept"
+    client = redis.Redis(host="127.0.0.1", port=old_port)
+    try:
+        client.set(key, value)
+        assert client.wait(1, 2000) == 1, "the replica did not acknowledge the write"
+    finally:
+        client.close()
+
+    try:
+        _, _ = cluster.kill_redis_primary()
+        change = cluster.wait_for_new_primary(old, timeout=30)
+        print(f"\nRedis primary {old} killed: {change.new} promoted after {change.seconds:.1f} s")
+        assert change.new == f"127.0.0.1:{replica_port}"
+        promoted = redis.Redis(host="127.0.0.1", port=replica_port)
+        try:
+            assert promoted.get(key) == value
+            promoted.delete(key)
+        finally:
+            promoted.close()
+    finally:
+        cluster.restart_redis(old_port)
+        _wait_whole(cluster)
+    servers = {s.name: s.fields for s in cluster.status().of_kind("redis")}
+    assert servers[str(old_port)]["role"] == "replica", "the old primary came back as primary"
+    assert servers[str(old_port)]["of"] == str(replica_port)
