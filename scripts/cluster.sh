@@ -20,7 +20,7 @@ DIR="${SPLITMQ_CLUSTER_DIR:-/tmp/splitmq-cluster}"
 # run as root and then reads that user's cookie and home. Called directly, every node runs as
 # whoever runs this script, with a cookie and a home of its own under $DIR.
 RMQ_BIN="${SPLITMQ_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin}"
-TIMEOUT="${SPLITMQ_CLUSTER_TIMEOUT:-90}"
+TIMEOUT="${SPLITMQ_CLUSTER_TIMEOUT:-180}"
 NODES=(1 2 3)
 REDIS_PORTS=(6390 6391)
 SENTINEL_PORTS=(26390 26391 26392)
@@ -195,7 +195,7 @@ redis_start() {
   local role=()
   [ "$primary" = "$port" ] || role=(--replicaof 127.0.0.1 "$primary")
   redis-server --port "$port" --bind 127.0.0.1 --daemonize yes --pidfile "$d/pid" \
-    --logfile "$d/redis.log" --dir "$d" --save "" --appendonly no \
+    --logfile "$d/redis.log" --dir "$d" --save "" --appendonly yes --appendfsync always \
     --repl-diskless-sync-delay 0 "${role[@]}"
   wait_until 10 "redis $port answers" rcli "$port" ping
   [ ${#role[@]} -eq 0 ] ||
@@ -263,13 +263,15 @@ prepare_dir() {
 }
 
 up_once() {
-  local n p failed=0 pids=()
+  local n p primary failed=0 pids=()
   prepare_dir
   for n in "${NODES[@]}"; do rabbit_spawn "$n"; done
-  # Redis comes up while the Erlang nodes boot.
-  redis_start "${REDIS_PORTS[0]}"
-  for p in "${REDIS_PORTS[@]:1}"; do redis_start "$p"; done
+  # Redis comes up while the Erlang nodes boot. Sentinels first: after a failover their files
+  # name the primary, which must then start as the primary, the others as its replicas.
   for p in "${SENTINEL_PORTS[@]}"; do sentinel_start "$p"; done
+  primary=$(primary_port)
+  redis_start "$primary"
+  for p in "${REDIS_PORTS[@]}"; do redis_start "$p"; done
   for n in "${NODES[@]}"; do rabbit_wait "$n" & pids+=($!); done
   for p in "${pids[@]}"; do wait "$p" || failed=1; done
   [ $failed -eq 0 ] || return 1

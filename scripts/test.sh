@@ -17,6 +17,26 @@ bash scripts/services.sh || {
   echo "test: some services are missing; their tests will be skipped (set CI=true to fail instead)"
 }
 
+# The local cluster (tests/cluster) boots in the background while lint and types run; pytest
+# waits for it. One that was already up is used and left up; one started here is taken down.
+cluster_job=""
+cluster_log=$(mktemp)
+if bash scripts/cluster.sh status >/dev/null 2>&1; then
+  echo "test: the local cluster is already up; using it"
+else
+  bash scripts/cluster.sh up >"$cluster_log" 2>&1 &
+  cluster_job=$!
+fi
+cleanup() {
+  if [ -n "$cluster_job" ]; then
+    wait "$cluster_job" 2>/dev/null || true
+    bash scripts/cluster.sh down >/dev/null 2>&1 || echo "test: cluster.sh down failed" >&2
+  fi
+  rm -f "$cluster_log"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
 bash scripts/browser.sh || {
   if [ "${CI:-}" = "true" ]; then echo "test: Chromium is missing (CI=true)" >&2; exit 1; fi
   echo "test: Chromium is missing; the dashboard test will be skipped"
@@ -26,6 +46,16 @@ echo "== ruff"; "$VENV/bin/ruff" check .
 echo "== ruff format"; "$VENV/bin/ruff" format --check .
 echo "== import layers"; "$VENV/bin/lint-imports" --no-cache
 echo "== mypy"; "$VENV/bin/mypy"
+if [ -n "$cluster_job" ]; then
+  echo "== local cluster"
+  if wait "$cluster_job"; then
+    cat "$cluster_log"
+  else
+    cat "$cluster_log" >&2
+    if [ "${CI:-}" = "true" ]; then echo "test: the local cluster did not come up (CI=true)" >&2; exit 1; fi
+    echo "test: the local cluster did not come up; its tests will try again, or skip without the packages"
+  fi
+fi
 echo "== pytest"
 set +e
 "$VENV/bin/python" -m pytest "$@"
