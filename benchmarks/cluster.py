@@ -56,8 +56,19 @@ class ClusterStatus:
 
 
 @dataclass(frozen=True)
+class Kill:
+    """A SIGKILL: the process, when the signal went (epoch seconds, `time.time()`), and how long
+    the process took to be gone."""
+
+    pid: int
+    at: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Change:
-    """Who held a role before and after a kill, and how long the change took (seconds)."""
+    """Who held a role before and after a kill, and how long the change took: seconds from the
+    kill when the wait was given its `since`, else from the start of the wait."""
 
     old: str
     new: str
@@ -129,9 +140,9 @@ class LocalCluster:
         return f"redis://{HOST}:{REDIS_PORTS[0]}/0"
 
     # ---------------------------------------------------------------- whole cluster
-    def _run(self, *args: str, timeout: float = 300.0, check: bool = True) -> str:
+    def _call(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         try:
-            done = subprocess.run(
+            return subprocess.run(
                 ["bash", str(self._script), *args],
                 env=self._env,
                 capture_output=True,
@@ -141,7 +152,10 @@ class LocalCluster:
             )
         except subprocess.TimeoutExpired as e:
             raise ClusterError(f"cluster.sh {' '.join(args)}: no answer in {timeout:.0f} s") from e
-        if check and done.returncode != 0:
+
+    def _run(self, *args: str, timeout: float = 600.0) -> str:
+        done = self._call(*args, timeout=timeout)
+        if done.returncode != 0:
             raise ClusterError(
                 f"cluster.sh {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}"
             )
@@ -155,17 +169,7 @@ class LocalCluster:
         return self._timed(lambda: self._run("down"))
 
     def status(self) -> ClusterStatus:
-        try:
-            done = subprocess.run(
-                ["bash", str(self._script), "status"],
-                env=self._env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as e:
-            raise ClusterError("cluster.sh status: no answer in 60 s") from e
+        done = self._call("status", timeout=60)
         return parse_status(done.stdout, done.returncode == 0)
 
     def is_up(self) -> bool:
@@ -173,12 +177,12 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- RabbitMQ
     def rabbit_pid(self, node: int) -> int | None:
-        out = self._run("pid", "rabbit", str(node), check=False).strip()
+        out = self._call("pid", "rabbit", str(node), timeout=30).stdout.strip()
         return int(out) if out.isdigit() else None
 
-    def kill_rabbit(self, node: int) -> float:
-        """SIGKILL node's beam; seconds until the process was gone."""
-        return self._timed(lambda: self._run("kill-node", str(node)))
+    def kill_rabbit(self, node: int) -> Kill:
+        """SIGKILL the node's beam."""
+        return self._kill("kill-node", str(node), f"RabbitMQ node {node}")
 
     def start_rabbit(self, node: int) -> float:
         """Start a node (it rejoins the cluster); seconds until its app runs in the cluster."""
@@ -212,7 +216,12 @@ class LocalCluster:
         return str(row["leader"])
 
     def wait_for_new_leader(
-        self, queue: str, old: str, timeout: float = 30.0, vhost: str = "/"
+        self,
+        queue: str,
+        old: str,
+        timeout: float = 30.0,
+        vhost: str = "/",
+        since: float | None = None,
     ) -> Change:
         """Wait until an online node other than `old` leads `queue`."""
 
@@ -227,9 +236,9 @@ class LocalCluster:
             ok = leader not in ("", old) and isinstance(online, list) and leader in online
             return leader if ok else None
 
-        start = time.monotonic()
+        start = time.time() if since is None else since
         new = wait_for(f"a new leader of {queue}", probe, timeout, poll=0.2)
-        return Change(old, new, time.monotonic() - start)
+        return Change(old, new, time.time() - start)
 
     # ---------------------------------------------------------------- Redis
     def redis_primary(self) -> str:
@@ -239,15 +248,25 @@ class LocalCluster:
             raise ClusterError("no Sentinel names a primary")
         return primary
 
-    def kill_redis(self, port: int) -> float:
-        return self._timed(lambda: self._run("kill-redis", str(port)))
+    def kill_redis(self, port: int) -> Kill:
+        return self._kill("kill-redis", str(port), f"Redis {port}")
 
-    def kill_redis_primary(self) -> tuple[str, float]:
-        """SIGKILL the primary; its address and the seconds until its process was gone."""
+    def kill_redis_primary(self) -> tuple[str, Kill]:
+        """SIGKILL the primary; its address and the kill."""
         old = self.redis_primary()
         return old, self.kill_redis(int(old.rsplit(":", 1)[1]))
 
-    def wait_for_new_primary(self, old: str, timeout: float = 30.0) -> Change:
+    def _kill(self, command: str, which: str, what: str) -> Kill:
+        out = self._run(command, which)
+        words = out.split()  # "killed PID at EPOCH"
+        if len(words) != 4 or words[0] != "killed":
+            raise ClusterError(f"{what} was not running")
+        at = float(words[3])
+        return Kill(int(words[1]), at, time.time() - at)
+
+    def wait_for_new_primary(
+        self, old: str, timeout: float = 30.0, since: float | None = None
+    ) -> Change:
         """Wait until Sentinel names a primary other than `old` and that server says it is one."""
 
         def probe() -> str | None:
@@ -257,9 +276,9 @@ class LocalCluster:
             host, port = new.rsplit(":", 1)
             return new if _role(host, int(port)) == "master" else None
 
-        start = time.monotonic()
+        start = time.time() if since is None else since
         new = wait_for("Sentinel to promote a new primary", probe, timeout)
-        return Change(old, new, time.monotonic() - start)
+        return Change(old, new, time.time() - start)
 
     def restart_redis(self, port: int) -> float:
         """Start a killed server again, as a replica of the current primary when it is not the

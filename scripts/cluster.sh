@@ -6,7 +6,8 @@
 # the default RabbitMQ (rabbit@localhost, 5672) and Redis (6379) are never touched.
 #
 #   cluster.sh up | down | status
-#   cluster.sh start-node N | kill-node N          RabbitMQ node N (1..3); kill = SIGKILL
+#   cluster.sh start-node N | kill-node N          RabbitMQ node N (1..3); kill = SIGKILL,
+#                                                  prints "killed PID at EPOCH-SECONDS"
 #   cluster.sh start-redis PORT | kill-redis PORT  a Redis server (6390, 6391); started as a
 #                                                  replica of whatever Sentinel says is primary
 #   cluster.sh pid rabbit N | pid redis PORT       the process id, exit 1 when not running
@@ -50,6 +51,16 @@ live_pid() {  # pidfile pattern
   [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
   tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$2" || return 1
   echo "$pid"
+}
+
+# SIGKILL PID; prints "killed PID at EPOCH" (when the signal went) for whoever times recovery.
+sigkill() {
+  local pid=${1:-} at
+  [ -n "$pid" ] || return 1
+  at=$(now)
+  kill -KILL "$pid"
+  echo "killed $pid at $at"
+  wait_until 10 "process $pid gone" bash -c "! kill -0 $pid"
 }
 
 # ---------------------------------------------------------------- RabbitMQ
@@ -148,12 +159,7 @@ rabbit_start() {  # start-node N: start, wait, join; for a restart after kill-no
   [ "$n" -eq 1 ] || rabbit_join "$n"
 }
 
-rabbit_kill() {
-  local pid
-  pid=$(rabbit_pid "$1") || return 0
-  kill -KILL "$pid"
-  wait_until 10 "beam $pid gone" bash -c "! kill -0 $pid"
-}
+rabbit_kill() { sigkill "$(rabbit_pid "$1")" || true; }
 
 rabbit_stop() {
   local n=$1 pid
@@ -202,12 +208,7 @@ redis_start() {
     wait_until "$TIMEOUT" "redis $port in sync with $primary" replica_link_up "$port"
 }
 
-redis_kill() {
-  local pid
-  pid=$(redis_pid "$1") || return 0
-  kill -KILL "$pid"
-  wait_until 10 "redis $pid gone" bash -c "! kill -0 $pid"
-}
+redis_kill() { sigkill "$(redis_pid "$1")" || true; }
 
 sentinel_start() {
   local port=$1 d
@@ -390,5 +391,5 @@ case "${1:-}" in
   primary) echo "127.0.0.1:$(primary_port)" ;;
   ctl) shift; cmd_ctl "$@" ;;
   _serve) rmq "$(node_arg "${2:-}")" rabbitmq-server ;;
-  *) sed -n '2,14s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+  *) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2 ;;
 esac
