@@ -25,6 +25,9 @@ if current ~= expected then
   -- A retry of a commit whose reply was lost finds its own manifest: report success again
   -- (even when another publisher has committed on top of it since).
   if current > expected and redis.call('HGET', KEYS[3], 'commit_id') == ARGV[2] then
+    -- Written again (same value) so that a WAIT behind this retry, on whichever connection,
+    -- waits for the replicas to reach past the original commit (min_replicas).
+    redis.call('HSET', KEYS[3], 'commit_id', ARGV[2])
     return {'ok', redis.call('HGET', KEYS[3], 'created_at')}
   end
   return {'conflict', tostring(current)}

@@ -4,6 +4,11 @@ Every multi-key step that must be atomic is one Lua script (`broker.redis_script
 MULTI/EXEC. redis errors never escape: connection problems become `StoreUnavailableError`, the
 rest `StoreError`. Every operation goes through `_call`, which rides out an outage, so every
 step must be idempotent: docs/reliability.md, "Redis restart", says how each one is.
+
+With `RedisStoreOptions.sentinels` the store follows the primary that Redis Sentinel names and
+rides out a failover the same way (docs/reliability.md, "Redis with Sentinel"); with
+`min_replicas` a version commit or checkpoint save returns only once that many replicas have
+it (WAIT).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from broker import keys, redis_scripts
 from broker.errors import (
@@ -93,12 +100,23 @@ class RedisStoreOptions:
     tls: TLSOptions | None = None
     # How long an operation waits out an outage (roles); probes and health checks fail at once.
     retry: RetryPolicy = field(default=NO_RETRY)
+    # Redis Sentinel: (host, port) of each sentinel; empty: the URL's host is the server.
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master_name: str = "splitmq"
+    # Replicas that must acknowledge a version commit or a checkpoint save (WAIT), and for how
+    # long one WAIT may block; fewer acks count as an outage (retried, then unavailable).
+    min_replicas: int = 0
+    replica_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
         if not self.pending_ttl_s > 0:
             raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
+        if self.min_replicas < 0:
+            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
+        if not self.replica_timeout_s > 0:
+            raise ValueError(f"replica_timeout_s must be positive, got {self.replica_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,21 @@ class RedisServerInfo:
     problems: tuple[str, ...]
     # appendfsync ("always", "everysec", "no"; "unknown" where CONFIG is not allowed).
     aof_fsync: str = "unknown"
+    # The primary's address, and its replicas as "host:port" (online, lag N s) from its INFO.
+    primary: str = ""
+    replicas: tuple[str, ...] = ()
+    # With Sentinel: each sentinel as "host:port" with what it says ("ok", or the error).
+    sentinels: tuple[str, ...] = ()
+
+
+class _NotReplicated(Exception):
+    """WAIT came back with fewer replicas than `min_replicas`: waited out like an outage."""
+
+
+# Replies a primary gives while Sentinel moves the role (a demoted primary refusing writes,
+# min-replicas-to-write refusing them while replicas reconnect, a WAIT cut short by the
+# demotion, a replica whose link to the primary is down): with Sentinel, transient.
+_FAILOVER_REPLIES = ("READONLY", "NOREPLICAS", "UNBLOCKED", "MASTERDOWN")
 
 
 _BLOB_FIELD = keys.BLOB_FIELD_PREFIX.encode()
@@ -167,18 +200,21 @@ class RedisWeightStore(PublishingStore):
             )
         else:
             tls = {}
-        # No connection is opened here: the first command connects.
-        self._redis = redis.Redis.from_url(
-            url,
-            socket_timeout=opts.socket_timeout_s,
-            socket_connect_timeout=opts.socket_connect_timeout_s,
+        common: dict[str, Any] = {
+            "socket_timeout": opts.socket_timeout_s,
+            "socket_connect_timeout": opts.socket_connect_timeout_s,
             # PINGs idle pooled connections every 30 s, so a dead one is noticed before use.
-            health_check_interval=30,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), opts.retries),
-            client_name="splitmq-store",
-            decode_responses=False,
-            **tls,
-        )
+            "health_check_interval": 30,
+            "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), opts.retries),
+            "client_name": "splitmq-store",
+            "decode_responses": False,
+        }
+        # No connection is opened here: the first command connects.
+        self._sentinel: Sentinel | None = None
+        if opts.sentinels:
+            self._sentinel, self._redis = _via_sentinel(url, opts, common, tls)
+        else:
+            self._redis = redis.Redis.from_url(url, **common, **tls)
         script = self._redis.register_script  # binds; no server round trip until first use
         self._publish = script(redis_scripts.PUBLISH)
         self._discard = script(redis_scripts.DISCARD_PENDING)
@@ -192,6 +228,9 @@ class RedisWeightStore(PublishingStore):
         self._sleep = sleep
         self._lock = threading.Lock()  # the outage state is shared by all threads
         self._down_since: float | None = None
+        # The blobs this thread's publish wrote (`_write_pending`), for `_commit` to write again
+        # if a failover lost them before the commit (publish_version runs both on one thread).
+        self._pending = threading.local()
 
     # --- the one way to Redis: errors translated, outages waited out -------------------------
     def _call(self, what: str, op: Callable[[], T]) -> T:
@@ -205,28 +244,55 @@ class RedisWeightStore(PublishingStore):
                 raise StoreAuthError(
                     f"Redis refused the credentials of store.redis_url during {what}: {exc}"
                 ) from exc
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                down = StoreUnavailableError(f"redis unreachable during {what}: {exc}")
-                if policy.retry_for_s == 0:
-                    raise down from exc
-                now = self._clock()
-                self._went_down(what, down, now)
-                first_failure = now if first_failure is None else first_failure
-                left = policy.retry_for_s - (now - first_failure)
-                if left <= 0:
-                    self._log.error(
-                        "store still unavailable after %.1f s (%s): giving up",
-                        now - first_failure,
-                        what,
-                    )
-                    raise down from exc
-                self._sleep(min(delay, left))
-                delay = min(delay * 2, policy.max_backoff_s)
-                continue
+            except (redis.ConnectionError, redis.TimeoutError, _NotReplicated) as exc:
+                failure: Exception = exc
             except redis.RedisError as exc:
-                raise StoreError(f"redis error during {what}: {exc}") from exc
-            self._came_back()
-            return result
+                if not self._failing_over(exc):
+                    raise StoreError(f"redis error during {what}: {exc}") from exc
+                failure = exc
+            else:
+                self._came_back()
+                return result
+            if isinstance(failure, _NotReplicated):
+                down = StoreUnavailableError(f"{what} not replicated: {failure}")
+            else:
+                down = StoreUnavailableError(f"redis unreachable during {what}: {failure}")
+            if policy.retry_for_s == 0:
+                raise down from failure
+            now = self._clock()
+            self._went_down(what, down, now)
+            first_failure = now if first_failure is None else first_failure
+            left = policy.retry_for_s - (now - first_failure)
+            if left <= 0:
+                self._log.error(
+                    "store still unavailable after %.1f s (%s): giving up",
+                    now - first_failure,
+                    what,
+                )
+                raise down from failure
+            self._sleep(min(delay, left))
+            delay = min(delay * 2, policy.max_backoff_s)
+
+    def _failing_over(self, exc: redis.RedisError) -> bool:
+        """A reply that, behind Sentinel, means the primary is changing (a single server
+        answering so is misconfigured, and keeps today's immediate StoreError)."""
+        if self._sentinel is None or not isinstance(exc, redis.ResponseError):
+            return False
+        return str(exc).startswith(_FAILOVER_REPLIES) or isinstance(exc, redis.ReadOnlyError)
+
+    def _wait_replicas(self, pipe: Any) -> None:
+        """Queue a WAIT behind the write in `pipe`: WAIT counts the acks of its own
+        connection's writes, so it must travel on the same connection as the write."""
+        pipe.wait(self._options.min_replicas, _ms(self._options.replica_timeout_s))
+
+    def _short(self, acked: object, what: str) -> _NotReplicated | None:
+        need, timeout = self._options.min_replicas, self._options.replica_timeout_s
+        if int(acked) >= need:  # type: ignore[call-overload]
+            return None
+        return _NotReplicated(
+            f"{what} acknowledged by {acked} of store.min_replicas = {need} replicas "
+            f"within {timeout:g} s"
+        )
 
     def _went_down(self, what: str, exc: StoreUnavailableError, now: float) -> None:
         with self._lock:
@@ -267,7 +333,9 @@ class RedisWeightStore(PublishingStore):
             return pipe.execute()
 
         results = self._call("publish_version", write)
-        return [blob.key for blob, created in zip(blobs, results, strict=True) if created]
+        created = [blob.key for blob, made in zip(blobs, results, strict=True) if made]
+        self._pending.created = set(created)
+        return created
 
     def _commit(
         self,
@@ -287,8 +355,37 @@ class RedisWeightStore(PublishingStore):
         args: list[str | int] = [expected, commit_id, json.dumps(dict(meta), sort_keys=True)]
         for blob in blobs:
             args += [keys.blob_field(blob.entry.ref), encode_entry(blob)]
-        reply = self._call("publish_version", lambda: self._publish(keys=script_keys, args=args))
-        return _text(reply[0]), _text(reply[1])
+
+        def commit() -> Any:
+            if not self._options.min_replicas:
+                return self._publish(keys=script_keys, args=args)
+            pipe = self._redis.pipeline(transaction=False)
+            self._publish(keys=script_keys, args=args, client=pipe)
+            self._wait_replicas(pipe)
+            reply, acked = pipe.execute()
+            short = self._short(acked, f"version {version} of job {job}")
+            if short is not None and _text(reply[0]) == "ok":
+                raise short  # retried: the script finds its manifest by the commit id
+            return reply
+
+        created: set[str] = getattr(self._pending, "created", set())
+        for _ in range(len(blobs) + 1):
+            reply = self._call("publish_version", commit)
+            status, detail = _text(reply[0]), _text(reply[1])
+            if status != "missing" or detail not in created:
+                break
+            # A blob this publish wrote is gone: the primary that took it died before
+            # replicating it, and the promoted replica never had it. Content-addressed, so
+            # writing it again is safe; a blob it never wrote stays a torn write.
+            self._log.warning(
+                "job %s: blob %s vanished before the commit of version %d (a failover?): "
+                "writing it again",
+                job,
+                detail,
+                version,
+            )
+            created |= set(self._write_pending(job, blobs))
+        return status, detail
 
     def _discard_pending(self, job: str, blob_keys: Sequence[str]) -> None:
         if blob_keys:
@@ -356,11 +453,22 @@ class RedisWeightStore(PublishingStore):
         if holder is not None:
             script_keys.append(keys.lease_key(job, holder[0]))
             args.append(holder[1])
+
         # A replace; with `holder` the script itself refuses a writer that lost the lease
         # (during an outage, say).
-        saved = self._call(
-            "save_checkpoint", lambda: self._save_checkpoint(keys=script_keys, args=args)
-        )
+        def save() -> Any:
+            if not self._options.min_replicas:
+                return self._save_checkpoint(keys=script_keys, args=args)
+            pipe = self._redis.pipeline(transaction=False)
+            self._save_checkpoint(keys=script_keys, args=args, client=pipe)
+            self._wait_replicas(pipe)
+            result, acked = pipe.execute()
+            short = self._short(acked, f"checkpoint of shard {checkpoint.shard} of job {job}")
+            if short is not None and result != -1:
+                raise short  # retried: a replace, fenced by the lease as before
+            return result
+
+        saved = self._call("save_checkpoint", save)
         if holder is not None and saved == -1:  # the script returns -1 (an integer) or a time
             raise lease_not_held(checkpoint.shard, holder)
 
@@ -486,8 +594,75 @@ class RedisWeightStore(PublishingStore):
             problems.append(
                 f"maxmemory-policy {policy} may evict weights or leases; use noeviction"
             )
+        primary, replicas = self._replication(info("replication"), problems)
+        sentinels = self._sentinels(primary, problems)
         version = str(server.get("redis_version", "unknown"))
-        return RedisServerInfo(version, can_write, can_read, aof_enabled, tuple(problems), fsync)
+        return RedisServerInfo(
+            version,
+            can_write,
+            can_read,
+            aof_enabled,
+            tuple(problems),
+            fsync,
+            primary,
+            replicas,
+            sentinels,
+        )
+
+    def _replication(
+        self, replication: Mapping[str, Any], problems: list[str]
+    ) -> tuple[str, tuple[str, ...]]:
+        """The address this client writes to and its replicas from INFO replication."""
+        kwargs = self._redis.connection_pool.connection_kwargs
+        address = getattr(self._redis.connection_pool, "master_address", None)
+        host, port = address or (kwargs.get("host"), kwargs.get("port"))
+        replicas, online = [], 0
+        for i in range(int(replication.get("connected_slaves", 0))):
+            r = replication.get(f"slave{i}", {})
+            online += r.get("state") == "online"
+            replicas.append(
+                f"{r.get('ip')}:{r.get('port')} ({r.get('state')}, lag {r.get('lag')} s)"
+            )
+        role = str(replication.get("role", "unknown"))
+        if role != "master":
+            problems.append(f"{host}:{port} is a {role}, not the primary: writes will fail")
+        need = self._options.min_replicas
+        if online < need:
+            problems.append(
+                f"store.min_replicas = {need} but the primary has {online} replicas online: "
+                "version publishes and checkpoints wait for replicas, then fail"
+            )
+        elif self._sentinel is not None and not online:
+            problems.append("no replica online: Sentinel has nothing to promote")
+        return f"{host}:{port}", tuple(replicas)
+
+    def _sentinels(self, primary: str, problems: list[str]) -> tuple[str, ...]:
+        """What each sentinel says of `master_name`; problems for those that disagree."""
+        if self._sentinel is None:
+            return ()
+        name, found = self._options.master_name, []
+        for client in self._sentinel.sentinels:
+            kwargs = client.connection_pool.connection_kwargs
+            where = f"{kwargs.get('host')}:{kwargs.get('port')}"
+            try:
+                state: Any = client.sentinel_master(name)
+            except redis.RedisError as exc:
+                found.append(f"{where} failed: {exc}")
+                problems.append(f"sentinel {where} does not answer for {name!r}: {exc}")
+                continue
+            says = f"{state.get('ip')}:{state.get('port')}"
+            found.append(
+                f"{where} ok (primary {says}, quorum {state.get('quorum')}, "
+                f"{state.get('num-other-sentinels')} other sentinels)"
+            )
+            if says != primary:
+                problems.append(f"sentinel {where} names {says} as the primary, not {primary}")
+        if len(found) < 3:
+            problems.append(
+                f"{len(found)} sentinels: a failover needs a majority, so one lost sentinel "
+                "can block it (run three or more)"
+            )
+        return tuple(found)
 
     def _probe(self) -> tuple[bool, bool, str | None]:
         """(can write, can read, problem) of a scratch key written, read back and deleted."""
@@ -507,3 +682,34 @@ class RedisWeightStore(PublishingStore):
 
     def close(self) -> None:
         self._redis.close()
+        if self._sentinel is not None:
+            self._sentinel.close()
+
+
+def _via_sentinel(
+    url: str, opts: RedisStoreOptions, common: Mapping[str, Any], tls: Mapping[str, Any]
+) -> tuple[Sentinel, redis.Redis]:
+    """The Sentinel client and a client of the primary it names. The URL gives the db, the
+    credentials and TLS (rediss://); its host and port are not used."""
+    params = {
+        k: v
+        for k, v in parse_url(url).items()  # type: ignore[no-untyped-call]
+        if k not in ("host", "port", "connection_class")
+    }
+    ssl: dict[str, Any] = {"ssl": True, **tls} if tls else {}
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(opts.sentinels),
+        # Sentinels answer small queries: a dead one must not hold up discovery for long. They
+        # get TLS like the data nodes, no credentials (sentinels with requirepass: not yet).
+        sentinel_kwargs={
+            "socket_timeout": opts.socket_connect_timeout_s,
+            "socket_connect_timeout": opts.socket_connect_timeout_s,
+            # Discovery moves on to the next sentinel; `_call` backs off between rounds.
+            "retry": Retry(NoBackoff(), 0),
+            **ssl,
+        },
+    )
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        opts.master_name, redis_class=redis.Redis, **common, **params, **ssl
+    )
+    return sentinel, client

@@ -107,6 +107,10 @@ class Backends:
             keep_versions=settings.keep_versions,
             tls=tls_options(settings.tls),
             retry=policy if wait else NO_RETRY,
+            sentinels=settings.sentinel_addresses,
+            master_name=settings.master_name,
+            min_replicas=settings.min_replicas,
+            replica_timeout_s=settings.replica_timeout_s,
         )
         return RedisWeightStore(settings.redis_url, options, sleep=sleep)
 

@@ -23,6 +23,7 @@ ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "SPLITMQ_AMQP_URL": ("broker", "amqp_url"),
     "SPLITMQ_AMQP_URLS": ("broker", "amqp_urls"),
     "SPLITMQ_REDIS_URL": ("store", "redis_url"),
+    "SPLITMQ_REDIS_SENTINELS": ("store", "sentinels"),
     "SPLITMQ_BROKER": ("broker", "kind"),
     "SPLITMQ_STORE": ("store", "kind"),
     "SPLITMQ_LOG_LEVEL": ("log_level",),

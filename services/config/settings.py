@@ -111,6 +111,42 @@ class StoreSettings(_Section):
     retry_for_s: float = Field(default=120.0, ge=0)
     retry_max_backoff_s: float = Field(default=2.0, gt=0)
     tls: TLSSettings = TLSSettings()
+    # Redis Sentinel ("host:port" each): when set, the store writes to the primary they name
+    # `master_name` and follows it through a failover; redis_url then only supplies the db,
+    # the credentials and the scheme (rediss:// for TLS, to the sentinels too).
+    sentinels: tuple[str, ...] = ()
+    master_name: str = Field(default="splitmq", min_length=1)
+    # WAIT for this many replicas after a version commit or a checkpoint save, so that what a
+    # role was told is stored survives the primary (docs/reliability.md, "Redis with Sentinel").
+    min_replicas: int = Field(default=0, ge=0)
+    replica_timeout_s: float = Field(default=2.0, gt=0)
+
+    @field_validator("sentinels", mode="before")
+    @classmethod
+    def _sentinel_list(cls, value: object) -> object:
+        # SPLITMQ_REDIS_SENTINELS="a:26379,b:26379": environment values arrive as one string.
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            for entry in value:
+                cls.sentinel_address(entry)
+        return value
+
+    @staticmethod
+    def sentinel_address(entry: object) -> tuple[str, int]:
+        """("host", port) of one store.sentinels entry; a ValueError naming the setting."""
+        where = "(store.sentinels, SPLITMQ_REDIS_SENTINELS)"
+        if not isinstance(entry, str):
+            raise ValueError(f"a sentinel must be a 'host:port' string, got {entry!r} {where}")
+        host, colon, port = entry.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [::1]:26379
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"sentinel {entry!r} is not 'host:port' with a port 1-65535 {where}")
+        return host, int(port)
+
+    @property
+    def sentinel_addresses(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self.sentinel_address(entry) for entry in self.sentinels)
 
 
 class SecuritySettings(_Section):

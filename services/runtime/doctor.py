@@ -106,6 +106,14 @@ def check_store(backends: Backends) -> Check:
     if settings.kind == "memory":
         return Check("store", True, "in-memory weight store in this process")
     where = redact_url(settings.redis_url)
+    hint = "start it (`redis-server --daemonize yes`) or set SPLITMQ_REDIS_URL"
+    if settings.sentinels:
+        where = f"Sentinel master {settings.master_name!r} via {', '.join(settings.sentinels)}"
+        hint = (
+            "check the sentinels (store.sentinels, SPLITMQ_REDIS_SENTINELS) and that they name "
+            "a primary: `redis-cli -p PORT sentinel get-master-addr-by-name "
+            f"{settings.master_name}`"
+        )
     try:
         store = backends.open_store(wait=False)
         assert isinstance(store, RedisWeightStore)
@@ -124,17 +132,23 @@ def check_store(backends: Backends) -> Check:
             "store",
             False,
             f"cannot use Redis at {where}: {exc}",
-            "start it (`redis-server --daemonize yes`) or set SPLITMQ_REDIS_URL",
+            hint,
         )
     finally:
         if "store" in locals():
             store.close()
     ok = info.can_write and info.can_read
+    if settings.sentinels:
+        where = f"primary {info.primary} (Sentinel master {settings.master_name!r})"
     detail = (
         f"Redis {info.version} at {where}; write {'ok' if info.can_write else 'REFUSED'}, "
         f"read {'ok' if info.can_read else 'REFUSED'}, "
         + (f"AOF on (appendfsync {info.aof_fsync})" if info.aof_enabled else "AOF off")
     )
+    if settings.sentinels or info.replicas:
+        detail += f"; replicas: {', '.join(info.replicas) or 'none'}"
+    if info.sentinels:
+        detail += f"; sentinels: {', '.join(info.sentinels)}"
     return Check("store", ok, detail, "; ".join(info.problems), warning=ok and bool(info.problems))
 
 

@@ -1,4 +1,6 @@
-"""The store contract, run against the in-memory and the Redis store: one section for each of
+"""The store contract, run against the in-memory store, the Redis store on one server, and the
+Redis store behind Sentinel (a primary, one replica, three sentinels started for the session,
+with `min_replicas = 1` so every commit and checkpoint also WAITs): one section for each of
 the protocols of `broker.store` (`VersionStore`, `CheckpointStore`, `MemberStore`), then what
 the union `WeightStore` adds (`delete_job`).
 
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from redis.sentinel import Sentinel
 
 from broker import keys
 from broker.errors import (
@@ -38,6 +41,7 @@ from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
 from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, WeightStore
 from broker.weights import sha256_hex
+from tests.integration.sentinel_cluster import MASTER, SentinelCluster, require_redis_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER = BlobRef("server")
@@ -91,11 +95,18 @@ def _memory_harness() -> Harness:
     )
 
 
-def _redis_harness(url: str) -> Harness:
-    raw = redis.Redis.from_url(url)
+def _redis_harness(url: str, cluster: SentinelCluster | None = None) -> Harness:
+    via: dict[str, Any] = {}
+    if cluster is None:
+        raw = redis.Redis.from_url(url)
+    else:
+        addresses = tuple((h, int(p)) for h, p in (a.split(":") for a in cluster.sentinels))
+        via = {"sentinels": addresses, "master_name": MASTER, "min_replicas": 1}
+        raw = Sentinel(list(addresses)).master_for(MASTER)  # type: ignore[no-untyped-call]
 
     def new_store(cls: type | None = None, **opts: Any) -> RedisWeightStore:
-        store: RedisWeightStore = (cls or RedisWeightStore)(url, RedisStoreOptions(**opts))
+        options = RedisStoreOptions(**via, **opts)
+        store: RedisWeightStore = (cls or RedisWeightStore)(url, options)
         return store
 
     def corrupt(store: RedisWeightStore, job: str, key: str) -> None:
@@ -118,12 +129,35 @@ def _redis_harness(url: str) -> Harness:
     return harness
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(scope="session")
+def sentinel_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelCluster]:
+    """Primary 6490, replica 6491, sentinels 26490-26492 (the failover tests use others)."""
+    require_redis_server()
+    cluster = SentinelCluster(
+        tmp_path_factory.mktemp("sentinel"), [6490, 6491], [26490, 26491, 26492]
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("redis-sentinel", marks=pytest.mark.redis),
+    ]
+)
 def harness(request: pytest.FixtureRequest, job: str) -> Iterator[Harness]:
     if request.param == "memory":
         h = _memory_harness()
-    else:
+    elif request.param == "redis":
         h = _redis_harness(request.getfixturevalue("redis_url"))
+    else:
+        cluster = request.getfixturevalue("sentinel_cluster")
+        h = _redis_harness(cluster.url, cluster)
     original = h.new_store
 
     def tracked(cls: type | None = None, **opts: Any) -> Any:
