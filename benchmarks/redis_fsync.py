@@ -1,6 +1,8 @@
-"""What `appendfsync always` costs the weight store against `everysec`; run by hand.
+"""What `appendfsync always` costs the weight store against `everysec`, or what
+`store.min_replicas = 1` (WAIT) costs against 0; run by hand.
 
-    python -m benchmarks.redis_fsync [--dir DIR] [--models cnn5:block1,resnet18:layer1]
+    python -m benchmarks.redis_fsync [--mode fsync|wait] [--dir DIR]
+                                     [--models cnn5:block1,resnet18:layer1]
                                      [--versions 10] [--checkpoints 30] [--small 300]
                                      [--write-docs]
 
@@ -17,7 +19,11 @@ another from one client, the store operations the roles make:
 - `heartbeat` and `acquire_lease` (renewal): the small writes every role makes every second
   or so.
 
-`--write-docs` rewrites the "redis-fsync" section of docs/benchmarks.md.
+`--mode wait` starts one primary (`appendfsync always`) with one replica on loopback instead,
+and times two stores on that primary side by side, `min_replicas` 0 and 1: the second WAITs
+for the replica after each version commit and checkpoint save (the small writes never WAIT).
+
+`--write-docs` rewrites the "redis-fsync" (or "redis-wait") section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,15 +41,16 @@ import redis
 import torch
 
 from benchmarks.common import Summary, command_line, machine_line, summarise, write_section
-from broker.redis_store import RedisWeightStore
+from broker.redis_store import RedisStoreOptions, RedisWeightStore
 from broker.store import SERVER_PART, Checkpoint
 from models.registry import build_model
 from services.algorithms.registry import build_strategy
 
-SECTION = "redis-fsync"
 POLICIES = ("everysec", "always")
-Results = dict[str, dict[str, Summary]]  # policy -> operation -> timings
+WAITS = ("min_replicas=0", "min_replicas=1")
+Results = dict[str, dict[str, Summary]]  # setting -> operation -> timings
 JOB = "bench-fsync"
+Servers = list[subprocess.Popen[bytes]]
 
 
 def free_port() -> int:
@@ -52,25 +59,61 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(policy: str, directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_redis(
+    policy: str, directory: Path, replica_of: int | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     argv += ["--appendonly", "yes", "--appendfsync", policy, "--dir", str(directory)]
+    if replica_of is not None:
+        argv += ["--replicaof", "127.0.0.1", str(replica_of)]
+    argv += ["--repl-diskless-sync-delay", "0"]
     log = (directory / "redis.log").open("ab")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     client = redis.Redis(port=port, socket_connect_timeout=0.5)
     for _ in range(200):
         try:
-            if client.ping():
+            info: dict[str, object] = client.info("replication")
+            if replica_of is None or info.get("master_link_status") == "up":
                 return process, port
         except redis.ConnectionError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     process.kill()
     raise RuntimeError(f"redis-server ({policy}) did not start; see {directory}/redis.log")
 
 
-def measure(model_name: str, cut: str, base: Path, args: argparse.Namespace) -> Results:
-    """Both policies side by side, their calls interleaved (one on each server in turn), so
+def fsync_stores(name: str, base: Path, servers: Servers) -> dict[str, RedisWeightStore]:
+    """A private server per appendfsync policy."""
+    stores = {}
+    for policy in POLICIES:
+        directory = base / f"{name}-{policy}"
+        directory.mkdir()
+        process, port = start_redis(policy, directory)
+        servers.append(process)
+        stores[policy] = RedisWeightStore(f"redis://127.0.0.1:{port}/0")
+    return stores
+
+
+def wait_stores(name: str, base: Path, servers: Servers) -> dict[str, RedisWeightStore]:
+    """One primary with one replica, and a store on it for each min_replicas."""
+    (base / f"{name}-primary").mkdir()
+    (base / f"{name}-replica").mkdir()
+    process, port = start_redis("always", base / f"{name}-primary")
+    servers.append(process)
+    replica, _ = start_redis("always", base / f"{name}-replica", replica_of=port)
+    servers.append(replica)
+    url = f"redis://127.0.0.1:{port}/0"
+    return {
+        label: RedisWeightStore(url, RedisStoreOptions(min_replicas=n))
+        for n, label in enumerate(WAITS)
+    }
+
+
+def measure(
+    model_name: str, cut: str, stores: dict[str, RedisWeightStore], args: argparse.Namespace
+) -> Results:
+    """Both settings side by side, their calls interleaved (one on each store in turn), so
     that the load of a shared machine weighs on both alike."""
     torch.manual_seed(0)
     model = build_model(model_name, num_classes=10)
@@ -90,65 +133,68 @@ def measure(model_name: str, cut: str, base: Path, args: argparse.Namespace) -> 
         Checkpoint(0, i, {n: t + i for n, t in server.items()}, {"seqs": {"c": i}, "steps": i})
         for i in range(args.checkpoints)
     ]
-    servers: dict[str, tuple[subprocess.Popen[bytes], RedisWeightStore]] = {}
-    try:
-        for policy in POLICIES:
-            directory = base / f"{model_name}-{policy}"
-            directory.mkdir()
-            process, port = start_redis(policy, directory)
-            servers[policy] = (process, RedisWeightStore(f"redis://127.0.0.1:{port}/0"))
-        stores = {policy: store for policy, (_, store) in servers.items()}
-        current = dict.fromkeys(POLICIES, 0)
+    # A job per store: in --mode wait both stores share one server.
+    jobs = {label: f"{JOB}-{i}" for i, label in enumerate(stores)}
+    current = dict.fromkeys(stores, 0)
 
-        def publish(policy: str, i: int) -> None:
-            current[policy] = stores[policy].publish_version(JOB, current[policy], versions[i])
+    def publish(p: str, i: int) -> None:
+        current[p] = stores[p].publish_version(jobs[p], current[p], versions[i])
 
-        ops: dict[str, tuple[int, Callable[[str, int], object]]] = {
-            "publish_version": (args.versions, publish),
-            "save_checkpoint": (
-                args.checkpoints,
-                lambda p, i: stores[p].save_checkpoint(JOB, checkpoints[i]),
-            ),
-            "heartbeat": (args.small, lambda p, i: stores[p].heartbeat(JOB, "w1", 5.0)),
-            "acquire_lease": (
-                args.small,
-                lambda p, i: stores[p].acquire_lease(JOB, "shard-0", "w1", 5.0),
-            ),
-        }
-        samples: dict[str, dict[str, list[float]]] = {p: {} for p in POLICIES}
-        for name, (count, op) in ops.items():
-            for i in range(count):
-                for policy in POLICIES:
-                    start = time.perf_counter()
-                    op(policy, i)
-                    samples[policy].setdefault(name, []).append(time.perf_counter() - start)
-    finally:
-        for process, store in servers.values():
-            store.close()
-            process.kill()
-            process.wait(10)
+    ops: dict[str, tuple[int, Callable[[str, int], object]]] = {
+        "publish_version": (args.versions, publish),
+        "save_checkpoint": (
+            args.checkpoints,
+            lambda p, i: stores[p].save_checkpoint(jobs[p], checkpoints[i]),
+        ),
+        "heartbeat": (args.small, lambda p, i: stores[p].heartbeat(jobs[p], "w1", 5.0)),
+        "acquire_lease": (
+            args.small,
+            lambda p, i: stores[p].acquire_lease(jobs[p], "shard-0", "w1", 5.0),
+        ),
+    }
+    samples: dict[str, dict[str, list[float]]] = {p: {} for p in stores}
+    for name, (count, op) in ops.items():
+        for i in range(count):
+            for p in stores:
+                start = time.perf_counter()
+                op(p, i)
+                samples[p].setdefault(name, []).append(time.perf_counter() - start)
     return {p: {op: summarise(xs) for op, xs in by_op.items()} for p, by_op in samples.items()}
 
 
 def report(results: dict[str, Results], args: argparse.Namespace, load: str) -> str:
+    if args.mode == "wait":
+        labels = WAITS
+        what = (
+            "What `store.min_replicas = 1` costs the weight store against 0: one client, one "
+            "call after another, one private primary (`--appendonly yes --appendfsync always`, "
+            f"AOF on {args.disk}) with one replica on loopback, a store of each setting on "
+            "it, their calls interleaved; with 1 a version commit and a checkpoint save WAIT "
+            "for the replica (the small writes never do)."
+        )
+    else:
+        labels = POLICIES
+        what = (
+            "What `appendfsync always` costs the weight store against `everysec`: one client, "
+            "one call after another, a private `redis-server --appendonly yes` per policy with "
+            f"its AOF on {args.disk}, both running, their calls interleaved."
+        )
     lines = [
-        "What `appendfsync always` costs the weight store against `everysec`: one client, one "
-        "call after another, a private `redis-server --appendonly yes` per policy with its AOF "
-        f"on {args.disk}, both running, their calls interleaved. Milliseconds per call as the "
-        "role sees it (serialising and hashing the weights included), median / p90.",
+        what + " Milliseconds per call as the role sees it (serialising and hashing the "
+        "weights included), median / p90.",
         "",
         f"Command: `{command_line('benchmarks.redis_fsync')}`",
         "",
         f"Machine: {machine_line(load)}",
         "",
-        "| model | operation | calls | everysec | always |",
-        "|---|---|---|---|---|",
+        "| model | operation | calls | " + " | ".join(labels) + " |",
+        "|---|---|---|" + "---|" * len(labels),
     ]
-    for model, by_policy in results.items():
-        for op, first in by_policy[POLICIES[0]].items():
+    for model, by_label in results.items():
+        for op, first in by_label[labels[0]].items():
             cells = [model, op, str(first.count)]
-            for policy in POLICIES:
-                s = by_policy[policy][op]
+            for label in labels:
+                s = by_label[label][op]
                 cells.append(f"{s.median * 1e3:.2f} / {s.p90 * 1e3:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -156,6 +202,7 @@ def report(results: dict[str, Results], args: argparse.Namespace, load: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("fsync", "wait"), default="fsync")
     parser.add_argument("--dir", type=Path, default=None, help="Where the AOF directories go.")
     parser.add_argument("--models", default="cnn5:block1,resnet18:layer1", help="MODEL:CUT,...")
     parser.add_argument("--versions", type=int, default=10)
@@ -170,16 +217,31 @@ def main() -> None:
     args.disk = describe_disk(base)
     load = f"load average {open('/proc/loadavg').read().split()[0]} at start"
     results: dict[str, Results] = {}
+    open_stores = wait_stores if args.mode == "wait" else fsync_stores
     try:
         for spec in args.models.split(","):
             model, cut = spec.split(":")
-            results[f"{model} ({cut})"] = measure(model, cut, base, args)
+            servers: Servers = []
+            stores: dict[str, RedisWeightStore] = {}
+            try:
+                stores = open_stores(model, base, servers)
+                results[f"{model} ({cut})"] = measure(model, cut, stores, args)
+            finally:
+                for store in stores.values():
+                    store.close()
+                for process in servers:
+                    process.kill()
+                    process.wait(10)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    text = "## Redis AOF: appendfsync always vs everysec\n\n" + report(results, args, load)
+    if args.mode == "wait":
+        title, section = "## Redis replicas: min_replicas 1 (WAIT) vs 0", "redis-wait"
+    else:
+        title, section = "## Redis AOF: appendfsync always vs everysec", "redis-fsync"
+    text = f"{title}\n\n" + report(results, args, load)
     print(text)
     if args.write_docs:
-        write_section(SECTION, text)
+        write_section(section, text)
 
 
 def describe_disk(path: Path) -> str:
