@@ -115,8 +115,13 @@ class RedisStoreOptions:
             raise ValueError(f"pending_ttl_s must be positive, got {self.pending_ttl_s}")
         if self.min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
-        if not self.replica_timeout_s > 0:
-            raise ValueError(f"replica_timeout_s must be positive, got {self.replica_timeout_s}")
+        if not self.replica_timeout_s > 0 or (
+            self.min_replicas and self.replica_timeout_s >= self.socket_timeout_s
+        ):
+            raise ValueError(
+                f"replica_timeout_s must be positive and below socket_timeout_s (WAIT holds "
+                f"the socket), got {self.replica_timeout_s} and {self.socket_timeout_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -320,6 +325,7 @@ class RedisWeightStore(PublishingStore):
         return NO_VERSION if raw is None else int(raw)
 
     def _write_pending(self, job: str, blobs: Sequence[PreparedBlob]) -> list[str]:
+        self._pending.created = set()
         if not blobs:
             return []
         ttl_ms = _ms(self._options.pending_ttl_s)
@@ -623,7 +629,7 @@ class RedisWeightStore(PublishingStore):
             replicas.append(
                 f"{r.get('ip')}:{r.get('port')} ({r.get('state')}, lag {r.get('lag')} s)"
             )
-        role = str(replication.get("role", "unknown"))
+        role = str(replication.get("role", "unknown")).replace("slave", "replica")
         if role != "master":
             problems.append(f"{host}:{port} is a {role}, not the primary: writes will fail")
         need = self._options.min_replicas

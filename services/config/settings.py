@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from broker.topology import QueueLimits
 
@@ -143,6 +143,17 @@ class StoreSettings(_Section):
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"sentinel {entry!r} is not 'host:port' with a port 1-65535 {where}")
         return host, int(port)
+
+    @field_validator("replica_timeout_s")
+    @classmethod
+    def _wait_within_socket_timeout(cls, value: float, info: ValidationInfo) -> float:
+        socket_timeout = info.data.get("socket_timeout_s")
+        if info.data.get("min_replicas") and socket_timeout and value >= socket_timeout:
+            raise ValueError(
+                f"store.replica_timeout_s ({value:g} s) must be below store.socket_timeout_s "
+                f"({socket_timeout:g} s): WAIT holds the socket that long"
+            )
+        return value
 
     @property
     def sentinel_addresses(self) -> tuple[tuple[str, int], ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from broker import keys
 from broker.errors import StoreUnavailableError
 from broker.redis_store import RedisStoreOptions, RedisWeightStore, RetryPolicy
 from broker.store import BlobRef, Checkpoint, Weights
+from broker.store_codec import prepare_blobs
 from services.common.backends import Backends
 from services.config.settings import BrokerSettings, StoreSettings
 from services.runtime.doctor import check_store
@@ -315,3 +317,42 @@ def test_a_blob_lost_before_the_commit_is_written_again(redis_url: str, job: str
     finally:
         store.delete_job(job)
         store.close()
+
+
+def test_a_retried_commit_waits_for_the_replicas_to_reach_the_original_commit(
+    cluster: SentinelCluster, job: str
+) -> None:
+    """The first try committed and WAIT came back short; the retry travels on a fresh
+    connection. Replicas stopped by SIGSTOP stay connected with their acknowledged offset
+    frozen: the retry must block until they run again, not report an unreplicated version
+    as acknowledged. (Redis documents WAIT as covering its own connection's writes, hence
+    the retry's rewrite of the commit id; Redis 7.0 here also blocks a fresh connection's
+    WAIT until the replicas reach the current offset, so this guards the behaviour, not
+    that rewrite.)"""
+    first = sentinel_store(cluster, retry_for_s=0.0, replica_timeout_s=0.2)
+    retry = sentinel_store(cluster, retry_for_s=30.0, replica_timeout_s=0.2)
+    stopped = [cluster.processes[port] for port in DATA_PORTS[1:]]
+    try:
+        assert first.publish_version(job, 0, weights(1)) == 1
+        for process in stopped:
+            process.send_signal(signal.SIGSTOP)
+        with pytest.raises(StoreUnavailableError, match="not replicated"):
+            first.publish_version(job, 1, weights(2))
+        manifest = keys.manifest_key(job, 2)
+        commit_id = cluster.client(DATA_PORTS[0]).hget(manifest, "commit_id")
+        assert isinstance(commit_id, bytes)
+        blobs = prepare_blobs(job, 2, weights(2), None)
+        resume = threading.Timer(1.0, lambda: [p.send_signal(signal.SIGCONT) for p in stopped])
+        resume.start()
+        started = time.monotonic()
+        assert retry._commit(job, 1, blobs, commit_id.decode(), {})[0] == "ok"
+        waited = time.monotonic() - started
+        resume.join()
+        assert waited >= 1.0, f"acknowledged after {waited:.2f} s, with the replicas stopped"
+        for port in DATA_PORTS[1:]:
+            assert int(cluster.client(port).get(keys.version_key(job)) or 0) == 2
+    finally:
+        for process in stopped:
+            process.send_signal(signal.SIGCONT)
+        first.close()
+        retry.close()

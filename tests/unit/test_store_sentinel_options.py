@@ -157,3 +157,13 @@ def test_no_sentinels_keeps_the_plain_client() -> None:
         assert type(s._redis.connection_pool).__name__ == "ConnectionPool"
     finally:
         s.close()
+
+
+def test_a_wait_longer_than_the_socket_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"store\.replica_timeout_s .* store\.socket_timeout_s"):
+        StoreSettings(socket_timeout_s=5.0, replica_timeout_s=5.0, min_replicas=1)
+    with pytest.raises(ValueError, match="replica_timeout_s"):
+        RedisStoreOptions(socket_timeout_s=1.0, replica_timeout_s=2.0, min_replicas=1)
+    # Without min_replicas no WAIT is sent: a short socket timeout stays valid.
+    StoreSettings(socket_timeout_s=1.0)
+    RedisStoreOptions(socket_timeout_s=1.0)
