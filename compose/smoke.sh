@@ -25,6 +25,16 @@
 #      dead letters with their logged reasons and the autoscaler's decisions;
 #   8. tears the stack down (volumes included), also on failure.
 #
+# --cluster: steps 1-4, then the cluster of compose/docker-compose.cluster.yml instead (with
+#   docker-compose.cluster-hostnet.yml: three RabbitMQ nodes on 5711-5713, Redis primary 6480
+#   and replica 6481, Sentinels 26480-26482) with 3 workers and 3 clients on
+#   compose/cluster-smoke.toml: checks that the nodes formed one cluster and that the shard
+#   queues are quorum queues on all three, waits for 2 versions, SIGKILLs (docker kill) the
+#   node that leads most shard queues, waits for 2 versions trained without it, starts it
+#   again and waits until it is back in the cluster, and checks that the job finished with no
+#   batch lost and no dead letter; reports the longest time without a new version.
+# --images-only: steps 1-4 and the SplitMQ image, then stop (to warm the caches).
+#
 # Every step skips what is already there (the base image, the rootfs, downloaded wheels,
 # cached image layers), so a rerun takes minutes. Settings (environment):
 #   SPLITMQ_SMOKE_CACHE      rootfs, wheels, logs       (/var/cache/splitmq-smoke)
@@ -34,6 +44,16 @@
 #   SPLITMQ_SMOKE_KEEP_DOCKERD=1  leave a dockerd this script started running
 # Exit code 0 only when every check passed; the last lines are the summary.
 set -Eeuo pipefail
+
+MODE=single
+IMAGES_ONLY=""
+for arg in "$@"; do
+    case $arg in
+        --cluster) MODE=cluster ;;
+        --images-only) IMAGES_ONLY=1 ;;
+        *) echo "usage: $0 [--cluster] [--images-only]" >&2; exit 2 ;;
+    esac
+done
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(dirname "$HERE")
@@ -57,15 +77,27 @@ AUTOSCALE_MAX=3
 EXTRAS=docker
 # Must match compose/smoke.toml and compose/docker-compose.hostnet.yml.
 JOB=compose-smoke
+JOB_FILE=smoke.toml
 REDIS_PORT=6380
+FILES=(docker-compose.yml docker-compose.hostnet.yml)
+if [ "$MODE" = cluster ]; then
+    PROJECT=splitmq-cluster-smoke
+    WORKERS=3
+    # Must match compose/cluster-smoke.toml and compose/docker-compose.cluster-hostnet.yml.
+    JOB=compose-cluster-smoke
+    JOB_FILE=cluster-smoke.toml
+    REDIS_PORT=6480
+    FILES+=(docker-compose.cluster.yml docker-compose.cluster-hostnet.yml)
+fi
 
 START=$(date +%s)
-RUN_DIR=$CACHE/runs/$(date -u +%Y%m%dT%H%M%SZ)
+RUN_DIR=$CACHE/runs/$(date -u +%Y%m%dT%H%M%SZ)${MODE/single/}
 mkdir -p "$RUN_DIR"
 STARTED_DOCKERD=""
 WHEEL_SERVER_PID=""
 EVENTS_PID=""
 FOLLOW_PID=""
+SAMPLER_PID=""
 STACK_UP=""
 declare -a SUMMARY=()
 declare -a FAILURES=()
@@ -88,7 +120,8 @@ check() { # check NAME CONDITION-EXIT-CODE DETAIL
 }
 deadline_left() { echo $((TIMEOUT_S - $(elapsed))); }
 
-COMPOSE=(docker-compose -p "$PROJECT" -f "$HERE/docker-compose.yml" -f "$HERE/docker-compose.hostnet.yml")
+COMPOSE=(docker-compose -p "$PROJECT")
+for file in "${FILES[@]}"; do COMPOSE+=(-f "$HERE/$file"); done
 compose() { "${COMPOSE[@]}" "$@"; }
 # The autoscaler service is in the `autoscale` profile: commands that touch it enable it.
 compose_all() { "${COMPOSE[@]}" --profile autoscale "$@"; }
@@ -109,9 +142,9 @@ yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)' "$stack.merged" "$
     COMPOSE=(docker-compose -p "$PROJECT" --project-directory "$HERE" -f "$stack")
 }
 rcli() { redis-cli -p "$REDIS_PORT" --raw "$@"; }
-smoke_job() { # smoke_job SECTION KEY: a value of compose/smoke.toml
+smoke_job() { # smoke_job SECTION KEY: a value of the job file (compose/smoke.toml)
     python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))[sys.argv[2]][sys.argv[3]])' \
-        "$HERE/smoke.toml" "$1" "$2"
+        "$HERE/$JOB_FILE" "$1" "$2"
 }
 SHARDS=$(smoke_job algorithm shards)
 ROUNDS=$(smoke_job job rounds)
@@ -170,6 +203,7 @@ finish() {
     [ -n "$WHEEL_SERVER_PID" ] && kill "$WHEEL_SERVER_PID" 2>/dev/null
     [ -n "$EVENTS_PID" ] && kill "$EVENTS_PID" 2>/dev/null
     [ -n "$FOLLOW_PID" ] && kill "$FOLLOW_PID" 2>/dev/null
+    [ -n "$SAMPLER_PID" ] && kill "$SAMPLER_PID" 2>/dev/null
     if [ -n "$STARTED_DOCKERD" ] && [ "${SPLITMQ_SMOKE_KEEP_DOCKERD:-}" != 1 ] \
         && [ "${SPLITMQ_SMOKE_KEEP:-}" != 1 ]; then
         kill "$STARTED_DOCKERD" 2>/dev/null
@@ -218,6 +252,177 @@ fetch_wheels() {
         python3 -m pip download --quiet --only-binary=:all: -d "$wheels" "$wanted" \
             >>"$RUN_DIR/pip-download.log" 2>&1 || die "pip download $wanted failed"
     done
+}
+
+# --cluster: the stack of docker-compose.cluster.yml, one RabbitMQ node SIGKILLed mid-run.
+NODES=(rabbitmq rabbitmq-2 rabbitmq-3)
+KILLED=""
+cluster_stack() {
+    step "cluster up: 3 RabbitMQ nodes, Redis primary + replica + 3 Sentinels, $WORKERS workers, $CLIENTS clients (project $PROJECT)"
+    STACK_UP=1
+    compose_all down -v --remove-orphans >"$RUN_DIR/predown.log" 2>&1 || true
+    docker events --filter "label=com.docker.compose.project=$PROJECT" --filter event=die \
+        --format '{{.Actor.Attributes.name}} exitCode={{.Actor.Attributes.exitCode}}' \
+        >"$RUN_DIR/exits.log" 2>&1 &
+    EVENTS_PID=$!
+    follow_logs >/dev/null 2>&1 &
+    FOLLOW_PID=$!
+    timeout 900 "${COMPOSE[@]}" up -d --no-build \
+        --scale worker=$WORKERS --scale client=$CLIENTS >"$RUN_DIR/up.log" 2>&1 \
+        || die "compose up failed (see $RUN_DIR/up.log)"
+    note "$(docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Names}}' | sort | tr '\n' ' ')"
+
+    version() { local v; v=$(rcli GET "splitmq:$JOB:version" 2>/dev/null); echo "${v:-0}"; }
+    version_at_least() { [ "$(version)" -ge "$1" ]; }
+    container() { compose ps -q "$1"; }
+    # rabbitmqctl in the first node's container that answers, the killed one left out.
+    rmq() {
+        local node out
+        for node in "${NODES[@]}"; do
+            [ "$node" = "$KILLED" ] && continue
+            if out=$(compose exec -T "$node" rabbitmqctl -q "$@" 2>/dev/null); then
+                printf '%s\n' "$out"
+                return 0
+            fi
+        done
+        return 1
+    }
+    running_nodes() {
+        rmq cluster_status --formatter json | python3 -c 'import json, sys
+print(" ".join(sorted(json.load(sys.stdin)["running_nodes"])))'
+    }
+    nodes_running_are() { [ "$(running_nodes | wc -w)" -eq "$1" ]; }
+    # "name type leader members" of the shard queues, one line each.
+    shard_queues() {
+        rmq list_queues name type leader members --formatter json | python3 -c 'import json, sys
+job = sys.argv[1]
+for q in sorted(json.load(sys.stdin), key=lambda q: q["name"]):
+    if q["name"].startswith(job + ".smashed."):
+        print(q["name"], q["type"], q.get("leader", "-"), len(q.get("members") or []))' "$JOB"
+    }
+    shard_queues_declared() { [ "$(shard_queues | wc -l)" -eq "$SHARDS" ]; }
+    aggregator_exited() {
+        [ "$(docker inspect -f '{{.State.Status}}' "$(container aggregator)")" = exited ]
+    }
+    # The version every 2 s, for the longest time without a new one (the stall).
+    (while true; do echo "$(date +%s) $(version)"; sleep 2; done) >"$RUN_DIR/versions.log" 2>/dev/null &
+    SAMPLER_PID=$!
+
+    wait_for "3 running RabbitMQ nodes in one cluster" 300 nodes_running_are 3
+    check "cluster formed" 0 "running nodes: $(running_nodes)"
+    replication=$(redis-cli -p 6481 --raw INFO replication | tr -d '\r' | grep -E '^(role|master_link_status):' | tr '\n' ' ')
+    master=$(redis-cli -p 26480 --raw SENTINEL get-master-addr-by-name splitmq | tr '\n' ' ')
+    sentinels=$(redis-cli -p 26480 --raw SENTINEL sentinels splitmq | grep -c '^name$' || true)
+    check "redis sentinel" "$([[ "$replication" == *"master_link_status:up"* ]] && [ "${master% }" = "127.0.0.1 6480" ] && [ "$sentinels" -eq 2 ]; echo $?)" \
+        "replica: ${replication% }; master by Sentinel: ${master% }; Sentinel 1 sees $sentinels others"
+
+    wait_for "the initial version" 900 version_at_least 1
+    wait_for "the $SHARDS shard queues" 300 shard_queues_declared
+    queues=$(shard_queues)
+    check "quorum shard queues" "$(! awk '$2 != "quorum" || $4 != 3' <<<"$queues" | grep -q .; echo $?)" \
+        "$(tr '\n' ';' <<<"$queues" | sed 's/;$//; s/;/; /g')"
+    wait_for "2 trained versions" 1200 version_at_least 3
+
+    # The node that leads most shard queues: its loss moves their leadership.
+    leader=$(awk '{print $3}' <<<"$(shard_queues)" | sort | uniq -c | sort -rn | awk 'NR == 1 {print $2}')
+    case $leader in
+        smq-1@*) KILLED=rabbitmq ;;
+        smq-2@*) KILLED=rabbitmq-2 ;;
+        smq-3@*) KILLED=rabbitmq-3 ;;
+        *) die "no leader of the shard queues: $leader" ;;
+    esac
+    step "docker kill $KILLED ($leader, leading most shard queues) while training runs"
+    v_kill=$(version)
+    t_kill=$(date +%s)
+    docker kill "$(container "$KILLED")" >/dev/null || die "docker kill $KILLED failed"
+    wait_for "2 running nodes" 120 nodes_running_are 2
+    note "running nodes: $(running_nodes); shard queues: $(shard_queues | tr '\n' ';')"
+    wait_for "2 versions trained without $KILLED" 1200 version_at_least $((v_kill + 2))
+    t_two=$(($(date +%s) - t_kill))
+    v_back=$(version)
+
+    step "docker start $KILLED: it rejoins from its data"
+    docker start "$(container "$KILLED")" >/dev/null || die "docker start $KILLED failed"
+    killed=$KILLED
+    KILLED=""
+    wait_for "$killed back in the cluster" 300 nodes_running_are 3
+    note "running nodes: $(running_nodes); shard queues: $(shard_queues | tr '\n' ';')"
+    check "node killed and back" 0 \
+        "$killed killed at v$v_kill, 2 versions without it ${t_two}s later, started again at v$v_back"
+
+    step "wait for the job to finish"
+    wait_for "the aggregator to finish the job" "$(deadline_left)" aggregator_exited
+    clients_done() {
+        local id
+        for id in $(compose ps -q client); do
+            [ "$(docker inspect -f '{{.State.Status}}' "$id")" = exited ] || return 1
+        done
+    }
+    wait_for "the clients to leave" 300 clients_done
+    kill "$SAMPLER_PID" 2>/dev/null
+
+    step "checks"
+    agg_code=$(docker inspect -f '{{.State.ExitCode}}' "$(container aggregator)")
+    final=$(version)
+    check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((ROUNDS + 1)) ]; echo $?)" \
+        "aggregator exit $agg_code, version $final after $ROUNDS rounds"
+    sent=0
+    client_codes=""
+    for id in $(compose ps -q client); do
+        n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
+        [ -n "$n" ] || die "client container $id logged no batch count"
+        sent=$((sent + n))
+        client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
+    done
+    applied_total() {
+        local s total=0 n
+        for ((s = 0; s < SHARDS; s++)); do
+            n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
+            total=$((total + ${n:-0}))
+        done
+        echo "$total"
+    }
+    applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
+    poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the workers"
+    compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
+    applied=$(applied_total)
+    per_shard=$(for ((s = 0; s < SHARDS; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
+    check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
+        "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
+    dead=$(rmq list_queues name messages | awk -v q="$JOB.dead" '$1 == q {print $2}')
+    reasons=$(cat "$RUN_DIR"/logs/*.log 2>/dev/null | sed -nE 's/.*dead-lettered a message from [^:]+: ([a-z_]+).*/\1/p' \
+        | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+    check "no dead letters" "$([ "${dead:-0}" -eq 0 ]; echo $?)" \
+        "${dead:-0} in $JOB.dead${reasons:+ (logged reasons: ${reasons% })}"
+    # The longest time without a new version, and the one around the kill (a round takes
+    # seconds to tens of seconds here, so this is an upper bound on the stall).
+    stalls=$(python3 -c 'import sys
+t_kill = int(sys.argv[2])
+rows = [tuple(map(int, line.split())) for line in open(sys.argv[1]) if len(line.split()) == 2]
+changes = [t for (t, v), (_, w) in zip(rows[1:], rows) if v != w]
+gaps = [(b - a, a) for a, b in zip(changes, changes[1:])]
+longest = max(gaps)[0] if gaps else 0
+kill = [g for g, a in gaps if a <= t_kill < a + g]
+print(longest, kill[0] if kill else 0)' "$RUN_DIR/versions.log" "$t_kill")
+    read -r longest around_kill <<<"$stalls"
+    SUMMARY+=("info  versions: longest gap ${longest}s over the run, ${around_kill}s across the kill of $killed")
+    docker cp "$(container aggregator):/var/lib/splitmq/runs" "$RUN_DIR/report" >/dev/null
+    metrics=$(find "$RUN_DIR/report" -name metrics.json | head -1)
+    [ -n "$metrics" ] || die "no metrics.json in the aggregator's report"
+    accuracy=$(python3 -c 'import json, sys
+acc = [r["global_accuracy"] for r in json.load(open(sys.argv[1]))["records"]]
+print(f"{acc[0]:.3f} {acc[-1]:.3f} {len(acc)}")' "$metrics")
+    read -r acc_first acc_last n_records <<<"$accuracy"
+    check "accuracy rose" "$(python3 -c "import sys; sys.exit(not $acc_last > $acc_first)"; echo $?)" \
+        "global accuracy $acc_first after round 1 -> $acc_last after round $n_records"
+    restarts=""
+    for service in coordinator aggregator worker client; do
+        for id in $(compose ps -q "$service"); do
+            restarts+="$(docker inspect -f '{{.Name}}={{.RestartCount}}' "$id" | sed 's#^/##') "
+        done
+    done
+    SUMMARY+=("info  restarts: ${restarts% }")
+    SUMMARY+=("info  report: $(dirname "$metrics")")
 }
 
 # Bash reads a script as it runs it: with the work in a function, called on the file's last
@@ -327,7 +532,7 @@ main() {
     export SPLITMQ_PIP_INDEX_URL=http://127.0.0.1:$WHEEL_PORT/
     export SPLITMQ_RABBITMQ_IMAGE=$RABBITMQ_IMAGE
     export SPLITMQ_REDIS_IMAGE=$REDIS_IMAGE
-    export SPLITMQ_JOB_FILE=./smoke.toml
+    export SPLITMQ_JOB_FILE=./$JOB_FILE
     export SPLITMQ_CLIENTS=$CLIENTS
     # This host is shared and loaded: a check (a Python start that imports torch) may take
     # minutes, and a check that times out counts as failed.
@@ -338,6 +543,8 @@ main() {
     export COMPOSE_PROJECT_NAME=$PROJECT
     socket_gid=$(stat -c %g /var/run/docker.sock 2>/dev/null) && \
         export SPLITMQ_AUTOSCALER_USER=10001:$socket_gid
+    # The cluster's nodes share it; a fresh one each run.
+    [ "$MODE" = cluster ] && export SPLITMQ_ERLANG_COOKIE=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
     write_stack_file
 
     step "image splitmq:$TAG (compose/Dockerfile, BASE_IMAGE=$BASE_IMAGE)"
@@ -353,6 +560,16 @@ main() {
     size=$(docker image inspect -f '{{.Size}}' "splitmq:$TAG")
     check "image" "$([ "$user" != "" ] && [ "$user" != root ] && [ "${user%%:*}" != 0 ] && [ -z "$tools" ]; echo $?)" \
         "splitmq:$TAG, user $user, $((size / 1048576)) MiB, build tools: ${tools:-none}"
+
+    if [ -n "$IMAGES_ONLY" ]; then
+        SUMMARY+=("info  --images-only: images built, no stack started")
+        return 0
+    fi
+    if [ "$MODE" = cluster ]; then
+        cluster_stack
+        [ ${#FAILURES[@]} -eq 0 ] || exit 1
+        return 0
+    fi
 
     # The same Dockerfile with EXTRAS=docker: the torch layers come from the cache above.
     step "image splitmq:$TAG-autoscaler (EXTRAS=$EXTRAS)"
