@@ -29,7 +29,8 @@
 #   docker-compose.cluster-hostnet.yml: three RabbitMQ nodes on 5711-5713, Redis primary 6480
 #   and replica 6481, Sentinels 26480-26482) with 3 workers and 3 clients on
 #   compose/cluster-smoke.toml: checks that the nodes formed one cluster and that the shard
-#   queues are quorum queues on all three, waits for 2 versions, SIGKILLs (docker kill) the
+#   queues are quorum queues on all three and that the roles' store goes through the Sentinels
+#   (`splitmq doctor`), waits for 2 versions, SIGKILLs (docker kill) the
 #   node that leads most shard queues, waits for 2 versions trained without it, starts it
 #   again and waits until it is back in the cluster, and checks that the job finished with no
 #   batch lost and no dead letter; reports the longest time without a new version.
@@ -317,6 +318,11 @@ for q in sorted(json.load(sys.stdin), key=lambda q: q["name"]):
         "replica: ${replication% }; master by Sentinel: ${master% }; Sentinel 1 sees $sentinels others"
 
     wait_for "the initial version" 900 version_at_least 1
+    # What the roles' store is connected to, as `splitmq doctor` in a worker sees it.
+    doctor=$(compose exec -T worker splitmq --config /etc/splitmq/job.toml doctor 2>&1 \
+        | grep -m 1 "Sentinel master" | sed -E 's/^[[:space:]]+//' || true)
+    check "store via Sentinel" "$([[ "$doctor" == *"Sentinel master"* ]]; echo $?)" \
+        "${doctor:-splitmq doctor in a worker names no Sentinel master}"
     wait_for "the $SHARDS shard queues" 300 shard_queues_declared
     queues=$(shard_queues)
     check "quorum shard queues" "$(! awk '$2 != "quorum" || $4 != 3' <<<"$queues" | grep -q .; echo $?)" \
