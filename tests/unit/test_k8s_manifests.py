@@ -44,6 +44,15 @@ JOB_TOML = K8S / "job.toml"
 # The oldest Kubernetes these manifests are meant for (every kind is in a stable API there).
 K8S_VERSION = "1.30.0"
 ROLES = ("coordinator", "aggregator", "worker", "client")
+# The coordinator and the workers serve until stopped; the aggregator and the clients exit 0
+# at the end of the job, so they are Jobs (a Deployment would restart them forever).
+ROLE_KINDS = {
+    "coordinator": "Deployment",
+    "worker": "Deployment",
+    "aggregator": "Job",
+    "client": "Job",
+}
+WORKLOADS = ("Deployment", "Job", "StatefulSet")
 CONFIG_DIR = "/etc/splitmq"
 NAMESPACE = "splitmq"
 # Secrets the manifests may read, with their keys: the operator's generated default user of
@@ -107,8 +116,8 @@ def secret_refs(doc: Doc) -> Iterator[tuple[str, str]]:
                 yield ref["name"], ref["key"]
 
 
-def role_deployment(docs: list[Doc], role: str) -> Doc:
-    return one(docs, "Deployment", f"splitmq-{role}")
+def role_workload(docs: list[Doc], role: str) -> Doc:
+    return one(docs, ROLE_KINDS[role], f"splitmq-{role}")
 
 
 def rabbitmq_cluster(docs: list[Doc]) -> Doc:
@@ -154,7 +163,7 @@ def fake_secrets(docs: list[Doc]) -> dict[tuple[str, str], str]:
 
 def role_settings(docs: list[Doc], role: str) -> Settings:
     """The settings a role's container loads: job.toml plus its environment."""
-    (container,) = containers(role_deployment(docs, role))
+    (container,) = containers(role_workload(docs, role))
     return load_settings(JOB_TOML, container_env(container, fake_secrets(docs)))
 
 
@@ -172,7 +181,7 @@ def test_every_manifest_is_in_the_kustomization() -> None:
 def test_no_secret_is_written_in_the_manifests(docs: list[Doc]) -> None:
     assert not of_kind(docs, "Secret"), "credentials come from Secrets made outside the repo"
     for doc in docs:
-        if doc["kind"] in ("Deployment", "StatefulSet"):
+        if doc["kind"] in WORKLOADS:
             for container in containers(doc):
                 for var in container.get("env", []):
                     if re.search("PASSWORD|USERNAME|TOKEN|SECRET", var["name"]):
@@ -212,7 +221,7 @@ def test_namespaced_objects_leave_the_namespace_to_kustomize(docs: list[Doc]) ->
 
 def test_selectors_match_their_pod_templates(docs: list[Doc]) -> None:
     workloads = of_kind(docs, "Deployment") + of_kind(docs, "StatefulSet")
-    assert len(workloads) == len(ROLES) + 1
+    assert len(workloads) == len([k for k in ROLE_KINDS.values() if k == "Deployment"]) + 1
     for doc in workloads:
         selector = doc["spec"]["selector"]["matchLabels"]
         labels = doc["spec"]["template"]["metadata"]["labels"]
@@ -223,10 +232,10 @@ def test_selectors_match_their_pod_templates(docs: list[Doc]) -> None:
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_role_deployment_runs_its_role_with_the_job(
+def test_role_workload_runs_its_role_with_the_job(
     docs: list[Doc], role: str, tmp_path: Path
 ) -> None:
-    deployment = role_deployment(docs, role)
+    deployment = role_workload(docs, role)
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/component"] == role
     (container,) = containers(deployment)
@@ -271,8 +280,24 @@ def test_role_deployment_runs_its_role_with_the_job(
             assert check == "check" and argv[-1] == role and argv[2] == args[1]
 
 
+def test_roles_that_finish_are_jobs_restarted_only_on_failure(docs: list[Doc]) -> None:
+    for role, kind in ROLE_KINDS.items():
+        workload = role_workload(docs, role)
+        restart = workload["spec"]["template"]["spec"].get("restartPolicy", "Always")
+        if kind == "Job":
+            # compose's `restart: on-failure`: a finished job's pod stays finished.
+            assert restart == "OnFailure", role
+            assert "selector" not in workload["spec"], "Kubernetes generates a Job's selector"
+            assert workload["spec"]["backoffLimit"] >= 1
+        else:
+            assert restart == "Always", role
+    # No other role workloads than these four.
+    names = {d["metadata"]["name"] for k in ("Deployment", "Job") for d in of_kind(docs, k)}
+    assert names == {f"splitmq-{role}" for role in ROLES}
+
+
 def test_aggregator_reports_go_to_a_volume(docs: list[Doc]) -> None:
-    deployment = role_deployment(docs, "aggregator")
+    deployment = role_workload(docs, "aggregator")
     (container,) = containers(deployment)
     report_dir = container["args"][container["args"].index("--report-dir") + 1]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -285,7 +310,7 @@ def test_aggregator_reports_go_to_a_volume(docs: list[Doc]) -> None:
 def test_roles_share_one_environment_whose_references_resolve(docs: list[Doc]) -> None:
     envs = []
     for role in ROLES:
-        (container,) = containers(role_deployment(docs, role))
+        (container,) = containers(role_workload(docs, role))
         envs.append(container["env"])
         env = container_env(container, fake_secrets(docs))
         unresolved = {k: v for k, v in env.items() if _REF.search(v)}
@@ -296,8 +321,9 @@ def test_roles_share_one_environment_whose_references_resolve(docs: list[Doc]) -
 def test_secrets_read_are_the_operators_and_the_redis_one(docs: list[Doc]) -> None:
     allowed = set(fake_secrets(docs))
     used = set()
-    for doc in of_kind(docs, "Deployment") + of_kind(docs, "StatefulSet"):
-        used |= set(secret_refs(doc))
+    for kind in WORKLOADS:
+        for doc in of_kind(docs, kind):
+            used |= set(secret_refs(doc))
     for auth in of_kind(docs, "TriggerAuthentication"):
         used |= {(ref["name"], ref["key"]) for ref in auth["spec"]["secretTargetRef"]}
     assert used == allowed
@@ -360,7 +386,8 @@ def test_redis_statefulset_serves_what_the_roles_are_told(docs: list[Doc]) -> No
 
 def test_client_replicas_are_the_jobs_client_count(docs: list[Doc]) -> None:
     settings = role_settings(docs, "client")
-    assert role_deployment(docs, "client")["spec"]["replicas"] == settings.clients.count
+    spec = role_workload(docs, "client")["spec"]
+    assert spec["completions"] == spec["parallelism"] == settings.clients.count
     assert settings.clients.min_to_start <= settings.clients.count
 
 
@@ -409,7 +436,7 @@ def test_scaled_object_targets_the_worker_deployment(docs: list[Doc]) -> None:
     assert target.get("kind", "Deployment") == "Deployment"
     assert target.get("apiVersion", "apps/v1") == "apps/v1"
     worker = one(docs, "Deployment", target["name"])
-    assert worker is role_deployment(docs, "worker")
+    assert worker is role_workload(docs, "worker")
     # KEDA owns the count: a `replicas` in the Deployment would reset it on every apply.
     assert "replicas" not in worker["spec"]
 
@@ -491,9 +518,10 @@ def test_kustomize_renders_the_base() -> None:
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "splitmq", key(doc)
         if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in ("Deployment", "Job"):
             spec = doc["spec"]["template"]["spec"]
             assert {v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v} == {hashed}
             assert spec["containers"][0]["image"] == "splitmq:latest"
             # Selectors as written (immutable once applied): the added label stays out.
-            assert "app.kubernetes.io/part-of" not in doc["spec"]["selector"]["matchLabels"]
+            selector = doc["spec"].get("selector", {"matchLabels": {}})  # a Job's: generated
+            assert "app.kubernetes.io/part-of" not in selector["matchLabels"]
