@@ -19,8 +19,10 @@ What happens, at points of the job (batches seen by the tap), not of the clock:
 The accounting is the soak's (`benchmarks.soak`): sent = distinct (client, seq) batches on
 the tap queues, applied = the shards' checkpoint audits, so a batch applied twice or never
 shows. **Stall**: the longest gap between two batches first seen by the tap, among the gaps
-that end in the 60 s after an event; the undisturbed run's longest gap (its round boundaries:
-evaluation, aggregation) is printed beside it. The tap is itself a consumer on the cluster:
+that end in the 30 s after an event (or before the next kill, if that comes sooner: the
+worker killed a second into the broker failover has the rest of that failover's stall);
+the undisturbed run's longest gap (its round boundaries: evaluation, aggregation) is printed
+beside it. The tap is itself a consumer on the cluster:
 when its own node dies, its reconnect (a fraction of a second) is counted in the stall.
 
 The CI test `tests/cluster/test_cluster_chaos.py` runs a shorter job; the results of a full
@@ -40,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from benchmarks.cluster import LocalCluster, wait_for
+from benchmarks.cluster import ClusterError, LocalCluster, wait_for
 from benchmarks.common import machine_line
 from benchmarks.soak import Children, SoakConfig, SoakReport, Tap, WorkerKiller, run_once, table
 from broker.store import WeightStore
@@ -48,7 +50,7 @@ from broker.topology import shard_queue_name
 
 LOG = logging.getLogger("splitmq.chaos")
 _POLL_S = 0.1
-STALL_WINDOW_S = 60.0
+STALL_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class ChaosReport:
     longest_stall_s: float | None = None
     calm: SoakReport | None = None
     calm_longest_gap_s: float | None = None
+    arrivals: list[float] = field(default_factory=list)  # the tap's, since training began
 
     @property
     def ok(self) -> bool:
@@ -112,12 +115,13 @@ class ClusterChaos:
         self._cluster = cluster
         self._plan = plan
         self._children = children
-        self._tap = tap
+        self.tap = tap
         self._job = job
         self._expected = cfg.clients * cfg.steps * cfg.rounds
         self._kill_worker = WorkerKiller(cfg, children, report, random.Random(cfg.seed))
         self.events: list[ChaosEvent] = []
         self.started: float | None = None
+        self._restart: threading.Thread | None = None
         self._errors: list[str] = report.problems
 
     def run(self, stop: threading.Event, started: Callable[[], float | None]) -> None:
@@ -130,9 +134,11 @@ class ClusterChaos:
     def _run(self, stop: threading.Event, started: Callable[[], float | None]) -> None:
         plan = self._plan
         if plan.kill_broker_leader or plan.kill_worker:
+            # Asked before training: rabbitmqctl takes seconds, and the kill must not wait.
+            leader = self._leader(stop) if plan.kill_broker_leader else None
             if not self._wait_for(stop, started, self._expected // 3):
                 return
-            self._broker_failover()
+            self._broker_failover(leader)
         if plan.kill_redis_primary:
             if not self._wait_for(stop, started, 2 * self._expected // 3):
                 return
@@ -141,7 +147,7 @@ class ClusterChaos:
     def _wait_for(
         self, stop: threading.Event, started: Callable[[], float | None], batches: int
     ) -> bool:
-        while len(self._tap.sent) < batches:
+        while len(self.tap.sent) < batches:
             if stop.wait(_POLL_S):
                 LOG.warning("the job ended before %d batches: chaos not done", batches)
                 return False
@@ -149,35 +155,54 @@ class ClusterChaos:
                 self.started = started()
         return True
 
+    def _leader(self, stop: threading.Event) -> str | None:
+        """The node leading shard 0's queue, once the job has declared it."""
+        queue = shard_queue_name(self._job, 0)
+        while not stop.is_set():
+            try:
+                return self._cluster.quorum_leader(queue)
+            except ClusterError:
+                stop.wait(1.0)  # not declared yet, or the CLI met a node going away
+        return None
+
     def _now(self) -> float:
         return time.monotonic() - (self.started or time.monotonic())
 
-    def _broker_failover(self) -> None:
+    def _broker_failover(self, leader: str | None) -> None:
         cluster, plan = self._cluster, self._plan
-        victim = None
-        if plan.kill_broker_leader:
-            queue = shard_queue_name(self._job, 0)
-            leader = cluster.quorum_leader(queue)
+        victim, event = None, None
+        queue = shard_queue_name(self._job, 0)
+        if leader is not None:
             victim = node_number(leader)
             event = ChaosEvent("RabbitMQ leader SIGKILL", self._now(), f"{leader} led {queue}")
-            cluster.kill_rabbit(victim)
+            kill = cluster.kill_rabbit(victim)
             self.events.append(event)
             LOG.warning("SIGKILLed RabbitMQ %s (leader of %s)", leader, queue)
-            if plan.kill_worker:
-                time.sleep(0.5)
-            change = cluster.wait_for_new_leader(queue, leader, timeout=60.0)
-            event.recovered_s = self._now() - event.at_s
-            event.detail += f"; {change.new} leads it after {event.recovered_s:.1f} s"
         if plan.kill_worker:
-            alive = self._children.alive("worker-")
-            self.events.append(ChaosEvent("worker SIGKILL", self._now(), ", ".join(alive[:1])))
-            self._kill_worker()
-        if victim is not None:
-            time.sleep(plan.node_down_s)
-            took = cluster.start_rabbit(victim)
-            self.events.append(
-                ChaosEvent("RabbitMQ node back", self._now(), f"rejoined in {took:.1f} s")
-            )
+            if event is not None:
+                time.sleep(0.5)  # connections are moving to the other nodes
+            at = self._now()
+            self.events.append(ChaosEvent("worker SIGKILL", at, self._kill_worker() or ""))
+        if event is not None and leader is not None and victim is not None:
+            change = cluster.wait_for_new_leader(queue, leader, timeout=60.0, since=kill.at)
+            event.recovered_s = change.seconds
+            event.detail += f"; rabbitmqctl names {change.new} after {change.seconds:.1f} s"
+            # Back in the background: a rejoin takes seconds to tens of seconds on a loaded
+            # machine, and the Redis kill must still come mid-training.
+            wait = max(0.0, plan.node_down_s - (self._now() - event.at_s))
+            self._restart = threading.Thread(target=self._rejoin, args=(victim, wait))
+            self._restart.start()
+
+    def _rejoin(self, node: int, after_s: float) -> None:
+        time.sleep(after_s)
+        at = self._now()
+        took = self._cluster.start_rabbit(node)
+        self.events.append(ChaosEvent("RabbitMQ node back", at, f"rejoined in {took:.1f} s"))
+
+    def join(self) -> None:
+        """Until the killed node is back (a run ends with a whole cluster)."""
+        if self._restart is not None:
+            self._restart.join()
 
     def _redis_failover(self) -> None:
         cluster = self._cluster
@@ -242,12 +267,16 @@ def run_chaos(cluster: LocalCluster, cfg: SoakConfig, plan: ChaosPlan) -> ChaosR
 
     soak = run_once(cfg, make)
     chaos = made[0]
+    chaos.join()
+    chaos.events.sort(key=lambda e: e.at_s)
     started = chaos.started or 0.0
-    arrivals = [t - started for t in chaos._tap.arrivals]
+    arrivals = [t - started for t in chaos.tap.arrivals]
+    kills = [e.at_s for e in chaos.events if e.name.endswith("SIGKILL")]
     for event in chaos.events:
-        event.stall_s = stall_after(arrivals, event.at_s)
+        end = min((at for at in kills if at > event.at_s), default=float("inf"))
+        event.stall_s = stall_after(arrivals, event.at_s, min(STALL_WINDOW_S, end - event.at_s))
     stalls = [e.stall_s for e in chaos.events if e.stall_s is not None]
-    return ChaosReport(soak, chaos.events, max(stalls, default=None))
+    return ChaosReport(soak, chaos.events, max(stalls, default=None), arrivals=arrivals)
 
 
 def run_calm(cfg: SoakConfig) -> tuple[SoakReport, float | None]:
@@ -295,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the reports here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("pika").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     cluster = LocalCluster()

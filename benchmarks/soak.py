@@ -399,10 +399,11 @@ class WorkerKiller:
         self._rng = rng
         self._next_worker = cfg.workers
 
-    def __call__(self) -> None:
+    def __call__(self) -> str | None:
+        """The worker killed, if any was alive."""
         alive = self._children.alive("worker-")
         if not alive:
-            return
+            return None
         victim = self._rng.choice(alive)
         LOG.info("SIGKILL %s", victim)
         self._children.signal(victim, signal.SIGKILL)
@@ -411,6 +412,7 @@ class WorkerKiller:
         self._next_worker += 1
         self._children.start(name, "worker", "--id", name)
         self._report.workers_started += 1
+        return victim
 
 
 class Chaos:
