@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -264,13 +264,34 @@ class Tap:
         self._broker.close()
 
 
+@dataclass(frozen=True)
+class RoleSite:
+    """Where a role's processes run: `prefix` goes before their command line (`ip netns exec
+    NS`: another host), `env` over their environment (SPLITMQ_AMQP_URL, SPLITMQ_REDIS_URL: the
+    broker and store as that host reaches them). The default: here, as the driver."""
+
+    prefix: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+# The site of each role ("aggregator", "coordinator", "worker", "client").
+Placement = Callable[[str], RoleSite]
+
+
 class Children:
     """The role processes, each `python -m services.cli.main ROLE CONFIG`, logging to a file."""
 
-    def __init__(self, config: Path, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        config: Path,
+        env: dict[str, str],
+        log_dir: Path,
+        placement: Placement | None = None,
+    ) -> None:
         self._config = config
         self._env = env
         self._log_dir = log_dir
+        self._placement = placement
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self._starts: Counter[str] = Counter()
@@ -286,10 +307,11 @@ class Children:
             self._retired.append(self.procs[name])
         log = (self._log_dir / f"{name}.{self._starts[name]}.log").open("wb")
         self._logs.append(log)
+        site = self._placement(role) if self._placement else RoleSite()
         argv = [sys.executable, "-m", "services.cli.main", role, str(self._config), *args]
         self.procs[name] = subprocess.Popen(
-            argv,
-            env=self._env,
+            [*site.prefix, *argv],
+            env={**self._env, **site.env},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -591,8 +613,11 @@ class ChaosRunner(Protocol):
 MakeChaos = Callable[["Children", SoakReport, Tap, WeightStore], ChaosRunner]
 
 
-def run_once(cfg: SoakConfig, make_chaos: MakeChaos | None = None) -> SoakReport:
-    """One job, with `cfg`'s chaos, or with `make_chaos`'s when given."""
+def run_once(
+    cfg: SoakConfig, make_chaos: MakeChaos | None = None, *, placement: Placement | None = None
+) -> SoakReport:
+    """One job, with `cfg`'s chaos, or with `make_chaos`'s when given; `placement`: where each
+    role runs (default: here, at cfg's URLs, which the driver itself always uses)."""
     job = f"soak-{'chaos' if cfg.chaos else 'calm'}-{uuid.uuid4().hex[:6]}"
     out = Path(cfg.out_dir or tempfile.mkdtemp(prefix="splitmq-soak-")) / job
     out.mkdir(parents=True, exist_ok=True)
@@ -610,7 +635,7 @@ def run_once(cfg: SoakConfig, make_chaos: MakeChaos | None = None) -> SoakReport
     clear_job(settings, backends)
     tap = Tap(backends, job, cfg.shards)
     tap.start()
-    children = Children(config, env, out)
+    children = Children(config, env, out, placement)
     rng = random.Random(cfg.seed)
     stop = threading.Event()
     started_at: list[float] = []
