@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -322,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=600.0,
     )
     cfg = NetnsConfig(soak, tuple(args.cut or ("clients",)), args.down)
+    # A SIGTERM (a timeout, say) unwinds like Ctrl-C, so the hosts are taken down on the way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     load = os.getloadavg()
     with ThreeHosts(Path(args.out or tempfile.mkdtemp(prefix="splitmq-netns-"))) as where:
         report = run_job(where, cfg)

@@ -98,8 +98,10 @@ class Rounds:
         self._last = -1
         # The assignment whose round this client dropped last (None: it uploaded that round).
         # The aggregator reopens a round that got no valid update with a new assignment for the
-        # same round: a dropped round is tried again then, an uploaded one never.
+        # same round: a dropped round is tried again then, an uploaded one only if the upload
+        # came after its round had closed (answered `round_closed`).
         self._dropped: str | None = None
+        self._uploaded: str | None = None  # the assignment whose round was uploaded last
 
     def take(self, message: Message) -> WeightsAssignment | None:
         """The round to train that `message` hands out, or None."""
@@ -115,6 +117,14 @@ class Rounds:
 
     def done(self, assignment: WeightsAssignment, *, uploaded: bool) -> None:
         self._dropped = None if uploaded else assignment.message_id
+        self._uploaded = assignment.message_id if uploaded else None
+
+    def closed_before_upload(self) -> None:
+        """The aggregator answered an upload `round_closed`: it was not counted, so a reopened
+        attempt at that round is tried again, as after a drop (were the answer about an older
+        round, a later one is reopened only if no update of it counted: ours neither)."""
+        if self._uploaded is not None:
+            self._dropped, self._uploaded = self._uploaded, None
 
 
 class Idle(Rounds):
@@ -381,6 +391,9 @@ class Client:
             work = clock.take(message)
             if work is not None:
                 return work, member
+            if isinstance(message, Error) and message.code == "round_closed":
+                if isinstance(clock, Rounds):  # async mode's refusals say too_stale
+                    clock.closed_before_upload()
             if isinstance(message, Error) and message.code == "unknown_member":
                 # Our membership expired (e.g. a heartbeat gap longer than the TTL): join again
                 # rather than stall; the coordinator's next assignment names our shard.

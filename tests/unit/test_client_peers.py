@@ -190,6 +190,9 @@ class PeerScript:
     # Answer the first heartbeat with Error(unknown_member); assign only after a re-Join.
     forget_member: bool = False
     before_welcome: list[tuple[bytes, str]] = field(default_factory=list)  # (body, routing key)
+    # Answer the first update round_closed (its round closed without it) and reopen the round:
+    # a new assignment for the same round.
+    close_before_first_update: bool = False
 
 
 @dataclass
@@ -362,7 +365,15 @@ class ScriptedPeers(threading.Thread):
             return
         assert isinstance(message, WeightsUpdate)
         self.log.updates.append(message)
-        if len(self.log.updates) < self.script.rounds:
+        if self.script.close_before_first_update and len(self.log.updates) == 1:
+            late = Error(
+                self.job, message.client, new_message_id(), self.version,
+                "round_closed", f"round {message.round} is closed", message.message_id,
+            )  # fmt: skip
+            self._reply(broker, message.client, late)
+            self._reply(broker, message.client, self._assignment(message.client))
+            return
+        if len(self.log.updates) < self.script.rounds + self.script.close_before_first_update:
             # One client: the next version's client side is its own update.
             self.client_weights = {k: v.clone() for k, v in message.client_weights.items()}
             self.version += 1
