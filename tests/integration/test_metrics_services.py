@@ -1,9 +1,13 @@
 """`curl` every metrics endpoint of a `splitmq up` run over real RabbitMQ and Redis: the
 coordinator (which also serves the dashboard), the aggregator and each worker, while the job
-trains; then `splitmq dashboard` after it, on a queue nobody consumes any more."""
+trains; then `splitmq dashboard` after it, on a queue nobody consumes any more.
+
+The same `up` run is the test that `up` runs a job across processes (its output, its run
+directory): one job of seven processes serves both, rather than starting a second one."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -140,8 +144,9 @@ def label_values(samples: Samples, name: str, label: str) -> set[str]:
 @pytest.mark.timeout(600)
 def test_every_role_serves_its_metrics_during_a_run(config: Path, tmp_path: Path, job: str) -> None:
     settings = load_settings(config, {"SPLITMQ_JOB__NAME": job})
+    runs = tmp_path / "runs"
     up = [sys.executable, "-m", "services.cli.main", "up", str(config), "--timeout", "400"]
-    up += ["--report-dir", str(tmp_path / "runs")]
+    up += ["--workers", "2", "--clients", "3", "--report-dir", str(runs)]
     process = subprocess.Popen(
         up, env=child_env(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -224,6 +229,23 @@ def test_every_role_serves_its_metrics_during_a_run(config: Path, tmp_path: Path
     assert dashboard["members"]["joined"] == 3
     assert dashboard["versions"] and dashboard["versions"][0]["global_accuracy"] > 0
     assert "dashboard: http://" in text
+
+    # `up` itself: every role's output under its name, a finished run directory, and the
+    # aggregator's summary as the last thing it prints.
+    assert "did not stop cleanly" not in text
+    for name in ("aggregator", "coordinator", "worker-0", "worker-1", "client-0", "client-2"):
+        assert f"\n{name:<11} | " in text, name
+    (run_dir,) = runs.iterdir()
+    assert run_dir.name.startswith(f"{job}-")
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    assert doc["run"]["status"] == "finished"
+    assert doc["run"]["command"].startswith("splitmq aggregator")
+    assert [r["version"] for r in doc["records"]] == [2, 3, 4]
+    assert all(r["participants"] == 3 for r in doc["records"])
+    assert doc["records"][-1]["global_accuracy"] > 0.1
+    summary = (run_dir / "summary.txt").read_text()
+    assert text.rstrip().endswith(summary.rstrip())
+    assert 'kind = "rabbitmq"' in (run_dir / "config.toml").read_text()
 
 
 @pytest.mark.timeout(200)

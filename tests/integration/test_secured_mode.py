@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,15 +102,18 @@ def admin_or_skip(amqp_url: str) -> None:
         pytest.skip(f"cannot manage RabbitMQ users here: {exc}")
 
 
-@pytest.fixture
-def provisioned(
-    request: pytest.FixtureRequest, job: str, amqp_url: str, redis_url: str, tmp_path: Path
-) -> Iterator[tuple[Settings, dict[str, dict[str, str]]]]:
-    """The services' settings and, per client user, the variables of its env file (the config
-    is `tmp_path / "job.toml"`; its algorithm is the indirect parameter, default sfl_v2)."""
+Provisioned = tuple[Settings, dict[str, dict[str, str]], Path]
+
+
+def provision(
+    algorithm: str, amqp_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Provisioned]:
+    """A job of `algorithm` with two client users: the services' settings, per client user
+    the variables of its env file, and the job's config file; revoked at the end."""
     admin_or_skip(amqp_url)
+    job = f"t{uuid.uuid4().hex[:12]}"
+    tmp_path = tmp_path_factory.mktemp("secured")
     config = tmp_path / "job.toml"
-    algorithm = getattr(request, "param", "sfl_v2")
     text = CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=job, algorithm=algorithm)
     config.write_text(text)
     settings = load_settings(config, {})
@@ -121,7 +125,7 @@ def provisioned(
     names = [f"{job}-0", f"{job}-1"]
     try:
         assert result.exit_code == 0, result.output
-        yield settings, {name: read_env(out, job, name) for name in names}
+        yield settings, {name: read_env(out, job, name) for name in names}, config
     finally:
         revoked = CliRunner().invoke(cli, [*args, "--revoke"], catch_exceptions=False)
         left = surviving_queues(backends, [q for n in names for q in client_queue_names(job, n)])
@@ -129,6 +133,23 @@ def provisioned(
         assert revoked.exit_code == 0, revoked.output
         # `--revoke` deletes the durable reply queues it declared, not only the users.
         assert left == [], left
+
+
+# Module-scoped: provisioning runs `rabbitmqctl` (an Erlang VM start each) five times and
+# revoking twice more, so the tests that only use a job's users share them; each drains what
+# it puts on the job's queues.
+@pytest.fixture(scope="module")
+def provisioned(
+    amqp_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Provisioned]:
+    yield from provision("sfl_v2", amqp_url, redis_url, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def provisioned_splitgp(
+    amqp_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Provisioned]:
+    yield from provision("splitgp", amqp_url, redis_url, tmp_path_factory)
 
 
 def read_env(out: Path, job: str, client: str) -> dict[str, str]:
@@ -173,9 +194,9 @@ def dead_letters(broker: Broker, job: str) -> dict[str, tuple[str, str]]:
 
 
 def test_clients_are_confined_and_impostors_dead_lettered(
-    provisioned: tuple[Settings, dict[str, dict[str, str]]],
+    provisioned: Provisioned,
 ) -> None:
-    settings, envs = provisioned
+    settings, envs, _ = provisioned
     job = settings.job.name
     a, b = sorted(envs)
     backends = Backends(settings.broker, settings.store)
@@ -236,14 +257,13 @@ def test_clients_are_confined_and_impostors_dead_lettered(
         store.close()
 
 
-@pytest.mark.parametrize("provisioned", ["splitgp"], indirect=True)
 def test_split_inference_answers_a_client_in_its_own_name_only(
-    provisioned: tuple[Settings, dict[str, dict[str, str]]], tmp_path: Path
+    provisioned_splitgp: Provisioned,
 ) -> None:
     """SplitGP's split inference in the secured mode: client A's requests are answered on its
     provisioned inference reply queue; a request A sends claiming to be B is dead-lettered
     with the reason (B gets nothing); A can read neither B's answers nor the infer queue."""
-    settings, envs = provisioned
+    settings, envs, config = provisioned_splitgp
     job = settings.job.name
     a, b = sorted(envs)
     backends = Backends(settings.broker, settings.store)
@@ -271,7 +291,7 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
                 PublishOptions("claims-b", user_id=client_user(job, a)),
             )
             # A as a client process does it: its env file over the job's config.
-            client_settings = load_settings(tmp_path / "job.toml", envs[a])
+            client_settings = load_settings(config, envs[a])
             client_backends = Backends(client_settings.broker, client_settings.store)
             theta = client_theta(client_settings, client_backends, a, timeout_s=WAIT_S)
             logits = theta(z)
@@ -298,12 +318,12 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
 
 
 def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_queue(
-    provisioned: tuple[Settings, dict[str, dict[str, str]]], tmp_path: Path
+    provisioned: Provisioned,
 ) -> None:
     """`splitmq.dead` is not the clients' to write (forged dead letters, a flooded
     `<job>.dead`); the client's own handle dead-letters a bad reply by rejecting it, and the
     reply queue's x-dead-letter routing (declared by provisioning) still lands it there."""
-    settings, envs = provisioned
+    settings, envs, config = provisioned
     job = settings.job.name
     a = sorted(envs)[0]
     services = Backends(settings.broker, settings.store).open_broker("test-services")
@@ -318,7 +338,7 @@ def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_
                 PublishOptions(user_id=client_user(job, a)),
             )
         # A's handle as `splitmq client` opens it: its env file over the job's config.
-        client_settings = load_settings(tmp_path / "job.toml", envs[a])
+        client_settings = load_settings(config, envs[a])
         backends = Backends(client_settings.broker, client_settings.store)
         client = secured_client_broker(client_settings, backends, a, "test-client-a")
         client.declare([reply_queue(job, a)])
