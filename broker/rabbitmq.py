@@ -351,6 +351,14 @@ class RabbitMQBroker:
     # -- internals ----------------------------------------------------------------------------
 
     def _unsubscribe(self, queue: str) -> None:
+        spec = self._keeper.specs.get(queue)
+        held = any(d.queue == queue for d in self._buffer) or queue in self._unacked.values()
+        if spec is not None and spec.single_active_consumer and held:
+            # Cancelling first would let a successor take newer messages before these came
+            # back (see ChannelKeeper._taken_over); closing the channel returns them as the
+            # consumer goes.
+            self._keeper.drop_consumer(queue)
+            return
         if not self._keeper.cancel(queue):
             return  # the channel was replaced meanwhile: nothing of this queue is outstanding
         channel = self._keeper.consumer()

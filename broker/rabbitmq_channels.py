@@ -61,6 +61,8 @@ from broker.transport import (
 
 T = TypeVar("T")
 _log = logging.getLogger("splitmq.broker")
+# How often a subscription waiting to take over a single-active-consumer queue looks again.
+_LOOK_EVERY_S = 0.2
 
 
 @dataclass(eq=False)
@@ -253,6 +255,10 @@ class ChannelKeeper:
         self._exchanges_declared = False
         self._specs: dict[str, QueueSpec] = {}
         self._prefetch: dict[str, int] = {}  # subscriptions to restore
+        # Single-active-consumer subscriptions waiting for the queue's previous consumer to
+        # go (`subscribe`), and when `pump` last looked.
+        self._waiting: dict[str, int] = {}
+        self._looked_at = 0.0
         self._consumer_tags: dict[str, str] = {}  # queue -> tag on the current consumer channel
         self._lost_at: float | None = None  # when the current outage began (None: connected)
 
@@ -278,7 +284,7 @@ class ChannelKeeper:
         return properties if isinstance(properties, dict) else {}
 
     def subscribed(self, queue: str) -> bool:
-        return queue in self._prefetch
+        return queue in self._prefetch or queue in self._waiting
 
     def live_consumer_channel(self, generation: int) -> Any:
         """The consumer channel, if deliveries of `generation` can still be settled on it."""
@@ -465,7 +471,11 @@ class ChannelKeeper:
             self._consumer_channel = channel
             for queue, prefetch in list(self._prefetch.items()):
                 try:
-                    self._consume(channel, queue, prefetch)
+                    if self._taken_over(queue):  # our old consumer may linger a moment
+                        del self._prefetch[queue]
+                        self._waiting[queue] = prefetch
+                    else:
+                        self._consume(channel, queue, prefetch)
                 except pika.exceptions.ChannelClosedByBroker:
                     del self._prefetch[queue]  # gone for good (deleted elsewhere): stop restoring
                     raise
@@ -473,8 +483,44 @@ class ChannelKeeper:
 
     def pump(self, time_limit: float) -> None:
         """Process I/O (deliveries, heartbeats) for at most `time_limit` seconds."""
-        self.consumer()
+        channel = self.consumer()
+        if self._waiting and self._clock() - self._looked_at >= _LOOK_EVERY_S:
+            self._looked_at = self._clock()
+            for queue, prefetch in list(self._waiting.items()):
+                if not self._taken_over(queue):
+                    del self._waiting[queue]
+                    self._consume(channel, queue, prefetch)
+                    self._prefetch[queue] = prefetch
+            if self._waiting:  # wake up for the next look, not only for I/O
+                time_limit = min(time_limit, _LOOK_EVERY_S)
         self._connection.process_data_events(time_limit=time_limit)
+
+    def _taken_over(self, queue: str) -> bool:
+        """Whether `queue` has a single active consumer and someone consumes it now.
+
+        A successor must not join while its predecessor is there: RabbitMQ makes a waiting
+        consumer active the moment the active one is cancelled, and gives it newer messages
+        before the ones the predecessor held come back (a quorum queue even when the
+        predecessor's channel closes), while a worker applies a client's batches in the order
+        of their seqs. Joining once the consumer count is 0, when the predecessor's messages
+        are back at the head, keeps the queue's order across the take-over."""
+        spec = self._specs.get(queue)
+        if spec is None or not spec.single_active_consumer:
+            return False
+        ok = self.publisher().queue_declare(queue, passive=True)
+        return int(ok.method.consumer_count) > 0
+
+    def drop_consumer(self, queue: str) -> None:
+        """Stop consuming `queue` by closing the consumer channel: RabbitMQ then gives back
+        what the channel held and removes its consumers in one step, so a successor on a
+        single-active-consumer queue finds the returned messages first. Everything delivered
+        on the channel is void; the other subscriptions come back on the next channel."""
+        self._prefetch.pop(queue, None)
+        self._waiting.pop(queue, None)
+        channel = self._consumer_channel
+        self._void_consumer()
+        if channel is not None and channel.is_open:
+            _close_without_cancel(channel)
 
     def close(self) -> None:
         self.closed = True
@@ -522,15 +568,23 @@ class ChannelKeeper:
         self._specs.pop(queue, None)
 
     def subscribe(self, queue: str, prefetch: int) -> None:
+        """Consume `queue`; a single-active-consumer queue that someone else consumes is
+        consumed once they have gone (`pump` looks, see `_taken_over`)."""
         # Check on the publisher channel first: a basic.consume on a missing queue would
         # close the consumer channel and void the other subscriptions' deliveries.
         self.publisher().queue_declare(queue, passive=True)
+        if self._taken_over(queue):
+            self._waiting[queue] = prefetch
+            _log.info("waiting for the consumer of %s to go before taking it over", queue)
+            return
         self._consume(self.consumer(), queue, prefetch)
         self._prefetch[queue] = prefetch
 
     def cancel(self, queue: str) -> bool:
         """Stop consuming `queue`; True if a consumer on the current channel was cancelled."""
         self._prefetch.pop(queue, None)
+        if self._waiting.pop(queue, None) is not None:
+            return False  # never consumed
         channel = self.consumer()
         tag = self._consumer_tags.pop(queue, None)
         if tag is None:
@@ -649,6 +703,24 @@ class ChannelKeeper:
         self._consumer_tags.clear()
         self.generation += 1
         self._on_void()
+
+
+def _close_without_cancel(channel: Any) -> None:
+    """Close a BlockingChannel as pika's `close` does, but without its basic.cancel of each
+    consumer first (and nack of what pika had not yet handed out): that cancel is exactly
+    the hand-over `ChannelKeeper.drop_consumer` must avoid. A pika whose internals differ gets
+    its own close (then a successor may see the returned messages after newer ones)."""
+    impl, flush, cleanup = (
+        getattr(channel, n, None) for n in ("_impl", "_flush_output", "_cleanup")
+    )
+    if impl is None or not callable(flush) or not callable(cleanup):
+        channel.close()
+        return
+    impl.close(reply_code=200, reply_text="Normal shutdown")
+    try:
+        flush(lambda: channel.is_closed)
+    finally:
+        cleanup()
 
 
 # -- pika's frames --------------------------------------------------------------------------
