@@ -44,7 +44,17 @@ from dataclasses import asdict, dataclass, field, replace
 
 from benchmarks.cluster import ClusterError, LocalCluster, wait_for
 from benchmarks.common import machine_line
-from benchmarks.soak import Children, SoakConfig, SoakReport, Tap, WorkerKiller, run_once, table
+from benchmarks.soak import (
+    Children,
+    SoakConfig,
+    SoakReport,
+    Tap,
+    WorkerKiller,
+    add_job_arguments,
+    job_shape,
+    run_once,
+    table,
+)
 from broker.store import WeightStore
 from broker.topology import shard_queue_name
 
@@ -242,12 +252,7 @@ def stall_after(arrivals: list[float], at: float, window_s: float = STALL_WINDOW
 
 def soak_config(cluster: LocalCluster, args: argparse.Namespace, chaos: bool) -> SoakConfig:
     return SoakConfig(
-        workers=args.workers,
-        clients=args.clients,
-        shards=args.shards,
-        rounds=args.rounds,
-        steps=args.steps,
-        seed=args.seed,
+        **job_shape(args),
         chaos=chaos,
         timeout_s=args.timeout,
         amqp_urls=tuple(cluster.amqp_urls),
@@ -310,12 +315,9 @@ def chaos_table(report: ChaosReport) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--shards", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    add_job_arguments(
+        parser, SoakConfig(workers=3, clients=8, shards=3, rounds=4, steps=16, seed=0)
+    )
     parser.add_argument("--min-replicas", type=int, default=1, help="store.min_replicas")
     parser.add_argument("--node-down-s", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=900.0)

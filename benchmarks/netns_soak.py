@@ -41,7 +41,17 @@ from itertools import pairwise
 from pathlib import Path
 
 from benchmarks.netns import Hosts, Link
-from benchmarks.soak import Children, RoleSite, SoakConfig, SoakReport, Tap, run_once, table
+from benchmarks.soak import (
+    Children,
+    RoleSite,
+    SoakConfig,
+    SoakReport,
+    Tap,
+    add_job_arguments,
+    job_shape,
+    run_once,
+    table,
+)
 from broker.store import WeightStore
 
 LOG = logging.getLogger("splitmq.netns")
@@ -300,12 +310,12 @@ def cut_table(report: NetnsReport) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=SMALL_JOB.rounds)
-    parser.add_argument("--steps", type=int, default=SMALL_JOB.steps)
-    parser.add_argument("--seed", type=int, default=3)
+    add_job_arguments(
+        parser,
+        SoakConfig(
+            workers=2, clients=4, shards=2, rounds=SMALL_JOB.rounds, steps=SMALL_JOB.steps, seed=3
+        ),
+    )
     parser.add_argument("--cut", action="append", choices=sorted(LINK_SUBNETS), default=None)
     parser.add_argument("--down", type=float, default=5.0)
     parser.add_argument("--out", default="")
@@ -313,12 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("pika").setLevel(logging.WARNING)
     soak = SoakConfig(
-        workers=args.workers,
-        clients=args.clients,
-        shards=args.shards,
-        rounds=args.rounds,
-        steps=args.steps,
-        seed=args.seed,
+        **job_shape(args),
         chaos=False,
         timeout_s=600.0,
     )

@@ -797,14 +797,23 @@ def table(chaos: SoakReport, calm: SoakReport | None) -> str:
     return "\n".join(lines)
 
 
+_SHAPE = ("workers", "clients", "shards", "rounds", "steps", "seed")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, defaults: SoakConfig) -> None:
+    """--workers, --clients, --shards, --rounds, --steps and --seed, defaulting to `defaults`'."""
+    for name in _SHAPE:
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+
+
+def job_shape(args: argparse.Namespace) -> dict[str, int]:
+    """What `add_job_arguments` parsed, as `SoakConfig` fields."""
+    return {name: int(getattr(args, name)) for name in _SHAPE}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--shards", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    add_job_arguments(parser, SoakConfig())
     parser.add_argument("--kill-every", type=float, default=20.0)
     parser.add_argument("--churn", type=float, default=0.3)
     parser.add_argument("--rejoin-after", type=float, default=15.0)
@@ -823,12 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("pika").setLevel(logging.WARNING)
     cfg = SoakConfig(
-        workers=args.workers,
-        clients=args.clients,
-        shards=args.shards,
-        rounds=args.rounds,
-        steps=args.steps,
-        seed=args.seed,
+        **job_shape(args),
         kill_every_s=args.kill_every,
         churn=args.churn,
         rejoin_after_s=args.rejoin_after,
