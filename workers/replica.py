@@ -10,6 +10,7 @@ every batch sent was applied exactly once across failovers.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -27,6 +28,10 @@ from models.state import load_partial
 SERVER = BlobRef(SERVER_PART)
 # Seq sums are kept modulo this (seqs start at the client's clock in microseconds).
 AUDIT_MODULUS = 1 << 61
+# How many of a client's latest applied seqs a replica keeps apart (checkpoint included),
+# above a floor at or below which every seq counts as applied: more than the batches of one
+# client that can be applied between one it was handed back and that one's return.
+RECENT_SEQS = 64
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ModelFactory = Callable[[], SplitNet]
 
@@ -71,7 +76,10 @@ class Replica:
         self.round_samples = 0
         self.cut_samples: dict[str, int] = {}  # round_samples by the cut the batches came from
         self.handed_in = False  # round_samples were handed in with `round`; restart counting
-        self.seqs: dict[str, int] = {}
+        self.seqs: dict[str, int] = {}  # the highest seq applied, per client
+        # Which seqs are applied, per client: all up to its floor, and those in its window.
+        self.floors: dict[str, int] = {}
+        self.recent: dict[str, list[int]] = {}  # sorted, above the floor, at most RECENT_SEQS
         self.cohort_round = -1
         self.cohort: dict[str, int] = {}
         self.progress: dict[str, tuple[int, int]] = {}
@@ -94,6 +102,8 @@ class Replica:
                 setattr(self, key, check(key, checkpoint.meta[key]))
         if checkpoint.meta.get("handed_in") is True:
             self.start_counting()
+        if "floors" not in checkpoint.meta:  # from before windows: every seq up to the highest
+            self.floors = dict(self.seqs)
 
     def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
         load_partial(self.server, weights)
@@ -140,6 +150,11 @@ class Replica:
         """One batch applied (`cut`: where its activations come from; "": the replica's)."""
         # max(): a seq must never move back, or a later copy of a newer batch would pass.
         self.seqs[client] = max(seq, self.seqs.get(client, seq))
+        recent = self.recent.setdefault(client, [])
+        bisect.insort(recent, seq)
+        if len(recent) > RECENT_SEQS:
+            oldest = recent.pop(0)
+            self.floors[client] = max(oldest, self.floors.get(client, oldest))
         self.progress[client] = (step, steps)
         self.applied += 1
         count, seq_sum = self.audit.get(client, (0, 0))
@@ -147,6 +162,19 @@ class Replica:
         self.round_samples += rows
         key = cut or self.cut
         self.cut_samples[key] = self.cut_samples.get(key, 0) + rows
+
+    def applied_already(self, client: str, seq: int) -> bool:
+        """Whether `client`'s batch `seq` is in this replica (then a copy, never applied again).
+
+        Not merely "at or below the highest seq applied": a batch that a worker which lost the
+        shard held unacknowledged can come back behind newer ones of its client (a quorum
+        queue's take-over, docs/reliability.md, "Cluster chaos"), and is then still to apply.
+        """
+        if seq <= self.floors.get(client, seq - 1):
+            return True
+        recent = self.recent.get(client, [])
+        at = bisect.bisect_left(recent, seq)
+        return at < len(recent) and recent[at] == seq
 
     def checkpoint(self) -> Checkpoint:
         state = self.server.state_dict()
@@ -209,6 +237,10 @@ def _int_map(key: str, raw: object) -> dict[str, int]:
     return {str(k): int(v) for k, v in _mapping(key, raw).items()}
 
 
+def _int_lists(key: str, raw: object) -> dict[str, list[int]]:
+    return {str(k): sorted(int(v) for v in values) for k, values in _mapping(key, raw).items()}
+
+
 def _pairs(key: str, raw: object) -> dict[str, tuple[int, int]]:
     return {str(k): (int(v[0]), int(v[1])) for k, v in _mapping(key, raw).items()}
 
@@ -216,6 +248,7 @@ def _pairs(key: str, raw: object) -> dict[str, tuple[int, int]]:
 # The replica's fields its checkpoint's meta carries, each with its check.
 _META: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(("version", "round", "round_samples", "steps", "cohort_round"), _int),
-    **dict.fromkeys(("cut_samples", "seqs", "cohort"), _int_map),
+    **dict.fromkeys(("cut_samples", "seqs", "floors", "cohort"), _int_map),
+    "recent": _int_lists,
     **dict.fromkeys(("progress", "audit"), _pairs),
 }

@@ -223,8 +223,7 @@ class ShardRunner:
         if problem is not None:
             self._io.reject(delivery, *problem)
             return
-        last = replica.seqs.get(batch.client)
-        if last is not None and batch.seq <= last:
+        if replica.applied_already(batch.client, batch.seq):
             self._hold(delivery)  # acked with the next checkpoint, never applied again
             self._answer_duplicate(batch)
             return

@@ -732,7 +732,7 @@ def test_single_active_consumer_fails_over(broker_factory: BrokerFactory, leave:
     assert (m0.body, m1.body) == (b"m0", b"m1")
     if not broker_factory.quorum:
         # The queue's order holds across the take-over: what the first consumer held comes
-        # back ahead of what it never had (a worker applies a client's batches in seq order).
+        # back ahead of what it never had, so a client's batches reach the new holder in order.
         # A quorum queue removes a leaving consumer before it takes back what it held, so a
         # successor can be served newer messages first (docs/reliability.md, "Cluster chaos").
         assert [d.body for d in taken_over] == [b"m1", b"m2", b"m3"]

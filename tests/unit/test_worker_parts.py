@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from broker.messages import RoundStart, SmashedBatch
 from services.common.jobmodel import job_hyper, job_model
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 from workers.barrier import StepBarrier
-from workers.replica import Replica, open_replica, pick_device
+from workers.replica import RECENT_SEQS, Replica, open_replica, pick_device
 from workers.shard import ShardExpectations, check_batch, check_membership, parse_cohort
 
 COHORT = {"a": 10, "b": 20, "c": 30}
@@ -147,3 +148,55 @@ def test_replica_checkpoint_round_trip_and_hand_in(job: str) -> None:
     assert resumed.progress == {"a": (0, 2)}
     for name, tensor in resumed.server.state_dict().items():
         assert torch.equal(tensor, replica.server.state_dict()[name])
+
+
+def published(job: str) -> tuple[InMemoryWeightStore, Callable[[], Replica]]:
+    """A store with version 1 of the job's model, and how to make shard 0's replica."""
+    settings = make_settings(job)
+    store = InMemoryWeightStore()
+    template, hyper = job_model(settings), job_hyper(settings)
+    seed_version(store, settings)
+    return store, lambda: Replica(0, template, CUT, hyper.server_optimizer, torch.device("cpu"))
+
+
+def test_a_handed_back_batch_behind_newer_ones_is_applied_and_a_copy_never(job: str) -> None:
+    # A worker that lost the shard held seqs 11 and 12; on a quorum queue they may come back
+    # behind 13 and 14. They are still to apply; copies of what is applied are not, and the
+    # window and its floor survive a checkpoint.
+    store, make = published(job)
+    replica = open_replica(store, job, make, logging.getLogger())
+    assert replica is not None
+    for seq in (10, 13, 14):
+        assert not replica.applied_already("a", seq)
+        replica.record("a", seq=seq, step=0, steps=20, rows=8)
+    assert replica.applied_already("a", 13) and replica.applied_already("a", 10)
+    assert not replica.applied_already("a", 11) and not replica.applied_already("b", 11)
+    replica.record("a", seq=11, step=0, steps=20, rows=8)
+    assert replica.applied_already("a", 11) and not replica.applied_already("a", 12)
+    assert replica.seqs == {"a": 14}  # the highest, whatever the order
+
+    store.save_checkpoint(job, replica.checkpoint())
+    resumed = open_replica(store, job, make, logging.getLogger())
+    assert resumed is not None
+    assert not resumed.applied_already("a", 12) and resumed.applied_already("a", 11)
+
+    # Past the window, the oldest seqs fold into the floor: all at or below it count applied.
+    for seq in range(100, 100 + RECENT_SEQS):
+        resumed.record("a", seq=seq, step=0, steps=200, rows=8)
+    assert resumed.floors == {"a": 14} and resumed.applied_already("a", 12)
+    assert not resumed.applied_already("a", 100 + RECENT_SEQS)
+
+
+def test_a_checkpoint_from_before_windows_counts_every_seq_up_to_the_highest(job: str) -> None:
+    store, make = published(job)
+    replica = open_replica(store, job, make, logging.getLogger())
+    assert replica is not None
+    replica.record("a", seq=7, step=0, steps=2, rows=8)
+    old = replica.checkpoint()
+    old.meta.pop("floors")
+    old.meta.pop("recent")
+    store.save_checkpoint(job, old)
+    resumed = open_replica(store, job, make, logging.getLogger())
+    assert resumed is not None
+    assert resumed.applied_already("a", 5) and resumed.applied_already("a", 7)
+    assert not resumed.applied_already("a", 8)
