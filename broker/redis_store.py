@@ -285,19 +285,31 @@ class RedisWeightStore(PublishingStore):
             return False
         return str(exc).startswith(_FAILOVER_REPLIES) or isinstance(exc, redis.ReadOnlyError)
 
-    def _wait_replicas(self, pipe: Any) -> None:
-        """Queue a WAIT behind the write in `pipe`: WAIT counts the acks of its own
-        connection's writes, so it must travel on the same connection as the write."""
-        pipe.wait(self._options.min_replicas, _ms(self._options.replica_timeout_s))
-
-    def _short(self, acked: object, what: str) -> _NotReplicated | None:
+    def _replicated(
+        self,
+        script: Any,
+        script_keys: Sequence[str],
+        args: Sequence[Any],
+        what: str,
+        landed: Callable[[Any], bool],
+    ) -> Any:
+        """Run `script`; with store.min_replicas, WAIT behind it in the same round trip (WAIT
+        counts the acks of its own connection's writes, so it must travel on the write's
+        connection). A write that `landed` on fewer replicas raises `_NotReplicated`, an
+        outage `_call` retries: both scripts are idempotent."""
         need, timeout = self._options.min_replicas, self._options.replica_timeout_s
-        if int(acked) >= need:  # type: ignore[call-overload]
-            return None
-        return _NotReplicated(
-            f"{what} acknowledged by {acked} of store.min_replicas = {need} replicas "
-            f"within {timeout:g} s"
-        )
+        if not need:
+            return script(keys=script_keys, args=args)
+        pipe = self._redis.pipeline(transaction=False)
+        script(keys=script_keys, args=args, client=pipe)
+        pipe.wait(need, _ms(timeout))
+        result, acked = pipe.execute()
+        if int(acked) < need and landed(result):
+            raise _NotReplicated(
+                f"{what} acknowledged by {acked} of store.min_replicas = {need} replicas "
+                f"within {timeout:g} s"
+            )
+        return result
 
     def _went_down(self, what: str, exc: StoreUnavailableError, now: float) -> None:
         with self._lock:
@@ -363,16 +375,11 @@ class RedisWeightStore(PublishingStore):
             args += [keys.blob_field(blob.entry.ref), encode_entry(blob)]
 
         def commit() -> Any:
-            if not self._options.min_replicas:
-                return self._publish(keys=script_keys, args=args)
-            pipe = self._redis.pipeline(transaction=False)
-            self._publish(keys=script_keys, args=args, client=pipe)
-            self._wait_replicas(pipe)
-            reply, acked = pipe.execute()
-            short = self._short(acked, f"version {version} of job {job}")
-            if short is not None and _text(reply[0]) == "ok":
-                raise short  # retried: the script finds its manifest by the commit id
-            return reply
+            # Retried when short of replicas: the script finds its manifest by the commit id.
+            what = f"version {version} of job {job}"
+            return self._replicated(
+                self._publish, script_keys, args, what, lambda reply: _text(reply[0]) == "ok"
+            )
 
         created: set[str] = getattr(self._pending, "created", set())
         for _ in range(len(blobs) + 1):
@@ -463,16 +470,11 @@ class RedisWeightStore(PublishingStore):
         # A replace; with `holder` the script itself refuses a writer that lost the lease
         # (during an outage, say).
         def save() -> Any:
-            if not self._options.min_replicas:
-                return self._save_checkpoint(keys=script_keys, args=args)
-            pipe = self._redis.pipeline(transaction=False)
-            self._save_checkpoint(keys=script_keys, args=args, client=pipe)
-            self._wait_replicas(pipe)
-            result, acked = pipe.execute()
-            short = self._short(acked, f"checkpoint of shard {checkpoint.shard} of job {job}")
-            if short is not None and result != -1:
-                raise short  # retried: a replace, fenced by the lease as before
-            return result
+            # Retried when short of replicas: a replace, fenced by the lease as before.
+            what = f"checkpoint of shard {checkpoint.shard} of job {job}"
+            return self._replicated(
+                self._save_checkpoint, script_keys, args, what, lambda result: result != -1
+            )
 
         saved = self._call("save_checkpoint", save)
         if holder is not None and saved == -1:  # the script returns -1 (an integer) or a time

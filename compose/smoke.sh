@@ -227,6 +227,32 @@ finish() {
 
 # The wheels of the image, into $wheels: the host's pip fetches (its configuration knows the
 # local index with the CPU torch build), the image's own Python resolves.
+applied_total() { # the shards' checkpoints' `applied`, summed
+    local s total=0 n
+    for ((s = 0; s < SHARDS; s++)); do
+        n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
+        total=$((total + ${n:-0}))
+    done
+    echo "$total"
+}
+check_batches_accounted() { # the clients' `batches sent` against the shards' checkpoints
+    sent=0
+    local id n client_codes="" applied per_shard s
+    for id in $(compose ps -q client); do
+        n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
+        [ -n "$n" ] || die "client container $id logged no batch count"
+        sent=$((sent + n))
+        client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
+    done
+    # The workers checkpoint every 2 s; stopping them checkpoints once more.
+    applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
+    poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the workers"
+    compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
+    applied=$(applied_total)
+    per_shard=$(for ((s = 0; s < SHARDS; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
+    check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
+        "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
+}
 fetch_wheels() {
     # pip skips what is already in $wheels; the host's pip configuration brings the CPU build.
     python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
@@ -372,29 +398,7 @@ for q in sorted(json.load(sys.stdin), key=lambda q: q["name"]):
     final=$(version)
     check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((ROUNDS + 1)) ]; echo $?)" \
         "aggregator exit $agg_code, version $final after $ROUNDS rounds"
-    sent=0
-    client_codes=""
-    for id in $(compose ps -q client); do
-        n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
-        [ -n "$n" ] || die "client container $id logged no batch count"
-        sent=$((sent + n))
-        client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
-    done
-    applied_total() {
-        local s total=0 n
-        for ((s = 0; s < SHARDS; s++)); do
-            n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
-            total=$((total + ${n:-0}))
-        done
-        echo "$total"
-    }
-    applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
-    poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the workers"
-    compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
-    applied=$(applied_total)
-    per_shard=$(for ((s = 0; s < SHARDS; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
-    check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
-        "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
+    check_batches_accounted
     dead=$(rmq list_queues name messages | awk -v q="$JOB.dead" '$1 == q {print $2}')
     reasons=$(cat "$RUN_DIR"/logs/*.log 2>/dev/null | sed -nE 's/.*dead-lettered a message from [^:]+: ([a-z_]+).*/\1/p' \
         | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
@@ -745,30 +749,7 @@ for line in sys.stdin:
     final=$(version)
     check "job finished" "$([ "$agg_code" -eq 0 ] && [ "$final" -ge $((ROUNDS + 1)) ]; echo $?)" \
         "aggregator exit $agg_code, version $final after $ROUNDS rounds (scaled up after v$v_scale, down after v$v_down, autoscaled from v$v_auto)"
-    sent=0
-    client_codes=""
-    for id in $(compose ps -q client); do
-        n=$(docker logs "$id" 2>&1 | sed -nE 's/.* ([0-9]+) batches sent.*/\1/p' | tail -1)
-        [ -n "$n" ] || die "client container $id logged no batch count"
-        sent=$((sent + n))
-        client_codes+="$(docker inspect -f '{{.State.ExitCode}}' "$id") "
-    done
-    applied_total() {
-        local s total=0 n
-        for ((s = 0; s < SHARDS; s++)); do
-            n=$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)
-            total=$((total + ${n:-0}))
-        done
-        echo "$total"
-    }
-    # The remaining worker checkpoints every 2 s; stopping it checkpoints once more.
-    applied_covers_sent() { [ "$(applied_total)" -ge "$sent" ]; }
-    poll 120 applied_covers_sent || note "checkpoints still short of $sent: stopping the worker"
-    compose stop -t 60 worker >>"$RUN_DIR/up.log" 2>&1
-    applied=$(applied_total)
-    per_shard=$(for ((s = 0; s < SHARDS; s++)); do printf '%s ' "$(rcli HGET "splitmq:$JOB:ckpt:$s" applied)"; done)
-    check "no batch lost" "$([ "$sent" -gt 0 ] && [ "$applied" -eq "$sent" ]; echo $?)" \
-        "clients sent $sent batches (exit codes ${client_codes% }), shard checkpoints applied $applied (per shard: ${per_shard% })"
+    check_batches_accounted
 
     # Reported, not a failure: a message a role refused is dead-lettered by design, and which
     # ones and why is what a reader of this run wants to know.
