@@ -106,6 +106,7 @@ _KINDS: Mapping[Any, Kind] = MappingProxyType(
         Mapping[str, torch.Tensor]: Kind(is_map=True),
         Mapping[str, str]: Kind((str,), is_map=True),
         Mapping[str, float]: Kind((float,), is_map=True),
+        Mapping[str, int]: Kind((int,), is_map=True),
         Mapping[str, str | int | float | bool]: Kind((bool, int, float, str), is_map=True),
     }
 )

@@ -127,6 +127,15 @@ class Heartbeat(_Common):
     role: Annotated[str, Marker.NON_EMPTY] = "client"
 
 
+@dataclass(frozen=True, slots=True)
+class HostHeartbeat(_Common):
+    """A client host's heartbeat for the clients it runs (`client` is the host's id): each
+    member's id and the weights version it knows; one message per host and interval instead
+    of one per client (docs/architecture.md, "Client hosts")."""
+
+    members: Mapping[str, int]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class SmashedBatch(_Common):
     """Cut-layer activations of one minibatch and its labels; `seq` rises per client."""
@@ -242,6 +251,7 @@ Message = (
     | Welcome
     | Leave
     | Heartbeat
+    | HostHeartbeat
     | SmashedBatch
     | GradientReply
     | WeightsUpdate
