@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from broker.codec import encode
 from broker.errors import BackPressureError, BrokerError, UnroutableError
@@ -14,6 +15,23 @@ from broker.messages import Heartbeat, new_message_id
 from broker.topology import CONTROL_EXCHANGE
 from broker.transport import Broker, PublishOptions
 from services.common.health import Beat
+
+
+class Heartbeats(Protocol):
+    """A member's heartbeats, started once it is welcomed and stopped before its Leave: a
+    thread of its own (`HeartbeatThread`), or a seat in a client host's batched beats
+    (services/client/host.py). `sent` and `bytes_sent` count what it sent itself."""
+
+    sent: int
+    bytes_sent: int
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout_s: float = 5.0) -> bool: ...
+
+
+# Given the version the member knows (read at each beat), its heartbeats, not yet started.
+StartBeats = Callable[[Callable[[], int]], Heartbeats]
 
 
 class HeartbeatThread(Beat):

@@ -11,8 +11,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import KW_ONLY, InitVar, dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import KW_ONLY, InitVar, dataclass, replace
 
 import torch
 from torch import nn
@@ -33,11 +33,12 @@ from broker.messages import (
     Welcome,
     new_message_id,
 )
-from broker.topology import updates_routing_key
+from broker.topology import reply_queue, updates_routing_key
 from models.split import SplitNet, evaluating
 from models.state import load_partial
 from services.algorithms.base import ClientContext, LocalRound, Strategy
 from services.algorithms.registry import build_strategy
+from services.client.beat import HeartbeatThread
 from services.client.data import JobData, client_batches, round_batches
 from services.client.errors import (
     ClientError,
@@ -49,6 +50,7 @@ from services.client.errors import (
     StaleWeights,
     Superseded,
 )
+from services.client.lending import KeptMemory, Memory, Models, OwnModel, Seat
 from services.client.link import BrokerChannel, ClientLink, Tally
 from services.client.plan import RoundPlan, config_int
 from services.client.secured import secured_client_broker
@@ -174,6 +176,9 @@ class Client:
     join_retry_s: float = 5.0
     join_give_up_s: float = 120.0
     max_republish: int = 5
+    # A client host's client runs on a seat it lends (services/client/host.py); None: the
+    # client opens its own connections and keeps its own model.
+    seat: Seat | None = None
 
     def __post_init__(self, dataset: Dataset | JobData | None) -> None:
         count = self.settings.clients.count
@@ -189,6 +194,7 @@ class Client:
         self._data = dataset if isinstance(dataset, JobData) else JobData(self.settings, dataset)
         self._job = self.settings.job.name
         self._session = new_message_id()  # renewed by each run()
+        self._join_info: Mapping[str, str] = {}
 
     def run(self, stop: threading.Event) -> ClientStats:
         """Join, train every assigned round, leave; returns when the job finishes or on stop.
@@ -198,10 +204,10 @@ class Client:
         # is another process to the aggregator (it drops the old one from an open round).
         self._session = new_message_id()
         settings, name = self.settings, f"splitmq-client-{self.client_id}"
-        model = job_model(settings)  # its weights come from the service, not the seed
-        broker = secured_client_broker(settings, self.backends, self.client_id, name)
+        seat = self.seat or self._own_seat(name)
+        self._join_info = seat.join_info
         link = ClientLink(
-            broker,
+            seat.broker,
             job=self._job,
             client=self.client_id,
             stats=stats,
@@ -213,12 +219,10 @@ class Client:
             max_republish=self.max_republish,
             # Above any earlier run's (workers skip seq <= last applied): the clock in µs.
             seq_start=time.time_ns() // 1000,
-            model=model,
+            model=seat.models.reference,  # its weights come from the service, not the seed
             plan=RoundPlan.from_settings(settings),
-            # Heartbeats from a thread and connection of their own (services/client/beat.py).
-            open_beat_broker=lambda: secured_client_broker(
-                settings, self.backends, self.client_id, f"{name}-heartbeat"
-            ),
+            heartbeats=seat.heartbeats,
+            reply=None if self.seat else reply_queue(self._job, self.client_id),
         )
         reason = "finished"
         try:
@@ -226,10 +230,11 @@ class Client:
             # The first optimizer of a process imports torch._dynamo: seconds of CPU. Pay for
             # it before joining, not inside the first round, where it would make a newly
             # joined client miss a tight round deadline.
-            job_hyper(settings).client_optimizer(model.parameters())
-            joined = self._join(link, model)
+            job_hyper(settings).client_optimizer(seat.models.reference.parameters())
+            joined = self._join(link)
             if joined is not None:
-                self._serve(link, RoundRunner(link, model, self._data, settings.job.seed), *joined)
+                runner = RoundRunner(link, seat.models, seat.memory, self._data, settings.job.seed)
+                self._serve(link, runner, *joined)
         except ClientStopped:
             reason = "stopped"
         except BaseException as exc:
@@ -237,7 +242,7 @@ class Client:
             raise
         finally:
             link.leave(reason)
-            broker.close()
+            seat.broker.close()
         # The batch count is what compose/smoke.sh checks against the shards' applied counts;
         # benchmarks/backpressure_memory.py sums the refusals.
         link.log.info(
@@ -249,9 +254,32 @@ class Client:
         )
         return stats
 
+    def _own_seat(self, name: str) -> Seat:
+        """A standalone client's connections, heartbeat thread and one model."""
+        settings, backends, client = self.settings, self.backends, self.client_id
+
+        def heartbeats(version: Callable[[], int]) -> HeartbeatThread:
+            # A thread and connection of their own (services/client/beat.py).
+            return HeartbeatThread(
+                lambda: secured_client_broker(settings, backends, client, f"{name}-heartbeat"),
+                job=self._job,
+                client=client,
+                interval_s=settings.clients.heartbeat_s,
+                version=version,
+                logger=logging.getLogger("splitmq.client"),
+            )
+
+        return Seat(
+            broker=secured_client_broker(settings, backends, client, name),
+            heartbeats=heartbeats,
+            models=OwnModel(job_model(settings)),
+            memory=KeptMemory(),
+            join_info={},
+        )
+
     # --- join -------------------------------------------------------------------------------------
 
-    def _join(self, link: ClientLink, model: SplitNet) -> tuple[Membership, Clock] | None:
+    def _join(self, link: ClientLink) -> tuple[Membership, Clock] | None:
         """Join until welcomed; None when the job turns out to be over already."""
         join_ids = {self._send_join(link, self.partition)}
         give_up_at = link.clock() + self.join_give_up_s
@@ -269,7 +297,7 @@ class Client:
                 resend_at = now + self.join_retry_s
             message = link.poll(min(resend_at, give_up_at) - now)
             if isinstance(message, Welcome):
-                return self._welcomed(link, model, message)
+                return self._welcomed(link, message)
             if self._dismissed(link, message):
                 return None
             if isinstance(message, WeightsAssignment):
@@ -295,7 +323,7 @@ class Client:
         return True
 
     def _send_join(self, link: ClientLink, index: int | None) -> str:
-        info = {"session": self._session}
+        info = {**self._join_info, "session": self._session}
         samples = 0
         if index is not None:
             samples = len(self._data.indices(index))
@@ -309,9 +337,7 @@ class Client:
         link.stats.joins_sent += 1
         return join.message_id
 
-    def _welcomed(
-        self, link: ClientLink, model: SplitNet, welcome: Welcome
-    ) -> tuple[Membership, Clock]:
+    def _welcomed(self, link: ClientLink, welcome: Welcome) -> tuple[Membership, Clock]:
         # The coordinator's assignment wins over the index asked for: shard choice and
         # evaluation go by its record, and it may have moved a client off a taken index.
         index = config_int(welcome.config, "partition")
@@ -330,9 +356,9 @@ class Client:
                 )
             # The coordinator records samples and classes from a Join: send the right ones.
             self._send_join(link, index)
+        # Its weights are not loaded here: each round loads the weights it trains from
+        # (an async job's first round is this Welcome's, deferred below).
         plan = RoundPlan.from_settings(self.settings).updated(welcome.config)
-        load_partial(model, welcome.client_weights)
-        load_partial(model, welcome.aux_weights)
         link.version = welcome.version
         link.start_heartbeats()
         link.log.info(
@@ -408,8 +434,9 @@ class Client:
         """Train a round and upload it; False when it was dropped (and said so)."""
         link.version = work.version
         try:
-            update = runner.run(member, work)
-            link.send(updates_routing_key(self._job), update)
+            with runner.models.borrow() as model:
+                update = runner.run(model, member, work)
+                link.send(updates_routing_key(self._job), update)
         except (EncodeError, RoundAborted) as exc:  # EncodeError: the local model diverged
             stale = isinstance(exc, StaleWeights)
             if stale:
@@ -480,22 +507,25 @@ class RoundRunner:
     """Runs the rounds of one client; holds what lives across rounds."""
 
     link: ClientLink
-    model: SplitNet
+    models: Models
+    # The algorithm's per-client tensors across rounds (`ClientContext.memory`), with the
+    # algorithm they belong to: cleared when the job switches algorithm.
+    memory: Memory
     data: JobData
     seed: int
-    # The algorithm's per-client tensors across rounds (`ClientContext.memory`); cleared when
-    # the job switches algorithm.
-    memory: dict[str, torch.Tensor] = field(default_factory=dict)
-    _memory_of: str = ""
 
-    def run(self, member: Membership, assignment: WeightsAssignment) -> WeightsUpdate:
-        """Train one round from `assignment`; raises `RoundAborted` when the round is lost."""
+    def run(
+        self, model: SplitNet, member: Membership, assignment: WeightsAssignment
+    ) -> WeightsUpdate:
+        """Train one round from `assignment` on `model` (the update's tensors may be views of
+        its weights: send it before the model goes back); raises `RoundAborted` when the
+        round is lost."""
         link, stats = self.link, self.link.stats
         started, io_before = link.clock(), link.io_s
         up_before, down_before = stats.bytes_up, stats.bytes_down
         plan = member.plan
-        load_partial(self.model, assignment.client_weights)
-        load_partial(self.model, assignment.aux_weights)
+        load_partial(model, assignment.client_weights)
+        load_partial(model, assignment.aux_weights)
         index = member.partition
         batches, steps = round_batches(
             client_batches(self.data, index, batch_size=plan.batch_size, seed=self.seed),
@@ -510,20 +540,20 @@ class RoundRunner:
         hook = None
         if not member.strategy.splits:
             # The whole model runs here: measure its training loss on the batches it sees.
-            batches, hook = self._tallied(batches, local)
-        if self._memory_of != plan.algorithm:
-            self.memory.clear()
-            self._memory_of = plan.algorithm
+            batches, hook = self._tallied(model, batches, local)
+        algorithm, memory = self.memory.take()
+        if algorithm != plan.algorithm:
+            memory = {}
         context = ClientContext(
             client=link.client,
             round=assignment.round,
-            memory=self.memory,
+            memory=memory,
             local_accuracy=lambda module: self._local_accuracy(index, module),
         )
         try:
             result = member.strategy.client_round(
                 LocalRound(
-                    self.model,
+                    model,
                     member.cut,
                     self._ticking(batches),
                     steps,
@@ -535,9 +565,12 @@ class RoundRunner:
         finally:
             if hook is not None:
                 hook.remove()
+            # What the algorithm remembered so far (a lost round may have changed it too, as
+            # it would on a device).
+            self.memory.put(plan.algorithm, memory)
         metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
         if not member.strategy.splits:
-            metrics["personal_accuracy"] = self._local_accuracy(index, self.model)
+            metrics["personal_accuracy"] = self._local_accuracy(index, model)
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),
             bytes_down=float(stats.bytes_down - down_before),
@@ -565,7 +598,7 @@ class RoundRunner:
             yield x, y
 
     def _tallied(
-        self, batches: Iterator[Batch], tally: Tally
+        self, model: SplitNet, batches: Iterator[Batch], tally: Tally
     ) -> tuple[Iterator[Batch], torch.utils.hooks.RemovableHandle]:
         labels: list[torch.Tensor] = []
 
@@ -582,7 +615,7 @@ class RoundRunner:
                 labels[:] = [batch.y]
                 yield batch
 
-        return remember(), self.model.register_forward_hook(on_forward)
+        return remember(), model.register_forward_hook(on_forward)
 
     def _local_accuracy(self, index: int, model: nn.Module) -> float:
         """`model` (inputs -> logits) on the client's local test set."""

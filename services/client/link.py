@@ -44,14 +44,12 @@ from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.topology import (
     CONTROL_EXCHANGE,
     SMASHED_EXCHANGE,
-    reply_queue,
-    reply_queue_name,
     shard_routing_key,
 )
-from broker.transport import Backoff, Broker, Delivery, PublishOptions
+from broker.transport import Backoff, Broker, Delivery, PublishOptions, QueueSpec
 from models.split import SplitNet
 from services.algorithms.staleness import TOO_STALE
-from services.client.beat import HeartbeatThread
+from services.client.beat import Heartbeats, StartBeats
 from services.client.errors import (
     ClientError,
     ClientStopped,
@@ -104,11 +102,14 @@ class ClientLink:
         seq_start: int = 0,
         model: SplitNet | None = None,
         plan: RoundPlan | None = None,
-        open_beat_broker: Callable[[], Broker] | None = None,
+        heartbeats: StartBeats | None = None,
+        reply: QueueSpec | None = None,
     ) -> None:
         """`model` and `plan` (the client's own settings) judge Welcomes and assignments;
-        without them only their envelope is. `open_beat_broker` opens the heartbeat thread's
-        own handle (`start_heartbeats`)."""
+        without them only their envelope is. `heartbeats` makes the member's heartbeats
+        (`start_heartbeats`). `reply` is the client's own reply queue, declared and consumed by
+        `open`; None for a client host's client, whose replies reach `broker` through the
+        host's queue (docs/architecture.md, "Client hosts")."""
         self._broker = broker
         self.job = job
         self.client = client
@@ -116,7 +117,6 @@ class ClientLink:
         self._stop = stop
         self.clock = clock
         self.log = Tagged(logger, job, client)
-        self._logger = logger
         self._heartbeat_s = heartbeat_s
         self._route_wait_s = route_wait_s
         self._rng = rng or random.Random()
@@ -127,9 +127,10 @@ class ClientLink:
         self.unawaited: set[int] = set()  # seqs sent without waiting (local-loss algorithms)
         self._model = model
         self._plan = plan
-        self._open_beat_broker = open_beat_broker
+        self._heartbeats = heartbeats
+        self._reply = reply
         self._deferred: deque[Message] = deque()
-        self._beat: HeartbeatThread | None = None  # None: not a member yet, no heartbeats
+        self._beat: Heartbeats | None = None  # None: not a member yet, no heartbeats
         self._next_keep_alive = 0.0
         # The latest weights version this client knows; the heartbeat thread reads it (an int
         # attribute: its reads and writes are atomic).
@@ -139,24 +140,17 @@ class ClientLink:
     # --- set-up ---------------------------------------------------------------------------------
 
     def open(self) -> None:
-        spec = reply_queue(self.job, self.client)
-        self._broker.declare([spec])
-        self._broker.subscribe(spec.name, prefetch=REPLY_PREFETCH)
+        if self._reply is not None:
+            self._broker.declare([self._reply])
+            self._broker.subscribe(self._reply.name, prefetch=REPLY_PREFETCH)
 
     def start_heartbeats(self) -> None:
-        """Start beating (once a member), every `heartbeat_s`, until `leave`."""
+        """Start beating (once a member) until `leave`."""
         if self._beat is not None:
             return
-        if self._open_beat_broker is None:
-            raise ValueError("this link has no heartbeat handle (open_beat_broker)")
-        self._beat = HeartbeatThread(
-            self._open_beat_broker,
-            job=self.job,
-            client=self.client,
-            interval_s=self._heartbeat_s,
-            version=lambda: self.version,
-            logger=self._logger,
-        )
+        if self._heartbeats is None:
+            raise ValueError("this link has no heartbeats")
+        self._beat = self._heartbeats(lambda: self.version)
         self._beat.start()
 
     # --- publishing -----------------------------------------------------------------------------
@@ -203,10 +197,10 @@ class ClientLink:
         `heartbeat_s`, one cheap round trip on this handle, so that RabbitMQ does not drop an
         idle connection (AMQP heartbeats are only serviced while the handle is called)."""
         now = self.clock()
-        if now < self._next_keep_alive:
-            return
+        if self._reply is None or now < self._next_keep_alive:
+            return  # a client host keeps its own connections serviced
         self._next_keep_alive = now + self._heartbeat_s
-        self._broker.queue_depth(reply_queue_name(self.job, self.client))
+        self._broker.queue_depth(self._reply.name)
 
     def leave(self, reason: str) -> None:
         """Best effort: a client that cannot say goodbye is dropped by heartbeat expiry."""

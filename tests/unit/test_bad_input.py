@@ -271,6 +271,7 @@ def client_link(
         model=model,
         plan=plan,
         seq_start=seq_start,
+        reply=reply_queue(job, "c0"),
     )
     link.open()
     return link
