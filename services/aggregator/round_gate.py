@@ -24,9 +24,9 @@ GONE = "gone"
 
 
 def sample_cohort(
-    clients: Iterable[str], fraction: float, *, seed: int, round_index: int, attempt: int = 0
+    clients: Iterable[str], size: int, *, seed: int, round_index: int, attempt: int = 0
 ) -> list[str]:
-    """A seeded sample of `fraction` of `clients` (at least one), sorted.
+    """A seeded sample of `size` of `clients` (at least one, at most all), sorted.
 
     The draw depends only on the seed, the round, the attempt and the set of clients (not
     their order), so a rerun of a job samples the same cohorts.
@@ -34,9 +34,8 @@ def sample_cohort(
     pool = sorted(set(clients))
     if not pool:
         return []
-    size = min(len(pool), max(1, round_half_up(fraction * len(pool))))
     rng = random.Random(f"splitmq-cohort/{seed}/{round_index}/{attempt}")
-    return sorted(rng.sample(pool, size))
+    return sorted(rng.sample(pool, min(len(pool), max(1, size))))
 
 
 def round_half_up(x: float) -> int:

@@ -128,9 +128,8 @@ class RoundClock(Core):
         if live is None:
             return None
         settings = self.settings
-        chosen = sample_cohort(
-            live, settings.clients.fraction, seed=settings.job.seed, round_index=r, attempt=attempt
-        )
+        size = settings.clients.cohort_size(len(live))
+        chosen = sample_cohort(live, size, seed=settings.job.seed, round_index=r, attempt=attempt)
         cohort = {c: live[c] for c in chosen}
         weights = WeightsCache(self.store, self.job, version)
         global_client, global_aux = weights.global_weights()

@@ -7,6 +7,7 @@ deployment, so all processes of a job agree on it.
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 from typing import Any, Literal, TypeVar
 
@@ -121,8 +122,12 @@ class AlgorithmSection(_Section):
 
 class ClientsSection(_Section):
     count: int = Field(default=4, ge=1)
-    # Fraction of live members sampled into each round.
+    # Each sync round's cohort, sampled from the live members with training samples (seeded by
+    # job.seed, the round and the attempt): `per_round` of them, or, when it is 0, `fraction` of
+    # them (rounded half up). At least one, at most all; set one of the two, not both. Async
+    # mode has no cohorts: every member trains (docs/async.md).
     fraction: float = Field(default=1.0, gt=0, le=1)
+    per_round: int = Field(default=0, ge=0)
     # Round 1 starts when this many clients have joined (or start_timeout_s passed with >= 1).
     min_to_start: int = Field(default=1, ge=1)
     start_timeout_s: float = Field(default=60.0, gt=0)
@@ -140,6 +145,19 @@ class ClientsSection(_Section):
     capability_mix: str = ""
 
     @model_validator(mode="after")
+    def _one_cohort_size(self) -> ClientsSection:
+        if self.per_round and self.fraction < 1.0:
+            raise ValueError(
+                f"clients.per_round ({self.per_round}) and clients.fraction ({self.fraction:g}) "
+                "both size the cohort: set one of them (per_round = 0 uses the fraction)"
+            )
+        if self.per_round > self.count:
+            raise ValueError(
+                f"clients.per_round ({self.per_round}) exceeds clients.count ({self.count})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _mix_fits(self) -> ClientsSection:
         counts = self.mix_counts()
         if counts and sum(counts) != self.count:
@@ -148,6 +166,11 @@ class ClientsSection(_Section):
                 f"clients, clients.count is {self.count}"
             )
         return self
+
+    def cohort_size(self, live: int) -> int:
+        """How many of `live` members a round samples (0 when there are none)."""
+        wanted = self.per_round or math.floor(self.fraction * live + 0.5)
+        return min(live, max(1, wanted))
 
     def mix_counts(self) -> tuple[int, ...]:
         """The counts of `capability_mix` (ValueError when it is not a list of counts)."""

@@ -20,6 +20,7 @@ from broker.topology import dead_queue_name
 from broker.transport import REASON_HEADER
 from services.aggregator.aggregator import Aggregator, ensure_initial_version
 from services.aggregator.evaluation import build_evaluator, evaluate
+from services.aggregator.round_gate import sample_cohort
 from services.algorithms.base import full_model_weights
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends, Embedded
@@ -188,6 +189,22 @@ def test_a_client_joining_after_round_0_is_in_round_1_only(job: str) -> None:
     ]
     values = {c: client_value(i)(1) for i, c in enumerate("abcd")}
     assert_all(j.blob(3, CLIENT), weighted(values))
+
+
+def test_a_round_trains_per_round_members_and_the_others_get_nothing(job: str) -> None:
+    clients = {"count": 4, "min_to_start": 4, "per_round": 2}
+    j = Job(make_settings(job, job={"seed": 5}, clients=clients), "abcd")
+
+    records = j.run(Aggregator(j.settings, j.backends, sink=ListSink()))
+
+    cohorts = [set(s.participants) for s in j.worker.starts]
+    # The seeded draw: with seed 5, {a, c} then {b, d}, so every member sits one round out.
+    assert cohorts == [set(sample_cohort("abcd", 2, seed=5, round_index=r)) for r in (0, 1)]
+    assert cohorts == [set("ac"), set("bd")]
+    assert [r.participants for r in records] == [2, 2]
+    for client, fake in j.clients.items():
+        trained = [a.round for a in fake.assignments() if a.participate]
+        assert trained == [r for r, cohort in enumerate(cohorts) if client in cohort]
 
 
 def test_a_straggler_does_not_stall_the_round_and_its_late_update_is_refused(job: str) -> None:

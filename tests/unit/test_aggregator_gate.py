@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
+from pydantic import ValidationError
 
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import RoundDropped, WeightsUpdate
@@ -17,6 +19,7 @@ from services.aggregator.round_gate import (
     sample_cohort,
 )
 from services.common.membership import MemberInfo
+from services.config.job import ClientsSection
 
 REF = {"blocks.0.weight": torch.zeros(2, 3), "blocks.0.bias": torch.zeros(2)}
 
@@ -52,14 +55,31 @@ def update(
 
 def test_sample_cohort_is_seeded_sized_and_order_free() -> None:
     pool = [f"c{i}" for i in range(10)]
-    first = sample_cohort(pool, 0.3, seed=1, round_index=0)
+    first = sample_cohort(pool, 3, seed=1, round_index=0)
     assert len(first) == 3 and set(first) <= set(pool)
-    assert first == sample_cohort(reversed(pool), 0.3, seed=1, round_index=0)
-    draws = {tuple(sample_cohort(pool, 0.3, seed=1, round_index=r)) for r in range(10)}
+    assert first == sample_cohort(reversed(pool), 3, seed=1, round_index=0)
+    draws = {tuple(sample_cohort(pool, 3, seed=1, round_index=r)) for r in range(10)}
     assert len(draws) > 1  # rounds draw different cohorts
-    assert sample_cohort(pool, 0.01, seed=1, round_index=0) != []
-    assert sample_cohort(pool, 1.0, seed=1, round_index=0) == sorted(pool)
-    assert sample_cohort([], 1.0, seed=1, round_index=0) == []
+    assert first != sample_cohort(pool, 3, seed=1, round_index=0, attempt=1)
+    assert sample_cohort(pool, 0, seed=1, round_index=0) != []
+    assert sample_cohort(pool, 10, seed=1, round_index=0) == sorted(pool)
+    assert sample_cohort(pool, 50, seed=1, round_index=0) == sorted(pool)
+    assert sample_cohort([], 1, seed=1, round_index=0) == []
+
+
+def test_cohort_size_by_fraction_or_count() -> None:
+    by_fraction = ClientsSection(count=1000, fraction=0.1)
+    assert [by_fraction.cohort_size(n) for n in (0, 1, 4, 15, 1000)] == [0, 1, 1, 2, 100]
+    by_count = ClientsSection(count=1000, per_round=100)
+    assert [by_count.cohort_size(n) for n in (0, 30, 100, 1000)] == [0, 30, 100, 100]
+    assert ClientsSection().cohort_size(7) == 7  # the default: every member
+
+
+def test_cohort_size_settings_that_conflict_are_refused() -> None:
+    with pytest.raises(ValidationError, match="set one of them"):
+        ClientsSection(count=1000, fraction=0.1, per_round=100)
+    with pytest.raises(ValidationError, match=r"per_round \(20\) exceeds clients.count \(10\)"):
+        ClientsSection(count=10, per_round=20)
 
 
 def test_quorum_size() -> None:
