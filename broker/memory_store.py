@@ -226,6 +226,22 @@ class InMemoryWeightStore(PublishingStore):
                 str_map("member info", info) if info is not None else kept,
             )
 
+    def renew_members(self, job: str, member_ids: Sequence[str], ttl_s: float) -> list[bool]:
+        ttl = positive_ttl(ttl_s)
+        with self._job(job) as state:
+            expires_at = self._clock() + ttl
+            live = []
+            for member_id in member_ids:
+                member = state.members.get(member_id)
+                if member is not None:
+                    state.members[member_id] = Member(member_id, expires_at, member.info)
+                live.append(member is not None)
+            return live
+
+    def member(self, job: str, member_id: str) -> Member | None:
+        with self._job(job) as state:
+            return state.members.get(member_id)
+
     def remove_member(self, job: str, member_id: str) -> None:
         with self._job(job) as state:
             state.members.pop(member_id, None)

@@ -116,6 +116,44 @@ end
 return out
 """
 
+# KEYS[1] members zset, KEYS[2] info hash; ARGV[1] ttl in ms, ARGV[2..] members. Renews the
+# live ones (XX: never adds one), prunes the expired ones among them; per member 1 if it was
+# live, else 0. O(log N) per member: no scan of the others.
+RENEW_MEMBERS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local expires = string.format('%.6f', now + tonumber(ARGV[1]) / 1000)
+local out = {}
+for i = 2, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', KEYS[1], 'XX', expires, ARGV[i])
+    out[#out + 1] = 1
+  else
+    if score then
+      redis.call('ZREM', KEYS[1], ARGV[i])
+      redis.call('HDEL', KEYS[2], ARGV[i])
+    end
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+# KEYS[1] members zset, KEYS[2] info hash; ARGV[1] member. {expiry, info JSON} while it is
+# live, else {}.
+MEMBER = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then
+  return {}
+end
+local t = redis.call('TIME')
+if tonumber(score) <= tonumber(t[1]) + tonumber(t[2]) / 1000000 then
+  return {}
+end
+return {score, redis.call('HGET', KEYS[2], ARGV[1]) or '{}'}
+"""
+
 # KEYS[1] lease; ARGV[1] owner, ARGV[2] ttl in ms. 1 if taken or renewed, 0 if held by another.
 ACQUIRE_LEASE = """
 local owner = redis.call('GET', KEYS[1])

@@ -226,6 +226,8 @@ class RedisWeightStore(PublishingStore):
         self._save_checkpoint = script(redis_scripts.SAVE_CHECKPOINT)
         self._heartbeat = script(redis_scripts.HEARTBEAT)
         self._live_members = script(redis_scripts.LIVE_MEMBERS)
+        self._renew_members = script(redis_scripts.RENEW_MEMBERS)
+        self._member = script(redis_scripts.MEMBER)
         self._acquire_lease = script(redis_scripts.ACQUIRE_LEASE)
         self._release_lease = script(redis_scripts.RELEASE_LEASE)
         self._log = logger or logging.getLogger("splitmq.store")
@@ -500,6 +502,22 @@ class RedisWeightStore(PublishingStore):
         args: list[str | int] = [member_id, _ms(ttl_s), "" if info is None else encode_info(info)]
         script_keys = [keys.members_key(job), keys.members_info_key(job)]
         self._call("heartbeat", lambda: self._heartbeat(keys=script_keys, args=args))
+
+    def renew_members(self, job: str, member_ids: Sequence[str], ttl_s: float) -> list[bool]:
+        if not member_ids:
+            return []
+        args: list[str | int] = [_ms(ttl_s), *member_ids]
+        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        # Idempotent on a retry: a renewal renews again; one pruned by the first try was dead.
+        live = self._call("renew_members", lambda: self._renew_members(keys=script_keys, args=args))
+        return [bool(flag) for flag in live]
+
+    def member(self, job: str, member_id: str) -> Member | None:
+        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        found = self._call("member", lambda: self._member(keys=script_keys, args=[member_id]))
+        if not found:
+            return None
+        return Member(member_id, float(found[0]), decode_info(found[1]))
 
     def remove_member(self, job: str, member_id: str) -> None:
         def remove() -> None:

@@ -5,7 +5,7 @@ version is published so that a crash or a race never leaves a torn one: docs/arc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -163,6 +163,16 @@ class MemberStore(_Closable, Protocol):
     def heartbeat(
         self, job: str, member_id: str, ttl_s: float, info: Mapping[str, str] | None = None
     ) -> None: ...
+
+    def renew_members(self, job: str, member_ids: Sequence[str], ttl_s: float) -> list[bool]:
+        """Extend each live member's expiry to `ttl_s` from now, its info kept, in one atomic
+        step (one round trip); per id, whether it was live. A member that was not stays
+        absent: only `heartbeat` (a Join) brings one back, with its info."""
+        ...
+
+    def member(self, job: str, member_id: str) -> Member | None:
+        """One member if it is live (no scan of the others)."""
+        ...
 
     def remove_member(self, job: str, member_id: str) -> None: ...
 

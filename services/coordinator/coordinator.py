@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -21,10 +21,10 @@ from broker.topology import control_queue_name
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
 from services.common.logs import log_context
-from services.common.membership import client_members, member_id
 from services.common.outbox import Outbox
 from services.config.root import Settings
 from services.coordinator.joining import JoinDesk
+from services.coordinator.roster import Roster
 from services.security.identity import client_id_problem, sender_check, service_user
 
 _PREFETCH = 32
@@ -59,8 +59,6 @@ class Coordinator:
         self._log = logging.getLogger("splitmq.coordinator")
         self._poll_s = poll_s
         self.stats = CoordinatorStats()
-        # Clients seen live at the last sweep, to announce the ones whose heartbeats stopped.
-        self._known: set[str] = set()
         self._senders = sender_check(settings)
 
     @property
@@ -85,20 +83,35 @@ class Coordinator:
 
     def _serve(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
         outbox = Outbox(broker, self.job, self._log)
-        desk = JoinDesk(self._settings, store, outbox, self._log)
-
-        self._known = set(client_members(store, self.job))
-        next_sweep = self._clock()
+        clients = self._settings.clients
+        roster = Roster(
+            store,
+            self.job,
+            count=clients.count,
+            ttl_s=clients.heartbeat_ttl_s,
+            expired=lambda gone: self._announce_expired(store, outbox, gone),
+            clock=self._clock,
+        )
+        desk = JoinDesk(self._settings, store, roster, outbox, self._log)
+        roster.sync()
+        next_sweep = self._clock() + clients.heartbeat_s
         while not stop.is_set():
             delivery = broker.get(self._poll_s)
             if delivery is not None:
-                self._handle(broker, store, outbox, desk, delivery)
+                self._handle(broker, store, roster, outbox, desk, delivery)
             if self._clock() >= next_sweep:
-                self._sweep(store, outbox)
-                next_sweep = self._clock() + self._settings.clients.heartbeat_s
+                # The one read of all members per interval: announces the expired ones.
+                roster.sync()
+                next_sweep = self._clock() + clients.heartbeat_s
 
     def _handle(
-        self, broker: Broker, store: WeightStore, outbox: Outbox, desk: JoinDesk, delivery: Delivery
+        self,
+        broker: Broker,
+        store: WeightStore,
+        roster: Roster,
+        outbox: Outbox,
+        desk: JoinDesk,
+        delivery: Delivery,
     ) -> None:
         try:
             message = decode(delivery.body)
@@ -114,15 +127,13 @@ class Coordinator:
                 outcome = desk.join(message)
                 if outcome == "unreachable":
                     reason = f"client {message.client} has no reply queue"
-                elif outcome in ("new", "rejoined"):
-                    self._known.add(message.client)
                 self.stats.joined += outcome == "new"
                 self.stats.rejoined += outcome == "rejoined"
                 self.stats.refused += outcome == "refused"
             elif isinstance(message, Heartbeat):
-                reason = self._heartbeat(store, outbox, message)
+                reason = self._heartbeat(store, roster, outbox, message)
             elif isinstance(message, Leave):
-                reason = self._leave(store, outbox, message)
+                reason = self._leave(store, roster, outbox, message)
             self._settle(broker, delivery, reason)
 
     def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:
@@ -143,50 +154,44 @@ class Coordinator:
             return f"heartbeat of role {message.role!r}: only clients are members"
         return None
 
-    def _heartbeat(self, store: WeightStore, outbox: Outbox, message: Heartbeat) -> str | None:
+    def _heartbeat(
+        self, store: WeightStore, roster: Roster, outbox: Outbox, message: Heartbeat
+    ) -> str | None:
         """None once handled; the reason to dead-letter it otherwise."""
-        mid = member_id(message.client)
-        if mid not in store.live_members(self.job):
-            self.stats.unknown_heartbeats += 1
-            version = store.current_version(self.job)
-            # An expired member rejoins when told; a stranger without a reply queue is not one.
-            told = outbox.error(
-                message.client,
-                version,
-                "unknown_member",
-                "unknown member, join first",
-                message.message_id,
-            )
-            return None if told else f"heartbeat of unknown client {message.client!r}"
-        self.stats.heartbeats += 1
-        store.heartbeat(self.job, mid, self._settings.clients.heartbeat_ttl_s)
-        return None
+        if roster.renew([message.client])[0]:
+            self.stats.heartbeats += 1
+            return None
+        self.stats.unknown_heartbeats += 1
+        # An expired member rejoins when told; a stranger without a reply queue is not one.
+        told = self._unknown(store, outbox, message.client, message.message_id)
+        return None if told else f"heartbeat of unknown client {message.client!r}"
 
-    def _leave(self, store: WeightStore, outbox: Outbox, message: Leave) -> str | None:
+    def _unknown(self, store: WeightStore, outbox: Outbox, client: str, ref: str) -> bool:
+        """Tell `client` that it is no member (False: it has no reply queue to be told)."""
+        version = store.current_version(self.job)
+        return outbox.error(client, version, "unknown_member", "unknown member, join first", ref)
+
+    def _leave(
+        self, store: WeightStore, roster: Roster, outbox: Outbox, message: Leave
+    ) -> str | None:
         """None once handled; the reason to dead-letter it otherwise."""
-        mid = member_id(message.client)
-        if mid not in store.live_members(self.job):
+        if roster.lookup(message.client) is None:
             self._log.info("job %s: leave from unknown client %s", self.job, message.client)
             return f"Leave of client {message.client!r}, who is not a member"
-        store.remove_member(self.job, mid)
-        self._known.discard(message.client)
+        roster.remove(message.client)
         self.stats.left += 1
         version = store.current_version(self.job)
         self._log.info("job %s: client %s left (%s)", self.job, message.client, message.reason)
         outbox.event("member_left", version, {"reason": message.reason or "leave"}, message.client)
         return None
 
-    def _sweep(self, store: WeightStore, outbox: Outbox) -> None:
+    def _announce_expired(self, store: WeightStore, outbox: Outbox, clients: Sequence[str]) -> None:
         """Announce members whose heartbeats stopped (the store already dropped them)."""
-        live = set(client_members(store, self.job))
-        expired = self._known - live
-        if expired:
-            version = store.current_version(self.job)
-            for client in sorted(expired):
-                self.stats.expired += 1
-                self._log.info("job %s: client %s expired", self.job, client)
-                outbox.event("member_left", version, {"reason": "expired"}, client)
-        self._known = live
+        version = store.current_version(self.job)
+        for client in clients:
+            self.stats.expired += 1
+            self._log.info("job %s: client %s expired", self.job, client)
+            outbox.event("member_left", version, {"reason": "expired"}, client)
 
     def _settle(self, broker: Broker, delivery: Delivery, reason: str | None) -> None:
         """Ack a handled message; dead-letter one with a `reason`."""

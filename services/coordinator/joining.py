@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from functools import cached_property
 from typing import Literal
@@ -24,27 +23,18 @@ from services.algorithms.base import StrategyBase, assign_level
 from services.algorithms.registry import build_strategy
 from services.common.handout import WeightsCache, client_config, dismissal
 from services.common.jobmodel import job_model
-from services.common.membership import (
-    MemberInfo,
-    client_members,
-    member_id,
-    parse_classes,
-    session_of,
-)
+from services.common.membership import MemberInfo, parse_classes, session_of
 from services.common.outbox import Outbox
 from services.config.root import Settings
+from services.coordinator.roster import Roster
+
+# How young the last read of all members may be for a Join to be refused as the job is full
+# without another: expiries the index has not seen yet free slots (roster.py).
+_FULL_SYNC_S = 1.0
 
 # What became of a Join: "refused" (job full), "finished" (the job is over: told so instead of
 # welcomed), "unreachable" (no reply queue: the join was undone).
 JoinOutcome = Literal["new", "rejoined", "refused", "finished", "unreachable"]
-
-
-def choose_partition(requested: int | None, taken: Collection[int], count: int) -> int | None:
-    """The requested index when it is valid and free, else the lowest free index below
-    `count`; None when all `count` partitions are taken (the job is full)."""
-    if requested is not None and 0 <= requested < count and requested not in taken:
-        return requested
-    return next((i for i in range(count) if i not in taken), None)
 
 
 def choose_shard(shards: int, clients: int, partition: int, loads: Mapping[int, int]) -> int:
@@ -110,11 +100,13 @@ class JoinDesk:
         self,
         settings: Settings,
         store: WeightStore,
+        roster: Roster,
         outbox: Outbox,
         logger: logging.Logger,
     ) -> None:
         self._settings = settings
         self._store = store
+        self._roster = roster
         self._outbox = outbox
         self._log = logger
         self._job = settings.job.name
@@ -125,9 +117,8 @@ class JoinDesk:
         ended = self._store.job_status(self._job)
         if ended is not None:  # over already: no slot is taken (a full job is no reason here)
             return self._dismiss(message, self._store.current_version(self._job), ended.text)
-        members = client_members(self._store, self._job)
         version = self._store.current_version(self._job)
-        existing = members.get(message.client)
+        existing = self._roster.lookup(message.client)
         session = session_of(message.info)
         if existing is not None:
             classes = reported_classes(message)
@@ -138,25 +129,25 @@ class JoinDesk:
                 session=session or existing.session,
             )
         else:
-            assigned = self._assign(message, members, session or new_message_id())
+            assigned = self._assign(message, session or new_message_id())
             if assigned is None:
-                return "refused" if self._refuse(message, version, len(members)) else "unreachable"
+                live = len(self._roster.index)
+                return "refused" if self._refuse(message, version, live) else "unreachable"
             info = assigned
-        ttl = self._settings.clients.heartbeat_ttl_s
-        self._store.heartbeat(self._job, member_id(message.client), ttl, info.to_info())
+        self._roster.record(info)
         # Read again after the member write: a Join racing the job's end is dismissed here or by
         # the aggregator. The version check covers a last version out with the end not recorded.
 
         ended = self._store.job_status(self._job)
         last = self._store.current_version(self._job)
         if ended is not None or last - 1 >= self._settings.job.rounds:
-            self._store.remove_member(self._job, member_id(message.client))
+            self._roster.remove(message.client)
             return self._dismiss(message, last, ended.text if ended else JOB_FINISHED)
         try:
             self._welcome(message, info, version)
         except UnroutableError:
             if existing is None:
-                self._store.remove_member(self._job, member_id(message.client))
+                self._roster.remove(message.client)
             return "unreachable"
         if existing is not None:
             restarted = " as a new process" if info.session != existing.session else ""
@@ -174,17 +165,12 @@ class JoinDesk:
         self._outbox.event("member_joined", version, data, message.client)
         return "new"
 
-    def _assign(
-        self, message: Join, members: dict[str, MemberInfo], session: str
-    ) -> MemberInfo | None:
-        count = self._settings.clients.count
-        partition = choose_partition(
-            requested_index(message), {m.partition for m in members.values()}, count
-        )
+    def _assign(self, message: Join, session: str) -> MemberInfo | None:
+        partition = self._partition(requested_index(message))
         if partition is None:
             return None
-        loads = Counter(m.shard for m in members.values())
-        shard = choose_shard(self._settings.shards, count, partition, loads)
+        count = self._settings.clients.count
+        shard = choose_shard(self._settings.shards, count, partition, self._roster.index.loads)
         return MemberInfo(
             client=message.client,
             shard=shard,
@@ -195,6 +181,18 @@ class JoinDesk:
             joined_at=time.time(),
             session=session,
         )
+
+    def _partition(self, requested: int | None) -> int | None:
+        """`Partitions.choose` over the live members: the holders of a requested partition
+        are read (one may have expired), and a full job is read whole before it refuses."""
+        index = self._roster.index
+        if requested is not None and requested in index.partitions:
+            for holder in index.holders(requested):
+                self._roster.lookup(holder)
+        partition = self._roster.index.partitions.choose(requested)
+        if partition is None and self._roster.sync_if_older(_FULL_SYNC_S):
+            partition = self._roster.index.partitions.choose(requested)
+        return partition
 
     def _dismiss(self, message: Join, version: int, status: str) -> JoinOutcome:
         """The job is over: the same `finished` assignment, with the job's `status`

@@ -539,6 +539,53 @@ def test_heartbeat_expiry_and_remove(harness: Harness, store: Any, job: str) -> 
     assert set(store.live_members(job)) == {"worker-a"}
 
 
+def test_renew_members_renews_only_live_ones_and_keeps_their_info(
+    harness: Harness, store: Any, job: str
+) -> None:
+    store.heartbeat(job, "client:a", 1.0, {"shard": "0"})
+    store.heartbeat(job, "client:b", 60.0, {"shard": "1"})
+    store.heartbeat(job, "client:gone", 1.0, {"shard": "2"})
+    store.remove_member(job, "client:gone")
+    assert store.renew_members(job, [], 5.0) == []
+
+    before = harness.now()
+    assert store.renew_members(job, ["client:a", "client:never", "client:gone"], 30.0) == [
+        True,
+        False,
+        False,
+    ]
+    harness.wait(1.3)  # past a's first expiry: the renewal holds it
+    a = store.member(job, "client:a")
+    assert a is not None and dict(a.info) == {"shard": "0"}
+    assert before + 30.0 <= a.expires_at <= harness.now() + 30.0
+    assert "client:never" not in store.live_members(job), "a renewal never adds a member"
+    assert "client:gone" not in store.live_members(job)
+
+    store.heartbeat(job, "client:c", 1.0, {"shard": "3"})
+    harness.wait(1.3)
+    # Expired, not yet pruned by a read of all members: not live, and not brought back.
+    assert store.renew_members(job, ["client:c", "client:b"], 30.0) == [False, True]
+    assert store.member(job, "client:c") is None
+    assert set(store.live_members(job)) == {"client:a", "client:b"}
+    store.heartbeat(job, "client:c", 30.0)
+    assert dict(store.live_members(job)["client:c"].info) == {}, "c's old info is gone"
+
+
+def test_member_reads_one_live_member(harness: Harness, store: Any, job: str) -> None:
+    assert store.member(job, "client:a") is None
+    store.heartbeat(job, "client:a", 1.0, {"shard": "0", "cut": "block1"})
+    store.heartbeat(job, "worker:w", 60.0)
+    found = store.member(job, "client:a")
+    assert found is not None and found.member_id == "client:a"
+    assert dict(found.info) == {"shard": "0", "cut": "block1"}
+    assert found.expires_at == store.live_members(job)["client:a"].expires_at
+    assert dict(store.member(job, "worker:w").info) == {}
+    harness.wait(1.3)
+    assert store.member(job, "client:a") is None
+    store.remove_member(job, "worker:w")
+    assert store.member(job, "worker:w") is None
+
+
 # --- MemberStore: leases --------------------------------------------------------------------------
 
 
