@@ -218,6 +218,8 @@ class ClientLink:
             options = PublishOptions(message.message_id)
             self._broker.publish(CONTROL_EXCHANGE, self.job, body, options)
             self.stats.bytes_up += len(body)
+        except ClientStopped:
+            pass  # a client host's client gone offline: it leaves no word, as a device would
         except BrokerError as exc:
             self.log.warning("could not send Leave (%s): %s", reason, exc)
 

@@ -1,0 +1,367 @@
+"""A client host: N simulated clients in one process (`splitmq clients CONFIG --count N`;
+docs/architecture.md, "Client hosts").
+
+Each client is the standalone client's loop (`Client.run`) on a thread of its own, seated on
+the host's shared connections (services/client/hostlink.py): replies come from one queue per
+host, publishes go over a few handles, heartbeats go out as one message per host. The clients
+share one dataset and one model code; a model is lent to a client only while it trains a
+round (`ModelPool`), and its algorithm memory can wait on disk (`SpilledMemory`), so an idle
+client costs a thread and a few small objects.
+
+Availability: each client is online in the intervals its trace gives (services/client/
+traces.py; always, without one). Going offline stops its thread and unplugs its seat: it
+sends nothing more (no Leave: the coordinator expires it, as it would a device that lost its
+network), and its replies are dropped until it comes back, when it joins as a new process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from broker.topology import host_queue, host_queue_name
+from broker.transport import Broker
+from services.client.beat import Heartbeats
+from services.client.client import Client
+from services.client.data import JobData
+from services.client.errors import ClientError, ClientSettingsError
+from services.client.hostlink import (
+    Dispatcher,
+    DispatchStats,
+    HostBeat,
+    Publishers,
+    Roster,
+    SeatBeats,
+    SeatBroker,
+)
+from services.client.lending import KeptMemory, Memory, ModelPool, Seat, SpilledMemory
+from services.client.stats import ClientStats
+from services.common.backends import Backends
+from services.common.jobmodel import job_model
+from services.config.root import Settings
+from services.data.loaders import Dataset
+from services.security.identity import CLIENT_ID
+
+# The info key of a hosted client's Joins naming its host (docs/architecture.md, "Client hosts").
+HOST_INFO_KEY = "host"
+# Longest host id: its clients' ids (`<host>-<index>`) must stay client ids (64 characters).
+HOST_ID_MAX = 48
+# Deliveries the host's consumer may hold unacknowledged: every online client's few replies.
+_PREFETCH_PER_CLIENT = 4
+_PREFETCH_MAX = 10_000
+_TICK_S = 0.2  # how often the scheduler looks at its clock (and at the stop event)
+
+Offline = Literal["vanish", "leave"]
+# Client index and id -> its online intervals (seconds from the host's start), sorted.
+Intervals = Callable[[int, str], Sequence[tuple[float, float]]]
+
+
+def always_online(index: int, client: str) -> Sequence[tuple[float, float]]:
+    return ((0.0, math.inf),)
+
+
+def hosted_client_id(host: str, index: int) -> str:
+    return f"{host}-{index}"
+
+
+def check_host_id(host: str) -> None:
+    if not CLIENT_ID.match(host) or len(host) > HOST_ID_MAX:
+        raise ClientSettingsError(
+            f"host id {host!r}: use 1-{HOST_ID_MAX} letters, digits, '_' or '-' (--host)"
+        )
+
+
+@dataclass
+class HostStats:
+    """What a host's clients did, summed over their sessions, and what the host itself did."""
+
+    clients: int = 0
+    sessions: int = 0  # online sessions started (a client back online starts another)
+    finished: bool = False  # a client was told the job is over
+    job_status: str = ""
+    per_client: dict[str, ClientStats] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # client -> its last session's error
+    dispatch: DispatchStats = field(default_factory=DispatchStats)
+    beat_messages: int = 0
+    beat_members: int = 0
+    models_built: int = 0
+
+    def total(self) -> ClientStats:
+        out = ClientStats()
+        for stats in self.per_client.values():
+            _add(out, stats)
+        return out
+
+
+def _add(into: ClientStats, one: ClientStats) -> None:
+    """Counters add up; a flag or status is kept once set."""
+    for f in fields(ClientStats):
+        value = getattr(one, f.name)
+        if isinstance(value, bool | str):
+            if value:
+                setattr(into, f.name, value)
+        else:
+            setattr(into, f.name, getattr(into, f.name) + value)
+
+
+@dataclass
+class _Session:
+    seat: SeatBroker
+    stop: threading.Event
+    thread: threading.Thread
+
+
+@dataclass(eq=False)
+class ClientHost:
+    """Runs clients `<host>-<first>` .. `<host>-<first + count - 1>`; client `<host>-<i>`
+    trains on data partition i when the job has one (else the coordinator assigns one)."""
+
+    settings: Settings
+    backends: Backends
+    host: str
+    count: int
+    first: int = 0
+    online: Intervals = always_online
+    offline: Offline = "vanish"
+    spill_dir: Path | None = None
+    dataset: Dataset | JobData | None = None
+    # Clients started per second at most (a thousand Joins at once would all wait on the
+    # coordinator at the same time).
+    join_rate: float = 100.0
+    publishers: int = 4
+    open_broker: Callable[[str], Broker] | None = None  # the host's handles; default: backends
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("splitmq.host"))
+
+    def __post_init__(self) -> None:
+        check_host_id(self.host)
+        if self.count < 1 or self.first < 0:
+            raise ClientSettingsError(
+                f"--count {self.count} / --first {self.first}: need >= 1 / >= 0"
+            )
+        if self.join_rate <= 0 or self.publishers < 1:
+            raise ClientSettingsError("join rate must be > 0 and publishers >= 1")
+        self._owned = re.compile(rf"{re.escape(self.host)}-(0|[1-9][0-9]*)\Z")
+        self._data = (
+            self.dataset
+            if isinstance(self.dataset, JobData)
+            else JobData(self.settings, self.dataset)
+        )
+        self._memories: dict[str, Memory] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+
+    def owns(self, client: str) -> bool:
+        return self._owned.match(client) is not None
+
+    def run(self, stop: threading.Event) -> HostStats:
+        settings = self.settings
+        job = settings.job.name
+        stats = HostStats(clients=self.count)
+        opener = self.open_broker or (lambda name: self.backends.open_broker(name))
+        models = ModelPool(lambda: job_model(settings))
+        spec = host_queue(job, self.host)
+        inbound = opener(f"splitmq-host-{self.host}")
+        handles: list[Broker] = []
+        dispatcher = Dispatcher(
+            inbound,
+            spec,
+            owns=self.owns,
+            prefetch=min(_PREFETCH_MAX, _PREFETCH_PER_CLIENT * self.count),
+            logger=self.logger,
+        )
+        dispatch_stop = threading.Event()
+        dispatch_thread = threading.Thread(
+            target=dispatcher.run, args=(dispatch_stop,), name=f"host-{self.host}-dispatch"
+        )
+        roster = Roster()
+        beat: HostBeat | None = None
+        try:
+            dispatcher.open()
+            handles = [opener(f"splitmq-host-{self.host}-out{i}") for i in range(self.publishers)]
+            pool = Publishers(handles)
+            dispatch_thread.start()
+            beat = HostBeat(
+                pool,
+                roster,
+                job=job,
+                host=self.host,
+                interval_s=settings.clients.heartbeat_s,
+                probe=host_queue_name(job, self.host),
+                logger=self.logger,
+            )
+            beat.start()
+            self.logger.info(
+                "host %s: running clients %s-%d..%d (%d) on %s",
+                self.host,
+                self.host,
+                self.first,
+                self.first + self.count - 1,
+                self.count,
+                spec.name,
+            )
+            self._schedule(stop, stats, dispatcher, pool, roster, models)
+        finally:
+            self._stop_all(stats)
+            if beat is not None:
+                beat.stop()
+                stats.beat_messages, stats.beat_members = beat.messages_sent, beat.members_sent
+            dispatch_stop.set()
+            if dispatch_thread.is_alive():
+                dispatch_thread.join(10.0)
+            stats.dispatch = dispatcher.stats
+            stats.models_built = models.built + 1  # the reference model too
+            for handle in [inbound, *handles]:
+                try:
+                    handle.close()
+                except Exception:
+                    self.logger.debug("closing a handle of host %s failed", self.host)
+        total = stats.total()
+        self.logger.info(
+            "host %s: %s; %d sessions of %d clients, %d rounds, %d batches sent, %d joins; "
+            "%d models built",
+            self.host,
+            stats.job_status or "stopped",
+            stats.sessions,
+            self.count,
+            total.rounds,
+            total.batches_sent,
+            total.joins_sent,
+            stats.models_built,
+        )
+        return stats
+
+    # --- the schedule ---------------------------------------------------------------------------
+
+    def _schedule(
+        self,
+        stop: threading.Event,
+        stats: HostStats,
+        dispatcher: Dispatcher,
+        pool: Publishers,
+        roster: Roster,
+        models: ModelPool,
+    ) -> None:
+        """Start and stop clients as their intervals say until the job is over (every online
+        client was dismissed, or stopped) or `stop`."""
+        # (time, order, kind, index): kind 1 = online, 0 = offline, so an interval ending when
+        # the next starts goes offline first.
+        events: list[tuple[float, int, int, int]] = []
+        for index in range(self.first, self.first + self.count):
+            client = hosted_client_id(self.host, index)
+            for on, off in self.online(index, client):
+                events.append((on, 1, 1, index))
+                if math.isfinite(off):
+                    events.append((off, 0, 0, index))
+        heapq.heapify(events)
+        started = time.monotonic()
+        next_start = started  # the join-rate limit
+        gap = 1.0 / self.join_rate
+        while not stop.is_set():
+            now = time.monotonic()
+            while events and events[0][0] <= now - started:
+                _, _, kind, index = heapq.heappop(events)
+                client = hosted_client_id(self.host, index)
+                if kind == 0:
+                    self._go_offline(client)
+                elif not stats.finished:
+                    wait = next_start - time.monotonic()
+                    if wait > 0 and stop.wait(wait):
+                        return
+                    next_start = max(time.monotonic(), next_start) + gap
+                    self._go_online(index, client, stats, dispatcher, pool, roster, models)
+            self._reap(stats)
+            if stats.finished and not self._sessions:
+                return
+            if not events and not self._sessions:
+                return  # every interval is over
+            stop.wait(_TICK_S)
+
+    def _go_online(
+        self,
+        index: int,
+        client: str,
+        stats: HostStats,
+        dispatcher: Dispatcher,
+        pool: Publishers,
+        roster: Roster,
+        models: ModelPool,
+    ) -> None:
+        if client in self._sessions:
+            return  # overlapping intervals: it is online already
+        memory = self._memories.get(client)
+        if memory is None:
+            memory = (
+                KeptMemory()
+                if self.spill_dir is None
+                else SpilledMemory(self.spill_dir / f"{client}.safetensors")
+            )
+            self._memories[client] = memory
+        seat_broker = SeatBroker(client, dispatcher, pool)
+
+        def heartbeats(version: Callable[[], int]) -> Heartbeats:
+            return SeatBeats(roster, client, version)
+
+        seat = Seat(
+            broker=seat_broker,
+            heartbeats=heartbeats,
+            models=models,
+            memory=memory,
+            join_info={HOST_INFO_KEY: self.host},
+        )
+        partition = index if index < self.settings.clients.count else None
+        member = Client(
+            self.settings,
+            self.backends,
+            client_id=client,
+            partition=partition,
+            dataset=self._data,
+            seat=seat,
+        )
+        session_stop = threading.Event()
+        per_client = stats.per_client.setdefault(client, ClientStats())
+        failed = stats.failed
+
+        def serve() -> None:
+            try:
+                one = member.run(session_stop)
+            except ClientError as exc:
+                failed[client] = str(exc)[:300]
+                self.logger.warning("host %s: client %s ended: %s", self.host, client, exc)
+                return
+            with self._lock:
+                _add(per_client, one)
+                if one.finished:
+                    stats.finished = True
+                    stats.job_status = one.job_status
+
+        thread = threading.Thread(target=serve, name=f"client-{client}", daemon=True)
+        self._sessions[client] = _Session(seat_broker, session_stop, thread)
+        stats.sessions += 1
+        thread.start()
+
+    def _go_offline(self, client: str) -> None:
+        session = self._sessions.get(client)
+        if session is None:
+            return
+        session.stop.set()
+        if self.offline == "vanish":
+            session.seat.unplug()  # nothing more gets out, not even its Leave
+
+    def _reap(self, stats: HostStats) -> None:
+        for client in [c for c, s in self._sessions.items() if not s.thread.is_alive()]:
+            del self._sessions[client]
+
+    def _stop_all(self, stats: HostStats) -> None:
+        for session in self._sessions.values():
+            session.stop.set()
+        for session in self._sessions.values():
+            session.thread.join(30.0)
+        self._reap(stats)
