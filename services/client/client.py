@@ -282,7 +282,8 @@ class Client:
     def _join(self, link: ClientLink) -> tuple[Membership, Clock] | None:
         """Join until welcomed; None when the job turns out to be over already."""
         join_ids = {self._send_join(link, self.partition)}
-        give_up_at = link.clock() + self.join_give_up_s
+        sent_at = link.clock()
+        give_up_at = sent_at + self.join_give_up_s
         resend_at = link.clock() + self.join_retry_s
         while True:
             now = link.clock()
@@ -297,6 +298,7 @@ class Client:
                 resend_at = now + self.join_retry_s
             message = link.poll(min(resend_at, give_up_at) - now)
             if isinstance(message, Welcome):
+                link.stats.join_s = link.clock() - sent_at
                 return self._welcomed(link, message)
             if self._dismissed(link, message):
                 return None

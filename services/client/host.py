@@ -17,13 +17,14 @@ network), and its replies are dropped until it comes back, when it joins as a ne
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import math
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -93,6 +94,38 @@ class HostStats:
     beat_messages: int = 0
     beat_members: int = 0
     models_built: int = 0
+    join_s: list[float] = field(default_factory=list)  # each welcomed session's wait
+    beat_publish_s: list[float] = field(default_factory=list)  # each HostHeartbeat's confirm
+
+    def as_json(self) -> dict[str, object]:
+        """For `--stats-file`: per client its counters, and the host's own."""
+        total = self.total()
+        return {
+            "clients": self.clients,
+            "sessions": self.sessions,
+            "finished": self.finished,
+            "job_status": self.job_status,
+            "total": asdict(total),
+            "per_client": {
+                c: {
+                    "batches_sent": one.batches_sent,
+                    "replies_received": one.replies_received,
+                    "rounds": one.rounds,
+                    "rounds_aborted": one.rounds_aborted,
+                    "joins_sent": one.joins_sent,
+                    "republished": one.republished,
+                    "dead_lettered": one.dead_lettered,
+                }
+                for c, one in sorted(self.per_client.items())
+            },
+            "failed": self.failed,
+            "dispatch": asdict(self.dispatch),
+            "beat_messages": self.beat_messages,
+            "beat_members": self.beat_members,
+            "models_built": self.models_built,
+            "join_s": self.join_s,
+            "beat_publish_s": self.beat_publish_s,
+        }
 
     def total(self) -> ClientStats:
         out = ClientStats()
@@ -129,6 +162,8 @@ class ClientHost:
     host: str
     count: int
     first: int = 0
+    # Client i trains partition i (False: the coordinator assigns free partitions).
+    by_index: bool = True
     online: Intervals = always_online
     offline: Offline = "vanish"
     spill_dir: Path | None = None
@@ -137,6 +172,7 @@ class ClientHost:
     # coordinator at the same time).
     join_rate: float = 100.0
     publishers: int = 4
+    stats_file: Path | None = None  # where `run` writes its stats as JSON at the end
     open_broker: Callable[[str], Broker] | None = None  # the host's handles; default: backends
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("splitmq.host"))
 
@@ -213,6 +249,7 @@ class ClientHost:
             if beat is not None:
                 beat.stop()
                 stats.beat_messages, stats.beat_members = beat.messages_sent, beat.members_sent
+                stats.beat_publish_s = list(beat.publish_s)
             dispatch_stop.set()
             if dispatch_thread.is_alive():
                 dispatch_thread.join(10.0)
@@ -223,6 +260,9 @@ class ClientHost:
                     handle.close()
                 except Exception:
                     self.logger.debug("closing a handle of host %s failed", self.host)
+        if self.stats_file is not None:
+            self.stats_file.parent.mkdir(parents=True, exist_ok=True)
+            self.stats_file.write_text(json.dumps({"host": self.host, **stats.as_json()}))
         total = stats.total()
         self.logger.info(
             "host %s: %s; %d sessions of %d clients, %d rounds, %d batches sent, %d joins; "
@@ -316,7 +356,8 @@ class ClientHost:
             memory=memory,
             join_info={HOST_INFO_KEY: self.host},
         )
-        partition = index if index < self.settings.clients.count else None
+        in_range = index < self.settings.clients.count
+        partition = index if self.by_index and in_range else None
         member = Client(
             self.settings,
             self.backends,
@@ -338,6 +379,8 @@ class ClientHost:
                 return
             with self._lock:
                 _add(per_client, one)
+                if one.join_s:
+                    stats.join_s.append(one.join_s)
                 if one.finished:
                     stats.finished = True
                     stats.job_status = one.job_status

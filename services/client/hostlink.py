@@ -36,6 +36,7 @@ from services.common.health import Beat
 
 # A HostHeartbeat's members per message: well under the codec's map limit (4096 entries).
 BEAT_CHUNK = 1024
+_BEATS_KEPT = 50_000
 # How long the dispatcher waits for a delivery before it settles what clients queued.
 _SETTLE_EVERY_S = 0.02
 
@@ -352,6 +353,8 @@ class HostBeat(Beat):
         self.messages_sent = 0
         self.members_sent = 0
         self.bytes_sent = 0
+        # Seconds from publish to confirm, of the latest beats (a day's worth at most).
+        self.publish_s: deque[float] = deque(maxlen=_BEATS_KEPT)
 
     def beat(self) -> None:
         members = self._roster.snapshot()
@@ -363,7 +366,9 @@ class HostBeat(Beat):
             body = encode(message)
             try:
                 options = PublishOptions(message.message_id)
+                started = time.monotonic()
                 self._publishers.publish(CONTROL_EXCHANGE, self._job, body, options)
+                self.publish_s.append(time.monotonic() - started)
             except (BackPressureError, UnroutableError) as exc:
                 # The next one will do: a full or missing control queue is the service side's
                 # state, not this host's.

@@ -28,3 +28,4 @@ class ClientStats:
     finished: bool = False  # the job told this client it is over
     stale_rounds: int = 0  # async mode: local rounds dropped because a worker said too_stale
     job_status: str = ""  # how the job ended, from its dismissal: "finished", "failed: ..."
+    join_s: float = 0.0  # from the first Join to the Welcome (0: never welcomed)

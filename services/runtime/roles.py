@@ -7,6 +7,8 @@ client` has no use for the worker or the aggregator code).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData
@@ -17,6 +19,9 @@ from services.data.loaders import Dataset, load_dataset
 from services.metrics.recorder import RecordMetrics
 from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
+
+if TYPE_CHECKING:  # the host's module is imported by its builder only
+    from services.client.host import Intervals, Offline
 
 
 def load_job_dataset(settings: Settings) -> Dataset:
@@ -61,6 +66,41 @@ def build_client(
     from services.client.client import Client
 
     return Client(settings, backends, client_id=client_id, partition=partition, dataset=dataset)
+
+
+def build_client_host(
+    settings: Settings,
+    backends: Backends,
+    *,
+    host: str,
+    count: int,
+    first: int = 0,
+    by_index: bool = True,
+    online: Intervals | None = None,
+    offline: Offline = "vanish",
+    spill_dir: Path | None = None,
+    join_rate: float = 100.0,
+    publishers: int = 4,
+    stats_file: Path | None = None,
+    dataset: Dataset | JobData | None = None,
+) -> Role:
+    from services.client.host import ClientHost, always_online
+
+    return ClientHost(
+        settings,
+        backends.for_role("client", host),
+        host=host,
+        count=count,
+        first=first,
+        by_index=by_index,
+        online=online or always_online,
+        offline=offline,
+        spill_dir=spill_dir,
+        dataset=dataset,
+        join_rate=join_rate,
+        publishers=publishers,
+        stats_file=stats_file,
+    )
 
 
 def worker_count(settings: Settings) -> int:
