@@ -1,5 +1,5 @@
-"""`splitmq provision-clients CONFIG --count N`: one RabbitMQ user per client of the job
-(secured mode)."""
+"""`splitmq provision-clients CONFIG --count N [--hosts H1,H2]`: one RabbitMQ user per client
+and per client host of the job (secured mode)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,20 @@ from broker.errors import BrokerError
 from services.cli.common import config_argument, load
 from services.common.backends import Backends
 from services.security.admin import AdminError, pick_admin
-from services.security.identity import client_user
-from services.security.provision import client_names, provision, revoke, vhost_of
+from services.security.identity import client_user, host_user
+from services.security.provision import client_names, host_names, provision, revoke, vhost_of
 
 
 @click.command("provision-clients")
 @config_argument
-@click.option("--count", type=click.IntRange(min=1), required=True, help="How many clients.")
+@click.option("--count", type=click.IntRange(min=0), default=0, help="How many clients.")
+@click.option(
+    "--hosts",
+    "hosts_text",
+    default="",
+    help="Client hosts (`splitmq clients`), comma-separated: a user <job>.host.<H> each, who "
+    "reads only the host's queue, where the replies of its clients <H>-<n> arrive.",
+)
 @click.option("--prefix", default="client-", show_default=True, help="Client ids: PREFIX0, ...")
 @click.option("--start", type=click.IntRange(min=0), default=0, help="First client number.")
 @click.option(
@@ -26,7 +33,8 @@ from services.security.provision import client_names, provision, revoke, vhost_o
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("secrets/clients"),
     show_default=True,
-    help="Where each client's env file (<job>.<id>.env, mode 600) goes.",
+    help="Where each client's env file (<job>.<id>.env, mode 600) goes (a host's: "
+    "<job>.host.<H>.env).",
 )
 @click.option(
     "--admin",
@@ -47,7 +55,8 @@ from services.security.provision import client_names, provision, revoke, vhost_o
     "--revoke",
     "revoke_users",
     is_flag=True,
-    help="Delete these users (of this job only) and their reply queues instead.",
+    help="Delete these users (of this job only) and their reply queues (hosts: their host "
+    "queues) instead.",
 )
 @click.option(
     "--force",
@@ -58,6 +67,7 @@ from services.security.provision import client_names, provision, revoke, vhost_o
 def provision_clients(
     config: Path | None,
     count: int,
+    hosts_text: str,
     prefix: str,
     start: int,
     out_dir: Path,
@@ -76,6 +86,10 @@ def provision_clients(
     OUT/<job>.<id>.env, to be set in the client's environment (they also turn
     security.per_client_users on there). Run the services with
     security.per_client_users = true, and the clients with `--id <id>`.
+
+    With --hosts, each client host H gets user <job>.host.<H>, which may read only H's queue
+    (<job>.host.<H>); the coordinator routes there the replies of H's clients <H>-<n> only.
+    Client ids of that shape are refused beside a host H (H could speak for them).
     """
     _, settings = load(config)
     if settings.broker.kind != "rabbitmq":
@@ -83,16 +97,20 @@ def provision_clients(
     job = settings.job.name
     try:
         names = client_names(prefix, count, start)
+        hosts = host_names(hosts_text)
+        if not names and not hosts:
+            raise ValueError("nothing to provision: give --count N, --hosts H1,H2, or both")
         admin = pick_admin(admin_kind, settings.broker.amqp_url, management_url)
     except (ValueError, AdminError) as exc:
         raise click.ClickException(str(exc)) from None
     broker = Backends(settings.broker, settings.store).open_broker("splitmq-provision")
     try:
         if revoke_users:
-            revoke(admin, broker, job=job, clients=names)
+            revoke(admin, broker, job=job, clients=names, hosts=hosts)
+            users = [client_user(job, n) for n in names] + [host_user(job, h) for h in hosts]
             click.echo(
-                f"job {job}: deleted {len(names)} users with {admin.name} and their reply "
-                f"queues: {', '.join(client_user(job, name) for name in names)}"
+                f"job {job}: deleted {len(users)} users with {admin.name} and their reply "
+                f"queues: {', '.join(users)}"
             )
             return
         written = provision(
@@ -104,15 +122,16 @@ def provision_clients(
             url_template=client_url or settings.broker.amqp_url,
             out_dir=out_dir,
             force=force,
+            hosts=hosts,
         )
     except (AdminError, BrokerError) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         broker.close()
-    click.echo(f"job {job}: {len(written)} client users provisioned with {admin.name}")
+    click.echo(f"job {job}: {len(written)} users provisioned with {admin.name}")
     for creds in written:
-        click.echo(f"  {creds.client} (user {creds.user}): {creds.path}")
+        click.echo(f"  {creds.name} (user {creds.user}): {creds.path}")
     click.echo(
-        "clients: set a file's variables, then `splitmq client CONFIG --id <id>`; services: "
-        "set security.per_client_users = true"
+        "clients: set a file's variables, then `splitmq client CONFIG --id <id>` (a host: "
+        "`splitmq clients CONFIG --host <H>`); services: set security.per_client_users = true"
     )

@@ -20,6 +20,11 @@ from broker.store import Member, MemberStore
 # The Join info key (and member info key) of the client process's session id.
 SESSION_KEY = "session"
 _SESSION_MAX = 64
+# The Join info key naming the client host a client runs on (docs/architecture.md, "Client
+# hosts"); its replies then go to that host's queue.
+HOST_INFO_KEY = "host"
+# Most members one HostHeartbeat may list: a host sends one message per this many clients.
+HOST_HEARTBEAT_MEMBERS = 1024
 
 
 def member_id(client: str) -> str:

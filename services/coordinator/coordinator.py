@@ -1,6 +1,7 @@
-"""The coordinator role: membership of one job (Join / Leave / Heartbeat / expiry; docs/
-architecture.md, step 2). Membership lives in the store only, so a restarted coordinator, or
-the aggregator reading cohorts, sees the same members.
+"""The coordinator role: membership of one job (Join / Leave / Heartbeat / HostHeartbeat /
+expiry; docs/architecture.md, step 2 and "Client hosts"). The store holds the record, so a
+restarted coordinator, or the aggregator reading cohorts, sees the same members; the
+coordinator keeps an index of it, so that an event costs no read of every member (roster.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from broker.codec import decode
 from broker.errors import DecodeError
-from broker.messages import Heartbeat, Join, Leave, Message
+from broker.messages import Heartbeat, HostHeartbeat, Join, Leave, Message
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import WeightStore
 from broker.topology import control_queue_name
@@ -23,11 +24,24 @@ from services.common.backends import Backends
 from services.common.logs import log_context
 from services.common.outbox import Outbox
 from services.config.root import Settings
+from services.coordinator.hosts import HostBindings, host_heartbeat_problem, join_host_problem
 from services.coordinator.joining import JoinDesk
 from services.coordinator.roster import Roster
 from services.security.identity import client_id_problem, sender_check, service_user
 
 _PREFETCH = 32
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one serving run works with (all of the coordinator's thread)."""
+
+    broker: Broker
+    store: WeightStore
+    roster: Roster
+    outbox: Outbox
+    desk: JoinDesk
+    hosts: HostBindings
 
 
 @dataclass
@@ -40,7 +54,9 @@ class CoordinatorStats:
     left: int = 0
     expired: int = 0
     heartbeats: int = 0
-    unknown_heartbeats: int = 0
+    host_heartbeats: int = 0  # HostHeartbeat messages handled
+    host_members: int = 0  # members they renewed
+    unknown_heartbeats: int = 0  # of a Heartbeat, or a member a HostHeartbeat listed
     dead_lettered: int = 0
 
 
@@ -93,56 +109,48 @@ class Coordinator:
             clock=self._clock,
         )
         desk = JoinDesk(self._settings, store, roster, outbox, self._log)
+        run = _Run(broker, store, roster, outbox, desk, HostBindings(broker, self.job))
         roster.sync()
         next_sweep = self._clock() + clients.heartbeat_s
         while not stop.is_set():
             delivery = broker.get(self._poll_s)
             if delivery is not None:
-                self._handle(broker, store, roster, outbox, desk, delivery)
+                self._handle(run, delivery)
             if self._clock() >= next_sweep:
                 # The one read of all members per interval: announces the expired ones.
                 roster.sync()
                 next_sweep = self._clock() + clients.heartbeat_s
 
-    def _handle(
-        self,
-        broker: Broker,
-        store: WeightStore,
-        roster: Roster,
-        outbox: Outbox,
-        desk: JoinDesk,
-        delivery: Delivery,
-    ) -> None:
+    def _handle(self, run: _Run, delivery: Delivery) -> None:
         try:
             message = decode(delivery.body)
         except DecodeError as exc:
-            self._settle(broker, delivery, f"undecodable: {exc.reason}")
+            self._settle(run.broker, delivery, f"undecodable: {exc.reason}")
             return
         reason = self._misaddressed(message, delivery)
         if reason is not None:
-            self._settle(broker, delivery, reason)
+            self._settle(run.broker, delivery, reason)
             return
         with log_context(client=message.client):
             if isinstance(message, Join):
-                outcome = desk.join(message)
-                if outcome == "unreachable":
-                    reason = f"client {message.client} has no reply queue"
-                self.stats.joined += outcome == "new"
-                self.stats.rejoined += outcome == "rejoined"
-                self.stats.refused += outcome == "refused"
+                reason = self._join(run, message)
             elif isinstance(message, Heartbeat):
-                reason = self._heartbeat(store, roster, outbox, message)
+                reason = self._heartbeat(run, message)
+            elif isinstance(message, HostHeartbeat):
+                self._host_heartbeat(run, message)
             elif isinstance(message, Leave):
-                reason = self._leave(store, roster, outbox, message)
-            self._settle(broker, delivery, reason)
+                reason = self._leave(run, message)
+            self._settle(run.broker, delivery, reason)
 
     def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:
-        if not isinstance(message, Join | Heartbeat | Leave):
+        if not isinstance(message, Join | Heartbeat | HostHeartbeat | Leave):
             return f"{type(message).__name__} does not belong on {control_queue_name(self.job)}"
         if message.job != self.job:
             return f"message for job {message.job!r} on job {self.job!r}'s control queue"
         if not message.client:
             return f"{type(message).__name__} without a client id"
+        if isinstance(message, HostHeartbeat):
+            return host_heartbeat_problem(message, self._senders, delivery)
         # Design §3: the broker vouches for user_id; the client field must not claim someone
         # else's identity (and in the secured mode a client message must carry one).
         sender = client_id_problem(message.client) or self._senders.client_problem(
@@ -150,39 +158,71 @@ class Coordinator:
         )
         if sender is not None:
             return sender
+        if isinstance(message, Join):
+            return join_host_problem(message)
         if isinstance(message, Heartbeat) and message.role != "client":
             return f"heartbeat of role {message.role!r}: only clients are members"
         return None
 
-    def _heartbeat(
-        self, store: WeightStore, roster: Roster, outbox: Outbox, message: Heartbeat
-    ) -> str | None:
+    def _join(self, run: _Run, message: Join) -> str | None:
         """None once handled; the reason to dead-letter it otherwise."""
-        if roster.renew([message.client])[0]:
+        # Bound before anything is sent to the client: a Welcome, a refusal, a dismissal.
+        reason = run.hosts.bind(message)
+        if reason is not None:
+            return reason
+        outcome = run.desk.join(message)
+        self.stats.joined += outcome == "new"
+        self.stats.rejoined += outcome == "rejoined"
+        self.stats.refused += outcome == "refused"
+        if outcome == "unreachable":
+            run.hosts.forget(message.client)
+            return f"client {message.client} has no reply queue"
+        return None
+
+    def _heartbeat(self, run: _Run, message: Heartbeat) -> str | None:
+        """None once handled; the reason to dead-letter it otherwise."""
+        if run.roster.renew([message.client])[0]:
             self.stats.heartbeats += 1
             return None
         self.stats.unknown_heartbeats += 1
         # An expired member rejoins when told; a stranger without a reply queue is not one.
-        told = self._unknown(store, outbox, message.client, message.message_id)
+        told = self._unknown(run, [message.client], message.message_id)
         return None if told else f"heartbeat of unknown client {message.client!r}"
 
-    def _unknown(self, store: WeightStore, outbox: Outbox, client: str, ref: str) -> bool:
-        """Tell `client` that it is no member (False: it has no reply queue to be told)."""
-        version = store.current_version(self.job)
-        return outbox.error(client, version, "unknown_member", "unknown member, join first", ref)
+    def _host_heartbeat(self, run: _Run, message: HostHeartbeat) -> None:
+        """Each listed member renewed (one store step); the unknown ones told, as for a
+        Heartbeat of theirs (routed to the host by their bindings). Always handled: one
+        member without a reply queue is no reason to drop the others' renewals."""
+        clients = list(message.members)
+        live = run.roster.renew(clients)
+        self.stats.host_heartbeats += 1
+        self.stats.host_members += sum(live)
+        unknown = [client for client, renewed in zip(clients, live, strict=True) if not renewed]
+        self.stats.unknown_heartbeats += len(unknown)
+        self._unknown(run, unknown, message.message_id)
 
-    def _leave(
-        self, store: WeightStore, roster: Roster, outbox: Outbox, message: Leave
-    ) -> str | None:
+    def _unknown(self, run: _Run, clients: Sequence[str], ref: str) -> bool:
+        """Tell `clients` that they are no members; False if one has no reply queue."""
+        if not clients:
+            return True
+        version = run.store.current_version(self.job)
+        told = [
+            run.outbox.error(c, version, "unknown_member", "unknown member, join first", ref)
+            for c in clients
+        ]
+        return all(told)
+
+    def _leave(self, run: _Run, message: Leave) -> str | None:
         """None once handled; the reason to dead-letter it otherwise."""
-        if roster.lookup(message.client) is None:
+        if run.roster.lookup(message.client) is None:
             self._log.info("job %s: leave from unknown client %s", self.job, message.client)
             return f"Leave of client {message.client!r}, who is not a member"
-        roster.remove(message.client)
+        run.roster.remove(message.client)
         self.stats.left += 1
-        version = store.current_version(self.job)
+        version = run.store.current_version(self.job)
         self._log.info("job %s: client %s left (%s)", self.job, message.client, message.reason)
-        outbox.event("member_left", version, {"reason": message.reason or "leave"}, message.client)
+        data = {"reason": message.reason or "leave"}
+        run.outbox.event("member_left", version, data, message.client)
         return None
 
     def _announce_expired(self, store: WeightStore, outbox: Outbox, clients: Sequence[str]) -> None:

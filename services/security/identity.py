@@ -9,6 +9,11 @@ store keys, so every service refuses a client field that is not a plain id.
 A client's RabbitMQ user is `<job>.<client>`: neither ids nor job names hold a '.', so the name
 says both unambiguously; every comparison of a `user_id` with a client id goes through
 `client_user` / `user_client`.
+
+A client host H (docs/architecture.md, "Client hosts") runs the clients `H-<n>` and logs in as
+`<job>.host.<H>` (`host_user`), which is no client's user (a client id has no '.'). It may speak
+for its own clients only: `client_host` says whose a client id is, by its shape alone, so a
+standalone client must not take an id `H-<n>` of a host that exists (provisioning refuses).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from services.config.settings import ConnectionSettings
 CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 DEFAULT_AMQP_USER = "guest"  # pika's default credentials when the URL names none
 _JOB_SEPARATOR = "."  # in neither a job name nor a client id
+# Longest host id: its clients' ids (`<host>-<index>`) must stay client ids.
+HOST_ID_MAX = 48
+_HOSTED = re.compile(r"(.+)-(0|[1-9][0-9]*)\Z")  # the last '-' splits: indices have none
 
 
 def client_id_problem(client: str) -> str | None:
@@ -48,6 +56,36 @@ def user_client(job: str, user: str) -> str | None:
     return client if client_id_problem(client) is None else None
 
 
+def host_id_problem(host: str) -> str | None:
+    """Why `host` cannot be a client host's id (None when it can)."""
+    if CLIENT_ID.match(host) and len(host) <= HOST_ID_MAX:
+        return None
+    return f"host id {host[:80]!r} is not 1-{HOST_ID_MAX} letters, digits, '_' or '-'"
+
+
+def client_host(client: str) -> str | None:
+    """The host whose client `client` is (`H-<n>`, n a decimal index without leading zeros),
+    None when it has no such shape."""
+    shape = _HOSTED.match(client)
+    if shape is None or host_id_problem(shape[1]) is not None:
+        return None
+    return shape[1]
+
+
+def host_user(job: str, host: str) -> str:
+    """The RabbitMQ user of client host `host` of job `job` in the secured mode."""
+    return f"{job}{_JOB_SEPARATOR}host{_JOB_SEPARATOR}{host}"
+
+
+def user_host(job: str, user: str) -> str | None:
+    """The client host of `job` that RabbitMQ user `user` is (None: no host of that job)."""
+    prefix = host_user(job, "")
+    if not user.startswith(prefix):
+        return None
+    host = user[len(prefix) :]
+    return host if host_id_problem(host) is None else None
+
+
 def amqp_user(url: str) -> str:
     """The user an AMQP URL logs in as."""
     name = urlparse(url).username
@@ -63,15 +101,29 @@ class SenderCheck:
     job: str = ""  # whose clients' users (`client_user`) may send
 
     def client_problem(self, delivery: Delivery, client: str) -> str | None:
-        """Why a client's message may not claim to come from `client` (None: it may)."""
+        """Why a client's message may not claim to come from `client` (None: it may): the
+        sender must be the client's user, or the user of the host whose client it is."""
+        user = delivery.user_id or ""
+        host = user_host(self.job, user)
+        mine = user == client_user(self.job, client) or (
+            host is not None and client_host(client) == host
+        )
+        return self._problem(delivery, mine, f"client {client!r}")
+
+    def host_problem(self, delivery: Delivery, host: str) -> str | None:
+        """Why a message of a client host (a HostHeartbeat) may not claim to come from `host`."""
+        return self._problem(
+            delivery, delivery.user_id == host_user(self.job, host), f"host {host!r}"
+        )
+
+    def _problem(self, delivery: Delivery, theirs: bool, sender: str) -> str | None:
+        """`theirs`: whether the delivery's user may speak for `sender`, when it has one."""
         user = delivery.user_id
         if user:
-            if user != client_user(self.job, client):
-                return f"client {client!r} does not match the AMQP user {user!r}"
-            return None
+            return None if theirs else f"{sender} does not match the AMQP user {user!r}"
         if self.secured:
             return (
-                f"no AMQP user_id on a message of client {client!r}: the secured mode "
+                f"no AMQP user_id on a message of {sender}: the secured mode "
                 "(security.per_client_users) requires one"
             )
         return None

@@ -1,11 +1,14 @@
-"""One RabbitMQ user per client and job (design §3): what each may do, and the files that say how.
+"""One RabbitMQ user per client (or client host) and job (design §3): what each may do, and the
+files that say how.
 
-Client `c` of job `j` logs in as `j.c` (`identity.client_user`), so provisioning or revoking
-one job never resets or deletes another's. A user that exists already is refused unless told
-to reset it (`force`): a reset locks out whichever client holds the old password. The
-permissions and why each is what it is: docs/deployment.md, "Provisioning client users". A
-client user may configure nothing (a bind would let it copy another client's replies), so
-`provision` declares its queues with the services' handle.
+Client `c` of job `j` logs in as `j.c` (`identity.client_user`), client host `H` as `j.host.H`
+(`identity.host_user`), so provisioning or revoking one job never resets or deletes another's.
+A user that exists already is refused unless told to reset it (`force`): a reset locks out
+whichever client holds the old password. The permissions and why each is what it is:
+docs/deployment.md, "Provisioning client users". Neither may configure anything (a bind would
+let it copy another client's replies), so `provision` declares their queues with the services'
+handle. A host speaks for the clients `H-<n>`, so a client user of that shape and a host `H`
+are never both provisioned (`ClientOfHostError`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from urllib.parse import quote, unquote, urlparse, urlunparse
 
@@ -23,24 +27,46 @@ from broker.topology import (
     SMASHED_EXCHANGE,
     client_infer_reply_queue,
     client_queue_names,
+    host_queue,
+    host_queue_name,
     infer_reply_queue_name,
     reply_queue,
     reply_queue_name,
 )
 from broker.transport import Broker, QueueSpec
 from services.security.admin import AdminError, Permissions, RabbitAdmin
-from services.security.identity import client_id_problem, client_user
+from services.security.identity import (
+    client_host,
+    client_id_problem,
+    client_user,
+    host_id_problem,
+    host_user,
+    user_client,
+    user_host,
+)
 
 
 class UsersExistError(AdminError):
     """Provisioning would reset users that exist already (and lock their clients out)."""
 
 
-def client_permissions(job: str, client: str) -> Permissions:
+class ClientOfHostError(AdminError):
+    """A client user `H-<n>` and a host user `H` of one job: the host could speak for it."""
+
+
+def _permissions(read_queues: Sequence[str]) -> Permissions:
     write = "|".join(re.escape(name) for name in (SMASHED_EXCHANGE, CONTROL_EXCHANGE))
-    queues = (reply_queue_name(job, client), infer_reply_queue_name(job, client))
-    read = "|".join(re.escape(name) for name in queues)
+    read = "|".join(re.escape(name) for name in read_queues)
     return Permissions(configure="^$", write=f"^({write})$", read=f"^({read})$")
+
+
+def client_permissions(job: str, client: str) -> Permissions:
+    return _permissions((reply_queue_name(job, client), infer_reply_queue_name(job, client)))
+
+
+def host_permissions(job: str, host: str) -> Permissions:
+    """A host reads its one queue, where the coordinator binds its own clients' replies only."""
+    return _permissions((host_queue_name(job, host),))
 
 
 def client_queues(job: str, client: str) -> list[QueueSpec]:
@@ -51,8 +77,8 @@ def client_queues(job: str, client: str) -> list[QueueSpec]:
 
 @dataclass(frozen=True)
 class Credentials:
-    client: str
-    user: str  # its RabbitMQ user, `client_user(job, client)`
+    name: str  # the client's id, or the host's
+    user: str  # its RabbitMQ user, `client_user(job, name)` or `host_user(job, name)`
     password: str
     amqp_url: str  # the URL the client connects with (its user and password in it)
     path: Path  # the env file holding them, `<user>.env`
@@ -85,12 +111,39 @@ def client_names(prefix: str, count: int, start: int = 0) -> list[str]:
     return names
 
 
+def host_names(text: str) -> list[str]:
+    """`"H1,H2"` → ["H1", "H2"]; ValueError on a bad host id."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        problem = host_id_problem(name)
+        if problem is not None:
+            raise ValueError(f"--hosts: {problem}")
+    return names
+
+
 def env_file(job: str, creds_url: str, client: str) -> str:
     """What a client of the secured mode sets (its id follows from its RabbitMQ user)."""
+    return _env(
+        f"client {client} of job {job} (RabbitMQ user {client_user(job, client)})",
+        "splitmq client CONFIG",
+        creds_url,
+    )
+
+
+def host_env_file(job: str, creds_url: str, host: str) -> str:
+    """What a client host of the secured mode sets."""
+    return _env(
+        f"client host {host} of job {job} (RabbitMQ user {host_user(job, host)})",
+        f"splitmq clients CONFIG --host {host}",
+        creds_url,
+    )
+
+
+def _env(who: str, command: str, creds_url: str) -> str:
     return (
-        f"# SplitMQ client {client} of job {job} (RabbitMQ user {client_user(job, client)}):\n"
-        "# `splitmq client CONFIG` with these set.\n"
-        "# Keep this file secret: it holds the client's RabbitMQ password.\n"
+        f"# SplitMQ {who}:\n"
+        f"# `{command}` with these set.\n"
+        "# Keep this file secret: it holds the RabbitMQ password.\n"
         "SPLITMQ_BROKER=rabbitmq\n"
         f"SPLITMQ_AMQP_URL={creds_url}\n"
         "SPLITMQ_SECURITY__PER_CLIENT_USERS=true\n"
@@ -108,6 +161,52 @@ def write_secret(path: Path, text: str) -> None:
     os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
 
 
+@dataclass(frozen=True)
+class _Account:
+    name: str
+    user: str
+    permissions: Permissions
+    queues: list[QueueSpec]
+    env: Callable[[str], str]  # the env file, given the URL
+
+
+def _accounts(job: str, clients: Sequence[str], hosts: Sequence[str]) -> list[_Account]:
+    accounts = [
+        _Account(
+            c,
+            client_user(job, c),
+            client_permissions(job, c),
+            client_queues(job, c),
+            partial(env_file, job, client=c),
+        )
+        for c in clients
+    ]
+    return accounts + [
+        _Account(
+            h,
+            host_user(job, h),
+            host_permissions(job, h),
+            [host_queue(job, h)],
+            partial(host_env_file, job, host=h),
+        )
+        for h in hosts
+    ]
+
+
+def _check_hosts(job: str, clients: Sequence[str], hosts: Sequence[str], users: set[str]) -> None:
+    """Refuse a client `H-<n>` beside a host `H` (either new or provisioned before)."""
+    all_hosts = {*hosts, *(h for u in users if (h := user_host(job, u)) is not None)}
+    all_clients = {*clients, *(c for u in users if (c := user_client(job, u)) is not None)}
+    clashes = sorted(c for c in all_clients if client_host(c) in all_hosts)
+    if clashes:
+        owners = ", ".join(sorted({str(client_host(c)) for c in clashes}))
+        raise ClientOfHostError(
+            f"job {job}: client ids {', '.join(clashes[:5])} have the shape <host>-<n> of the "
+            f"clients of host {owners}, which could speak for them; use another --prefix or "
+            "another host id"
+        )
+
+
 def provision(
     admin: RabbitAdmin,
     services: Broker,
@@ -118,37 +217,50 @@ def provision(
     url_template: str,
     out_dir: Path,
     force: bool = False,
+    hosts: Sequence[str] = (),
 ) -> list[Credentials]:
-    """Create each client's user and permissions, declare its reply queues with the services'
-    handle, and write its env file; returns what was written. Users of this job that exist
-    already are refused (`UsersExistError`, before anything is changed) unless `force`, which
-    gives them new passwords."""
-    users = {client: client_user(job, client) for client in clients}
-    existing = sorted(set(users.values()) & admin.users())
+    """Create each client's and host's user and permissions, declare its queues with the
+    services' handle, and write its env file; returns what was written. Users of this job that
+    exist already are refused (`UsersExistError`, before anything is changed) unless `force`,
+    which gives them new passwords; a client of a host's shape is always refused."""
+    accounts = _accounts(job, clients, hosts)
+    present = set(admin.users())
+    existing = sorted({a.user for a in accounts} & present)
     if existing and not force:
         raise UsersExistError(
             f"RabbitMQ users {', '.join(existing)} exist already (job {job} was provisioned "
             "before); resetting them would lock out the clients holding their passwords. "
             "Use --force to reset them anyway, or --revoke them first"
         )
-    services.declare([spec for client in clients for spec in client_queues(job, client)])
+    _check_hosts(job, clients, hosts, present)
+    services.declare([spec for account in accounts for spec in account.queues])
     written: list[Credentials] = []
-    for client in clients:
-        user, password = users[client], secrets.token_urlsafe(24)
-        admin.put_user(user, password)
-        admin.set_permissions(vhost, user, client_permissions(job, client))
-        url = client_url(url_template, user, password)
-        path = out_dir / f"{user}.env"  # per job too: jobs may share `out_dir` and ids
-        write_secret(path, env_file(job, url, client))
-        written.append(Credentials(client, user, password, url, path))
+    for account in accounts:
+        password = secrets.token_urlsafe(24)
+        admin.put_user(account.user, password)
+        admin.set_permissions(vhost, account.user, account.permissions)
+        url = client_url(url_template, account.user, password)
+        path = out_dir / f"{account.user}.env"  # per job too: jobs may share `out_dir` and ids
+        write_secret(path, account.env(url))
+        written.append(Credentials(account.name, account.user, password, url, path))
     return written
 
 
-def revoke(admin: RabbitAdmin, services: Broker, *, job: str, clients: Sequence[str]) -> None:
-    """Delete each client's user of this job, and the queues `provision` declared for it: they
-    are durable, so they would otherwise outlive the user, holding whatever replies were left
-    for it. Another job's users, even of the same client ids, are not touched."""
+def revoke(
+    admin: RabbitAdmin,
+    services: Broker,
+    *,
+    job: str,
+    clients: Sequence[str],
+    hosts: Sequence[str] = (),
+) -> None:
+    """Delete each client's and host's user of this job, and the queues `provision` declared
+    for it: they are durable, so they would otherwise outlive the user, holding whatever
+    replies were left for it. Another job's users, even of the same ids, are not touched."""
     for client in clients:
         admin.delete_user(client_user(job, client))
         for name in client_queue_names(job, client):
             services.delete_queue(name)
+    for host in hosts:
+        admin.delete_user(host_user(job, host))
+        services.delete_queue(host_queue_name(job, host))

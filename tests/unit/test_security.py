@@ -344,7 +344,7 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
     assert admin.permissions[("/", "j.edge-3")] == client_permissions("j", "edge-3")
     for creds in written:
         text = creds.path.read_text()
-        assert creds.user == f"j.{creds.client}" and creds.path.name == f"j.{creds.client}.env"
+        assert creds.user == f"j.{creds.name}" and creds.path.name == f"j.{creds.name}.env"
         assert stat.S_IMODE(os.stat(creds.path).st_mode) == 0o600
         assert (
             f"SPLITMQ_AMQP_URL=amqps://{creds.user}:{admin.passwords[creds.user]}@mq:5671/%2F"
@@ -354,7 +354,7 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
         env = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
         settings = load_settings(None, {**env, "SPLITMQ_JOB__NAME": "j"})
         assert amqp_user(settings.broker.amqp_url) == creds.user
-        assert default_client_id(settings) == creds.client  # `splitmq client` without --id
+        assert default_client_id(settings) == creds.name  # `splitmq client` without --id
         assert settings.broker.passive_declare and settings.security.per_client_users
         assert settings.broker.dead_letter_by_nack
     # The reply queues exist, so the clients' passive declares find them.
