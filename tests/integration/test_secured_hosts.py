@@ -1,0 +1,156 @@
+"""Client hosts in the secured mode against the real RabbitMQ (docs/deployment.md, "Security").
+
+`splitmq provision-clients --hosts edge,core` creates the host users `<job>.host.edge` and
+`<job>.host.core`, their env files and their host queues. Then:
+
+- edge can consume its own host queue, but not core's nor a client's reply queue
+  (ACCESS_REFUSED), and cannot declare (so cannot bind) anything;
+- with the coordinator running in the secured mode, edge's Join for its client edge-0 is
+  welcomed on edge's queue (the coordinator bound edge-0's key), and its HostHeartbeat renews
+  edge-0; a Join and a HostHeartbeat from edge claiming core's client core-0 are dead-lettered
+  with the reason, and nothing was bound for core-0 (its replies are unroutable).
+
+The users are revoked at the end (`--revoke --hosts`), and with them their host queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from broker.codec import decode, encode
+from broker.errors import BrokerError, UnroutableError
+from broker.messages import HostHeartbeat, Join, Message, Welcome, new_message_id
+from broker.rabbitmq import RabbitMQBroker, RabbitMQOptions
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    REPLIES_EXCHANGE,
+    host_queue,
+    host_queue_name,
+    reply_queue,
+    reply_queue_name,
+    reply_routing_key,
+)
+from broker.transport import PublishOptions
+from services.aggregator.aggregator import ensure_initial_version
+from services.algorithms.registry import build_strategy
+from services.cli.main import cli
+from services.common.backends import Backends
+from services.config.loading import load_settings
+from services.coordinator.coordinator import Coordinator
+from services.security.identity import host_user
+from tests.integration.test_secured_mode import (
+    CONFIG,
+    admin_or_skip,
+    client_handle,
+    dead_letters,
+    surviving_queues,
+)
+from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis]
+
+HOSTS = ("edge", "core")
+
+
+def provision_hosts(config: Path, out: Path, *extra: str) -> Result:
+    args = ["provision-clients", str(config), "--hosts", ",".join(HOSTS), "--out", str(out)]
+    return CliRunner().invoke(cli, [*args, *extra], catch_exceptions=False)
+
+
+def host_env(out: Path, job: str, host: str) -> dict[str, str]:
+    lines = (out / f"{host_user(job, host)}.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def send(handle: RabbitMQBroker, user: str, message: Message, marker: str) -> None:
+    options = PublishOptions(message_id=marker, user_id=user)
+    handle.publish(CONTROL_EXCHANGE, message.job, encode(message), options)
+
+
+def test_a_host_user_reads_its_own_clients_replies_only(
+    amqp_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    admin_or_skip(amqp_url)
+    job = f"t{uuid.uuid4().hex[:12]}"
+    config = tmp_path / "job.toml"
+    text = CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=job, algorithm="sfl_v2")
+    config.write_text(text)
+    settings = load_settings(config, {})
+    backends = Backends(settings.broker, settings.store)
+    declare_all(backends, settings, [])
+    out = tmp_path / "secrets"
+    services = backends.open_broker("test-services")
+    store = backends.open_store()
+    edge: RabbitMQBroker | None = None
+    try:
+        done = provision_hosts(config, out)
+        assert done.exit_code == 0, done.output
+        assert f"edge (user {host_user(job, 'edge')})" in done.output
+        services.declare([reply_queue(job, "solo")])  # a standalone client's queue
+        edge = client_handle(host_env(out, job, "edge"), "test-host-edge")
+        user = host_user(job, "edge")
+
+        # Confinement: its own queue yes; core's, a client's, and any declaring: no.
+        edge.declare([host_queue(job, "edge")])  # passive: provisioning declared it
+        edge.subscribe(host_queue_name(job, "edge"), prefetch=10)
+        for queue in (host_queue_name(job, "core"), reply_queue_name(job, "solo")):
+            with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
+                edge.subscribe(queue, prefetch=10)
+        binding = RabbitMQBroker(
+            host_env(out, job, "edge")["SPLITMQ_AMQP_URL"], RabbitMQOptions(give_up_after=10)
+        )
+        try:
+            with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
+                binding.declare([host_queue(job, "edge", "core-0")])  # a bind needs configure
+        finally:
+            binding.close()
+
+        strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
+        ensure_initial_version(store, settings, strategy, logging.getLogger("test"))
+        coordinator = Coordinator(settings, backends, poll_s=0.05)
+        with running([coordinator.run]):
+            steal = Join(job, "core-0", new_message_id(), 0, 10, 0, {"host": "core"})
+            send(edge, user, steal, "steal-join")
+            beat = HostHeartbeat(job, "core", new_message_id(), 1, {"core-0": 1})
+            send(edge, user, beat, "steal-beat")
+            own = Join(job, "edge-0", new_message_id(), 0, 10, 0, {"host": "edge"})
+            send(edge, user, own, "own-join")
+            delivery = edge.get(WAIT_S)
+            assert delivery is not None, "no Welcome for edge-0 on edge's queue"
+            edge.ack(delivery)
+            welcome = decode(delivery.body)
+            send(edge, user, HostHeartbeat(job, "edge", new_message_id(), 1, {"edge-0": 1}), "b")
+            send(edge, user, own, "own-join-again")  # after the heartbeat: one queue, in order
+            again = edge.get(WAIT_S)
+            assert again is not None
+            edge.ack(again)
+
+        assert isinstance(welcome, Welcome) and welcome.client == "edge-0"
+        found = dead_letters(services, job)
+        assert found["steal-join"] == (
+            f"client 'core-0' does not match the AMQP user {user!r}",
+            user,
+        )
+        assert found["steal-beat"] == (f"host 'core' does not match the AMQP user {user!r}", user)
+        assert set(found) == {"steal-join", "steal-beat"}
+        stats = coordinator.stats
+        assert (stats.joined, stats.rejoined, stats.host_members) == (1, 1, 1)
+        # Nothing routes core-0's replies anywhere: no binding was made for it.
+        with pytest.raises(UnroutableError):
+            services.publish(REPLIES_EXCHANGE, reply_routing_key(job, "core-0"), b"x")
+        assert services.queue_depth(host_queue_name(job, "core")) == 0
+    finally:
+        if edge is not None:
+            edge.close()
+        revoked = provision_hosts(config, out, "--revoke")
+        left = surviving_queues(backends, [host_queue_name(job, h) for h in HOSTS])
+        delete_all(backends, settings, ["solo"])
+        services.close()
+        store.close()
+        assert revoked.exit_code == 0, revoked.output
+        assert left == [], left  # `--revoke` deleted the host queues
