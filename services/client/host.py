@@ -20,11 +20,11 @@ import heapq
 import json
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -44,17 +44,15 @@ from services.client.hostlink import (
     SeatBroker,
 )
 from services.client.lending import KeptMemory, Memory, ModelPool, Seat, SpilledMemory
+from services.client.secured import secured_host_broker
 from services.client.stats import ClientStats
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
+from services.common.membership import HOST_INFO_KEY
 from services.config.root import Settings
 from services.data.loaders import Dataset
-from services.security.identity import CLIENT_ID
+from services.security.identity import client_host, host_id_problem
 
-# The info key of a hosted client's Joins naming its host (docs/architecture.md, "Client hosts").
-HOST_INFO_KEY = "host"
-# Longest host id: its clients' ids (`<host>-<index>`) must stay client ids (64 characters).
-HOST_ID_MAX = 48
 # Deliveries the host's consumer may hold unacknowledged: every online client's few replies.
 _PREFETCH_PER_CLIENT = 4
 _PREFETCH_MAX = 10_000
@@ -74,10 +72,9 @@ def hosted_client_id(host: str, index: int) -> str:
 
 
 def check_host_id(host: str) -> None:
-    if not CLIENT_ID.match(host) or len(host) > HOST_ID_MAX:
-        raise ClientSettingsError(
-            f"host id {host!r}: use 1-{HOST_ID_MAX} letters, digits, '_' or '-' (--host)"
-        )
+    problem = host_id_problem(host)
+    if problem is not None:
+        raise ClientSettingsError(f"{problem} (--host)")
 
 
 @dataclass
@@ -89,6 +86,8 @@ class HostStats:
     finished: bool = False  # a client was told the job is over
     job_status: str = ""
     per_client: dict[str, ClientStats] = field(default_factory=dict)
+    # Each ended session in the order they ended: (client, its stats).
+    per_session: list[tuple[str, ClientStats]] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # client -> its last session's error
     dispatch: DispatchStats = field(default_factory=DispatchStats)
     beat_messages: int = 0
@@ -184,7 +183,6 @@ class ClientHost:
             )
         if self.join_rate <= 0 or self.publishers < 1:
             raise ClientSettingsError("join rate must be > 0 and publishers >= 1")
-        self._owned = re.compile(rf"{re.escape(self.host)}-(0|[1-9][0-9]*)\Z")
         self._data = (
             self.dataset
             if isinstance(self.dataset, JobData)
@@ -195,13 +193,15 @@ class ClientHost:
         self._lock = threading.Lock()
 
     def owns(self, client: str) -> bool:
-        return self._owned.match(client) is not None
+        return client_host(client) == self.host
 
     def run(self, stop: threading.Event) -> HostStats:
         settings = self.settings
         job = settings.job.name
         stats = HostStats(clients=self.count)
-        opener = self.open_broker or (lambda name: self.backends.open_broker(name))
+        opener = self.open_broker or partial(
+            secured_host_broker, settings, self.backends, self.host
+        )
         models = ModelPool(lambda: job_model(settings))
         spec = host_queue(job, self.host)
         inbound = opener(f"splitmq-host-{self.host}")
@@ -378,6 +378,7 @@ class ClientHost:
                 self.logger.warning("host %s: client %s ended: %s", self.host, client, exc)
                 return
             with self._lock:
+                stats.per_session.append((client, one))
                 _add(per_client, one)
                 if one.join_s:
                     stats.join_s.append(one.join_s)

@@ -33,9 +33,8 @@ from broker.topology import CONTROL_EXCHANGE
 from broker.transport import PLAIN, Broker, Delivery, PublishOptions, QueueSpec, Refused
 from services.client.errors import ClientStopped
 from services.common.health import Beat
+from services.common.membership import HOST_HEARTBEAT_MEMBERS
 
-# A HostHeartbeat's members per message: well under the codec's map limit (4096 entries).
-BEAT_CHUNK = 1024
 _BEATS_KEPT = 50_000
 # How long the dispatcher waits for a delivery before it settles what clients queued.
 _SETTLE_EVERY_S = 0.02
@@ -326,9 +325,9 @@ class SeatBeats:
 
 
 class HostBeat(Beat):
-    """Every `interval_s`: one `HostHeartbeat` per `BEAT_CHUNK` members, then a keep-alive of
-    the publishing handles no client used lately. Written by its thread only: read the
-    counters after `stop`."""
+    """Every `interval_s`: one `HostHeartbeat` per `HOST_HEARTBEAT_MEMBERS` members, then a
+    keep-alive of the publishing handles no client used lately. Written by its thread only:
+    read the counters after `stop`."""
 
     ERRORS = (BrokerError,)
 
@@ -360,8 +359,8 @@ class HostBeat(Beat):
         members = self._roster.snapshot()
         clients = sorted(members)
         version = max(members.values(), default=0)
-        for start in range(0, len(clients), BEAT_CHUNK):
-            chunk = {c: members[c] for c in clients[start : start + BEAT_CHUNK]}
+        for start in range(0, len(clients), HOST_HEARTBEAT_MEMBERS):
+            chunk = {c: members[c] for c in clients[start : start + HOST_HEARTBEAT_MEMBERS]}
             message = HostHeartbeat(self._job, self._host, new_message_id(), version, chunk)
             body = encode(message)
             try:

@@ -1,5 +1,6 @@
-"""A client's broker handle in the secured mode: its own user, passive declares, dead letters
-by rejection, its user stamped on every publish (docs/deployment.md, "Security").
+"""A client's (or client host's) broker handle in the secured mode: its own user, passive
+declares, dead letters by rejection, its user stamped on every publish (docs/deployment.md,
+"Security").
 """
 
 from __future__ import annotations
@@ -11,23 +12,34 @@ from services.client.errors import ClientError
 from services.client.inference import BrokerTheta
 from services.common.backends import Backends
 from services.config.root import Settings
-from services.security.identity import amqp_user, client_user
+from services.security.identity import amqp_user, client_user, host_user
 
 
 def secured_client_broker(
     settings: Settings, backends: Backends, client_id: str, name: str
 ) -> Broker:
+    user = client_user(settings.job.name, client_id)
+    return _confined(settings, backends, user, f"client {client_id!r}", name)
+
+
+def secured_host_broker(settings: Settings, backends: Backends, host: str, name: str) -> Broker:
+    """A client host's handle: in the secured mode it logs in as the host's own user
+    (`splitmq provision-clients --hosts`), which reads only the host's queue."""
+    user = host_user(settings.job.name, host)
+    return _confined(settings, backends, user, f"client host {host!r}", name)
+
+
+def _confined(settings: Settings, backends: Backends, user: str, who: str, name: str) -> Broker:
     if not settings.security.per_client_users:
         return backends.open_broker(name)
     broker_settings = backends.broker_settings
-    user = client_user(settings.job.name, client_id)
     if broker_settings.kind == "rabbitmq":
         found = amqp_user(broker_settings.amqp_url)
         if found != user:
             raise ClientError(
-                f"client {client_id!r} of job {settings.job.name!r} logs in to RabbitMQ as "
-                f"{found!r}, not {user!r}: with security.per_client_users each client must use "
-                "its own user (the credentials `splitmq provision-clients` wrote for it)"
+                f"{who} of job {settings.job.name!r} logs in to RabbitMQ as {found!r}, not "
+                f"{user!r}: with security.per_client_users each client and client host must "
+                "use its own user (the credentials `splitmq provision-clients` wrote for it)"
             )
         # It may neither configure nor publish to splitmq.dead (its permissions, provision.py).
         confined = {"passive_declare": True, "dead_letter_by_nack": True}
