@@ -14,6 +14,7 @@ from services.cli.infer_cmd import infer
 from services.cli.provision_cmd import provision_clients
 from services.cli.role_cmds import aggregator, autoscale, client, coordinator, worker
 from services.cli.run_cmd import run, up
+from services.cli.traces_cmd import traces
 
 
 @click.group(cls=ErrorBoundary, context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,7 +49,7 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
 
 for command in (run, up, coordinator, aggregator, worker, client, doctor, experiment, check):
     cli.add_command(command)
-for command in (autoscale, dashboard, infer, provision_clients):
+for command in (autoscale, dashboard, infer, provision_clients, traces):
     cli.add_command(command)
 
 
