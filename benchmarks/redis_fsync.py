@@ -68,8 +68,8 @@ def start_redis(
     if replica_of is not None:
         argv += ["--replicaof", "127.0.0.1", str(replica_of)]
     argv += ["--repl-diskless-sync-delay", "0"]
-    log = (directory / "redis.log").open("ab")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    with (directory / "redis.log").open("ab") as log:  # the server keeps its own descriptor
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     client = redis.Redis(port=port, socket_connect_timeout=0.5)
     for _ in range(200):
         try:
