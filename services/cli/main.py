@@ -12,7 +12,7 @@ from services.cli.dashboard_cmd import dashboard
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
 from services.cli.provision_cmd import provision_clients
-from services.cli.role_cmds import aggregator, autoscale, client, coordinator, worker
+from services.cli.role_cmds import aggregator, autoscale, client, clients, coordinator, worker
 from services.cli.run_cmd import run, up
 from services.cli.traces_cmd import traces
 
@@ -47,7 +47,18 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
     ctx.obj = GroupOptions(config, debug)
 
 
-for command in (run, up, coordinator, aggregator, worker, client, doctor, experiment, check):
+for command in (
+    run,
+    up,
+    coordinator,
+    aggregator,
+    worker,
+    client,
+    clients,
+    doctor,
+    experiment,
+    check,
+):
     cli.add_command(command)
 for command in (autoscale, dashboard, infer, provision_clients, traces):
     cli.add_command(command)

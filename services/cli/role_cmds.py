@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import click
 
@@ -40,7 +41,7 @@ from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.preflight import StartInterrupted, check_services
-from services.security.identity import default_client_id
+from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 
 def _serve(
@@ -150,6 +151,120 @@ def client(
     cid = client_id or (default_client_id(settings) if secured else default_member_id("client-"))
     factory = partial(build_client, client_id=cid, partition=partition)
     _serve(settings, "client", factory, log, {"client": cid})
+
+
+@click.command()
+@config_argument
+@click.option("--count", type=click.IntRange(min=1), required=True, help="How many clients to run.")
+@click.option(
+    "--first",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Index of the first client: they are HOST-FIRST .. HOST-(FIRST+COUNT-1), and client i "
+    "trains on data partition i (hosts of one job take disjoint ranges).",
+)
+@click.option("--host", "host_id", help="Host id (default: host-HOSTNAME-PID-RANDOM).")
+@click.option(
+    "--partitions",
+    type=click.Choice(["index", "coordinator"]),
+    default="index",
+    show_default=True,
+    help="index: client i trains partition i; coordinator: the coordinator assigns free ones "
+    "(for hosts started alike, e.g. `docker compose up --scale clients=M`).",
+)
+@click.option(
+    "--trace",
+    "trace_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Availability trace (CSV client,online_from_s,online_to_s; docs/traces.md): each "
+    "client is online only in its intervals. Default: always online.",
+)
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Multiply the trace's times by this (0.01 replays a 10,000 s trace in 100 s).",
+)
+@click.option(
+    "--offline",
+    type=click.Choice(["vanish", "leave"]),
+    default="vanish",
+    show_default=True,
+    help="How a client goes offline: vanish (no word; the coordinator expires it) or leave.",
+)
+@click.option(
+    "--spill-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep idle clients' algorithm memory here (safetensors) instead of in RAM.",
+)
+@click.option(
+    "--join-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=100.0,
+    show_default=True,
+    help="Clients started per second at most.",
+)
+@click.option(
+    "--connections",
+    type=click.IntRange(min=1, max=64),
+    default=4,
+    show_default=True,
+    help="Publishing connections shared by the clients (plus one consuming).",
+)
+@click.option(
+    "--stats-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the host's and each client's counters here as JSON when it ends.",
+)
+@log_options
+def clients(
+    config: Path | None,
+    count: int,
+    first: int,
+    host_id: str | None,
+    partitions: str,
+    trace_file: Path | None,
+    time_scale: float,
+    offline: Literal["vanish", "leave"],
+    spill_dir: Path | None,
+    join_rate: float,
+    connections: int,
+    stats_file: Path | None,
+    log: LogOptions,
+) -> None:
+    """Run COUNT simulated clients in one process: a client host.
+
+    They share a handful of connections, one reply queue and one heartbeat, one copy of the
+    dataset and of the model code; a model is held only while a client trains
+    (docs/architecture.md, "Client hosts").
+    """
+    from services.client.traces import Trace
+    from services.runtime.roles import build_client_host
+
+    _, settings = load(config)
+    # In the secured mode a host is who its RabbitMQ user is (`provision-clients --hosts`).
+    user = amqp_user(settings.broker.amqp_url)
+    own = user_host(settings.job.name, user) if settings.security.per_client_users else None
+    host = host_id or own or default_member_id("host-")[:HOST_ID_MAX]
+    online = None
+    if trace_file is not None:
+        online = Trace.load(trace_file).scaled(time_scale).intervals
+    factory = partial(
+        build_client_host,
+        host=host,
+        count=count,
+        first=first,
+        by_index=partitions == "index",
+        online=online,
+        offline=offline,
+        spill_dir=spill_dir,
+        join_rate=join_rate,
+        publishers=connections,
+        stats_file=stats_file,
+    )
+    _serve(settings, "client", factory, log, {"client": host})
 
 
 @click.command()

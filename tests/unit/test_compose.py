@@ -34,6 +34,8 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 ROLES = ("coordinator", "aggregator", "worker", "client")
 # `splitmq autoscale` with the Docker backend, in the `autoscale` profile.
 AUTOSCALER = "autoscaler"
+# `splitmq clients`, client hosts, in the `hosts` profile.
+HOSTS = "clients"
 SCALED = ("worker", "client")
 CONTAINER_CONFIG = "/etc/splitmq/job.toml"
 
@@ -177,7 +179,7 @@ def gpu() -> dict[str, Any]:
 def test_required_services_are_defined(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert {"rabbitmq", "redis", *ROLES} <= set(services)
-    assert {name for name, _ in role_services(compose)} == {*ROLES, AUTOSCALER}
+    assert {name for name, _ in role_services(compose)} == {*ROLES, AUTOSCALER, HOSTS}
     # One image for every role: the same tag and the same build (the autoscaler's own image,
     # with the Docker SDK, is checked below).
     roles = [service for name, service in role_services(compose) if name != AUTOSCALER]
@@ -264,6 +266,20 @@ def test_job_toml_alone_names_rabbitmq_and_redis() -> None:
     assert urlparse(settings.broker.amqp_url).hostname == "rabbitmq"
     assert settings.store.kind == "redis"
     assert urlparse(settings.store.redis_url).hostname == "redis"
+
+
+def test_client_hosts_run_clients_whose_partitions_the_coordinator_assigns(
+    tmp_path: Path,
+) -> None:
+    env = {"SPLITMQ_CLIENTS": "1000", "SPLITMQ_CLIENTS_PER_HOST": "250"}
+    service = load_compose(BASE_FILE, env)["services"][HOSTS]
+    assert service["profiles"] == ["hosts"]
+    argv = service["command"]
+    name, ctx = parse_cli(Mounts.of(service, tmp_path).translate(argv))
+    assert name == HOSTS
+    assert ctx.params["count"] == 250 and ctx.params["partitions"] == "coordinator"
+    assert healthcheck_argv(service) == ["splitmq", "--config", CONTAINER_CONFIG, "check", "client"]
+    assert service_settings(service).clients.count == 1000
 
 
 def test_client_count_follows_the_environment(compose: dict[str, Any]) -> None:
@@ -697,10 +713,13 @@ def test_autoscaler_command_is_accepted_by_the_cli(compose: dict[str, Any], tmp_
     assert service["depends_on"]["worker"]["condition"] == "service_healthy"
 
 
-def test_autoscaler_is_off_unless_its_profile_is_enabled(compose: dict[str, Any]) -> None:
+def test_autoscaler_and_hosts_are_off_unless_their_profiles_are_enabled(
+    compose: dict[str, Any],
+) -> None:
     assert compose["services"][AUTOSCALER]["profiles"] == ["autoscale"]
+    assert compose["services"][HOSTS]["profiles"] == ["hosts"]
     for name, service in compose["services"].items():
-        assert name == AUTOSCALER or "profiles" not in service, name
+        assert name in (AUTOSCALER, HOSTS) or "profiles" not in service, name
 
 
 def test_autoscaler_sizes_this_projects_worker_service(compose: dict[str, Any]) -> None:
