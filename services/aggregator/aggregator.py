@@ -14,8 +14,9 @@ from broker.errors import VersionConflictError
 from broker.store import JOB_FAILED, NO_VERSION, JobStatus, WeightStore
 from broker.topology import updates_queue_name
 from broker.transport import Broker
+from services.aggregator.budget import SenderBudgets
 from services.aggregator.buffered import BufferClock
-from services.aggregator.core import Stats
+from services.aggregator.core import Core, Stats
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import MemberBook, UpdateScreen
 from services.aggregator.inbox import InboxStats, UpdateInbox
@@ -81,8 +82,12 @@ class Aggregator:
         evaluator: Evaluator | None = None,
         strategy: Strategy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pace: Callable[[], float] = time.monotonic,
         poll_s: float = 0.1,
     ) -> None:
+        """`clock` times the rounds (deadlines, round_s); `pace` what bounds costs per second
+        (reads of the members, `MemberBook`; the senders' budgets): a round clock held still
+        (a test's) must not freeze the view of the members."""
         self._settings = settings
         self._backends = backends
         self._sink = sink
@@ -92,6 +97,7 @@ class Aggregator:
             strategy or build_strategy(settings.algorithm.name, settings.algorithm.params())
         ).for_model(lambda: job_model(settings), settings.model.cut)
         self._clock = clock
+        self._pace = pace
         self._log = logging.getLogger("splitmq.aggregator")
         self._poll_s = poll_s
         self.stats = Stats()
@@ -147,16 +153,29 @@ class Aggregator:
             raise JobFailedError(ended.detail)
         return [], ended.text
 
+    def _member_book(self, store: WeightStore) -> MemberBook:
+        """Members read at most once a heartbeat interval between round openings (never more
+        often than once a second, the rate before there were intervals); one that left is
+        remembered for as long as a sync round may wait for it."""
+        clients, rounds = self._settings.clients, self._settings.rounds
+        refresh_s = max(1.0, clients.heartbeat_s)
+        return MemberBook(store, self.job, self._pace, refresh_s, 2 * rounds.deadline_s)
+
     def _drive(
         self, broker: Broker, store: WeightStore, stop: threading.Event
     ) -> tuple[list[VersionRecord], str]:
-        """Declare and subscribe, then the sync or the async clock until the job's end."""
+        """The sync or the async clock until the job's end."""
+        return self.core(broker, store, stop).run()
+
+    def core(self, broker: Broker, store: WeightStore, stop: threading.Event) -> Core:
+        """Declare and subscribe; the job's clock (sync or async) over `broker` and `store`,
+        ready to run."""
         broker.declare(self._settings.job_queues())
         prefetch = self._settings.clients.count + _PREFETCH_SLACK
         broker.subscribe(updates_queue_name(self.job), prefetch=prefetch)
         outbox = Outbox(broker, self.job, self._log)
         version = ensure_initial_version(store, self._settings, self._strategy, self._log)
-        members = MemberBook(store, self.job, self._clock)
+        members = self._member_book(store)
         partial = self._strategy.partial_client_updates
         inbox = UpdateInbox(
             broker,
@@ -167,9 +186,10 @@ class Aggregator:
             stats=self.inbox_stats,
             metrics=self._backends.metrics,
             senders=sender_check(self._settings),
+            budgets=SenderBudgets(clock=self._pace),
         )
         clock = BufferClock if self._settings.asynchronous_mode else RoundClock
-        core = clock(
+        return clock(
             self._settings,
             store,
             outbox,
@@ -183,4 +203,3 @@ class Aggregator:
             self._poll_s,
             self.stats,
         )
-        return core.run()

@@ -42,10 +42,12 @@ class SenderBudgets:
     rate_per_s: float = RATE_PER_S
     clock: Callable[[], float] = time.monotonic
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
+    _pruned_at: float = float("-inf")
 
     def spend(self, sender: str) -> bool:
         """Take one message's worth of `sender`'s budget; False when it has none left."""
         now = self.clock()
+        self._prune(now)
         bucket = self._buckets.setdefault(sender, _Bucket(float(self.burst), now))
         bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.rate_per_s)
         bucket.at = now
@@ -54,6 +56,17 @@ class SenderBudgets:
             return True
         bucket.refused += 1
         return False
+
+    def _prune(self, now: float) -> None:
+        """Forget the senders whose buckets have refilled (a fresh one is the same), once per
+        refill time: the buckets held are those of the senders of the last few seconds, not of
+        every member that ever sent."""
+        refill_s = self.burst / self.rate_per_s
+        if now - self._pruned_at < refill_s:
+            return
+        self._pruned_at = now
+        for sender in [s for s, b in self._buckets.items() if now - b.at >= refill_s]:
+            del self._buckets[sender]
 
     def refusal(self, sender: str) -> str:
         """The reason a message over `sender`'s budget is dead-lettered with."""

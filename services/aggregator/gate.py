@@ -7,9 +7,9 @@ and staleness are the gate's business (`round_gate.OpenRound` and `round_gate.Cl
 sync mode, `buffered.BufferClock` in async mode).
 
 Every read of the members goes through one `MemberBook`, so a client the clock put in a cohort
-is known to the screen by construction. A member that left stays known for the rest of the run
-(an update it sent just before is judged as anyone's); a stranger triggers a re-read, but only
-so many a second, so a flood of made-up ids is not a store read per message.
+is known to the screen by construction. A member that left stays known for a while (an update
+it sent just before is judged as anyone's); a stranger triggers a re-read, but only so many a
+second, so a flood of made-up ids is not a store read per message.
 """
 
 from __future__ import annotations
@@ -125,17 +125,27 @@ def masks_problem(
 
 # Re-reads of the members on a stranger: a burst of this many, then this many a second.
 _STRANGER_READS = 20
-# How often the clocks re-read the members (liveness, fresh records) while they take updates.
-_REREAD_S = 1.0
 
 
 @dataclass
 class MemberBook:
+    """The aggregator's view of the members: one read of them all (O(members) in the store and
+    here) at each round's opening, and while the clocks take updates at most once per
+    `refresh_s` (the heartbeat interval: liveness changes no faster than a member beats), never
+    once per poll. A member that left stays known for `keep_s` after the read that missed it,
+    then is forgotten, so what the book holds is bounded by the live members and the recent
+    departures, not by every member ever seen."""
+
     store: WeightStore
     job: str
     clock: Callable[[], float] = time.monotonic
-    # Every member seen this run (the newest record of each).
-    known: dict[str, MemberInfo] = field(default_factory=dict)
+    refresh_s: float = 1.0
+    keep_s: float = 240.0
+    # The live client members at the last read.
+    live_now: dict[str, MemberInfo] = field(default_factory=dict)
+    # Members gone at a read since `keep_s`: their last record and when they were missed.
+    departed: dict[str, tuple[MemberInfo, float]] = field(default_factory=dict)
+    reads: int = 0  # reads of the members from the store
 
     def __post_init__(self) -> None:
         self._rereads = SenderBudgets(_STRANGER_READS, _STRANGER_READS, self.clock)
@@ -144,17 +154,27 @@ class MemberBook:
     def live(self) -> dict[str, MemberInfo]:
         """The live client members, read from the store now (and remembered)."""
         live = client_members(self.store, self.job)
-        self.known.update(live)
-        self._read_at = self.clock()
+        now = self.clock()
+        self.reads += 1
+        for client in self.live_now.keys() - live.keys():
+            self.departed[client] = (self.live_now[client], now)
+        for client in self.departed.keys() & live.keys():
+            del self.departed[client]
+        for client in [c for c, (_, at) in self.departed.items() if now - at >= self.keep_s]:
+            del self.departed[client]
+        self.live_now = live
+        self._read_at = now
         return live
 
     def recent(self) -> dict[str, MemberInfo] | None:
-        """The live members if the last read is `_REREAD_S` old (read again now), else None."""
-        return self.live() if self.clock() - self._read_at >= _REREAD_S else None
+        """The live members if the last read is `refresh_s` old (read again now), else None."""
+        return self.live() if self.clock() - self._read_at >= self.refresh_s else None
 
     def get(self, client: str) -> MemberInfo | None:
-        """`client`'s record if it is or was a member this run, else None."""
-        info = self.known.get(client)
+        """`client`'s record if it is a member, or left within `keep_s`, else None."""
+        info = self.live_now.get(client)
+        if info is None and client in self.departed:
+            info = self.departed[client][0]
         if info is None and self._rereads.spend(STRANGERS):
             info = self.live().get(client)
         return info

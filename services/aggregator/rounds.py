@@ -50,7 +50,7 @@ def cohort_shards(cohort: Mapping[str, MemberInfo]) -> dict[int, dict[str, Confi
 
 @dataclass
 class RoundClock(Core):
-    # Members already reported as not ready (no training samples): logged once each.
+    # Live members reported as not ready (no training samples): logged once each while so.
     _unready: set[str] = field(default_factory=set, init=False)
 
     def start(self, version: int) -> None:
@@ -98,21 +98,23 @@ class RoundClock(Core):
         # Before round r opens, its updates can only come from an earlier attempt at it (this
         # run's, or a predecessor's): late, not malformed.
         gate = ClosedGate(r)
+        ready = self._ready(self.members.live())  # the round's one read of all the members
         while not self.stop.is_set():
-            ready = self._ready(self.members.live())
             timed_out = self.clock() - since >= clients.start_timeout_s
             if len(ready) >= need or (ready and timed_out):
                 return ready
             # Polling the updates queue doubles as the wait, and answers late updates meanwhile.
             self.inbox.poll(self.poll_s, gate, version)
+            if (live := self.members.recent()) is not None:
+                ready = self._ready(live)
         return None
 
     def _ready(self, live: dict[str, MemberInfo]) -> dict[str, MemberInfo]:
         """The members a round can count on: those with training samples (`MemberInfo.ready`).
         The others wait out of the cohorts (and are dismissed with the rest at the end)."""
         ready = {c: m for c, m in live.items() if m.ready}
-        for client in sorted(live.keys() - ready.keys() - self._unready):
-            self._unready.add(client)
+        unready = live.keys() - ready.keys()
+        for client in sorted(unready - self._unready):
             self.log.info(
                 "job %s: client %s (partition %d) has no training samples (yet): it is left "
                 "out of the cohorts until it reports some",
@@ -120,6 +122,7 @@ class RoundClock(Core):
                 client,
                 live[client].partition,
             )
+        self._unready = unready
         return ready
 
     def _open(self, version: int, attempt: int, earlier: frozenset[str]) -> OpenRound | None:

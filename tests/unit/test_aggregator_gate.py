@@ -18,8 +18,9 @@ from services.aggregator.round_gate import (
     quorum_size,
     sample_cohort,
 )
-from services.common.membership import MemberInfo
+from services.common.membership import MemberInfo, member_id
 from services.config.job import ClientsSection
+from tests.unit.test_aggregator_peers import ManualClock, add_member
 
 REF = {"blocks.0.weight": torch.zeros(2, 3), "blocks.0.bias": torch.zeros(2)}
 
@@ -108,9 +109,30 @@ def test_verdicts() -> None:
     assert ClosedGate(2).offer(update("a")).verdict is Verdict.REJECT
 
 
+def test_the_book_reads_the_members_once_a_refresh_and_forgets_who_left() -> None:
+    clock, store = ManualClock(), InMemoryWeightStore()
+    book = MemberBook(store, "j", clock, refresh_s=2.0, keep_s=10.0)
+    for client in "ab":
+        add_member(store, "j", client, samples=10)
+    assert set(book.live()) == {"a", "b"}
+    store.remove_member("j", member_id("a"))
+    clock.advance(1.9)
+    assert [book.recent() for _ in range(100)] == [None] * 100  # polls read nothing
+    assert book.reads == 1
+    clock.advance(0.1)
+    assert set(book.recent() or {}) == {"b"}
+    assert book.reads == 2
+    assert book.get("a") is not None  # left lately: an update it sent is judged as anyone's
+    clock.advance(10.0)
+    book.live()
+    assert set(book.departed) == set()
+    assert book.get("a") is None  # a stranger now (its re-read finds nothing)
+    assert book.reads == 4
+
+
 def screen(*members: str) -> UpdateScreen:
     book = MemberBook(InMemoryWeightStore(), "j")
-    book.known.update(cohort(*members))
+    book.live_now.update(cohort(*members))
     return UpdateScreen(book, reference_of(REF), {})
 
 
