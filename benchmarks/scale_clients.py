@@ -43,8 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.common import machine_line, percentile, write_section
-from benchmarks.soak import Children, SoakReport, Tap, account
-from broker.topology import host_queue_name, job_queues
+from benchmarks.soak import Children, SoakReport, Tap, account, clear_job
+from broker.topology import host_queue_name
 from services.client.trace_model import DiurnalModel, generate
 from services.client.traces import Trace
 from services.common.backends import Backends
@@ -310,20 +310,7 @@ def broker_facts() -> tuple[float, int, int, int]:
 
 
 def clear(settings: Settings, backends: Backends, hosts: list[str]) -> None:
-    job = settings.job.name
-    broker = backends.open_broker("splitmq-scale-clear", give_up_after=30.0)
-    try:
-        for spec in job_queues(job, settings.shards):
-            broker.delete_queue(spec.name)
-        for host in hosts:
-            broker.delete_queue(host_queue_name(job, host))
-    finally:
-        broker.close()
-    store = backends.open_store()
-    try:
-        store.delete_job(job)
-    finally:
-        store.close()
+    clear_job(settings, backends, [host_queue_name(settings.job.name, h) for h in hosts])
 
 
 def run_point(cfg: ScaleConfig) -> ScaleReport:

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -573,8 +573,14 @@ def account(
         broker.close()
 
 
-def clear_job(settings: Settings, backends: Backends) -> None:
+def clear_job(
+    settings: Settings, backends: Backends, reply_queues: Sequence[str] | None = None
+) -> None:
+    """Delete the job's queues and store keys; `reply_queues`: the clients' queues (default:
+    those of the soak's clients `client-<i>`)."""
     job = settings.job.name
+    if reply_queues is None:
+        reply_queues = [reply_queue_name(job, f"client-{i}") for i in range(settings.clients.count)]
     broker = backends.open_broker("splitmq-soak-clear", give_up_after=30.0)
     try:
         limits = QueueLimits(
@@ -582,8 +588,8 @@ def clear_job(settings: Settings, backends: Backends) -> None:
         )
         for spec in job_queues(job, settings.shards, limits):
             broker.delete_queue(spec.name)
-        for i in range(settings.clients.count):
-            broker.delete_queue(reply_queue_name(job, f"client-{i}"))
+        for name in reply_queues:
+            broker.delete_queue(name)
     finally:
         broker.close()
     store = backends.open_store()

@@ -16,6 +16,7 @@ The users are revoked at the end (`--revoke --hosts`), and with them their host 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from pathlib import Path
 
@@ -39,10 +40,15 @@ from broker.transport import PublishOptions
 from services.aggregator.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.cli.main import cli
+from services.client.host import ClientHost
 from services.common.backends import Backends
+from services.common.supervise import RoleSpec, Supervisor
 from services.config.loading import load_settings
 from services.coordinator.coordinator import Coordinator
-from services.security.identity import host_user
+from services.data.loaders import load_dataset
+from services.report.records import ListSink
+from services.runtime.roles import build_aggregator, build_coordinator, build_worker
+from services.security.identity import amqp_user, host_user
 from tests.integration.test_secured_mode import (
     CONFIG,
     admin_or_skip,
@@ -154,3 +160,52 @@ def test_a_host_user_reads_its_own_clients_replies_only(
         store.close()
         assert revoked.exit_code == 0, revoked.output
         assert left == [], left  # `--revoke` deleted the host queues
+
+
+def test_a_secured_host_trains_a_job_as_its_own_user(
+    amqp_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """End to end: the services in the secured mode, and a client host of three clients that
+    logs in as the host user `provision-clients --hosts` made (confined: passive declares,
+    its user stamped on every publish); the job trains to its end."""
+    admin_or_skip(amqp_url)
+    job = f"t{uuid.uuid4().hex[:12]}"
+    config = tmp_path / "job.toml"
+    text = CONFIG.format(amqp_url=amqp_url, redis_url=redis_url, job=job, algorithm="sfl_v2")
+    config.write_text(text.replace("count = 2\nmin_to_start = 2", "count = 3\nmin_to_start = 3"))
+    services = load_settings(config, {})
+    services = services.model_copy(
+        update={
+            "job": services.job.model_copy(update={"rounds": 2}),
+            "algorithm": services.algorithm.model_copy(update={"max_steps_per_round": 2}),
+        }
+    )
+    backends = Backends(services.broker, services.store)
+    declare_all(backends, services, [])
+    out = tmp_path / "secrets"
+    try:
+        done = provision_hosts(config, out)
+        assert done.exit_code == 0, done.output
+        env = {k: v for k, v in host_env(out, job, "edge").items() if k.startswith("SPLITMQ_")}
+        hosted = load_settings(config, env).model_copy(
+            update={"job": services.job, "algorithm": services.algorithm}
+        )
+        assert amqp_user(hosted.broker.amqp_url) == host_user(job, "edge")
+        data = load_dataset("fashion_mnist_sample", env={})
+        host = ClientHost(
+            hosted, Backends(hosted.broker, hosted.store), host="edge", count=3, dataset=data
+        )
+        sink = ListSink()
+        roles = [
+            RoleSpec("aggregator", "aggregator", build_aggregator(services, backends, sink=sink)),
+            RoleSpec("coordinator", "coordinator", build_coordinator(services, backends)),
+            RoleSpec("worker", "worker", build_worker(services, backends, worker_id="w0")),
+            RoleSpec("host", "client", host),
+        ]
+        outcome = Supervisor(roles, threading.Event()).run()
+        assert outcome.status == "finished"
+        assert len(sink.records) == 2 and all(r.participants == 3 for r in sink.records)
+    finally:
+        revoked = provision_hosts(config, out, "--revoke")
+        delete_all(backends, services, [])
+        assert revoked.exit_code == 0, revoked.output
