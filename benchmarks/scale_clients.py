@@ -39,10 +39,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.common import machine_line, percentile, write_section
+from benchmarks.common import DOCS_PATH, machine_line, percentile, write_section
 from benchmarks.soak import Children, SoakReport, Tap, account, clear_job
 from broker.topology import host_queue_name
 from services.client.trace_model import DiurnalModel, generate
@@ -54,6 +55,7 @@ from services.config.root import Settings
 LOG = logging.getLogger("benchmarks.scale_clients")
 _CTL_EVERY_S = 15.0
 SECTION = "scale-clients"
+PLOT = Path("scale_clients.png")
 
 
 @dataclass
@@ -63,6 +65,8 @@ class ScaleConfig:
     fraction: float = 0.1
     rounds: int = 5
     per_host: int = 500
+    # `splitmq client` processes beside the hosts, on the partitions after the hosts' clients.
+    standalone: int = 0
     workers: int = 2
     churn: str = "trace"  # "trace" or "none"
     dataset: str = "fashion_mnist"
@@ -106,6 +110,7 @@ class ScaleReport:
     duplicates: int = 0
     dead_lettered: int = 0
     clients_sent_ne_applied: int = 0
+    standalone_rounds: int = 0  # rounds the standalone clients' logs say they uploaded
     uploaded: int = 0  # FedAvg: rounds the clients uploaded
     counted: int = 0  # FedAvg: updates in versions
     load_before: float = 0.0
@@ -146,7 +151,7 @@ lr = 0.05
 momentum = 0.9
 
 [clients]
-count = {cfg.clients}
+count = {cfg.clients + cfg.standalone}
 fraction = {cfg.fraction}
 min_to_start = {max(1, int(cfg.clients * 0.8))}
 start_timeout_s = 300.0
@@ -351,6 +356,9 @@ def run_point(cfg: ScaleConfig) -> ScaleReport:
             if cfg.churn == "trace":
                 args += ["--trace", str(trace)]
             children.start(host, "clients", *args)
+        for i in range(cfg.standalone):
+            partition = str(cfg.clients + i)
+            children.start(f"solo-{i}", "client", "--id", f"solo-{i}", "--partition", partition)
         sampler.start()
         aggregator = children.procs["aggregator"]
         while aggregator.poll() is None and time.monotonic() - t0 < cfg.timeout_s:
@@ -361,10 +369,10 @@ def run_point(cfg: ScaleConfig) -> ScaleReport:
             else ("finished" if aggregator.returncode == 0 else "aggregator failed")
         )
         deadline = time.monotonic() + 120.0
-        while children.alive("h") and time.monotonic() < deadline:
+        while (children.alive("h") or children.alive("solo-")) and time.monotonic() < deadline:
             time.sleep(0.5)
         report.wall_s = time.monotonic() - t0
-        children.stop("h")
+        children.stop("h", "solo-")
         children.stop("worker-", "coordinator", "aggregator")
         if tap is not None:
             tap.drain()
@@ -384,6 +392,7 @@ def run_point(cfg: ScaleConfig) -> ScaleReport:
     report.redis_used_mib = round(redis_used_mib(cfg.redis_url), 2)
     report.redis_peak_mib = round(sampler.redis_peak, 2)
     _read_hosts(report, out, hosts)
+    report.standalone_rounds = _standalone_rounds(out, cfg.standalone)
     _read_metrics(report, run_dir)
     if tap is not None:
         soak = SoakReport(job=job, chaos=False, status=report.status)
@@ -449,6 +458,16 @@ def _read_metrics(report: ScaleReport, run_dir: Path) -> None:
             report.rounds_per_min = round(60 * (len(records) - 1) / span, 2)
 
 
+def _standalone_rounds(out: Path, count: int) -> int:
+    """Rounds the standalone clients uploaded, from their last log line ("... after N rounds")."""
+    total = 0
+    for i in range(count):
+        for log in out.glob(f"solo-{i}.*.log"):
+            found = re.findall(r"after (\d+) rounds", log.read_text(errors="replace"))
+            total += int(found[-1]) if found else 0
+    return total
+
+
 def _per_client_mismatches(out: Path, hosts: list[str], tap: Tap) -> int:
     """Clients whose own count of batches sent differs from the tap's (the broker's word)."""
     bad = 0
@@ -479,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-host", type=int, default=500)
     parser.add_argument("--churn", choices=["trace", "none"], default="trace")
+    parser.add_argument("--standalone", type=int, default=0, help="splitmq client processes too")
+    parser.add_argument("--from-json", type=Path, help="only write the docs from an earlier run")
     parser.add_argument("--dataset", default="fashion_mnist")
     parser.add_argument("--out-dir", default="")
     parser.add_argument("--json", type=Path)
@@ -486,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("pika").setLevel(logging.WARNING)
-    reports = []
+    reports: list[ScaleReport] = []
+    if args.from_json:
+        reports = [ScaleReport(**r) for r in json.loads(args.from_json.read_text())]
+        args.algorithms = []
     for algorithm in args.algorithms:
         for clients in args.clients:
             cfg = ScaleConfig(
@@ -496,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                 rounds=args.rounds,
                 per_host=args.per_host,
                 churn=args.churn,
+                standalone=args.standalone,
                 dataset=args.dataset,
                 out_dir=args.out_dir,
             )
@@ -506,9 +531,75 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in reports], indent=2))
     if args.write_docs:
+        plot(reports, DOCS_PATH.parent / PLOT.name)
         write_section(SECTION, table(reports, " ".join(sys.argv[1:])))
     ok = all(r.status == "finished" and not r.lost and not r.dead_lettered for r in reports)
     return 0 if ok else 1
+
+
+def marginal_kib(reports: list[ScaleReport]) -> float | None:
+    """RSS per extra client on a host: the least-squares slope of the hosts' RSS against the
+    clients, after a fixed cost per host (Python, torch, the dataset)."""
+    points = [(r.hosts, r.clients, r.hosts_rss_mib) for r in reports if r.hosts_rss_mib]
+    if len({(h, c) for h, c, _ in points}) < 2:
+        return None
+    import numpy as np
+
+    design = np.array([[h, c] for h, c, _ in points], dtype=float)
+    rss = np.array([m for _, _, m in points], dtype=float)
+    (_, per_client), *_ = np.linalg.lstsq(design, rss, rcond=None)
+    return round(float(per_client) * 1024, 1)
+
+
+def plot(reports: list[ScaleReport], path: Path) -> None:
+    """Hosts' RSS, rounds per minute and join latency against the clients, per algorithm."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11.0, 3.4), dpi=100)
+    FigureCanvasAgg(figure)
+
+    def hosts_rss(r: ScaleReport) -> float:
+        return r.hosts_rss_mib
+
+    def rounds_per_min(r: ScaleReport) -> float:
+        return r.rounds_per_min
+
+    panels: list[tuple[str, Callable[[ScaleReport], float] | None]] = [
+        ("client hosts' RSS (MiB)", hosts_rss),
+        ("rounds per minute", rounds_per_min),
+        ("join latency p50 / p99 (ms)", None),
+    ]
+    for k, (title, value) in enumerate(panels, start=1):
+        axes = figure.add_subplot(1, 3, k)
+        for algorithm, marker in (("sfl", "o"), ("fedavg", "s")):
+            rows = sorted((r for r in reports if r.algorithm == algorithm), key=lambda r: r.clients)
+            if not rows:
+                continue
+            xs = [r.clients for r in rows]
+            if value is None:
+                axes.plot(
+                    xs,
+                    [r.join_ms.get("p50", 0) for r in rows],
+                    marker=marker,
+                    label=f"{algorithm} p50",
+                )
+                axes.plot(
+                    xs,
+                    [r.join_ms.get("p99", 0) for r in rows],
+                    marker=marker,
+                    linestyle="--",
+                    label=f"{algorithm} p99",
+                )
+            else:
+                axes.plot(xs, [value(r) for r in rows], marker=marker, label=algorithm)
+        axes.set_title(title, fontsize=10)
+        axes.set_xlabel("live clients")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
 
 
 def table(reports: list[ScaleReport], command: str) -> str:
@@ -531,6 +622,14 @@ def table(reports: list[ScaleReport], command: str) -> str:
             f"{r.sent or r.uploaded} | {r.applied or r.counted} | {r.lost} | "
             f"{r.dead_lettered} | {r.offline_events} |"
         )
+    slope = marginal_kib(reports)
+    if slope is not None:
+        lines += [
+            "",
+            f"RSS per extra client on a host (least squares over the points above, after a "
+            f"fixed cost per host): {slope:.0f} KiB.",
+        ]
+    lines += ["", f"![scale]({PLOT.name})"]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import KW_ONLY, InitVar, dataclass, replace
 
 import torch
@@ -50,7 +51,7 @@ from services.client.errors import (
     StaleWeights,
     Superseded,
 )
-from services.client.lending import KeptMemory, Memory, Models, OwnModel, Seat
+from services.client.lending import ComputeGate, KeptMemory, Memory, Models, OwnModel, Seat
 from services.client.link import BrokerChannel, ClientLink, Tally
 from services.client.plan import RoundPlan, config_int
 from services.client.secured import secured_client_broker
@@ -233,7 +234,9 @@ class Client:
             job_hyper(settings).client_optimizer(seat.models.reference.parameters())
             joined = self._join(link)
             if joined is not None:
-                runner = RoundRunner(link, seat.models, seat.memory, self._data, settings.job.seed)
+                runner = RoundRunner(
+                    link, seat.models, seat.memory, seat.compute, self._data, settings.job.seed
+                )
                 self._serve(link, runner, *joined)
         except ClientStopped:
             reason = "stopped"
@@ -275,6 +278,7 @@ class Client:
             models=OwnModel(job_model(settings)),
             memory=KeptMemory(),
             join_info={},
+            compute=ComputeGate(),
         )
 
     # --- join -------------------------------------------------------------------------------------
@@ -513,6 +517,7 @@ class RoundRunner:
     # The algorithm's per-client tensors across rounds (`ClientContext.memory`), with the
     # algorithm they belong to: cleared when the job switches algorithm.
     memory: Memory
+    compute: ComputeGate
     data: JobData
     seed: int
 
@@ -552,18 +557,23 @@ class RoundRunner:
             memory=memory,
             local_accuracy=lambda module: self._local_accuracy(index, module),
         )
+        # A whole-model round waits on nothing: it computes within the host's gate.
+        gate: AbstractContextManager[None] = (
+            nullcontext() if member.strategy.splits else self.compute.held()
+        )
         try:
-            result = member.strategy.client_round(
-                LocalRound(
-                    model,
-                    member.cut,
-                    self._ticking(batches),
-                    steps,
-                    channel,
-                    plan.hyper,
-                    context,
+            with gate:
+                result = member.strategy.client_round(
+                    LocalRound(
+                        model,
+                        member.cut,
+                        self._ticking(batches),
+                        steps,
+                        channel,
+                        plan.hyper,
+                        context,
+                    )
                 )
-            )
         finally:
             if hook is not None:
                 hook.remove()
@@ -626,7 +636,7 @@ class RoundRunner:
         if not len(picked):
             return 0.0
         correct = 0
-        with evaluating([model]):
+        with self.compute.held(), evaluating([model]):
             for chunk in picked.split(EVAL_CHUNK):
                 logits = model(test.x.index_select(0, chunk))
                 correct += int((logits.argmax(dim=1) == test.y.index_select(0, chunk)).sum())

@@ -20,6 +20,7 @@ import heapq
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +44,14 @@ from services.client.hostlink import (
     SeatBeats,
     SeatBroker,
 )
-from services.client.lending import KeptMemory, Memory, ModelPool, Seat, SpilledMemory
+from services.client.lending import (
+    ComputeGate,
+    KeptMemory,
+    Memory,
+    ModelPool,
+    Seat,
+    SpilledMemory,
+)
 from services.client.secured import secured_host_broker
 from services.client.stats import ClientStats
 from services.common.backends import Backends
@@ -171,6 +179,8 @@ class ClientHost:
     # coordinator at the same time).
     join_rate: float = 100.0
     publishers: int = 4
+    # Clients at a time in work that waits on nothing (`ComputeGate`); default: 2 per core.
+    compute_slots: int = field(default_factory=lambda: 2 * (os.cpu_count() or 1))
     stats_file: Path | None = None  # where `run` writes its stats as JSON at the end
     open_broker: Callable[[str], Broker] | None = None  # the host's handles; default: backends
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("splitmq.host"))
@@ -203,6 +213,7 @@ class ClientHost:
             secured_host_broker, settings, self.backends, self.host
         )
         models = ModelPool(lambda: job_model(settings))
+        compute = ComputeGate(self.compute_slots)
         spec = host_queue(job, self.host)
         inbound = opener(f"splitmq-host-{self.host}")
         handles: list[Broker] = []
@@ -243,7 +254,7 @@ class ClientHost:
                 self.count,
                 spec.name,
             )
-            self._schedule(stop, stats, dispatcher, pool, roster, models)
+            self._schedule(stop, stats, dispatcher, pool, roster, models, compute)
         finally:
             self._stop_all(stats)
             if beat is not None:
@@ -288,6 +299,7 @@ class ClientHost:
         pool: Publishers,
         roster: Roster,
         models: ModelPool,
+        compute: ComputeGate,
     ) -> None:
         """Start and stop clients as their intervals say until the job is over (every online
         client was dismissed, or stopped) or `stop`."""
@@ -316,7 +328,7 @@ class ClientHost:
                     if wait > 0 and stop.wait(wait):
                         return
                     next_start = max(time.monotonic(), next_start) + gap
-                    self._go_online(index, client, stats, dispatcher, pool, roster, models)
+                    self._go_online(index, client, stats, dispatcher, pool, roster, models, compute)
             self._reap(stats)
             if stats.finished and not self._sessions:
                 return
@@ -333,6 +345,7 @@ class ClientHost:
         pool: Publishers,
         roster: Roster,
         models: ModelPool,
+        compute: ComputeGate,
     ) -> None:
         if client in self._sessions:
             return  # overlapping intervals: it is online already
@@ -355,6 +368,7 @@ class ClientHost:
             models=models,
             memory=memory,
             join_info={HOST_INFO_KEY: self.host},
+            compute=compute,
         )
         in_range = index < self.settings.clients.count
         partition = index if self.by_index and in_range else None

@@ -89,6 +89,34 @@ class ModelPool:
                 self._free.append(model)
 
 
+class ComputeGate:
+    """At most `slots` clients of a host at a time in work that waits on nothing (a
+    whole-model round, a local evaluation), so what that work holds at its peak (activations,
+    a test chunk) is bounded by the slots, not by the cohort. A split round's steps wait on
+    the broker and are not gated: a step barrier (MiniBatch-SFL) needs the whole cohort
+    training at once. Reentrant within a thread; `None` slots: no limit (a standalone client)."""
+
+    def __init__(self, slots: int | None = None) -> None:
+        if slots is not None and slots < 1:
+            raise ValueError(f"compute slots must be >= 1, got {slots}")
+        self._slots = None if slots is None else threading.BoundedSemaphore(slots)
+        self._depth = threading.local()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        depth: int = getattr(self._depth, "n", 0)
+        first = depth == 0 and self._slots is not None
+        if first and self._slots is not None:
+            self._slots.acquire()
+        self._depth.n = depth + 1
+        try:
+            yield
+        finally:
+            self._depth.n = depth
+            if first and self._slots is not None:
+                self._slots.release()
+
+
 class Memory(Protocol):
     """One client's algorithm memory between its rounds, with the algorithm it belongs to."""
 
@@ -150,3 +178,4 @@ class Seat:
     models: Models
     memory: Memory
     join_info: Mapping[str, str]
+    compute: ComputeGate
