@@ -114,6 +114,7 @@ class ScaleReport:
     uploaded: int = 0  # FedAvg: rounds the clients uploaded
     counted: int = 0  # FedAvg: updates in versions
     load_before: float = 0.0
+    command: str = ""  # the command line that measured it
     problems: list[str] = field(default_factory=list)
 
 
@@ -329,6 +330,7 @@ def run_point(cfg: ScaleConfig) -> ScaleReport:
     hosts = [f"h{i}" for i in range(math.ceil(cfg.clients / cfg.per_host))]
     report = ScaleReport(cfg.clients, cfg.algorithm, len(hosts))
     report.load_before = os.getloadavg()[0]
+    report.command = " ".join(["python -m benchmarks.scale_clients", *sys.argv[1:]])
     clear(settings, backends, hosts)
     # A round trains 10% of the members for a few steps: the run is joins plus 5 short rounds.
     expected_s = 60.0 + 20.0 * cfg.rounds
@@ -532,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([asdict(r) for r in reports], indent=2))
     if args.write_docs:
         plot(reports, DOCS_PATH.parent / PLOT.name)
-        write_section(SECTION, table(reports, " ".join(sys.argv[1:])))
+        write_section(SECTION, table(reports))
     ok = all(r.status == "finished" and not r.lost and not r.dead_lettered for r in reports)
     return 0 if ok else 1
 
@@ -602,34 +604,56 @@ def plot(reports: list[ScaleReport], path: Path) -> None:
     figure.savefig(path, format="png")
 
 
-def table(reports: list[ScaleReport], command: str) -> str:
+def table(reports: list[ScaleReport]) -> str:
+    commands = sorted({r.command for r in reports})
+    loads = ", ".join(f"{r.load_before:.1f}" for r in reports)
     lines = [
         "## Cross-device scale: client hosts (issue 13)",
         "",
-        f"`python -m benchmarks.scale_clients {command}`; {machine_line()}.",
+        *(f"`{c}`" for c in commands),
         "",
-        "| algorithm | clients | hosts | status | rounds/min | hosts RSS MiB | KiB/client | "
-        "broker MiB | Redis MiB | join p50/p99 ms | beat p50/p99 ms | msg/s | sent | applied "
-        "| lost | dead | offline events |",
-        "|---|" + "---|" * 16,
+        f"{machine_line()}; load average before each point, in the table's order: {loads} "
+        "(the points run back to back: each one's load is mostly its predecessor's). RabbitMQ "
+        "and Redis are this machine's single nodes; each point is one job of separate processes "
+        "(aggregator, coordinator, two workers for SFL, `splitmq clients` hosts of up to 500).",
+        "",
+        "| algorithm | clients | hosts | status | rounds/min | hosts' RSS MiB (all-in KiB per "
+        "client) | broker MiB | Redis peak MiB | join p50/p99 ms | heartbeat p50/p99 ms | msg/s "
+        "| sent | applied | lost | dead letters | offline events |",
+        "|---|" + "---|" * 15,
     ]
     for r in reports:
         lines.append(
             f"| {r.algorithm} | {r.clients} | {r.hosts} | {r.status} | {r.rounds_per_min} | "
-            f"{r.hosts_rss_mib} | {r.per_client_kib} | {r.broker_status_mib:.0f} | "
-            f"{r.redis_used_mib} | {r.join_ms.get('p50')}/{r.join_ms.get('p99')} | "
+            f"{r.hosts_rss_mib:.0f} ({r.per_client_kib:.0f}) | {r.broker_status_mib:.0f} | "
+            f"{r.redis_peak_mib} | {r.join_ms.get('p50')}/{r.join_ms.get('p99')} | "
             f"{r.heartbeat_ms.get('p50')}/{r.heartbeat_ms.get('p99')} | {r.messages_per_s} | "
             f"{r.sent or r.uploaded} | {r.applied or r.counted} | {r.lost} | "
             f"{r.dead_lettered} | {r.offline_events} |"
         )
-    slope = marginal_kib(reports)
-    if slope is not None:
-        lines += [
-            "",
-            f"RSS per extra client on a host (least squares over the points above, after a "
-            f"fixed cost per host): {slope:.0f} KiB.",
-        ]
-    lines += ["", f"![scale]({PLOT.name})"]
+    lines += [
+        "",
+        "sent / applied: SmashedBatches (SFL: on tap queues beside the shard queues, against "
+        "the shards' checkpoint audits, per client) or uploaded rounds (FedAvg: the hosts' "
+        "counts against the updates the versions counted plus those refused as late). "
+        "msg/s: everything the hosts sent and received, over the run's wall time. Offline "
+        "events: trace intervals that ended during the run (a client gone mid-round, its "
+        "round waiting for its membership to expire, `heartbeat_ttl_s` = 8 s, which is what "
+        "holds rounds/min down as churn grows).",
+    ]
+    for algorithm in sorted({r.algorithm for r in reports}):
+        slope = marginal_kib([r for r in reports if r.algorithm == algorithm])
+        if slope is not None:
+            lines.append(
+                f"- {algorithm}: RSS per extra client on a host, least squares over its points "
+                f"after a fixed cost per host (Python, torch, the dataset): {slope:.0f} KiB."
+            )
+    lines += [
+        "",
+        f"![client hosts' RSS, rounds per minute and join latency]({PLOT.name})",
+        "",
+        "What 10k and 100k clients need, from these costs: docs/capacity.md.",
+    ]
     return "\n".join(lines) + "\n"
 
 
