@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from broker.errors import BrokerError
 from broker.topology import host_queue, host_queue_name
 from broker.transport import Broker
 from services.client.beat import Heartbeats
@@ -266,6 +267,10 @@ class ClientHost:
                 dispatch_thread.join(10.0)
             stats.dispatch = dispatcher.stats
             stats.models_built = models.built + 1  # the reference model too
+            if stats.finished and not settings.security.per_client_users:
+                # Over: nothing will be routed to its clients again (a stopped host keeps its
+                # queue and bindings for its restart; a secured host's is revoked with its user).
+                self._delete_queue(inbound, spec.name)
             for handle in [inbound, *handles]:
                 try:
                     handle.close()
@@ -288,6 +293,12 @@ class ClientHost:
             stats.models_built,
         )
         return stats
+
+    def _delete_queue(self, broker: Broker, name: str) -> None:
+        try:
+            broker.delete_queue(name)
+        except BrokerError as exc:
+            self.logger.warning("host %s: could not delete %s: %s", self.host, name, exc)
 
     # --- the schedule ---------------------------------------------------------------------------
 

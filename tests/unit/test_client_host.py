@@ -19,6 +19,7 @@ from broker.topology import (
     REPLIES_EXCHANGE,
     dead_queue_name,
     host_queue,
+    host_queue_name,
     reply_routing_key,
 )
 from broker.transport import REASON_HEADER, PublishOptions
@@ -126,6 +127,9 @@ def test_a_host_runs_a_sharded_job_to_its_end(dataset: Dataset) -> None:
     assert stats.dispatch.dead_lettered == 0
     assert stats.beat_messages >= 1 and stats.beat_members >= 12
     assert len(sink.records) == 2
+    # The job is over: the host took its queue down (the hub knows no such queue any more).
+    assert backends.embedded is not None
+    assert host_queue_name(JOB, "edge") not in backends.embedded.hub.queues
 
 
 def test_a_host_trains_exactly_as_standalone_clients(dataset: Dataset) -> None:
