@@ -111,6 +111,7 @@ class ScaleReport:
     dead_lettered: int = 0
     clients_sent_ne_applied: int = 0
     standalone_rounds: int = 0  # rounds the standalone clients' logs say they uploaded
+    standalone_finished: int = 0  # standalone clients that ended with the job ("finished")
     uploaded: int = 0  # FedAvg: rounds the clients uploaded
     counted: int = 0  # FedAvg: updates in versions
     load_before: float = 0.0
@@ -394,7 +395,7 @@ def run_point(cfg: ScaleConfig) -> ScaleReport:
     report.redis_used_mib = round(redis_used_mib(cfg.redis_url), 2)
     report.redis_peak_mib = round(sampler.redis_peak, 2)
     _read_hosts(report, out, hosts)
-    report.standalone_rounds = _standalone_rounds(out, cfg.standalone)
+    report.standalone_rounds, report.standalone_finished = _standalone(out, cfg.standalone)
     _read_metrics(report, run_dir)
     if tap is not None:
         soak = SoakReport(job=job, chaos=False, status=report.status)
@@ -460,14 +461,17 @@ def _read_metrics(report: ScaleReport, run_dir: Path) -> None:
             report.rounds_per_min = round(60 * (len(records) - 1) / span, 2)
 
 
-def _standalone_rounds(out: Path, count: int) -> int:
-    """Rounds the standalone clients uploaded, from their last log line ("... after N rounds")."""
-    total = 0
+def _standalone(out: Path, count: int) -> tuple[int, int]:
+    """Rounds the standalone clients uploaded, and how many ended with the job, from their last
+    log line ("finished after N rounds")."""
+    rounds = finished = 0
     for i in range(count):
         for log in out.glob(f"solo-{i}.*.log"):
-            found = re.findall(r"after (\d+) rounds", log.read_text(errors="replace"))
-            total += int(found[-1]) if found else 0
-    return total
+            found = re.findall(r"(\w+) after (\d+) rounds", log.read_text(errors="replace"))
+            if found:
+                rounds += int(found[-1][1])
+                finished += found[-1][0] == "finished"
+    return rounds, finished
 
 
 def _per_client_mismatches(out: Path, hosts: list[str], tap: Tap) -> int:

@@ -1,8 +1,9 @@
 """The CI variant of benchmarks/scale_clients.py: 200 live clients on one client host over the
 real RabbitMQ and Redis, 10% per round, with churn from a generated availability trace, and one
 standalone `splitmq client` process beside them in the same job; every client joins, the job
-finishes, every batch a client sent is applied once and nothing is dead-lettered. The full run (100 / 300 / 1,000 clients, SFL and FedAvg) is
-`python -m benchmarks.scale_clients`; its results are in docs/benchmarks.md."""
+finishes, every batch a client sent is applied once and nothing is dead-lettered. The full
+run (100 / 300 / 1,000 clients, SFL and FedAvg) is `python -m benchmarks.scale_clients`; its
+results are in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_two_hundred_clients_on_a_host_train_through_churn_and_lose_nothing(
     assert report.sent == report.applied > 0
     assert report.lost == report.duplicates == report.dead_lettered == 0
     assert report.clients_sent_ne_applied == 0
-    # The standalone client was sampled into some rounds (seeded: the same ones every run) or
-    # waited as a member; either way it ended with the job, not with an error.
-    assert "solo-0 failed" not in " ".join(report.problems)
+    # The standalone client was a member throughout (sampled into some rounds or not: the
+    # cohorts depend on who is online) and was dismissed with the others at the job's end.
+    assert report.standalone_finished == 1
     assert not report.problems, report.problems
