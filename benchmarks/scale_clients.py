@@ -646,6 +646,14 @@ def table(reports: list[ScaleReport]) -> str:
         "holds rounds/min down as churn grows).",
     ]
     for algorithm in sorted({r.algorithm for r in reports}):
+        largest = max((r for r in reports if r.algorithm == algorithm), key=lambda r: r.clients)
+        peaks = ", ".join(f"{name} {mib:.0f}" for name, mib in sorted(largest.peak_rss_mib.items()))
+        lines.append(
+            f"- {algorithm}, {largest.clients} clients: peak RSS of every process (MiB): {peaks}; "
+            f"the broker's beam process {largest.broker_rss_mib:.0f}; at its largest the "
+            f"broker had {largest.broker_connections} connections, {largest.broker_channels} "
+            f"channels and {largest.broker_queues} queues."
+        )
         slope = marginal_kib([r for r in reports if r.algorithm == algorithm])
         if slope is not None:
             lines.append(
