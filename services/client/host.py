@@ -153,6 +153,17 @@ def _add(into: ClientStats, one: ClientStats) -> None:
             setattr(into, f.name, getattr(into, f.name) + value)
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """What every client of the host shares."""
+
+    dispatcher: Dispatcher
+    pool: Publishers
+    roster: Roster
+    models: ModelPool
+    compute: ComputeGate
+
+
 @dataclass
 class _Session:
     seat: SeatBroker
@@ -255,7 +266,8 @@ class ClientHost:
                 self.count,
                 spec.name,
             )
-            self._schedule(stop, stats, dispatcher, pool, roster, models, compute)
+            shared = _Shared(dispatcher, pool, roster, models, compute)
+            self._schedule(stop, stats, shared)
         finally:
             self._stop_all(stats)
             if beat is not None:
@@ -302,16 +314,7 @@ class ClientHost:
 
     # --- the schedule ---------------------------------------------------------------------------
 
-    def _schedule(
-        self,
-        stop: threading.Event,
-        stats: HostStats,
-        dispatcher: Dispatcher,
-        pool: Publishers,
-        roster: Roster,
-        models: ModelPool,
-        compute: ComputeGate,
-    ) -> None:
+    def _schedule(self, stop: threading.Event, stats: HostStats, shared: _Shared) -> None:
         """Start and stop clients as their intervals say until the job is over (every online
         client was dismissed, or stopped) or `stop`."""
         # (time, order, kind, index): kind 1 = online, 0 = offline, so an interval ending when
@@ -339,7 +342,7 @@ class ClientHost:
                     if wait > 0 and stop.wait(wait):
                         return
                     next_start = max(time.monotonic(), next_start) + gap
-                    self._go_online(index, client, stats, dispatcher, pool, roster, models, compute)
+                    self._go_online(index, client, stats, shared)
             self._reap(stats)
             if stats.finished and not self._sessions:
                 return
@@ -347,17 +350,7 @@ class ClientHost:
                 return  # every interval is over
             stop.wait(_TICK_S)
 
-    def _go_online(
-        self,
-        index: int,
-        client: str,
-        stats: HostStats,
-        dispatcher: Dispatcher,
-        pool: Publishers,
-        roster: Roster,
-        models: ModelPool,
-        compute: ComputeGate,
-    ) -> None:
+    def _go_online(self, index: int, client: str, stats: HostStats, shared: _Shared) -> None:
         if client in self._sessions:
             return  # overlapping intervals: it is online already
         memory = self._memories.get(client)
@@ -368,18 +361,18 @@ class ClientHost:
                 else SpilledMemory(self.spill_dir / f"{client}.safetensors")
             )
             self._memories[client] = memory
-        seat_broker = SeatBroker(client, dispatcher, pool)
+        seat_broker = SeatBroker(client, shared.dispatcher, shared.pool)
 
         def heartbeats(version: Callable[[], int]) -> Heartbeats:
-            return SeatBeats(roster, client, version)
+            return SeatBeats(shared.roster, client, version)
 
         seat = Seat(
             broker=seat_broker,
             heartbeats=heartbeats,
-            models=models,
+            models=shared.models,
             memory=memory,
             join_info={HOST_INFO_KEY: self.host},
-            compute=compute,
+            compute=shared.compute,
         )
         in_range = index < self.settings.clients.count
         partition = index if self.by_index and in_range else None
