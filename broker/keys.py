@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from broker.store import BlobRef
+from broker.store import BlobRef, MemberKind
 
 ROOT = "splitmq"
 
@@ -14,12 +14,17 @@ _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 # Length of the sha256 prefix that makes blob keys content-addressed.
 SHA_PREFIX_LEN = 16
 
-# Prefixes of the member ids in `<job>:members` (one sorted set for every kind of member), so a
-# reader of the set tells clients, workers and role health records apart without knowing who
-# wrote them.
+# Prefixes of the member ids: a member's kind (`member_kind`), and so the sorted set
+# `<job>:members:<kind>` that holds it, follows from its id, so callers name members as they
+# always did and a reader of one kind reads no other.
 CLIENT_MEMBER_PREFIX = "client:"
 WORKER_MEMBER_PREFIX = "worker:"
 HEALTH_MEMBER_PREFIX = "health:"
+_KIND_PREFIXES = (
+    (MemberKind.CLIENT, CLIENT_MEMBER_PREFIX),
+    (MemberKind.WORKER, WORKER_MEMBER_PREFIX),
+    (MemberKind.HEALTH, HEALTH_MEMBER_PREFIX),
+)
 # Prefix of a shard's lease name (`<job>:lease:shard:<s>`): the worker consuming that shard.
 SHARD_LEASE_PREFIX = "shard:"
 # Prefix of the manifest hash fields that name a blob (`blob:<part>:<owner>` -> entry JSON).
@@ -85,12 +90,21 @@ def checkpoint_key(job: str, shard: int) -> str:
     return job_prefix(job) + f"ckpt:{int(shard)}"
 
 
-def members_key(job: str) -> str:
-    return job_prefix(job) + "members"
+def member_kind(member_id: str) -> MemberKind:
+    for kind, prefix in _KIND_PREFIXES:
+        if member_id.startswith(prefix):
+            return kind
+    return MemberKind.OTHER
 
 
-def members_info_key(job: str) -> str:
-    return job_prefix(job) + "members:info"
+# Before the member kinds, one sorted set `<job>:members` and one hash `<job>:members:info`
+# held every member: the keys below never name those two (docs/architecture.md, store keys).
+def members_key(job: str, kind: MemberKind) -> str:  # member -> expiry (server time)
+    return job_prefix(job) + f"members:{MemberKind(kind)}"
+
+
+def members_info_key(job: str, kind: MemberKind) -> str:  # member -> info JSON
+    return job_prefix(job) + f"members:{MemberKind(kind)}:info"
 
 
 def status_key(job: str) -> str:

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 from broker import keys
 from broker.errors import StoreError, VersionNotFoundError
-from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, Manifest, Member
+from broker.store import (
+    NO_VERSION,
+    BlobRef,
+    Checkpoint,
+    JobStatus,
+    Manifest,
+    Member,
+    MemberKind,
+)
 from broker.store_codec import (
     PreparedBlob,
     PublishingStore,
@@ -60,19 +68,32 @@ class _JobState:
     versions: dict[int, _Version] = field(default_factory=dict)
     blobs: dict[str, _Blob] = field(default_factory=dict)
     checkpoints: dict[int, _StoredCheckpoint] = field(default_factory=dict)
-    members: dict[str, Member] = field(default_factory=dict)
+    # One map a kind, as Redis keeps one sorted set a kind.
+    members: dict[MemberKind, dict[str, Member]] = field(
+        default_factory=lambda: {kind: {} for kind in MemberKind}
+    )
     leases: dict[str, _Lease] = field(default_factory=dict)
     status: JobStatus | None = None
 
+    def kind(self, member_id: str) -> dict[str, Member]:
+        """The members of `member_id`'s kind."""
+        return self.members[keys.member_kind(member_id)]
+
     def sweep(self, now: float) -> None:
         """Forget everything whose expiry has passed (Redis does this by itself)."""
-        for records in (self.blobs, self.members, self.leases):
-            for key in [k for k, r in records.items() if _expired(r.expires_at, now)]:
-                del records[key]
+        _prune(self.blobs, now)
+        for members in self.members.values():
+            _prune(members, now)
+        _prune(self.leases, now)
 
 
 def _expired(expires_at: float | None, now: float) -> bool:
     return expires_at is not None and expires_at <= now
+
+
+def _prune(records: dict[str, _Blob] | dict[str, Member] | dict[str, _Lease], now: float) -> None:
+    for key in [k for k, r in records.items() if _expired(r.expires_at, now)]:
+        del records[key]
 
 
 class InMemoryWeightStore(PublishingStore):
@@ -218,9 +239,10 @@ class InMemoryWeightStore(PublishingStore):
         keys.validate_name("member id", member_id)
         ttl = positive_ttl(ttl_s)
         with self._job(job, create=True) as state:
-            previous = state.members.get(member_id)
+            members = state.kind(member_id)
+            previous = members.get(member_id)
             kept = previous.info if previous is not None else {}
-            state.members[member_id] = Member(
+            members[member_id] = Member(
                 member_id,
                 self._clock() + ttl,
                 str_map("member info", info) if info is not None else kept,
@@ -232,23 +254,32 @@ class InMemoryWeightStore(PublishingStore):
             expires_at = self._clock() + ttl
             live = []
             for member_id in member_ids:
-                member = state.members.get(member_id)
+                members = state.kind(member_id)
+                member = members.get(member_id)
                 if member is not None:
-                    state.members[member_id] = Member(member_id, expires_at, member.info)
+                    members[member_id] = Member(member_id, expires_at, member.info)
                 live.append(member is not None)
             return live
 
     def member(self, job: str, member_id: str) -> Member | None:
         with self._job(job) as state:
-            return state.members.get(member_id)
+            return state.kind(member_id).get(member_id)
 
     def remove_member(self, job: str, member_id: str) -> None:
         with self._job(job) as state:
-            state.members.pop(member_id, None)
+            state.kind(member_id).pop(member_id, None)
 
-    def live_members(self, job: str) -> dict[str, Member]:
+    def live_members(self, job: str, kind: MemberKind | None = None) -> dict[str, Member]:
         with self._job(job) as state:
-            return dict(state.members)
+            if kind is not None:
+                return dict(state.members[kind])
+            return {m: r for members in state.members.values() for m, r in members.items()}
+
+    def member_ttls(self, job: str, member_ids: Sequence[str]) -> list[float | None]:
+        with self._job(job) as state:  # swept: the expired ones are gone already
+            now = self._clock()
+            found = (state.kind(member_id).get(member_id) for member_id in member_ids)
+            return [None if m is None else m.expires_at - now for m in found]
 
     # --- leases -------------------------------------------------------------------------------
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:

@@ -96,45 +96,74 @@ end
 return expires
 """
 
-# KEYS[1] members zset, KEYS[2] info hash. Prunes expired members, returns a flat list of
-# member, expiry, info JSON.
+# KEYS: pairs of a kind's members zset and info hash. Prunes the expired members of those kinds,
+# returns a flat list of member, expiry, info JSON.
 LIVE_MEMBERS = """
 local t = redis.call('TIME')
 local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-for _, member in ipairs(expired) do
-  redis.call('HDEL', KEYS[2], member)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local live = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local out = {}
-for i = 1, #live, 2 do
-  out[#out + 1] = live[i]
-  out[#out + 1] = live[i + 1]
-  out[#out + 1] = redis.call('HGET', KEYS[2], live[i]) or '{}'
+for k = 1, #KEYS, 2 do
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[k], '-inf', now)
+  for _, member in ipairs(expired) do
+    redis.call('HDEL', KEYS[k + 1], member)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', now)
+  local live = redis.call('ZRANGE', KEYS[k], 0, -1, 'WITHSCORES')
+  for i = 1, #live, 2 do
+    out[#out + 1] = live[i]
+    out[#out + 1] = live[i + 1]
+    out[#out + 1] = redis.call('HGET', KEYS[k + 1], live[i]) or '{}'
+  end
 end
 return out
 """
 
-# KEYS[1] members zset, KEYS[2] info hash; ARGV[1] ttl in ms, ARGV[2..] members. Renews the
-# live ones (XX: never adds one), prunes the expired ones among them; per member 1 if it was
-# live, else 0. O(log N) per member: no scan of the others.
+# The scripts over a list of members (RENEW_MEMBERS, MEMBER_TTLS): KEYS are pairs of a kind's
+# members zset and info hash; ARGV, after the script's own arguments, pairs of slot and member,
+# the slot n naming the member's pair KEYS[2n - 1], KEYS[2n] (`redis_store.kind_slots`).
+
+# ARGV[1] ttl in ms, then slots and members. Renews the live ones (XX: never adds one), prunes
+# the expired ones among them; per member 1 if it was live, else 0. O(log N) per member: no
+# scan of the others.
 RENEW_MEMBERS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local expires = string.format('%.6f', now + tonumber(ARGV[1]) / 1000)
 local out = {}
-for i = 2, #ARGV do
-  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+for i = 2, #ARGV, 2 do
+  local zset, info, member = KEYS[2 * ARGV[i] - 1], KEYS[2 * ARGV[i]], ARGV[i + 1]
+  local score = redis.call('ZSCORE', zset, member)
   if score and tonumber(score) > now then
-    redis.call('ZADD', KEYS[1], 'XX', expires, ARGV[i])
+    redis.call('ZADD', zset, 'XX', expires, member)
     out[#out + 1] = 1
   else
     if score then
-      redis.call('ZREM', KEYS[1], ARGV[i])
-      redis.call('HDEL', KEYS[2], ARGV[i])
+      redis.call('ZREM', zset, member)
+      redis.call('HDEL', info, member)
     end
     out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+# ARGV: slots and members. Per member its seconds left as a string while it is live, else ''
+# (an expired one is pruned). O(log N) per member.
+MEMBER_TTLS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local out = {}
+for i = 1, #ARGV, 2 do
+  local zset, info, member = KEYS[2 * ARGV[i] - 1], KEYS[2 * ARGV[i]], ARGV[i + 1]
+  local score = redis.call('ZSCORE', zset, member)
+  if score and tonumber(score) > now then
+    out[#out + 1] = string.format('%.6f', tonumber(score) - now)
+  else
+    if score then
+      redis.call('ZREM', zset, member)
+      redis.call('HDEL', info, member)
+    end
+    out[#out + 1] = ''
   end
 end
 return out

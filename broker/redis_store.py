@@ -45,6 +45,7 @@ from broker.store import (
     Manifest,
     ManifestEntry,
     Member,
+    MemberKind,
 )
 from broker.store_codec import (
     PreparedBlob,
@@ -176,6 +177,25 @@ def _ms(ttl_s: float) -> int:
     return max(1, round(positive_ttl(ttl_s) * 1000))
 
 
+def _kind_keys(job: str, kind: MemberKind) -> list[str]:
+    return [keys.members_key(job, kind), keys.members_info_key(job, kind)]
+
+
+def kind_slots(job: str, member_ids: Sequence[str]) -> tuple[list[str], list[str | int]]:
+    """The KEYS and the (slot, member) ARGV pairs of a script over `member_ids` of any kinds
+    (redis_scripts.RENEW_MEMBERS): each kind's pair of keys once, in the order first met."""
+    slots: dict[MemberKind, int] = {}
+    script_keys: list[str] = []
+    args: list[str | int] = []
+    for member_id in member_ids:
+        kind = keys.member_kind(member_id)
+        if kind not in slots:
+            slots[kind] = len(slots) + 1
+            script_keys += _kind_keys(job, kind)
+        args += [slots[kind], member_id]
+    return script_keys, args
+
+
 class RedisWeightStore(PublishingStore):
     """Thread-safe (redis-py's connection pool); one instance per process is enough."""
 
@@ -227,6 +247,7 @@ class RedisWeightStore(PublishingStore):
         self._heartbeat = script(redis_scripts.HEARTBEAT)
         self._live_members = script(redis_scripts.LIVE_MEMBERS)
         self._renew_members = script(redis_scripts.RENEW_MEMBERS)
+        self._member_ttls = script(redis_scripts.MEMBER_TTLS)
         self._member = script(redis_scripts.MEMBER)
         self._acquire_lease = script(redis_scripts.ACQUIRE_LEASE)
         self._release_lease = script(redis_scripts.RELEASE_LEASE)
@@ -500,43 +521,54 @@ class RedisWeightStore(PublishingStore):
     ) -> None:
         keys.validate_name("member id", member_id)
         args: list[str | int] = [member_id, _ms(ttl_s), "" if info is None else encode_info(info)]
-        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        script_keys = _kind_keys(job, keys.member_kind(member_id))
         self._call("heartbeat", lambda: self._heartbeat(keys=script_keys, args=args))
 
     def renew_members(self, job: str, member_ids: Sequence[str], ttl_s: float) -> list[bool]:
         if not member_ids:
             return []
-        args: list[str | int] = [_ms(ttl_s), *member_ids]
-        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        script_keys, slots = kind_slots(job, member_ids)
+        args: list[str | int] = [_ms(ttl_s), *slots]
         # Idempotent on a retry: a renewal renews again; one pruned by the first try was dead.
         live = self._call("renew_members", lambda: self._renew_members(keys=script_keys, args=args))
         return [bool(flag) for flag in live]
 
     def member(self, job: str, member_id: str) -> Member | None:
-        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+        script_keys = _kind_keys(job, keys.member_kind(member_id))
         found = self._call("member", lambda: self._member(keys=script_keys, args=[member_id]))
         if not found:
             return None
         return Member(member_id, float(found[0]), decode_info(found[1]))
 
     def remove_member(self, job: str, member_id: str) -> None:
+        zset, info = _kind_keys(job, keys.member_kind(member_id))
+
         def remove() -> None:
             # Built anew on every try: a failed `execute` empties the pipeline.
             pipe = self._redis.pipeline(transaction=True)
-            pipe.zrem(keys.members_key(job), member_id)
-            pipe.hdel(keys.members_info_key(job), member_id)
+            pipe.zrem(zset, member_id)
+            pipe.hdel(info, member_id)
             pipe.execute()
 
         self._call("remove_member", remove)
 
-    def live_members(self, job: str) -> dict[str, Member]:
-        script_keys = [keys.members_key(job), keys.members_info_key(job)]
+    def live_members(self, job: str, kind: MemberKind | None = None) -> dict[str, Member]:
+        kinds = list(MemberKind) if kind is None else [kind]
+        script_keys = [key for k in kinds for key in _kind_keys(job, k)]
         flat = self._call("live_members", lambda: self._live_members(keys=script_keys))
         members = {}
         for i in range(0, len(flat), 3):
             member_id = _text(flat[i])
             members[member_id] = Member(member_id, float(flat[i + 1]), decode_info(flat[i + 2]))
         return members
+
+    def member_ttls(self, job: str, member_ids: Sequence[str]) -> list[float | None]:
+        if not member_ids:
+            return []
+        script_keys, args = kind_slots(job, member_ids)
+        # Idempotent on a retry: one pruned by the first try reads as gone again.
+        left = self._call("member_ttls", lambda: self._member_ttls(keys=script_keys, args=args))
+        return [float(ttl) if ttl else None for ttl in left]
 
     # --- leases -------------------------------------------------------------------------------
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:

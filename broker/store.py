@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 if TYPE_CHECKING:
@@ -102,6 +103,17 @@ class Member:
     info: Mapping[str, str] = field(default_factory=dict)
 
 
+class MemberKind(StrEnum):
+    """What a member is, told by its id's prefix (`broker.keys.member_kind`). The store keeps
+    each kind apart, so that a read of one kind (the workers counting workers, the coordinator
+    and the aggregator reading clients) costs nothing for the members of the others."""
+
+    CLIENT = "client"
+    WORKER = "worker"
+    HEALTH = "health"
+    OTHER = "other"  # an id with none of the prefixes
+
+
 class _Closable(Protocol):
     def close(self) -> None: ...
 
@@ -176,8 +188,15 @@ class MemberStore(_Closable, Protocol):
 
     def remove_member(self, job: str, member_id: str) -> None: ...
 
-    def live_members(self, job: str) -> dict[str, Member]:
-        """Members whose last heartbeat has not yet expired (expired ones are pruned)."""
+    def live_members(self, job: str, kind: MemberKind | None = None) -> dict[str, Member]:
+        """Members of `kind` (of every kind when None) whose last heartbeat has not yet expired
+        (the expired ones of that kind are pruned); no member of another kind is read."""
+        ...
+
+    def member_ttls(self, job: str, member_ids: Sequence[str]) -> list[float | None]:
+        """Per id, the seconds before that member expires if it is live, else None; the
+        expired ones among them are pruned, in the same atomic step (one round trip, no read of
+        the other members: the coordinator's sweep asks for the members it expects expired)."""
         ...
 
     def acquire_lease(self, job: str, name: str, owner: str, ttl_s: float) -> bool:

@@ -613,11 +613,11 @@ main() {
     note "$(docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Names}}' | sort | tr '\n' ' ')"
 
     version() { local v; v=$(rcli GET "splitmq:$JOB:version" 2>/dev/null); echo "${v:-0}"; }
-    live() { # live PREFIX: live members of the job whose id starts with PREFIX
-        rcli ZRANGEBYSCORE "splitmq:$JOB:members" "$(date +%s)" +inf 2>/dev/null | grep -c "^$1" || true
+    live() { # live KIND: how many members of that kind (worker, client) are live
+        local n; n=$(rcli ZCOUNT "splitmq:$JOB:members:$1" "$(date +%s)" +inf 2>/dev/null); echo "${n:-0}"
     }
     version_at_least() { [ "$(version)" -ge "$1" ]; }
-    live_workers_are() { [ "$(live worker:)" -eq "$1" ]; }
+    live_workers_are() { [ "$(live worker)" -eq "$1" ]; }
     aggregator_exited() {
         [ "$(docker inspect -f '{{.State.Status}}' "$(compose ps -q aggregator)")" = exited ]
     }
@@ -635,7 +635,7 @@ main() {
         ! grep -qx -- - <<<"$all" && [ "$(sort -u <<<"$all" | grep -c .)" -eq "$1" ]
     }
     progress() {
-        note "version $(version), live workers $(live worker:), live clients $(live client:), shard holders: $(holders | tr '\n' ' ')"
+        note "version $(version), live workers $(live worker), live clients $(live client), shard holders: $(holders | tr '\n' ' ')"
     }
 
     # The aggregator publishes version 1 (the initial model) and one version per round.

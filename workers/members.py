@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.keys import CLIENT_MEMBER_PREFIX
-from broker.store import MemberStore
+from broker.store import MemberKind, MemberStore
 
 # Strangers remembered at once; the oldest is forgotten first.
 _MAX_STRANGERS = 4096
@@ -38,10 +38,8 @@ class MemberCache:
         missed_at = self._strangers.get(client)
         if missed_at is not None and now - missed_at < _NEGATIVE_TTL_S:
             return False
-        members = self.store.live_members(self.job)
-        self._members = frozenset(
-            m[len(CLIENT_MEMBER_PREFIX) :] for m in members if m.startswith(CLIENT_MEMBER_PREFIX)
-        )
+        members = self.store.live_members(self.job, MemberKind.CLIENT)
+        self._members = frozenset(m[len(CLIENT_MEMBER_PREFIX) :] for m in members)
         self._read_at = now
         if client in self._members:
             self._strangers.pop(client, None)

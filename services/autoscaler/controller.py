@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from broker.errors import SplitMQError
-from broker.store import WeightStore
+from broker.store import MemberKind, WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker
 from services.autoscaler.docker_pool import DockerUnavailableError
@@ -75,7 +75,8 @@ class Observer:
         except Exception:
             self._declared = False  # e.g. a queue deleted under us: declare again next time
             raise
-        beats = (worker_beat(m) for m in self._store.live_members(self._job).values())
+        workers = self._store.live_members(self._job, MemberKind.WORKER)
+        beats = (worker_beat(m) for m in workers.values())
         return Snapshot(depths, {beat.worker: beat for beat in beats if beat is not None})
 
 

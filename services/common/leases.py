@@ -17,7 +17,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 
 from broker.keys import SHARD_LEASE_PREFIX, WORKER_MEMBER_PREFIX
-from broker.store import Member, MemberStore
+from broker.store import Member, MemberKind, MemberStore
 
 
 def lease_name(shard: int) -> str:
@@ -96,8 +96,7 @@ class LeaseKeeper:
             self._ttl_s,
             info={**(info or {}), "shards": ",".join(str(s) for s in sorted(held))},
         )
-        members = self._store.live_members(self._job)
-        live = {m for m in members if m.startswith(WORKER_MEMBER_PREFIX)}
+        live = set(self._store.live_members(self._job, MemberKind.WORKER))  # no client is read
         workers = len(live | {self._member})  # we are alive, whatever the store's clock thinks
         target = math.ceil(self._shards / workers)
         kept: list[int] = []

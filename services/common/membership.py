@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.keys import CLIENT_MEMBER_PREFIX
-from broker.store import Member, MemberStore
+from broker.store import Member, MemberKind, MemberStore
 
 # The Join info key (and member info key) of the client process's session id.
 SESSION_KEY = "session"
@@ -108,9 +108,9 @@ def same_incarnation(before: MemberInfo, now: MemberInfo | None) -> bool:
 
 
 def client_members(store: MemberStore, job: str) -> dict[str, MemberInfo]:
-    """Live clients by id (members with unreadable info are left out)."""
+    """Live clients by id (members with unreadable info are left out); no other kind is read."""
     out: dict[str, MemberInfo] = {}
-    for member in store.live_members(job).values():
+    for member in store.live_members(job, MemberKind.CLIENT).values():
         info = MemberInfo.from_member(member)
         if info is not None:
             out[info.client] = info

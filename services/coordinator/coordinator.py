@@ -117,8 +117,8 @@ class Coordinator:
             if delivery is not None:
                 self._handle(run, delivery)
             if self._clock() >= next_sweep:
-                # The one read of all members per interval: announces the expired ones.
-                roster.sync()
+                # Asks about the members due to expire only: announces the expired ones.
+                roster.sweep()
                 next_sweep = self._clock() + clients.heartbeat_s
 
     def _handle(self, run: _Run, delivery: Delivery) -> None:

@@ -3,13 +3,15 @@ members per shard, so that a Join, a Leave or a heartbeat costs O(log N), not a 
 member (issue 13: a job of 100,000 clients heartbeats ~50,000 times a second).
 
 The store stays the record (a restarted coordinator and the aggregator read it); the index is
-what this coordinator knows of it: built from one read of all members, read again at every
-sweep (`Roster.sync`), and changed by each join, leave and expiry the coordinator sees.
+what this coordinator knows of it: built from one read of all members (`Roster.sync`), and
+changed by each join, leave and expiry the coordinator sees. `Deadlines` says when each member
+is due to expire if it is not renewed: what the sweep asks the store about (`Roster.sweep`).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
@@ -116,3 +118,66 @@ class MemberIndex:
         if not self._loads[member.shard]:
             del self._loads[member.shard]
         return member
+
+
+class Deadlines:
+    """When each member is due to expire, in buckets of `step_s`: setting one costs O(1) (a
+    renewal moves its member to a later bucket) and `due` costs the members due plus the
+    buckets passed since the last call, never a pass over every member."""
+
+    def __init__(self, step_s: float) -> None:
+        if step_s <= 0:
+            raise ValueError(f"step_s must be > 0, got {step_s}")
+        self._step_s = step_s
+        self._bucket: dict[str, int] = {}  # member -> its bucket
+        self._members: dict[int, set[str]] = {}  # bucket -> its members
+        self._low: int | None = None  # no bucket below it holds a member
+
+    def __len__(self) -> int:
+        return len(self._bucket)
+
+    def set(self, member: str, at: float) -> None:
+        """`member` is due at `at` (its bucket's end: never before `at`)."""
+        bucket = math.ceil(at / self._step_s)
+        before = self._bucket.get(member)
+        if before == bucket:
+            return
+        if before is not None:
+            self._leave(member, before)
+        self._bucket[member] = bucket
+        self._members.setdefault(bucket, set()).add(member)
+        self._low = bucket if self._low is None else min(self._low, bucket)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._bucket
+
+    def drop(self, member: str) -> None:
+        bucket = self._bucket.pop(member, None)
+        if bucket is not None:
+            self._leave(member, bucket)
+
+    def due(self, now: float) -> list[str]:
+        """Take out and return the members due by `now`."""
+        last = math.floor(now / self._step_s)
+        if self._low is None or self._low > last:
+            return []
+        # Bucket by bucket since the last call; over the held buckets after a long gap.
+        span = range(self._low, last + 1)
+        buckets = span if len(span) <= len(self._members) else sorted(self._members)
+        out: list[str] = []
+        for bucket in buckets:
+            if bucket > last:
+                break
+            for member in self._members.pop(bucket, ()):
+                del self._bucket[member]
+                out.append(member)
+        self._low = last + 1 if self._members else None
+        return out
+
+    def _leave(self, member: str, bucket: int) -> None:
+        members = self._members[bucket]
+        members.discard(member)
+        if not members:
+            del self._members[bucket]
+        if not self._members:
+            self._low = None

@@ -39,7 +39,7 @@ from broker.errors import (
 )
 from broker.memory_store import InMemoryWeightStore
 from broker.redis_store import RedisStoreOptions, RedisWeightStore
-from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, WeightStore
+from broker.store import NO_VERSION, BlobRef, Checkpoint, JobStatus, MemberKind, WeightStore
 from broker.weights import sha256_hex
 from tests.integration.sentinel_cluster import MASTER, SentinelCluster, require_redis_server
 
@@ -586,6 +586,52 @@ def test_member_reads_one_live_member(harness: Harness, store: Any, job: str) ->
     assert store.member(job, "worker:w") is None
 
 
+def test_members_are_kept_and_read_by_kind(harness: Harness, store: Any, job: str) -> None:
+    store.heartbeat(job, "client:a", 60.0, {"shard": "0"})
+    store.heartbeat(job, "worker:w", 1.0, {"shards": "0,1"})
+    store.heartbeat(job, "health:aggregator", 60.0)
+    store.heartbeat(job, "m", 60.0)  # no known prefix: OTHER
+    by_kind = {kind: set(store.live_members(job, kind)) for kind in MemberKind}
+    assert by_kind == {
+        MemberKind.CLIENT: {"client:a"},
+        MemberKind.WORKER: {"worker:w"},
+        MemberKind.HEALTH: {"health:aggregator"},
+        MemberKind.OTHER: {"m"},
+    }
+    assert set(store.live_members(job)) == set().union(*by_kind.values())
+    assert dict(store.live_members(job, MemberKind.WORKER)["worker:w"].info) == {"shards": "0,1"}
+
+    # One renewal over several kinds answers in the order asked.
+    ids = ["worker:w", "client:never", "client:a", "m", "worker:never"]
+    assert store.renew_members(job, ids, 60.0) == [True, False, True, True, False]
+    harness.wait(1.3)  # past w's first expiry: the renewal holds it
+    assert set(store.live_members(job, MemberKind.WORKER)) == {"worker:w"}
+    assert store.member(job, "worker:w") is not None and store.member(job, "client:w") is None
+
+    store.remove_member(job, "worker:w")
+    assert store.live_members(job, MemberKind.WORKER) == {}
+    assert set(store.live_members(job, MemberKind.CLIENT)) == {"client:a"}
+
+
+def test_member_ttls_tell_seconds_left_and_prune_the_expired(
+    harness: Harness, store: Any, job: str
+) -> None:
+    assert store.member_ttls(job, []) == []
+    store.heartbeat(job, "client:a", 1.0, {"shard": "0"})
+    store.heartbeat(job, "client:b", 60.0, {"shard": "1"})
+    store.heartbeat(job, "worker:w", 30.0)
+    b, never, w = store.member_ttls(job, ["client:b", "client:never", "worker:w"])
+    assert never is None
+    assert 59.0 < b <= 60.0 and 29.0 < w <= 30.0
+    assert b == pytest.approx(store.member(job, "client:b").expires_at - harness.now(), abs=0.5)
+
+    harness.wait(1.3)
+    assert store.member_ttls(job, ["client:a", "client:b"])[0] is None
+    store.heartbeat(job, "client:a", 30.0)  # back without info: the expired info was pruned
+    assert dict(store.member(job, "client:a").info) == {}
+    assert dict(store.member(job, "client:b").info) == {"shard": "1"}, "live ones untouched"
+
+
 # --- MemberStore: leases --------------------------------------------------------------------------
 
 
@@ -648,7 +694,8 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     for name in (job, neighbour):
         store.publish_version(name, NO_VERSION, _weights(1))
         store.save_checkpoint(name, Checkpoint(0, 1, _weights(1)[SERVER]))
-        store.heartbeat(name, "m", 60.0)
+        for member in ("m", "client:c", "worker:w", "health:coordinator"):
+            store.heartbeat(name, member, 60.0)
         assert store.acquire_lease(name, "shard-0", "w", 60.0)
         store.set_job_status(name, JobStatus("failed", "diverged"))
 
@@ -665,7 +712,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     assert store.current_version(neighbour) == 1
     _assert_same(store.read_blob(neighbour, 1, SERVER), _weights(1)[SERVER])
     assert store.load_checkpoint(neighbour, 0) is not None
-    assert set(store.live_members(neighbour)) == {"m"}
+    assert set(store.live_members(neighbour)) == {"m", "client:c", "worker:w", "health:coordinator"}
     assert lease_owner(store, neighbour, "shard-0") == "w"
     assert store.job_status(neighbour) == JobStatus("failed", "diverged")
 
@@ -733,6 +780,28 @@ def test_racing_processes_exactly_one_wins(redis_url: str, job: str) -> None:
                 p.wait()
         store.delete_job(job)
         store.close()
+
+
+@pytest.mark.redis
+def test_members_of_the_layout_before_kinds_are_ignored_and_deleted(
+    redis_url: str, job: str
+) -> None:
+    """A job's store written before the member kinds (one `<job>:members` sorted set and one
+    `<job>:members:info` hash for every kind) is not read: those members join again."""
+    raw = redis.Redis.from_url(redis_url)
+    store = RedisWeightStore(redis_url)
+    try:
+        old, old_info = keys.job_prefix(job) + "members", keys.job_prefix(job) + "members:info"
+        raw.zadd(old, {"client:a": time.time() + 600})
+        raw.hset(old_info, "client:a", "{}")
+        assert store.live_members(job) == {} and store.member(job, "client:a") is None
+        assert store.renew_members(job, ["client:a"], 60.0) == [False]
+        store.delete_job(job)
+        assert raw.exists(old, old_info) == 0
+    finally:
+        store.delete_job(job)
+        store.close()
+        raw.close()
 
 
 @pytest.mark.redis

@@ -668,13 +668,14 @@ def test_smoke_script_reads_the_stores_real_keys() -> None:
     """smoke.sh reads versions, members, checkpoints and leases with redis-cli: by the key
     names broker/keys.py builds, so a renamed key fails here, not in a manual run."""
     from broker import keys
+    from broker.store import MemberKind
     from services.common.leases import lease_name
 
     used = set(re.findall(r'"(splitmq:\$JOB:[^"]+)"', SMOKE_SH.read_text()))
-    rendered = {key.replace("$JOB", "J").replace("$s", "0") for key in used}
+    rendered = {key.replace("$JOB", "J").replace("$s", "0").replace("$1", "worker") for key in used}
     assert rendered == {
         keys.version_key("J"),
-        keys.members_key("J"),
+        keys.members_key("J", MemberKind.WORKER),
         keys.checkpoint_key("J", 0),
         keys.lease_key("J", lease_name(0)),
     }

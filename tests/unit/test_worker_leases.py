@@ -12,6 +12,7 @@ import torch
 
 from broker.memory_broker import InMemoryBroker
 from broker.memory_store import InMemoryWeightStore
+from broker.store import Member, MemberKind
 from services.common.backends import Backends, Embedded
 from services.common.leases import LeaseKeeper, home_shard, lease_name
 from services.common.membership import member_id
@@ -151,3 +152,26 @@ def test_two_workers_split_four_shards_and_hand_over_on_stop(job: str) -> None:
     for shard in range(4):  # both batches of every shard are in its checkpoint
         checkpoint = embedded.store.load_checkpoint(job, shard)
         assert checkpoint is not None and checkpoint.applied == 2
+
+
+class KindRecordingStore(InMemoryWeightStore):
+    """Records the kind of each read of the live members."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[MemberKind | None] = []
+
+    def live_members(self, job: str, kind: MemberKind | None = None) -> dict[str, Member]:
+        self.reads.append(kind)
+        return super().live_members(job, kind)
+
+
+def test_a_plan_counts_the_workers_from_a_read_of_the_workers_only(job: str) -> None:
+    store = KindRecordingStore()
+    for i in range(50):  # clients and role records beside: none of them is a worker
+        store.heartbeat(job, member_id(f"c{i}"), 60.0)
+    store.heartbeat(job, "health:aggregator", 60.0)
+    store.heartbeat(job, "worker:other", 60.0)
+    plan = LeaseKeeper(store, job, "w1", 4, ttl_s=30.0).plan(set())
+    assert (plan.workers, plan.target) == (2, 2)
+    assert store.reads == [MemberKind.WORKER]
