@@ -43,12 +43,14 @@ from broker.messages import (
     new_message_id,
 )
 from broker.redis_store import RedisWeightStore
+from broker.store import MemberKind
 from services.algorithms.base import AUX, CLIENT
 from services.algorithms.registry import build_strategy
 from services.common.handout import client_config
 from services.common.jobmodel import job_model
 from services.common.membership import HOST_HEARTBEAT_MEMBERS, MemberInfo
 from services.config.root import Settings
+from services.coordinator.roster import SYNC_SWEEPS
 
 JOB = "scale-sfl-100000-abcdef"  # as long as benchmarks.scale_clients' job names
 HOST = "h0"
@@ -144,7 +146,7 @@ class Costs:
     """Measured costs; docs/capacity.md says where each one was measured. The probes of this
     script (--redis-members, --bindings) replace their defaults with a fresh measurement."""
 
-    host_mib: float = 1_004.0  # one client host of 500 SFL clients at 10% (scale_clients)
+    host_mib: float = 924.0  # one client host of 500 SFL clients at 10% (scale_clients)
     per_host: int = 500  # clients per host, as measured
     connections_per_host: int = 5  # the dispatcher's + 4 publishing handles (hostlink)
     service_connections: int = 6  # aggregator, coordinator, 2 workers (measured: 11 - 5)
@@ -155,9 +157,10 @@ class Costs:
     redis_member_bytes: float = 391.0  # per live member (--redis-members 100000)
     redis_renew_us: float = 3.4  # Redis time per member a HostHeartbeat renews
     redis_read_us: float = 3.7  # Redis time per member in a read of all members
+    redis_ttl_us: float = 2.0  # Redis time per member the sweep asks about (`member_ttls`)
     reader_read_us: float = 11.2  # the reader's wall per member of that read (Python decode)
     join_commands: int = 10  # membership_ops
-    lease_tick_s: float = 10.0 / 3  # a worker's rebalance reads all members (lease_ttl_s / 3)
+    lease_tick_s: float = 10.0 / 3  # a worker's rebalance reads the workers (lease_ttl_s / 3)
 
 
 @dataclass(frozen=True)
@@ -193,11 +196,21 @@ def model_rows(s: Scenario, z: Sizes, c: Costs) -> list[tuple[str, str]]:
     worker_cores = batches * c.worker_ms_per_step / 1000 / s.round_s
     workers = max(1, math.ceil(worker_cores))
     read_ms, reader_ms = s.clients * c.redis_read_us / 1000, s.clients * c.reader_read_us / 1000
-    # Reads of all members: the coordinator's sweep and the aggregator's, each once a
-    # heartbeat interval, and every worker's rebalance.
-    reads_s = 2 / s.heartbeat_s + workers / c.lease_tick_s
+    # Reads of every client: the aggregator's once a heartbeat interval, the coordinator's
+    # every SYNC_SWEEPS-th sweep; the other sweeps ask about the expired (one per session's
+    # end); each worker's rebalance reads the workers only.
+    reads_s = 1 / s.heartbeat_s + 1 / (s.heartbeat_s * SYNC_SWEEPS)
     renew_s = s.clients / s.heartbeat_s
-    busy = (renew_s * c.redis_renew_us + reads_s * s.clients * c.redis_read_us) / 1e6
+    busy = (
+        renew_s * c.redis_renew_us
+        + reads_s * s.clients * c.redis_read_us
+        + joins_s * c.redis_ttl_us
+        + workers / c.lease_tick_s * workers * c.redis_read_us
+    ) / 1e6
+    # Before the member kinds and the expired-only sweep: the sweep and every worker's
+    # rebalance read every member too.
+    reads_before_s = 2 / s.heartbeat_s + workers / c.lease_tick_s
+    busy_before = (renew_s * c.redis_renew_us + reads_before_s * s.clients * c.redis_read_us) / 1e6
     broker_mib = (
         connections * c.tcp_kib_per_connection / 1024
         + (s.clients + hosts) * c.binding_bytes / 2**20
@@ -217,9 +230,10 @@ def model_rows(s: Scenario, z: Sizes, c: Costs) -> list[tuple[str, str]]:
         ("worker cores for the server steps", f"{worker_cores:.2f}"),
         ("Redis: member renewals/s", f"{renew_s:,.0f}"),
         ("Redis: joins/s (mean session)", f"{joins_s:,.1f} ({joins_s * c.join_commands:,.0f} cmd)"),
-        ("Redis: reads of all members /s", f"{reads_s:.1f}"),
+        ("Redis: reads of every client /s", f"{reads_s:.2f} (before: {reads_before_s:.1f})"),
         ("Redis: one read, Redis / reader", f"{read_ms:,.0f} / {reader_ms:,.0f} ms"),
-        ("Redis: busy (renewals + reads)", f"{busy:.0%}"),
+        ("Redis: members the sweep asks about /s", f"{joins_s:,.1f}"),
+        ("Redis: busy (renewals + reads)", f"{busy:.0%} (before: {busy_before:.0%})"),
         ("Redis memory for the members", f"{s.clients * c.redis_member_bytes / 2**20:,.1f} MiB"),
     ]  # fmt: skip
 
@@ -289,9 +303,10 @@ def redis_probe(url: str, members: int) -> dict[str, float]:
             store.heartbeat(job, f"client:{client}", 3_600.0, info.to_info())
         used = float(raw.info("memory")["used_memory"]) - base
         renew = _server_us(raw, lambda: _renew_all(store, job, ids))
-        read = _server_us(raw, lambda: store.live_members(job))
+        ttls = _server_us(raw, lambda: _renew_all(store, job, ids, ask=True))
+        read = _server_us(raw, lambda: store.live_members(job, MemberKind.CLIENT))
         started = time.perf_counter()
-        store.live_members(job)
+        store.live_members(job, MemberKind.CLIENT)
         wall_ms = (time.perf_counter() - started) * 1000
     finally:
         store.delete_job(job)
@@ -301,16 +316,22 @@ def redis_probe(url: str, members: int) -> dict[str, float]:
         "members": members,
         "bytes_per_member": used / members,
         "renew_us_per_member": renew / members,
+        "ttl_us_per_member": ttls / members,
         "read_us_per_member": read / members,
         "read_ms_redis": read / 1000,
         "read_ms_wall": wall_ms,
     }
 
 
-def _renew_all(store: RedisWeightStore, job: str, ids: list[str]) -> None:
+def _renew_all(store: RedisWeightStore, job: str, ids: list[str], *, ask: bool = False) -> None:
+    """Renew every member, 1,024 a script; with `ask`, ask their seconds left instead (what
+    the sweep asks about the members past their deadline)."""
     for start in range(0, len(ids), HOST_HEARTBEAT_MEMBERS):
         batch = [f"client:{c}" for c in ids[start : start + HOST_HEARTBEAT_MEMBERS]]
-        store.renew_members(job, batch, 3_600.0)
+        if ask:
+            store.member_ttls(job, batch)
+        else:
+            store.renew_members(job, batch, 3_600.0)
 
 
 def _server_us(raw: redis.Redis, action: Callable[[], object]) -> float:
@@ -385,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         last = probes[-1]
         costs = replace(costs, redis_member_bytes=last["bytes_per_member"],
                         redis_renew_us=last["renew_us_per_member"],
-                      redis_read_us=last["read_us_per_member"])  # fmt: skip
+                        redis_ttl_us=last["ttl_us_per_member"],
+                        redis_read_us=last["read_us_per_member"])  # fmt: skip
     if args.bindings:
         probe = binding_probe(args.amqp_url, args.bindings)
         print(json.dumps({"rabbitmq": probe}, indent=2))

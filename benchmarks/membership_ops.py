@@ -17,9 +17,14 @@ client host `bench` would:
 Per event it reports the wall time (sent back to back, so the coordinator's handling paces
 it), the benchmark process's CPU time (the coordinator thread and the sender), and the Redis
 commands (INFO commandstats deltas: scripts, and all commands counted, those inside scripts
-too). The sweep, once per `clients.heartbeat_s`, reads every member: its time is reported
-beside (it ran once per heartbeat and per Join before issue 13); the benchmark's heartbeat_s
-is an hour so that no sweep falls inside a measurement.
+too); the benchmark's heartbeat_s is an hour so that no sweep falls inside a measurement.
+
+The sweep is measured beside, on the coordinator's `Roster` over the same store: the members
+are renewed as HostHeartbeats do, except 1% of them (at least one), which expire in Redis;
+the sweep then asks about those only (`member_ttls`) and announces them. Its wall time and
+Redis commands are reported beside the full read of every member (`Roster.sync`: what the
+sweep was before, now every `SYNC_SWEEPS`-th sweep, at the start and before a full-job
+refusal).
 
 `--quick` runs 100 and 1,000 members with fewer events (a test runs it); `--write-docs`
 rewrites the "membership-ops" section of docs/benchmarks.md.
@@ -57,11 +62,11 @@ from services.common.membership import (
     HOST_HEARTBEAT_MEMBERS,
     HOST_INFO_KEY,
     MemberInfo,
-    client_members,
     member_id,
 )
 from services.config.root import Settings
 from services.coordinator.coordinator import Coordinator, CoordinatorStats
+from services.coordinator.roster import SYNC_SWEEPS, Roster
 
 HOST = "bench"
 SIZES = (100, 1_000, 10_000)
@@ -91,12 +96,25 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class Sweep:
+    """The coordinator's sweep at one size, and the full read it replaced."""
+
+    members: int  # in the job then (the benchmark's Joins added)
+    expired: int  # members that expired before the sweep (1%, at least one)
+    announced: int  # of them announced by it
+    sweep_ms: float  # wall
+    sweep_commands: float  # every command Redis counted
+    sync_ms: float  # one read of every member (median of 3)
+    sync_commands: float
+
+
+@dataclass(frozen=True)
 class SizeResult:
     members: int
     join: Cost
     heartbeat: Cost
     host_member: Cost  # per member listed in a HostHeartbeat
-    sweep_ms: float  # one read of every member (median of 3)
+    sweep: Sweep
 
 
 def command_calls(raw: redis.Redis) -> dict[str, int]:
@@ -222,19 +240,65 @@ class Bench:
 
         return self.measure(rounds * self.members, send_all, lambda s: s.host_members)
 
-    def sweep_ms(self) -> float:
-        times = []
+    def sweep(self) -> Sweep:
+        """The sweep after 1% of the members expired (the rest renewed), and the full read."""
+        clock = _Clock()
+        announced: list[str] = []
+        ttl = self.settings.clients.heartbeat_ttl_s
+        count = self.settings.clients.count
+        roster = Roster(
+            self.store, self.job, count=count, ttl_s=ttl, expired=announced.extend, clock=clock
+        )
+        sync_ms, sync_commands = [], []
         for _ in range(3):
-            started = time.perf_counter()
-            found = client_members(self.store, self.job)
-            times.append((time.perf_counter() - started) * 1e3)
-            assert len(found) >= self.members
-        return sorted(times)[1]
+            ms, commands = self._timed(roster.sync)
+            sync_ms.append(ms)
+            sync_commands.append(commands)
+        clients = sorted(roster.index.clients())
+        expiring = clients[::100]  # 1%, at least one
+        for client in expiring:  # 1 s left in Redis, and no renewal
+            self.store.heartbeat(self.job, member_id(client), 1.0)
+        clock.now += ttl / 2
+        renewed = sorted(set(clients) - set(expiring))
+        for start in range(0, len(renewed), HOST_HEARTBEAT_MEMBERS):
+            roster.renew(renewed[start : start + HOST_HEARTBEAT_MEMBERS])
+        time.sleep(1.1)
+        clock.now += ttl / 2 + 1.0  # past the deadlines of the ones not renewed
+        ms, commands = self._timed(roster.sweep)
+        return Sweep(
+            len(clients),
+            len(expiring),
+            len(announced),
+            ms,
+            commands,
+            sorted(sync_ms)[1],
+            sorted(sync_commands)[1],
+        )
+
+    def _timed(self, action: Callable[[], object]) -> tuple[float, float]:
+        """Wall ms of `action` and the Redis commands it made."""
+        before = command_calls(self.raw)
+        started = time.perf_counter()
+        action()
+        ms = (time.perf_counter() - started) * 1e3
+        after = command_calls(self.raw)
+        commands = sum(v - before.get(k, 0) for k, v in after.items() if k != "info")
+        return ms, float(commands)
 
     def close(self) -> None:
         self.store.delete_job(self.job)
         self.store.close()
         self.host.close()
+
+
+class _Clock:
+    """The roster's clock, moved by hand: its deadlines pass without waiting for them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @contextmanager
@@ -273,7 +337,7 @@ def run_size(redis_url: str, raw: redis.Redis, members: int, counts: Counts) -> 
             bench.host_heartbeats(1)
             host_member = bench.host_heartbeats(counts.host_members)
         assert bench.coordinator.stats.dead_lettered == 0, bench.coordinator.stats
-        return SizeResult(members, join, heartbeat, host_member, bench.sweep_ms())
+        return SizeResult(members, join, heartbeat, host_member, bench.sweep())
     finally:
         bench.close()
 
@@ -295,9 +359,10 @@ def markdown(results: list[SizeResult], machine: str, command: str) -> str:
         "time, the benchmark process's CPU (coordinator and sender), Redis scripts and all "
         "Redis commands (INFO commandstats, those inside scripts counted too). A HostHeartbeat "
         f"lists {HOST_HEARTBEAT_MEMBERS:,} members (all of them when there are fewer); its "
-        "costs are per member. The sweep (one read of every member) runs once per "
-        "`clients.heartbeat_s`; before issue 13 the coordinator also made it for every "
-        "Heartbeat and every Join.",
+        "costs are per member. The sweep, once per `clients.heartbeat_s`, asks the store about "
+        "the members past their deadline only (here 1% of them, expired in Redis, the rest "
+        "renewed); the full read of every member it replaced now runs every "
+        f"{SYNC_SWEEPS}th sweep, at the start and before a Join is refused as the job is full.",
         "",
         "| members | event | wall µs | CPU µs | scripts | Redis commands |",
         "|---:|---|---:|---:|---:|---:|",
@@ -312,9 +377,19 @@ def markdown(results: list[SizeResult], machine: str, command: str) -> str:
                 f"| {r.members:,} | {name} | {cost.wall_us:,.0f} | {cost.cpu_us:,.0f} | "
                 f"{cost.scripts:.3g} | {cost.commands:.3g} |"
             )
-    lines += ["", "| members | sweep (read of every member) ms |", "|---:|---:|"]
-    lines += [f"| {r.members:,} | {r.sweep_ms:.1f} |" for r in results]
+    lines += [
+        "",
+        "| members (with the Joins) | expired | sweep ms | sweep: Redis commands | full read ms | "
+        "full read: Redis commands |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.sweep.members:,} | {r.sweep.expired:,} | {r.sweep.sweep_ms:.1f} | "
+        f"{r.sweep.sweep_commands:,.0f} | {r.sweep.sync_ms:.1f} | {r.sweep.sync_commands:,.0f} |"
+        for r in results
+    ]
     largest = results[-1]
+    sweep = largest.sweep
     lines += [
         "",
         "- Per event the work does not grow with the members: the same Redis commands at every "
@@ -326,8 +401,11 @@ def markdown(results: list[SizeResult], machine: str, command: str) -> str:
         "HostHeartbeat renews all its members in one script: per member "
         f"{largest.heartbeat.wall_us / largest.host_member.wall_us:.0f}x less time than a "
         f"Heartbeat each at {largest.members:,} members.",
-        f"- The sweep's read of every member took {largest.sweep_ms:.0f} ms at "
-        f"{largest.members:,} members: what each Heartbeat and Join cost before, at least.",
+        f"- The sweep grows with the members that expired, not with the live ones: at "
+        f"{sweep.members:,} members it took {sweep.sweep_ms:.1f} ms for {sweep.expired:,} "
+        f"expired (all announced: {sweep.announced:,}), against {sweep.sync_ms:.0f} ms for "
+        f"the full read it was before ({sweep.sync_commands / sweep.sweep_commands:.0f}x the "
+        "Redis commands).",
     ]
     return "\n".join(lines)
 

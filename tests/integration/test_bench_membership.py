@@ -33,4 +33,9 @@ def test_the_quick_benchmark_counts_the_same_redis_work_at_each_size(
         assert abs(large[event]["scripts"] - expected) < 0.05, event
     # One script per HostHeartbeat (of up to 1,024 members): per member, about its own renewal.
     assert large["host_member"]["commands"] < 2.1 and large["host_member"]["scripts"] < 0.01
+    # The sweep asks about the expired members only, and announces each.
+    for result in results:
+        sweep = result["sweep"]
+        assert sweep["announced"] == sweep["expired"] >= result["members"] // 100
+    assert large["sweep"]["sweep_commands"] < large["sweep"]["sync_commands"] / 20
     assert "## Membership cost per event (issue 13)" in capsys.readouterr().out
