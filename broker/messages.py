@@ -64,7 +64,8 @@ ClientId = str
 MessageId = Annotated[str, Marker.NON_EMPTY]
 Count = Annotated[int, Marker.NON_NEGATIVE]
 Activations = Annotated[torch.Tensor, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
-Labels = Annotated[torch.Tensor, TensorRule(LABEL_DTYPES, rank=1)]
+# None in a U-shaped job only, where the labels stay on the client (the worker checks which).
+Labels = Annotated[torch.Tensor | None, TensorRule(LABEL_DTYPES, rank=1)]
 Gradient = Annotated[torch.Tensor | None, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
 Logits = Annotated[torch.Tensor, TensorRule(FLOAT_DTYPES, finite=True, min_rank=1)]
 Weights = Annotated[Mapping[str, torch.Tensor], TensorRule(WEIGHT_DTYPES, finite=True)]
@@ -138,7 +139,8 @@ class HostHeartbeat(_Common):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SmashedBatch(_Common):
-    """Cut-layer activations of one minibatch and its labels; `seq` rises per client."""
+    """Cut-layer activations of one minibatch and its labels (none in a U-shaped job); `seq`
+    rises per client."""
 
     seq: Count
     shard: Count
@@ -164,6 +166,27 @@ class GradientReply(_Common):
     samples: Count
     grad: Gradient
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ServerOutput(_Common):
+    """U-shaped split, worker → client: the server's last block's output for SmashedBatch
+    `seq`, on which the client's tail computes the loss (docs/architecture.md, "U-shaped
+    split")."""
+
+    seq: Count
+    activations: Activations
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TailGradient(_Common):
+    """U-shaped split, client → shard queue: dL/d(the ServerOutput of `seq`), with which the
+    worker finishes the step; it answers with the GradientReply (dL/dz) of `seq`."""
+
+    seq: Count
+    shard: Count
+    round: Count
+    grad: Activations
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -254,6 +277,8 @@ Message = (
     | HostHeartbeat
     | SmashedBatch
     | GradientReply
+    | ServerOutput
+    | TailGradient
     | WeightsUpdate
     | RoundDropped
     | WeightsAssignment
@@ -271,7 +296,7 @@ def consistency_error(message: Message) -> str | None:
     """Cross-field checks the per-field schema cannot express; the reason, or None."""
     if isinstance(message, SmashedBatch):
         rows = message.activations.shape[0]
-        if message.labels.shape != (rows,):
+        if message.labels is not None and message.labels.shape != (rows,):
             return (
                 f"SmashedBatch.labels: shape {list(message.labels.shape)} does not match "
                 f"{rows} activation rows"

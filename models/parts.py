@@ -18,12 +18,13 @@ from models.split import SplitNet, forward_heads
 
 class ServerModel(nn.Module):
     """Blocks after `cut` (`theta`) and the heads of the later cuts (FedSplitX's server heads);
-    `forward(z)` gives the logits."""
+    `forward(z)` gives the logits, or in a U-shaped split the last server block's output."""
 
     def __init__(self, model: SplitNet, cut: str) -> None:
         super().__init__()
-        self.blocks = model.block_range(model.cut_index(cut) + 1, len(model.blocks))
-        later = model.cuts[model.cuts.index(cut) + 1 :]
+        end = model.server_end()  # a U-shaped split's tail stays on the client
+        self.blocks = model.block_range(model.cut_index(cut) + 1, end)
+        later = [c for c in model.cuts[model.cuts.index(cut) + 1 :] if model.cut_index(c) < end]
         self.cut = cut
         self.heads = nn.ModuleDict({c: model.head(c) for c in later})
         # Each head's cut, keyed by the index of the block it follows.

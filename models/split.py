@@ -6,6 +6,10 @@ names are the one naming scheme everything else uses (`blocks.<i>.<...>` for blo
 `heads.<cut>.<...>` for the head of a cut), so a client's, a shard's and the aggregate's
 tensors line up by name whatever the cut, which is what heterogeneous averaging needs.
 
+A U-shaped split (`set_tail`) hands the blocks from a tail block on back to the client: the
+client runs blocks up to the cut and the tail, the server only those in between, so the labels
+never leave the client (docs/architecture.md, "U-shaped split").
+
 Depth levels (FedSplitX) count cuts from 1: level m is `cuts[m - 1]`, and a client at level m
 holds the blocks up to that cut and the heads of the first m cuts (`forward_heads`).
 """
@@ -82,6 +86,27 @@ class SplitNet(nn.Module):
         self.heads = nn.ModuleDict(
             {cut: head_factory(self.cut_shape(cut), num_classes) for cut in self.cuts}
         )
+        # The first block of the client's tail in a U-shaped split; None: the server runs
+        # every block after the cut.
+        self.tail: str | None = None
+
+    def set_tail(self, tail: str | None, cut: str) -> None:
+        """Make the split U-shaped: blocks from `tail` on run on the client after the server's
+        part, which keeps at least one block after `cut`. None or "": not U-shaped."""
+        if not tail:
+            self.tail = None
+            return
+        names = self.block_names
+        if tail not in names:
+            raise ModelSpecError(f"model.tail {tail!r} is not a block name; blocks are {names}")
+        start, at = self.cut_index(cut) + 1, names.index(tail)
+        if at <= start:
+            server = names[start] if start < len(names) else "none"
+            raise ModelSpecError(
+                f"model.tail {tail!r} leaves the server no block after the cut {cut!r}: the "
+                f"tail must start after {server!r} (blocks are {names})"
+            )
+        self.tail = tail
 
     # --- structure ----------------------------------------------------------------------------
     def cut_index(self, cut: str) -> int:
@@ -93,6 +118,14 @@ class SplitNet(nn.Module):
     def cut_shape(self, cut: str) -> Shape:
         """The activation shape at `cut`, without the batch dimension."""
         return self._shapes[self.cut_index(cut)]
+
+    def server_end(self) -> int:
+        """Index one past the server's last block: the tail's first block, else the end."""
+        return len(self.blocks) if self.tail is None else self.block_names.index(self.tail)
+
+    def server_output_shape(self) -> Shape:
+        """What the server's last block outputs per sample: a U-shaped tail's input."""
+        return self._shapes[self.server_end() - 1]
 
     # --- views sharing this model's modules ---------------------------------------------------
     def block_range(self, start: int, stop: int) -> nn.Sequential:
@@ -108,7 +141,14 @@ class SplitNet(nn.Module):
         return self.block_range(0, self.cut_index(cut) + 1)
 
     def server_blocks(self, cut: str) -> nn.Sequential:
-        return self.block_range(self.cut_index(cut) + 1, len(self.blocks))
+        """The blocks after `cut`, up to the tail when the split is U-shaped."""
+        return self.block_range(self.cut_index(cut) + 1, self.server_end())
+
+    def tail_blocks(self) -> nn.Sequential:
+        """A U-shaped split's client tail: from the tail block to the last one."""
+        if self.tail is None:
+            raise ModelSpecError("this split is not U-shaped: it has no client tail")
+        return self.block_range(self.server_end(), len(self.blocks))
 
     def head(self, cut: str) -> nn.Module:
         self.cut_index(cut)

@@ -26,13 +26,16 @@ def range_state(model: SplitNet, start: int, stop: int) -> dict[str, Tensor]:
 
 
 def client_state(model: SplitNet, cut: str) -> dict[str, Tensor]:
-    """State of the blocks up to and including `cut`."""
-    return range_state(model, 0, model.cut_index(cut) + 1)
+    """State of the blocks up to and including `cut`, and of a U-shaped split's tail."""
+    state = range_state(model, 0, model.cut_index(cut) + 1)
+    if model.tail is not None:
+        state.update(range_state(model, model.server_end(), len(model.blocks)))
+    return state
 
 
 def server_state(model: SplitNet, cut: str) -> dict[str, Tensor]:
-    """State of the blocks after `cut`."""
-    return range_state(model, model.cut_index(cut) + 1, len(model.blocks))
+    """State of the blocks after `cut` (up to a U-shaped split's tail)."""
+    return range_state(model, model.cut_index(cut) + 1, model.server_end())
 
 
 def head_state(model: SplitNet, cuts: Iterable[str]) -> dict[str, Tensor]:

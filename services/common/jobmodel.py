@@ -20,7 +20,8 @@ _BUILD_LOCK = threading.Lock()
 
 
 def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
-    """The job's `SplitNet` shaped for its dataset's images; seeded when `seed` is given.
+    """The job's `SplitNet` shaped for its dataset's images, U-shaped when `model.tail` is set
+    (`ModelSpecError` when the tail leaves the server no block); seeded when `seed` is given.
 
     Built under a forked RNG, so the caller's random stream is left alone, and one build at a
     time (`_BUILD_LOCK`). Only the aggregator's version 1 depends on these initial weights;
@@ -32,12 +33,14 @@ def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        return build_model(
+        model = build_model(
             settings.model.name,
             num_classes=settings.model.num_classes,
             in_channels=spec.channels,
             input_size=spec.height,
         )
+    model.set_tail(settings.model.tail, settings.model.cut)
+    return model
 
 
 def job_hyper(settings: Settings) -> Hyper:

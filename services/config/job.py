@@ -37,7 +37,21 @@ class ModelSection(_Section):
     name: str = "cnn5"
     # Cut point name (e.g. "block1", "layer1"); ignored by FedAvg.
     cut: str = "block1"
+    # U-shaped split (label privacy): the first block of a tail the client runs after the
+    # server's part (e.g. "classifier"), so the labels never leave the client; "": none.
+    # The server keeps at least one block between the cut and the tail (checked when the
+    # model is built); only algorithms whose strategy supports it (docs/algorithms.md).
+    tail: str = Field(default="", pattern=r"^[A-Za-z0-9_]{0,128}$")
     num_classes: int = Field(default=10, ge=2)
+
+    @model_validator(mode="after")
+    def _tail_after_cut(self) -> ModelSection:
+        if self.tail and self.tail == self.cut:
+            raise ValueError(
+                f"model.tail {self.tail!r} is the cut's own block: the client's tail starts "
+                "after the server's part, at least two blocks after the cut"
+            )
+        return self
 
 
 class DataSection(_Section):
@@ -278,7 +292,22 @@ class JobConfig(_Section):
                 f"rounds.mode = 'async': algorithm {spec.name} stays synchronous ({refusal}); "
                 "use rounds.mode = 'sync'"
             )
+        if self.model.tail:
+            self._u_shaped_supported()
         return self
+
+    def _u_shaped_supported(self) -> None:
+        strategy = REGISTRY.get(self.algorithm.name).strategy
+        if not strategy.u_shaped:
+            raise ValueError(
+                f"model.tail = {self.model.tail!r}: algorithm {self.algorithm.name} has no "
+                "U-shaped split (sfl, sfl_v1, sfl_v2 and minibatch_sfl have); unset model.tail"
+            )
+        if self.asynchronous_mode:
+            raise ValueError(
+                f"model.tail = {self.model.tail!r}: the U-shaped split runs in sync rounds "
+                "only; use rounds.mode = 'sync' or unset model.tail"
+            )
 
     @property
     def asynchronous_mode(self) -> bool:

@@ -48,7 +48,9 @@ from broker.messages import (
     RoundDropped,
     RoundEnd,
     RoundStart,
+    ServerOutput,
     SmashedBatch,
+    TailGradient,
     WeightsAssignment,
     WeightsUpdate,
     Welcome,
@@ -121,6 +123,9 @@ def all_messages() -> list[Message]:
         smashed(),
         smashed(activations=randn(4, 6, dtype=torch.bfloat16), labels=torch.arange(4).int()),
         smashed(activations=randn(3, 5, dtype=torch.float16), labels=torch.ones(3).to(torch.uint8)),
+        smashed(labels=None),  # a U-shaped job's: the labels stay on the client
+        ServerOutput(**common(seq=11, activations=randn(4, 50))),
+        TailGradient(**common(seq=11, shard=1, round=2, grad=randn(4, 50, dtype=torch.float16))),
         GradientReply(
             **common(seq=11, status="ok", loss=2.25, correct=3, samples=4, grad=randn(4, 3, 2, 2))
         ),
