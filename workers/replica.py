@@ -176,8 +176,10 @@ class Replica:
         at = bisect.bisect_left(recent, seq)
         return at < len(recent) and recent[at] == seq
 
-    def checkpoint(self) -> Checkpoint:
-        state = self.server.state_dict()
+    def checkpoint(self, buffers: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
+        """`buffers` replace the replica's own (a U-shaped step's forward, not applied yet,
+        has moved BatchNorm's running statistics)."""
+        state = {**self.server.state_dict(), **(buffers or {})}
         weights = {
             name: t.detach().to("cpu", copy=True)
             for name, t in state.items()

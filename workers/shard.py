@@ -3,6 +3,14 @@ the replies it sends (`Replier`). Deliveries stay unacked until a checkpoint cov
 (design §7): a crash loses nothing, and the checkpoint's seqs make a redelivered batch apply
 once. A non-finite step has poisoned the replica: nothing is recorded or answered; it rolls back.
 
+In a U-shaped job (`model.tail`) a step comes in two halves (docs/architecture.md, "U-shaped
+split"): a SmashedBatch (without labels) opens it, the forward's graph is kept and its output
+goes to the client as a ServerOutput; the client's TailGradient finishes it. One step is open at
+a time; batches arriving meanwhile wait in the fold or the barrier. An open step's deliveries
+stay unacked and a checkpoint taken while it is open holds the replica as before its forward
+(BatchNorm's running statistics included), so a crash in between redelivers the batch and its
+tail gradient and the step is applied once.
+
 A check returns `(code, detail)` for a message to dead-letter (the code: its counter key and the
 reason's head), else None.
 """
@@ -37,7 +45,9 @@ from broker.messages import (
     InferReply,
     RoundEnd,
     RoundStart,
+    ServerOutput,
     SmashedBatch,
+    TailGradient,
     new_message_id,
 )
 from broker.rejection import Rejected, dead_letter_safely
@@ -45,8 +55,10 @@ from broker.tensors import all_finite
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
 from broker.transport import Broker, Delivery, PublishOptions
 from models.split import Shape
-from services.algorithms.base import CohortBatch
+from models.state import load_partial
+from services.algorithms.base import CohortBatch, OpenStep, StepResults
 from services.algorithms.staleness import TOO_STALE
+from services.algorithms.ushape import backward_open
 from services.common.leases import lease_name
 from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
@@ -57,6 +69,8 @@ if TYPE_CHECKING:
     from workers.worker import WorkerSession
 
 Rejection = tuple[str, str]
+# Tail gradients kept for a batch not forwarded yet (a queue's take-over may reorder the two).
+_ORPHANS = 64
 # A reply refused by back-pressure is tried again after these, doubling.
 _FIRST_DELAY_S = 0.05
 _MAX_DELAY_S = 2.0
@@ -73,6 +87,8 @@ class ShardExpectations:
     cut: str = ""  # the replica's cut, whose shape is `cut_shape`
     # Further cuts a batch may name, with their shapes (FedSplitX's deeper depth levels).
     other_cuts: Mapping[str, Shape] = field(default_factory=dict)
+    # A U-shaped job: batches come without labels, and TailGradients finish their steps.
+    u_shaped: bool = False
 
     def shape_of(self, cut: str) -> Shape | None:
         """The activation shape of a batch from `cut` ("" or the replica's: `cut_shape`);
@@ -83,7 +99,7 @@ class ShardExpectations:
 
 
 def check_addressing(
-    message: RoundStart | RoundEnd | SmashedBatch, want: ShardExpectations
+    message: RoundStart | RoundEnd | SmashedBatch | TailGradient, want: ShardExpectations
 ) -> Rejection | None:
     if message.job != want.job:
         return "wrong_job", f"job {message.job!r} on a queue of job {want.job!r}"
@@ -92,15 +108,22 @@ def check_addressing(
     return None
 
 
-def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | None:
+def check_sender(message: SmashedBatch | TailGradient, want: ShardExpectations) -> Rejection | None:
     addressing = check_addressing(message, want)
     if addressing is not None:
         return addressing
     if not message.client:
-        return "bad_client", "SmashedBatch without a client id"
+        return "bad_client", f"{type(message).__name__} without a client id"
     bad_id = client_id_problem(message.client)
     if bad_id is not None:
         return "bad_client", bad_id
+    return None
+
+
+def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | None:
+    problem = check_sender(message, want)
+    if problem is not None:
+        return problem
     z, y = message.activations, message.labels
     shape = want.shape_of(message.cut)
     if shape is None:
@@ -109,6 +132,18 @@ def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | N
     wrong_shape = shape_problem(z, shape)
     if wrong_shape is not None:
         return "bad_shape", wrong_shape
+    if want.u_shaped:
+        if y is None:
+            return None
+        return "unexpected_labels", (
+            "a SmashedBatch with labels in a U-shaped job (model.tail is set): the labels "
+            "stay on the client, whose tail computes the loss"
+        )
+    if y is None:
+        return "missing_labels", (
+            "a SmashedBatch without labels in a job that is not U-shaped (model.tail is "
+            "unset): the server computes the loss and needs them"
+        )
     if tuple(y.shape) != (z.shape[0],):
         return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"
     low, high = (int(v) for v in torch.aminmax(y))
@@ -176,6 +211,26 @@ class Item:
     batch: SmashedBatch
 
 
+@dataclass(eq=False)
+class Open:
+    """A U-shaped step between its two messages (see the module doc)."""
+
+    items: list[Item]
+    step: OpenStep
+    replies: list[ServerOutput]  # per item: sent again for a copy of its batch
+    buffers: dict[str, torch.Tensor]  # the replica's buffers before the forward
+    deadline: float
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by item index
+    # By item index: the TailGradient's delivery (None: it was held on arrival, an orphan).
+    tails: dict[int, Delivery | None] = field(default_factory=dict)
+
+    def index(self, client: str, seq: int) -> int | None:
+        for at, item in enumerate(self.items):
+            if item.batch.client == client and item.batch.seq == seq:
+                return at
+        return None
+
+
 class ShardRunner:
     def __init__(
         self,
@@ -200,6 +255,8 @@ class ShardRunner:
         )
         # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
         self._send_grad = session.strategy.waits_for_gradient
+        self._open: Open | None = None  # U-shaped: the step waiting for tail gradients
+        self._orphans: OrderedDict[tuple[str, int], TailGradient] = OrderedDict()
 
     @property
     def shard(self) -> int:
@@ -207,10 +264,17 @@ class ShardRunner:
 
     def buffered(self) -> int:
         """Valid batches received but not applied yet (they go back to the queue on stop)."""
-        return len(self._fold) + (len(self._barrier) if self._barrier is not None else 0)
+        opened = len(self._open.items) if self._open is not None else 0
+        return len(self._fold) + (len(self._barrier) if self._barrier is not None else 0) + opened
+
+    def foldable(self) -> bool:
+        """Batches wait in the fold and could be applied now (no U-shaped step is open)."""
+        return bool(self._fold) and self._open is None
 
     def deadline(self) -> float | None:
-        return self._barrier.deadline() if self._barrier is not None else None
+        times = [self._barrier.deadline() if self._barrier is not None else None]
+        times.append(self._open.deadline if self._open is not None else None)
+        return min((t for t in times if t is not None), default=None)
 
     # --- deliveries ---------------------------------------------------------------------------
     def on_batch(self, delivery: Delivery, batch: SmashedBatch) -> None:
@@ -257,6 +321,53 @@ class ShardRunner:
             self._fold.append(item)
             if len(self._fold) >= self._io.settings.workers.batch_messages:
                 self.flush()
+
+    def on_tail(self, delivery: Delivery, message: TailGradient) -> None:
+        """A client's dL/d(ServerOutput): finishes its open step (docs/architecture.md,
+        "U-shaped split"); a copy of one applied already is answered as a batch's copy is."""
+        if not self._want.u_shaped:
+            detail = "a TailGradient in a job that is not U-shaped (model.tail is unset)"
+            self._io.reject(delivery, "not_u_shaped", detail)
+            return
+        problem = check_sender(message, self._want)
+        if problem is None and not self._member(message.client):
+            problem = ("unknown_client", f"client {message.client!r} is not a member of the job")
+        if problem is not None:
+            self._io.reject(delivery, *problem)
+            return
+        client, seq = message.client, message.seq
+        if self.replica.applied_already(client, seq):
+            self._hold(delivery)
+            self._answer_duplicate(message)
+            return
+        at = self._open.index(client, seq) if self._open is not None else None
+        if at is None:
+            # Its batch is not forwarded here (yet): behind it after a take-over, or lost and
+            # to be republished by the client. Acked with the next checkpoint; if the batch
+            # never comes, the client's republish brings both again.
+            self._hold(delivery)
+            self._orphans[(client, seq)] = message
+            while len(self._orphans) > _ORPHANS:
+                self._orphans.popitem(last=False)
+            return
+        self._take_tail(at, delivery, message)
+        self._finish(force=False)
+
+    def _take_tail(self, at: int, delivery: Delivery | None, message: TailGradient) -> None:
+        step = self._open
+        assert step is not None
+        shape = list(step.replies[at].activations.shape)
+        if list(message.grad.shape) != shape:
+            detail = f"tail gradient of shape {list(message.grad.shape)} for an output of {shape}"
+            if delivery is not None:
+                self._io.reject(delivery, "bad_shape", detail)
+            return
+        older = step.tails.get(at)
+        if older is not None:  # a copy: the newer delivery is the one to ack with the step
+            self._io.stats.duplicates_skipped += 1
+            self._hold(older)
+        step.tails[at] = delivery
+        step.grads[at] = message.grad
 
     def _member(self, client: str) -> bool:
         """Cohort members and clients already applied here are known without asking."""
@@ -307,17 +418,25 @@ class ShardRunner:
     # --- stepping -----------------------------------------------------------------------------
     def flush(self) -> None:
         """Apply folded batches now (the queue had nothing more to fold with them)."""
-        if self._fold:
-            items, self._fold = self._fold, []
+        if self._fold and self._open is None:
+            # At most one fold's worth: while a U-shaped step was open, more may have queued.
+            n = self._io.settings.workers.batch_messages
+            items, self._fold = self._fold[:n], self._fold[n:]
             self._apply(items)
 
     def settle(self) -> None:
-        """Serve every buffered batch: before a round marker or a version change."""
-        self.flush()
-        self._step_barrier(force=True)
+        """Serve every buffered batch: before a round marker or a version change. An open
+        U-shaped step goes on with the tail gradients it has (a straggler's, whose round
+        closed without it)."""
+        while self.buffered():
+            self._finish(force=True)
+            self.flush()
+            self._step_barrier(force=True)
 
     def poll(self) -> None:
-        """Time-driven work: a barrier past its timeout, a checkpoint that is due."""
+        """Time-driven work: a barrier or an open step past its timeout, a due checkpoint."""
+        if self._open is not None and self._io.clock() >= self._open.deadline:
+            self._finish(force=True)
         self._step_barrier(force=False)
         workers = self._io.settings.workers
         if self._pending and (
@@ -330,12 +449,16 @@ class ShardRunner:
 
     def _step_barrier(self, *, force: bool) -> None:
         barrier, replica = self._barrier, self.replica
-        if barrier is None:
+        if barrier is None or self._open is not None:
             return
-        while len(barrier) and (
-            force
-            or barrier.ready(replica.cohort, replica.progress)
-            or barrier.expired(self._io.clock())
+        while (
+            len(barrier)
+            and self._open is None
+            and (
+                force
+                or barrier.ready(replica.cohort, replica.progress)
+                or barrier.expired(self._io.clock())
+            )
         ):
             items = barrier.take(replica.cohort, replica.progress)
             if barrier.dropped:
@@ -344,13 +467,16 @@ class ShardRunner:
             self._apply(items)
 
     def _apply(self, items: list[Item]) -> None:
+        if self._want.u_shaped:
+            self._open_step(items)
+            return
         io, replica = self._io, self.replica
         started = time.perf_counter()
         batches = [
             CohortBatch(
                 i.batch.client,
                 i.batch.activations,
-                i.batch.labels,
+                _labels(i.batch),
                 self._cohort_weight(i.batch),
                 cut=i.batch.cut,
             )
@@ -372,13 +498,18 @@ class ShardRunner:
             ]
             self._rollback(bad or items)
             return
+        self._answer_step(items, results, started)
+
+    def _answer_step(self, items: list[Item], results: StepResults, started: float) -> None:
+        """Record a step taken on `items` and send each its GradientReply."""
+        io, replica = self._io, self.replica
         replica.steps += 1
         io.stats.steps += 1
         self._steps_since += 1
         rows_total = 0
         for item, (grad, loss, correct) in zip(items, results, strict=True):
             b = item.batch
-            rows = int(b.labels.shape[0])
+            rows = int(b.activations.shape[0])
             rows_total += rows
             replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut)
             self._hold(item.delivery)
@@ -408,7 +539,95 @@ class ShardRunner:
         replica = self.replica
         if batch.round == replica.cohort_round and batch.client in replica.cohort:
             return float(replica.cohort[batch.client])
-        return float(batch.labels.shape[0])
+        return float(batch.activations.shape[0])
+
+    # --- U-shaped steps -----------------------------------------------------------------------
+    def _open_step(self, items: list[Item]) -> None:
+        """The forward half: the server's outputs go to the clients, the graph stays."""
+        io, server = self._io, self.replica.server
+        buffers = {n: b.detach().clone() for n, b in server.named_buffers()}
+        try:
+            step = io.strategy.server_forward(
+                server,
+                [i.batch.activations for i in items],
+                [self._cohort_weight(i.batch) for i in items],
+            )
+        except Exception as exc:  # never let one step take the worker down
+            load_partial(server, buffers)
+            self._say("server forward failed: %r", exc, level=logging.ERROR)
+            for item in items:
+                self._io.reject(item.delivery, "server_step", repr(exc))
+            return
+        if not all(all_finite(out.detach()) for out in step.outputs):
+            self._rollback(items)
+            return
+        replies = [
+            ServerOutput(
+                job=i.batch.job,
+                client=i.batch.client,
+                message_id=new_message_id(),
+                version=self.replica.version,
+                seq=i.batch.seq,
+                activations=out.detach().to(device="cpu", dtype=i.batch.activations.dtype),
+            )
+            for i, out in zip(items, step.outputs, strict=True)
+        ]
+        deadline = io.clock() + io.settings.workers.step_barrier_timeout_s
+        self._open = Open(items, step, replies, buffers, deadline)
+        for item, reply in zip(items, replies, strict=True):
+            self._send_output(reply)
+            orphan = self._orphans.pop((item.batch.client, item.batch.seq), None)
+            if orphan is not None:
+                at = self._open.index(orphan.client, orphan.seq)
+                assert at is not None
+                self._take_tail(at, None, orphan)
+        self._finish(force=False)
+
+    def _send_output(self, reply: ServerOutput) -> None:
+        io = self._io
+        if io.replier.publish(reply, reply_routing_key(reply.job, reply.client), later=True):
+            io.stats.replies += 1
+        else:
+            io.stats.replies_undeliverable += 1
+
+    def _finish(self, *, force: bool) -> None:
+        """The backward half, once every batch's tail gradient is in (`force`: with those
+        that are; a batch without one is answered "rejected", never applied)."""
+        step = self._open
+        if step is None or (len(step.grads) < len(step.items) and not force):
+            return
+        self._open = None
+        started = time.perf_counter()
+        grads = [step.grads.get(at) for at in range(len(step.items))]
+        present = [item for at, item in enumerate(step.items) if at in step.grads]
+        missing = [item for at, item in enumerate(step.items) if at not in step.grads]
+        results: list[torch.Tensor | None] = []
+        if present:
+            try:
+                results = backward_open(self.replica.optimizer, step.step, grads)
+            except Exception as exc:
+                self._say("server backward failed: %r", exc, level=logging.ERROR)
+                self._rollback(step.items)
+                return
+            if not all(all_finite(g) for g in results if g is not None):
+                self._rollback(present)
+                return
+        else:
+            load_partial(self.replica.server, step.buffers)  # as if never forwarded
+        for delivery in step.tails.values():
+            if delivery is not None:
+                self._hold(delivery)
+        if present:
+            dz = [(g, 0.0, 0) for g in results if g is not None]
+            self._answer_step(present, dz, started)
+        timeout = self._io.settings.workers.step_barrier_timeout_s
+        for item in missing:
+            self._hold(item.delivery)
+            reason = f"no tail gradient within {timeout:g} s: the step went on without it"
+            self._io.replier.send(answer(item.batch, self.replica.version, "rejected", reason))
+        self._step_barrier(force=False)
+        if len(self._fold) >= self._io.settings.workers.batch_messages:
+            self.flush()
 
     def _rollback(self, poisoned: list[Item]) -> None:
         """A non-finite step poisoned the replica: reject the culprits, go back to the last
@@ -420,7 +639,8 @@ class ShardRunner:
         for item in poisoned:
             self._io.reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
         returned = len(self._pending) + self.buffered()
-        self._pending, self._fold = [], []
+        self._pending, self._fold, self._open = [], [], None
+        self._orphans.clear()
         if self._barrier is not None:
             self._barrier.clear()
         io.redeliver(self.shard)
@@ -448,6 +668,16 @@ class ShardRunner:
         def renewed(item: Item) -> Item:
             return Item(delivery, item.batch)
 
+        step = self._open
+        at = step.index(batch.client, batch.seq) if step is not None else None
+        if step is not None and at is not None:
+            # Its step is open: the client missed the ServerOutput (replies are transient).
+            self._io.stats.duplicates_skipped += 1
+            self._hold(step.items[at].delivery)
+            step.items[at] = renewed(step.items[at])
+            self._send_output(replace(step.replies[at], message_id=new_message_id()))
+            return True
+
         older = self._barrier.replace(same, renewed) if self._barrier is not None else None
         for index, item in enumerate(self._fold):
             if same(item):
@@ -459,7 +689,7 @@ class ShardRunner:
         self._hold(older.delivery)
         return True
 
-    def _answer_duplicate(self, batch: SmashedBatch) -> None:
+    def _answer_duplicate(self, batch: SmashedBatch | TailGradient) -> None:
         """Answer a copy of a batch applied already, never applying it again: the kept reply, or
         "gone" (docs/architecture.md, "Conventions the roles share")."""
         stats, replier = self._io.stats, self._io.replier
@@ -500,7 +730,9 @@ class ShardRunner:
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
         holder = (lease_name(self.shard), io.worker_id)
         try:
-            saved = self.replica.checkpoint() if self._async is None else self._async.save()
+            # An open U-shaped step is not in the checkpoint: the replica as before its forward.
+            buffers = self._open.buffers if self._open is not None else None
+            saved = self.replica.checkpoint(buffers) if self._async is None else self._async.save()
             io.store.save_checkpoint(self._want.job, saved, holder=holder)
         except LeaseNotHeldError as exc:
             # The lease ran out before the save landed and another worker may own the shard:
@@ -524,7 +756,7 @@ class ShardRunner:
 
 
 # --- answers: GradientReplies and dead letters ---------------------------------------------
-Answer = GradientReply | InferReply | Error
+Answer = GradientReply | InferReply | ServerOutput | Error
 
 
 class Replier:
@@ -643,7 +875,7 @@ def _what(message: Answer) -> str:
 
 
 def answer(
-    batch: SmashedBatch,
+    batch: SmashedBatch | TailGradient,
     version: int,
     status: str,
     reason: str = "",
@@ -654,7 +886,9 @@ def answer(
 ) -> GradientReply:
     """The reply to `batch`: "ok" with its step's results; without a gradient, "gone" (a
     duplicate) or "rejected" (too stale)."""
-    samples = int(batch.labels.shape[0]) if status == "ok" else 0
+    samples = 0
+    if status == "ok" and isinstance(batch, SmashedBatch):
+        samples = int(batch.activations.shape[0])
     return GradientReply(
         job=batch.job,
         client=batch.client,
@@ -668,6 +902,13 @@ def answer(
         grad=grad,
         reason=reason,
     )
+
+
+def _labels(batch: SmashedBatch) -> torch.Tensor:
+    # `check_batch` let a batch without labels through in a U-shaped job only.
+    if batch.labels is None:
+        raise ValueError(f"SmashedBatch seq {batch.seq} has no labels to train on")
+    return batch.labels
 
 
 def reject(

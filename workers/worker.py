@@ -20,7 +20,7 @@ from functools import partial
 
 from broker.codec import decode
 from broker.errors import BrokerError, DecodeError, StaleDeliveryError
-from broker.messages import RoundEnd, RoundStart, SmashedBatch
+from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
 from broker.store import WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
@@ -264,6 +264,7 @@ class WorkerSession:
             num_classes=self.settings.model.num_classes,
             cut=cuts[0],
             other_cuts={c: self.template.cut_shape(c) for c in cuts[1:]},
+            u_shaped=self.template.tail is not None,
         )
         queue = shard_queue_name(self.job, shard)
         clock = None
@@ -321,6 +322,9 @@ class WorkerSession:
         if isinstance(message, SmashedBatch):
             forged = self.senders.client_problem(delivery, message.client)
             handle = partial(runner.on_batch, delivery, message)
+        elif isinstance(message, TailGradient):
+            forged = self.senders.client_problem(delivery, message.client)
+            handle = partial(runner.on_tail, delivery, message)
         elif isinstance(message, RoundStart | RoundEnd):
             forged = self.senders.service_problem(delivery, type(message).__name__)
             handle = partial(runner.on_marker, delivery, message)
@@ -354,7 +358,7 @@ class WorkerSession:
                 self.drop(runner.shard)
 
     def _timeout(self, now: float) -> float:
-        if not self.strategy.server_barrier and any(r.buffered() for r in self.runners.values()):
+        if not self.strategy.server_barrier and any(r.foldable() for r in self.runners.values()):
             return 0.0  # fold only what is already waiting: look, don't wait
         until = [self.next_tick, now + self.poll_s]
         until += [d for r in self.runners.values() if (d := r.deadline()) is not None]

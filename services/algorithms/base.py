@@ -80,6 +80,16 @@ class SmashedChannel(Protocol):
         """Send smashed data without waiting (local-loss algorithms)."""
         ...
 
+    def forward(self, z: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+        """U-shaped split: send smashed data without labels and block until the output of the
+        server's last block for it comes back."""
+        ...
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """U-shaped split: send dL/d(that output) of the last `forward` and block until dL/dz
+        comes back."""
+        ...
+
 
 @dataclass
 class ClientContext:
@@ -152,6 +162,17 @@ class CohortBatch:
     labels: torch.Tensor
     weight: float = 1.0  # p_n of MiniBatch-SFL; rows for folded SFL
     cut: str = ""  # the cut the activations come from ("": the replica's own cut)
+
+
+@dataclass(eq=False)
+class OpenStep:
+    """A U-shaped server step between its forward and its backward: per batch, the input z_n
+    (a leaf requiring grad), the output of the server's last block (its graph kept) and the
+    batch's weight in the step."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    weights: list[float]
 
 
 # How many server shards (S) a job runs: one, one per client, or `[algorithm] shards`.
@@ -238,6 +259,9 @@ class StrategyBase:
     personal_on_clients: ClassVar[bool] = False
     # Workers answer InferRequests for this algorithm (SplitGP's split inference).
     split_inference: ClassVar[bool] = False
+    # It trains a U-shaped split (`model.tail`): the client's round uses the channel's
+    # forward/backward, the worker's step is `server_forward` then `ushape.backward_open`.
+    u_shaped: ClassVar[bool] = False
 
     @property
     def partial_client_updates(self) -> bool:
@@ -288,6 +312,13 @@ class StrategyBase:
         """One server step; per batch (dL/dz, loss, correct) in input order. The default is
         the no-server step of algorithms that do not split: no smashed data should arrive."""
         raise RuntimeError(f"{self.name} has no server-side model: no smashed data should arrive")
+
+    def server_forward(
+        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
+    ) -> OpenStep:
+        """A U-shaped step's forward over a step's batches (`weights`: the worker's p_n, or
+        the rows); the default refuses, for strategies without a U-shaped split."""
+        raise RuntimeError(f"{self.name} has no U-shaped split: unset model.tail")
 
     def aggregate(
         self,

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.algorithms.base import CohortBatch, StepResults, algorithm
+from services.algorithms.base import CohortBatch, OpenStep, StepResults, algorithm
 from services.algorithms.sfl import SFL, weighted_step
+from services.algorithms.ushape import forward_open
 
 
 @algorithm("minibatch_sfl", sync_only=True, shards="one")
@@ -33,3 +34,9 @@ class MiniBatchSFL(SFL):
             [b.labels for b in batches],
             [b.weight for b in batches],
         ).rows()
+
+    def server_forward(
+        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
+    ) -> OpenStep:
+        """Equation (3)'s forward: one per client's batch, weighted by p_n."""
+        return forward_open(server, zs, weights, concat=False)

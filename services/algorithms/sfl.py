@@ -21,11 +21,13 @@ from models.state import client_state
 from services.algorithms.base import (
     CohortBatch,
     LocalRound,
+    OpenStep,
     RoundResult,
     StepResults,
     StrategyBase,
     algorithm,
 )
+from services.algorithms.ushape import forward_open, u_round
 
 
 @dataclass(frozen=True)
@@ -126,9 +128,13 @@ class SFL(StrategyBase):
     """SFL-V1 / SFL-V2 / sharded SFL; a worker may fold queued messages into one step."""
 
     name: str = "sfl"
+    u_shaped = True
 
     def client_round(self, r: LocalRound) -> RoundResult:
-        """Plain split training of the client side: every step waits for the server's dL/dz."""
+        """Plain split training of the client side: every step waits for the server's dL/dz
+        (U-shaped: `ushape.u_round`)."""
+        if r.model.tail is not None:
+            return u_round(r)
         body = r.model.client_blocks(r.cut)
         body.train()
         optimizer = r.hyper.client_optimizer(body.parameters())
@@ -146,3 +152,9 @@ class SFL(StrategyBase):
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
     ) -> StepResults:
         return rows_step(server, optimizer, batches)
+
+    def server_forward(
+        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
+    ) -> OpenStep:
+        """Rows-weighted over one concatenated forward, as `rows_step`."""
+        return forward_open(server, zs, [float(z.shape[0]) for z in zs], concat=True)

@@ -5,7 +5,9 @@ Only the client's own thread calls a `ClientLink` (a pika connection is not thre
 heartbeats have a thread and handle of their own (`services.client.beat`). Every wait watches
 the stop event. Every delivery is judged once, in `ClientLink.poll` (docs/reliability.md, "Bad
 input", the client rows); replies are matched by seq, and unanswered batches republished
-(docs/architecture.md, "Conventions the roles share").
+(docs/architecture.md, "Conventions the roles share"). A U-shaped job's channel trades four
+messages per step instead (docs/architecture.md, "U-shaped split"): SmashedBatch without
+labels out, ServerOutput back, TailGradient out, GradientReply back.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from broker.messages import (
     InferReply,
     Leave,
     Message,
+    ServerOutput,
     SmashedBatch,
+    TailGradient,
     WeightsAssignment,
     Welcome,
     new_message_id,
@@ -61,7 +65,7 @@ from services.client.plan import RoundPlan, config_int
 from services.client.stats import ClientStats
 
 # What may arrive on a client's reply queue; anything else is dead-lettered.
-REPLY_TYPES = (Welcome, WeightsAssignment, GradientReply, Error, InferReply)
+REPLY_TYPES = (Welcome, WeightsAssignment, GradientReply, ServerOutput, Error, InferReply)
 REPLY_PREFETCH = 16
 # Longest single broker wait, so a stop is never held up for long.
 MAX_POLL_S = 0.25
@@ -237,7 +241,8 @@ class ClientLink:
     ) -> Message | None:
         """The next valid reply within `timeout` seconds (deferred ones first when `deferred`);
         invalid ones are dead-lettered. An invalid answer to `awaiting` (ok, without a gradient
-        of its batch's shape) raises `RoundAborted`: the caller cannot go on without it."""
+        of its batch's shape; a ServerOutput of the wrong shape) raises `RoundAborted`: the
+        caller cannot go on without it."""
         if deferred and self._deferred:
             return self._deferred.popleft()
         started = self.clock()
@@ -273,8 +278,11 @@ class ClientLink:
             self._refuse(delivery, f"undecodable: {exc.reason}")
             return None
         reason = self._problem(message)
-        if reason is None and awaiting is not None and isinstance(message, GradientReply):
-            reason = _gradient_problem(message, awaiting)
+        if reason is None and awaiting is not None:
+            if isinstance(message, GradientReply):
+                reason = _gradient_problem(message, awaiting)
+            elif isinstance(message, ServerOutput):
+                reason = _output_problem(message, awaiting, self._model)
             if reason is not None:  # the answer the caller waits for: it cannot go on
                 self._refuse(delivery, reason)
                 raise RoundAborted(reason)
@@ -294,12 +302,12 @@ class ClientLink:
             return f"{kind} for job {message.job!r} on a queue of job {self.job!r}"
         if message.client != self.client:
             return f"{kind} for client {message.client!r} on the queue of {self.client!r}"
-        if isinstance(message, GradientReply):
+        if isinstance(message, GradientReply | ServerOutput):
             # An earlier seq may be a late copy of an answer already taken, or a previous
             # run's: a duplicate, not an invalid message.
             if message.seq >= self.next_seq:
                 return (
-                    f"GradientReply for seq {message.seq}, never sent by this client "
+                    f"{kind} for seq {message.seq}, never sent by this client "
                     f"(its next seq is {self.next_seq})"
                 )
             return None
@@ -355,6 +363,23 @@ def _gradient_problem(reply: GradientReply, batch: SmashedBatch) -> str | None:
     return f"GradientReply seq {reply.seq}: gradient shape {got}, expected {list(shape)}"
 
 
+def _output_problem(
+    output: ServerOutput, batch: SmashedBatch, model: SplitNet | None
+) -> str | None:
+    """Why `output` cannot be the server's output for `batch`, when it answers it."""
+    if output.seq != batch.seq:
+        return None
+    got = list(output.activations.shape)
+    want: list[int] = [int(batch.activations.shape[0])]
+    if model is not None and model.tail is not None:
+        want += model.server_output_shape()
+    elif got[:1] == want:  # without the model only the rows can be checked
+        return None
+    if got == want:
+        return None
+    return f"ServerOutput seq {output.seq}: shape {got}, expected {want}"
+
+
 @dataclass
 class Tally:
     """Training loss/accuracy as the worker reports it (or the client measures it)."""
@@ -398,17 +423,48 @@ class BrokerChannel:
         self._wire_dtype = wire_dtype
         self._routing_key = shard_routing_key(link.job, shard)
         self.tally = Tally()
+        # U-shaped: the batch whose ServerOutput came back and whose tail gradient is due.
+        self._forwarded: tuple[SmashedBatch, bytes] | None = None
 
     def exchange(self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int) -> torch.Tensor:
         batch, body = self._publish(z, y, step, steps)
-        return self._await(batch, body)
+        return self._await(batch, [(body, batch.message_id)])
 
     def send(self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int) -> None:
         batch, _ = self._publish(z, y, step, steps)
         self._link.unawaited.add(batch.seq)
 
+    def forward(self, z: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+        batch, body = self._publish(z, None, step, steps)
+        self._forwarded = (batch, body)
+        return self._await(batch, [(body, batch.message_id)], output=True)
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._forwarded is None:
+            raise RuntimeError("backward without a forward: nothing awaits a tail gradient")
+        (batch, body), self._forwarded = self._forwarded, None
+        link = self._link
+        tail = TailGradient(
+            job=link.job,
+            client=link.client,
+            message_id=new_message_id(),
+            version=self._version,
+            seq=batch.seq,
+            shard=self._shard,
+            round=self._round,
+            grad=grad.detach().to(device="cpu", dtype=self._wire_dtype),
+        )
+        try:
+            tail_body = encode(tail)
+        except EncodeError as exc:  # a non-finite loss: the tail diverged
+            raise RoundAborted(f"step {batch.step}: cannot send the tail gradient: {exc}") from None
+        link.publish(SMASHED_EXCHANGE, self._routing_key, tail_body, message_id=tail.message_id)
+        # Unanswered, both go again: a worker that took the shard over may lack the forward.
+        copies = [(body, batch.message_id), (tail_body, tail.message_id)]
+        return self._await(batch, copies, tally=False)
+
     def _publish(
-        self, z: torch.Tensor, y: torch.Tensor, step: int, steps: int
+        self, z: torch.Tensor, y: torch.Tensor | None, step: int, steps: int
     ) -> tuple[SmashedBatch, bytes]:
         link = self._link
         batch = SmashedBatch(
@@ -422,7 +478,7 @@ class BrokerChannel:
             step=step,
             steps=steps,
             activations=z.detach().to(device="cpu", dtype=self._wire_dtype),
-            labels=y.detach().to(device="cpu", dtype=torch.int64),
+            labels=None if y is None else y.detach().to(device="cpu", dtype=torch.int64),
             cut=self._cut,
         )
         link.next_seq += 1
@@ -441,14 +497,30 @@ class BrokerChannel:
         link.stats.batches_sent += 1
         return batch, body
 
-    def _await(self, batch: SmashedBatch, body: bytes) -> torch.Tensor:
+    def _await(
+        self,
+        batch: SmashedBatch,
+        copies: list[tuple[bytes, str]],
+        *,
+        output: bool = False,
+        tally: bool = True,
+    ) -> torch.Tensor:
+        """The gradient for `batch` (`output`: the server's output for it, U-shaped), with
+        `copies` (body, message id) published again while it does not come."""
         link = self._link
         deadline = link.clock() + link.reply_timeout_s
         republished = 0
         while True:
             message = link.poll(max(0.0, deadline - link.clock()), awaiting=batch)
-            if isinstance(message, GradientReply):
-                grad = self._on_reply(message, batch)
+            if isinstance(message, ServerOutput):
+                if output and message.seq == batch.seq:
+                    link.stats.replies_received += 1
+                    return message.activations
+                link.stats.duplicates_dropped += 1  # e.g. a redelivered batch's forward
+            elif isinstance(message, GradientReply):
+                grad = self._on_reply(message, batch, tally=tally)
+                if grad is not None and output:
+                    raise RoundAborted(f"seq {batch.seq}: a gradient before its tail gradient")
                 if grad is not None:
                     return grad
             elif message is not None:
@@ -468,10 +540,15 @@ class BrokerChannel:
                     batch.step,
                     link.reply_timeout_s,
                 )
-                link.publish(SMASHED_EXCHANGE, self._routing_key, body, message_id=batch.message_id)
+                for body, message_id in copies:
+                    link.publish(SMASHED_EXCHANGE, self._routing_key, body, message_id=message_id)
                 deadline = link.clock() + link.reply_timeout_s
 
-    def _on_reply(self, reply: GradientReply, batch: SmashedBatch) -> torch.Tensor | None:
+    def _on_reply(
+        self, reply: GradientReply, batch: SmashedBatch, *, tally: bool = True
+    ) -> torch.Tensor | None:
+        """The gradient of an ok answer to `batch`; `tally`: count the worker's loss (a
+        U-shaped step's loss is the client's own)."""
         if reply.seq != batch.seq:
             if self._link.took_late(reply):
                 if reply.status == "ok":
@@ -487,7 +564,8 @@ class BrokerChannel:
             return None
         if reply.status == "ok":
             self._link.stats.replies_received += 1
-            self.tally.add(reply.loss, reply.correct, reply.samples)
+            if tally:
+                self.tally.add(reply.loss, reply.correct, reply.samples)
             assert reply.grad is not None  # the link refused an ok reply without one
             return reply.grad
         where = f"round {self._round} step {batch.step}: shard {self._shard}"
