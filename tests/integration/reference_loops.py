@@ -15,6 +15,10 @@ aggregator builds version 1), the partition, `ClientBatches` with epochs numbere
 `round * local_epochs + e` and capped at `max_steps_per_round`, fresh client and server
 optimizers every round (a new version is a new model), and the cohort in sorted client order
 (BatchNorm's running statistics depend on the order the server sees the clients' batches in).
+
+A U-shaped job (`model.tail`) runs the same loop with the loss moved to the client: the server's
+blocks stop before the tail, each client's tail computes `L_n` on the server's output `o_n`, and
+the server steps on `sum_n p_n J_n^T dL_n/do_n / sum p` (`_u_step`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> Referenc
     server.train()
     models = [copy.deepcopy(initial) for _ in clients]
     bodies = [m.client_blocks(cut) for m in models]
+    u_shaped = initial.tail is not None
+    tails = [m.tail_blocks() for m in models] if u_shaped else []
     steps_taken = 0
     for r in range(rounds):
         # A new version is a new model: every optimizer starts afresh (architecture doc).
@@ -72,10 +78,14 @@ def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> Referenc
             server.parameters(), lr=a.effective_server_lr, momentum=a.momentum
         )
         client_opts = []
-        for model, body in zip(models, bodies, strict=True):
+        for n, (model, body) in enumerate(zip(models, bodies, strict=True)):
             load_partial(model, global_client)
             body.train()
-            client_opts.append(torch.optim.SGD(body.parameters(), lr=a.lr, momentum=a.momentum))
+            params = list(body.parameters())
+            if u_shaped:
+                tails[n].train()
+                params += list(tails[n].parameters())
+            client_opts.append(torch.optim.SGD(params, lr=a.lr, momentum=a.momentum))
         batches = [round_batches(settings, data, n, r) for n in clients]
         steps = {len(b) for b in batches}
         assert len(steps) == 1, f"clients with different step counts {steps}: no full cohort steps"
@@ -83,9 +93,13 @@ def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> Referenc
             xs = [b[i][0] for b in batches]
             ys = [b[i][1] for b in batches]
             zs = [body(x) for body, x in zip(bodies, xs, strict=True)]
-            grads = _server_step(server, server_opt, zs, ys, p)
-            for z, g, opt in zip(zs, grads, client_opts, strict=True):
+            for opt in client_opts:
                 opt.zero_grad()
+            if u_shaped:
+                grads = _u_step(server, server_opt, tails, zs, ys, p)
+            else:
+                grads = _server_step(server, server_opt, zs, ys, p)
+            for z, g, opt in zip(zs, grads, client_opts, strict=True):
                 z.backward(g)
                 opt.step()
             steps_taken += 1
@@ -132,6 +146,39 @@ def _server_step(
     z_grads = [
         torch.autograd.grad(loss, z, retain_graph=True)[0]
         for loss, z in zip(losses, inputs, strict=True)
+    ]
+    for q, g in zip(params, server_grads, strict=True):
+        q.grad = g
+    optimizer.step()
+    return z_grads
+
+
+def _u_step(
+    server: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tails: Sequence[nn.Module],
+    zs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    p: Sequence[float],
+) -> list[torch.Tensor]:
+    """The U-shaped step: the server's outputs `o_n` (one forward per client, in cohort order),
+    each client's tail loss on them (its tail's gradients accumulate for the client's step),
+    then the server's step on the p-weighted pullback of `dL_n/do_n`; each client's `dL_n/dz_n`
+    taken before the step."""
+    inputs = [z.detach().requires_grad_(True) for z in zs]
+    outputs = [server(z) for z in inputs]
+    output_grads = []
+    for tail, out, y in zip(tails, outputs, ys, strict=True):
+        seen = out.detach().requires_grad_(True)  # what the client receives
+        F.cross_entropy(tail(seen), y).backward()
+        assert seen.grad is not None
+        output_grads.append(seen.grad)
+    params = [q for q in server.parameters() if q.requires_grad]
+    weighted = [g * (pn / sum(p)) for g, pn in zip(output_grads, p, strict=True)]
+    server_grads = torch.autograd.grad(outputs, params, weighted, retain_graph=True)
+    z_grads = [
+        torch.autograd.grad(out, z, g, retain_graph=True)[0]
+        for out, z, g in zip(outputs, inputs, output_grads, strict=True)
     ]
     for q, g in zip(params, server_grads, strict=True):
         q.grad = g

@@ -7,6 +7,9 @@ backends. The final version's `client/global` and `server/global`, read back fro
 must equal the reference to 1e-5: a batch applied twice or dropped, a wrong averaging weight,
 a stale gradient, optimizer state carried across versions or batches in another order all
 move the weights by far more than that.
+
+The U-shaped runs (`model.tail`) also tap the shard queue: a queue bound beside it receives a
+copy of everything the clients publish there, and not one SmashedBatch may carry labels.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ from typing import Any
 import pytest
 import torch
 
+from broker.codec import decode
+from broker.messages import SmashedBatch, TailGradient
 from broker.store import CLIENT_PART, SERVER_PART, BlobRef
+from broker.topology import SMASHED_EXCHANGE, shard_routing_key
+from broker.transport import QueueSpec
 from services.aggregator.aggregator import Aggregator
 from services.client.client import Client
 from services.client.data import JobData
@@ -70,15 +77,22 @@ def connections(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
 
 
 def job_settings(
-    job: str, connections: dict[str, dict[str, Any]], *, algorithm: str, clients: int, **data: Any
+    job: str,
+    connections: dict[str, dict[str, Any]],
+    *,
+    algorithm: str,
+    clients: int,
+    tail: str = "",
+    **data: Any,
 ) -> Settings:
     """cnn5 cut after block1 (BatchNorm on both sides), momentum (so optimizer state shows),
-    two local epochs capped at 3 steps a round (so round 1 must start at epoch 2)."""
+    two local epochs capped at 3 steps a round (so round 1 must start at epoch 2); `tail`:
+    U-shaped from that block on."""
     return Settings.model_validate(
         {
             **connections,
             "job": {"name": job, "seed": 1, "rounds": ROUNDS},
-            "model": {"name": "cnn5", "cut": "block1"},
+            "model": {"name": "cnn5", "cut": "block1", "tail": tail},
             "data": {"dataset": "fashion_mnist_sample", **data},
             "algorithm": {
                 "name": algorithm,
@@ -242,3 +256,98 @@ def test_minibatch_sfl_with_three_clients_matches_equation_3(
 
     assert want.steps == ROUNDS * settings.algorithm.max_steps_per_round
     check_exact(trained, want, clients=3)
+
+
+@dataclass
+class ShardTap:
+    """A queue bound beside each shard queue: a copy of every message published to a shard."""
+
+    backends: Backends
+    names: list[str]
+
+    @classmethod
+    def declare(cls, backends: Backends, job: str, shards: int) -> ShardTap:
+        specs = [
+            QueueSpec(f"{job}.tap.{s}", SMASHED_EXCHANGE, shard_routing_key(job, s))
+            for s in range(shards)
+        ]
+        broker = backends.open_broker("test-tap")
+        try:
+            broker.declare(specs)
+        finally:
+            broker.close()
+        return cls(backends, [spec.name for spec in specs])
+
+    def messages(self) -> list[object]:
+        """Everything tapped, decoded; the tap queues are deleted after."""
+        broker = self.backends.open_broker("test-tap-read")
+        out: list[object] = []
+        try:
+            for name in self.names:
+                broker.subscribe(name, prefetch=1000)
+            while (delivery := broker.get(0.5)) is not None:
+                broker.ack(delivery)
+                out.append(decode(delivery.body))
+            for name in self.names:
+                broker.delete_queue(name)
+        finally:
+            broker.close()
+        return out
+
+
+def check_no_labels_left(tapped: list[object], batches: int) -> None:
+    """Every SmashedBatch was sent without labels, and each had its tail gradient."""
+    smashed = [m for m in tapped if isinstance(m, SmashedBatch)]
+    tails = [m for m in tapped if isinstance(m, TailGradient)]
+    assert len(smashed) >= batches, f"tapped {len(smashed)} SmashedBatches, sent {batches}"
+    leaked = [(m.client, m.seq) for m in smashed if m.labels is not None]
+    assert not leaked, f"SmashedBatches with labels left the clients: {leaked}"
+    assert {(m.client, m.seq) for m in tails} == {(m.client, m.seq) for m in smashed}
+
+
+def test_u_shaped_sfl_v2_with_one_client_matches_a_plain_loop(
+    job: str,
+    connections: dict[str, dict[str, Any]],
+    dataset: Dataset,
+    cleanup: list[tuple[Backends, Settings]],
+) -> None:
+    """The acceptance test of the U-shaped split (over RabbitMQ in its rabbitmq variant): no
+    label leaves the client, and the weights, tail included, are the in-process loop's."""
+    settings = job_settings(job, connections, algorithm="sfl_v2", clients=1, tail="block3")
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+    tap = ShardTap.declare(backends, job, settings.shards)
+
+    trained = train(settings, backends, dataset)
+    want = reference_run(settings, dataset, ROUNDS)
+
+    assert want.steps == ROUNDS * settings.algorithm.max_steps_per_round
+    # The tail's blocks travel with the client side; the server holds only block2.
+    assert {n.split(".")[1] for n in trained.client} == {"0", "2", "3"}, sorted(trained.client)
+    assert {n.split(".")[1] for n in trained.server} == {"1"}, sorted(trained.server)
+    check_exact(trained, want, clients=1)
+    check_no_labels_left(tap.messages(), want.steps)
+
+
+def test_u_shaped_minibatch_sfl_with_three_clients_matches_equation_3(
+    job: str, dataset: Dataset, cleanup: list[tuple[Backends, Settings]]
+) -> None:
+    connections = {"broker": {"kind": "memory"}, "store": {"kind": "memory"}}
+    settings = job_settings(
+        job,
+        connections,
+        algorithm="minibatch_sfl",
+        clients=3,
+        tail="classifier",
+        partition="dirichlet",
+        alpha=0.5,
+    )
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+    tap = ShardTap.declare(backends, job, settings.shards)
+
+    trained = train(settings, backends, dataset)
+    want = reference_run(settings, dataset, ROUNDS)
+
+    check_exact(trained, want, clients=3)
+    check_no_labels_left(tap.messages(), want.steps * 3)
