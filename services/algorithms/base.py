@@ -12,7 +12,7 @@ unit-tested without a broker.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal, Protocol, Self, TypeVar
 
 import torch
@@ -23,6 +23,7 @@ from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
 from models.split import SplitNet
 from models.state import client_state, head_state, server_state
 from services.algorithms.averaging import weighted_average
+from services.algorithms.defences import Defences, Smashed
 
 State = Mapping[str, torch.Tensor]
 VersionWeights = dict[BlobRef, dict[str, torch.Tensor]]
@@ -197,9 +198,12 @@ class AlgorithmSpec:
         return clients if self.shard_rule == "per_client" else configured
 
     def build(self, params: Mapping[str, object] | None = None) -> StrategyBase:
-        """The strategy with `params` validated by its section (`ValueError` when bad)."""
-        section = self.params.model_validate(dict(params or {})) if self.params else None
-        return self.strategy.create(self.name, section)
+        """The strategy with `params` validated by its section, and the defences on smashed
+        data its `privacy.` keys set (`ValueError` when bad)."""
+        defences, own = Defences.split(params or {})
+        section = self.params.model_validate(own) if self.params else None
+        strategy = self.strategy.create(self.name, section)
+        return replace(strategy, defences=defences) if defences.active else strategy
 
 
 S = TypeVar("S", bound="type[StrategyBase]")
@@ -232,6 +236,8 @@ class StrategyBase:
     aggregation. Every optional hook is here with its default; override what differs."""
 
     name: str = ""
+    # What the client does to its smashed data before sending it (off by default).
+    defences: Defences = field(default_factory=Defences)
     # The specs `algorithm` recorded on this very class (not inherited: see the registry).
     registrations: ClassVar[tuple[AlgorithmSpec, ...]] = ()
 
@@ -305,6 +311,14 @@ class StrategyBase:
     def client_round(self, r: LocalRound) -> RoundResult:
         """Train the client side for one round; `r.model` holds the assigned weights."""
         raise NotImplementedError
+
+    def smashed(self, r: LocalRound, x: torch.Tensor, z: torch.Tensor, step: int) -> Smashed:
+        """Step `step`'s smashed data z of inputs x as the client sends it: the defences
+        applied (noise seeded by the job, the client, the round and the step), in z's graph.
+        Every split algorithm's client step goes through here."""
+        d, c = self.defences, r.context
+        stream = d.generator(z.device, c.client, c.round, step) if d.noise_scale else None
+        return d.apply(x, z, stream)
 
     def server_step(
         self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]

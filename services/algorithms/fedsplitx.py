@@ -244,9 +244,10 @@ class FedSplitX(StrategyBase):
         for step, (x, y) in enumerate(r.batches):
             z, aux = forward_heads(body, heads, x)
             logits = list(aux.values())
+            smashed = self.smashed(r, x, z, step)
             # Out first, so the server works on it while this client r.steps.
-            r.channel.send(z.detach(), y, step, r.steps)
-            loss = local_loss(logits, y)
+            r.channel.send(smashed.wire(), y, step, r.steps)
+            loss = smashed.with_penalty(local_loss(logits, y))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

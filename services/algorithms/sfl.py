@@ -140,10 +140,10 @@ class SFL(StrategyBase):
         optimizer = r.hyper.client_optimizer(body.parameters())
         samples = 0
         for step, (x, y) in enumerate(r.batches):
-            z = body(x)
-            grad = r.channel.exchange(z.detach(), y, step, r.steps)
+            smashed = self.smashed(r, x, body(x), step)
+            grad = r.channel.exchange(smashed.wire(), y, step, r.steps)
             optimizer.zero_grad(set_to_none=True)
-            z.backward(grad.to(dtype=z.dtype))
+            smashed.backward(grad)
             optimizer.step()
             samples += int(y.shape[0])
         return RoundResult(client_state(r.model, r.cut), metrics={"train_samples": float(samples)})

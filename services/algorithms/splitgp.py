@@ -349,9 +349,12 @@ class SplitGP(StrategyBase):
         loss_sum = 0.0
         for step, (x, y) in enumerate(r.batches):
             z = body(x)
-            head_logits = head(z)
-            grad = r.channel.exchange(z.detach(), y, step, r.steps)
-            objective = client_objective(head_logits, y, z, grad, self.gamma)
+            head_logits = head(z)  # the head is the client's own: it sees z undefended
+            smashed = self.smashed(r, x, z, step)
+            grad = r.channel.exchange(smashed.wire(), y, step, r.steps)
+            objective = smashed.with_penalty(
+                client_objective(head_logits, y, smashed.sent, grad, self.gamma)
+            )
             optimizer.zero_grad(set_to_none=True)
             objective.backward()
             optimizer.step()

@@ -197,9 +197,8 @@ class SubFedAvg(StrategyBase):
         if not self.splits:
             F.cross_entropy(r.model(x), y).backward()
             return
-        z = r.model.client_blocks(r.cut)(x)
-        grad = r.channel.exchange(z.detach(), y, step, r.steps)
-        z.backward(grad.to(dtype=z.dtype))
+        smashed = self.smashed(r, x, r.model.client_blocks(r.cut)(x), step)
+        smashed.backward(r.channel.exchange(smashed.wire(), y, step, r.steps))
 
     def _candidates(
         self, model: nn.Module, layout: PruneLayout, current: MaskSet, masks: Masks, percent: float

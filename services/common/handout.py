@@ -22,7 +22,9 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
     """The algorithm parameters a client trains with (all roles read the same job file, but a
     client may run from a different one: the service's values win)."""
     algo = settings.algorithm
-    params = {f"params.{key}": value for key, value in algo.params().items()}
+    # The defences travel as the algorithm's `privacy.` parameters: the strategy applies them.
+    own = {**algo.params(), **settings.privacy.entries(settings.job.seed)}
+    params = {f"params.{key}": value for key, value in own.items()}
     return {
         **params,
         "algorithm": algo.name,

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from services.algorithms.registry import REGISTRY
+from services.config.privacy import PrivacySection
 from services.config.settings import _Section
 
 P = TypeVar("P", bound=BaseModel)
@@ -274,6 +275,7 @@ class JobConfig(_Section):
     rounds: RoundsSection = RoundsSection()
     asynchronous: AsynchronousSection = AsynchronousSection()
     workers: WorkersSection = WorkersSection()
+    privacy: PrivacySection = PrivacySection()
     report: ReportSection = ReportSection()
 
     @model_validator(mode="after")
