@@ -134,7 +134,7 @@ class SFL(StrategyBase):
         """Plain split training of the client side: every step waits for the server's dL/dz
         (U-shaped: `ushape.u_round`)."""
         if r.model.tail is not None:
-            return u_round(r)
+            return u_round(self, r)
         body = r.model.client_blocks(r.cut)
         body.train()
         optimizer = r.hyper.client_optimizer(body.parameters())

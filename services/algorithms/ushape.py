@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.state import client_state
-from services.algorithms.base import LocalRound, OpenStep, RoundResult
+from services.algorithms.base import LocalRound, OpenStep, RoundResult, StrategyBase
 
 
 def forward_open(
@@ -70,10 +70,11 @@ def backward_open(
     return result
 
 
-def u_round(r: LocalRound) -> RoundResult:
+def u_round(strategy: StrategyBase, r: LocalRound) -> RoundResult:
     """The client's side of a U-shaped round: body forward, the server's output back, the
     tail's loss here, its gradient out, dL/dz back, then one step of body and tail together.
-    The training loss and accuracy are the client's own (the server never sees a label)."""
+    The training loss and accuracy are the client's own (the server never sees a label);
+    z goes out through `strategy.smashed` (the defences on smashed data)."""
     body, tail = r.model.client_blocks(r.cut), r.model.tail_blocks()
     body.train()
     tail.train()
@@ -81,16 +82,15 @@ def u_round(r: LocalRound) -> RoundResult:
     samples = correct = 0
     loss_sum = 0.0
     for step, (x, y) in enumerate(r.batches):
-        z = body(x)
-        out = r.channel.forward(z.detach(), step, r.steps)
-        out = out.to(dtype=z.dtype, copy=True).requires_grad_(True)
+        smashed = strategy.smashed(r, x, body(x), step)
+        out = r.channel.forward(smashed.wire(), step, r.steps)
+        out = out.to(dtype=smashed.sent.dtype, copy=True).requires_grad_(True)
         logits = tail(out)
         loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         assert out.grad is not None
-        grad = r.channel.backward(out.grad)
-        z.backward(grad.to(dtype=z.dtype))
+        smashed.backward(r.channel.backward(out.grad))
         optimizer.step()
         rows = int(y.shape[0])
         samples += rows

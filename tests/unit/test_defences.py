@@ -229,6 +229,57 @@ def test_the_defended_split_step_takes_the_gradient_of_the_defended_model() -> N
         assert max_diff(client_state(other, CUT), client_state(model, CUT)) > 1e-5
 
 
+class UChannel:
+    """A U-shaped worker in-process: the server's blocks forward, then dL/dz' from the tail's
+    gradient."""
+
+    def __init__(self, server: nn.Module) -> None:
+        self.server = server
+        self.sent: list[torch.Tensor] = []
+        self.open: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, z: torch.Tensor, step: int, steps: int) -> torch.Tensor:
+        self.sent.append(z.clone())
+        z = z.detach().requires_grad_(True)
+        out = self.server(z)
+        self.open = (z, out)
+        return out.detach()
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        assert self.open is not None
+        z, out = self.open
+        out.backward(grad)
+        assert z.grad is not None
+        return z.grad
+
+
+def test_a_u_shaped_client_step_is_defended_too() -> None:
+    params: dict[str, object] = {
+        "privacy.noise_scale": 0.05,
+        "privacy.clip_norm": 3.0,
+        "privacy.nopeek_weight": 0.7,
+    }
+    defences = build_strategy("sfl_v2", params).defences
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    reference = seeded_cnn5()
+    reference.set_tail("block3", CUT)
+    body, tail = reference.client_blocks(CUT), reference.tail_blocks()
+    sent = defend(body(x), 0.05, 3.0, defences.generator(torch.device("cpu"), "c", 2, 0))
+    logits = tail(reference.server_blocks(CUT)(sent))
+    (F.cross_entropy(logits, y) + 0.7 * distance_correlation(x, sent)).backward()
+    torch.optim.SGD([*body.parameters(), *tail.parameters()], lr=0.1).step()
+
+    model = seeded_cnn5()
+    model.set_tail("block3", CUT)
+    channel = UChannel(model.server_blocks(CUT))
+    r = LocalRound(model, CUT, [(x, y)], 1, channel, Hyper(lr=0.1), ClientContext("c", 2))  # type: ignore[arg-type]
+    build_strategy("sfl_v2", params).client_round(r)
+    assert torch.allclose(channel.sent[0], sent.detach(), atol=1e-6)
+    assert max_diff(client_state(model, CUT), client_state(reference, CUT)) <= 1e-6
+
+
 # --- settings ------------------------------------------------------------------------------
 
 
