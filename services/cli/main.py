@@ -11,6 +11,7 @@ from services.cli.common import ErrorBoundary, GroupOptions
 from services.cli.dashboard_cmd import dashboard
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
+from services.cli.privacy_cmd import privacy
 from services.cli.provision_cmd import provision_clients
 from services.cli.role_cmds import aggregator, autoscale, client, clients, coordinator, worker
 from services.cli.run_cmd import run, up
@@ -60,7 +61,7 @@ for command in (
     check,
 ):
     cli.add_command(command)
-for command in (autoscale, dashboard, infer, provision_clients, traces):
+for command in (autoscale, dashboard, infer, privacy, provision_clients, traces):
     cli.add_command(command)
 
 

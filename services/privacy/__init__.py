@@ -6,6 +6,7 @@ split-learning client sends it, over in-process training loops of the job's mode
 - `labels`: label inference from the gradient the client's tail returns (Li et al.'s norm and
   cosine attacks) and the AUC that scores it;
 - `inversion`: a decoder trained from smashed data back to images on public data;
-- `dcor`: distance correlation between inputs and smashed data;
-- `sweep`: one run of all three per setting, and a grid of settings; `figures`: the plots.
+- `sweep`: one run of all three per setting (and dCor between inputs and smashed data, with
+  the service's own `distance_correlation`), and a grid of settings; `hooks`: a setting's
+  defences from `services.algorithms.defences`; `report` and `figures`: JSON, table, plots.
 """

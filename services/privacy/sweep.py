@@ -13,17 +13,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from services.algorithms.defences import distance_correlation
 from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset, Split
-from services.privacy.dcor import distance_correlation
 from services.privacy.inversion import (
     DecoderTraining,
     Reconstruction,
     evaluate_decoder,
     train_decoder,
 )
-from services.privacy.labels import LabelLeakMeter
+from services.privacy.labels import LabelLeakMeter, norm_scores
 from services.privacy.loop import ClientHooks, SplitParts, SplitTrainer, accuracy, smashed
 
 
@@ -76,6 +76,11 @@ class CaseResult:
     label_auc: list[dict[str, float]] = field(default_factory=list)
     """Per round, the norm and cosine attacks' AUC on that round's gradients (U-shaped)."""
     dcor: float = math.nan
+    smashed_rms: float = math.nan
+    """Root mean square of the undefended z over test images: the unit of `Case.noise`."""
+    gradient_norm: float = math.nan
+    """Mean ||dL/dh|| per example over the last round (U-shaped): the unit of `gradient_noise`
+    (the loss is a batch mean, so each example's gradient carries 1/batch_size)."""
     reconstruction: Reconstruction | None = None
     seconds: float = 0.0
 
@@ -87,6 +92,8 @@ class CaseResult:
             "accuracy": self.accuracy,
             "label_auc": self.label_auc,
             "dcor": self.dcor,
+            "smashed_rms": self.smashed_rms,
+            "gradient_norm": self.gradient_norm,
             "reconstruction": None
             if recon is None
             else {
@@ -142,22 +149,51 @@ def run_case(
     steps = budget.steps_per_round or len(train) // batch_size
     stream = batches(len(train), batch_size, settings.job.seed)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(settings.job.seed)  # the defences' noise
+        torch.manual_seed(settings.job.seed)  # whatever draws from the global stream
         for round_no in range(1, budget.rounds + 1):
             meter = LabelLeakMeter(settings.model.num_classes)
+            norms: list[Tensor] = []
             for _ in range(steps):
                 index = next(stream)
                 record = trainer.step(train.x[index], train.y[index])
                 if record.sent_gradient is not None:
                     meter.add(record.sent_gradient, train.y[index])
+                    norms.append(norm_scores(record.sent_gradient))
             result.accuracy.append(accuracy(parts, defences, test.x, test.y, budget.eval_batch))
             if case.ushaped:
                 result.label_auc.append(meter.aucs())
+                result.gradient_norm = float(torch.cat(norms).mean())
             echo(_progress(case, round_no, result))
-        result.dcor = _dcor(parts, defences, test.x[: budget.dcor_samples])
+        z_test = smashed(parts, test.x[: budget.dcor_samples])
+        result.smashed_rms = float(z_test.pow(2).mean().sqrt())
+        with torch.no_grad():
+            z_sent = defences.smashed(z_test)
+            result.dcor = float(distance_correlation(test.x[: budget.dcor_samples], z_sent))
         result.reconstruction = _reconstruct(parts, defences, data, budget)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def grid(
+    cuts: Sequence[str],
+    modes: Sequence[bool] = (True, False),
+    *,
+    noises: Sequence[float] = (),
+    clip: float = 0.0,
+    nopeeks: Sequence[float] = (),
+    gradient_noises: Sequence[float] = (),
+) -> list[Case]:
+    """Per cut and mode (U-shaped first): the undefended case, then each noise scale (with
+    `clip`), each NoPeek weight and, U-shaped only, each gradient noise scale on its own."""
+    cases = []
+    for cut in cuts:
+        for ushaped in modes:
+            cases.append(Case(cut, ushaped))
+            cases += [Case(cut, ushaped, noise=s, clip=clip) for s in noises]
+            cases += [Case(cut, ushaped, nopeek=w) for w in nopeeks]
+            if ushaped:
+                cases += [Case(cut, ushaped, gradient_noise=s) for s in gradient_noises]
+    return cases
 
 
 def run_grid(
@@ -178,11 +214,6 @@ def _progress(case: Case, round_no: int, result: CaseResult) -> str:
         auc = result.label_auc[-1]
         line += f", label AUC norm {auc['norm']:.3f} cosine {auc['cosine']:.3f}"
     return line
-
-
-def _dcor(parts: SplitParts, defences: ClientHooks, x: Tensor) -> float:
-    with torch.no_grad():
-        return distance_correlation(x, defences.smashed(smashed(parts, x)))
 
 
 def _reconstruct(

@@ -31,6 +31,7 @@ def load(name: str) -> Settings:
         ("local_loss_sfl.toml", "local_loss_sfl", 1),
         ("feddeper.toml", "feddeper", 1),
         ("async.toml", "sfl", 2),
+        ("privacy.toml", "sfl_v2", 1),
     ],
 )
 def test_example_loads(name: str, algorithm: str, shards: int) -> None:
@@ -55,6 +56,7 @@ def test_every_example_is_covered() -> None:
         "local_loss_sfl.toml",
         "feddeper.toml",
         "async.toml",
+        "privacy.toml",
     }
 
 
