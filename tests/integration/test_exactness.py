@@ -351,3 +351,34 @@ def test_u_shaped_minibatch_sfl_with_three_clients_matches_equation_3(
 
     check_exact(trained, want, clients=3)
     check_no_labels_left(tap.messages(), want.steps * 3)
+
+
+def test_u_shaped_sharded_sfl_trains_end_to_end(
+    job: str, dataset: Dataset, cleanup: list[tuple[Backends, Settings]]
+) -> None:
+    """Two shards of two clients each (their batches interleave on a shard, so no plain loop
+    to match): every batch is applied once in a step of its own, tails are trained and
+    averaged on the client side, and no label leaves a client."""
+    connections = {"broker": {"kind": "memory"}, "store": {"kind": "memory"}}
+    settings = job_settings(job, connections, algorithm="sfl", clients=4, tail="block3")
+    settings = settings.model_copy(
+        update={"algorithm": settings.algorithm.model_copy(update={"shards": 2})}
+    )
+    assert settings.shards == 2
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+    tap = ShardTap.declare(backends, job, settings.shards)
+
+    trained = train(settings, backends, dataset)
+
+    batches = 4 * ROUNDS * settings.algorithm.max_steps_per_round
+    stats = trained.worker
+    assert stats.batches_applied == batches and stats.steps == batches, stats
+    assert stats.dead_lettered_total == 0 and stats.rollbacks == 0, stats
+    for s in trained.clients:
+        assert s.finished and s.rounds == ROUNDS and s.rounds_aborted == 0, s
+    tail = [n for n in trained.client if n.startswith(("blocks.2.", "blocks.3."))]
+    assert tail and not any(n.startswith(("blocks.2.", "blocks.3.")) for n in trained.server)
+    moved = max_diff({n: trained.client[n] for n in tail}, {n: trained.initial[n] for n in tail})
+    assert moved > 1e-3, "the clients' tails did not train"
+    check_no_labels_left(tap.messages(), batches)

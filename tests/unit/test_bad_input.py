@@ -53,7 +53,9 @@ from broker.messages import (
     RoundDropped,
     RoundEnd,
     RoundStart,
+    ServerOutput,
     SmashedBatch,
+    TailGradient,
     WeightsAssignment,
     WeightsUpdate,
     Welcome,
@@ -146,6 +148,14 @@ TABLE: tuple[Row, ...] = (
     Row("shard", "RoundStart of an unpublished version", "bad_marker"),
     Row("shard", "RoundStart with an empty participant", "bad_cohort"),
     Row("shard", "replayed seq (a copy of an applied batch)", "", "not applied; reply sent again"),
+    Row("shard", "batch without labels (the job is not U-shaped)", "missing_labels"),
+    Row("shard", "TailGradient (the job is not U-shaped)", "not_u_shaped"),
+    # worker, shard queue of a U-shaped job (model.tail set)
+    Row("u_shard", "batch carrying labels", "unexpected_labels"),
+    Row("u_shard", "TailGradient of another job", "wrong_job"),
+    Row("u_shard", "TailGradient from a client not admitted", "unknown_client"),
+    Row("u_shard", "TailGradient of the wrong shape", "bad_shape"),
+    Row("u_shard", "replayed TailGradient (a copy of an applied step's)", "", "reply sent again"),
     # worker, infer queue (SplitGP)
     Row("infer", "SmashedBatch (wrong type)", "wrong_type"),
     Row("infer", "request of another job", "wrong_job"),
@@ -190,6 +200,7 @@ TABLE: tuple[Row, ...] = (
     Row("reply", "Error for another client", "for client"),
     Row("reply", "Welcome with tensors the model does not have", "unknown tensor"),
     Row("reply", "WeightsAssignment with a negative batch size", "batch_size"),
+    Row("reply", "ServerOutput for a seq never sent", "never sent"),
     # events subscriber (dashboard)
     Row("events", "Join (not an event)", "is not an Event"),
 )
@@ -322,6 +333,11 @@ def shard_bodies(ctx: Context, version: int) -> dict[str, tuple[bytes, str | Non
             None,
         ),
         "labels outside the classes": (batch(labels=torch.full((4,), 99)), None),
+        "batch without labels (the job is not U-shaped)": (batch(labels=None), None),
+        "TailGradient (the job is not U-shaped)": (
+            encode(TailGradient(job, "c0", mid(), version, 9, 0, 0, torch.randn(4, 50))),
+            None,
+        ),
         "a cut the model does not have": (batch(cut="block9"), None),
         "RoundEnd with round >= version": (encode(RoundEnd(job, "", mid(), 1, 1, 0)), None),
         "RoundStart of an unpublished version": (
@@ -441,6 +457,60 @@ def test_worker_shard_queue_in_the_secured_mode(job: str) -> None:
     assert "no AMQP user_id" in found["anonymous"][0]
     assert "'mallory'" in found["impostor"][0]
     assert stats.batches_applied == 1 and stats.dead_lettered["impostor"] == 3
+
+
+def test_worker_shard_queue_of_a_u_shaped_job(job: str) -> None:
+    """Labels refused, tail gradients screened; a valid step's two halves applied once."""
+    settings = make_settings(job, model={"tail": "classifier"})
+    embedded = Embedded()
+    model = seed_version(embedded.store, settings)
+    broker = InMemoryBroker(embedded.hub)
+    broker.declare([*job_queues(job, 1), reply_queue(job, "c0")])
+    key, mid = shard_routing_key(job, 0), new_message_id
+    z, y = torch.randn(4, *model.cut_shape(CUT)), torch.zeros(4, dtype=torch.long)
+    out_shape = (4, *model.server_output_shape())
+
+    def batch(labels: torch.Tensor | None) -> bytes:
+        return encode(SmashedBatch(job, "c0", mid(), 1, 0, 0, 0, 0, z, labels))
+
+    def tail(grad: torch.Tensor, *, job_name: str = job, client: str = "c0") -> bytes:
+        return encode(TailGradient(job_name, client, mid(), 1, 0, 0, 0, grad))
+
+    grad = torch.randn(out_shape)
+    before = {
+        "batch carrying labels": batch(y),
+        "TailGradient of another job": tail(grad, job_name=job + "-x"),
+        "TailGradient from a client not admitted": tail(grad, client="ghost"),
+    }
+    start = encode(RoundStart(job, "", mid(), 1, 0, 0, {"c0": 8}))
+    publish(broker, SMASHED_EXCHANGE, key, start, "start")
+    expected = ids("u_shard")
+    by_case = {row.case: message_id for message_id, row in expected.items()}
+    for case, body in before.items():
+        publish(broker, SMASHED_EXCHANGE, key, body, by_case[case])
+    # The valid step's two halves, a tail gradient of the wrong shape while it is open, a copy.
+    publish(broker, SMASHED_EXCHANGE, key, batch(None), "valid")
+    wrong = tail(torch.randn(4, 7))
+    publish(broker, SMASHED_EXCHANGE, key, wrong, by_case["TailGradient of the wrong shape"])
+    publish(broker, SMASHED_EXCHANGE, key, tail(grad), "valid-tail")
+    publish(broker, SMASHED_EXCHANGE, key, tail(grad), "replayed-tail")
+    publish(broker, SMASHED_EXCHANGE, key, encode(RoundEnd(job, "", mid(), 1, 0, 0)), "end")
+
+    stats = Worker(
+        settings, Backends(settings.broker, settings.store, embedded), worker_id="w1"
+    ).run(threading.Event(), burst=True)
+
+    assert_dead_lettered(dead_letters(broker, job), expected)
+    assert stats.dead_lettered_total == len(expected)
+    assert (stats.batches_applied, stats.duplicates_skipped) == (1, 1)
+    replies = drain(broker, reply_queue_name(job, "c0"))
+    assert [type(r).__name__ for r in replies] == ["ServerOutput", "GradientReply", "GradientReply"]
+    output, first, again = replies
+    assert isinstance(output, ServerOutput) and tuple(output.activations.shape) == out_shape
+    assert isinstance(first, GradientReply) and isinstance(again, GradientReply)
+    assert (first.status, again.status) == ("ok", "ok")  # its reply, again
+    assert first.grad is not None and again.grad is not None
+    assert first.grad.shape == z.shape and torch.equal(first.grad, again.grad)
 
 
 # --- worker: infer queue --------------------------------------------------------------------------
@@ -724,6 +794,7 @@ def test_client_reply_queue(job: str) -> None:
         "WeightsAssignment with a negative batch size": encode(
             WeightsAssignment(job, "c0", mid(), 1, 0, True, {}, {}, {"batch_size": -4})
         ),
+        "ServerOutput for a seq never sent": encode(ServerOutput(job, "c0", mid(), 1, 5, z)),
     }
     key = f"{job}.c0"
     for message_id, row in ids("reply").items():
@@ -778,7 +849,7 @@ def test_events_subscriber(job: str) -> None:
 
 def test_the_table_covers_every_consumer() -> None:
     consumers = {row.consumer for row in TABLE}
-    assert consumers == {"shard", "infer", "control", "updates", "reply", "events"}
+    assert consumers == {"shard", "u_shard", "infer", "control", "updates", "reply", "events"}
     for consumer in consumers:
         cases = [row.case for row in rows(consumer)]
         assert len(cases) == len(set(cases)), consumer
