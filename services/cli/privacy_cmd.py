@@ -205,6 +205,10 @@ def _command(ctx: click.Context) -> str:
     args = ["splitmq", "privacy", str(ctx.params["config"])]
     for param in ctx.command.params:
         value = ctx.params[param.name or ""]
-        if isinstance(param, click.Option) and value != param.default and value is not None:
-            args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
+        if not isinstance(param, click.Option) or value is None or value == param.default:
+            continue
+        if param.is_flag:
+            args += [param.opts[0]] if value else []
+        else:
+            args += [param.opts[0], str(value)]
     return shlex.join(args)

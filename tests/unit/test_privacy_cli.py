@@ -43,7 +43,7 @@ def test_quick_run_writes_its_json_and_figures(tmp_path: Path) -> None:
         assert len(case["label_auc"]) == 2 and len(case["accuracy"]) == 2
         assert case["reconstruction"]["mse"] > 0
     assert document["binary"]["label_auc"][-1]["cosine"] >= 0.9
-    assert document["command"].startswith("splitmq privacy")
+    assert document["command"] == f"splitmq privacy {config} --out {out} {' '.join(options)}"
     assert "loadavg_before" in document["machine"]
     assert (out / "privacy_tradeoff.png").stat().st_size > 0
     assert (out / "privacy_recon_binary-block1-ushaped.png").is_file()
