@@ -491,8 +491,11 @@ class ChannelKeeper:
                     del self._waiting[queue]
                     self._consume(channel, queue, prefetch)
                     self._prefetch[queue] = prefetch
-            if self._waiting:  # wake up for the next look, not only for I/O
-                time_limit = min(time_limit, _LOOK_EVERY_S)
+        if self._waiting:
+            # Wake up for the next look, not only for I/O: nothing is delivered from a queue
+            # not consumed yet, so a wait past the look would last its whole time limit.
+            next_look = self._looked_at + _LOOK_EVERY_S - self._clock()
+            time_limit = min(time_limit, max(0.0, next_look))
         self._connection.process_data_events(time_limit=time_limit)
 
     def _taken_over(self, queue: str) -> bool:
