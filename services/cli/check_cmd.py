@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import socket
 from contextlib import closing
+from pathlib import Path
 
 import click
 
 from broker.errors import SplitMQError
-from services.cli.common import GroupOptions
+from services.cli.common import GroupOptions, config_argument
 from services.common.backends import Backends
 from services.common.health import Verdict, assess, assess_files
 from services.config.root import Settings
-from services.runtime.doctor import check_broker, check_store, run_checks
+from services.runtime.doctor import check_broker, check_store, run_checks, verdict
 
 ROLES = ("coordinator", "aggregator", "worker", "autoscaler", "client")
 PROBED = ("broker", "store")
@@ -49,11 +50,17 @@ def check_role(settings: Settings, role: str, *, instance: str | None, host: str
 
 @click.command()
 @click.argument("role", type=click.Choice([*ROLES, *PROBED]))
+@config_argument
 @click.option("--id", "instance", help="Check this instance (its id).")
 @click.option("--anywhere", is_flag=True, help="Any live instance, not only one on this host.")
 @click.pass_obj
-def check(group: GroupOptions, role: str, instance: str | None, anywhere: bool) -> None:
+def check(
+    group: GroupOptions, role: str, config: Path | None, instance: str | None, anywhere: bool
+) -> None:
     """Exit 0 if ROLE is healthy, 1 if not, with the reason on one line.
+
+    CONFIG is the job's TOML file (or SPLITMQ_CONFIG, or `splitmq --config FILE check ...`);
+    without one, the defaults and SPLITMQ_* variables.
 
     ROLE is a role (coordinator, aggregator, worker, autoscaler: is its health key live in
     the store?
@@ -61,29 +68,34 @@ def check(group: GroupOptions, role: str, instance: str | None, anywhere: bool) 
     answer?). Made for container healthchecks:
 
     \b
-      splitmq --config job.toml check worker
+      splitmq check worker job.toml
     """
     host = None if anywhere or instance else socket.gethostname()
-    verdict = check_role(group.settings(), role, instance=instance, host=host)
+    verdict = check_role(group.settings(config), role, instance=instance, host=host)
     click.echo(f"{'healthy' if verdict.ok else 'unhealthy'}: {verdict.reason}")
     if not verdict.ok:
         raise click.exceptions.Exit(1)
 
 
 @click.command()
+@config_argument
 @click.pass_obj
-def doctor(group: GroupOptions) -> None:
-    """Check the configured broker, store, data and torch.
+def doctor(group: GroupOptions, config: Path | None) -> None:
+    """Check the broker, store, data and torch that CONFIG configures.
 
-    Says in plain words what is wrong and how to fix it; exits 1 if a check failed.
+    CONFIG is the job's TOML file (or SPLITMQ_CONFIG, or `splitmq --config FILE doctor`);
+    without one, the defaults and SPLITMQ_* variables. Says in plain words what is wrong
+    and how to fix it; exits 1 if a check failed.
+
+    \b
+      splitmq doctor examples/service.toml
     """
-    failed = False
-    for result in run_checks(group.settings()):
+    results = run_checks(group.settings(config))
+    for result in results:
         mark = "ok  " if result.ok and not result.warning else ("warn" if result.ok else "FAIL")
         click.echo(f"[{mark}] {result.name:<7} {result.detail}")
         if result.hint:
             click.echo(f"       {' ' * 7} -> {result.hint}")
-        failed |= not result.ok
-    if failed:
-        raise click.ClickException("some checks failed (see above)")
-    click.echo("all checks passed")
+    if not all(result.ok for result in results):
+        raise click.ClickException(verdict(results))
+    click.echo(verdict(results))

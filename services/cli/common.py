@@ -44,8 +44,10 @@ class GroupOptions:
     config: Path | None = None
     debug: bool = False
 
-    def settings(self) -> Settings:
-        return read_settings(self.config, os.environ)
+    def settings(self, config: Path | None = None) -> Settings:
+        """The settings of the command's CONFIG, else of --config, else defaults and the
+        environment only (a healthcheck configured by SPLITMQ_* variables needs no file)."""
+        return read_settings(config or self.config, os.environ)
 
 
 def group_options(ctx: click.Context | None = None) -> GroupOptions:
@@ -68,9 +70,10 @@ class ErrorBoundary(click.Group):
             raise click.ClickException(message) from None
 
 
-# CONFIG: the job's TOML file; falls back to SPLITMQ_CONFIG, then the global --config.
+# CONFIG: the job's TOML file; falls back to the group's --config, which falls back to
+# SPLITMQ_CONFIG (so the command line wins over the environment).
 config_argument = click.argument(
-    "config", required=False, envvar=CONFIG_ENV, type=click.Path(dir_okay=False, path_type=Path)
+    "config", required=False, type=click.Path(dir_okay=False, path_type=Path)
 )
 report_dir_option = click.option(
     "--report-dir",
@@ -172,7 +175,9 @@ def load(config: Path | None) -> tuple[Path, Settings]:
     """The config path to use (CONFIG, else the group's --config) and its settings."""
     path = config or group_options().config
     if path is None:
-        raise click.UsageError(f"no configuration: pass CONFIG or set {CONFIG_ENV}")
+        raise click.UsageError(
+            f"no configuration: pass CONFIG (or `splitmq --config FILE ...`) or set {CONFIG_ENV}"
+        )
     return path, read_settings(path, os.environ)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from services.cli.check_cmd import check, doctor
-from services.cli.common import ErrorBoundary, GroupOptions
+from services.cli.common import CONFIG_ENV, ErrorBoundary, GroupOptions
 from services.cli.dashboard_cmd import dashboard
 from services.cli.experiment_cmd import experiment
 from services.cli.infer_cmd import infer
@@ -22,9 +22,11 @@ from services.cli.traces_cmd import traces
 @click.option(
     "-c",
     "--config",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    envvar="SPLITMQ_CONFIG",
-    help="TOML configuration file (environment variables SPLITMQ_* override it).",
+    # Not exists=True: a missing file reads the same as a missing CONFIG argument.
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=CONFIG_ENV,
+    help="TOML configuration file for any command, in place of its CONFIG argument "
+    "(environment variables SPLITMQ_* override it).",
 )
 @click.option(
     "--debug",
@@ -42,8 +44,9 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
     Try it:   splitmq run examples/quickstart.toml
     Services: splitmq up examples/service.toml   (needs RabbitMQ and Redis)
 
-    Each command takes the job's TOML file as CONFIG (or SPLITMQ_CONFIG); SPLITMQ_*
-    environment variables override it.
+    Each command takes the job's TOML file as its CONFIG argument (`splitmq doctor
+    job.toml`); `splitmq --config job.toml doctor` does the same, and SPLITMQ_CONFIG
+    where neither is given. SPLITMQ_* environment variables override the file.
     """
     ctx.obj = GroupOptions(config, debug)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from broker.errors import (
@@ -171,6 +171,20 @@ def check_torch() -> Check:
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "CPU only"
     return Check("torch", True, f"torch {torch.__version__}, {device}")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def verdict(checks: Sequence[Check]) -> str:
+    """The last line: what failed, else whether it passed clean or with warnings."""
+    failed = sum(not check.ok for check in checks)
+    warned = sum(check.ok and check.warning for check in checks)
+    if failed:
+        text = f"{_count(failed, 'check')} of {len(checks)} failed"
+        return text + (f", {_count(warned, 'warning')}" if warned else "") + " (see above)"
+    return f"passed with {_count(warned, 'warning')} (see above)" if warned else "all checks passed"
 
 
 def run_checks(settings: Settings, env: Mapping[str, str] | None = None) -> list[Check]:
