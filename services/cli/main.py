@@ -10,6 +10,7 @@ from services.cli.check_cmd import check, doctor
 from services.cli.common import CONFIG_ENV, ErrorBoundary, GroupOptions
 from services.cli.dashboard_cmd import dashboard
 from services.cli.experiment_cmd import experiment
+from services.cli.export_cmd import export
 from services.cli.infer_cmd import infer
 from services.cli.privacy_cmd import privacy
 from services.cli.provision_cmd import provision_clients
@@ -64,7 +65,7 @@ for command in (
     check,
 ):
     cli.add_command(command)
-for command in (autoscale, dashboard, infer, privacy, provision_clients, traces):
+for command in (autoscale, dashboard, export, infer, privacy, provision_clients, traces):
     cli.add_command(command)
 
 

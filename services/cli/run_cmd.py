@@ -24,6 +24,7 @@ from services.cli.common import (
     stop_on_signals,
 )
 from services.common.backends import Backends, Embedded
+from services.config.root import Settings
 from services.report.tables import record_from_dict
 from services.runtime.processes import (
     LocalProcesses,
@@ -84,6 +85,7 @@ def run(
                     stop=stop,
                     dataset=dataset,
                     backends=seen.backends,
+                    run_dir=sink.run_dir,
                 )
             except Exception:
                 # The error boundary says what went wrong: one line for a user's mistake
@@ -92,6 +94,7 @@ def run(
                 raise
             click.echo("")
             click.echo(sink.summary, nl=False)
+            _echo_model(sink.run_dir)
             if linger > 0 and seen.url:
                 click.echo(f"serving {seen.url}/ for {linger:g} s more (Ctrl-C to stop)")
                 # The run set `stop` when it ended; Ctrl-C now ends the wait.
@@ -181,6 +184,7 @@ def up(
     click.echo("")
     summary, reported = _report(run_dir)
     click.echo(summary, nl=False)
+    _keep_model(settings, run_dir)
     if result.status == "finished" and reported != "finished":
         # The aggregator exited cleanly but did not finish the job (someone stopped it).
         result = replace(result, status=f"failed: the report says {reported!r}")
@@ -192,6 +196,32 @@ def up(
         click.echo(f"splitmq up: {result.status}", err=True)
     if result.exit_code:
         raise click.exceptions.Exit(result.exit_code)
+
+
+def _keep_model(settings: Settings, run_dir: Path) -> None:
+    """The job's last version from the store into the run directory (the aggregator process,
+    which wrote the metrics, has exited by now)."""
+    from contextlib import closing
+
+    from broker.errors import SplitMQError
+    from services.runtime.embedded import keep_model
+
+    backends = Backends(settings.broker, settings.store)
+    try:
+        with closing(backends.open_store(give_up_after=10.0)) as store:
+            keep_model(settings, store, run_dir, logging.getLogger("splitmq.runtime"))
+    except SplitMQError as exc:
+        click.echo(f"splitmq up: could not keep the trained model: {exc}", err=True)
+    _echo_model(run_dir)
+
+
+def _echo_model(run_dir: Path) -> None:
+    from services.report.final_model import MODEL_FILE, PERSONAL_DIR
+
+    if (run_dir / MODEL_FILE).is_file():
+        personal = len(list((run_dir / PERSONAL_DIR).glob("*.safetensors")))
+        extra = f" (+ {personal} personal in {PERSONAL_DIR}/)" if personal else ""
+        click.echo(f"  trained model            {run_dir / MODEL_FILE}{extra}")
 
 
 def _report(run_dir: Path) -> tuple[str, str]:

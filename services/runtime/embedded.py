@@ -11,11 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from broker.errors import SplitMQError
+from broker.store import VersionStore
 from services.common.backends import Backends, Embedded
+from services.common.jobmodel import job_model
 from services.common.supervise import Outcome, RoleSpec, Supervisor
 from services.config.root import Settings
 from services.data.loaders import Dataset
+from services.report.final_model import save_final_model
 from services.report.records import MetricsSink
 from services.report.sinks import RecordsOnly
 from services.runtime.roles import embedded_roles, load_job_dataset
@@ -55,11 +60,14 @@ def run_embedded(
     build_roles: RoleBuilder = embedded_roles,
     logger: logging.Logger | None = None,
     backends: Backends | None = None,
+    run_dir: Path | None = None,
 ) -> Outcome:
     """Run the job to its end (or until `stop`/Ctrl-C/a role failure) and say how it ended.
 
     `sink` gets every VersionRecord, and `finish` once, with the outcome's status. `backends`
     (with their `Embedded` hub and store) let the caller watch the run, e.g. for metrics.
+    With `run_dir`, the last version's weights are kept there (`save_final_model`), also when
+    the run was stopped or failed: what it trained until then.
     """
     log = logger or logging.getLogger("splitmq.runtime")
     settings = force_embedded(settings, log)
@@ -74,5 +82,21 @@ def run_embedded(
         sink.finish(f"failed: could not build the roles: {exc!r}")
         raise
     outcome = Supervisor(roles, stop, logger=log).run()
+    if run_dir is not None and backends.embedded is not None:
+        keep_model(settings, backends.embedded.store, run_dir, log)
     sink.finish(outcome.status)
     return outcome
+
+
+def keep_model(
+    settings: Settings, store: VersionStore, run_dir: Path, log: logging.Logger
+) -> list[Path]:
+    """The job's last version as safetensors in `run_dir` (`splitmq run` and `splitmq up`);
+    a failure is logged, not raised: the metrics already on disk are the run's record."""
+    try:
+        # Seeded as the aggregator's version 1, so entries no version carries get its values.
+        template = job_model(settings, seed=settings.job.seed)
+        return save_final_model(run_dir, store, settings.job.name, template)
+    except (SplitMQError, OSError, ValueError) as exc:
+        log.warning("could not keep the trained model in %s: %s", run_dir, exc)
+        return []
