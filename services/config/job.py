@@ -19,8 +19,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from services.algorithms.registry import REGISTRY
+from services.config.hints import did_you_mean
 from services.config.privacy import PrivacySection
 from services.config.settings import _Section
 
@@ -68,6 +70,15 @@ class DataSection(_Section):
     eval_samples: int = Field(default=0, ge=0)
 
 
+def _param_problem(key: str, kind: type[BaseModel], error: ErrorDetails) -> str:
+    """`algorithm.KEY.FIELD: what is wrong`, with the nearest field for an unknown one."""
+    where = ".".join(map(str, (key, *error["loc"])))
+    near = did_you_mean(str(error["loc"][-1]), kind.model_fields)
+    return f"algorithm.{where}: {error['msg']}" + (
+        near if error["type"] == "extra_forbidden" else ""
+    )
+
+
 class AlgorithmSection(_Section):
     # Each algorithm's own parameters are tables of this one, [algorithm.splitgp],
     # [algorithm.fedsplitx], ...: the sections its registration declares (`section()`).
@@ -106,15 +117,18 @@ class AlgorithmSection(_Section):
             if key in cls.model_fields:
                 continue
             kind = REGISTRY.section(key)
-            if kind is None:
-                raise ValueError(f"algorithm.{key}: no algorithm has such a parameter section")
+            if kind is None and isinstance(value, dict):
+                near = did_you_mean(key, REGISTRY.names())
+                raise ValueError(
+                    f"algorithm.{key}: no algorithm has such a parameter section{near}"
+                )
+            if kind is None:  # a mistyped setting (batch_szie), not a table
+                near = did_you_mean(key, cls.model_fields)
+                raise ValueError(f"algorithm.{key}: Extra inputs are not permitted{near}")
             try:
                 out[key] = kind.model_validate(value)
             except ValidationError as exc:
-                problems = "; ".join(
-                    f"algorithm.{'.'.join(map(str, (key, *e['loc'])))}: {e['msg']}"
-                    for e in exc.errors()
-                )
+                problems = "; ".join(_param_problem(key, kind, e) for e in exc.errors())
                 raise ValueError(problems) from None
         return out
 

@@ -8,13 +8,15 @@ aliases for the settings people change most (``SPLITMQ_AMQP_URL``, ``SPLITMQ_RED
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from services.algorithms.registry import REGISTRY
+from services.config.hints import did_you_mean
 from services.config.job import AlgorithmSection
 from services.config.root import Settings
 
@@ -44,19 +46,35 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
 
 
-def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
-    """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored)."""
-    for part in path[:-1]:
-        field = model.model_fields.get(part)
+def _section(model: type[BaseModel], path: Sequence[object]) -> type[BaseModel] | None:
+    """The section (model) that `path` names inside `model`, None if it names none."""
+    for part in path:
+        field = model.model_fields.get(str(part))
         section = field.annotation if field is not None else None
         if field is None and model is AlgorithmSection:
             # An algorithm's parameter table (SPLITMQ_ALGORITHM__SPLITGP__GAMMA): the sections
             # come from the algorithms' registrations, not from fields.
-            section = REGISTRY.section(part)
+            section = REGISTRY.section(str(part))
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
-            return False
+            return None
         model = section
-    return path[-1] in model.model_fields
+    return model
+
+
+def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
+    """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored)."""
+    section = _section(model, path[:-1])
+    return section is not None and path[-1] in section.model_fields
+
+
+def _error_line(error: ErrorDetails) -> str:
+    """`section.key: what is wrong`; an unknown key gets the nearest valid one of its section."""
+    loc, where = error["loc"], ".".join(map(str, error["loc"]))
+    message = error["msg"].removeprefix("Value error, ")
+    # A section's own check names the keys inside it (algorithm.batch_szie: ...).
+    line = f"  {message}" if message.startswith(f"{where}.") else f"  {where}: {message}"
+    section = _section(Settings, loc[:-1]) if error["type"] == "extra_forbidden" else None
+    return line + did_you_mean(str(loc[-1]), section.model_fields) if section else line
 
 
 def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
@@ -92,5 +110,5 @@ def load_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
         return Settings.model_validate(data)
     except ValidationError as exc:
         lines = [f"invalid configuration ({path or 'environment'}):"]
-        lines += (f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        lines += map(_error_line, exc.errors())
         raise ConfigError("\n".join(lines)) from None

@@ -83,3 +83,42 @@ def test_a_cluster_is_a_list_of_nodes_and_gets_quorum_queues(tmp_path: Path) -> 
 
     with pytest.raises(ConfigError, match=r"amqp_url is not one of broker\.amqp_urls"):
         load_settings(path, {"SPLITMQ_AMQP_URL": "amqp://u:p@elsewhere:5672/%2F"})
+
+
+@pytest.mark.parametrize(
+    ("toml", "line"),
+    [
+        (
+            "[algorithm]\nbatch_szie = 3\n",
+            "algorithm.batch_szie: Extra inputs are not permitted: did you mean batch_size?",
+        ),
+        ("[job]\nrunds = 2\n", "job.runds: Extra inputs are not permitted: did you mean rounds?"),
+        (
+            '[broker]\namqp_ulr = "x"\n',
+            "broker.amqp_ulr: Extra inputs are not permitted: did you mean amqp_url?",
+        ),
+        ("jbo = 1\n", "jbo: Extra inputs are not permitted: did you mean job?"),
+        (
+            '[algorithm]\nname = "splitgp"\n[algorithm.splitgp]\ngamam = 1\n',
+            "algorithm.splitgp.gamam: Extra inputs are not permitted: did you mean gamma?",
+        ),
+        (
+            "[algorithm.splitgpp]\nx = 1\n",
+            "algorithm.splitgpp: no algorithm has such a parameter section: did you mean splitgp?",
+        ),
+    ],
+)
+def test_a_typo_gets_the_nearest_key(tmp_path: Path, toml: str, line: str) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {})
+    assert f"  {line}" in str(info.value).splitlines()
+
+
+def test_no_hint_when_nothing_is_close(tmp_path: Path) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text("[clients]\nzzzzzz = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, {})
+    assert str(info.value).splitlines()[1] == "  clients.zzzzzz: Extra inputs are not permitted"
