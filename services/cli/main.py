@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from services.cli.check_cmd import check, doctor
+from services.cli.clean_cmd import clean
 from services.cli.common import CONFIG_ENV, ErrorBoundary, GroupOptions
 from services.cli.dashboard_cmd import dashboard
 from services.cli.experiment_cmd import experiment
@@ -65,7 +66,7 @@ for command in (
     check,
 ):
     cli.add_command(command)
-for command in (autoscale, dashboard, export, infer, privacy, provision_clients, traces):
+for command in (autoscale, clean, dashboard, export, infer, privacy, provision_clients, traces):
     cli.add_command(command)
 
 
