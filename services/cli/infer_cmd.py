@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from broker.store import SERVER_PART, BlobRef
+from broker.store import SERVER_PART, BlobRef, MemberKind
 from services.cli.common import config_argument, load
 from services.common.backends import Backends
 from services.config.root import Settings
@@ -28,6 +28,11 @@ MEMORY_STORE = (
     "them in memory only: run the job with `splitmq up` (Redis keeps the last versions). A "
     "`splitmq run` reports the same sweep for every version in its metrics.json / metrics.csv "
     "(the splitgp.sweep.<E_th>.* columns)."
+)
+
+NO_WORKER = (
+    "no worker is serving job {job!r} (none is live in the store; a finished job's workers "
+    "have stopped): add --serve to answer the requests in this process, or --local"
 )
 
 
@@ -124,6 +129,9 @@ def infer(
         clients = personal_clients(store, job, version)[: max_clients or None]
         if not clients:
             raise click.ClickException(f"version {version} of {job!r} has no personalised clients")
+        if not (serve or in_process) and not store.live_members(job, MemberKind.WORKER):
+            # A finished job's workers are gone: its requests would only time out.
+            raise click.ClickException(NO_WORKER.format(job=job))
         click.echo(f"job {job} version {version}: {len(clients)} clients, E_th {thresholds}")
         source = theta_source(
             settings, backends, version, in_process=in_process, serve=serve, timeout_s=timeout_s

@@ -53,6 +53,7 @@ _LAZY_USER_ERRORS = (
     ("services.client.errors", "ClientSettingsError"),
     ("services.client.errors", "JoinTimeoutError"),
     ("services.client.errors", "JoinRejectedError"),
+    ("services.client.inference", "InferenceError"),  # no answer, or a refused request
 )
 
 

@@ -327,3 +327,18 @@ def test_infer_command_sweeps_every_client_through_the_service(
             assert float(r["offloaded"]) == 0.0
         assert int(r["rows"]) <= 300
     assert "E_th" in served.output and "global" in served.output
+
+
+def test_infer_after_the_job_says_to_serve_in_one_line(
+    trained: Trained, tmp_path: Path, amqp_url: str, redis_url: str
+) -> None:
+    # The job is over and its worker has left: nobody would answer the requests.
+    config = write_config(tmp_path, trained.settings)
+    env = {"SPLITMQ_CONFIG": None, "SPLITMQ_AMQP_URL": amqp_url, "SPLITMQ_REDIS_URL": redis_url}
+    result = CliRunner().invoke(cli, ["infer", str(config), "--clients", "1"], env=env)
+    assert result.exit_code == 1, result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert result.output.startswith(
+        f"Error: no worker is serving job {trained.settings.job.name!r}"
+    )
+    assert "add --serve" in result.output

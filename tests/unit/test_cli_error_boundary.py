@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from broker.errors import BrokerAuthError, StoreUnavailableError
 from services.cli.common import ErrorBoundary, GroupOptions
+from services.client.inference import InferenceError
 from services.common.logs import configured_logging
 
 
@@ -75,3 +76,11 @@ def test_the_boundary_lets_bugs_and_debug_through() -> None:
     assert isinstance(bug.exception, KeyError)
     debug = CliRunner().invoke(cli_raising(StoreUnavailableError("down")), ["--debug", "fail"])
     assert isinstance(debug.exception, StoreUnavailableError)
+
+
+def test_an_unanswered_inference_is_one_line() -> None:
+    # Worker live at the start but no answer (stopped meanwhile, or busy past --timeout).
+    error = InferenceError("job j: no answer to 1 InferRequest(s) after 30 s")
+    result = CliRunner().invoke(cli_raising(error), ["fail"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"Error: {error}"]
