@@ -269,7 +269,7 @@ class ClientHost:
             shared = _Shared(dispatcher, pool, roster, models, compute)
             self._schedule(stop, stats, shared)
         finally:
-            self._stop_all(stats)
+            self._stop_all()
             if beat is not None:
                 beat.stop()
                 stats.beat_messages, stats.beat_members = beat.messages_sent, beat.members_sent
@@ -343,7 +343,7 @@ class ClientHost:
                         return
                     next_start = max(time.monotonic(), next_start) + gap
                     self._go_online(index, client, stats, shared)
-            self._reap(stats)
+            self._reap()
             if stats.finished and not self._sessions:
                 return
             if not events and not self._sessions:
@@ -417,13 +417,13 @@ class ClientHost:
         if self.offline == "vanish":
             session.seat.unplug()  # nothing more gets out, not even its Leave
 
-    def _reap(self, stats: HostStats) -> None:
+    def _reap(self) -> None:
         for client in [c for c, s in self._sessions.items() if not s.thread.is_alive()]:
             del self._sessions[client]
 
-    def _stop_all(self, stats: HostStats) -> None:
+    def _stop_all(self) -> None:
         for session in self._sessions.values():
             session.stop.set()
         for session in self._sessions.values():
             session.thread.join(30.0)
-        self._reap(stats)
+        self._reap()

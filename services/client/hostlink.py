@@ -28,7 +28,7 @@ from broker.errors import (
     UnroutableError,
 )
 from broker.messages import HostHeartbeat, new_message_id
-from broker.rejection import dead_letter_safely
+from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import CONTROL_EXCHANGE
 from broker.transport import PLAIN, Broker, Delivery, PublishOptions, QueueSpec, Refused
 from services.client.errors import ClientStopped
@@ -172,7 +172,8 @@ class Dispatcher:
             self._broker.ack(delivery)
 
     def _dead_letter(self, delivery: Delivery, reason: str) -> None:
-        dead_letter_safely(self._broker, delivery, reason)
+        if dead_letter_safely(self._broker, delivery, reason) is Rejected.REDELIVERED:
+            return  # its connection is gone: it comes back and is judged again
         self.stats.dead_lettered += 1
         self._log.warning("dead-lettering a reply on the host queue: %s", reason)
 
