@@ -156,11 +156,17 @@ def run_report(
     from services.report.rundir import command_line
     from services.report.sinks import EchoSink, TeeSink
     from services.report.summary import banner
+    from services.report.tracking import TrackingUnavailable, run_trackers
 
     files = FileSink.create(settings, command=command_line(), base_dir=report_dir, run_dir=run_dir)
     click.echo(banner(files.info))
     click.echo(f"run directory: {files.run_dir}")
-    return files, TeeSink([files, EchoSink(click.echo, rounds=settings.job.rounds)])
+    try:
+        trackers = run_trackers(settings, files.run_dir)
+    except TrackingUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+    echo = EchoSink(click.echo, rounds=settings.job.rounds)
+    return files, TeeSink([files, *trackers, echo])
 
 
 def read_settings(path: Path | None, env: Mapping[str, str]) -> Settings:

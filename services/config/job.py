@@ -278,6 +278,13 @@ class WorkersSection(_Section):
 class ReportSection(_Section):
     dir: str = "runs"
     plots: bool = True
+    # Experiment trackers fed beside the run directory's files, each writing into it
+    # (services/report/tracking.py): "tensorboard" (tensorboard/), "mlflow" (mlruns/, a file
+    # store). Their libraries come with `pip install 'splitmq[tracking]'`.
+    tracking: tuple[Literal["tensorboard", "mlflow"], ...] = ()
+    # MLflow's tracking store ("sqlite:///mlflow.db", "http://host:5000"); "": a file store in
+    # the run directory, which needs no server.
+    mlflow_uri: str = ""
 
 
 class JobConfig(_Section):

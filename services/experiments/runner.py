@@ -41,6 +41,7 @@ from services.report.filesink import FileSink
 from services.report.records import MetricsSink
 from services.report.rundir import write_atomic
 from services.report.sinks import EchoSink, RecordsOnly, TeeSink
+from services.report.tracking import run_trackers
 from services.runtime.embedded import embedded_settings, run_embedded
 
 Echo = Callable[[str], None]
@@ -175,7 +176,7 @@ def execute(
     started = time.monotonic()
     stalled = f"  [{run.label}] no new version for {stall_s:.0f} s: stopping the run"
     with run_stop(stop, stall_s, on_stall=lambda: echo(stalled)) as (this_run, beat):
-        tee = TeeSink([sink, RecordsOnly(progress), beat])
+        tee = TeeSink([sink, *run_trackers(settings, run_dir), RecordsOnly(progress), beat])
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, this_run)
         else:
