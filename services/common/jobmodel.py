@@ -38,6 +38,7 @@ def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
             num_classes=settings.model.num_classes,
             in_channels=spec.channels,
             input_size=spec.height,
+            **settings.model.options,
         )
     model.set_tail(settings.model.tail, settings.model.cut)
     return model

@@ -35,8 +35,26 @@ class JobSection(_Section):
     rounds: int = Field(default=5, ge=1)
 
 
+# Builder parameters that the job sets itself, not through [model.options].
+_SET_ELSEWHERE = {
+    "num_classes": "set model.num_classes instead",
+    "in_channels": "the dataset's image shape sets it",
+    "input_size": "the dataset's image shape sets it",
+    "input_shape": "the dataset's image shape sets it",
+    "head_factory": "the auxiliary heads are not configurable from the job file",
+    "head_pool": "the auxiliary heads are not configurable from the job file",
+}
+
+
+def _is_option_value(value: object) -> bool:
+    if isinstance(value, list):
+        return all(_is_option_value(item) for item in value)
+    return isinstance(value, bool | int | float | str)
+
+
 class ModelSection(_Section):
-    # A built-in name (cnn5, lenet5, vgg_small, resnet18) or "package.module:factory".
+    # A built-in name (cnn5, lenet5, vgg_small, vgg_mini, resnet18), "package.module:factory"
+    # or "path/to/file.py:factory" (docs/models.md).
     name: str = "cnn5"
     # Cut point name (e.g. "block1", "layer1"); ignored by FedAvg.
     cut: str = "block1"
@@ -46,6 +64,25 @@ class ModelSection(_Section):
     # model is built); only algorithms whose strategy supports it (docs/algorithms.md).
     tail: str = Field(default="", pattern=r"^[A-Za-z0-9_]{0,128}$")
     num_classes: int = Field(default=10, ge=2)
+    # Keyword options for the model's builder or factory ([model.options], e.g. width = 32):
+    # TOML strings, numbers, booleans and lists of them; checked against its parameters when
+    # the model is built. Every role reads them from its own job file, as it reads `name`.
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("options")
+    @classmethod
+    def _option_values(cls, options: dict[str, Any]) -> dict[str, Any]:
+        for key, value in options.items():
+            if not key.isidentifier():
+                raise ValueError(f"model.options.{key}: an option name must be an identifier")
+            if key in _SET_ELSEWHERE:
+                raise ValueError(f"model.options.{key}: {_SET_ELSEWHERE[key]}")
+            if not _is_option_value(value):
+                raise ValueError(
+                    f"model.options.{key}: {value!r} is not a string, number, boolean or a "
+                    "list of them"
+                )
+        return options
 
     @model_validator(mode="after")
     def _tail_after_cut(self) -> ModelSection:

@@ -1,4 +1,4 @@
-"""Bring-your-own models: factories named "module:factory", in the forms `models.custom` accepts.
+"""Bring-your-own models: factories named by a spec, in the forms `models.custom` accepts.
 
 The factories live in this module and are named through `__name__`, the name pytest imported it
 under, so the tests exercise the real import path.
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.custom import load_factory, split_module
+from models.custom import load_factory
 from models.errors import ModelSpecError
+from models.fxsplit import split_module
 from models.parts import ServerModel
 from models.registry import build_model
 from models.split import SplitNet
@@ -40,7 +41,7 @@ def blocks_factory(num_classes: int, hidden: int = 16) -> list[tuple[str, nn.Mod
 
 
 class Net(nn.Module):
-    """A sequential composition of named children, the shape `split_module` needs."""
+    """A sequential composition of named children."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
@@ -82,7 +83,7 @@ def residual_factory(num_classes: int) -> tuple[nn.Module, list[str]]:
 
 
 class FlattensInForward(Net):
-    """Not sequential: the flatten lives in `forward`, not among the children."""
+    """Not a sequence of children: the flatten lives in `forward` (fx splits it all the same)."""
 
     def __init__(self, num_classes: int) -> None:
         super().__init__(num_classes)
@@ -231,14 +232,21 @@ def test_build_model_accepts_a_factory_spec() -> None:
         ("no_colon_here", "must look like 'package.module:factory'"),
         (":factory", "must look like"),
         (f"{__name__}:", "must look like"),
-        ("surely_not_a_module_xyz:factory", "cannot import module 'surely_not_a_module_xyz'"),
-        (SPEC.format("no_such_factory"), "has no attribute 'no_such_factory'"),
+        (
+            "surely_not_a_module_xyz:factory",
+            "cannot import module 'surely_not_a_module_xyz'.*every role.*PYTHONPATH=.*"
+            "surely_not_a_module_xyz.py:factory.*sys.path starts with",
+        ),
+        ("no/such/file.py:factory", "model file 'no/such/file.py' .* not found"),
+        (
+            SPEC.format("no_such_factory"),
+            r"has no attribute 'no_such_factory'.*callables are \[.*'blocks_factory'",
+        ),
         (SPEC.format("NOT_CALLABLE"), "names a int, not a callable"),
         (SPEC.format("failing_factory"), "failed: RuntimeError\\('out of coffee'\\)"),
         (SPEC.format("bare_module_factory"), "returned Net; expected a sequence"),
-        (SPEC.format("residual_factory"), "not its children applied in order"),
-        (SPEC.format("flattens_factory"), "sequential composition"),
-        (SPEC.format("own_parameter_factory"), r"outside its children \(\['scale'\]\)"),
+        (SPEC.format("residual_factory"), "the input 'x' is used after the cut 'relu'"),
+        (SPEC.format("own_parameter_factory"), r"never uses \['scale'\]"),
         (SPEC.format("fixed_split_net_factory"), "asked for .* and 3"),
     ],
 )
@@ -259,6 +267,41 @@ def test_module_raising_on_import_is_wrapped(tmp_module: tuple[str, Path]) -> No
         load_factory(f"{name}:factory", input_shape=SHAPE, num_classes=3)
 
 
+def test_a_missing_dependency_is_not_taken_for_a_missing_module(
+    tmp_module: tuple[str, Path],
+) -> None:
+    name, path = tmp_module
+    path.write_text("import surely_missing_dependency_xyz\n")
+    with pytest.raises(ModelSpecError, match="ModuleNotFoundError") as info:
+        load_factory(f"{name}:factory", input_shape=SHAPE, num_classes=3)
+    assert "PYTHONPATH" not in str(info.value)
+
+
+def test_a_file_spec_loads_the_file_once_without_touching_sys_path(tmp_path: Path) -> None:
+    path = tmp_path / "my_model.py"
+    path.write_text(
+        "from torch import nn\n"
+        "BUILDS = []\n"
+        "def mlp(num_classes):\n"
+        "    BUILDS.append(num_classes)\n"
+        "    return [('a', nn.Flatten()), ('b', nn.Linear(64, num_classes))]\n"
+    )
+    before = list(sys.path)
+    spec = f"{path}:mlp"
+    first = load_factory(spec, input_shape=SHAPE, num_classes=3)
+    second = load_factory(spec, input_shape=SHAPE, num_classes=4)
+    assert first.num_classes == 3 and second.num_classes == 4
+    assert sys.path == before
+    (module,) = [m for m in sys.modules.values() if getattr(m, "__file__", None) == str(path)]
+    assert module.BUILDS == [3, 4]  # one module, run once, used twice
+
+
+def test_a_module_whose_forward_flattens_splits_through_fx() -> None:
+    net = load_factory(SPEC.format("flattens_factory"), input_shape=SHAPE, num_classes=3)
+    assert net.block_names == ("relu", "fc2") and net.cut_shape("relu") == (4, 8, 8)
+    assert_split_is_exact(net)
+
+
 def test_factory_in_a_separate_module(tmp_module: tuple[str, Path]) -> None:
     name, path = tmp_module
     path.write_text(
@@ -275,12 +318,12 @@ def test_factory_in_a_separate_module(tmp_module: tuple[str, Path]) -> None:
 @pytest.mark.parametrize(
     ("cut_after", "message"),
     [
-        (["nope"], "'nope' is not a top-level child of Net"),
-        (["fc1", "relu"], "distinct children in order"),
-        (["relu", "relu"], "distinct children in order"),
-        ([], "distinct children in order"),
-        (["fc2"], "cannot cut after the last child 'fc2'"),
-        ("relu", "got the string 'relu'"),
+        (["nope"], "'nope' is not a submodule of Net"),
+        (["fc1", "relu"], r"in call order: \['relu', 'fc1'\]"),
+        (["relu", "relu"], "must be distinct"),
+        ([], "non-empty list"),
+        (["fc2"], "cannot cut after 'fc2'"),
+        ("relu", "non-empty list of module names, got 'relu'"),
     ],
 )
 def test_split_module_rejects_bad_cut_lists(cut_after: list[str], message: str) -> None:
