@@ -26,6 +26,8 @@ BUILTIN_MODELS: Mapping[str, Builder] = MappingProxyType(
     }
 )
 MODEL_NAMES: tuple[str, ...] = tuple(sorted(BUILTIN_MODELS))
+# What every builder takes from the job itself (its classes and its dataset's images).
+_SET_BY_THE_JOB = frozenset({"num_classes", "in_channels", "input_size"})
 
 
 def build_model(
@@ -71,8 +73,10 @@ def build_model(
     accepted = inspect.signature(builder).parameters
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        allowed = sorted(set(accepted) - {"head_factory"})
-        raise ModelSpecError(f"model {name!r} has no options {unknown}; it accepts {allowed}")
+        allowed = sorted(set(accepted) - {*_SET_BY_THE_JOB, "head_factory"})
+        raise ModelSpecError(
+            f"model {name!r} has no options {unknown}; its options are {allowed or 'none'}"
+        )
     return builder(**kwargs)
 
 

@@ -32,6 +32,7 @@ def load(name: str) -> Settings:
         ("feddeper.toml", "feddeper", 1),
         ("async.toml", "sfl", 2),
         ("privacy.toml", "sfl_v2", 1),
+        ("byo_model.toml", "sfl_v2", 1),
     ],
 )
 def test_example_loads(name: str, algorithm: str, shards: int) -> None:
@@ -57,6 +58,7 @@ def test_every_example_is_covered() -> None:
         "feddeper.toml",
         "async.toml",
         "privacy.toml",
+        "byo_model.toml",
     }
 
 

@@ -25,6 +25,8 @@ def settings(name: str, cut: str, **options: Any) -> Settings:
 
 
 def test_options_reach_a_built_in_builder() -> None:
+    with pytest.raises(ModelSpecError, match=r"its options are \['hidden', 'stages'\]"):
+        job_model(settings("vgg_small", "fc1", width=24))
     assert job_model(settings("vgg_small", "fc1", hidden=24)).cut_shape("fc1") == (24,)
     net = job_model(settings("vgg_small", "stage2", stages=[[4], [6, 6]], hidden=8))
     assert net.cuts == ("stage1", "stage2", "fc1")
@@ -38,7 +40,9 @@ def test_options_reach_a_factory() -> None:
 
 
 def test_an_unknown_option_lists_the_accepted_ones() -> None:
-    with pytest.raises(ModelSpecError, match=r"'cnn5' has no options \['width'\]; it accepts"):
+    with pytest.raises(
+        ModelSpecError, match=r"'cnn5' has no options \['width'\]; its options are none"
+    ):
         job_model(settings("cnn5", "block1", width=32))
     with pytest.raises(ModelSpecError, match=r"does not accept options.*'depth'"):
         job_model(settings(RESNET, "layer1", depth=3))

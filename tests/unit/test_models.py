@@ -343,8 +343,12 @@ def test_custom_head_factory_gets_cut_shape_and_classes() -> None:
 def test_registry_errors() -> None:
     with pytest.raises(ModelSpecError, match=r"unknown model 'resnet50'.*cnn5"):
         build_model("resnet50")
-    with pytest.raises(ModelSpecError, match=r"no options \['depth'\].*input_size"):
+    with pytest.raises(ModelSpecError, match=r"no options \['depth'\]; its options are none"):
         build_model("cnn5", depth=3)
+    with pytest.raises(
+        ModelSpecError, match=r"no options \['depth'\]; its options are \['width'\]"
+    ):
+        build_model("resnet18", depth=3)
     with pytest.raises(ModelSpecError, match="failed"):
         build_model("cnn5", input_size=8)  # too small for two 5x5 convs and two pools
 
