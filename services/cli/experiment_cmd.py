@@ -50,6 +50,14 @@ _SAME = ("reuse", "runs_dir")  # left out of the stated command (`_command`)
 )
 @click.option("--only", default=None, help="Run only the labels matching this glob.")
 @click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run each configuration with this many seeds (job.seed, +1, ...); tables then show "
+    "mean ± std, plots a band.",
+)
+@click.option(
     "--torch-threads",
     type=click.IntRange(min=1),
     default=1,
@@ -64,6 +72,7 @@ def experiment(
     runs_dir: Path,
     reuse: bool,
     only: str | None,
+    seeds: int,
     torch_threads: int,
 ) -> None:
     """Run the experiment NAME and write its tables and plots.
@@ -97,12 +106,13 @@ def experiment(
                 echo=click.echo,
                 stop=stop,
                 only=(lambda run: fnmatch.fnmatch(run.label, only)) if only else None,
+                seeds=seeds,
             )
         except (ConfigError, DataError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from None
     if stop.is_set():
         click.echo(
-            f"stopped after {len(results)} runs; {target} left unchanged "
+            f"stopped after {len(results.runs)} runs; {target} left unchanged "
             "(rerun with --reuse to continue)",
             err=True,
         )

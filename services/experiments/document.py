@@ -42,6 +42,23 @@ def sizes_line(settings: Settings) -> str:
     )
 
 
+def seeds_line(results: ResultSet) -> str:
+    """How many seeds each configuration ran with, and what the numbers are then."""
+    counts = sorted({len(r.runs) for r in results})
+    if not counts or counts == [1]:
+        return (
+            "one per configuration (`--seeds N` runs N): a difference of a point or two is "
+            "within what another seed could change."
+        )
+    seeds = sorted({s for r in results for s in r.seeds})
+    told = " to ".join(map(str, dict.fromkeys(counts)))
+    return (
+        f"{told} per configuration (job.seed {', '.join(map(str, seeds))}: initial model, "
+        "partition, sampling and data order); tables show mean ± sample standard deviation, "
+        "curves the mean with a band of ± one standard deviation."
+    )
+
+
 @dataclass(frozen=True)
 class Context:
     """How the results were produced, stated in the section."""
@@ -60,12 +77,13 @@ def render_section(
 ) -> str:
     """The section's markdown; `extras` (the experiment's own blocks) follow its tables,
     `figures` (the plots' links) its notes."""
-    machines = "; ".join(dict.fromkeys(r.machine for r in results if r.machine)) or "unknown"
-    unrecorded = sum(1 for r in results if not r.machine)
+    runs = results.runs
+    machines = "; ".join(dict.fromkeys(r.machine for r in runs if r.machine)) or "unknown"
+    unrecorded = sum(1 for r in runs if not r.machine)
     if unrecorded:
         machines += f" ({unrecorded} runs ran before their machine line was recorded)"
-    total_s = sum(r.wall_s for r in results)
-    reused = sum(1 for r in results if r.reused)
+    total_s = sum(r.wall_s for r in runs)
+    reused = sum(1 for r in runs if r.reused)
     data = f" (datasets from `{context.data_source}`)" if context.data_source else ""
     quick = context.quick
     sizes = "; ".join(  # distinct, in run order
@@ -81,7 +99,8 @@ def render_section(
         + experiment.scaling.strip()
         + (f"  \n**Sizes as run.** {sizes}." if sizes else ""),
         f"**Command.** `{context.command}`{data}  \n**Machine.** {machines}  \n"
-        f"**Total wall time.** {total_s / 60:.1f} min for {len(results)} runs "
+        f"**Seeds.** {seeds_line(results)}  \n"
+        f"**Total wall time.** {total_s / 60:.1f} min for {len(runs)} runs "
         "(the machine was shared: see the load at each run's start below)"
         + (
             f"; {reused} runs were read back (`--reuse`) from an earlier invocation with the "
@@ -101,7 +120,7 @@ def render_section(
         parts.append(experiment.notes.strip())
     parts += figures
     parts.append("**Every run** (wall time per run; report directories under the runs folder)")
-    parts.append(runs_table(results.results))
+    parts.append(runs_table(results.runs))
     return "\n\n".join(parts)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from services.experiments.results import ResultSet, RunResult, finite, late_mean, mean, swing
+from services.experiments.results import ResultSet, SeedRuns, finite, late_mean, mean, swing
 from services.experiments.spec import (
     CurvePlot,
     Experiment,
@@ -65,7 +65,7 @@ def grid(populations: Sequence[tuple[str, float]], rhos: Sequence[str]) -> list[
     return runs
 
 
-def global_on_local(result: RunResult) -> float:
+def global_on_local(result: SeedRuns) -> float:
     """Last round's global model on its participants' local test sets: FedDeper records it
     in `extra`, FedAvg as its personalised accuracy."""
     if not result.records:
@@ -74,7 +74,7 @@ def global_on_local(result: RunResult) -> float:
     return last.extra.get(GLOBAL_ON_LOCAL, last.personal_accuracy)
 
 
-def _global_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> list[str]:
+def _global_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> list[str]:
     ours, theirs = deper.curve(), fedavg.curve()
     late = late_mean(ours, LATE_ROUNDS) - late_mean(theirs, LATE_ROUNDS)
     speed = mean(ours) - mean(theirs)  # the mean over all rounds: higher when sooner there
@@ -96,7 +96,7 @@ def _global_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> li
     ]
 
 
-def _personal_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> list[str]:
+def _personal_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> list[str]:
     personal = late_mean(deper.curve("personal_accuracy"), LATE_ROUNDS)
     baseline = late_mean(fedavg.curve("personal_accuracy"), LATE_ROUNDS)
     if not math.isfinite(personal + baseline):
@@ -109,7 +109,7 @@ def _personal_lines(n: str, fedavg: RunResult, deper: RunResult, label: str) -> 
     ]
 
 
-def short_rounds(result: RunResult) -> list[int]:
+def short_rounds(result: SeedRuns) -> list[int]:
     """The rounds (from 1) that closed with fewer participants than the run's fullest round
     (a client dropped, late, or refused to send: its numbers rest on a smaller cohort)."""
     fullest = max((r.participants for r in result.records), default=0)
@@ -126,7 +126,7 @@ def participation(results: ResultSet) -> list[str]:
     return [f"Rounds that closed with a smaller cohort than the run's fullest: {listing}."]
 
 
-def unfinished(result: RunResult) -> str | None:
+def unfinished(result: SeedRuns) -> str | None:
     """A sentence on a run that did not complete its rounds, else None."""
     if result.complete:
         return None

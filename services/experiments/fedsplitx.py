@@ -20,7 +20,7 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.figures import FigureSlot
-from services.experiments.results import ResultSet, RunResult, finite, late_mean, mean, swing
+from services.experiments.results import ResultSet, SeedRuns, finite, late_mean, mean, swing
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, pct, percent, points, pts
 from services.report.plots import plot_rounds
@@ -85,24 +85,24 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     return out
 
 
-def run_levels(result: RunResult) -> tuple[int, ...]:
+def run_levels(result: SeedRuns) -> tuple[int, ...]:
     """The levels (1..3) whose client model the run trains, shallow to deep."""
     level = result.tags.get("level")
     return (int(level),) if level else (1, 2, 3)
 
 
-def accuracy(result: RunResult | None, level: int | None) -> float:
+def accuracy(result: SeedRuns | None, level: int | None) -> float:
     """The final level-`level` client model (the full model for None) on the whole test set
     (NaN: the run has none)."""
     key = FULL_ACCURACY if level is None else CLIENT_ACCURACY + LEVEL_CUTS[level - 1]
     return math.nan if result is None else result.final.get(key, math.nan)
 
 
-def _method(results: ResultSet, method: str) -> RunResult | None:
+def _method(results: ResultSet, method: str) -> SeedRuns | None:
     return results.named(need="", method=method)
 
 
-def level_curve(result: RunResult, level: int | None) -> list[float]:
+def level_curve(result: SeedRuns, level: int | None) -> list[float]:
     """The level-`level` client model's accuracy per round on the evaluation rows (record key
     `level<m>` is the run's m-th level); the full model's for None."""
     if level is None:
@@ -113,7 +113,7 @@ def level_curve(result: RunResult, level: int | None) -> list[float]:
     )
 
 
-def server_flops(result: RunResult | None) -> float:
+def server_flops(result: SeedRuns | None) -> float:
     """Mean server forward FLOPs per trained sample over the run: the mean over every
     (round, participant) of the FLOPs the server spends on that client's rows (each trains the
     same number of rows a round)."""
@@ -121,13 +121,13 @@ def server_flops(result: RunResult | None) -> float:
     return mean(v for r in records for k, v in r.extra.items() if k.startswith(SERVER_FLOPS))
 
 
-def population(result: RunResult | None) -> tuple[int, ...]:
+def population(result: SeedRuns | None) -> tuple[int, ...]:
     """The run's clients per declared level (its `clients.capability_mix`); () if none."""
     clients = {} if result is None else result.run.overrides.get("clients", {})
     return tuple(int(n) for n in clients.get("capability_mix", "").split(",") if n)
 
 
-def _clients_line(result: RunResult) -> str:
+def _clients_line(result: SeedRuns) -> str:
     mix = population(result)
     count = result.run.overrides.get("clients", {}).get("count", "?")
     if mix:
@@ -135,7 +135,7 @@ def _clients_line(result: RunResult) -> str:
     return f"{count} (all at level {result.tags.get('level', '?')})"
 
 
-def model_rows(result: RunResult) -> list[tuple[int | None, float]]:
+def model_rows(result: SeedRuns) -> list[tuple[int | None, float]]:
     """The models a run yields: (level, or None for the full model; final accuracy on the
     whole test set)."""
     levels: list[int | None] = list(run_levels(result))
@@ -294,11 +294,11 @@ def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
     ]
 
 
-def _late(result: RunResult, level: int | None) -> str:
+def _late(result: SeedRuns, level: int | None) -> str:
     return pct(late_mean(level_curve(result, level), LATE_ROUNDS))
 
 
-def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
+def _exc_lines(fed: SeedRuns, exc: SeedRuns, level: int) -> list[str]:
     name = f"EXC-level-{level}"
     full, theirs = accuracy(fed, None), accuracy(exc, level)
     lines = []
@@ -322,7 +322,7 @@ def _exc_lines(fed: RunResult, exc: RunResult, level: int) -> list[str]:
     return lines
 
 
-def _accsfl_lines(fed: RunResult, accsfl: RunResult) -> list[str]:
+def _accsfl_lines(fed: SeedRuns, accsfl: SeedRuns) -> list[str]:
     lines = []
     ours, theirs = server_flops(fed), server_flops(accsfl)
     if math.isfinite(ours) and math.isfinite(theirs) and theirs > 0:

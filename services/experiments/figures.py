@@ -24,7 +24,13 @@ def _curve(plot: CurvePlot, results: ResultSet, axes: Any, where: dict[str, str]
     for i, line in enumerate(results.values(plot.lines)):
         run = results.one({**where, plot.lines: line})
         if run is not None and run.records:
-            plot_rounds(axes, i, run.records, [100.0 * v for v in run.curve(plot.metric)], line, 3)
+            band = run.band(plot.metric)
+            plot_rounds(axes, i, run.records, [100.0 * b.mean for b in band], line, 3)
+            if len(run.runs) > 1:  # mean ± std over the seeds, in the line's colour
+                xs = [r.round + 1 for r in run.records]
+                low = [100.0 * (b.mean - b.std) for b in band]
+                high = [100.0 * (b.mean + b.std) for b in band]
+                axes.fill_between(xs, low, high, alpha=0.2, color=axes.lines[-1].get_color())
             drawn = True
     round_axis(axes)
     axes.set_ylabel(f"{plot.metric.replace('_', ' ')} (%)")
@@ -35,10 +41,14 @@ def _final(plot: FinalPlot, results: ResultSet, axes: Any, where: dict[str, str]
     xs = results.values(plot.x)
     drawn = False
     for i, line in enumerate(results.values(plot.lines)):
-        found = [results.one({**where, plot.lines: line, plot.x: x}) for x in xs]
-        ys = [100.0 * r.metric(plot.metric) if r else math.nan for r in found]
+        spreads = [
+            results.spread(plot.metric, **where, **{plot.lines: line, plot.x: x}) for x in xs
+        ]
+        ys = [100.0 * s.mean for s in spreads]
         if any(math.isfinite(y) for y in ys):
-            axes.plot(range(len(xs)), ys, label=line, **line_style(i))
+            # Error bars: the std over the seeds (none drawn for one seed).
+            errors = [100.0 * s.std if s.count > 1 else 0.0 for s in spreads]
+            axes.errorbar(range(len(xs)), ys, yerr=errors, label=line, capsize=3, **line_style(i))
             drawn = True
     axes.set_xticks(range(len(xs)), xs)
     axes.set_xlabel(plot.x)

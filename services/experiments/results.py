@@ -1,13 +1,15 @@
-"""The outcome of each run, read back from its report directory; selection by tags; the few
-summaries of a per-round curve the experiments' verdicts share."""
+"""The outcome of each run, read back from its report directory; runs of one label over several
+seeds taken together; selection by tags; the few summaries of a per-round curve the
+experiments' verdicts share."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
+import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +37,7 @@ class RunResult:
     machine: str = ""  # `runner.machine_line()` where it ran
     load: float = math.nan  # 1-minute load average when it started
     final: Mapping[str, float] = field(default_factory=dict)  # `Experiment.final_eval`'s
+    seed: int = 0  # the run's job.seed
 
     @property
     def label(self) -> str:
@@ -69,6 +72,138 @@ class RunResult:
         return local, ood
 
 
+@dataclass(frozen=True)
+class Spread:
+    """A summary over seeds: the mean and sample standard deviation of the finite values,
+    and how many there were (std 0 for one, NaN mean for none)."""
+
+    mean: float
+    std: float
+    count: int
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        kept = finite(values)
+        if not kept:
+            return cls(math.nan, math.nan, 0)
+        std = statistics.stdev(kept) if len(kept) > 1 else 0.0
+        return cls(statistics.fmean(kept), std, len(kept))
+
+
+@dataclass(frozen=True)
+class SeedRuns:
+    """The runs of one label, one per seed, read as one result: summaries and curves are the
+    means over the seeds (`spread` and `band` give their spread), so a verdict or a table
+    written for one seed reads the mean of several unchanged. With one seed it is that run."""
+
+    runs: tuple[RunResult, ...]
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ValueError("SeedRuns of no run")
+
+    @property
+    def first(self) -> RunResult:
+        return self.runs[0]
+
+    @property
+    def run(self) -> Run:
+        return self.first.run
+
+    @property
+    def label(self) -> str:
+        return self.first.label
+
+    @property
+    def tags(self) -> Mapping[str, str]:
+        return self.first.tags
+
+    @property
+    def algorithm(self) -> str:
+        return self.first.algorithm
+
+    @property
+    def run_dir(self) -> Path:
+        return self.first.run_dir
+
+    @property
+    def rounds(self) -> int:
+        return self.first.rounds
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        return tuple(r.seed for r in self.runs)
+
+    @property
+    def status(self) -> str:
+        """ "finished" when every seed finished, else the first seed's that did not."""
+        return next((r.status for r in self.runs if r.status != "finished"), "finished")
+
+    @property
+    def complete(self) -> bool:
+        return all(r.complete for r in self.runs)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(r.wall_s for r in self.runs)
+
+    @property
+    def reused(self) -> bool:
+        return all(r.reused for r in self.runs)
+
+    @property
+    def machine(self) -> str:
+        return self.first.machine
+
+    @property
+    def records(self) -> tuple[VersionRecord, ...]:
+        """Per round, the seeds' records averaged (as long as the shortest seed's)."""
+        if len(self.runs) == 1:
+            return self.first.records
+        return tuple(
+            mean_record(rows) for rows in zip(*(r.records for r in self.runs), strict=False)
+        )
+
+    @property
+    def final(self) -> Mapping[str, float]:
+        keys = dict.fromkeys(k for r in self.runs for k in r.final)
+        return {k: mean(r.final.get(k, math.nan) for r in self.runs) for k in keys}
+
+    def metric(self, name: Metric) -> float:
+        return self.spread(name).mean
+
+    def spread(self, name: Metric) -> Spread:
+        return Spread.of(r.metric(name) for r in self.runs)
+
+    def curve(self, name: str = "global_accuracy") -> list[float]:
+        return [b.mean for b in self.band(name)]
+
+    def band(self, name: str = "global_accuracy") -> list[Spread]:
+        """Per round, the spread of a curve over the seeds (as long as the shortest seed's)."""
+        return [
+            Spread.of(values) for values in zip(*(r.curve(name) for r in self.runs), strict=False)
+        ]
+
+    def pair(self, prefix: str) -> tuple[float, float]:
+        pairs = [r.pair(prefix) for r in self.runs]
+        return mean(p[0] for p in pairs), mean(p[1] for p in pairs)
+
+
+def mean_record(rows: Sequence[VersionRecord]) -> VersionRecord:
+    """One round's records of several seeds as one: numbers averaged (counts rounded), the
+    version and round of the first, each `extra` metric averaged over the seeds having it."""
+    first = rows[0]
+    values: dict[str, Any] = {}
+    for f in fields(VersionRecord):
+        if f.name in ("version", "round", "extra"):
+            continue
+        average = mean(float(getattr(r, f.name)) for r in rows)
+        values[f.name] = round(average) if isinstance(getattr(first, f.name), int) else average
+    keys = dict.fromkeys(k for r in rows for k in r.extra)
+    extra = {k: mean(r.extra.get(k, math.nan) for r in rows) for k in keys}
+    return VersionRecord(version=first.version, round=first.round, extra=extra, **values)
+
+
 def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ...]]:
     """The run info and the records of a report directory's metrics.json."""
     doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
@@ -76,7 +211,7 @@ def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ..
     return dict(doc.get("run", {})), records
 
 
-def load_result(run: Run, run_dir: Path, *, reused: bool = False) -> RunResult:
+def load_result(run: Run, run_dir: Path, *, reused: bool = False, seed: int = 0) -> RunResult:
     """The run's records from metrics.json, its wall time and host from experiment.json and
     its final evaluation from final.json (none when the experiment has no `final_eval`)."""
     info, records = read_records(run_dir)
@@ -94,6 +229,7 @@ def load_result(run: Run, run_dir: Path, *, reused: bool = False) -> RunResult:
         machine=str(meta.get("machine", "")),
         load=math.nan if meta.get("load") is None else float(meta["load"]),
         final={str(k): float(v) for k, v in doc.items()},
+        seed=seed,
     )
 
 
@@ -103,18 +239,28 @@ def matches(tags: Mapping[str, str], where: Mapping[str, str]) -> bool:
 
 
 class ResultSet:
-    """All results of one experiment invocation, looked up by tags."""
+    """All results of one experiment invocation, looked up by tags: `runs` every run (one per
+    label and seed), `results` the labels with their seeds taken together, in declared order."""
 
-    def __init__(self, results: Sequence[RunResult]) -> None:
-        self.results = tuple(results)
+    def __init__(self, runs: Sequence[RunResult]) -> None:
+        self.runs = tuple(runs)
+        labels: dict[str, list[RunResult]] = {}
+        for run in self.runs:
+            labels.setdefault(run.label, []).append(run)
+        self.results = tuple(SeedRuns(tuple(group)) for group in labels.values())
 
-    def __iter__(self) -> Iterator[RunResult]:
+    def __iter__(self) -> Iterator[SeedRuns]:
         return iter(self.results)
 
     def __len__(self) -> int:
         return len(self.results)
 
-    def one(self, where: Mapping[str, str]) -> RunResult | None:
+    @property
+    def seeds(self) -> int:
+        """Seeds per label (the most any label has; 0 without runs)."""
+        return max((len(r.runs) for r in self.results), default=0)
+
+    def one(self, where: Mapping[str, str]) -> SeedRuns | None:
         """The single run that fits `where` best: the one that names the most of its tags.
 
         A baseline without a `cut` tag fits `cut=block2`, but so may a run tagged
@@ -125,7 +271,7 @@ class ResultSet:
 
     def named(
         self, need: Literal["records", "final", ""] = "records", **where: str
-    ) -> RunResult | None:
+    ) -> SeedRuns | None:
         """The run tagged with exactly `where` (no baseline standing in for it) that has
         `records` (or its `final` evaluation, `need="final"`; anything, `need=""`); None
         otherwise."""
@@ -137,8 +283,12 @@ class ResultSet:
 
     def value(self, metric: Metric, **where: str) -> float:
         """`metric` of the run fitting `where`, NaN when there is none."""
+        return self.spread(metric, **where).mean
+
+    def spread(self, metric: Metric, **where: str) -> Spread:
+        """`metric` over the seeds of the run fitting `where` (no values when there is none)."""
         result = self.one(where)
-        return result.metric(metric) if result is not None else math.nan
+        return result.spread(metric) if result is not None else Spread.of(())
 
     def values(self, tag: str) -> list[str]:
         """The values `tag` takes among the runs, in the order the runs were declared."""

@@ -55,12 +55,20 @@ def slug(label: str) -> str:
 
 
 def build_settings(
-    experiment: Experiment, run: Run, *, quick: bool, data_dir: str | None = None
+    experiment: Experiment,
+    run: Run,
+    *,
+    quick: bool,
+    data_dir: str | None = None,
+    seed: int | None = None,
 ) -> Settings:
-    """Base config, then the --quick overrides, then the run's own, then where the data is."""
+    """Base config, then the --quick overrides, then the run's own, then where the data is
+    (and `seed` as job.seed, when given)."""
     merged = deep_merge(dict(experiment.base), experiment.quick if quick else {})
     merged = deep_merge(merged, run.overrides)
     merged = deep_merge(merged, {"job": {"name": slug(run.label)}, "data": {"dir": data_dir or ""}})
+    if seed is not None:
+        merged = deep_merge(merged, {"job": {"seed": seed}})
     try:
         return Settings.model_validate(merged)
     except ValidationError as exc:
@@ -202,6 +210,20 @@ def _eta(done_s: float, done: int, total: int) -> str:
     return f", about {left / 60:.0f} min left" if left >= 60 else f", about {left:.0f} s left"
 
 
+def seeded(
+    experiment: Experiment, run: Run, seeds: int, *, quick: bool, data_dir: str | None
+) -> list[tuple[Settings, str]]:
+    """The settings and directory name of each seed of `run`: its own seed first (in the
+    directory an unseeded experiment uses, so earlier runs stay reusable), then the next ones."""
+    first = build_settings(experiment, run, quick=quick, data_dir=data_dir)
+    out = [(first, slug(run.label))]
+    for offset in range(1, seeds):
+        seed = first.job.seed + offset
+        settings = build_settings(experiment, run, quick=quick, data_dir=data_dir, seed=seed)
+        out.append((settings, f"{slug(run.label)}-seed{seed}"))
+    return out
+
+
 def run_experiment(
     experiment: Experiment,
     *,
@@ -213,45 +235,55 @@ def run_experiment(
     echo: Echo = print,
     stop: threading.Event | None = None,
     only: Callable[[Run], bool] | None = None,
+    seeds: int = 1,
 ) -> ResultSet:
-    """Every run of the experiment (the --quick grid when `quick`), in order.
+    """Every run of the experiment (the --quick grid when `quick`), in order, each `seeds`
+    times: job.seed s, s+1, ... from the run's configured seed s, into `<label>` for the first
+    and `<label>-seed<n>` for the others.
 
     With `reuse`, a run whose directory already holds a finished run of the same settings is
     read back instead of trained again (an interrupted experiment resumes where it stopped).
     Stops early, with the results so far, when `stop` is set.
     """
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
     stop = stop or threading.Event()
     grid = [r for r in experiment.grid(quick) if only is None or only(r)]
-    planned = [(r, build_settings(experiment, r, quick=quick, data_dir=data_dir)) for r in grid]
+    planned = [
+        (run, settings, directory)
+        for run in grid
+        for settings, directory in seeded(experiment, run, seeds, quick=quick, data_dir=data_dir)
+    ]
     datasets: dict[tuple[str, str], Dataset] = {}  # each loaded once, shared read-only
     base = runs_dir / experiment.name
     results: list[RunResult] = []
     trained_s, trained = 0.0, 0
-    for i, (run, settings) in enumerate(planned, start=1):
+    for i, (run, settings, directory) in enumerate(planned, start=1):
         if stop.is_set():
             break
-        run_dir = base / slug(run.label)
+        run_dir = base / directory
+        seed = settings.job.seed
+        label = run.label if seeds == 1 else f"{run.label} (seed {seed})"
         # A run the experiment evaluates at its end is reusable only with that evaluation.
         evaluated = experiment.final_eval is None or run.kind != "service"
         if reuse and reusable(run_dir, settings) and (evaluated or (run_dir / FINAL_JSON).exists()):
-            echo(f"[{i}/{len(planned)}] {run.label}: reusing {run_dir}")
-            results.append(load_result(run, run_dir, reused=True))
+            echo(f"[{i}/{len(planned)}] {label}: reusing {run_dir}")
+            results.append(load_result(run, run_dir, reused=True, seed=seed))
             continue
         described = ", ".join(f"{k}={v}" for k, v in run.tags.items())
-        echo(f"[{i}/{len(planned)}] {run.label} ({described})")
+        echo(f"[{i}/{len(planned)}] {label} ({described})")
         key = (settings.data.dataset, settings.data.dir)
         if key not in datasets:
             datasets[key] = load_dataset(key[0], key[1] or None)
         wall_s = execute(
             experiment, run, settings, datasets[key], run_dir, command=command, echo=echo, stop=stop
         )
-        result = load_result(run, run_dir)
+        result = load_result(run, run_dir, seed=seed)
         results.append(result)
         trained_s, trained = trained_s + wall_s, trained + 1
         eta = _eta(trained_s, trained, trained + len(planned) - i)
         final = 100 * result.metric("final_global")
         echo(
-            f"  {run.label}: {result.status} in {wall_s:.1f} s, "
-            f"final global accuracy {final:.1f}%{eta}"
+            f"  {label}: {result.status} in {wall_s:.1f} s, final global accuracy {final:.1f}%{eta}"
         )
     return ResultSet(results)

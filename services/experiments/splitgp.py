@@ -19,7 +19,7 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
 from services.experiments.figures import FigureSlot
-from services.experiments.results import ResultSet, RunResult
+from services.experiments.results import ResultSet, SeedRuns
 from services.experiments.spec import Experiment, Run, from_examples, smoke
 from services.experiments.tables import markdown_table, percent
 from services.report.plots import line_style
@@ -86,13 +86,13 @@ def mix(local: float, ood: float, p: float) -> float:
     return (1 - p) * local + p * ood
 
 
-def inference(result: RunResult) -> tuple[float, float]:
+def inference(result: SeedRuns) -> tuple[float, float]:
     """(local, ood) accuracy of the method's own inference: split inference at E_th for
     SplitGP and multi-exit, the whole model for the others."""
     return result.pair("splitgp.split" if result.tags.get("method") in SPLIT_INFERENCE else "full")
 
 
-def best_threshold(result: RunResult, p: float) -> tuple[float, float]:
+def best_threshold(result: SeedRuns, p: float) -> tuple[float, float]:
     """(accuracy, E_th) of the sweep's best threshold at `p` (chosen on the test rows); of
     equally good ones the largest, which offloads the fewest rows."""
     best = (math.nan, math.nan)
@@ -129,7 +129,7 @@ def p_table(results: ResultSet, dataset: str) -> str:
     return markdown_table(header, body, caption)
 
 
-def _sweep(found: RunResult, what: str, p: float) -> list[float]:
+def _sweep(found: SeedRuns, what: str, p: float) -> list[float]:
     """Split inference's `what` (split: accuracy, offload: share offloaded) at each E_th of
     the sweep, on the test mix with a share `p` out of distribution."""
     return [mix(*found.pair(f"splitgp.sweep.{t:g}.{what}"), p) for t in SWEEP]
@@ -215,7 +215,7 @@ def verdict(results: ResultSet) -> list[str]:
     return lines + offload_lines(results)
 
 
-def configured_threshold(result: RunResult) -> float:
+def configured_threshold(result: SeedRuns) -> float:
     """The run's E_th, from the config its report directory recorded (NaN when unreadable)."""
     try:
         with (result.run_dir / "config.toml").open("rb") as fh:

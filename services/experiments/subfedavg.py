@@ -18,7 +18,7 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import local_test_accuracy
 from services.experiments.figures import FigureSlot
-from services.experiments.results import ResultSet, RunResult, mean
+from services.experiments.results import ResultSet, SeedRuns, mean
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, percent, points
 from services.report.plots import plot_rounds
@@ -72,7 +72,7 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     return local_test_accuracy(settings, dataset, blobs)
 
 
-def last_per_client(result: RunResult, name: str) -> dict[str, float]:
+def last_per_client(result: SeedRuns, name: str) -> dict[str, float]:
     """Each client's last reported `<name>.<client>` extra over the run's records."""
     prefix = name + "."
     out: dict[str, float] = {}
@@ -83,7 +83,7 @@ def last_per_client(result: RunResult, name: str) -> dict[str, float]:
     return out
 
 
-def personalised(result: RunResult) -> tuple[float, int]:
+def personalised(result: SeedRuns) -> tuple[float, int]:
     """Mean personalised accuracy over the clients and how many clients it covers."""
     if result.algorithm == "subfedavg":
         values = list(last_per_client(result, "local_accuracy").values())
@@ -98,7 +98,7 @@ def personalised(result: RunResult) -> tuple[float, int]:
     return mean(values), sum(1 for v in values if math.isfinite(v))
 
 
-def reduction(result: RunResult, name: str) -> float:
+def reduction(result: SeedRuns, name: str) -> float:
     """Mean over clients of their last reported `name` (0 for the unpruned baselines)."""
     if result.algorithm != "subfedavg":
         return 0.0
@@ -160,7 +160,7 @@ def _bars(results: ResultSet, slot: FigureSlot) -> str:
     return slot.figure("personalised.png", title, results.values("dataset"), draw)
 
 
-def cohort_curve(result: RunResult) -> list[float]:
+def cohort_curve(result: SeedRuns) -> list[float]:
     """The round's cohort mean personalised accuracy: Sub-FedAvg's reported local accuracy
     after training, the others' aggregator evaluation (Standalone: own model after training;
     FedAvg: the new global model on the cohort's local test sets)."""

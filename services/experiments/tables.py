@@ -6,7 +6,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from services.experiments.results import ResultSet, RunResult
+from services.experiments.results import ResultSet, RunResult, Spread
 from services.experiments.spec import Table
 
 MISSING = "–"
@@ -39,37 +39,51 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], caption
     return (caption + "\n\n" if caption else "") + "\n".join(lines)
 
 
+def spread_cell(spread: Spread) -> str:
+    """A cell over seeds: `82.5 ± 0.4`; one value alone as `percent` writes it."""
+    if spread.count < 2:
+        return percent(spread.mean)
+    return f"{percent(spread.mean)} ± {percent(spread.std)}"
+
+
 def render_table(table: Table, results: ResultSet) -> str:
-    """Rows: every combination of the row tags' values; cells: the metric in percent."""
+    """Rows: every combination of the row tags' values; cells: the metric in percent, as
+    mean ± std over the seeds when there are several (differences: of the means)."""
     columns = list(table.columns) or results.values(table.column)
     header = [*table.rows, *columns, *(f"{a} − {b}" for a, b in table.diffs)]
     body: list[list[str]] = []
     for combo in itertools.product(*(results.values(tag) for tag in table.rows)):
         where = dict(zip(table.rows, combo, strict=True))
-        cells = {c: results.value(table.metric, **where, **{table.column: c}) for c in columns}
-        if not any(math.isfinite(v) for v in cells.values()):
+        cells = {c: results.spread(table.metric, **where, **{table.column: c}) for c in columns}
+        if not any(math.isfinite(v.mean) for v in cells.values()):
             continue
-        row = [*combo, *(percent(cells[c]) for c in columns)]
+        row = [*combo, *(spread_cell(cells[c]) for c in columns)]
         for a, b in table.diffs:
             va = results.value(table.metric, **where, **{table.column: a})
             vb = results.value(table.metric, **where, **{table.column: b})
             row.append(points(va - vb))
         body.append(row)
     metric = table.metric.replace("_", " ")
+    seeds = results.seeds
+    over = f"mean ± std over {seeds} seeds; " if seeds > 1 else ""
     return markdown_table(
-        header, body, f"**{table.title}** ({metric} accuracy, %; differences in points)"
+        header,
+        body,
+        f"**{table.title}** ({metric} accuracy, %; {over}differences in points)",
     )
 
 
 def runs_table(results: Sequence[RunResult]) -> str:
     """Every run: its tags, status, rounds done, final and best accuracy, wall time."""
     tags = list(dict.fromkeys(t for result in results for t in result.tags))
-    header = ["run", *tags, "status", "rounds", "final acc %", "best acc %", "wall s"]
-    header.append("load at start")
+    seeded = len({r.seed for r in results}) > 1
+    header = ["run", *tags, *(["seed"] if seeded else []), "status", "rounds", "final acc %"]
+    header += ["best acc %", "wall s", "load at start"]
     rows = [
         [
             f"`{r.label}`",
             *(r.tags.get(t, "·") for t in tags),
+            *([str(r.seed)] if seeded else []),
             r.status + (" (reused)" if r.reused else ""),
             f"{len(r.records)}/{r.rounds}",
             percent(r.metric("final_global")),

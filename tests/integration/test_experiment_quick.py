@@ -72,3 +72,31 @@ def test_quick_minibatch_sfl_writes_its_section_from_the_runs(
         path = out.parent / relative
         assert path.read_bytes()[:8] == PNG_MAGIC
         assert path.parent == out.parent / "results"
+
+
+def test_seeds_run_each_configuration_again_and_the_table_shows_the_spread(
+    tmp_path: Path, data_dir: str
+) -> None:
+    """Two seeds of the in-process baseline (the cheapest run): two report directories with
+    their own job.seed, different numbers, both listed, and the section says so (the tables'
+    `mean ± std` cells: tests/unit/test_experiment_seeds.py)."""
+    out = tmp_path / "results.md"
+    runs_dir = tmp_path / "runs"
+    args = ["experiment", minibatch_sfl.NAME, "--quick", "--data-dir", data_dir, "--seeds", "2"]
+    args += ["--only", "centralized*", "--out", str(out), "--runs-dir", str(runs_dir)]
+    result = CliRunner().invoke(cli, args, env={"SPLITMQ_DATA_DIR": None})
+    assert result.exit_code == 0, result.output
+    (run,) = [r for r in minibatch_sfl.build().quick_runs if r.label.startswith("centralized")]
+    first = runs_dir / minibatch_sfl.NAME / slug(run.label)
+    (second,) = (runs_dir / minibatch_sfl.NAME).glob(f"{slug(run.label)}-seed*")
+    seeds = [
+        json.loads((d / "experiment.json").read_text())["config"]["job"]["seed"]
+        for d in (first, second)
+    ]
+    assert seeds[1] == seeds[0] + 1
+    finals = [final_accuracy(d) for d in (first, second)]
+    assert finals[0] != finals[1]  # another seed, another model and data order
+    section = out.read_text()
+    assert "**Seeds.** 2 per configuration" in section
+    rows = [ln for ln in section.splitlines() if ln.startswith(f"| `{run.label}` |")]
+    assert [ln.split(" | ")[2] for ln in rows] == [str(seeds[0]), str(seeds[1])]
