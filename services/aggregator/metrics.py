@@ -21,6 +21,7 @@ TRAIN_ACCURACY = ("train_accuracy", "train_acc", "accuracy")
 BYTES_UP = ("bytes_up", "bytes_sent")
 BYTES_DOWN = ("bytes_down", "bytes_received")
 COMPUTE_S = ("compute_s",)
+ROUND_WALL_S = ("round_wall_s",)
 # Accuracy of the client's own model on its local test set (see `client_mean`).
 PERSONAL_ACCURACY = ("personal_accuracy",)
 
@@ -70,6 +71,15 @@ def summed(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:
     return sum(metric(u.metrics, names) or 0.0 for u in updates)
 
 
+def clients_rate(updates: Sequence[ClientUpdate], seconds: Sequence[str]) -> float | None:
+    """Sum over the updates of samples trained / the `seconds` metric; None when an update
+    lacks it (an older client) or reports no time."""
+    times = [metric(u.metrics, seconds) for u in updates]
+    if not updates or not all(t is not None and t > 0 for t in times):
+        return None
+    return sum(trained_samples(u) / t for u, t in zip(updates, times, strict=True) if t)
+
+
 def build_record(
     *,
     version: int,
@@ -91,12 +101,17 @@ def build_record(
     # weight, which max_steps_per_round may cap far below.
     samples = int(sum(trained_samples(u) for u in updates))
     extra: dict[str, float] = {"round_s": round_s}
-    compute = [metric(u.metrics, COMPUTE_S) for u in updates]
-    if all(c is not None and c > 0 for c in compute) and compute:
-        # Sum of the clients' own rates: what the cohort could do without waiting on anyone.
-        extra["client_samples_per_s"] = sum(
-            trained_samples(u) / c for u, c in zip(updates, compute, strict=True) if c
-        )
+    # Sums of the clients' own rates. `client_samples_per_s` counts a client's whole round,
+    # waiting for its gradients included: what the cohort trained at. The compute-only rate
+    # (what it could do if the server answered at once) is not a throughput for a split
+    # algorithm, and is named so.
+    for name, keys in (
+        ("client_samples_per_s", ROUND_WALL_S),
+        ("client_compute_samples_per_s", COMPUTE_S),
+    ):
+        rate = clients_rate(updates, keys)
+        if rate is not None:
+            extra[name] = rate
     if evaluation is not None:
         extra["test_samples"] = float(evaluation.test_samples)
     # The strategy's own metrics of the version (SplitGP's `splitgp.*`), as extra columns.

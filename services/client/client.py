@@ -586,6 +586,9 @@ class RoundRunner:
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),
             bytes_down=float(stats.bytes_down - down_before),
+            # The round's wall time, waits for gradients included, and the part of it spent
+            # computing: a split client's own rate is not the rate the cohort trains at.
+            round_wall_s=max(0.0, link.clock() - started),
             compute_s=max(0.0, (link.clock() - started) - (link.io_s - io_before)),
         )
         metrics.update(result.metrics)
