@@ -165,3 +165,13 @@ def test_the_example_resnet_builds_from_its_file_with_options() -> None:
     assert wider.cut_shape("layer1") == (8, 28, 28)
     with pytest.raises(ModelSpecError, match=r"does not accept options.*'depth'.*'width'"):
         build_model(RESNET, num_classes=10, in_channels=1, input_size=28, depth=3)
+
+
+def test_a_split_model_takes_a_u_shaped_tail() -> None:
+    net = split_module(TinyResNet(), ["stem", "layer1"], input_shape=SHAPE, num_classes=5)
+    net.set_tail("fc", "stem")
+    assert net.server_blocks("stem")[0] is net.blocks[1]  # layer1 on the server
+    x = torch.randn(2, *SHAPE)
+    with torch.no_grad():
+        u = net.tail_blocks()(net.server_blocks("stem")(net.client_blocks("stem")(x)))
+        assert torch.equal(u, net(x))
