@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import ClassVar, Literal, Protocol, Self, TypeVar
 
 import torch
@@ -265,6 +266,9 @@ class StrategyBase:
     personal_on_clients: ClassVar[bool] = False
     # Workers answer InferRequests for this algorithm (SplitGP's split inference).
     split_inference: ClassVar[bool] = False
+    # The run's algorithm.png: panel title -> fnmatch patterns of the version records' `extra`
+    # series (fractions, drawn in %) the algorithm reports of its own (none: no figure).
+    report_plots: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
     # It trains a U-shaped split (`model.tail`): the client's round uses the channel's
     # forward/backward, the worker's step is `server_forward` then `ushape.backward_open`.
     u_shaped: ClassVar[bool] = False

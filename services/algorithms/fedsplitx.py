@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Self
 
 import torch
@@ -180,6 +181,8 @@ class Structure:
 class FedSplitX(StrategyBase):
     name: str = "fedsplitx"
     waits_for_gradient = False
+    # `personal_metrics`: each level's client model (blocks up to c_m, head a_m) on its own.
+    report_plots = MappingProxyType({"client model per level": ("level*.client_accuracy",)})
     cuts: tuple[str, ...] = ()  # the partition points; (): the model's cuts
     one_level: bool = False  # local-loss SFL: the job's cut is the only level
     default_level: int = 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Self
 
 import torch
@@ -333,6 +334,14 @@ class SplitGP(StrategyBase):
     name: str = "splitgp"
     # Workers answer InferRequests with theta (`workers.inference`).
     split_inference = True
+    # `personal_metrics` per test-row kind: local classes, out of distribution, all.
+    report_plots = MappingProxyType(
+        {
+            "split inference accuracy": ("splitgp.split_*",),
+            "client head alone": ("splitgp.head_*",),
+            "rows offloaded to the server": ("splitgp.offload_*",),
+        }
+    )
 
     @classmethod
     def create(cls, name: str, params: Params | None) -> Self:

@@ -315,6 +315,8 @@ class WorkersSection(_Section):
 class ReportSection(_Section):
     dir: str = "runs"
     plots: bool = True
+    # Each plot is written in every one of these formats (PDF and SVG: vector, for papers).
+    plot_formats: tuple[Literal["png", "pdf", "svg"], ...] = ("png",)
     # Experiment trackers fed beside the run directory's files, each writing into it
     # (services/report/tracking.py): "tensorboard" (tensorboard/), "mlflow" (mlruns/, a file
     # store). Their libraries come with `pip install 'splitmq[tracking]'`.

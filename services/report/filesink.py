@@ -14,8 +14,9 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
+from services.algorithms.registry import REGISTRY
 from services.config.root import Settings
-from services.report.plots import write_plots
+from services.report.plots import DEFAULT_PLOTS, PlotSpec, write_plots
 from services.report.records import VersionRecord
 from services.report.rundir import (
     METRICS_CSV,
@@ -33,10 +34,12 @@ _log = logging.getLogger("splitmq.report")
 
 
 class FileSink:
-    def __init__(self, run_dir: Path, info: RunInfo, *, plots: bool = True) -> None:
+    def __init__(
+        self, run_dir: Path, info: RunInfo, *, plots: PlotSpec | None = DEFAULT_PLOTS
+    ) -> None:
         self.run_dir = run_dir
         self._info = info
-        self._plots = plots
+        self._plots = plots  # None: no plots
         self._started = time.monotonic()
         self._lock = threading.Lock()
         self._records: list[VersionRecord] = []
@@ -62,7 +65,10 @@ class FileSink:
             run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, settings)
         info = RunInfo.for_settings(settings, command, started)
-        return cls(run_dir, info, plots=settings.report.plots)
+        report = settings.report
+        own = REGISTRY.get(settings.algorithm.name).strategy.report_plots
+        plots = PlotSpec(report.plot_formats, own) if report.plots else None
+        return cls(run_dir, info, plots=plots)
 
     @property
     def info(self) -> RunInfo:
@@ -91,9 +97,14 @@ class FileSink:
             self._finished = True
             self._info = self._info.ended(status, datetime.now())
             self._write_metrics()
-            if self._plots:
+            if self._plots is not None:
                 try:
-                    write_plots(self.run_dir, self._records)
+                    write_plots(
+                        self.run_dir,
+                        self._records,
+                        formats=self._plots.formats,
+                        algorithm_plots=self._plots.algorithm,
+                    )
                 except (OSError, ValueError, RuntimeError) as exc:
                     # The metrics are the record of the run; a plot failure must not lose them.
                     _log.warning("could not write plots to %s: %s", self.run_dir, exc)

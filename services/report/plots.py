@@ -1,5 +1,6 @@
-"""PNG plots of a run (accuracy, throughput, loss and staleness per round) and `panel_figure`,
-the row of panels that they and the experiments' figures are drawn on.
+"""Plots of a run (accuracy, throughput, loss and staleness per round; accuracy against
+wall-clock, samples and bytes; an algorithm's own series) and `panel_figure`, the row of
+panels that they and the experiments' figures are drawn on, as PNG and, on request, PDF/SVG.
 
 Figures are built on matplotlib's object API with an explicit Agg canvas: no pyplot, so no
 global figure registry, no GUI backend and no rcParams change in whoever imports this.
@@ -9,8 +10,11 @@ matplotlib is imported on first use: only the process that writes the report pay
 
 from __future__ import annotations
 
+import fnmatch
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,18 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _LINES = ("-", "--", "-.", ":")
 
 STALENESS_PNG = "staleness.png"
+# What `panel_figure` can write besides PNG (vector formats, for papers).
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """Which run plots to write: the file formats, and the algorithm's own panels (title ->
+    patterns of `extra` series; `StrategyBase.report_plots`)."""
+
+    formats: Sequence[str] = ("png",)
+    algorithm: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
 
 # Fills one panel (`axes`, the panel's value); True when it drew labelled lines.
 PanelDraw = Callable[[Any, str], bool]
@@ -60,9 +76,11 @@ def panel_figure(
     *,
     ylabel: str = "",
     titles: Sequence[str] = (),
+    formats: Sequence[str] = ("png",),
 ) -> Path | None:
     """One row of panels, each filled by `draw(axes, panel)` and titled by `titles` (default:
-    the panels); None, and no file, when nothing was drawn."""
+    the panels), saved as `path` in each of `formats` (its suffix replaced); the first file,
+    or None, and no file, when nothing was drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -86,8 +104,10 @@ def panel_figure(
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")
-    return path
+    saved = [path.with_suffix(f".{kind}") for kind in formats or ("png",)]
+    for target in saved:
+        figure.savefig(target, format=target.suffix[1:])
+    return saved[0]
 
 
 # Each run plot: (file, title, y label, in percent, series as (label, VersionRecord field)).
@@ -109,7 +129,7 @@ _PLOTS = (
     (
         "loss.png",
         "Loss",
-        "cross-entropy",
+        "loss (test: cross-entropy)",
         False,
         (("train", "train_loss"), ("global test", "global_loss")),
     ),
@@ -151,18 +171,117 @@ def _staleness(records: Sequence[VersionRecord]) -> PanelDraw:
     return draw
 
 
-def write_plots(run_dir: Path, records: Sequence[VersionRecord]) -> list[Path]:
-    """The plots that have data; an empty run has none."""
+DEFAULT_PLOTS = PlotSpec()
+
+# The x axes of progress.png: (panel, label, x of each record given the records so far).
+_AXES: tuple[tuple[str, str, Callable[[Sequence[VersionRecord]], list[float]]], ...] = (
+    ("round", "round", lambda rs: [float(r.round + 1) for r in rs]),
+    ("wall-clock", "elapsed (s)", lambda rs: [r.elapsed_s for r in rs]),
+    ("samples", "samples trained", lambda rs: list(itertools.accumulate(r.samples for r in rs))),
+    (
+        "bytes",
+        "MiB moved (up + down)",
+        lambda rs: [b / 2**20 for b in itertools.accumulate(r.bytes_up + r.bytes_down for r in rs)],
+    ),
+)
+
+
+def _progress(records: Sequence[VersionRecord]) -> PanelDraw:
+    """Global (and personalised) test accuracy against one of `_AXES` per panel."""
+    axes_by_name = {name: (label, xs) for name, label, xs in _AXES}
+
+    def draw(axes: Any, panel: str) -> bool:
+        label, xs_of = axes_by_name[panel]
+        xs = xs_of(records)
+        drawn = False
+        for i, (name, column) in enumerate(
+            (("global", "global_accuracy"), ("personalised", "personal_accuracy"))
+        ):
+            ys = [100.0 * float(getattr(r, column)) for r in records]
+            if any(math.isfinite(y) for y in ys):
+                axes.plot(xs, ys, label=name, markersize=3, **line_style(i))
+                drawn = True
+        axes.set_xlabel(label)
+        return drawn
+
+    return draw
+
+
+def _algorithm_series(records: Sequence[VersionRecord], patterns: Sequence[str]) -> PanelDraw:
+    """The `extra` series matching `patterns` (fnmatch), as percentages, one line each."""
+    names = sorted(
+        {k for r in records for k in r.extra if any(fnmatch.fnmatch(k, p) for p in patterns)}
+    )
+
+    def draw(axes: Any, _: str) -> bool:
+        drawn = False
+        for i, name in enumerate(names):
+            ys = [100.0 * r.extra.get(name, math.nan) for r in records]
+            if any(math.isfinite(y) for y in ys):
+                plot_rounds(axes, i, records, ys, name, 3)
+                drawn = True
+        return drawn
+
+    return draw
+
+
+def write_plots(
+    run_dir: Path,
+    records: Sequence[VersionRecord],
+    *,
+    formats: Sequence[str] = ("png",),
+    algorithm_plots: Mapping[str, Sequence[str]] | None = None,
+) -> list[Path]:
+    """The plots that have data, in each of `formats` (the PNG's path listed); an empty run
+    has none. `algorithm_plots` are the algorithm's own panels (`StrategyBase.report_plots`):
+    title -> patterns of the `extra` series drawn in it, into algorithm.png."""
     if not records:
         return []
     made = [
-        panel_figure(run_dir / file, title, [""], _series(records, percent, series), ylabel=ylabel)
+        panel_figure(
+            run_dir / file,
+            title,
+            [""],
+            _series(records, percent, series),
+            ylabel=ylabel,
+            formats=formats,
+        )
         for file, title, ylabel, percent, series in _PLOTS
     ]
-    staleness = _staleness(records)
     made.append(
         panel_figure(
-            run_dir / STALENESS_PNG, "Staleness of updates", [""], staleness, ylabel="updates"
+            run_dir / "progress.png",
+            "Test accuracy against rounds, time, samples and bytes",
+            [name for name, _, _ in _AXES],
+            _progress(records),
+            ylabel="accuracy (%)",
+            formats=formats,
+        )
+    )
+    panels = dict(algorithm_plots or {})
+    if panels:
+
+        def own(axes: Any, title: str) -> bool:
+            return _algorithm_series(records, panels[title])(axes, title)
+
+        made.append(
+            panel_figure(
+                run_dir / "algorithm.png",
+                "The algorithm's own metrics",
+                list(panels),
+                own,
+                ylabel="%",
+                formats=formats,
+            )
+        )
+    made.append(
+        panel_figure(
+            run_dir / STALENESS_PNG,
+            "Staleness of updates",
+            [""],
+            _staleness(records),
+            ylabel="updates",
+            formats=formats,
         )
     )
     return [p for p in made if p is not None]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -21,6 +23,8 @@ CONFIG_FILE = "config.toml"
 METRICS_JSON = "metrics.json"
 METRICS_CSV = "metrics.csv"
 SUMMARY_FILE = "summary.txt"
+# The folder holding the packages (services/, broker/...): a git checkout in development.
+SOURCE_TREE = Path(__file__).resolve().parents[2]
 
 
 def cut_label(settings: Settings) -> str:
@@ -52,6 +56,8 @@ class RunInfo:
     rounds: int = 0
     ended_at: str = ""
     status: str = "running"
+    splitmq: str = ""  # the installed package's version
+    git_commit: str = ""  # of the source tree the code ran from ("" outside a git checkout)
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -70,10 +76,42 @@ class RunInfo:
             clients=settings.clients.count,
             shards=settings.shards,
             rounds=settings.job.rounds,
+            splitmq=package_version(),
+            git_commit=source_commit(),
         )
 
     def ended(self, status: str, at: datetime) -> RunInfo:
         return replace(self, status=status, ended_at=at.astimezone().isoformat(timespec="seconds"))
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("splitmq")
+    except metadata.PackageNotFoundError:  # run from a tree that was never installed
+        return ""
+
+
+def source_commit(tree: Path = SOURCE_TREE) -> str:
+    """The commit checked out where this code lives, `+dirty` when it has uncommitted changes
+    to tracked files; "" when it is not a git checkout (an installed wheel) or git is absent."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{head}+dirty" if changed else head
 
 
 def command_line() -> str:

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import tomllib
+from dataclasses import replace as dataclasses_replace
 from datetime import datetime
 from pathlib import Path
 
@@ -214,3 +215,72 @@ def test_own_toml_writer_round_trips_awkward_values() -> None:
     parsed = tomllib.loads(dumps(data))
     expected = {k: v for k, v in data.items() if k != "skip"}
     assert parsed == expected
+
+
+def test_plots_in_vector_formats_too(tmp_path: Path) -> None:
+    sink = FileSink.create(settings_in(tmp_path, plot_formats=["png", "pdf", "svg"]), command="c")
+    for record in RECORDS:
+        sink.record(record)
+    sink.finish("finished")
+    for stem in ("accuracy", "loss", "progress"):
+        assert (sink.run_dir / f"{stem}.png").read_bytes().startswith(PNG_MAGIC)
+        assert (sink.run_dir / f"{stem}.pdf").read_bytes().startswith(b"%PDF")
+        assert b"<svg" in (sink.run_dir / f"{stem}.svg").read_bytes()[:2000]
+
+
+def test_progress_plots_accuracy_against_four_axes(tmp_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from services.report.plots import _AXES, _progress
+
+    figure = Figure()
+    FigureCanvasAgg(figure)
+    draw = _progress(RECORDS)
+    xs = {}
+    for name, label, _ in _AXES:
+        axes = figure.add_subplot()
+        assert draw(axes, name)
+        assert axes.get_xlabel() == label
+        xs[name] = list(axes.lines[0].get_xdata())
+        figure.delaxes(axes)
+    assert xs["round"] == [2, 3, 4]
+    assert xs["wall-clock"] == [10.0, 20.0, 30.0]
+    assert xs["samples"] == [1000, 3000, 6000]  # cumulative
+    assert xs["bytes"] == pytest.approx([3e6 / 2**20, 9e6 / 2**20, 18e6 / 2**20])
+
+
+def test_an_algorithm_draws_its_own_series(tmp_path: Path) -> None:
+    """SplitGP's split-inference metrics reach algorithm.png; SFL has none, so no figure."""
+    from services.algorithms.splitgp import SplitGP
+    from services.report.plots import PlotSpec, _algorithm_series, write_plots
+
+    extra = {"splitgp.split_local": 0.8, "splitgp.split_ood": 0.4, "splitgp.head_local": 0.7}
+    records = [dataclasses_replace(r, extra=extra) for r in RECORDS]
+    made = write_plots(tmp_path, records, algorithm_plots=SplitGP.report_plots)
+    assert tmp_path / "algorithm.png" in made
+    assert (tmp_path / "algorithm.png").read_bytes().startswith(PNG_MAGIC)
+    from matplotlib.figure import Figure
+
+    axes = Figure().add_subplot()
+    assert _algorithm_series(records, SplitGP.report_plots["split inference accuracy"])(axes, "")
+    assert sorted(line.get_label() for line in axes.lines) == [
+        "splitgp.split_local",
+        "splitgp.split_ood",
+    ]
+    other = tmp_path / "sfl"
+    write_plots(other, records, algorithm_plots=PlotSpec().algorithm)
+    assert not (other / "algorithm.png").exists()
+
+
+def test_metrics_json_names_the_code_that_ran(tmp_path: Path) -> None:
+    import subprocess
+
+    sink = FileSink.create(settings_in(tmp_path), command="c")
+    run = json.loads((sink.run_dir / "metrics.json").read_text())["run"]
+    assert run["splitmq"]  # the installed package's version
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+    if head:  # tests run from a checkout: its commit, marked when the tree has changes
+        assert run["git_commit"].removesuffix("+dirty") == head
