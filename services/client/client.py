@@ -581,7 +581,7 @@ class RoundRunner:
             # it would on a device).
             self.memory.put(plan.algorithm, memory)
         metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
-        if not member.strategy.splits:
+        if not member.strategy.splits and self.settings.evaluation.enabled:
             metrics["personal_accuracy"] = self._local_accuracy(index, model)
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),

@@ -312,6 +312,14 @@ class WorkersSection(_Section):
     step_barrier_timeout_s: float = Field(default=30.0, gt=0)
 
 
+class EvaluationSection(_Section):
+    # false: versions are not evaluated on the test set (accuracy and test loss are n/a,
+    # metrics.json has them null) and clients of whole-model algorithms do not report their
+    # local accuracy: runs that measure speed pay for no evaluation. An algorithm that needs
+    # an accuracy to train (Sub-FedAvg's pruning gate) still computes its own.
+    enabled: bool = True
+
+
 class ReportSection(_Section):
     dir: str = "runs"
     plots: bool = True
@@ -336,6 +344,7 @@ class JobConfig(_Section):
     asynchronous: AsynchronousSection = AsynchronousSection()
     workers: WorkersSection = WorkersSection()
     privacy: PrivacySection = PrivacySection()
+    evaluation: EvaluationSection = EvaluationSection()
     report: ReportSection = ReportSection()
 
     @model_validator(mode="after")

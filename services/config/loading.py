@@ -103,9 +103,12 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_settings(path: Path | None, env: Mapping[str, str]) -> Settings:
-    """`Settings` from an optional TOML file and the environment."""
-    data = deep_merge(read_toml(path) if path is not None else {}, env_overrides(Settings, env))
+def load_settings(path: Path | str | None, env: Mapping[str, str] | None = None) -> Settings:
+    """`Settings` from an optional TOML file (a path or its name) and the environment
+    (`env`; none when omitted: a notebook or a script gets exactly the file's settings)."""
+    path = Path(path) if isinstance(path, str) else path
+    overrides = env_overrides(Settings, env or {})
+    data = deep_merge(read_toml(path) if path is not None else {}, overrides)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

@@ -37,12 +37,15 @@ def build_coordinator(settings: Settings, backends: Backends) -> Role:
 def build_aggregator(
     settings: Settings, backends: Backends, *, sink: MetricsSink, dataset: Dataset | None = None
 ) -> Role:
-    """The aggregator with an evaluator on the job's test split (loaded unless given)."""
+    """The aggregator with an evaluator on the job's test split (loaded unless given); none,
+    and no data loaded, with `evaluation.enabled = false`."""
     from services.aggregator.aggregator import Aggregator
     from services.aggregator.evaluation import build_evaluator
 
-    data = dataset if dataset is not None else load_job_dataset(settings)
-    evaluator = build_evaluator(settings, data.test)
+    evaluator = None
+    if settings.evaluation.enabled:
+        data = dataset if dataset is not None else load_job_dataset(settings)
+        evaluator = build_evaluator(settings, data.test)
     backends = backends.for_role("aggregator")
     if backends.metrics.enabled:
         sink = TeeSink([sink, RecordMetrics(backends.metrics)])

@@ -108,6 +108,16 @@ def series(dom: str, key: str) -> list[float | None]:
     return [float(v) if v else None for v in html.unescape(match.group(1)).split(",") if v != ""]
 
 
+def chart_range(dom: str, chart: str) -> tuple[float, float]:
+    """The y range a chart was drawn on (its `data-ymin`, `data-ymax`)."""
+    tag = re.search(rf'<svg[^>]*id="{chart}"[^>]*>', dom)
+    assert tag, f"no chart {chart!r} in the page"
+    low = re.search(r'data-ymin="([^"]+)"', tag.group(0))
+    high = re.search(r'data-ymax="([^"]+)"', tag.group(0))
+    assert low and high, tag.group(0)
+    return float(low.group(1)), float(high.group(1))
+
+
 @pytest.mark.timeout(420)
 def test_dashboard_shows_the_run_live_and_its_report(chromium: str, tmp_path: Path) -> None:
     path = tmp_path / "job.toml"
@@ -170,6 +180,13 @@ def test_dashboard_shows_the_run_live_and_its_report(chromium: str, tmp_path: Pa
     drawn = series(final, "global_accuracy")
     assert drawn == pytest.approx([r.global_accuracy for r in records.records])
     assert len(drawn) == settings.job.rounds
+    losses = series(final, "train_loss")
+    assert losses == pytest.approx([r.train_loss for r in records.records])
+    # The accuracy axis fits the values (not a fixed 0-100%), on whole tens of percent.
+    low, high = chart_range(final, "chart-accuracy")
+    accuracies = [r.global_accuracy for r in records.records]
+    assert low <= min(accuracies) and high >= max(accuracies)
+    assert high - low <= max(accuracies) - min(accuracies) + 0.25
     per_version = series(final, "samples_per_s")
     assert per_version == pytest.approx([r.samples_per_s for r in records.records])
     assert 'id="report-table"' in final

@@ -137,3 +137,26 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_partial_report(tmp_path: Path) -> None
     assert doc["run"]["status"] == "stopped"
     assert 1 <= len(doc["records"]) < 50
     assert (run_dir_of(tmp_path) / "summary.txt").is_file()
+
+
+def test_evaluation_off_trains_without_testing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[evaluation] enabled = false`: the rounds train, no version is evaluated (accuracy
+    null in metrics.json, n/a in the summary) and the aggregator builds no evaluator."""
+    from services.aggregator import evaluation
+
+    def no_evaluator(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an evaluator was built with evaluation off")
+
+    monkeypatch.setattr(evaluation, "build_evaluator", no_evaluator)
+    config = write_config(tmp_path, rounds=2, steps=5)
+    config.write_text(config.read_text() + "\n[evaluation]\nenabled = false\n")
+    result = CliRunner().invoke(cli, ["run", str(config)], env={"SPLITMQ_CONFIG": None})
+    assert result.exit_code == 0, result.output
+    doc = json.loads((run_dir_of(tmp_path) / "metrics.json").read_text())
+    assert doc["run"]["status"] == "finished"
+    assert [r["version"] for r in doc["records"]] == [2, 3]
+    assert all(r["global_accuracy"] is None for r in doc["records"])
+    assert all(r["samples"] > 0 for r in doc["records"])
+    assert "final global accuracy    n/a" in result.stdout

@@ -122,3 +122,13 @@ def test_no_hint_when_nothing_is_close(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(path, {})
     assert str(info.value).splitlines()[1] == "  clients.zzzzzz: Extra inputs are not permitted"
+
+
+def test_load_settings_takes_a_path_name_and_no_environment(tmp_path: Path) -> None:
+    """From a notebook: `load_settings("job.toml")`, no Path and no env mapping needed."""
+    from services.config.loading import load_settings
+
+    path = tmp_path / "job.toml"
+    path.write_text('[job]\nname = "notebook"\n')
+    assert load_settings(str(path)).job.name == "notebook"
+    assert load_settings(path, {"SPLITMQ_JOB__NAME": "from-env"}).job.name == "from-env"
