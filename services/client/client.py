@@ -235,7 +235,13 @@ class Client:
             joined = self._join(link)
             if joined is not None:
                 runner = RoundRunner(
-                    link, seat.models, seat.memory, seat.compute, self._data, settings.job.seed
+                    link,
+                    seat.models,
+                    seat.memory,
+                    seat.compute,
+                    self._data,
+                    settings.job.seed,
+                    settings.evaluation.enabled,
                 )
                 self._serve(link, runner, *joined)
         except ClientStopped:
@@ -520,6 +526,8 @@ class RoundRunner:
     compute: ComputeGate
     data: JobData
     seed: int
+    # `evaluation.enabled`: a whole-model client reports its local accuracy after the round.
+    evaluate: bool = True
 
     def run(
         self, model: SplitNet, member: Membership, assignment: WeightsAssignment
@@ -581,7 +589,7 @@ class RoundRunner:
             # it would on a device).
             self.memory.put(plan.algorithm, memory)
         metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
-        if not member.strategy.splits and self.settings.evaluation.enabled:
+        if not member.strategy.splits and self.evaluate:
             metrics["personal_accuracy"] = self._local_accuracy(index, model)
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),

@@ -139,11 +139,13 @@ def test_ctrl_c_stops_cleanly_and_keeps_a_partial_report(tmp_path: Path) -> None
     assert (run_dir_of(tmp_path) / "summary.txt").is_file()
 
 
+@pytest.mark.parametrize("algorithm", ["sfl_v2", "fedavg"])
 def test_evaluation_off_trains_without_testing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
 ) -> None:
     """`[evaluation] enabled = false`: the rounds train, no version is evaluated (accuracy
-    null in metrics.json, n/a in the summary) and the aggregator builds no evaluator."""
+    null in metrics.json, n/a in the summary), the aggregator builds no evaluator and
+    whole-model clients report no local accuracy."""
     from services.aggregator import evaluation
 
     def no_evaluator(*args: object, **kwargs: object) -> None:
@@ -151,12 +153,14 @@ def test_evaluation_off_trains_without_testing(
 
     monkeypatch.setattr(evaluation, "build_evaluator", no_evaluator)
     config = write_config(tmp_path, rounds=2, steps=5)
-    config.write_text(config.read_text() + "\n[evaluation]\nenabled = false\n")
+    text = config.read_text().replace('name = "sfl_v2"', f'name = "{algorithm}"')
+    config.write_text(text + "\n[evaluation]\nenabled = false\n")
     result = CliRunner().invoke(cli, ["run", str(config)], env={"SPLITMQ_CONFIG": None})
     assert result.exit_code == 0, result.output
     doc = json.loads((run_dir_of(tmp_path) / "metrics.json").read_text())
     assert doc["run"]["status"] == "finished"
     assert [r["version"] for r in doc["records"]] == [2, 3]
     assert all(r["global_accuracy"] is None for r in doc["records"])
+    assert all(r["personal_accuracy"] is None for r in doc["records"])
     assert all(r["samples"] > 0 for r in doc["records"])
     assert "final global accuracy    n/a" in result.stdout
