@@ -77,6 +77,7 @@ from broker.topology import (
 )
 from broker.transport import REASON_HEADER, Broker, PublishOptions, QueueSpec
 from services.common.backends import Backends
+from services.common.jobdata import load_job_dataset
 from services.common.membership import client_members
 from services.common.supervise import RoleSpec
 from services.config.root import Settings
@@ -84,7 +85,7 @@ from services.dashboard.state import DashboardState
 from services.dashboard.watch import JobWatcher
 from services.report.records import VersionRecord
 from services.runtime.processes import clear_job
-from services.runtime.roles import embedded_roles, load_job_dataset
+from services.runtime.roles import embedded_roles
 
 LOG = logging.getLogger("splitmq.fuzz")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"

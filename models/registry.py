@@ -27,7 +27,7 @@ BUILTIN_MODELS: Mapping[str, Builder] = MappingProxyType(
 )
 MODEL_NAMES: tuple[str, ...] = tuple(sorted(BUILTIN_MODELS))
 # What every builder takes from the job itself (its classes and its dataset's images).
-_SET_BY_THE_JOB = frozenset({"num_classes", "in_channels", "input_size"})
+_SET_BY_THE_JOB = frozenset({"num_classes", "in_channels", "input_size", "input_shape"})
 
 
 def build_model(
@@ -36,6 +36,7 @@ def build_model(
     num_classes: int = 10,
     in_channels: int | None = None,
     input_size: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
     head_pool: int | None = None,
     head_factory: HeadFactory | None = None,
     **options: Any,
@@ -43,18 +44,24 @@ def build_model(
     """Build model `name` (one of `MODEL_NAMES`, or a `"package.module:factory"` spec).
 
     `in_channels` and `input_size` (square inputs) default to the built-in model's own
-    (1x28x28 for cnn5 and vgg_mini, 3x32x32 for the others); a custom factory needs both.
+    (1x28x28 for cnn5 and vgg_mini, 3x32x32 for the others); a custom factory needs both, or
+    `input_shape` instead: any one sample's shape, (C, H, W) or (F,), which built-in models
+    take only as square images.
     `head_pool` sets the auxiliary heads' pooled size (see `models.heads`); `head_factory`
     replaces the default head altogether. Other options go to the builder or factory as
     keywords.
     """
     head_factory = _head_factory(head_pool, head_factory)
+    if input_shape is not None and ":" not in name:
+        in_channels, input_size = _square(name, input_shape)
     if ":" in name:
-        if in_channels is None or input_size is None:
-            raise ModelSpecError(f"custom model {name!r} needs in_channels and input_size")
+        if input_shape is None:
+            if in_channels is None or input_size is None:
+                raise ModelSpecError(f"custom model {name!r} needs in_channels and input_size")
+            input_shape = (in_channels, input_size, input_size)
         return load_factory(
             name,
-            input_shape=(in_channels, input_size, input_size),
+            input_shape=input_shape,
             num_classes=num_classes,
             head_factory=head_factory,
             **options,
@@ -78,6 +85,16 @@ def build_model(
             f"model {name!r} has no options {unknown}; its options are {allowed or 'none'}"
         )
     return builder(**kwargs)
+
+
+def _square(name: str, input_shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
+        raise ModelSpecError(
+            f"built-in model {name!r} takes square images [C, H, H]; these inputs are "
+            f"{list(input_shape)}: give your own model as 'package.module:factory' (it gets "
+            "input_shape), see docs/data.md"
+        )
+    return input_shape[0], input_shape[1]
 
 
 def _head_factory(head_pool: int | None, head_factory: HeadFactory | None) -> HeadFactory:

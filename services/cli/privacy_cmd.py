@@ -150,9 +150,9 @@ def privacy(
         data = load_dataset(settings.data.dataset, source)
     except DataError as exc:
         raise click.ClickException(str(exc)) from None
-    if binary_class >= data.spec.num_classes:
+    if binary_class >= data.info.num_classes:
         raise click.BadParameter(
-            f"{data.spec.name} has classes 0..{data.spec.num_classes - 1}",
+            f"{data.info.name} has classes 0..{data.info.num_classes - 1}",
             param_hint="--binary-class",
         )
 
@@ -174,9 +174,9 @@ def privacy(
         echo=lambda line: click.echo(f"binary {line}"),
     )
     context = {
-        "title": f"{settings.model.name} on {data.spec.name}",
+        "title": f"{settings.model.name} on {data.info.name}",
         "command": _command(click.get_current_context()),
-        "dataset": data.spec.name,
+        "dataset": data.info.name,
         "model": settings.model.name,
         "train_samples": len(data.train),
         "test_samples": len(data.test),

@@ -58,9 +58,9 @@ def run(
     round and a summary, and writes the run directory. Serves /metrics and the live
     dashboard while it runs (see [metrics]).
     """
+    from services.common.jobdata import load_job_dataset
     from services.runtime.embedded import force_embedded, run_embedded
     from services.runtime.observe import observed
-    from services.runtime.roles import load_job_dataset
 
     _, settings = load(config)
     # Progress lines say what happens; role logs below WARNING would drown them.

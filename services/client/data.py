@@ -14,9 +14,11 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
+from services.common.jobdata import job_augmentation, load_job_dataset
 from services.config.root import Settings
+from services.data.augment import Augmenter
 from services.data.batches import Batch, ClientBatches
-from services.data.loaders import Dataset, load_dataset
+from services.data.loaders import Dataset
 from services.data.partition import client_classes, local_test_indices, partition
 
 Indices = npt.NDArray[np.int64]
@@ -39,9 +41,13 @@ class JobData:
     def dataset(self) -> Dataset:
         with self._lock:
             if self._dataset is None:
-                data = self._settings.data
-                self._dataset = load_dataset(data.dataset, data.dir or None)
+                self._dataset = load_job_dataset(self._settings)
             return self._dataset
+
+    @property
+    def augmenter(self) -> Augmenter | None:
+        """What augments the training batches (`[data.augment]`); None: nothing."""
+        return job_augmentation(self._settings, self.dataset.info)
 
     @property
     def clients(self) -> int:
@@ -102,4 +108,5 @@ def client_batches(data: JobData, index: int, *, batch_size: int, seed: int) -> 
         seed=seed,
         client=index,
         drop_last=drop_last,
+        augment=data.augmenter,
     )

@@ -9,8 +9,8 @@ import torch
 from models.registry import build_model
 from models.split import SplitNet
 from services.algorithms.base import Hyper
+from services.common.jobdata import job_input_shape
 from services.config.root import Settings
-from services.data.registry import get_spec
 
 # torch's CPU generator is one per process, and fork_rng saves and restores it around the
 # build: two threads building at once (the embedded runner starts every role together) mix
@@ -20,24 +20,21 @@ _BUILD_LOCK = threading.Lock()
 
 
 def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
-    """The job's `SplitNet` shaped for its dataset's images, U-shaped when `model.tail` is set
+    """The job's `SplitNet` shaped for its dataset's samples, U-shaped when `model.tail` is set
     (`ModelSpecError` when the tail leaves the server no block); seeded when `seed` is given.
 
     Built under a forked RNG, so the caller's random stream is left alone, and one build at a
     time (`_BUILD_LOCK`). Only the aggregator's version 1 depends on these initial weights;
     other roles load published versions.
     """
-    spec = get_spec(settings.data.dataset)
-    if spec.height != spec.width:
-        raise ValueError(f"dataset {spec.name!r} is not square ({spec.height}x{spec.width})")
+    shape = job_input_shape(settings)
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
         model = build_model(
             settings.model.name,
             num_classes=settings.model.num_classes,
-            in_channels=spec.channels,
-            input_size=spec.height,
+            input_shape=shape,
             **settings.model.options,
         )
     model.set_tail(settings.model.tail, settings.model.cut)

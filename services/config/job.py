@@ -94,10 +94,40 @@ class ModelSection(_Section):
         return self
 
 
+class AugmentSection(_Section):
+    """Random transforms of the clients' training batches (never of test or evaluation data)."""
+
+    # Pad by this many black pixels a side, then crop back at a random offset (0: no crop).
+    # Unset (here and below): the dataset's own default, which is none for the built-ins.
+    crop_padding: int | None = Field(default=None, ge=0, le=64)
+    # Mirror half of the images left to right.
+    horizontal_flip: bool | None = None
+
+
 class DataSection(_Section):
+    # A built-in (mnist, fashion_mnist, cifar10, fashion_mnist_sample), "npz" or
+    # "image_folder" (read from `path`), or a plugin's name (docs/data.md).
     dataset: str = "fashion_mnist_sample"
     # Where full datasets live; empty: $SPLITMQ_DATA_DIR, else only the shipped sample.
     dir: str = ""
+    # npz: the .npz file; image_folder: the folder. Relative: to `dir` when it is set, else to
+    # the working directory. Clients read it themselves, so it must exist where they run.
+    path: str = ""
+    # npz: a second file with the test split (else `path` holds both, or `test_fraction`).
+    test_path: str = ""
+    # The share held out as the test split (seeded by job.seed) when the data has none.
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    # image_folder: resize every image to this square side (0: all must have one size).
+    image_size: int = Field(default=0, ge=0)
+    # One sample's shape, [C, H, W] or [F]: the model is built from it without reading the
+    # data (for workers on machines that lack it); empty: read from the data, checked there.
+    input_shape: tuple[int, ...] = ()
+    # Per-channel normalisation (x - mean) / std on the [0, 1] pixel scale; mean/std empty:
+    # the dataset's own constants (the built-ins'), else measured on its training split.
+    normalize: bool = True
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+    augment: AugmentSection = AugmentSection()
     partition: Literal["iid", "dirichlet", "shards", "label_ratio"] = "iid"
     alpha: float = Field(default=0.5, gt=0)
     shards_per_client: int = Field(default=2, ge=1)
@@ -105,6 +135,21 @@ class DataSection(_Section):
     ratio: float = Field(default=0.0, ge=0, le=1)
     # Cap on the test samples used per evaluation (0: the whole test set).
     eval_samples: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataSection:
+        if len(self.mean) != len(self.std):
+            raise ValueError(
+                f"data.mean has {len(self.mean)} values, data.std {len(self.std)}: give one "
+                "per channel in each (or neither)"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"data.std must be > 0, got {list(self.std)}")
+        if self.input_shape and (len(self.input_shape) not in (1, 3) or min(self.input_shape) < 1):
+            raise ValueError(
+                f"data.input_shape {list(self.input_shape)}: expected [C, H, W] or [F]"
+            )
+        return self
 
 
 def _param_problem(key: str, kind: type[BaseModel], error: ErrorDetails) -> str:

@@ -2,8 +2,9 @@
 
 A client's data is an index array into the preloaded dataset tensors, so a batch is one
 ``index_select``: no copies of the client's data, no DataLoader worker processes. The shuffle
-order of an epoch depends only on ``(seed, client, epoch)``, so a client restarted at epoch e
-replays exactly the batches it would have seen, whichever process runs it.
+order of an epoch depends only on ``(seed, client, epoch)``, and an augmented batch's crops and
+flips only on ``(seed, client, epoch, batch)``, so a client restarted at epoch e replays exactly
+the batches it would have seen, whichever process runs it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from services.data.augment import Augmenter, batch_generator
 
 
 class Batch(NamedTuple):
@@ -38,6 +41,7 @@ class ClientBatches:
 
     ``indices`` (numpy or a list) selects the client's samples from ``x``/``y`` (any shape
     [N, ...] / [N]). Batches live on the device of ``x``; ``y`` must be on the same device.
+    ``augment`` (training batches only) transforms each batch, seeded per batch.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class ClientBatches:
         client: int,
         shuffle: bool = True,
         drop_last: bool = False,
+        augment: Augmenter | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -69,6 +74,7 @@ class ClientBatches:
         self.client = client
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.augment = augment
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -81,6 +87,12 @@ class ClientBatches:
         if self.shuffle:
             perm = epoch_order(len(order), seed=self.seed, client=self.client, epoch=epoch)
             order = order[torch.from_numpy(perm).to(order.device)]
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
+        for number, start in enumerate(range(0, len(self) * self.batch_size, self.batch_size)):
             chunk = order[start : start + self.batch_size]
-            yield Batch(self.x.index_select(0, chunk), self.y.index_select(0, chunk))
+            x = self.x.index_select(0, chunk)
+            if self.augment is not None:
+                draws = batch_generator(
+                    seed=self.seed, client=self.client, epoch=epoch, batch=number
+                )
+                x = self.augment(x, draws)
+            yield Batch(x, self.y.index_select(0, chunk))

@@ -16,7 +16,9 @@ import gzip
 import struct
 import zipfile
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,10 +26,9 @@ import numpy.typing as npt
 from services.data.errors import DataFormatError
 
 
-def read_npz(
-    path: str | Path, x_key: str = "x", y_key: str = "y"
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.integer]]:
-    """Return ``(x, y)``: uint8 images [N,H,W] or [N,H,W,C] and integer labels [N]."""
+def npz_arrays(path: str | Path, keys: Sequence[str]) -> dict[str, npt.NDArray[Any]]:
+    """The arrays ``keys`` of an ``.npz`` archive (``DataFormatError`` naming what it holds when
+    one is missing)."""
     path = Path(path)
     try:
         # We open the file ourselves: np.load leaks its own handle when the zip is corrupt.
@@ -36,19 +37,51 @@ def read_npz(
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise DataFormatError(path, "not an .npz archive (a bare .npy array?)")
             with archive:
-                missing = [k for k in (x_key, y_key) if k not in archive.files]
+                missing = [k for k in keys if k not in archive.files]
                 if missing:
                     raise DataFormatError(
                         path, f"missing array(s) {missing}; the file holds {sorted(archive.files)}"
                     )
-                x = archive[x_key]
-                y = archive[y_key]
+                return {k: archive[k] for k in keys}
     except DataFormatError:
         raise
     except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as exc:
         # ValueError covers "object arrays need allow_pickle", malformed .npy headers and files
         # that are neither .npz nor .npy (numpy then assumes a pickle and refuses it).
         raise DataFormatError(path, f"cannot read .npz: {exc}") from exc
+
+
+def npz_keys(path: str | Path) -> list[str]:
+    """The array names in an ``.npz`` archive, without reading the arrays."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return [n.removesuffix(".npy") for n in archive.namelist()]
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise DataFormatError(path, f"cannot read .npz: {exc}") from exc
+
+
+def npz_shape(path: str | Path, key: str) -> tuple[int, ...]:
+    """The shape of array ``key`` of an ``.npz`` archive, read from its header alone."""
+    try:
+        with zipfile.ZipFile(path) as archive, archive.open(f"{key}.npy") as member:
+            version = np.lib.format.read_magic(member)
+            if version == (1, 0):
+                shape, _, _ = np.lib.format.read_array_header_1_0(member)
+            else:
+                shape, _, _ = np.lib.format.read_array_header_2_0(member)
+    except KeyError:
+        raise DataFormatError(path, f"missing array {key!r}") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DataFormatError(path, f"cannot read .npz: {exc}") from exc
+    return tuple(int(d) for d in shape)
+
+
+def read_npz(
+    path: str | Path, x_key: str = "x", y_key: str = "y"
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.integer]]:
+    """Return ``(x, y)``: uint8 images [N,H,W] or [N,H,W,C] and integer labels [N]."""
+    arrays = npz_arrays(path, (x_key, y_key))
+    x, y = arrays[x_key], arrays[y_key]
     if x.dtype != np.uint8 or x.ndim not in (3, 4):
         raise DataFormatError(path, f"expected uint8 images [N,H,W(,C)], got {x.dtype} {x.shape}")
     if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:

@@ -1,6 +1,9 @@
 """The datasets SplitMQ knows: where each split lives on disk and how to normalise it.
 
 The registry is an immutable mapping of frozen specs; nothing here touches the filesystem.
+Besides these, `[data] dataset` may name a generic kind read from `[data] path`
+(`GENERIC_KINDS`) or a plugin of the `splitmq.datasets` entry-point group
+(`services.data.plugins`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,53 @@ from services.data.errors import UnknownDatasetError
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 """Where the Fashion-MNIST sample shipped with the package lives."""
+
+GENERIC_KINDS = ("npz", "image_folder")
+"""Datasets read from the file or folder `[data] path` names (docs/data.md)."""
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """Random transforms of the training batches on the client (`services.data.augment`)."""
+
+    crop_padding: int = 0
+    """Pad by this many black pixels a side, then crop back at a random offset (0: no crop)."""
+    horizontal_flip: bool = False
+    """Mirror half of the images, left to right."""
+
+    def __post_init__(self) -> None:
+        if self.crop_padding < 0:
+            raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
+
+    @property
+    def active(self) -> bool:
+        return self.crop_padding > 0 or self.horizontal_flip
+
+
+NO_AUGMENTATION = Augmentation()
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What the rest of SplitMQ needs to know of a loaded dataset, whatever its source."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    """One sample's shape: (C, H, W) for images, (F,) for feature vectors."""
+    class_names: tuple[str, ...]
+    mean: tuple[float, ...] = ()
+    """Per-channel mean subtracted from the pixels on the [0, 1] scale; (): not normalised."""
+    std: tuple[float, ...] = ()
+    augment: Augmentation = NO_AUGMENTATION
+    """The dataset's own default augmentation, which `[data.augment]` overrides."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def is_image(self) -> bool:
+        return len(self.input_shape) == 3
 
 
 @dataclass(frozen=True)
@@ -58,6 +108,7 @@ class DatasetSpec:
     class_names: tuple[str, ...]
     bundled: bool = False
     """True when a copy ships in ``SAMPLE_DIR`` and is used when no data directory is given."""
+    augment: Augmentation = NO_AUGMENTATION
 
     def __post_init__(self) -> None:
         if len(self.mean) != self.channels or len(self.std) != self.channels:
@@ -66,6 +117,12 @@ class DatasetSpec:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    @property
+    def info(self) -> DatasetInfo:
+        """This spec's description, normalised with its own mean/std."""
+        shape = (self.channels, self.height, self.width)
+        return DatasetInfo(self.name, shape, self.class_names, self.mean, self.std, self.augment)
 
     def split(self, which: str) -> SplitFiles:
         if which == "train":
@@ -85,6 +142,8 @@ _CIFAR10 = (
     "dog", "frog", "horse", "ship", "truck",
 )  # fmt: skip
 
+# None of the built-ins augments by default, so runs of earlier versions replay unchanged; the
+# papers' CIFAR-10 crop and flip are `[data.augment]` settings of the configs that want them.
 # Normalisation constants are the customary published ones; they agree with the statistics
 # measured on the shared copies (see /work/shared/data/README.md) to three decimals, except
 # CIFAR-10's stds which JPEG smoothing lowers by ~1% in our copy.

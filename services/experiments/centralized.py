@@ -61,6 +61,7 @@ def union_batches(data: JobData, settings: Settings) -> ClientBatches:
         seed=settings.job.seed,
         client=0,
         drop_last=len(union) > size and len(union) % size == 1,
+        augment=data.augmenter,
     )
 
 

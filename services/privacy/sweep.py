@@ -221,8 +221,8 @@ def _reconstruct(
 ) -> Reconstruction:
     public = data.test.x[: budget.public_samples or None]
     private = data.train.x[: budget.private_samples]
-    mean = torch.tensor(data.spec.mean).view(1, -1, 1, 1)
-    std = torch.tensor(data.spec.std).view(1, -1, 1, 1)
+    mean = torch.tensor(data.info.mean).view(1, -1, 1, 1)
+    std = torch.tensor(data.info.std).view(1, -1, 1, 1)
 
     def to_unit(x: Tensor) -> Tensor:
         return x * std + mean

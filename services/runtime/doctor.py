@@ -17,7 +17,7 @@ from broker.transport import ServerInfo
 from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.errors import DataError
-from services.data.registry import get_spec
+from services.data.registry import DATASETS, DatasetSpec
 from services.report.tomlwrite import redact_url
 
 
@@ -155,14 +155,25 @@ def check_store(backends: Backends) -> Check:
 def check_data(settings: Settings, env: Mapping[str, str]) -> Check:
     # torch (via the loaders) is imported by the checks that need it, not by this module:
     # `splitmq check` uses check_broker and check_store as a frequent container healthcheck.
-    from services.data.loaders import resolve_data_dir
+    from services.common.jobdata import data_request
+    from services.data.loaders import find_source, input_shape, resolve_data_dir
 
+    request = data_request(settings)
     try:
-        spec = get_spec(settings.data.dataset)
-        path = resolve_data_dir(spec, settings.data.dir or None, env)
+        source = find_source(request.dataset)
+        if isinstance(source, DatasetSpec):
+            path = resolve_data_dir(source, request.dir or None, env)
+            return Check("data", True, f"{source.name} in {path}")
+        shape = input_shape(request, env)
     except DataError as exc:
-        return Check("data", False, str(exc), "set [data] dir or SPLITMQ_DATA_DIR")
-    return Check("data", True, f"{spec.name} in {path}")
+        fix = (
+            "set [data] dir or SPLITMQ_DATA_DIR"
+            if request.dataset in DATASETS
+            else ("check [data] dataset and path (docs/data.md)")
+        )
+        return Check("data", False, str(exc), fix)
+    where = f" from {request.resolve(request.path)}" if request.path else ""
+    return Check("data", True, f"{request.dataset}{where}: samples {list(shape)}")
 
 
 def check_torch() -> Check:

@@ -16,6 +16,7 @@ from pathlib import Path
 from broker.errors import SplitMQError
 from broker.store import VersionStore
 from services.common.backends import Backends, Embedded
+from services.common.jobdata import load_job_dataset
 from services.common.jobmodel import job_model
 from services.common.supervise import Outcome, RoleSpec, Supervisor
 from services.config.root import Settings
@@ -23,7 +24,7 @@ from services.data.loaders import Dataset
 from services.report.final_model import save_final_model
 from services.report.records import MetricsSink
 from services.report.sinks import RecordsOnly
-from services.runtime.roles import embedded_roles, load_job_dataset
+from services.runtime.roles import embedded_roles
 
 RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[RoleSpec]]
 

@@ -13,19 +13,16 @@ from typing import TYPE_CHECKING
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData
 from services.common.backends import Backends
+from services.common.jobdata import load_job_dataset
 from services.common.supervise import Role, RoleSpec
 from services.config.root import Settings
-from services.data.loaders import Dataset, load_dataset
+from services.data.loaders import Dataset
 from services.metrics.recorder import RecordMetrics
 from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
 
 if TYPE_CHECKING:  # the host's module is imported by its builder only
     from services.client.host import Intervals, Offline
-
-
-def load_job_dataset(settings: Settings) -> Dataset:
-    return load_dataset(settings.data.dataset, settings.data.dir or None)
 
 
 def build_coordinator(settings: Settings, backends: Backends) -> Role:

@@ -36,10 +36,11 @@ from broker.topology import (
 )
 from broker.transport import PublishOptions
 from services.common.backends import Backends
+from services.common.jobdata import load_job_dataset
 from services.common.membership import client_members
 from services.report.records import VersionRecord
 from services.runtime.processes import clear_job
-from services.runtime.roles import embedded_roles, load_job_dataset
+from services.runtime.roles import embedded_roles
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
 

@@ -22,10 +22,10 @@ from services.algorithms.registry import build_strategy
 from services.cli import run_cmd
 from services.cli.main import cli
 from services.common.backends import Backends
+from services.common.jobdata import load_job_dataset
 from services.common.jobmodel import job_model
 from services.config.loading import load_settings
 from services.data.loaders import Split
-from services.runtime.roles import load_job_dataset
 
 pytestmark = pytest.mark.slow
 

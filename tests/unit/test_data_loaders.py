@@ -229,7 +229,7 @@ def test_load_dataset_from_npz_normalises_and_types(tmp_path: Path) -> None:
     expected = (raw_x.astype(np.float64) / 255.0 - MNIST_MEAN) / MNIST_STD
     np.testing.assert_allclose(ds.train.x[:, 0].numpy(), expected, atol=1e-5)
     assert ds.train.y.tolist() == raw_y.tolist()
-    assert len(ds.train) == 50 and ds.spec.num_classes == 10
+    assert len(ds.train) == 50 and ds.info.num_classes == 10
 
 
 def test_idx_and_npz_give_identical_tensors(tmp_path: Path) -> None:

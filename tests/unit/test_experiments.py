@@ -205,7 +205,7 @@ def tiny_dataset(n_train: int = 120, n_test: int = 40) -> Dataset:
     xt = torch.randn(n_test, 1, 28, 28, generator=generator) * 0.1
     for c in range(10):
         xt[yt == c, :, 2 * c : 2 * c + 3, :] += 2.0
-    return Dataset(get_spec("fashion_mnist"), Path("."), Split(x, y), Split(xt, yt))
+    return Dataset(get_spec("fashion_mnist").info, Path("."), Split(x, y), Split(xt, yt))
 
 
 def centralized_settings(**algorithm: object) -> Settings:
