@@ -54,23 +54,23 @@ class Augmenter:
         uncovered border black) and, with ``horizontal_flip``, mirrored with probability 1/2."""
         b, c, h, w = x.shape
         p = self.params.crop_padding
-        offsets = torch.randint(0, 2 * p + 1, (2, b), generator=generator)
+        shifts = torch.randint(0, 2 * p + 1, (2, b), generator=generator) - p
         flips = (
             torch.rand(b, generator=generator) < 0.5
             if self.params.horizontal_flip
             else torch.zeros(b, dtype=torch.bool)
         )
-        source = x
-        if p:
-            source = (
-                self.fill.to(x.device, x.dtype).view(1, c, 1, 1).repeat(b, 1, h + 2 * p, w + 2 * p)
-            )
-            source[:, :, p : p + h, p : p + w] = x
-        # Output pixel (i, j) of image k reads padded pixel (dy_k + i, dx_k + j), or
-        # (dy_k + i, dx_k + w - 1 - j) when image k is flipped: crop and flip in one gather.
-        cols = torch.arange(w)
-        cols = torch.where(flips.view(b, 1), w - 1 - cols, cols) + offsets[1].view(b, 1)
-        rows = torch.arange(h) + offsets[0].view(b, 1)
-        rows, cols = rows.to(x.device), cols.to(x.device)
-        picked = source.gather(2, rows.view(b, 1, h, 1).expand(b, c, h, source.shape[3]))
-        return picked.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
+        # Output pixel (i, j) of image k is input pixel (i + dy_k, j + dx_k) of the padded
+        # crop, or (i + dy_k, w - 1 - j + dx_k) when image k is flipped (crop, then flip), and
+        # black where that falls outside the image: one gather over the batch, no padded copy.
+        j = torch.arange(w)
+        rows = torch.arange(h) + shifts[0].view(b, 1)
+        cols = torch.where(flips.view(b, 1), w - 1 - j, j) + shifts[1].view(b, 1)
+        inside = ((rows >= 0) & (rows < h)).view(b, 1, h, 1) & ((cols >= 0) & (cols < w)).view(
+            b, 1, 1, w
+        )
+        flat = rows.clamp(0, h - 1).view(b, h, 1) * w + cols.clamp(0, w - 1).view(b, 1, w)
+        flat, inside = flat.to(x.device), inside.to(x.device)
+        picked = x.reshape(b, c, h * w).gather(2, flat.view(b, 1, h * w).expand(b, c, h * w))
+        fill = self.fill.to(x.device, x.dtype).view(1, c, 1, 1)
+        return torch.where(inside, picked.view(b, c, h, w), fill)
