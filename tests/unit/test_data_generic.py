@@ -16,7 +16,7 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.errors import DataFormatError, DatasetNotFoundError, UnknownDatasetError
 from services.data.loaders import input_shape, load_data
-from services.data.partition import partition
+from services.data.partition import PartitionKind, partition
 from services.data.request import DataRequest
 
 RNG = np.random.default_rng(7)
@@ -126,7 +126,7 @@ def test_npz_in_two_files(tmp_path: Path) -> None:
 def test_npz_refusals_say_what_is_wrong(
     tmp_path: Path, arrays: dict[str, np.ndarray], fragment: str
 ) -> None:
-    np.savez(tmp_path / "bad.npz", **arrays)
+    np.savez(tmp_path / "bad.npz", **arrays)  # type: ignore[arg-type]
     with pytest.raises(DataFormatError, match=fragment):
         load_data(npz_request(tmp_path / "bad.npz", test_fraction=0.5))
 
@@ -225,7 +225,7 @@ def test_image_folder_layout_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["iid", "dirichlet", "shards", "label_ratio"])
-def test_partitioners_work_on_generic_labels(tmp_path: Path, kind: str) -> None:
+def test_partitioners_work_on_generic_labels(tmp_path: Path, kind: PartitionKind) -> None:
     write_images(tmp_path, {"a": 40, "b": 30, "c": 30}, size=(3, 3))
     ds = load_data(DataRequest(dataset="image_folder", path=str(tmp_path), test_fraction=0.2))
     labels = ds.train.y.numpy()
