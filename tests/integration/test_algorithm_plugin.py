@@ -9,21 +9,16 @@ the error.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.plugin_package import doc_example, pip_install, splitmq
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-
 # The plugin is the example of docs/algorithms.md "Write your own algorithm", as written there.
-DOC = (REPO / "docs" / "algorithms.md").read_text()
-SECTION = DOC[DOC.index("## Write your own algorithm") :]
-ALGORITHM = SECTION.split("```python\n", 1)[1].split("```", 1)[0]
+ALGORITHM = doc_example("algorithms.md", "## Write your own algorithm")
 
 PYPROJECT = """
 [build-system]
@@ -72,45 +67,7 @@ dir = "{runs}"
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin package, pip-installed into a folder of its own (returned)."""
-    root = tmp_path_factory.mktemp("plugin")
-    source = root / "src"
-    source.mkdir()
-    (source / "damped_plugin.py").write_text(ALGORITHM)
-    (source / "pyproject.toml").write_text(PYPROJECT)
-    target = root / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    assert (target / "damped_plugin.py").is_file()
-    return target
-
-
-def splitmq(target: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITMQ_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(target), str(REPO)])
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    return pip_install(tmp_path_factory.mktemp("plugin"), "damped_plugin", ALGORITHM, PYPROJECT)
 
 
 def test_a_plugin_algorithm_trains_through_splitmq_run(installed: Path, tmp_path: Path) -> None:

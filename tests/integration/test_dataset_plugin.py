@@ -10,9 +10,7 @@ process, on the same installed folder).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,14 +18,12 @@ import pytest
 from services.data.errors import UnknownDatasetError
 from services.data.loaders import find_source
 from services.data.plugins import DatasetPluginError
+from tests.integration.plugin_package import doc_example, pip_install, splitmq
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-
-DOC = (REPO / "docs" / "data.md").read_text()
-SECTION = DOC[DOC.index("## Your own dataset") :]
-PLUGIN = SECTION.split("```python\n", 1)[1].split("```", 1)[0]
+# The plugin is the example of docs/data.md "Your own dataset", as written there.
+PLUGIN = doc_example("data.md", "## Your own dataset")
 
 PYPROJECT = """
 [build-system]
@@ -79,36 +75,13 @@ plots = false
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin package, pip-installed into a folder of its own (returned)."""
-    root = tmp_path_factory.mktemp("plugin")
-    source = root / "src"
-    source.mkdir()
-    (source / "stripes_plugin.py").write_text(PLUGIN)
-    (source / "pyproject.toml").write_text(PYPROJECT)
-    target = root / "site"
-    pip = ["pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-    subprocess.run(
-        [sys.executable, "-m", *pip, "--target", str(target), str(source)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    assert (target / "stripes_plugin.py").is_file()
-    return target
+    return pip_install(tmp_path_factory.mktemp("plugin"), "stripes_plugin", PLUGIN, PYPROJECT)
 
 
 def splitmq_run(target: Path, tmp_path: Path, dataset: str) -> subprocess.CompletedProcess[str]:
     config = tmp_path / f"{dataset}.toml"
     config.write_text(CONFIG.format(dataset=dataset, runs=tmp_path / "runs"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITMQ_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(target), str(REPO)])
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "run", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    return splitmq(target, "run", str(config))
 
 
 def test_a_plugin_dataset_trains_through_splitmq_run(installed: Path, tmp_path: Path) -> None:
