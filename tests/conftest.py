@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import pytest
@@ -62,3 +63,15 @@ def data_dir() -> str:
     if not os.path.isdir(path):
         pytest.fail(f"test datasets not found at {path}; set SPLITMQ_TEST_DATA_DIR")
     return path
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the test: the roles of a job are threads already, and
+    on a busy 2-core host spinning intra-op threads slowed steps many times over."""
+    import torch  # here, not at the top: collecting tests that never train must not pay for it
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
