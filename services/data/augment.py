@@ -60,6 +60,8 @@ class Augmenter:
             if self.params.horizontal_flip
             else torch.zeros(b, dtype=torch.bool)
         )
+        if not p:  # a flip alone moves no pixel off the image: no gather, no border
+            return torch.where(flips.to(x.device).view(b, 1, 1, 1), x.flip(3), x)
         # Output pixel (i, j) of image k is input pixel (i + dy_k, j + dx_k) of the padded
         # crop, or (i + dy_k, w - 1 - j + dx_k) when image k is flipped (crop, then flip), and
         # black where that falls outside the image: one gather over the batch, no padded copy.
