@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -119,7 +120,8 @@ def privacy(
     """
     import torch
 
-    from services.data.loaders import load_dataset
+    from services.common.jobdata import data_request
+    from services.data.loaders import load_data
     from services.privacy.hooks import hooks_for
     from services.privacy.inversion import DecoderTraining
     from services.privacy.loop import ClientHooks
@@ -145,9 +147,9 @@ def privacy(
     cases = grid(
         cut_list, mode_list, noises=lists[0], clip=clip, nopeeks=lists[1], gradient_noises=lists[2]
     )
-    source = data_dir or settings.data.dir or None
+    request = replace(data_request(settings), dir=str(data_dir or settings.data.dir))
     try:
-        data = load_dataset(settings.data.dataset, source)
+        data = load_data(request)
     except DataError as exc:
         raise click.ClickException(str(exc)) from None
     if binary_class >= data.info.num_classes:

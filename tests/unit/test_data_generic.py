@@ -18,6 +18,7 @@ from services.data.errors import DataFormatError, DatasetNotFoundError, UnknownD
 from services.data.loaders import input_shape, load_data
 from services.data.partition import PartitionKind, partition
 from services.data.request import DataRequest
+from services.runtime.doctor import Check, check_data
 
 RNG = np.random.default_rng(7)
 
@@ -265,3 +266,18 @@ def test_a_built_in_cnn_on_non_square_or_vector_data_says_what_to_do(tmp_path: P
     )
     with pytest.raises(ModelSpecError, match=r"takes square images .* \[6\].*package.module"):
         job_model(settings)
+
+
+def test_doctor_reports_a_generic_dataset_and_what_is_wrong_with_it(tmp_path: Path) -> None:
+    write_splits(tmp_path / "d.npz", RNG.normal(size=(20, 6)), np.arange(20) % 2)
+
+    def check(data: dict[str, object]) -> Check:
+        return check_data(Settings.model_validate({"data": data}), {})
+
+    found = check({"dataset": "npz", "dir": str(tmp_path), "path": "d.npz"})
+    assert found.ok and found.detail == f"npz from {tmp_path / 'd.npz'}: samples [6]"
+    missing = check({"dataset": "npz", "path": str(tmp_path / "gone.npz")})
+    assert not missing.ok and "gone.npz" in missing.detail
+    assert "data.md" in missing.hint
+    builtin = check({"dataset": "mnist", "dir": str(tmp_path)})
+    assert not builtin.ok and "SPLITMQ_DATA_DIR" in builtin.hint
