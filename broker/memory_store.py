@@ -313,6 +313,32 @@ class InMemoryWeightStore(PublishingStore):
             state.status = None
 
     # --- operations ---------------------------------------------------------------------------
+    def restore_version(
+        self,
+        job: str,
+        version: int,
+        blobs: Mapping[BlobRef, Mapping[str, torch.Tensor]],
+        *,
+        samples: Mapping[BlobRef, int] | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> int:
+        """Publish `blobs` as version `version` of a job that has none yet: a stopped embedded
+        run's last version, read back from its run directory (`splitmq run --resume`), so that
+        the rounds go on from its number. Call it before any role runs."""
+        if isinstance(version, bool) or not isinstance(version, int) or version <= NO_VERSION:
+            raise ValueError(f"version must be an int > {NO_VERSION}, got {version!r}")
+        with self._job(job, create=True) as state:
+            if state.version != NO_VERSION:
+                raise StoreError(f"job {job} has version {state.version} already")
+            # The next publication commits `version`; no reader runs before it.
+            state.version = version - 1
+        try:
+            return self.publish_version(job, version - 1, blobs, samples=samples, meta=meta)
+        except BaseException:
+            with self._job(job) as state:
+                state.version = NO_VERSION
+            raise
+
     def delete_job(self, job: str) -> None:
         keys.validate_job(job)
         with self._lock:

@@ -52,6 +52,8 @@ def cohort_shards(cohort: Mapping[str, MemberInfo]) -> dict[int, dict[str, Confi
 class RoundClock(Core):
     # Live members reported as not ready (no training samples): logged once each while so.
     _unready: set[str] = field(default_factory=set, init=False)
+    # Whether this clock opened a round yet: its first waits for `clients.min_to_start`.
+    _opened: bool = field(default=False, init=False)
 
     def start(self, version: int) -> None:
         pass  # the store's current version says which round comes next
@@ -93,7 +95,9 @@ class RoundClock(Core):
 
     def _await_members(self, r: int, version: int) -> dict[str, MemberInfo] | None:
         clients = self.settings.clients
-        need = clients.min_to_start if r == 0 else 1
+        # Round 0, and the round a resumed (or restarted) job goes on with: its clients are
+        # joining now, and the first to join must not make the round alone.
+        need = clients.min_to_start if r == 0 or not self._opened else 1
         since = self.clock()
         # Before round r opens, its updates can only come from an earlier attempt at it (this
         # run's, or a predecessor's): late, not malformed.
@@ -161,6 +165,7 @@ class RoundClock(Core):
                 state.assigned[client] = message_id
             else:  # no reply queue: not waited for
                 state.dropped.add(client)
+        self._opened = True
         self.log.info(
             "job %s: round %d opened (version %d, cohort %s)", self.job, r, version, sorted(cohort)
         )

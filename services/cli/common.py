@@ -148,25 +148,36 @@ def require_servers(settings: Settings, command: str, *, store: bool = True) -> 
 
 
 def run_report(
-    settings: Settings, report_dir: Path | None, run_dir: Path | None = None
+    settings: Settings,
+    report_dir: Path | None,
+    run_dir: Path | None = None,
+    *,
+    resume: bool = False,
 ) -> tuple[FileSink, MetricsSink]:
     """The run directory's sink, and one that also prints a line per round; the banner and
-    the run directory are printed first."""
+    the run directory are printed first. `resume`: go on with the run in `run_dir`."""
     from services.report.filesink import FileSink
     from services.report.rundir import command_line
-    from services.report.sinks import EchoSink, TeeSink
+    from services.report.sinks import Continued, EchoSink, TeeSink
     from services.report.summary import banner
     from services.report.tracking import TrackingUnavailable, run_trackers
 
-    files = FileSink.create(settings, command=command_line(), base_dir=report_dir, run_dir=run_dir)
+    if resume:
+        if run_dir is None:
+            raise ValueError("resuming needs the run directory to go on with")
+        files = FileSink.resume(settings, run_dir, command=command_line())
+    else:
+        files = FileSink.create(
+            settings, command=command_line(), base_dir=report_dir, run_dir=run_dir
+        )
     click.echo(banner(files.info))
-    click.echo(f"run directory: {files.run_dir}")
+    click.echo(f"run directory: {files.run_dir}" + (" (resumed)" if resume else ""))
     try:
         trackers = run_trackers(settings, files.run_dir)
     except TrackingUnavailable as exc:
         raise click.ClickException(str(exc)) from None
     echo = EchoSink(click.echo, rounds=settings.job.rounds)
-    return files, TeeSink([files, *trackers, echo])
+    return files, Continued(TeeSink([files, *trackers, echo]), files.elapsed_before_s)
 
 
 def read_settings(path: Path | None, env: Mapping[str, str]) -> Settings:

@@ -290,12 +290,15 @@ def _fewer_malloc_arenas() -> None:
 # `splitmq up` names the exact run directory so it can print the summary afterwards.
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), hidden=True)
 @click.option("--summary/--no-summary", default=True, hidden=True)
+# `splitmq up --resume`: go on with the metrics of the run in --run-dir.
+@click.option("--resume", is_flag=True, hidden=True)
 @log_options
 def aggregator(
     config: Path | None,
     report_dir: Path | None,
     run_dir: Path | None,
     summary: bool,
+    resume: bool,
     log: LogOptions,
 ) -> None:
     """Run the aggregator (rounds, version v+1, report).
@@ -307,7 +310,9 @@ def aggregator(
 
     _, settings = load(config)
     require_servers(settings, "aggregator")
-    files, sink = run_report(settings, report_dir, run_dir)
+    if resume and run_dir is None:
+        raise click.UsageError("--resume goes on with the run in --run-dir; name it")
+    files, sink = run_report(settings, report_dir, run_dir, resume=resume)
     try:
         stopped = _serve(settings, "aggregator", partial(build_aggregator, sink=sink), log)
     except click.exceptions.Exit:

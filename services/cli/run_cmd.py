@@ -31,13 +31,31 @@ from services.runtime.processes import (
     child_env,
     child_specs,
     clear_job,
+    job_version,
     preflight,
+    reset_for_resume,
 )
+
+resume_option = click.option(
+    "--resume",
+    "resume_dir",
+    metavar="RUN_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Go on with a stopped run in its run directory RUN_DIR, from its last version: "
+    "metrics appended there, elapsed time continued. CONFIG must be the run's (job.rounds "
+    "may be raised); see README, 'Stopping and resuming'.",
+)
+
+
+def _resume_here(report_dir: Path | None, resume_dir: Path | None) -> None:
+    if resume_dir is not None and report_dir is not None:
+        raise click.UsageError("--resume goes on in RUN_DIR itself: leave out --report-dir")
 
 
 @click.command()
 @config_argument
 @report_dir_option
+@resume_option
 @click.option(
     "--linger",
     type=click.FloatRange(min=0),
@@ -49,6 +67,7 @@ from services.runtime.processes import (
 def run(
     config: Path | None,
     report_dir: Path | None,
+    resume_dir: Path | None,
     linger: float,
     log: LogOptions,
 ) -> None:
@@ -56,18 +75,24 @@ def run(
 
     Every role runs on a thread over the in-memory broker and store; prints one line per
     round and a summary, and writes the run directory. Serves /metrics and the live
-    dashboard while it runs (see [metrics]).
+    dashboard while it runs (see [metrics]). Ctrl-C stops it; `--resume RUN_DIR` goes on
+    from the last version the run directory keeps.
     """
     from services.common.jobdata import load_job_dataset
+    from services.report.resume import saved_version
     from services.runtime.embedded import force_embedded, run_embedded
     from services.runtime.observe import observed
 
+    _resume_here(report_dir, resume_dir)
     _, settings = load(config)
     # Progress lines say what happens; role logs below WARNING would drown them.
     with log.logging(settings, {"job": settings.job.name}, default="WARNING"):
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
+        saved = saved_version(resume_dir, settings) if resume_dir is not None else None
         dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.common)
-        sink, both = run_report(settings, report_dir)
+        sink, both = run_report(settings, report_dir, resume_dir, resume=saved is not None)
+        if saved is not None:
+            click.echo(f"resuming at version {saved.version}: round {saved.version} next")
         watch = observed(
             settings,
             "run",
@@ -86,6 +111,7 @@ def run(
                     dataset=dataset,
                     backends=seen.backends,
                     run_dir=sink.run_dir,
+                    resume=saved,
                 )
             except Exception:
                 # The error boundary says what went wrong: one line for a user's mistake
@@ -117,9 +143,11 @@ def run(
     default=True,
     show_default=True,
     help="Delete the job's queues and store keys before starting (a stale run of the same "
-    "job name would otherwise feed old messages and versions into this one).",
+    "job name would otherwise feed old messages and versions into this one). --resume "
+    "keeps the versions.",
 )
 @report_dir_option
+@resume_option
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0),
@@ -133,6 +161,7 @@ def up(
     clients: int | None,
     fresh: bool,
     report_dir: Path | None,
+    resume_dir: Path | None,
     timeout: float,
     log: LogOptions,
 ) -> None:
@@ -140,10 +169,12 @@ def up(
 
     Starts the aggregator, the coordinator, the workers and the clients, prefixes their
     output with their names, waits for the job to finish, stops them and prints the summary.
+    Ctrl-C stops them all; `--resume RUN_DIR` goes on from the job's version in Redis.
     """
     from services.report.rundir import create_run_dir
     from services.runtime.roles import worker_count
 
+    _resume_here(report_dir, resume_dir)
     path, file_settings = load(config)
     n_workers = workers or file_settings.workers.count
     if not worker_count(file_settings):
@@ -161,12 +192,18 @@ def up(
         raise click.ClickException(
             "splitmq up needs RabbitMQ and Redis:\n  " + "\n  ".join(problems)
         )
-    run_dir = create_run_dir(
-        report_dir or Path(settings.report.dir), settings.job.name, datetime.now()
-    )
-    specs = child_specs(n_workers, n_clients, run_dir)
-    if fresh:
-        clear_job(settings, [s.name for s in specs if s.role == "client"])
+    if resume_dir is not None:
+        run_dir = resume_dir
+        specs = child_specs(n_workers, n_clients, run_dir, resume=True)
+        version = _resume_up(settings, run_dir, [s.name for s in specs if s.role == "client"])
+        click.echo(f"splitmq up: resuming job {settings.job.name} at version {version}")
+    else:
+        run_dir = create_run_dir(
+            report_dir or Path(settings.report.dir), settings.job.name, datetime.now()
+        )
+        specs = child_specs(n_workers, n_clients, run_dir)
+        if fresh:
+            clear_job(settings, [s.name for s in specs if s.role == "client"])
     click.echo(
         f"splitmq up: job {settings.job.name}: aggregator, coordinator, {n_workers} worker(s), "
         f"{n_clients} client(s); run directory {run_dir}"
@@ -196,6 +233,22 @@ def up(
         click.echo(f"splitmq up: {result.status}", err=True)
     if result.exit_code:
         raise click.exceptions.Exit(result.exit_code)
+
+
+def _resume_up(settings: Settings, run_dir: Path, client_ids: list[str]) -> int:
+    """Check that the stopped run can go on from the job's version in Redis, drop its metrics
+    rows after that version, and clear what the stopped processes left; the version."""
+    from services.report.resume import check_config, prepare_resume
+
+    check_config(run_dir, settings)
+    version = job_version(settings)
+    where = (
+        f"job {settings.job.name!r} in Redis; a run of `splitmq run` is resumed with "
+        "`splitmq run --resume`"
+    )
+    prepare_resume(run_dir, version, settings.job.rounds, where)
+    reset_for_resume(settings, client_ids)
+    return version
 
 
 def _keep_model(settings: Settings, run_dir: Path) -> None:

@@ -239,7 +239,8 @@ class ClientsSection(_Section):
     # mode has no cohorts: every member trains (docs/async.md).
     fraction: float = Field(default=1.0, gt=0, le=1)
     per_round: int = Field(default=0, ge=0)
-    # Round 1 starts when this many clients have joined (or start_timeout_s passed with >= 1).
+    # Round 1, and the first round of a resumed job, start when this many clients have joined
+    # (or start_timeout_s passed with >= 1).
     min_to_start: int = Field(default=1, ge=1)
     start_timeout_s: float = Field(default=60.0, gt=0)
     heartbeat_s: float = Field(default=2.0, gt=0)

@@ -2,17 +2,21 @@
 
 metrics.json and metrics.csv are rewritten atomically on every record, so a run that crashes
 or is killed still leaves every version it published on disk. `finish` adds the end time and
-status, the plots and summary.txt.
+status, the plots and summary.txt. `FileSink.resume` goes on with the records of a stopped run
+(`splitmq run|up --resume`, services/report/resume.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from services.algorithms.registry import REGISTRY
 from services.config.root import Settings
@@ -28,21 +32,42 @@ from services.report.rundir import (
     write_config,
 )
 from services.report.summary import summary_text
-from services.report.tables import metrics_csv, metrics_json
+from services.report.tables import metrics_csv, metrics_json, record_from_dict
 
 _log = logging.getLogger("splitmq.report")
 
 
+def write_records(run_dir: Path, run: Mapping[str, Any], records: Sequence[VersionRecord]) -> None:
+    """metrics.json and metrics.csv of `records`, each replaced in one step."""
+    write_atomic(run_dir / METRICS_JSON, metrics_json(run, records))
+    write_atomic(run_dir / METRICS_CSV, metrics_csv(records))
+
+
+def plot_spec(settings: Settings) -> PlotSpec | None:
+    """The plots a run of `settings` draws (None: none)."""
+    report = settings.report
+    own = REGISTRY.get(settings.algorithm.name).strategy.report_plots
+    return PlotSpec(report.plot_formats, own) if report.plots else None
+
+
 class FileSink:
     def __init__(
-        self, run_dir: Path, info: RunInfo, *, plots: PlotSpec | None = DEFAULT_PLOTS
+        self,
+        run_dir: Path,
+        info: RunInfo,
+        *,
+        plots: PlotSpec | None = DEFAULT_PLOTS,
+        records: Sequence[VersionRecord] = (),
     ) -> None:
+        """`plots`: None for no plots; `records`: those of the run so far (a resumed one's);
+        its wall time goes on from the last one's `elapsed_s`."""
         self.run_dir = run_dir
         self._info = info
-        self._plots = plots  # None: no plots
-        self._started = time.monotonic()
+        self._plots = plots
+        self.elapsed_before_s = records[-1].elapsed_s if records else 0.0
+        self._started = time.monotonic() - self.elapsed_before_s
         self._lock = threading.Lock()
-        self._records: list[VersionRecord] = []
+        self._records: list[VersionRecord] = list(records)
         self._summary = ""
         self._finished = False
         self._write_metrics()
@@ -65,10 +90,27 @@ class FileSink:
             run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, settings)
         info = RunInfo.for_settings(settings, command, started)
-        report = settings.report
-        own = REGISTRY.get(settings.algorithm.name).strategy.report_plots
-        plots = PlotSpec(report.plot_formats, own) if report.plots else None
-        return cls(run_dir, info, plots=plots)
+        return cls(run_dir, info, plots=plot_spec(settings))
+
+    @classmethod
+    def resume(cls, settings: Settings, run_dir: Path, *, command: str) -> FileSink:
+        """Go on with the run in `run_dir` (its metrics as `resume.prepare_resume` left them):
+        the records kept, the run marked running again, the settings as now (config.toml
+        rewritten: a resume may train more rounds)."""
+        write_config(run_dir, settings)
+        doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
+        run = RunInfo(**doc["run"])
+        records = [record_from_dict(r) for r in doc["records"]]
+        now = datetime.now().astimezone().isoformat(timespec="seconds")
+        resumed = ",".join(filter(None, (run.extra.get("resumed_at", ""), now)))
+        info = replace(
+            run,
+            status="running",
+            ended_at="",
+            rounds=settings.job.rounds,
+            extra={**run.extra, "resumed_at": resumed, "resumed_by": command},
+        )
+        return cls(run_dir, info, plots=plot_spec(settings), records=records)
 
     @property
     def info(self) -> RunInfo:
@@ -113,5 +155,4 @@ class FileSink:
             write_atomic(self.run_dir / SUMMARY_FILE, self._summary)
 
     def _write_metrics(self) -> None:
-        write_atomic(self.run_dir / METRICS_JSON, metrics_json(asdict(self._info), self._records))
-        write_atomic(self.run_dir / METRICS_CSV, metrics_csv(self._records))
+        write_records(self.run_dir, asdict(self._info), self._records)

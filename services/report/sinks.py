@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from services.report.records import MetricsSink, VersionRecord
 from services.report.summary import progress_line
@@ -56,3 +57,18 @@ class RecordsOnly:
 
     def finish(self, status: str) -> None:
         pass
+
+
+class Continued:
+    """Moves every record's `elapsed_s` on by `before_s`: a resumed run's clock starts at 0,
+    its report's time axis goes on from where the stopped run's ended."""
+
+    def __init__(self, sink: MetricsSink, before_s: float) -> None:
+        self._sink = sink
+        self._before_s = before_s
+
+    def record(self, record: VersionRecord) -> None:
+        self._sink.record(replace(record, elapsed_s=record.elapsed_s + self._before_s))
+
+    def finish(self, status: str) -> None:
+        self._sink.finish(status)

@@ -23,7 +23,8 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.report.final_model import save_final_model
 from services.report.records import MetricsSink
-from services.report.sinks import RecordsOnly
+from services.report.sinks import RecordsOnly, TeeSink
+from services.report.version_file import SavedVersion, VersionKeeper
 from services.runtime.roles import embedded_roles
 
 RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[RoleSpec]]
@@ -62,29 +63,44 @@ def run_embedded(
     logger: logging.Logger | None = None,
     backends: Backends | None = None,
     run_dir: Path | None = None,
+    resume: SavedVersion | None = None,
 ) -> Outcome:
     """Run the job to its end (or until `stop`/Ctrl-C/a role failure) and say how it ended.
 
     `sink` gets every VersionRecord, and `finish` once, with the outcome's status. `backends`
     (with their `Embedded` hub and store) let the caller watch the run, e.g. for metrics.
-    With `run_dir`, the last version's weights are kept there (`save_final_model`), also when
-    the run was stopped or failed: what it trained until then.
+    With `run_dir`, each recorded version is kept there for `--resume` (`VersionKeeper`), and
+    the last version's weights (`save_final_model`), also when the run was stopped or failed:
+    what it trained until then. `resume`: the job goes on from that version (a stopped run's,
+    `load_version`) instead of seeding version 1.
     """
     log = logger or logging.getLogger("splitmq.runtime")
     settings = force_embedded(settings, log)
     if backends is None:
         backends = Backends(settings.broker, settings.store, Embedded())
-    elif backends.embedded is None:
+    embedded = backends.embedded
+    if embedded is None:
         raise ValueError("an embedded run needs backends with an Embedded hub and store")
     data = dataset if dataset is not None else load_job_dataset(settings)
+    if resume is not None:
+        embedded.store.restore_version(
+            settings.job.name,
+            resume.version,
+            resume.blobs,
+            samples=resume.samples,
+            meta=resume.meta,
+        )
+    if run_dir is not None:
+        keeper = VersionKeeper(embedded.store, settings.job.name, run_dir, log)
+        sink = TeeSink([sink, keeper])
     try:
         roles = build_roles(settings, backends, RecordsOnly(sink), data)
     except Exception as exc:
         sink.finish(f"failed: could not build the roles: {exc!r}")
         raise
     outcome = Supervisor(roles, stop, logger=log).run()
-    if run_dir is not None and backends.embedded is not None:
-        keep_model(settings, backends.embedded.store, run_dir, log)
+    if run_dir is not None:
+        keep_model(settings, embedded.store, run_dir, log)
     sink.finish(outcome.status)
     return outcome
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from broker.store import MemberKind
 from broker.topology import client_queue_names
 from services.autoscaler.local import role_env
 from services.common.backends import Backends
@@ -44,11 +45,15 @@ class Child:
     pump: threading.Thread
 
 
-def child_specs(workers: int, clients: int, run_dir: Path) -> list[ChildSpec]:
-    """Aggregator first (it seeds version 1), then coordinator, workers, clients."""
+def child_specs(
+    workers: int, clients: int, run_dir: Path, *, resume: bool = False
+) -> list[ChildSpec]:
+    """Aggregator first (it seeds version 1), then coordinator, workers, clients. `resume`:
+    the aggregator goes on with the run in `run_dir`."""
+    report = ("--run-dir", str(run_dir), "--no-summary", *(("--resume",) if resume else ()))
     specs = [
         # `up` prints the summary itself, after everything stopped.
-        ChildSpec("aggregator", "aggregator", ("--run-dir", str(run_dir), "--no-summary")),
+        ChildSpec("aggregator", "aggregator", report),
         ChildSpec("coordinator", "coordinator"),
     ]
     specs += [ChildSpec(f"worker-{i}", "worker", ("--id", f"worker-{i}")) for i in range(workers)]
@@ -86,8 +91,39 @@ def clear_job(
     """Delete the job's queues and store keys, so a stale earlier run cannot leak into this one.
 
     `backends`: where they live (default: the settings' servers; tests pass embedded ones)."""
+    backends = backends or Backends(settings.broker, settings.store)
+    _delete_queues(settings, client_ids, backends)
+    with closing(backends.open_store()) as store:
+        store.delete_job(settings.job.name)
+
+
+def job_version(settings: Settings, backends: Backends | None = None) -> int:
+    """The job's current version in the store (`NO_VERSION`: none)."""
+    backends = backends or Backends(settings.broker, settings.store)
+    with closing(backends.open_store(give_up_after=10.0)) as store:
+        return store.current_version(settings.job.name)
+
+
+def reset_for_resume(
+    settings: Settings, client_ids: Sequence[str], backends: Backends | None = None
+) -> None:
+    """Ready a stopped job to go on (`splitmq up --resume`): its versions and the workers'
+    checkpoints stay; its queues go (the stopped round's assignments and batches would reach
+    the resumed round's new processes, which are not its cohort), so do its client and worker
+    members (processes that are gone: a round must not wait for them) and how it ended (a
+    finished job resumed with more rounds trains them)."""
     job = settings.job.name
     backends = backends or Backends(settings.broker, settings.store)
+    _delete_queues(settings, client_ids, backends)
+    with closing(backends.open_store()) as store:
+        for kind in (MemberKind.CLIENT, MemberKind.WORKER):
+            for member in store.live_members(job, kind):
+                store.remove_member(job, member)
+        store.clear_job_status(job)
+
+
+def _delete_queues(settings: Settings, client_ids: Sequence[str], backends: Backends) -> None:
+    job = settings.job.name
     with closing(backends.open_broker("splitmq-up", give_up_after=10.0)) as broker:
         names = [q.name for q in settings.job_queues()]
         # The inference reply queues too: `provision-clients` declares them durable, so a
@@ -95,8 +131,6 @@ def clear_job(
         names += [name for c in client_ids for name in client_queue_names(job, c)]
         for name in names:
             broker.delete_queue(name)
-    with closing(backends.open_store()) as store:
-        store.delete_job(job)
 
 
 class LocalProcesses:
