@@ -2,7 +2,7 @@
 
 The command is given the job's CONFIG again (the run directory's config.toml has its secrets
 masked, so it is no config to run with); it must agree with the run's config.toml on what the
-trained weights depend on (`MATTERS`), and may change the rest: more `job.rounds` to train
+trained weights depend on, and may change the rest (`MAY_CHANGE`): more `job.rounds` to train
 further, deadlines, logging, metrics, workers. The metrics rows after the version the job goes
 on from are dropped: those rounds are trained again.
 """
@@ -22,16 +22,32 @@ from services.report.rundir import CONFIG_FILE, METRICS_JSON
 from services.report.tables import record_from_dict
 from services.report.version_file import VERSION_FILE, SavedVersion, load_version
 
-# Per section, the keys a resumed run must keep (None: all but those excluded).
-MATTERS: Mapping[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
-    "job": (("name", "seed"), ()),
-    "model": (None, ()),
-    "algorithm": (None, ()),
-    "data": (None, ("dir", "eval_samples")),
-    "privacy": (None, ()),
-    "clients": (("count",), ()),
-    "rounds": (("mode",), ()),
-}
+# What a resumed run may change, by dotted name or section: how long and how patiently it runs,
+# where it reports, what it runs on. Everything else, a section added later included, is what
+# the trained weights depend on, and must stay.
+MAY_CHANGE = (
+    "job.rounds",
+    "data.dir",
+    "data.eval_samples",
+    "clients.min_to_start",
+    "clients.start_timeout_s",
+    "clients.heartbeat_s",
+    "clients.heartbeat_ttl_s",
+    "clients.reply_timeout_s",
+    "rounds.deadline_s",
+    "rounds.quorum",
+    "rounds.replica_timeout_s",
+    "rounds.max_empty_attempts",
+    "workers",
+    "report",
+    "metrics",
+    "autoscaler",
+    "broker",
+    "store",
+    "security",
+    "log_level",
+    "log_format",
+)
 
 
 class ResumeError(ConfigError):
@@ -49,13 +65,12 @@ def _flat(data: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def what_matters(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings the trained weights depend on, by dotted name."""
-    out: dict[str, Any] = {}
-    for section, (only, excluded) in MATTERS.items():
-        values = config.get(section) or {}
-        keys = only if only is not None else [k for k in values if k not in excluded]
-        out.update(_flat({k: values[k] for k in keys if k in values}, f"{section}."))
-    return out
+    """The settings the trained weights depend on, by dotted name (None values left out)."""
+    return {
+        key: value
+        for key, value in _flat(config, "").items()
+        if not any(key == name or key.startswith(f"{name}.") for name in MAY_CHANGE)
+    }
 
 
 def config_differences(saved: Mapping[str, Any], settings: Settings) -> list[str]:

@@ -139,6 +139,8 @@ def test_a_config_that_changes_what_the_weights_depend_on_is_refused(tmp_path: P
             "job": settings.job.model_copy(update={"rounds": 9}),
             "data": settings.data.model_copy(update={"dir": "/elsewhere", "eval_samples": 5}),
             "rounds": settings.rounds.model_copy(update={"deadline_s": 3.0}),
+            "clients": settings.clients.model_copy(update={"heartbeat_ttl_s": 99.0}),
+            "workers": settings.workers.model_copy(update={"count": 3}),
         }
     )
     assert config_differences(saved, others) == []
@@ -148,9 +150,13 @@ def test_a_config_that_changes_what_the_weights_depend_on_is_refused(tmp_path: P
         update={
             "model": settings.model.model_copy(update={"cut": "block2"}),
             "job": settings.job.model_copy(update={"seed": 4}),
+            "algorithm": settings.algorithm.model_copy(update={"lr": 0.5}),
+            "clients": settings.clients.model_copy(update={"count": 7}),
         }
     )
     assert config_differences(saved, changed) == [
+        "algorithm.lr = 0.01 in the run, 0.5 now",
+        "clients.count = 4 in the run, 7 now",
         "job.seed = 0 in the run, 4 now",
         "model.cut = 'block1' in the run, 'block2' now",
     ]
