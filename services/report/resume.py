@@ -39,6 +39,7 @@ MAY_CHANGE = (
     "rounds.replica_timeout_s",
     "rounds.max_empty_attempts",
     "workers",
+    "evaluation",
     "report",
     "metrics",
     "autoscaler",
