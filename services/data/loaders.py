@@ -29,12 +29,18 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from services.data.arrays import Array, LabelledArrays, channels_first, sample_shape
+from services.data.arrays import (
+    Array,
+    LabelledArrays,
+    channels_first,
+    check_pair,
+    sample_shape,
+)
 from services.data.errors import DataFormatError, DatasetNotFoundError, UnknownDatasetError
 from services.data.files import read_idx_pair, read_npz
 from services.data.folder import image_folder_shape, read_image_folder
 from services.data.npz import npz_input_shape, read_npz_dataset
-from services.data.plugins import Loader, Plugins
+from services.data.plugins import Loader, PluginLookup, Plugins
 from services.data.registry import (
     DATASETS,
     GENERIC_KINDS,
@@ -256,7 +262,10 @@ def _class_names(arrays: LabelledArrays, source: object) -> tuple[str, ...]:
 
 
 def to_dataset(name: str, root: Path, arrays: LabelledArrays, request: DataRequest) -> Dataset:
-    """`arrays` as normalised tensors, checked for a consistent sample shape and labels."""
+    """`arrays` as normalised tensors, checked for a consistent sample shape and labels (the
+    readers check their files first, naming the file; this also covers plugins' arrays)."""
+    check_pair(arrays.x_train, arrays.y_train, f"{root} (training split)")
+    check_pair(arrays.x_test, arrays.y_test, f"{root} (test split)")
     shape = sample_shape(arrays.x_train.shape, root)
     test_shape = sample_shape(arrays.x_test.shape, root)
     if test_shape != shape:
@@ -276,7 +285,7 @@ Source = DatasetSpec | str | Loader
 """What a dataset name stands for: a spec's files, a generic kind, or a plugin's loader."""
 
 
-def find_source(name: str, plugins: Plugins | None = None) -> Source:
+def find_source(name: str, plugins: PluginLookup | None = None) -> Source:
     """The source `name` stands for; `UnknownDatasetError` lists every known name."""
     if name in DATASETS:
         return DATASETS[name]
@@ -319,7 +328,7 @@ def _required_path(request: DataRequest) -> Path:
 
 
 def load_data(
-    request: DataRequest, env: Mapping[str, str] | None = None, plugins: Plugins | None = None
+    request: DataRequest, env: Mapping[str, str] | None = None, plugins: PluginLookup | None = None
 ) -> Dataset:
     """The dataset `request` asks for, normalised (module docstring); ``env`` defaults to
     ``os.environ`` (the built-ins' data directory)."""
@@ -357,7 +366,7 @@ def load_data(
 
 
 def input_shape(
-    request: DataRequest, env: Mapping[str, str] | None = None, plugins: Plugins | None = None
+    request: DataRequest, env: Mapping[str, str] | None = None, plugins: PluginLookup | None = None
 ) -> tuple[int, ...]:
     """One sample's shape, (C, H, W) or (F,), read as cheaply as the source allows: a spec's
     declared shape, the `.npz` headers, the images' headers; a plugin's loader is called."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
+from typing import Protocol
 
 from services.data.arrays import LabelledArrays
 from services.data.errors import DataError
@@ -30,6 +31,14 @@ Loader = Callable[[DataRequest], LabelledArrays]
 
 class DatasetPluginError(DataError, ValueError):
     """A plugin of the `splitmq.datasets` group could not be loaded, or is not a dataset."""
+
+
+class PluginLookup(Protocol):
+    """Where the loaders look a plugin's name up (`Plugins`, or a test's own)."""
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> DatasetSpec | Loader | None: ...
 
 
 class Plugins:

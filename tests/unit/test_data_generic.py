@@ -3,7 +3,9 @@ rest of SplitMQ does with them (partitions, the model's input shape, the class c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,17 +16,20 @@ from models.errors import ModelSpecError
 from services.common.jobdata import check_fits, job_input_shape, load_job_dataset
 from services.common.jobmodel import job_model
 from services.config.root import Settings
+from services.data.arrays import LabelledArrays
 from services.data.errors import DataFormatError, DatasetNotFoundError, UnknownDatasetError
 from services.data.loaders import input_shape, load_data
 from services.data.partition import PartitionKind, partition
+from services.data.plugins import Loader
+from services.data.registry import Augmentation
 from services.data.request import DataRequest
 from services.runtime.doctor import Check, check_data
 
 RNG = np.random.default_rng(7)
 
 
-def npz_request(path: Path, **kw: object) -> DataRequest:
-    return DataRequest(dataset="npz", path=str(path), **kw)  # type: ignore[arg-type]
+def npz_request(path: Path, **kw: Any) -> DataRequest:
+    return replace(DataRequest(dataset="npz", path=str(path)), **kw)
 
 
 def write_splits(path: Path, x_train: np.ndarray, y_train: np.ndarray, n_test: int = 10) -> None:
@@ -281,3 +286,30 @@ def test_doctor_reports_a_generic_dataset_and_what_is_wrong_with_it(tmp_path: Pa
     assert "data.md" in missing.hint
     builtin = check({"dataset": "mnist", "dir": str(tmp_path)})
     assert not builtin.ok and "SPLITMQ_DATA_DIR" in builtin.hint
+
+
+def test_a_plugin_loader_is_used_and_its_arrays_checked() -> None:
+    good = LabelledArrays(
+        np.zeros((6, 4, 4), np.uint8), np.arange(6) % 2, np.zeros((2, 4, 4), np.uint8),
+        np.array([0, 1]), class_names=("no", "yes"), augment=Augmentation(horizontal_flip=True),
+    )  # fmt: skip
+    bad = replace(good, y_test=np.array([0.0, 1.0]))
+    plugins = FixedPlugins({"good": lambda _: good, "bad": lambda _: bad})
+    ds = load_data(DataRequest(dataset="good"), plugins=plugins)
+    assert ds.info.class_names == ("no", "yes") and ds.info.augment.horizontal_flip
+    assert input_shape(DataRequest(dataset="good"), plugins=plugins) == (1, 4, 4)
+    with pytest.raises(DataFormatError, match=r"\(test split\): expected integer labels"):
+        load_data(DataRequest(dataset="bad"), plugins=plugins)
+
+
+class FixedPlugins:
+    """`Plugins` with what a test gives instead of installed entry points."""
+
+    def __init__(self, loaders: dict[str, Loader]) -> None:
+        self._loaders = loaders
+
+    def names(self) -> list[str]:
+        return sorted(self._loaders)
+
+    def get(self, name: str) -> Loader | None:
+        return self._loaders.get(name)
