@@ -67,6 +67,9 @@ class Checkpoint:
     weights: Weights
     meta: Mapping[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
+    # The replica's optimizer state as flat tensors (`<param>.<key>`), stored in the same
+    # safetensors blob under OPTIMIZER_PREFIX; empty in a checkpoint from before it was kept.
+    optimizer: Weights = field(default_factory=dict)
 
 
 # Job states of a `JobStatus`: the job is over, either way.

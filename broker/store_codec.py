@@ -32,6 +32,10 @@ from broker.errors import (
 )
 from broker.store import NO_VERSION, BlobRef, Checkpoint, ManifestEntry, Weights
 
+# Where the optimizer state of a checkpoint sits in its safetensors blob, beside the weights
+# (a model with a top-level module called "optim" could not be checkpointed: refused).
+OPTIMIZER_PREFIX = "optim."
+
 # `broker.weights` (torch) is imported inside the functions that move weights: why in broker.store.
 if TYPE_CHECKING:
     import torch
@@ -134,7 +138,11 @@ def encode_checkpoint(checkpoint: Checkpoint) -> tuple[bytes, str, bytes]:
     in the meta come back as lists)."""
     from broker.weights import encode_weights, sha256_hex
 
-    data = encode_weights(checkpoint.weights)
+    clash = [name for name in checkpoint.weights if name.startswith(OPTIMIZER_PREFIX)]
+    if clash:
+        raise EncodeError(f"checkpoint weight {clash[0]!r} uses the optimizer's prefix")
+    optimizer = {OPTIMIZER_PREFIX + name: t for name, t in checkpoint.optimizer.items()}
+    data = encode_weights({**checkpoint.weights, **optimizer})
     try:
         meta: bytes = msgpack.packb(dict(checkpoint.meta), use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -148,14 +156,16 @@ def decode_checkpoint(
     """A stored checkpoint, its weights verified against their sha256."""
     from broker.weights import decode_verified
 
-    weights = decode_verified(data, sha256, len(data), what)
+    stored = decode_verified(data, sha256, len(data), what)
+    weights = {n: t for n, t in stored.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    optimizer = {n.removeprefix(OPTIMIZER_PREFIX): t for n, t in stored.items() if n not in weights}
     try:
         decoded = msgpack.unpackb(meta, raw=False, strict_map_key=False)
     except (ValueError, TypeError) as exc:  # msgpack's unpack errors are ValueErrors
         raise DecodeError(f"checkpoint meta is not valid msgpack: {exc}") from exc
     if not isinstance(decoded, dict):
         raise DecodeError(f"checkpoint meta must be a map, got {type(decoded).__name__}")
-    return Checkpoint(int(shard), applied, weights, decoded, saved_at)
+    return Checkpoint(int(shard), applied, weights, decoded, saved_at, optimizer)
 
 
 def lease_not_held(shard: int, holder: tuple[str, str]) -> LeaseNotHeldError:

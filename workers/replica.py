@@ -5,7 +5,10 @@ versions"). We add `steps` (optimizer steps), the current round's `cohort` with 
 (`cohort_round`) and each cohort client's `progress` ([last step applied, steps]), so a
 MiniBatch-SFL barrier resumed on another worker knows whom to wait for, and `audit`: per
 client, [batches applied, sum of their seqs mod 2^61], from which `benchmarks/soak.py` proves
-every batch sent was applied exactly once across failovers.
+every batch sent was applied exactly once across failovers. The optimizer's state (momentum,
+Adam's moments and step) travels in `Checkpoint.optimizer`, with its class in `optimizer` and
+the entries that were Python numbers in `optimizer_numbers`: a successor steps on exactly as
+the replica would have.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import bisect
 import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +27,7 @@ from broker.store import SERVER_PART, BlobRef, Checkpoint, VersionStore, WeightS
 from models.parts import ServerModel
 from models.split import SplitNet
 from models.state import load_partial
+from services.algorithms.recipe import load_optimizer_state, optimizer_state
 
 SERVER = BlobRef(SERVER_PART)
 # Seq sums are kept modulo this (seqs start at the client's clock in microseconds).
@@ -32,8 +36,16 @@ AUDIT_MODULUS = 1 << 61
 # above a floor at or below which every seq counts as applied: more than the batches of one
 # client that can be applied between one it was handed back and that one's return.
 RECENT_SEQS = 64
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ModelFactory = Callable[[], SplitNet]
+
+
+class OptimizerFactory(Protocol):
+    """A fresh server optimizer for the replica of `version` after `steps` optimizer steps
+    (`Hyper.server_optimizer`: where its schedule stands)."""
+
+    def __call__(
+        self, params: Iterable[nn.Parameter], *, version: int, steps: int
+    ) -> torch.optim.Optimizer: ...
 
 
 def pick_device(setting: str, *, cuda_available: Callable[[], bool] | None = None) -> torch.device:
@@ -63,10 +75,10 @@ class Replica:
         self.server: nn.Module = ServerModel(copy.deepcopy(template), cut).to(device)
         self.server.train()
         self._optimizer_factory = optimizer_factory
-        self.optimizer = optimizer_factory(self.server.parameters())
         self._names: frozenset[str] = frozenset(self.server.state_dict())
         self.origin_version = 0  # what a replica without checkpoint started from
         self._clear()
+        self.optimizer = self._fresh_optimizer()
 
     def _clear(self) -> None:
         self.version = 0
@@ -91,9 +103,12 @@ class Replica:
         optimizer state starts afresh (architecture doc, "Weights and versions")."""
         self._load(store.read_blob(job, version, SERVER))
         self.version = version
+        self.optimizer = self._fresh_optimizer()
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Weights and bookkeeping of a checkpoint (raises `StateDictError` on foreign weights)."""
+        """Weights, optimizer state and bookkeeping of a checkpoint (raises `StateDictError`
+        on foreign weights). A checkpoint without optimizer state, or with another optimizer's,
+        gets a fresh optimizer."""
         self._load(checkpoint.weights)
         self._clear()
         self.applied = int(checkpoint.applied)
@@ -104,11 +119,22 @@ class Replica:
             self.start_counting()
         if "floors" not in checkpoint.meta:  # from before windows: every seq up to the highest
             self.floors = dict(self.seqs)
+        self.optimizer = self._fresh_optimizer()
+        if (
+            checkpoint.optimizer
+            and checkpoint.meta.get("optimizer") == type(self.optimizer).__name__
+        ):
+            numbers = checkpoint.meta.get("optimizer_numbers", [])
+            load_optimizer_state(self.optimizer, self.server, checkpoint.optimizer, numbers)
 
     def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
         load_partial(self.server, weights)
         self._names = frozenset(weights)
-        self.optimizer = self._optimizer_factory(self.server.parameters())
+
+    def _fresh_optimizer(self) -> torch.optim.Optimizer:
+        # The schedule stands at this replica's version and its optimizer steps so far.
+        version, steps = max(self.version, 1), self.steps
+        return self._optimizer_factory(self.server.parameters(), version=version, steps=steps)
 
     def reset(self, store: WeightStore, job: str) -> str:
         """Back to the last checkpoint (or the version it started from); says which."""
@@ -188,7 +214,10 @@ class Replica:
         # The checks copy the maps: the replica goes on changing its own.
         meta: dict[str, Any] = {key: check(key, getattr(self, key)) for key, check in _META.items()}
         meta["handed_in"] = self.handed_in
-        return Checkpoint(shard=self.shard, applied=self.applied, weights=weights, meta=meta)
+        optimizer, numbers = optimizer_state(self.optimizer, self.server)
+        meta["optimizer"] = type(self.optimizer).__name__
+        meta["optimizer_numbers"] = numbers
+        return Checkpoint(self.shard, self.applied, weights, meta, optimizer=optimizer)
 
 
 def open_replica(

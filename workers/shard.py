@@ -483,7 +483,9 @@ class ShardRunner:
             for i in items
         ]
         try:
-            results = io.strategy.server_step(replica.server, replica.optimizer, batches)
+            results = io.strategy.server_step(
+                replica.server, replica.optimizer, batches, loss=io.hyper.loss
+            )
         except Exception as exc:  # never let one step take the worker down
             self._say("server step failed: %r", exc, level=logging.ERROR)
             for item in items:

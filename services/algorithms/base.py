@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import ClassVar, Literal, Protocol, Self, TypeVar
 
@@ -25,6 +26,15 @@ from models.split import SplitNet
 from models.state import client_state, head_state, server_state
 from services.algorithms.averaging import weighted_average
 from services.algorithms.defences import Defences, Smashed
+from services.algorithms.recipe import (
+    LossFn,
+    OptimizerFactory,
+    cross_entropy,
+    loss_function,
+    optimizer_factory,
+    paced,
+)
+from services.config.training import LossSection, OptimizerSection, ScheduleSection
 
 State = Mapping[str, torch.Tensor]
 VersionWeights = dict[BlobRef, dict[str, torch.Tensor]]
@@ -45,19 +55,58 @@ class Params(BaseModel):
 
 @dataclass(frozen=True)
 class Hyper:
-    """Client- and server-side training parameters of one job."""
+    """Client- and server-side training parameters of one job: `lr`, `momentum` and
+    `server_lr` make plain SGD unless the recipe's `[optimizer]` names another one."""
 
     lr: float
     momentum: float = 0.0
     server_lr: float = 0.0
     local_epochs: int = 1
     max_steps: int = 0  # per round; 0 = whole epochs
+    optimizers: OptimizerSection = field(default_factory=OptimizerSection)
+    schedules: ScheduleSection = field(default_factory=ScheduleSection)
+    losses: LossSection = field(default_factory=LossSection)
+    # Where a client's round stands in the schedule: the round (from 0) and its steps.
+    round: int = 0
+    steps: int = 0
+
+    def at_round(self, round_: int, steps: int) -> Hyper:
+        """These parameters for a client's round `round_` of `steps` optimizer steps."""
+        return replace(self, round=round_, steps=steps)
 
     def client_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+        """A fresh optimizer at the round's point of the schedule (per step: the round's
+        first step, counted as `round * steps`)."""
+        choice, plan = self.optimizers.client_side, self.schedules.client_side
+        make = self._sgd(self.lr) if choice is None else optimizer_factory(choice)
+        position = self.round * self.steps if plan and plan.every == "step" else self.round
+        return paced(make, params, plan, position)
 
-    def server_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=self.server_lr or self.lr, momentum=self.momentum)
+    def server_optimizer(
+        self, params: Iterable[nn.Parameter], *, version: int = 1, steps: int = 0
+    ) -> torch.optim.Optimizer:
+        """A fresh optimizer for the server side of `version` whose replica took `steps`
+        optimizer steps so far (a per-step schedule's position; per round: `version - 1`)."""
+        choice, plan = self.optimizers.server_side, self.schedules.server_side
+        make = (
+            self._sgd(self.server_lr or self.lr)
+            if choice is None
+            else optimizer_factory(choice, "optimizer.server")
+        )
+        position = steps if plan and plan.every == "step" else max(0, version - 1)
+        return paced(make, params, plan, position, "schedule.server")
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch, on either side (`[loss]`; cross-entropy by default)."""
+        return self._loss_fn(logits, labels)
+
+    @cached_property
+    def _loss_fn(self) -> LossFn:
+        return loss_function(self.losses)
+
+    def _sgd(self, lr: float) -> OptimizerFactory:
+        momentum = self.momentum
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
 class Tally(Protocol):
@@ -272,6 +321,9 @@ class StrategyBase:
     # It trains a U-shaped split (`model.tail`): the client's round uses the channel's
     # forward/backward, the worker's step is `server_forward` then `ushape.backward_open`.
     u_shaped: ClassVar[bool] = False
+    # The client optimizers (lower-case torch.optim names) its update rule is written for;
+    # None: any. The config refuses another at load time (docs/training.md).
+    client_optimizers: ClassVar[frozenset[str] | None] = None
 
     @property
     def partial_client_updates(self) -> bool:
@@ -325,9 +377,15 @@ class StrategyBase:
         return d.apply(x, z, stream)
 
     def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
     ) -> StepResults:
-        """One server step; per batch (dL/dz, loss, correct) in input order. The default is
+        """One server step with the job's `loss`; per batch (dL/dz, loss, correct) in input
+        order. The default is
         the no-server step of algorithms that do not split: no smashed data should arrive."""
         raise RuntimeError(f"{self.name} has no server-side model: no smashed data should arrive")
 

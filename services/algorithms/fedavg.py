@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
-
 from services.algorithms.base import (
     LocalRound,
     RoundResult,
@@ -28,7 +26,7 @@ class FedAvg(Unsplit):
         optimizer = r.hyper.client_optimizer(block_parameters(model).values())
         samples = 0
         for x, y in r.batches:
-            loss = F.cross_entropy(model(x), y)
+            loss = r.hyper.loss(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

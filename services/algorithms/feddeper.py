@@ -29,7 +29,6 @@ from typing import Literal, Protocol, Self
 import torch
 from pydantic import Field
 from torch import nn
-from torch.nn import functional as F
 
 from models.state import load_partial
 from services.algorithms.base import (
@@ -42,6 +41,7 @@ from services.algorithms.base import (
     block_parameters,
     full_state,
 )
+from services.algorithms.recipe import LossFn
 
 # `ClientContext.memory` key prefix of the personalised model's tensors.
 PERSONAL = "v:"
@@ -136,9 +136,9 @@ def remember(memory: dict[str, torch.Tensor], v: State) -> None:
     memory.update({PERSONAL + name: t.detach().clone() for name, t in v.items()})
 
 
-def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: LossFn) -> None:
     model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
+    loss(model(x), y).backward()
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
@@ -152,6 +152,9 @@ class FedDeper(Unsplit):
     rule: DeperRule = field(default_factory=lambda: make_rule(FedDeperSection()))
     name: str = "feddeper"
     personal_on_clients = True
+    # Both rules are SGD steps on rewritten gradients (the paper's alternating SGD): an
+    # adaptive optimizer would rescale the pull towards x and the drift correction.
+    client_optimizers = frozenset({"sgd"})
 
     @classmethod
     def create(cls, name: str, params: Params | None) -> Self:
@@ -173,8 +176,8 @@ class FedDeper(Unsplit):
         for xb, yb in r.batches:
             # u first: the client's training-loss tally (a forward hook, which the copy v
             # inherits) counts only the first training forward of each batch.
-            _backward(model, xb, yb)
-            _backward(v_model, xb, yb)
+            _backward(model, xb, yb, r.hyper.loss)
+            _backward(v_model, xb, yb, r.hyper.loss)
             with torch.no_grad():
                 for name, p in u_params.items():
                     p.grad = self.rule.local_direction(_grad(p), p, x[name])

@@ -30,7 +30,6 @@ from typing import Self
 import torch
 from pydantic import Field
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from models.flops import flops_by_layer, forward_flops
 from models.parts import ServerModel
@@ -53,6 +52,7 @@ from services.algorithms.base import (
     VersionWeights,
     algorithm,
 )
+from services.algorithms.recipe import LossFn, cross_entropy
 
 Holding = tuple[State, float]  # a state and the samples it was trained on
 
@@ -75,16 +75,18 @@ def parse_cuts(text: str) -> tuple[str, ...]:
     return cuts
 
 
-def local_loss(head_logits: Sequence[Tensor], y: Tensor) -> Tensor:
+def local_loss(head_logits: Sequence[Tensor], y: Tensor, loss: LossFn = cross_entropy) -> Tensor:
     """The client's loss `sum_{i<=m} l(a_i(z_i), y)` over its heads' logits."""
     if not head_logits:
         raise ValueError("a client trains at least one head")
-    return torch.stack([F.cross_entropy(logits, y) for logits in head_logits]).sum()
+    return torch.stack([loss(logits, y) for logits in head_logits]).sum()
 
 
-def server_loss(head_logits: Sequence[Tensor], output: Tensor, y: Tensor) -> Tensor:
+def server_loss(
+    head_logits: Sequence[Tensor], output: Tensor, y: Tensor, loss: LossFn = cross_entropy
+) -> Tensor:
     """The server's loss for one batch: `sum_{i>m} l(a_i(z_i), y) + l(output, y)`."""
-    return torch.stack([F.cross_entropy(t, y) for t in (*head_logits, output)]).sum()
+    return torch.stack([loss(t, y) for t in (*head_logits, output)]).sum()
 
 
 def tensor_depth(name: str, cut_index: Mapping[str, int]) -> int | None:
@@ -250,15 +252,15 @@ class FedSplitX(StrategyBase):
             smashed = self.smashed(r, x, z, step)
             # Out first, so the server works on it while this client r.steps.
             r.channel.send(smashed.wire(), y, step, r.steps)
-            loss = smashed.with_penalty(local_loss(logits, y))
+            objective = smashed.with_penalty(local_loss(logits, y, r.hyper.loss))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            objective.backward()
             optimizer.step()
             rows = int(y.shape[0])
             with torch.no_grad():
-                last_sum += float(F.cross_entropy(logits[-1], y)) * rows
+                last_sum += float(r.hyper.loss(logits[-1], y)) * rows
                 correct += int((logits[-1].argmax(dim=1) == y).sum())
-            loss_sum += float(loss.detach()) * rows
+            loss_sum += float(objective.detach()) * rows
             samples += rows
         cost = level_costs(model, levels)[len(own) - 1]
         metrics = {
@@ -283,7 +285,12 @@ class FedSplitX(StrategyBase):
         )
 
     def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
     ) -> StepResults:
         """One step on the rows-weighted mean of the batches' server losses, each batch run
         from its own cut; no gradient goes back."""
@@ -300,14 +307,14 @@ class FedSplitX(StrategyBase):
             z = b.activations.detach().to(device=device, dtype=torch.float32)
             y = b.labels.to(device=device, dtype=torch.long)
             output, aux = server.forward_from(z, b.cut or server.cut, heads)
-            objective = objective + server_loss(list(aux.values()), output, y) * (
+            objective = objective + server_loss(list(aux.values()), output, y, loss) * (
                 int(y.shape[0]) / total
             )
             with torch.no_grad():
-                loss = float(F.cross_entropy(output, y))
+                batch_loss = float(loss(output, y))
                 hits = int((output.argmax(dim=1) == y).sum())
             # No gradient goes back: the client does not wait for one.
-            results.append((torch.empty(0), loss, hits))
+            results.append((torch.empty(0), batch_loss, hits))
         if not bool(torch.isfinite(objective.detach())):
             # No step; the worker checks the reported losses, so a head's non-finite loss must
             # show there too (it rolls the replica back and dead-letters the batches).

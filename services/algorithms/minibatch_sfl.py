@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from services.algorithms.base import CohortBatch, OpenStep, StepResults, algorithm
+from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.sfl import SFL, weighted_step
 from services.algorithms.ushape import forward_open
 
@@ -25,7 +26,12 @@ class MiniBatchSFL(SFL):
     server_barrier = True
 
     def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
     ) -> StepResults:
         return weighted_step(
             server,
@@ -33,6 +39,7 @@ class MiniBatchSFL(SFL):
             [b.activations for b in batches],
             [b.labels for b in batches],
             [b.weight for b in batches],
+            loss=loss,
         ).rows()
 
     def server_forward(

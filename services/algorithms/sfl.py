@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from models.state import client_state
 from services.algorithms.base import (
@@ -27,6 +26,7 @@ from services.algorithms.base import (
     StrategyBase,
     algorithm,
 )
+from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.ushape import forward_open, u_round
 
 
@@ -51,6 +51,7 @@ def weighted_step(
     *,
     concat: bool = False,
     loss_scale: float = 1.0,
+    loss: LossFn = cross_entropy,
 ) -> ServerStepResult:
     """MiniBatch-SFL's server step, equation (3) of Huang, Tian and Tang:
 
@@ -87,7 +88,7 @@ def weighted_step(
     losses: list[torch.Tensor] = []
     correct: list[int] = []
     for logits, y in zip(outputs, labels, strict=True):
-        losses.append(F.cross_entropy(logits, y))
+        losses.append(loss(logits, y))
         correct.append(int((logits.detach().argmax(dim=1) == y).sum()))
     objective = sum((pn / total_p) * ln for pn, ln in zip(p, losses, strict=True))
     optimizer.zero_grad(set_to_none=True)
@@ -106,6 +107,7 @@ def rows_step(
     optimizer: torch.optim.Optimizer,
     batches: Sequence[CohortBatch],
     loss_scale: float = 1.0,
+    loss: LossFn = cross_entropy,
 ) -> StepResults:
     """One step over the batches' concatenation, each weighted by its rows: for several folded
     messages, the step a single batch of all those rows would take."""
@@ -117,6 +119,7 @@ def rows_step(
         [float(b.labels.shape[0]) for b in batches],
         concat=True,
         loss_scale=loss_scale,
+        loss=loss,
     ).rows()
 
 
@@ -149,9 +152,14 @@ class SFL(StrategyBase):
         return RoundResult(client_state(r.model, r.cut), metrics={"train_samples": float(samples)})
 
     def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
     ) -> StepResults:
-        return rows_step(server, optimizer, batches)
+        return rows_step(server, optimizer, batches, loss=loss)
 
     def server_forward(
         self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]

@@ -52,6 +52,7 @@ from services.algorithms.base import (
     average_replicas,
     full_model_weights,
 )
+from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.sfl import rows_step
 
 
@@ -73,6 +74,7 @@ def client_objective(
     z: torch.Tensor,
     server_grad: torch.Tensor,
     gamma: float,
+    loss: LossFn = cross_entropy,
 ) -> torch.Tensor:
     """A scalar whose gradient w.r.t. the client's parameters is `grad F_k`.
 
@@ -80,7 +82,7 @@ def client_objective(
     server's part enters as the surrogate `<z, server_grad>` (its gradient w.r.t. z is exactly
     `server_grad`), and the head's part as `gamma * l(h(z), y)`.
     """
-    head_loss = F.cross_entropy(head_logits, labels)
+    head_loss = loss(head_logits, labels)
     surrogate = (z * server_grad.to(device=z.device, dtype=z.dtype)).sum()
     return gamma * head_loss + surrogate
 
@@ -362,14 +364,14 @@ class SplitGP(StrategyBase):
             smashed = self.smashed(r, x, z, step)
             grad = r.channel.exchange(smashed.wire(), y, step, r.steps)
             objective = smashed.with_penalty(
-                client_objective(head_logits, y, smashed.sent, grad, self.gamma)
+                client_objective(head_logits, y, smashed.sent, grad, self.gamma, r.hyper.loss)
             )
             optimizer.zero_grad(set_to_none=True)
             objective.backward()
             optimizer.step()
             rows = int(y.shape[0])
             with torch.no_grad():
-                loss_sum += float(nn.functional.cross_entropy(head_logits, y)) * rows
+                loss_sum += float(r.hyper.loss(head_logits, y)) * rows
                 correct += int((head_logits.argmax(dim=1) == y).sum())
             samples += rows
         metrics = {"train_samples": float(samples)}
@@ -382,11 +384,16 @@ class SplitGP(StrategyBase):
         )
 
     def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
     ) -> StepResults:
         # Eq. (8): `theta <- theta - eta * (1-gamma) * grad l_S`, and each batch's
         # `(1-gamma) * dl_S/dz` for its client; folded batches as in SFL's fold.
-        return rows_step(server, optimizer, batches, loss_scale=1.0 - self.gamma)
+        return rows_step(server, optimizer, batches, loss_scale=1.0 - self.gamma, loss=loss)
 
     def aggregate(
         self,

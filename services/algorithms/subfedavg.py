@@ -25,7 +25,6 @@ from typing import Literal, Self
 import torch
 from pydantic import Field
 from torch import nn
-from torch.nn import functional as F
 
 from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef
 from models.split import SplitNet
@@ -63,6 +62,7 @@ from services.algorithms.pruning import (
     percentile_mask,
     step_percent,
 )
+from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.sfl import SFL
 
 WEIGHT_KEY = "subfedavg.weights."  # + weight name: the |w| masks in ClientContext.memory
@@ -195,7 +195,7 @@ class SubFedAvg(StrategyBase):
 
     def _backward(self, r: LocalRound, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
         if not self.splits:
-            F.cross_entropy(r.model(x), y).backward()
+            r.hyper.loss(r.model(x), y).backward()
             return
         smashed = self.smashed(r, x, r.model.client_blocks(r.cut)(x), step)
         smashed.backward(r.channel.exchange(smashed.wire(), y, step, r.steps))
@@ -299,11 +299,16 @@ class SubFedAvg(StrategyBase):
 
     # --- worker -----------------------------------------------------------------------------
     def server_step(
-        self, server: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[CohortBatch]
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
     ) -> StepResults:
         if not self.splits:
-            return super().server_step(server, optimizer, batches)
-        return SFL().server_step(server, optimizer, batches)
+            return super().server_step(server, optimizer, batches, loss=loss)
+        return SFL().server_step(server, optimizer, batches, loss=loss)
 
     # --- aggregator -------------------------------------------------------------------------
     def aggregate(

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from models.state import client_state
 from services.algorithms.base import LocalRound, OpenStep, RoundResult, StrategyBase
@@ -86,7 +85,7 @@ def u_round(strategy: StrategyBase, r: LocalRound) -> RoundResult:
         out = r.channel.forward(smashed.wire(), step, r.steps)
         out = out.to(dtype=smashed.sent.dtype, copy=True).requires_grad_(True)
         logits = tail(out)
-        loss = F.cross_entropy(logits, y)
+        loss = r.hyper.loss(logits, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         assert out.grad is not None

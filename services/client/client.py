@@ -17,7 +17,6 @@ from dataclasses import KW_ONLY, InitVar, dataclass, replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from broker.errors import EncodeError
 from broker.messages import (
@@ -38,6 +37,7 @@ from broker.topology import reply_queue, updates_routing_key
 from models.split import SplitNet, evaluating
 from models.state import load_partial
 from services.algorithms.base import ClientContext, LocalRound, Strategy
+from services.algorithms.recipe import LossFn
 from services.algorithms.registry import build_strategy
 from services.client.beat import HeartbeatThread
 from services.client.data import JobData, client_batches, round_batches
@@ -555,7 +555,7 @@ class RoundRunner:
         hook = None
         if not member.strategy.splits:
             # The whole model runs here: measure its training loss on the batches it sees.
-            batches, hook = self._tallied(model, batches, local)
+            batches, hook = self._tallied(model, batches, local, plan.hyper.loss)
         algorithm, memory = self.memory.take()
         if algorithm != plan.algorithm:
             memory = {}
@@ -578,7 +578,7 @@ class RoundRunner:
                         self._ticking(batches),
                         steps,
                         channel,
-                        plan.hyper,
+                        plan.hyper.at_round(assignment.round, steps),
                         context,
                     )
                 )
@@ -621,7 +621,7 @@ class RoundRunner:
             yield x, y
 
     def _tallied(
-        self, model: SplitNet, batches: Iterator[Batch], tally: Tally
+        self, model: SplitNet, batches: Iterator[Batch], tally: Tally, loss_fn: LossFn
     ) -> tuple[Iterator[Batch], torch.utils.hooks.RemovableHandle]:
         labels: list[torch.Tensor] = []
 
@@ -629,7 +629,7 @@ class RoundRunner:
             if labels and logits.requires_grad:  # a training forward of the current batch
                 y = labels.pop()
                 with torch.no_grad():
-                    loss = float(F.cross_entropy(logits, y))
+                    loss = float(loss_fn(logits, y))
                     correct = int((logits.argmax(dim=1) == y).sum())
                 tally.add(loss, correct, int(y.shape[0]))
 

@@ -12,12 +12,23 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from broker.messages import ConfigValue
 from services.algorithms.base import Hyper
+from services.algorithms.recipe import check_recipe
 from services.algorithms.registry import REGISTRY
 from services.common.jobmodel import job_hyper
 from services.config.root import Settings
+from services.config.training import (
+    LOSS_KEY,
+    OPTIMIZER_KEY,
+    SCHEDULE_KEY,
+    LossSection,
+    OptimizerSection,
+    ScheduleSection,
+    TorchChoice,
+)
 
 # Config keys that carry the algorithm's own parameters.
 PARAMS_PREFIX = "params."
@@ -78,6 +89,7 @@ class RoundPlan:
         if sent or "algorithm" in changes:
             # The service's parameters replace ours whole: ours may belong to another algorithm.
             changes["params"] = MappingProxyType(sent)
+        hyper.update(_recipe(config, self.hyper))
         h = replace(self.hyper, **hyper)
         if h.lr <= 0 or not 0 <= h.momentum < 1 or h.server_lr < 0:
             raise ValueError(
@@ -89,6 +101,44 @@ class RoundPlan:
     @property
     def wire_dtype(self) -> torch.dtype:
         return WIRE_DTYPES[self.smashed_dtype]
+
+
+# Config key -> (the Hyper field it sets, its table's model).
+_RECIPE: Mapping[str, tuple[str, type[TorchChoice]]] = MappingProxyType(
+    {
+        OPTIMIZER_KEY: ("optimizers", OptimizerSection),
+        SCHEDULE_KEY: ("schedules", ScheduleSection),
+        LOSS_KEY: ("losses", LossSection),
+    }
+)
+
+
+def _recipe(config: Mapping[str, ConfigValue], current: Hyper) -> dict[str, Any]:
+    """The recipe's tables the service sent (JSON strings), validated as the job file's are
+    (against torch when they change `current`'s)."""
+    out: dict[str, Any] = {}
+    for key, (field_name, model) in _RECIPE.items():
+        if key not in config:
+            continue
+        raw = config[key]
+        if not isinstance(raw, str):
+            raise ValueError(f"config.{key}: expected the table as a JSON string, got {raw!r}")
+        try:
+            out[field_name] = model.model_validate_json(raw)
+        except ValidationError as exc:
+            problems = "; ".join(f"{e['loc']}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"config.{key}: {problems}") from None
+    changed = replace(current, **out)
+    if (changed.optimizers, changed.schedules, changed.losses) != (
+        current.optimizers,
+        current.schedules,
+        current.losses,
+    ):
+        try:
+            check_recipe(changed.optimizers, changed.schedules, changed.losses)
+        except ValueError as exc:
+            raise ValueError(f"config: the service's recipe is unusable here: {exc}") from None
+    return out
 
 
 def config_int(config: Mapping[str, ConfigValue], key: str) -> int | None:

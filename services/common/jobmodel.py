@@ -49,4 +49,7 @@ def job_hyper(settings: Settings) -> Hyper:
         server_lr=algorithm.server_lr,
         local_epochs=algorithm.local_epochs,
         max_steps=algorithm.max_steps_per_round,
+        optimizers=settings.optimizer,
+        schedules=settings.schedule,
+        losses=settings.loss,
     )

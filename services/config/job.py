@@ -25,6 +25,7 @@ from services.algorithms.registry import REGISTRY
 from services.config.hints import did_you_mean
 from services.config.privacy import PrivacySection
 from services.config.settings import _Section
+from services.config.training import LossSection, OptimizerSection, ScheduleSection
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -392,6 +393,11 @@ class JobConfig(_Section):
     privacy: PrivacySection = PrivacySection()
     evaluation: EvaluationSection = EvaluationSection()
     report: ReportSection = ReportSection()
+    # The training recipe (services/config/training.py): no [optimizer] name is plain SGD
+    # from algorithm.lr, momentum and server_lr.
+    optimizer: OptimizerSection = OptimizerSection()
+    schedule: ScheduleSection = ScheduleSection()
+    loss: LossSection = LossSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
@@ -411,7 +417,45 @@ class JobConfig(_Section):
             )
         if self.model.tail:
             self._u_shaped_supported()
+        self._one_optimizer_setting()
+        if self.recipe_set:
+            self._recipe_usable()
         return self
+
+    @property
+    def recipe_set(self) -> bool:
+        """Whether [optimizer], [schedule] or [loss] changes the plain SGD and cross-entropy."""
+        o, s = self.optimizer, self.schedule
+        return bool(o.name or o.server or s.name or s.server or not self.loss.is_default)
+
+    def _one_optimizer_setting(self) -> None:
+        """The SGD settings of [algorithm] and an [optimizer] must not both be given: one
+        would silently lose."""
+        given = self.algorithm.model_fields_set
+        owned = ("lr", "momentum", "server_lr") if self.optimizer.name else ("server_lr",)
+        clashes = [k for k in owned if k in given]
+        if clashes and (self.optimizer.name or self.optimizer.server):
+            table = "[optimizer]" if self.optimizer.name else "[optimizer.server]"
+            raise ValueError(
+                f"algorithm.{clashes[0]} and {table} both set the optimizer: put lr (and "
+                f"momentum) in {table} (and [optimizer.server] for the server side), and "
+                f"remove algorithm.{', algorithm.'.join(clashes)}"
+            )
+
+    def _recipe_usable(self) -> None:
+        """Names and arguments checked against torch, imported only for a job that sets a
+        recipe (`splitmq check` on a plain one stays without torch)."""
+        from services.algorithms.recipe import check_recipe
+
+        check_recipe(self.optimizer, self.schedule, self.loss)
+        wanted = REGISTRY.get(self.algorithm.name).strategy.client_optimizers
+        chosen = self.optimizer.client_side
+        if wanted is not None and chosen is not None and chosen.name.lower() not in wanted:
+            raise ValueError(
+                f"optimizer.name = {chosen.name!r}: algorithm {self.algorithm.name} is written "
+                f"for the client optimizer {' or '.join(sorted(wanted))} (docs/training.md); "
+                "use that, or put another one in [optimizer.server] only"
+            )
 
     def _u_shaped_supported(self) -> None:
         strategy = REGISTRY.get(self.algorithm.name).strategy

@@ -1,5 +1,5 @@
 """The centralized baseline (`Run(kind="centralized")`, CONTRIBUTING.md): one plain loop, the
-same optimiser as the clients'.
+same optimiser, schedule and loss as the clients' (the job's recipe).
 
 A round here is the training the federation does in one round: the sum over a cohort of the
 clients' local steps (`clients.fraction` of them, each capped by `max_steps_per_round`). The
@@ -14,14 +14,14 @@ import threading
 import time
 
 import torch
-from torch.nn import functional as F
+from torch import nn
 
 from broker.store import CLIENT_PART, BlobRef
 from services.aggregator.evaluation import build_evaluator
 from services.aggregator.round_gate import round_half_up
-from services.algorithms.base import full_state
+from services.algorithms.base import Hyper, full_state
 from services.client.data import JobData, client_batches
-from services.common.jobmodel import job_model
+from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
 from services.data.batches import ClientBatches
 from services.data.loaders import Dataset
@@ -65,14 +65,27 @@ def union_batches(data: JobData, settings: Settings) -> ClientBatches:
     )
 
 
+def round_optimizer(
+    hyper: Hyper, model: nn.Module, previous: torch.optim.Optimizer | None
+) -> torch.optim.Optimizer:
+    """The service's optimizer for this round (the job's recipe and schedule), carrying on the
+    state of the previous round's: one model trains throughout, so its momentum does too."""
+    fresh = hyper.client_optimizer(model.parameters())
+    if previous is not None:
+        saved = fresh.state_dict()
+        saved["state"] = previous.state_dict()["state"]
+        fresh.load_state_dict(saved)
+    return fresh
+
+
 def train_centralized(
     settings: Settings, dataset: Dataset, sink: MetricsSink, stop: threading.Event
 ) -> str:
     """Train for `job.rounds` rounds, recording one version per round; the final status."""
     data = JobData(settings, dataset)
     model = job_model(settings, seed=settings.job.seed)  # the service's version 1
-    algorithm = settings.algorithm
-    optimizer = torch.optim.SGD(model.parameters(), lr=algorithm.lr, momentum=algorithm.momentum)
+    hyper = job_hyper(settings)
+    optimizer: torch.optim.Optimizer | None = None
     evaluator = build_evaluator(settings, dataset.test)
     classes = {f"client-{k}": data.classes(k) for k in range(data.clients)}
     per_round = steps_per_round(data, settings)
@@ -82,6 +95,7 @@ def train_centralized(
     status = "finished"
     for round_index in range(settings.job.rounds):
         round_start = time.monotonic()
+        optimizer = round_optimizer(hyper.at_round(round_index, per_round), model, optimizer)
         model.train()
         samples = correct = 0
         loss_sum = 0.0
@@ -89,7 +103,7 @@ def train_centralized(
             if stop.is_set():
                 break
             logits = model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = hyper.loss(logits, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

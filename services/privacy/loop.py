@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.errors import ModelSpecError
@@ -112,12 +111,12 @@ class SplitTrainer:
         sent_gradient: Tensor | None = None
         if parts.tail is None:
             logits = h
-            loss = F.cross_entropy(logits, y)
+            loss = self.hyper.loss(logits, y)
             loss.backward()
         else:
             h_client = h.detach().requires_grad_()
             logits = parts.tail(h_client)
-            loss = F.cross_entropy(logits, y)
+            loss = self.hyper.loss(logits, y)
             loss.backward()
             assert h_client.grad is not None
             sent_gradient = defences.gradient(h_client.grad).detach()
