@@ -16,6 +16,10 @@ aggregator builds version 1), the partition, `ClientBatches` with epochs numbere
 optimizers every round (a new version is a new model), and the cohort in sorted client order
 (BatchNorm's running statistics depend on the order the server sees the clients' batches in).
 
+A job with a training recipe (`[optimizer]`, `[schedule]`, `[loss]`) runs the same loop with the
+`Recipe` the test writes out for it: its own torch optimizers, the lr of each step computed by
+the test, and its loss, on both sides.
+
 A U-shaped job (`model.tail`) runs the same loop with the loss moved to the client: the server's
 blocks stop before the tail, each client's tail computes `L_n` on the server's output `o_n`, and
 the server steps on `sum_n p_n J_n^T dL_n/do_n / sum p` (`_u_step`).
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,31 @@ from services.data.loaders import Dataset
 
 Tensors = dict[str, torch.Tensor]
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the reference trains with: optimizers built afresh each round, the lr of step i
+    of round r on either side, and the loss."""
+
+    client: Make
+    server: Make
+    client_lr: Callable[[int, int], float]
+    server_lr: Callable[[int, int], float]
+    loss: Loss = F.cross_entropy
+
+
+def sgd_recipe(settings: Settings) -> Recipe:
+    """`[algorithm]`'s plain SGD at a constant lr: the recipe of a job without one."""
+    a = settings.algorithm
+    return Recipe(
+        client=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=a.momentum),
+        server=lambda ps: torch.optim.SGD(ps, lr=a.effective_server_lr, momentum=a.momentum),
+        client_lr=lambda _r, _i: a.lr,
+        server_lr=lambda _r, _i: a.effective_server_lr,
+    )
 
 
 @dataclass(frozen=True)
@@ -53,10 +82,13 @@ class ReferenceResult:
     initial: Tensors  # client and server side of the seeded model: version 1
 
 
-def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> ReferenceResult:
-    """`rounds` sync rounds of every client of the job, in-process."""
+def reference_run(
+    settings: Settings, dataset: Dataset, rounds: int, recipe: Recipe | None = None
+) -> ReferenceResult:
+    """`rounds` sync rounds of every client of the job, in-process (`recipe`: the SGD of
+    `[algorithm]` when None)."""
     cut = settings.model.cut
-    a = settings.algorithm
+    recipe = recipe or sgd_recipe(settings)
     data = JobData(settings, dataset)
     clients = range(settings.clients.count)
     p = [float(len(data.indices(n))) for n in clients]
@@ -74,9 +106,7 @@ def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> Referenc
     steps_taken = 0
     for r in range(rounds):
         # A new version is a new model: every optimizer starts afresh (architecture doc).
-        server_opt = torch.optim.SGD(
-            server.parameters(), lr=a.effective_server_lr, momentum=a.momentum
-        )
+        server_opt = recipe.server(list(server.parameters()))
         client_opts = []
         for n, (model, body) in enumerate(zip(models, bodies, strict=True)):
             load_partial(model, global_client)
@@ -85,7 +115,7 @@ def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> Referenc
             if u_shaped:
                 tails[n].train()
                 params += list(tails[n].parameters())
-            client_opts.append(torch.optim.SGD(params, lr=a.lr, momentum=a.momentum))
+            client_opts.append(recipe.client(params))
         batches = [round_batches(settings, data, n, r) for n in clients]
         steps = {len(b) for b in batches}
         assert len(steps) == 1, f"clients with different step counts {steps}: no full cohort steps"
@@ -95,10 +125,12 @@ def reference_run(settings: Settings, dataset: Dataset, rounds: int) -> Referenc
             zs = [body(x) for body, x in zip(bodies, xs, strict=True)]
             for opt in client_opts:
                 opt.zero_grad()
+                _set_lr(opt, recipe.client_lr(r, i))
+            _set_lr(server_opt, recipe.server_lr(r, i))
             if u_shaped:
-                grads = _u_step(server, server_opt, tails, zs, ys, p)
+                grads = _u_step(server, server_opt, tails, zs, ys, p, recipe.loss)
             else:
-                grads = _server_step(server, server_opt, zs, ys, p)
+                grads = _server_step(server, server_opt, zs, ys, p, recipe.loss)
             for z, g, opt in zip(zs, grads, client_opts, strict=True):
                 z.backward(g)
                 opt.step()
@@ -128,18 +160,24 @@ def round_batches(settings: Settings, data: JobData, index: int, round_index: in
     return list(itertools.islice(chained, a.max_steps_per_round or None))
 
 
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def _server_step(
     server: nn.Module,
     optimizer: torch.optim.Optimizer,
     zs: Sequence[torch.Tensor],
     ys: Sequence[torch.Tensor],
     p: Sequence[float],
+    loss: Loss,
 ) -> list[torch.Tensor]:
     """Equation (3): one step on the p-weighted mean of the clients' losses; each client's
     `dh/dz_n` taken before the step."""
     inputs = [z.detach().requires_grad_(True) for z in zs]
     # One forward per client, in cohort order: h(w_s; z_n) sees client n's batch alone.
-    losses = [F.cross_entropy(server(z), y) for z, y in zip(inputs, ys, strict=True)]
+    losses = [loss(server(z), y) for z, y in zip(inputs, ys, strict=True)]
     objective = torch.stack([pn * loss for pn, loss in zip(p, losses, strict=True)]).sum() / sum(p)
     params = [q for q in server.parameters() if q.requires_grad]
     server_grads = torch.autograd.grad(objective, params, retain_graph=True)
@@ -160,6 +198,7 @@ def _u_step(
     zs: Sequence[torch.Tensor],
     ys: Sequence[torch.Tensor],
     p: Sequence[float],
+    loss: Loss,
 ) -> list[torch.Tensor]:
     """The U-shaped step: the server's outputs `o_n` (one forward per client, in cohort order),
     each client's tail loss on them (its tail's gradients accumulate for the client's step),
@@ -170,7 +209,7 @@ def _u_step(
     output_grads = []
     for tail, out, y in zip(tails, outputs, ys, strict=True):
         seen = out.detach().requires_grad_(True)  # what the client receives
-        F.cross_entropy(tail(seen), y).backward()
+        loss(tail(seen), y).backward()
         assert seen.grad is not None
         output_grads.append(seen.grad)
     params = [q for q in server.parameters() if q.requires_grad]

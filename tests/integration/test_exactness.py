@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from broker.codec import decode
 from broker.messages import SmashedBatch, TailGradient
@@ -37,7 +38,7 @@ from services.config.root import Settings
 from services.coordinator.coordinator import Coordinator
 from services.data.loaders import Dataset, load_dataset
 from services.report.records import ListSink
-from tests.integration.reference_loops import ReferenceResult, reference_run
+from tests.integration.reference_loops import Recipe, ReferenceResult, reference_run
 from tests.unit.test_aggregator_peers import delete_all
 from tests.unit.test_client_peers import max_diff
 from tests.unit.test_worker_support import one_torch_thread
@@ -83,23 +84,25 @@ def job_settings(
     algorithm: str,
     clients: int,
     tail: str = "",
+    recipe: dict[str, Any] | None = None,
     **data: Any,
 ) -> Settings:
     """cnn5 cut after block1 (BatchNorm on both sides), momentum (so optimizer state shows),
     two local epochs capped at 3 steps a round (so round 1 must start at epoch 2); `tail`:
-    U-shaped from that block on."""
+    U-shaped from that block on; `recipe`: its [optimizer], [schedule] and [loss] instead of
+    the SGD settings."""
+    sgd = {"lr": 0.05, "server_lr": 0.08, "momentum": 0.9} if recipe is None else {}
     return Settings.model_validate(
         {
             **connections,
+            **(recipe or {}),
             "job": {"name": job, "seed": 1, "rounds": ROUNDS},
             "model": {"name": "cnn5", "cut": "block1", "tail": tail},
             "data": {"dataset": "fashion_mnist_sample", **data},
             "algorithm": {
                 "name": algorithm,
                 "batch_size": 16,
-                "lr": 0.05,
-                "server_lr": 0.08,
-                "momentum": 0.9,
+                **sgd,
                 "local_epochs": 2,
                 "max_steps_per_round": 3,
             },
@@ -255,6 +258,91 @@ def test_minibatch_sfl_with_three_clients_matches_equation_3(
     want = reference_run(settings, dataset, ROUNDS)
 
     assert want.steps == ROUNDS * settings.algorithm.max_steps_per_round
+    check_exact(trained, want, clients=3)
+
+
+# AdamW with weight decay on both sides, each with its own lr and schedule (the client's per
+# step across rounds, the server's per round), and label smoothing: what `adamw_reference`
+# writes out by hand. Halving schedules keep every lr exact in binary. eps is raised from
+# 1e-8: a gradient that is zero in exact arithmetic (a conv's bias before BatchNorm) is float
+# noise of about that size, which Adam would scale up to lr-sized steps, so that two correct
+# loops summing the cohort's losses in another order would part by ~lr there.
+ADAMW_RECIPE: dict[str, Any] = {
+    "optimizer": {
+        "name": "adamw",
+        "lr": 0.004,
+        "weight_decay": 0.05,
+        "betas": [0.9, 0.99],
+        "eps": 1e-4,
+        "server": {"name": "AdamW", "lr": 0.002, "weight_decay": 0.1, "eps": 1e-4},
+    },
+    "schedule": {
+        "name": "steplr",
+        "step_size": 1,
+        "gamma": 0.5,
+        "every": "step",
+        "server": {"name": "exponentiallr", "gamma": 0.5},
+    },
+    "loss": {"label_smoothing": 0.1},
+}
+
+
+def adamw_reference(steps: int) -> Recipe:
+    return Recipe(
+        client=lambda ps: torch.optim.AdamW(
+            ps, lr=0.004, weight_decay=0.05, betas=(0.9, 0.99), eps=1e-4
+        ),
+        server=lambda ps: torch.optim.AdamW(ps, lr=0.002, weight_decay=0.1, eps=1e-4),
+        client_lr=lambda r, i: 0.004 * 0.5 ** (r * steps + i),
+        server_lr=lambda r, _i: 0.002 * 0.5**r,
+        loss=lambda logits, y: F.cross_entropy(logits, y, label_smoothing=0.1),
+    )
+
+
+def test_sfl_v2_with_adamw_a_schedule_and_label_smoothing_matches_a_plain_loop(
+    job: str,
+    connections: dict[str, dict[str, Any]],
+    dataset: Dataset,
+    cleanup: list[tuple[Backends, Settings]],
+) -> None:
+    settings = job_settings(job, connections, algorithm="sfl_v2", clients=1, recipe=ADAMW_RECIPE)
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+
+    trained = train(settings, backends, dataset)
+    steps = settings.algorithm.max_steps_per_round
+    want = reference_run(settings, dataset, ROUNDS, adamw_reference(steps))
+
+    check_exact(trained, want, clients=1)
+    # The recipe mattered: plain SGD lands elsewhere.
+    sgd = reference_run(
+        job_settings(job, connections, algorithm="sfl_v2", clients=1), dataset, ROUNDS
+    )
+    assert max_diff(trained.server, sgd.server) > 1e-3
+
+
+def test_u_shaped_minibatch_sfl_with_adamw_matches_equation_3(
+    job: str, dataset: Dataset, cleanup: list[tuple[Backends, Settings]]
+) -> None:
+    """The recipe on the client's tail too: its loss is the smoothed one."""
+    connections = {"broker": {"kind": "memory"}, "store": {"kind": "memory"}}
+    settings = job_settings(
+        job,
+        connections,
+        algorithm="minibatch_sfl",
+        clients=3,
+        tail="classifier",
+        recipe=ADAMW_RECIPE,
+        partition="dirichlet",
+        alpha=0.5,
+    )
+    backends = Backends(settings.broker, settings.store, Embedded())
+    cleanup.append((backends, settings))
+
+    trained = train(settings, backends, dataset)
+    steps = settings.algorithm.max_steps_per_round
+    want = reference_run(settings, dataset, ROUNDS, adamw_reference(steps))
+
     check_exact(trained, want, clients=3)
 
 
