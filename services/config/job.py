@@ -430,10 +430,11 @@ class JobConfig(_Section):
 
     def _one_optimizer_setting(self) -> None:
         """The SGD settings of [algorithm] and an [optimizer] must not both be given: one
-        would silently lose."""
-        given = self.algorithm.model_fields_set
+        would silently lose. A default value is no clash: a written-out config (the run
+        directory's) holds every field."""
+        a, fields = self.algorithm, AlgorithmSection.model_fields
         owned = ("lr", "momentum", "server_lr") if self.optimizer.name else ("server_lr",)
-        clashes = [k for k in owned if k in given]
+        clashes = [k for k in owned if getattr(a, k) != fields[k].default]
         if clashes and (self.optimizer.name or self.optimizer.server):
             table = "[optimizer]" if self.optimizer.name else "[optimizer.server]"
             raise ValueError(

@@ -61,6 +61,8 @@ def make_settings(job: str, **sections: Mapping[str, Any]) -> Settings:
         "clients": {"count": 3},
         "workers": {"checkpoint_every_steps": 3, "lease_ttl_s": 0.6, "device": "cpu"},
     }
+    if "optimizer" in sections:  # the [algorithm] SGD settings would clash with it
+        del raw["algorithm"]["lr"]
     for name, fields in sections.items():
         raw[name] = {**raw.get(name, {}), **fields}
     return Settings.model_validate(raw)
