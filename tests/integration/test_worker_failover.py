@@ -140,7 +140,8 @@ def test_sigkilled_worker_process_loses_no_batch_and_applies_none_twice(
     assert checkpoint.meta["seqs"] == {"c0": BATCHES - 1}
     assert checkpoint.meta["round"] == 0 and checkpoint.meta["round_samples"] == 8 * BATCHES
     assert stats.batches_applied == BATCHES - applied_at_death
-    server, optimizer = reference_server(model, settings)
+    server, sgd = reference_server(model, settings)
+    optimizer: torch.optim.Optimizer = sgd
     if settings.optimizer.name:
         assert at_death is None or at_death.meta["optimizer"] == "Adam"
         optimizer = torch.optim.Adam(server.parameters(), lr=1e-3, betas=(0.8, 0.99), eps=1e-4)
