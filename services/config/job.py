@@ -437,10 +437,14 @@ class JobConfig(_Section):
         clashes = [k for k in owned if getattr(a, k) != fields[k].default]
         if clashes and (self.optimizer.name or self.optimizer.server):
             table = "[optimizer]" if self.optimizer.name else "[optimizer.server]"
+            where = (
+                "lr and momentum go into [optimizer] (the server's into [optimizer.server])"
+                if self.optimizer.name
+                else "the server's lr goes into [optimizer.server]"
+            )
             raise ValueError(
-                f"algorithm.{clashes[0]} and {table} both set the optimizer: put lr (and "
-                f"momentum) in {table} (and [optimizer.server] for the server side), and "
-                f"remove algorithm.{', algorithm.'.join(clashes)}"
+                f"algorithm.{clashes[0]} and {table} both set the optimizer: {where}; remove "
+                f"algorithm.{', algorithm.'.join(clashes)}"
             )
 
     def _recipe_usable(self) -> None:

@@ -72,7 +72,9 @@ def _error_line(error: ErrorDetails) -> str:
     loc, where = error["loc"], ".".join(map(str, error["loc"]))
     message = error["msg"].removeprefix("Value error, ")
     # A section's own check names the keys inside it (algorithm.batch_szie: ...).
-    line = f"  {message}" if message.startswith(f"{where}.") else f"  {where}: {message}"
+    # A whole-file check (loc ()) names its keys itself.
+    named = not where or message.startswith(f"{where}.")
+    line = f"  {message}" if named else f"  {where}: {message}"
     section = _section(Settings, loc[:-1]) if error["type"] == "extra_forbidden" else None
     return line + did_you_mean(str(loc[-1]), section.model_fields) if section else line
 
