@@ -352,7 +352,7 @@ def test_the_optimizer_state_shares_the_checkpoints_blob_under_its_prefix() -> N
     back = decode_checkpoint("ckpt", 0, 1, data, sha, meta, 0.0)
     assert set(back.weights) == {"blocks.1.w"} and set(back.optimizer) == set(optimizer)
     assert torch.equal(back.optimizer["blocks.1.w.exp_avg"], optimizer["blocks.1.w.exp_avg"])
-    with pytest.raises(EncodeError, match="optimizer.s prefix"):
+    with pytest.raises(EncodeError, match=r"optimizer's prefix"):
         encode_checkpoint(Checkpoint(0, 1, {OPTIMIZER_PREFIX + "x": torch.ones(1)}, {}))
 
 
