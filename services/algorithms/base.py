@@ -34,7 +34,7 @@ from services.algorithms.recipe import (
     optimizer_factory,
     paced,
 )
-from services.config.training import LossSection, OptimizerSection, ScheduleSection
+from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
 
 State = Mapping[str, torch.Tensor]
 VersionWeights = dict[BlobRef, dict[str, torch.Tensor]]

@@ -1,5 +1,5 @@
 """The training recipe in torch: optimizers and lr schedules by name, and the loss
-(the config side, without torch: `services.config.training`; the keys: docs/training.md).
+(the config side, without torch: `services.algorithms.training`; the keys: docs/training.md).
 
 A schedule never lives on the optimizer it drives: optimizers are rebuilt every round on a
 client and every version on a worker, while a schedule's position runs through the job. A
@@ -16,6 +16,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from difflib import get_close_matches
 from typing import Any
 
 import torch
@@ -23,8 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.optim import lr_scheduler
 
-from services.config.hints import did_you_mean
-from services.config.training import (
+from services.algorithms.training import (
     CROSS_ENTROPY,
     LossSection,
     OptimizerSection,
@@ -275,3 +275,10 @@ def load_optimizer_state(
     saved = optimizer.state_dict()
     saved["state"] = {index[p]: state for p, state in by_param.items() if p in index}
     optimizer.load_state_dict(saved)
+
+
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """': did you mean NAME?' for the closest of `names` (as `services.config.hints` says it;
+    that layer sits above this one)."""
+    near = get_close_matches(word, list(names), n=1)
+    return f": did you mean {near[0]}?" if near else ""

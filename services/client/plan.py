@@ -20,7 +20,7 @@ from services.algorithms.recipe import check_recipe
 from services.algorithms.registry import REGISTRY
 from services.common.jobmodel import job_hyper
 from services.config.root import Settings
-from services.config.training import (
+from services.algorithms.training import (
     LOSS_KEY,
     OPTIMIZER_KEY,
     SCHEDULE_KEY,

@@ -14,7 +14,7 @@ import torch
 from broker.messages import ConfigValue, WeightsAssignment, new_message_id
 from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, VersionStore
 from services.config.root import Settings
-from services.config.training import LOSS_KEY, OPTIMIZER_KEY, SCHEDULE_KEY
+from services.algorithms.training import LOSS_KEY, OPTIMIZER_KEY, SCHEDULE_KEY
 
 Tensors = dict[str, torch.Tensor]
 
@@ -36,7 +36,7 @@ def client_config(settings: Settings, partition: int) -> dict[str, ConfigValue]:
         "local_epochs": algo.local_epochs,
         "max_steps_per_round": algo.max_steps_per_round,
         "smashed_dtype": algo.smashed_dtype,
-        # The recipe as JSON tables (services/config/training.py parses them back); always
+        # The recipe as JSON tables (services/algorithms/training.py parses them back); always
         # sent, so a client's own file never decides it.
         OPTIMIZER_KEY: settings.optimizer.as_config(),
         SCHEDULE_KEY: settings.schedule.as_config(),

@@ -25,7 +25,7 @@ from services.algorithms.registry import REGISTRY
 from services.config.hints import did_you_mean
 from services.config.privacy import PrivacySection
 from services.config.settings import _Section
-from services.config.training import LossSection, OptimizerSection, ScheduleSection
+from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -393,7 +393,7 @@ class JobConfig(_Section):
     privacy: PrivacySection = PrivacySection()
     evaluation: EvaluationSection = EvaluationSection()
     report: ReportSection = ReportSection()
-    # The training recipe (services/config/training.py): no [optimizer] name is plain SGD
+    # The training recipe (services/algorithms/training.py): no [optimizer] name is plain SGD
     # from algorithm.lr, momentum and server_lr.
     optimizer: OptimizerSection = OptimizerSection()
     schedule: ScheduleSection = ScheduleSection()

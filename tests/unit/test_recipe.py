@@ -24,7 +24,7 @@ from services.client.plan import RoundPlan
 from services.common.handout import client_config
 from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
-from services.config.training import LossSection, OptimizerSection, ScheduleSection
+from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
 from workers.replica import Replica
 
 CUT = "block1"

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import ConfigDict, Field, model_validator
-
-from services.config.settings import _Section
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A keyword argument's value as TOML gives it (a list of them becomes a tuple: betas).
 Scalar = str | int | float | bool
@@ -26,7 +24,14 @@ _NAME = r"^([A-Za-z_][A-Za-z0-9_]*)?$"
 _CALLABLE = r"^([A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*|[A-Za-z_][A-Za-z0-9_]*)$"
 
 
-class TorchChoice(_Section):
+class _Table(BaseModel):
+    """Like every settings section: unknown keys are errors, values frozen. (Its own base:
+    the algorithms layer sits below `services.config`, which builds on these tables.)"""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TorchChoice(_Table):
     """A class or function by `name`, called with the table's other keys as keyword arguments."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
