@@ -28,7 +28,7 @@ def load_factory(
     *,
     input_shape: Sequence[int],
     num_classes: int,
-    head_factory: HeadFactory = default_head,
+    head_factory: HeadFactory | None = default_head,
     **options: Any,
 ) -> SplitNet:
     """Import the factory named by `spec`, call it and turn its result into a `SplitNet`."""
@@ -72,7 +72,7 @@ def _to_split_net(
     result: object,
     input_shape: tuple[int, ...],
     num_classes: int,
-    head_factory: HeadFactory,
+    head_factory: HeadFactory | None,
 ) -> SplitNet:
     if isinstance(result, SplitNet):
         if result.input_shape != input_shape or result.num_classes != num_classes:

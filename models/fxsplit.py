@@ -40,7 +40,7 @@ def split_module(
     *,
     input_shape: Sequence[int],
     num_classes: int,
-    head_factory: HeadFactory = default_head,
+    head_factory: HeadFactory | None = default_head,
 ) -> SplitNet:
     """`module` as a `SplitNet` cut after each submodule named in `cuts` (in call order).
 

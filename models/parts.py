@@ -24,7 +24,12 @@ class ServerModel(nn.Module):
         super().__init__()
         end = model.server_end()  # a U-shaped split's tail stays on the client
         self.blocks = model.block_range(model.cut_index(cut) + 1, end)
-        later = [c for c in model.cuts[model.cuts.index(cut) + 1 :] if model.cut_index(c) < end]
+        # A model built without heads (an algorithm that trains none) gives the part none.
+        later = [
+            c
+            for c in model.cuts[model.cuts.index(cut) + 1 :]
+            if model.cut_index(c) < end and c in model.heads
+        ]
         self.cut = cut
         self.heads = nn.ModuleDict({c: model.head(c) for c in later})
         # Each head's cut, keyed by the index of the block it follows.

@@ -39,6 +39,7 @@ def build_model(
     input_shape: tuple[int, ...] | None = None,
     head_pool: int | None = None,
     head_factory: HeadFactory | None = None,
+    heads: bool = True,
     **options: Any,
 ) -> SplitNet:
     """Build model `name` (one of `MODEL_NAMES`, or a `"package.module:factory"` spec).
@@ -48,10 +49,13 @@ def build_model(
     `input_shape` instead: any one sample's shape, (C, H, W) or (F,), which built-in models
     take only as square images.
     `head_pool` sets the auxiliary heads' pooled size (see `models.heads`); `head_factory`
-    replaces the default head altogether. Other options go to the builder or factory as
-    keywords.
+    replaces the default head altogether; `heads=False` builds none (an algorithm that trains
+    no auxiliary head). Other options go to the builder or factory as keywords.
     """
-    head_factory = _head_factory(head_pool, head_factory)
+    factory = _head_factory(head_pool, head_factory)
+    if not heads and (head_pool is not None or head_factory is not None):
+        raise ModelSpecError("heads=False builds no head: give no head_pool or head_factory")
+    head_factory = factory if heads else None
     if input_shape is not None and ":" not in name:
         in_channels, input_size = _square(name, input_shape)
     if ":" in name:

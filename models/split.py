@@ -61,7 +61,7 @@ class SplitNet(nn.Module):
         input_shape: Sequence[int],
         num_classes: int,
         cuts: Sequence[str] | None = None,
-        head_factory: HeadFactory = default_head,
+        head_factory: HeadFactory | None = default_head,
     ) -> None:
         super().__init__()
         names = tuple(name for name, _ in blocks)
@@ -83,8 +83,11 @@ class SplitNet(nn.Module):
                 f"the last block {names[-1]!r} outputs shape {self._shapes[-1]} per sample, "
                 f"expected ({num_classes},) for num_classes={num_classes}"
             )
+        # No factory: a model without auxiliary heads (its algorithm trains none).
         self.heads = nn.ModuleDict(
-            {cut: head_factory(self.cut_shape(cut), num_classes) for cut in self.cuts}
+            {}
+            if head_factory is None
+            else {cut: head_factory(self.cut_shape(cut), num_classes) for cut in self.cuts}
         )
         # The first block of the client's tail in a U-shaped split; None: the server runs
         # every block after the cut.
@@ -152,6 +155,11 @@ class SplitNet(nn.Module):
 
     def head(self, cut: str) -> nn.Module:
         self.cut_index(cut)
+        if cut not in self.heads:
+            raise ModelSpecError(
+                f"this model has no auxiliary head at {cut!r}: it was built without heads "
+                "(only algorithms that train heads get them)"
+            )
         return self.heads[cut]
 
     # --- forward ------------------------------------------------------------------------------

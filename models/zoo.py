@@ -85,7 +85,7 @@ def _classic(
     num_classes: int = 10,
     in_channels: int,
     input_size: int,
-    head_factory: HeadFactory = default_head,
+    head_factory: HeadFactory | None = default_head,
 ) -> SplitNet:
     """Two conv5x5-BN-ReLU-pool2 blocks (with conv biases), FC layers of `hidden` (ReLU each),
     FC num_classes; blocks `block1`, `block2`, ... and `classifier`."""
@@ -126,7 +126,7 @@ def vgg_small(
     input_size: int = 32,
     stages: Sequence[Sequence[int]] = ((32, 32), (64, 64), (128,)),
     hidden: int = 256,
-    head_factory: HeadFactory = default_head,
+    head_factory: HeadFactory | None = default_head,
 ) -> SplitNet:
     """A small VGG-style CNN for 28x28 or 32x32 input: `ConvStage`s of `stages` widths, then
     flatten - FC `hidden` + ReLU - FC num_classes. Cuts: `stage1`.. `stage<n>` and `fc1`."""
@@ -151,7 +151,7 @@ def vgg_mini(
     num_classes: int = 10,
     in_channels: int = 1,
     input_size: int = 28,
-    head_factory: HeadFactory = default_head,
+    head_factory: HeadFactory | None = default_head,
 ) -> SplitNet:
     """A five-conv `vgg_small` for 28x28 grayscale input, small enough for 50-client runs on a
     CPU: stages [8, pool, 16, pool, 32, 32, pool, 64, pool], FC 64 + ReLU, FC num_classes.
@@ -203,7 +203,7 @@ def resnet18(
     in_channels: int = 3,
     input_size: int = 32,
     width: int = 64,
-    head_factory: HeadFactory = default_head,
+    head_factory: HeadFactory | None = default_head,
 ) -> SplitNet:
     """ResNet-18, CIFAR variant: a 3x3 stem conv (no max-pool), four stages of two BasicBlocks
     (`width` x 1, 2, 4, 8 channels; stride 2 from the second stage on), global average pool, FC.

@@ -315,6 +315,9 @@ class StrategyBase:
     personal_on_clients: ClassVar[bool] = False
     # Workers answer InferRequests for this algorithm (SplitGP's split inference).
     split_inference: ClassVar[bool] = False
+    # It trains auxiliary heads at the cuts (SplitGP, FedSplitX): the job's model has them
+    # (`services.common.jobmodel`), version 1 holds them as `aux/global`; others get none.
+    uses_heads: ClassVar[bool] = False
     # The run's algorithm.png: panel title -> fnmatch patterns of the version records' `extra`
     # series (fractions, drawn in %) the algorithm reports of its own (none: no figure).
     report_plots: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
@@ -358,11 +361,10 @@ class StrategyBase:
     # --- roles ------------------------------------------------------------------------------
     def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
         """Blobs of version 1, from a freshly seeded model: client, server and heads."""
-        return {
-            CLIENT: client_state(model, cut),
-            SERVER: server_state(model, cut),
-            AUX: head_state(model, model.cuts),
-        }
+        out = {CLIENT: client_state(model, cut), SERVER: server_state(model, cut)}
+        if model.heads:
+            out[AUX] = head_state(model, model.cuts)
+        return out
 
     def client_round(self, r: LocalRound) -> RoundResult:
         """Train the client side for one round; `r.model` holds the assigned weights."""

@@ -183,6 +183,7 @@ class Structure:
 class FedSplitX(StrategyBase):
     name: str = "fedsplitx"
     waits_for_gradient = False
+    uses_heads = True
     # `personal_metrics`: each level's client model (blocks up to c_m, head a_m) on its own.
     report_plots = MappingProxyType({"client model per level": ("level*.client_accuracy",)})
     cuts: tuple[str, ...] = ()  # the partition points; (): the model's cuts

@@ -336,6 +336,7 @@ class SplitGP(StrategyBase):
     name: str = "splitgp"
     # Workers answer InferRequests with theta (`workers.inference`).
     split_inference = True
+    uses_heads = True
     # `personal_metrics` per test-row kind: local classes, out of distribution, all.
     report_plots = MappingProxyType(
         {

@@ -9,6 +9,7 @@ import torch
 from models.registry import build_model
 from models.split import SplitNet
 from services.algorithms.base import Hyper
+from services.algorithms.registry import REGISTRY
 from services.common.jobdata import job_input_shape
 from services.config.root import Settings
 
@@ -22,6 +23,8 @@ _BUILD_LOCK = threading.Lock()
 def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
     """The job's `SplitNet` shaped for its dataset's samples, U-shaped when `model.tail` is set
     (`ModelSpecError` when the tail leaves the server no block); seeded when `seed` is given.
+    Auxiliary heads are built only for an algorithm that trains them (`uses_heads`); they
+    are made after the blocks, so the blocks' initial weights are the same either way.
 
     Built under a forked RNG, so the caller's random stream is left alone, and one build at a
     time (`_BUILD_LOCK`). Only the aggregator's version 1 depends on these initial weights;
@@ -35,6 +38,7 @@ def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
             settings.model.name,
             num_classes=settings.model.num_classes,
             input_shape=shape,
+            heads=REGISTRY.get(settings.algorithm.name).strategy.uses_heads,
             **settings.model.options,
         )
     model.set_tail(settings.model.tail, settings.model.cut)

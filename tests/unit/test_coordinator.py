@@ -141,11 +141,17 @@ def test_join_is_welcomed_with_the_current_weights_and_config(job: str) -> None:
         "smashed_dtype": "float32",
         "partition": 1,
         "shards": 1,
+        # The training recipe travels whole, so the service's word wins (docs/training.md).
+        "optimizer": '{"name":"","server":null}',
+        "schedule": '{"name":"","every":"round","server":null}',
+        "loss": '{"name":"cross_entropy"}',
     }
-    for got, ref in ((welcome.client_weights, CLIENT_PART), (welcome.aux_weights, AUX_PART)):
-        expected = desk.store.read_blob(job, 1, BlobRef(ref))
-        assert set(got) == set(expected)
-        assert all(torch.equal(got[n], expected[n]) for n in expected)
+    expected = desk.store.read_blob(job, 1, BlobRef(CLIENT_PART))
+    assert set(welcome.client_weights) == set(expected)
+    assert all(torch.equal(welcome.client_weights[n], expected[n]) for n in expected)
+    # SFL-V2 trains no auxiliary head: version 1 holds none and the Welcome carries none.
+    assert BlobRef(AUX_PART) not in desk.store.manifest(job, 1).entries
+    assert dict(welcome.aux_weights) == {}
     member = desk.member("a")
     assert (member.shard, member.partition, member.samples, member.classes) == (0, 1, 120, (2, 5))
     assert (event.kind, event.client, event.data["partition"]) == ("member_joined", "a", 1)
