@@ -59,17 +59,20 @@ class JobData:
         labels = self.dataset.train.y.numpy()
         with self._lock:
             if self._parts is None:
-                d = self._settings.data
-                self._parts = partition(
-                    labels,
+                d, seed = self._settings.data, self._settings.job.seed
+                pool = training_pool(len(labels), d.train_samples, seed)
+                parts = partition(
+                    labels[pool],
                     d.partition,
                     self.clients,
-                    seed=self._settings.job.seed,
+                    seed=seed,
                     alpha=d.alpha,
                     shards_per_client=d.shards_per_client,
                     shard_size=d.shard_size,
                     ratio=d.ratio,
                 )
+                cap = d.client_samples or None
+                self._parts = [pool[part][:cap] for part in parts]
             return self._parts[index]
 
     def classes(self, index: int) -> list[int]:
@@ -110,3 +113,12 @@ def client_batches(data: JobData, index: int, *, batch_size: int, seed: int) -> 
         drop_last=drop_last,
         augment=data.augmenter,
     )
+
+
+def training_pool(total: int, wanted: int, seed: int) -> Indices:
+    """The training rows a job partitions: all `total` (`wanted` 0 or more than there are), or
+    a seeded sample of `wanted` of them, in row order (every process draws the same)."""
+    if not wanted or wanted >= total:
+        return np.arange(total, dtype=np.int64)
+    chosen = np.random.default_rng(seed).choice(total, size=wanted, replace=False)
+    return np.sort(chosen).astype(np.int64)

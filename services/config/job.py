@@ -136,6 +136,10 @@ class DataSection(_Section):
     ratio: float = Field(default=0.0, ge=0, le=1)
     # Cap on the test samples used per evaluation (0: the whole test set).
     eval_samples: int = Field(default=0, ge=0)
+    # Train on this many rows of the training split, a seeded sample (job.seed) taken before
+    # partitioning (0: all of it); and at most this many per client after it (0: no cap).
+    train_samples: int = Field(default=0, ge=0)
+    client_samples: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> DataSection:
