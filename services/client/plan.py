@@ -18,8 +18,6 @@ from broker.messages import ConfigValue
 from services.algorithms.base import Hyper
 from services.algorithms.recipe import check_recipe
 from services.algorithms.registry import REGISTRY
-from services.common.jobmodel import job_hyper
-from services.config.root import Settings
 from services.algorithms.training import (
     LOSS_KEY,
     OPTIMIZER_KEY,
@@ -29,6 +27,8 @@ from services.algorithms.training import (
     ScheduleSection,
     TorchChoice,
 )
+from services.common.jobmodel import job_hyper
+from services.config.root import Settings
 
 # Config keys that carry the algorithm's own parameters.
 PARAMS_PREFIX = "params."

@@ -13,8 +13,8 @@ import torch
 
 from broker.messages import ConfigValue, WeightsAssignment, new_message_id
 from broker.store import AUX_PART, CLIENT_PART, GLOBAL_OWNER, BlobRef, Manifest, VersionStore
-from services.config.root import Settings
 from services.algorithms.training import LOSS_KEY, OPTIMIZER_KEY, SCHEDULE_KEY
+from services.config.root import Settings
 
 Tensors = dict[str, torch.Tensor]
 

@@ -43,9 +43,7 @@ def test_readme_next_steps_run_verbatim(tmp_path: Path, amqp_url: str, redis_url
         pytest.fail(f"{venv} is missing: the README's set-up commands create it in the clone")
     (tmp_path / ".venv").symlink_to(venv)
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    script = "set -euo pipefail\n" + "\n".join(
-        f"echo '+ {line}'\n{line}" for line in next_steps()
-    )
+    script = "set -euo pipefail\n" + "\n".join(f"echo '+ {line}'\n{line}" for line in next_steps())
     # The examples name 127.0.0.1's RabbitMQ and Redis; the suite's servers may be elsewhere.
     env = {**os.environ, "SPLITMQ_AMQP_URL": amqp_url, "SPLITMQ_REDIS_URL": redis_url}
     env.pop("SPLITMQ_CONFIG", None)

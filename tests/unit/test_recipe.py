@@ -20,11 +20,11 @@ from broker.store import Checkpoint
 from broker.store_codec import OPTIMIZER_PREFIX, decode_checkpoint, encode_checkpoint
 from services.algorithms.base import Hyper
 from services.algorithms.sfl import weighted_step
+from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
 from services.client.plan import RoundPlan
 from services.common.handout import client_config
 from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
-from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
 from workers.replica import Replica
 
 CUT = "block1"
