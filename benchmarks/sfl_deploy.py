@@ -37,6 +37,7 @@ from services.report.tomlwrite import dumps
 from services.runtime.processes import clear_job
 
 ROOT = Path(__file__).resolve().parent.parent
+# Defaults of the cases (`Case.clients`, `Case.batch`): what docs/benchmarks.md reports.
 CLIENTS = 4
 BATCH = 64
 # glibc malloc: serve large message buffers from the heap and keep freed memory there, so a
@@ -66,6 +67,9 @@ class Case:
     client_threads: int = 1
     allocator: bool = True
     eval_samples: int = 256
+    clients: int = CLIENTS
+    batch: int = BATCH
+    train_samples: int = 0  # data.train_samples: rows of the training split used (0: all)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Window:
     end: float
     replies: int
     cpu: Mapping[str, float]  # CPU seconds per process name within the window
+    batch: int = BATCH  # samples per reply
 
     @property
     def seconds(self) -> float:
@@ -81,7 +86,7 @@ class Window:
 
     @property
     def rate(self) -> float:
-        return self.replies * BATCH / self.seconds
+        return self.replies * self.batch / self.seconds
 
 
 @dataclass
@@ -103,15 +108,16 @@ def job_config(case: Case, job: str, data_dir: Path, run_dir: Path) -> dict[str,
             "dir": str(data_dir),
             "partition": "iid",
             "eval_samples": case.eval_samples,
+            "train_samples": case.train_samples,
         },
         "algorithm": {
             "name": "sfl_v2",
-            "batch_size": BATCH,
+            "batch_size": case.batch,
             "lr": 0.01,
             "max_steps_per_round": case.steps,
             "smashed_dtype": case.dtype,
         },
-        "clients": {"count": CLIENTS, "min_to_start": CLIENTS, "start_timeout_s": 300.0},
+        "clients": {"count": case.clients, "min_to_start": case.clients, "start_timeout_s": 300.0},
         "rounds": {"deadline_s": 900.0},
         "workers": {"count": 1, "batch_messages": case.batch_messages},
         "broker": {"kind": "rabbitmq"},
@@ -187,7 +193,7 @@ def windows(
     """
     if not 1 <= case.warm < case.steps:
         raise ValueError(f"warm must be in 1..{case.steps - 1}, got {case.warm}")
-    keys = [reply_routing_key(job, f"client-{i}") for i in range(CLIENTS)]
+    keys = [reply_routing_key(job, f"client-{i}") for i in range(case.clients)]
     times: dict[str, list[float]] = {k: [] for k in keys}
     for t, key, size in replies:
         if key in times and size >= min_bytes:  # "stale" answers to duplicates carry no grad
@@ -264,7 +270,7 @@ class Deployment:
         case = self.case
         result = DeployResult(case)
         settings = self.settings(self.env(1))
-        clients = [f"client-{i}" for i in range(CLIENTS)]
+        clients = [f"client-{i}" for i in range(case.clients)]
         clear_job(settings, clients)
         started = time.monotonic()
         role = [self.python, "-m", "services.cli.main"]
@@ -304,7 +310,7 @@ class Deployment:
         for start, end, count in spans:
             a, b = sampler.at(start), sampler.at(end)
             cpu = {k: b[k] - a[k] for k in a if k in b}
-            result.windows.append(Window(start, end, count, cpu))
+            result.windows.append(Window(start, end, count, cpu, case.batch))
         return result
 
     def _wait(self, deadline: float) -> str:
@@ -344,7 +350,7 @@ def grad_bytes(settings: Settings, case: Case) -> int:
     from services.common.jobmodel import job_model
 
     shape = job_model(settings).cut_shape(case.cut)
-    size = BATCH * {"float32": 4, "float16": 2, "bfloat16": 2}[case.dtype]
+    size = case.batch * {"float32": 4, "float16": 2, "bfloat16": 2}[case.dtype]
     for dim in shape:
         size *= dim
     return size

@@ -37,7 +37,17 @@ from services.data.batches import Batch, ClientBatches
 class Loop:
     """The whole SFL-V2 job in one process."""
 
-    def __init__(self, model: str, cut: str, dataset: str, data_dir: Path) -> None:
+    def __init__(
+        self,
+        model: str,
+        cut: str,
+        dataset: str,
+        data_dir: Path,
+        *,
+        clients: int = CLIENTS,
+        batch: int = BATCH,
+        train_samples: int = 0,
+    ) -> None:
         settings = load_settings(
             None,
             {
@@ -45,10 +55,12 @@ class Loop:
                 "SPLITMQ_MODEL__CUT": cut,
                 "SPLITMQ_DATA__DATASET": dataset,
                 "SPLITMQ_DATA__DIR": str(data_dir),
-                "SPLITMQ_ALGORITHM__BATCH_SIZE": str(BATCH),
-                "SPLITMQ_CLIENTS__COUNT": str(CLIENTS),
+                "SPLITMQ_DATA__TRAIN_SAMPLES": str(train_samples),
+                "SPLITMQ_ALGORITHM__BATCH_SIZE": str(batch),
+                "SPLITMQ_CLIENTS__COUNT": str(clients),
             },
         )
+        self.clients, self.batch = clients, batch
         net = job_model(settings)
         hyper = Hyper(lr=settings.algorithm.lr, momentum=settings.algorithm.momentum)
         self.strategy = SFL()
@@ -56,19 +68,19 @@ class Loop:
         self.server.train()
         self.server_opt = hyper.server_optimizer(self.server.parameters())
         self.bodies = []
-        for _ in range(CLIENTS):
+        for _ in range(clients):
             body = copy.deepcopy(net).client_blocks(cut)
             body.train()
             self.bodies.append((body, hyper.client_optimizer(body.parameters())))
         data = JobData(settings)
         self.batches = [
-            _forever(client_batches(data, k, batch_size=BATCH, seed=settings.job.seed))
-            for k in range(CLIENTS)
+            _forever(client_batches(data, k, batch_size=batch, seed=settings.job.seed))
+            for k in range(clients)
         ]
         self.turn = 0
 
     def step(self) -> None:
-        k = self.turn % CLIENTS
+        k = self.turn % self.clients
         self.turn += 1
         x, y = next(self.batches[k])
         body, optimizer = self.bodies[k]
@@ -81,7 +93,7 @@ class Loop:
 
     def rate(self, warm: int, steps: int, max_s: float) -> tuple[float, float, int]:
         """Samples/s and CPU seconds per step over `steps` timed steps, or as many whole
-        rounds of the four clients as fit in `max_s` seconds (at least one)."""
+        rounds of the clients as fit in `max_s` seconds (at least one)."""
         for _ in range(warm):
             self.step()
         started, cpu = time.perf_counter(), time.process_time()
@@ -89,10 +101,10 @@ class Loop:
         while done < steps:
             self.step()
             done += 1
-            if done % CLIENTS == 0 and time.perf_counter() - started > max_s:
+            if done % self.clients == 0 and time.perf_counter() - started > max_s:
                 break
         wall = time.perf_counter() - started
-        return done * BATCH / wall, (time.process_time() - cpu) / done, done
+        return done * self.batch / wall, (time.process_time() - cpu) / done, done
 
 
 def _forever(batches: ClientBatches) -> Iterator[Batch]:
@@ -117,6 +129,9 @@ def main() -> None:
     parser.add_argument(
         "--data-dir", type=Path, default=Path(os.environ.get("SPLITMQ_DATA_DIR", "../shared/data"))
     )
+    parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--train-samples", type=int, default=0, help="0: the whole training set")
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warm", type=int, default=8)
@@ -129,7 +144,15 @@ def main() -> None:
         "with one JSON line: the driver keeps one loaded process across deployments",
     )
     args = parser.parse_args()
-    loop = Loop(args.model, args.cut, args.dataset, args.data_dir)
+    loop = Loop(
+        args.model,
+        args.cut,
+        args.dataset,
+        args.data_dir,
+        clients=args.clients,
+        batch=args.batch,
+        train_samples=args.train_samples,
+    )
     if args.serve:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:

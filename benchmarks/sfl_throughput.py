@@ -137,7 +137,9 @@ class InProcess:
     The OpenMP wait policy is fixed when a process starts, so each policy gets its own child.
     """
 
-    def __init__(self, plan: Plan, data_dir: Path, allocator: bool, passive: bool) -> None:
+    def __init__(
+        self, plan: Plan, data_dir: Path, allocator: bool, passive: bool, size: Case
+    ) -> None:
         env = dict(os.environ)
         for name in (*ALLOCATOR_ENV, "OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
             env.pop(name, None)
@@ -147,7 +149,8 @@ class InProcess:
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         argv = [sys.executable, "-m", "benchmarks.sfl_inprocess", "--serve"]
         argv += ["--model", plan.model, "--cut", plan.cut, "--dataset", plan.dataset]
-        argv += ["--data-dir", str(data_dir)]
+        argv += ["--data-dir", str(data_dir), "--clients", str(size.clients)]
+        argv += ["--batch", str(size.batch), "--train-samples", str(size.train_samples)]
         self._plan = plan
         self._process = subprocess.Popen(
             argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -222,6 +225,9 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
             worker_threads=args.worker_threads or plan.worker_threads,
             allocator=not args.no_allocator,
             eval_samples=plan.eval_samples,
+            clients=args.clients,
+            batch=args.batch,
+            train_samples=args.train_samples,
         )
         for dtype in args.dtypes or plan.dtypes
     ]
@@ -230,7 +236,7 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
     with ExitStack() as stack:
         loops = {
             passive: stack.enter_context(
-                InProcess(plan, args.data_dir, not args.no_allocator, passive)
+                InProcess(plan, args.data_dir, not args.no_allocator, passive, cases[0])
             )
             for passive in sorted({variant_threads(v)[1] for v in args.inproc})
         }
@@ -285,7 +291,7 @@ def cpu_ms(result: DeployResult) -> str:
     def of(names: Sequence[str]) -> float:
         return sum(w.cpu.get(n, 0.0) for w in result.windows for n in names) * 1e3 / replies
 
-    clients = [f"client-{i}" for i in range(CLIENTS)]
+    clients = [f"client-{i}" for i in range(result.case.clients)]
     return f"{of(['worker']):.0f} / {of(clients):.0f} / {of(['rabbitmq']):.0f}"
 
 
@@ -412,7 +418,9 @@ def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str)
         f"{run.plan.model} {args.worker_threads or run.plan.worker_threads}" for run in runs
     )
     setup = (
-        f"Setup: SFL-V2, batch {BATCH}, {CLIENTS} clients (IID partition), SGD lr 0.01, one "
+        f"Setup: SFL-V2, batch {args.batch}, {args.clients} clients (IID partition"
+        + (f", {args.train_samples} training rows" if args.train_samples else "")
+        + "), SGD lr 0.01, one "
         "worker with `batch_messages = 1` (plain SFL-V2) unless marked folding; smashed data "
         "persistent, gradient replies transient, all confirmed. One window per round (steady "
         "state: from the moment every client has had its first replies of the round until the "
@@ -465,6 +473,11 @@ def main() -> None:
         help="in-process variants: torch threads, 'p' for OMP_WAIT_POLICY=PASSIVE; the faster wins",
     )
     parser.add_argument("--no-allocator", action="store_true", help="glibc malloc defaults")
+    parser.add_argument("--clients", type=int, default=CLIENTS, help="simulated clients")
+    parser.add_argument("--batch", type=int, default=BATCH, help="batch size per client step")
+    parser.add_argument(
+        "--train-samples", type=int, default=0, help="rows of the training set used (0: all)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="per deployment, seconds")
     parser.add_argument(
         "--data-dir",
