@@ -168,7 +168,7 @@ def check_membership(
     barrier's business, not a licence to train."""
     if message.round == cohort_round and message.client not in cohort:
         return "not_in_cohort", (
-            f"client {message.client!r} is not in the cohort of round {cohort_round}"
+            f"client {message.client!r} is not in the cohort of round {cohort_round + 1}"
         )
     return None
 
@@ -411,7 +411,7 @@ class ShardRunner:
         self._hold(delivery)
         self.checkpoint(force=True)
         if handed_in:
-            args = (message.round, self.replica.round_samples, self.replica.applied)
+            args = (message.round + 1, self.replica.round_samples, self.replica.applied)
             self._say("round %d handed in (%d samples, %d applied in total)", *args)
             self.replica.start_counting()
 
@@ -462,7 +462,7 @@ class ShardRunner:
         ):
             items = barrier.take(replica.cohort, replica.progress)
             if barrier.dropped:
-                args = (replica.cohort_round, sorted(barrier.dropped))
+                args = (replica.cohort_round + 1, sorted(barrier.dropped))
                 self._say("round %d: barrier stopped waiting for %s", *args)
             self._apply(items)
 

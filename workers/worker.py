@@ -274,7 +274,7 @@ class WorkerSession:
         self.runners[queue] = ShardRunner(replica, want, clock, self)
         self.broker.subscribe(queue, prefetch=self.prefetch)
         self.stats.shards_acquired += 1
-        args = (shard, replica.version, replica.applied, replica.round)
+        args = (shard, replica.version, replica.applied, replica.round + 1)
         self._say("holds shard %d (version %d, %d applied, round %d)", *args)
 
     def hand_over(self, runner: ShardRunner) -> None:

@@ -167,7 +167,7 @@ class Core(ABC):
                 self.job,
                 base + 1,
                 exc.actual,
-                base - 1,
+                base,
                 len(updates),
             )
             self.inbox.release()
@@ -211,7 +211,7 @@ class Core(ABC):
         self.log.info(
             "job %s: round %d closed: version %d from %d updates, %d replicas; accuracy %.4f",
             self.job,
-            version - 2,
+            version - 1,
             version,
             len(updates),
             replicas,

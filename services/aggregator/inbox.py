@@ -168,7 +168,7 @@ class UpdateInbox:
                 "job %s: %s dropped round %d (%s): %s",
                 self.job,
                 message.client,
-                message.round,
+                message.round + 1,
                 message.reason,
                 message.detail or "no detail",
             )
@@ -181,7 +181,7 @@ class UpdateInbox:
                 self.job,
                 type(message).__name__,
                 message.client,
-                message.round,
+                message.round + 1,
                 offer.reason,
             )
             if isinstance(message, WeightsUpdate) and not self.outbox.error(

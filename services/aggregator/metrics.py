@@ -123,7 +123,7 @@ def build_record(
         personal = client_mean(updates, PERSONAL_ACCURACY)
     return VersionRecord(
         version=version,
-        round=round_index,
+        round=round_index + 1,
         elapsed_s=elapsed_s,
         participants=len(updates),
         global_accuracy=evaluation.global_accuracy if evaluation else NAN,

@@ -62,8 +62,8 @@ class ClosedGate:
 
     def offer(self, update: WeightsUpdate | RoundDropped) -> Offer:
         if update.round <= self.last:
-            return Offer(Verdict.LATE, f"round {update.round} is closed")
-        return Offer(Verdict.REJECT, f"round {update.round} is not open", kind="not_open")
+            return Offer(Verdict.LATE, f"round {update.round + 1} is closed")
+        return Offer(Verdict.REJECT, f"round {update.round + 1} is not open", kind="not_open")
 
     offer_drop = offer
 
@@ -110,7 +110,7 @@ class OpenRound:
         if (misplaced := self._misplaced(drop)) is not None:
             return misplaced
         if drop.client in self.updates:
-            reason = f"client {drop.client!r} already sent its update for round {self.round}"
+            reason = f"client {drop.client!r} already sent its update for round {self.round + 1}"
             return Offer(Verdict.REJECT, reason, kind="contradicts_update")
         if drop.client in self.declined:
             return Offer(Verdict.DUPLICATE)
@@ -118,21 +118,21 @@ class OpenRound:
             return wrong
         expected = self.assigned.get(drop.client)
         if drop.ref_message_id and expected and drop.ref_message_id != expected:
-            return Offer(Verdict.LATE, f"it answers an earlier assignment of round {self.round}")
+            return Offer(Verdict.LATE, f"it answers an earlier assignment of round {self.round + 1}")
         self.declined[drop.client] = drop.reason
         return Offer(Verdict.ACCEPT, kind=drop.reason)
 
     def _misplaced(self, message: WeightsUpdate | RoundDropped) -> Offer | None:
         """The verdict on an update or notice not for this round's cohort, or None."""
         if message.round < self.round:
-            return Offer(Verdict.LATE, f"round {message.round} is closed")
+            return Offer(Verdict.LATE, f"round {message.round + 1} is closed")
         if message.round > self.round:
-            reason = f"round {message.round} is not open (open: {self.round})"
+            reason = f"round {message.round + 1} is not open (open: {self.round + 1})"
             return Offer(Verdict.REJECT, reason, kind="not_open")
         if message.client not in self.cohort:
             if message.client in self.earlier:
-                return Offer(Verdict.LATE, f"round {self.round} was reopened without you")
-            reason = f"client {message.client!r} is not in round {self.round}"
+                return Offer(Verdict.LATE, f"round {self.round + 1} was reopened without you")
+            reason = f"client {message.client!r} is not in round {self.round + 1}"
             return Offer(Verdict.REJECT, reason, kind="not_in_cohort")
         return None
 
@@ -142,7 +142,7 @@ class OpenRound:
         what = "update" if isinstance(message, WeightsUpdate) else "RoundDropped"
         reason = (
             f"{what} based on version {message.version}; "
-            f"round {self.round} trains version {self.version}"
+            f"round {self.round + 1} trains version {self.version}"
         )
         return Offer(Verdict.REJECT, reason, kind="wrong_version")
 
@@ -233,6 +233,6 @@ class EmptyStreak:
 
     def failure(self, round_index: int, attempt: EmptyAttempt) -> str:
         return (
-            f"{self.count} consecutive attempts at round {round_index} without one valid "
+            f"{self.count} consecutive attempts at round {round_index + 1} without one valid "
             f"update; last reasons: {attempt.reasons()}"
         )

@@ -66,7 +66,7 @@ class RoundClock(Core):
         earlier: frozenset[str] = frozenset()
         attempt = 0
         streak = EmptyStreak(self.settings.rounds.max_empty_attempts)
-        with log_context(version=version, round=r):
+        with log_context(version=version, round=r + 1):  # rounds read from 1
             while not self.stop.is_set():
                 state = self._open(version, attempt, earlier)
                 if state is None:
@@ -84,7 +84,7 @@ class RoundClock(Core):
                     "job %s: round %d got no valid update (%s; %d of %s empty attempts in a row); "
                     "reopening it",
                     self.job,
-                    r,
+                    r + 1,
                     empty.reasons(),
                     streak.count,
                     streak.limit or "unlimited",
@@ -167,10 +167,14 @@ class RoundClock(Core):
                 state.dropped.add(client)
         self._opened = True
         self.log.info(
-            "job %s: round %d opened (version %d, cohort %s)", self.job, r, version, sorted(cohort)
+            "job %s: round %d opened (version %d, cohort %s)",
+            self.job,
+            r + 1,
+            version,
+            sorted(cohort),
         )
         self.outbox.event(
-            "round_opened", version, {"round": r, "cohort": len(cohort), "attempt": attempt}
+            "round_opened", version, {"round": r + 1, "cohort": len(cohort), "attempt": attempt}
         )
         return state
 
@@ -188,7 +192,7 @@ class RoundClock(Core):
                     self.log.info(
                         "job %s: round %d stops waiting for %s (%s)",
                         self.job,
-                        state.round,
+                        state.round + 1,
                         client,
                         "rejoined as a new process" if client in live else "left or expired",
                     )
@@ -237,7 +241,7 @@ class RoundClock(Core):
                     "job %s: no replica of shards %s for round %d after %.0f s; going on without",
                     self.job,
                     pending,
-                    state.round,
+                    state.round + 1,
                     timeout_s,
                 )
                 break

@@ -459,7 +459,7 @@ class Client:
             link.log.log(
                 logging.INFO if stale else logging.WARNING,
                 "round %d (version %d) dropped (%s): %s",
-                work.round,
+                work.round + 1,
                 work.version,
                 drop_reason(exc),
                 exc,
@@ -474,7 +474,7 @@ class Client:
         link.stats.rounds += 1
         link.log.info(
             "round %d done at version %d: %s",
-            work.round,
+            work.round + 1,
             work.version,
             {k: round(v, 4) for k, v in update.metrics.items()},
         )

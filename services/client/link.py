@@ -528,7 +528,7 @@ class BrokerChannel:
             elif link.clock() >= deadline:
                 if republished >= link.max_republish:
                     raise RoundAborted(
-                        f"round {self._round}: no gradient for seq {batch.seq} after "
+                        f"round {self._round + 1}: no gradient for seq {batch.seq} after "
                         f"{republished + 1} tries of {link.reply_timeout_s:.1f} s"
                     )
                 republished += 1
@@ -536,7 +536,7 @@ class BrokerChannel:
                 link.log.warning(
                     "no gradient for seq %d (round %d step %d) after %.1f s; publishing it again",
                     batch.seq,
-                    batch.round,
+                    batch.round + 1,
                     batch.step,
                     link.reply_timeout_s,
                 )
@@ -568,7 +568,7 @@ class BrokerChannel:
                 self.tally.add(reply.loss, reply.correct, reply.samples)
             assert reply.grad is not None  # the link refused an ok reply without one
             return reply.grad
-        where = f"round {self._round} step {batch.step}: shard {self._shard}"
+        where = f"round {self._round + 1} step {batch.step}: shard {self._shard}"
         if reply.status == "gone":
             # Applied, its gradient lost: no wait brings it, and every algorithm that waits
             # needs it, so the round ends here (and says so at once).
@@ -578,7 +578,7 @@ class BrokerChannel:
                 f"{reply.reason or 'no reason'}"
             )
         if reply.status == "rejected" and reply.reason.startswith(TOO_STALE):
-            raise StaleWeights(f"round {self._round}: {reply.reason}")
+            raise StaleWeights(f"round {self._round + 1}: {reply.reason}")
         raise RoundAborted(
             f"{where} answered seq {batch.seq} with status {reply.status!r}: "
             f"{reply.reason or 'no reason'}"
@@ -591,7 +591,7 @@ class BrokerChannel:
             message.round > self._round or not message.participate
         ):
             raise Superseded(
-                f"round {self._round} superseded by an assignment for round {message.round}"
+                f"round {self._round + 1} superseded by an assignment for round {message.round + 1}"
             )
         if isinstance(message, Error) and message.ref_message_id == batch.message_id:
             raise RoundAborted(f"seq {batch.seq} refused: {message.code}: {message.reason}")

@@ -118,7 +118,7 @@ def train_centralized(
         sink.record(
             VersionRecord(
                 version=round_index + 2,  # version 1 is the initial model, as in the service
-                round=round_index,
+                round=round_index + 1,
                 elapsed_s=time.monotonic() - started,
                 participants=1,
                 global_accuracy=result.global_accuracy,

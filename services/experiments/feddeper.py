@@ -113,7 +113,7 @@ def short_rounds(result: SeedRuns) -> list[int]:
     """The rounds (from 1) that closed with fewer participants than the run's fullest round
     (a client dropped, late, or refused to send: its numbers rest on a smaller cohort)."""
     fullest = max((r.participants for r in result.records), default=0)
-    return [r.round + 1 for r in result.records if r.participants < fullest]
+    return [r.round for r in result.records if r.participants < fullest]
 
 
 def participation(results: ResultSet) -> list[str]:

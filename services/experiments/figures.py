@@ -27,7 +27,7 @@ def _curve(plot: CurvePlot, results: ResultSet, axes: Any, where: dict[str, str]
             band = run.band(plot.metric)
             plot_rounds(axes, i, run.records, [100.0 * b.mean for b in band], line, 3)
             if len(run.runs) > 1:  # mean ± std over the seeds, in the line's colour
-                xs = [r.round + 1 for r in run.records]
+                xs = [r.round for r in run.records]
                 low = [100.0 * (b.mean - b.std) for b in band]
                 high = [100.0 * (b.mean + b.std) for b in band]
                 axes.fill_between(xs, low, high, alpha=0.2, color=axes.lines[-1].get_color())

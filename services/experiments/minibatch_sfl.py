@@ -76,7 +76,7 @@ def _largest_lead(results: ResultSet, r: str, other: str) -> tuple[float, str, i
         for a, b in zip(ours.records, theirs.records, strict=False):
             lead = 100.0 * (a.global_accuracy - b.global_accuracy)
             if math.isfinite(lead) and (best is None or lead > best[0]):
-                best = (lead, cut, a.round + 1)
+                best = (lead, cut, a.round)
     return best
 
 

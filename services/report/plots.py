@@ -57,7 +57,7 @@ def plot_rounds(
 ) -> None:
     """The i-th line of `ys` (one per record) against the round, counted from 1 as in the
     summary."""
-    axes.plot([r.round + 1 for r in records], ys, label=label, markersize=size, **line_style(i))
+    axes.plot([r.round for r in records], ys, label=label, markersize=size, **line_style(i))
     round_axis(axes)
 
 
@@ -175,7 +175,7 @@ DEFAULT_PLOTS = PlotSpec()
 
 # The x axes of progress.png: (panel, label, x of each record given the records so far).
 _AXES: tuple[tuple[str, str, Callable[[Sequence[VersionRecord]], list[float]]], ...] = (
-    ("round", "round", lambda rs: [float(r.round + 1) for r in rs]),
+    ("round", "round", lambda rs: [float(r.round) for r in rs]),
     ("wall-clock", "elapsed (s)", lambda rs: [r.elapsed_s for r in rs]),
     ("samples", "samples trained", lambda rs: list(itertools.accumulate(r.samples for r in rs))),
     (

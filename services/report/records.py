@@ -11,6 +11,8 @@ class VersionRecord:
     """Metrics of one published version (one closed round in sync mode)."""
 
     version: int
+    # Counted from 1, as everywhere a person reads it (console, logs, metrics files, plots,
+    # the dashboard); the messages' `round` field is the 0-based index of that round.
     round: int
     elapsed_s: float  # since the job started
     participants: int  # clients whose updates went into this version

@@ -86,7 +86,7 @@ def banner(info: RunInfo) -> str:
 def progress_line(record: VersionRecord, rounds: int = 0) -> str:
     of = f"/{rounds}" if rounds else ""
     return (
-        f"round {record.round + 1}{of}  v{record.version}  global {pct(record.global_accuracy)}  "
+        f"round {record.round}{of}  v{record.version}  global {pct(record.global_accuracy)}  "
         f"personal {pct(record.personal_accuracy)}  loss {num(record.train_loss)}  "
         f"{record.samples_per_s:,.0f} samples/s  {record.elapsed_s:.1f}s"
     )
@@ -114,7 +114,7 @@ class Totals:
         return cls(
             final_global=records[-1].global_accuracy,
             best_global=best.global_accuracy,
-            best_global_round=best.round + 1,
+            best_global_round=best.round,
             final_personal=records[-1].personal_accuracy,
             best_personal=max(personal) if personal else math.nan,
             total_s=max(r.elapsed_s for r in records),
@@ -140,7 +140,7 @@ def _table(records: Sequence[VersionRecord]) -> list[str]:
             lines.append("  ...")
             continue
         lines.append(
-            f"  {r.round + 1:>5}  {r.version:>7}  {pct(r.global_accuracy):>10}  "
+            f"  {r.round:>5}  {r.version:>7}  {pct(r.global_accuracy):>10}  "
             f"{pct(r.personal_accuracy):>12}  {num(r.train_loss):>10}  "
             f"{r.samples_per_s:>9,.0f}  {r.elapsed_s:>6.1f}s"
         )

@@ -129,7 +129,7 @@ def assert_continued(run_dir: Path, before: list[dict[str, Any]], resumed_output
     assert run["status"] == "finished"
     assert "resumed_at" in run["extra"]
     # Every round once, in order; versions 2..ROUNDS+1, the resumed ones going on from k+1.
-    assert [r["round"] for r in records] == list(range(ROUNDS))
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
     assert [r["version"] for r in records] == list(range(2, ROUNDS + 2))
     assert records[:k] == before, "the rows of the stopped run changed"
     assert re.search(rf"resuming (job \S+ )?at version {k + 1}\b", resumed_output)

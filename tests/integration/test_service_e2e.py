@@ -405,7 +405,7 @@ def test_service_end_to_end(
     # Every version published by its round, with the participants its manifest names.
     assert sorted(records) == list(range(2, last + 1))
     for v, record in records.items():
-        assert record["round"] == v - 2
+        assert record["round"] == v - 1  # counted from 1: version v closes round v - 1
         assert record["participants"] == len(members[v]) > 0
 
     # Learning: well above chance (10 %) after three rounds, and no collapse afterwards.

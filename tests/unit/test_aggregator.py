@@ -133,7 +133,7 @@ def test_a_two_round_job_publishes_weighted_averages_and_replicas(job: str) -> N
 
     assert j.store.versions(job) == [1, 2, 3]
     assert sink.status == "finished" and sink.records == records
-    assert [(r.version, r.round, r.participants) for r in records] == [(2, 0, 3), (3, 1, 3)]
+    assert [(r.version, r.round, r.participants) for r in records] == [(2, 1, 3), (3, 2, 3)]
     # Round r: client k sends k + 1 + 10 r everywhere; the worker hands in 50 + r.
     for version, r in ((2, 0), (3, 1)):
         expected = weighted({c: client_value(i)(r) for i, c in enumerate("abc")})
@@ -177,7 +177,7 @@ def test_a_client_joining_after_round_0_is_in_round_1_only(job: str) -> None:
     class JoinAfterRound0(ListSink):
         def record(self, record: VersionRecord) -> None:
             super().record(record)
-            if record.round == 0:  # before round 1 opens: record() runs on the round clock
+            if record.round == 1:  # before round 2 opens: record() runs on the round clock
                 add_member(j.store, job, "d", samples=SAMPLES["d"], partition=3)
 
     records = j.run(Aggregator(j.settings, j.backends, sink=JoinAfterRound0()))
@@ -229,7 +229,7 @@ def test_a_straggler_does_not_stall_the_round_and_its_late_update_is_refused(job
 
     records = j.run(aggregator, past_the_deadline)
 
-    assert [(r.round, r.participants, r.late_updates) for r in records] == [(0, 2, 0), (1, 3, 1)]
+    assert [(r.round, r.participants, r.late_updates) for r in records] == [(1, 2, 0), (2, 3, 1)]
     assert_all(j.blob(2, CLIENT), weighted({"a": 1.0, "b": 2.0}))
     errors = j.clients["c"].errors()
     assert [e.code for e in errors] == ["round_closed"]
@@ -253,7 +253,7 @@ def test_an_expired_cohort_member_is_not_waited_for(job: str) -> None:
 
     records = j.run(aggregator, c_expires)
 
-    assert [(r.round, r.participants) for r in records] == [(0, 2)]
+    assert [(r.round, r.participants) for r in records] == [(1, 2)]
     assert_all(j.blob(2, CLIENT), weighted({"a": 1.0, "b": 2.0}))
 
 
@@ -279,7 +279,7 @@ def test_a_round_nobody_answers_is_reopened_without_a_new_version(job: str) -> N
     assert aggregator.stats.reopened == 1
     assert answered == [0, 0]
     assert [s.round for s in j.worker.starts] == [0, 0]
-    assert [(r.version, r.round, r.participants) for r in records] == [(2, 0, 1)]
+    assert [(r.version, r.round, r.participants) for r in records] == [(2, 1, 1)]
     assert j.store.versions(job) == [1, 2]
 
 
@@ -412,7 +412,7 @@ def test_an_aggregator_that_loses_the_version_race_moves_on(job: str) -> None:
     assert aggregator.stats.conflicts == 1
     assert j.store.versions(job) == [1, 2, 3]
     assert_all(j.blob(2, CLIENT), 9.0)  # the winner's, untouched
-    assert [(r.version, r.round) for r in records] == [(3, 1)]
+    assert [(r.version, r.round) for r in records] == [(3, 2)]
     round1 = j.clients["a"].assignments()[1]
     assert (round1.round, round1.version) == (1, 2)
     assert_all(dict(round1.client_weights), 9.0)

@@ -162,7 +162,7 @@ def test_a_bad_attempt_followed_by_good_ones_does_not_fail_the_job(job: str) -> 
     records: list[VersionRecord] = j.run(aggregator, past_each_bad_attempt)
 
     assert sink.status == "finished"
-    assert [(r.version, r.round, r.participants) for r in records] == [(2, 0, 3), (3, 1, 3)]
+    assert [(r.version, r.round, r.participants) for r in records] == [(2, 1, 3), (3, 2, 3)]
     assert aggregator.stats.reopened == 2
     assert all(rounds == [0, 0, 1, 1] for rounds in seen.values()), seen
 
@@ -277,10 +277,10 @@ def test_a_drop_and_an_update_of_one_member() -> None:
 @pytest.mark.parametrize(
     ("drop", "verdict", "kind", "reason"),
     [
-        (drop_of("x"), Verdict.REJECT, "not_in_cohort", "client 'x' is not in round 0"),
-        (drop_of("a", round_index=1), Verdict.REJECT, "not_open", "round 1 is not open (open: 0)"),
+        (drop_of("x"), Verdict.REJECT, "not_in_cohort", "client 'x' is not in round 1"),
+        (drop_of("a", round_index=1), Verdict.REJECT, "not_open", "round 2 is not open (open: 1)"),
         (drop_of("a", version=2), Verdict.REJECT, "wrong_version", "based on version 2"),
-        (drop_of("e"), Verdict.LATE, "rejected", "round 0 was reopened without you"),
+        (drop_of("e"), Verdict.LATE, "rejected", "round 1 was reopened without you"),
         (drop_of("a", ref="old"), Verdict.LATE, "rejected", "an earlier assignment"),
     ],
 )

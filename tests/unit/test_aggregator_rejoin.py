@@ -153,6 +153,6 @@ def test_a_member_that_rejoins_as_a_new_process_is_not_waited_for(
 
     assert after.session != before.session == "c-1"
     assert (after.partition, after.shard) == (before.partition, before.shard)
-    assert [(r.round, r.participants) for r in result[0]] == [(0, 2)]
+    assert [(r.round, r.participants) for r in result[0]] == [(1, 2)]
     assert sink.status == "finished"
     assert [a.round for a in assigned] == [0]

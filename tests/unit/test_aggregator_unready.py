@@ -66,7 +66,7 @@ def test_a_client_with_an_empty_partition_is_left_out_and_the_rounds_go_on(
 
     records = j.run(Aggregator(j.settings, j.backends, sink=ListSink()))
 
-    assert [(r.round, r.participants) for r in records] == [(0, 3), (1, 3)]
+    assert [(r.round, r.participants) for r in records] == [(1, 3), (2, 3)]
     assert [set(s.participants) for s in j.worker.starts] == [set("abc")] * 2
     assert worker_refusals(job, j.worker.starts) == []
     assert dead_letters(j) == []
@@ -94,7 +94,7 @@ def test_a_client_joining_with_0_samples_counts_once_it_joins_again_with_its_cou
 
     records = j.run(Aggregator(j.settings, j.backends, sink=ListSink()), during=second_join)
 
-    assert [(r.round, r.participants) for r in records] == [(0, 4), (1, 4)]
+    assert [(r.round, r.participants) for r in records] == [(1, 4), (2, 4)]
     assert [dict(s.participants) for s in j.worker.starts] == [SAMPLES] * 2
     assert worker_refusals(job, j.worker.starts) == []
     assert dead_letters(j) == []

@@ -238,7 +238,7 @@ def test_centralized_trains_and_records_each_round() -> None:
     sink = ListSink()
     status = train_centralized(settings, dataset, sink, threading.Event())
     assert status == "finished" and sink.status == "finished"
-    assert [r.round for r in sink.records] == [0, 1, 2]
+    assert [r.round for r in sink.records] == [1, 2, 3]
     # Each client has 4 batches (30 samples), under the cap of 5: 2 clients x 4 steps x 8.
     assert all(r.samples == 2 * 4 * 8 for r in sink.records)
     assert sink.records[-1].global_accuracy > 0.5  # chance is 0.1

@@ -102,7 +102,7 @@ def test_finish_writes_json_csv_plots_and_summary(tmp_path: Path) -> None:
 
     summary = (run_dir / "summary.txt").read_text()
     assert summary == sink.summary
-    assert "final global accuracy    68.0%   (best 72.0% in round 3)" in summary
+    assert "final global accuracy    68.0%   (best 72.0% in round 2)" in summary
     assert "final personal accuracy  81.0%" in summary
     assert "samples/s (median)       200" in summary
     assert "bytes up / down          5.7 MiB / 11.4 MiB" in summary
@@ -185,7 +185,7 @@ def test_progress_line_and_sinks_compose() -> None:
     tee.finish("stopped")
     assert lines[0] == "rec 3"
     assert lines[1] == progress_line(RECORDS[1], 3)
-    assert lines[1].startswith("round 3/3  v3  global  72.0%  personal  70.0%")
+    assert lines[1].startswith("round 2/3  v3  global  72.0%  personal  70.0%")
     assert "200 samples/s" in lines[1]
     assert lines[2:] == ["job finished"]  # said once, though every sink saw both
     assert statuses == ["finished", "stopped"]
@@ -244,7 +244,7 @@ def test_progress_plots_accuracy_against_four_axes(tmp_path: Path) -> None:
         assert axes.get_xlabel() == label
         xs[name] = list(axes.lines[0].get_xdata())
         figure.delaxes(axes)
-    assert xs["round"] == [2, 3, 4]
+    assert xs["round"] == [1, 2, 3]
     assert xs["wall-clock"] == [10.0, 20.0, 30.0]
     assert xs["samples"] == [1000, 3000, 6000]  # cumulative
     assert xs["bytes"] == pytest.approx([3e6 / 2**20, 9e6 / 2**20, 18e6 / 2**20])
