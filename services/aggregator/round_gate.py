@@ -118,7 +118,9 @@ class OpenRound:
             return wrong
         expected = self.assigned.get(drop.client)
         if drop.ref_message_id and expected and drop.ref_message_id != expected:
-            return Offer(Verdict.LATE, f"it answers an earlier assignment of round {self.round + 1}")
+            return Offer(
+                Verdict.LATE, f"it answers an earlier assignment of round {self.round + 1}"
+            )
         self.declined[drop.client] = drop.reason
         return Offer(Verdict.ACCEPT, kind=drop.reason)
 

@@ -66,7 +66,7 @@ def test_a_job_whose_clients_diverge_fails_and_the_clients_stop(job: str) -> Non
     assert time.monotonic() - started < DEADLINE_S
 
     reason = (
-        "3 consecutive attempts at round 0 without one valid update; last reasons: non_finite ×2"
+        "3 consecutive attempts at round 1 without one valid update; last reasons: non_finite ×2"
     )
     assert outcome.status == f"failed: {reason}" and outcome.exit_code == 1
     assert (outcome.failed_role, outcome.stuck) == ("", ())

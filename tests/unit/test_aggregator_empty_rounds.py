@@ -115,7 +115,7 @@ def test_clients_sending_only_nan_fail_the_job_after_max_empty_attempts(job: str
     failure, events = run_until_failed(j, aggregator, attempts=3)
 
     reason = (
-        "3 consecutive attempts at round 0 without one valid update; last reasons: non_finite ×3"
+        "3 consecutive attempts at round 1 without one valid update; last reasons: non_finite ×3"
     )
     assert str(failure) == reason
     assert sink.status == f"failed: {reason}" and sink.records == []
@@ -210,7 +210,7 @@ def test_the_limit_counts_consecutive_empty_attempts(limit: int) -> None:
     silent = EmptyAttempt.of(open_round("a"), {})
     fails = [streak.add(silent) for _ in range(5)]
     assert fails == ([False] * 5 if limit == 0 else [False, False, True, True, True])
-    assert streak.failure(4, silent).startswith("5 consecutive attempts at round 4 without")
+    assert streak.failure(4, silent).startswith("5 consecutive attempts at round 5 without")
 
 
 def test_a_poisoned_body_is_refused_as_non_finite() -> None:
@@ -340,7 +340,7 @@ def test_clients_that_declare_their_drops_fail_the_job_without_waiting(job: str)
         wait_until(lambda: bool(failures), "the job's failure")
 
     reason = (
-        "3 consecutive attempts at round 0 without one valid update; last reasons: non_finite ×3"
+        "3 consecutive attempts at round 1 without one valid update; last reasons: non_finite ×3"
     )
     assert [str(f) for f in failures] == [reason]
     assert sink.status == f"failed: {reason}"

@@ -18,7 +18,7 @@ from services.report.records import VersionRecord
 def record(i: int, global_acc: float, personal: float, extra: dict[str, float]) -> VersionRecord:
     return VersionRecord(
         version=i + 2,
-        round=i,
+        round=i + 1,  # round index i is round i + 1, as records count them
         elapsed_s=float(i + 1),
         participants=10,
         global_accuracy=global_acc,

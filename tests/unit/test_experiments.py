@@ -33,7 +33,7 @@ from services.report.records import ListSink, VersionRecord
 def record(round_index: int, accuracy: float) -> VersionRecord:
     return VersionRecord(
         version=round_index + 2,
-        round=round_index,
+        round=round_index + 1,  # records count rounds from 1
         elapsed_s=float(round_index + 1),
         participants=1,
         global_accuracy=accuracy,
