@@ -317,8 +317,47 @@ class ClientHost:
     def _schedule(self, stop: threading.Event, stats: HostStats, shared: _Shared) -> None:
         """Start and stop clients as their intervals say until the job is over (every online
         client was dismissed, or stopped) or `stop`."""
-        # (time, order, kind, index): kind 1 = online, 0 = offline, so an interval ending when
-        # the next starts goes offline first.
+        events = self._events()
+        started = time.monotonic()
+        next_start = started  # the join-rate limit
+        gap = 1.0 / self.join_rate
+        # Clients back online while their last session is still stopping (a short gap in the
+        # trace): they start once it has ended, or the new session would be taken for the old.
+        returning: dict[int, None] = {}
+
+        def start(index: int) -> bool:
+            """Start `index`'s session at the join rate (none once the job is over); False when
+            `stop` came meanwhile."""
+            nonlocal next_start
+            if stats.finished:
+                return True
+            wait = next_start - time.monotonic()
+            if wait > 0 and stop.wait(wait):
+                return False
+            next_start = max(time.monotonic(), next_start) + gap
+            self._go_online(index, hosted_client_id(self.host, index), stats, shared)
+            return True
+
+        while not stop.is_set():
+            if not self._due(events, time.monotonic() - started, returning, start):
+                return
+            self._reap()
+            for index in [
+                i for i in returning if not self._stopping(hosted_client_id(self.host, i))
+            ]:
+                del returning[index]
+                if not start(index):
+                    return
+            if stats.finished and not self._sessions:
+                return
+            if not events and not self._sessions and not returning:
+                return  # every interval is over
+            stop.wait(_TICK_S)
+
+    def _events(self) -> list[tuple[float, int, int, int]]:
+        """Every client's going online and offline as a heap of (time, order, kind, index):
+        kind 1 = online, 0 = offline, so an interval ending when the next starts goes offline
+        first."""
         events: list[tuple[float, int, int, int]] = []
         for index in range(self.first, self.first + self.count):
             client = hosted_client_id(self.host, index)
@@ -327,28 +366,32 @@ class ClientHost:
                 if math.isfinite(off):
                     events.append((off, 0, 0, index))
         heapq.heapify(events)
-        started = time.monotonic()
-        next_start = started  # the join-rate limit
-        gap = 1.0 / self.join_rate
-        while not stop.is_set():
-            now = time.monotonic()
-            while events and events[0][0] <= now - started:
-                _, _, kind, index = heapq.heappop(events)
-                client = hosted_client_id(self.host, index)
-                if kind == 0:
-                    self._go_offline(client)
-                elif not stats.finished:
-                    wait = next_start - time.monotonic()
-                    if wait > 0 and stop.wait(wait):
-                        return
-                    next_start = max(time.monotonic(), next_start) + gap
-                    self._go_online(index, client, stats, shared)
-            self._reap()
-            if stats.finished and not self._sessions:
-                return
-            if not events and not self._sessions:
-                return  # every interval is over
-            stop.wait(_TICK_S)
+        return events
+
+    def _due(
+        self,
+        events: list[tuple[float, int, int, int]],
+        elapsed: float,
+        returning: dict[int, None],
+        start: Callable[[int], bool],
+    ) -> bool:
+        """Apply the events due by `elapsed`; False when a start was interrupted by `stop`."""
+        while events and events[0][0] <= elapsed:
+            _, _, kind, index = heapq.heappop(events)
+            client = hosted_client_id(self.host, index)
+            if kind == 0:
+                returning.pop(index, None)
+                self._go_offline(client)
+            elif self._stopping(client):
+                returning[index] = None
+            elif not start(index):
+                return False
+        return True
+
+    def _stopping(self, client: str) -> bool:
+        """Whether `client` has a session that was told to stop and has not ended yet."""
+        session = self._sessions.get(client)
+        return session is not None and session.stop.is_set()
 
     def _go_online(self, index: int, client: str, stats: HostStats, shared: _Shared) -> None:
         if client in self._sessions:

@@ -200,6 +200,7 @@ def test_splitmq_up_goes_on_after_ctrl_c(up_config: tuple[Path, dict[str, str]])
     assert_continued(run_dir, before, resumed)
     # The resumed round opened with every client (not with the first to rejoin).
     k = len(before)
-    opened = re.search(rf"round {k} opened \(version {k + 1}, cohort \[(.*?)\]\)", resumed)
+    # Logs count rounds from 1: version k + 1 is trained by round k + 1.
+    opened = re.search(rf"round {k + 1} opened \(version {k + 1}, cohort \[(.*?)\]\)", resumed)
     assert opened is not None, resumed[-6000:]
     assert opened.group(1) == ", ".join(f"'client-{i}'" for i in range(CLIENTS))

@@ -33,6 +33,7 @@ def load(name: str) -> Settings:
         ("async.toml", "sfl", 2),
         ("privacy.toml", "sfl_v2", 1),
         ("byo_model.toml", "sfl_v2", 1),
+        ("recipe.toml", "sfl_v2", 1),
     ],
 )
 def test_example_loads(name: str, algorithm: str, shards: int) -> None:
@@ -59,6 +60,7 @@ def test_every_example_is_covered() -> None:
         "async.toml",
         "privacy.toml",
         "byo_model.toml",
+        "recipe.toml",
     }
 
 
