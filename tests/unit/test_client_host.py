@@ -183,9 +183,11 @@ def test_standalone_clients_train_beside_a_host(dataset: Dataset) -> None:
     assert solo[0].rounds == 2 and solo[0].finished
 
 
-def test_clients_go_offline_mid_job_and_come_back(dataset: Dataset) -> None:
+@pytest.mark.parametrize("back_at", [3.5, 2.51])
+def test_clients_go_offline_mid_job_and_come_back(dataset: Dataset, back_at: float) -> None:
     """Client 1 vanishes (most likely in a round: the job cannot start without it) and comes
-    back: its new session joins as a new process and trains, and the job ends."""
+    back: its new session joins as a new process and trains, and the job ends. At 2.51 s it
+    is back before its old session has stopped: the new one starts once the old has ended."""
     s = settings("sfl", 4, rounds=30, ttl_s=1.0)
     s = s.model_copy(
         update={"algorithm": s.algorithm.model_copy(update={"max_steps_per_round": 1})}
@@ -193,7 +195,7 @@ def test_clients_go_offline_mid_job_and_come_back(dataset: Dataset) -> None:
 
     def online(index: int, client: str) -> Sequence[tuple[float, float]]:
         if index == 1:
-            return ((0.0, 2.5), (3.5, math.inf))
+            return ((0.0, 2.5), (back_at, math.inf))
         return ((0.0, math.inf),)
 
     backends = Backends(s.broker, s.store, Embedded())
