@@ -16,7 +16,6 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from difflib import get_close_matches
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.optim import lr_scheduler
 
+from services.algorithms.hints import did_you_mean
 from services.algorithms.training import (
     CROSS_ENTROPY,
     LossSection,
@@ -275,10 +275,3 @@ def load_optimizer_state(
     saved = optimizer.state_dict()
     saved["state"] = {index[p]: state for p, state in by_param.items() if p in index}
     optimizer.load_state_dict(saved)
-
-
-def did_you_mean(word: str, names: Iterable[str]) -> str:
-    """': did you mean NAME?' for the closest of `names` (as `services.config.hints` says it;
-    that layer sits above this one)."""
-    near = get_close_matches(word, list(names), n=1)
-    return f": did you mean {near[0]}?" if near else ""

@@ -21,9 +21,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from services.algorithms.hints import did_you_mean
 from services.algorithms.registry import REGISTRY
 from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
-from services.config.hints import did_you_mean
 from services.config.privacy import PrivacySection
 from services.config.settings import _Section
 

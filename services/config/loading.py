@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from services.algorithms.hints import did_you_mean
 from services.algorithms.registry import REGISTRY
-from services.config.hints import did_you_mean
 from services.config.job import AlgorithmSection
 from services.config.root import Settings
 

@@ -1,4 +1,4 @@
-"""The nearest valid name to a mistyped one, for a settings error's message."""
+"""The nearest valid name to a mistyped one, for an error message (settings, recipe names)."""
 
 from __future__ import annotations
 
