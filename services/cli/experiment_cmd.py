@@ -26,6 +26,12 @@ _SAME = ("reuse", "runs_dir")  # left out of the stated command (`_command`)
 # In the order the command stated with the results names them (`_command`).
 @click.option("--quick", is_flag=True, help="Smoke size: a tiny grid, a few steps.")
 @click.option(
+    "--paper",
+    is_flag=True,
+    help="At the paper's own setting (examples/experiments/NAME-paper.toml), into the "
+    "section NAME-paper of the results.",
+)
+@click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -68,6 +74,7 @@ def experiment(
     name: str,
     data_dir: Path | None,
     quick: bool,
+    paper: bool,
     out: Path | None,
     runs_dir: Path,
     reuse: bool,
@@ -84,6 +91,8 @@ def experiment(
     from services.experiments.document import Context, write_results
     from services.experiments.runner import run_experiment
 
+    if quick and paper:
+        raise click.UsageError("--quick and --paper exclude each other (smoke size or the paper's)")
     target = out or (QUICK_OUT if quick else DEFAULT_OUT)
     # Each role of a run is a thread that calls torch; intra-op threads on top of that
     # oversubscribe the cores, and on a loaded 2-core host a cnn5 step ran 20-50x slower
@@ -96,6 +105,7 @@ def experiment(
     with configured_logging("WARNING"), stop_on_signals() as stop:
         try:
             spec = get_experiment(name)
+            spec = spec.at_paper() if paper else spec
             results = run_experiment(
                 spec,
                 runs_dir=runs_dir,
@@ -118,7 +128,7 @@ def experiment(
         )
         raise click.exceptions.Exit(130)
     write_results(spec, results, Context(command, quick, _data_source(data_dir)), target)
-    click.echo(f"wrote section {name!r} of {target}")
+    click.echo(f"wrote section {spec.name!r} of {target}")
     failed = [r.label for r in results if not r.complete]
     if failed:
         click.echo(f"runs that did not finish: {', '.join(failed)}", err=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -109,9 +109,36 @@ class Experiment:
     final_eval: FinalEval | None = None  # service runs only; see `FinalEval`
     extras: Extras | None = None  # see `Extras`
     stall_s: float = 0.0  # see CONTRIBUTING.md; 0: wait for ever
+    # `--paper`: the paper's own setting (`<name>-paper.toml`), the grid to run on it (the
+    # usual grid when None) and its words (`<name>-paper.md`, the usual ones when absent).
+    paper_base: Mapping[str, Any] | None = None
+    paper_runs: Sequence[Run] | None = None
+    paper_words: Mapping[str, str] = field(default_factory=dict)
 
     def grid(self, quick: bool) -> Sequence[Run]:
         return self.quick_runs if quick else self.runs
+
+    def at_paper(self) -> Experiment:
+        """This experiment at the paper's setting: its own section `<name>-paper` of the
+        results and its own run directories, so the scaled results stay beside it."""
+        if self.paper_base is None:
+            where = EXAMPLES_DIR / f"{self.name}-paper.toml"
+            raise FileNotFoundError(f"experiment {self.name} has no paper setting ({where})")
+        words = self.paper_words
+        return replace(
+            self,
+            name=f"{self.name}-paper",
+            title=self.paper_words.get("title", f"{self.title} (paper setting)"),
+            base=self.paper_base,
+            runs=self.paper_runs if self.paper_runs is not None else self.runs,
+            paper_base=None,
+            paper_runs=None,
+            paper_words={},
+            summary=words.get("summary", self.summary),
+            claim=words.get("claim", self.claim),
+            scaling=words.get("scaling", self.scaling),
+            notes=words.get("notes", self.notes),
+        )
 
 
 def smoke(steps: int = 3, eval_samples: int = 500, **sections: Any) -> dict[str, Any]:
@@ -134,29 +161,43 @@ def algorithm(name: str, **params: Any) -> dict[str, Any]:
 _WORDS = {"Summary": "summary", "Paper's claim": "claim", "Scaling": "scaling", "Notes": "notes"}
 
 
-def from_examples(name: str, **fields: Any) -> Experiment:
-    """Experiment `name` with its base config and words from `examples/experiments/<name>.toml`
-    and `.md` (CONTRIBUTING.md, "Adding an experiment"), the rest from `fields`."""
-    path = EXAMPLES_DIR / f"{name}.toml"
+def _words(path: Path) -> dict[str, str]:
+    """The title and the `_WORDS` sections of an experiment's markdown file."""
+    title, _, rest = path.read_text(encoding="utf-8").partition("\n")
+    words = {"title": title.removeprefix("# ").strip(), "notes": ""}
+    for block in rest.split("\n## ")[1:]:
+        heading, _, text = block.partition("\n")
+        words[_WORDS[heading.strip()]] = text.strip()
+    return words
+
+
+def _toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
-            base = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"experiment config {path} not found: experiments run from a SplitMQ source tree"
         ) from None
-    title, _, rest = (EXAMPLES_DIR / f"{name}.md").read_text(encoding="utf-8").partition("\n")
-    words = {"notes": ""}
-    for block in rest.split("\n## ")[1:]:
-        heading, _, text = block.partition("\n")
-        words[_WORDS[heading.strip()]] = text.strip()
+
+
+def from_examples(name: str, **fields: Any) -> Experiment:
+    """Experiment `name` with its base config and words from `examples/experiments/<name>.toml`
+    and `.md` (CONTRIBUTING.md, "Adding an experiment"), its paper setting from
+    `<name>-paper.toml` and `.md` where they exist, the rest from `fields`."""
+    base = _toml(EXAMPLES_DIR / f"{name}.toml")
+    words = _words(EXAMPLES_DIR / f"{name}.md")
+    paper = EXAMPLES_DIR / f"{name}-paper.toml"
+    paper_md = EXAMPLES_DIR / f"{name}-paper.md"
     return Experiment(
         name=name,
-        title=title.removeprefix("# ").strip(),
+        title=words.pop("title"),
         summary=words["summary"],
         claim=words["claim"],
         scaling=words["scaling"],
         notes=words["notes"],
         base=base,
+        paper_base=_toml(paper) if paper.exists() else None,
+        paper_words=_words(paper_md) if paper_md.exists() else {},
         **fields,
     )

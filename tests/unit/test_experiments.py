@@ -25,7 +25,7 @@ from services.experiments.document import write_section
 from services.experiments.registry import NAMES, get_experiment
 from services.experiments.results import ResultSet, RunResult, matches
 from services.experiments.runner import build_settings, comparable, same_settings, slug
-from services.experiments.spec import Run, Table
+from services.experiments.spec import EXAMPLES_DIR, Run, Table
 from services.experiments.tables import render_table
 from services.report.records import ListSink, VersionRecord
 
@@ -132,6 +132,39 @@ def test_every_registered_experiment_builds_valid_settings() -> None:
                 settings = build_settings(experiment, run, quick=quick, data_dir="/data")
                 assert settings.data.dir == "/data"
                 assert settings.job.name == slug(run.label)
+
+
+def test_every_paper_setting_builds_valid_settings_of_its_own_section() -> None:
+    with_paper = 0
+    for name in NAMES:
+        experiment = get_experiment(name)
+        if experiment.paper_base is None:
+            with pytest.raises(FileNotFoundError, match="no paper setting"):
+                experiment.at_paper()
+            continue
+        with_paper += 1
+        paper = experiment.at_paper()
+        assert paper.name == f"{name}-paper"
+        assert paper.base == experiment.paper_base
+        assert paper.paper_base is None
+        labels = [r.label for r in paper.runs]
+        assert len(set(labels)) == len(labels)
+        for run in paper.runs:
+            settings = build_settings(paper, run, quick=False, data_dir="/data")
+            assert settings.job.name == slug(run.label)
+    # The toml files are loaded by name: a renamed one must not silently drop its setting.
+    shipped = {p.name.removesuffix("-paper.toml") for p in EXAMPLES_DIR.glob("*-paper.toml")}
+    assert with_paper == len(shipped & set(NAMES))
+
+
+def test_paper_and_quick_exclude_each_other() -> None:
+    from click.testing import CliRunner
+
+    from services.cli.experiment_cmd import experiment
+
+    outcome = CliRunner().invoke(experiment, ["subfedavg", "--paper", "--quick"])
+    assert outcome.exit_code == 2
+    assert "exclude each other" in outcome.output
 
 
 def test_the_words_state_the_papers_numbers_the_verdicts_use() -> None:
