@@ -52,7 +52,10 @@ _SAME = ("reuse", "runs_dir")  # left out of the stated command (`_command`)
     help="Where each run's report directory goes.",
 )
 @click.option(
-    "--reuse", is_flag=True, help="Read back runs already finished with the same settings."
+    "--reuse",
+    is_flag=True,
+    help="Read back runs already finished with the same settings (from --runs-dir, or from "
+    "results/runs/ beside --out, where every finished run's numbers are kept).",
 )
 @click.option("--only", default=None, help="Run only the labels matching this glob.")
 @click.option(
@@ -88,7 +91,7 @@ def experiment(
     centralized loop); progress is printed per round. The section NAME of the results file
     is replaced; the rest of the file is kept.
     """
-    from services.experiments.document import Context, write_results
+    from services.experiments.document import FIGURES_DIR, Context, write_results
     from services.experiments.runner import run_experiment
 
     if quick and paper:
@@ -117,6 +120,8 @@ def experiment(
                 stop=stop,
                 only=(lambda run: fnmatch.fnmatch(run.label, only)) if only else None,
                 seeds=seeds,
+                # Kept beside the figures, so a long grid can be run in parts (`--reuse`).
+                archive=None if quick else target.parent / FIGURES_DIR / "runs",
             )
         except (ConfigError, DataError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from None

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from services.experiments.spec import Experiment, FinalEval, Run
 from services.experiments.watchdog import run_stop
 from services.report.filesink import FileSink
 from services.report.records import MetricsSink
-from services.report.rundir import write_atomic
+from services.report.rundir import METRICS_JSON, write_atomic
 from services.report.sinks import EchoSink, RecordsOnly, TeeSink
 from services.report.tracking import run_trackers
 from services.runtime.embedded import embedded_settings, run_embedded
@@ -203,6 +204,18 @@ def execute(
     return wall_s
 
 
+# What a run's results are read back from (`load_result`, `reusable`); weights stay behind.
+ARCHIVED = (METRICS_JSON, EXPERIMENT_JSON, FINAL_JSON)
+
+
+def keep(run_dir: Path, kept: Path) -> None:
+    """Copy the run's `ARCHIVED` files from `run_dir` to `kept`."""
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED:
+        if (run_dir / name).exists():
+            shutil.copyfile(run_dir / name, kept / name)
+
+
 def _eta(done_s: float, done: int, total: int) -> str:
     if done == 0:
         return ""
@@ -236,6 +249,7 @@ def run_experiment(
     stop: threading.Event | None = None,
     only: Callable[[Run], bool] | None = None,
     seeds: int = 1,
+    archive: Path | None = None,
 ) -> ResultSet:
     """Every run of the experiment (the --quick grid when `quick`), in order, each `seeds`
     times: job.seed s, s+1, ... from the run's configured seed s, into `<label>` for the first
@@ -244,6 +258,11 @@ def run_experiment(
     With `reuse`, a run whose directory already holds a finished run of the same settings is
     read back instead of trained again (an interrupted experiment resumes where it stopped).
     Stops early, with the results so far, when `stop` is set.
+
+    With `archive`, each finished run's numbers (the small files its results are read from,
+    `ARCHIVED`) are also kept in `archive/<name>/<directory>/`, and `reuse` reads a run back
+    from there when its report directory is gone: a grid too long for one sitting (or one
+    machine) is run in parts, and the parts are kept with the results they produced.
     """
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
@@ -266,9 +285,16 @@ def run_experiment(
         label = run.label if seeds == 1 else f"{run.label} (seed {seed})"
         # A run the experiment evaluates at its end is reusable only with that evaluation.
         evaluated = experiment.final_eval is None or run.kind != "service"
-        if reuse and reusable(run_dir, settings) and (evaluated or (run_dir / FINAL_JSON).exists()):
-            echo(f"[{i}/{len(planned)}] {label}: reusing {run_dir}")
-            results.append(load_result(run, run_dir, reused=True, seed=seed))
+        kept = archive / experiment.name / directory if archive is not None else None
+        found = [d for d in (run_dir, kept) if d is not None] if reuse else []
+        found = [
+            d for d in found if reusable(d, settings) and (evaluated or (d / FINAL_JSON).exists())
+        ]
+        if found:
+            echo(f"[{i}/{len(planned)}] {label}: reusing {found[0]}")
+            results.append(load_result(run, found[0], reused=True, seed=seed))
+            if kept is not None and found[0] != kept:
+                keep(run_dir, kept)
             continue
         described = ", ".join(f"{k}={v}" for k, v in run.tags.items())
         echo(f"[{i}/{len(planned)}] {label} ({described})")
@@ -280,6 +306,8 @@ def run_experiment(
         )
         result = load_result(run, run_dir, seed=seed)
         results.append(result)
+        if kept is not None and result.complete:
+            keep(run_dir, kept)
         trained_s, trained = trained_s + wall_s, trained + 1
         eta = _eta(trained_s, trained, trained + len(planned) - i)
         final = 100 * result.metric("final_global")

@@ -283,3 +283,33 @@ def test_centralized_stops_when_asked() -> None:
     sink = ListSink()
     assert train_centralized(centralized_settings(), tiny_dataset(), sink, stop) == "stopped"
     assert sink.records == [] and sink.status == "stopped"
+
+
+def test_an_archived_run_is_reused_when_its_report_directory_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.experiments import runner
+    from services.experiments.spec import Experiment
+
+    monkeypatch.setattr(runner, "load_dataset", lambda name, where: tiny_dataset())
+    base = centralized_settings(max_steps_per_round=2).model_dump(mode="json")
+    base["job"]["rounds"] = 1
+    run = Run("one", {"algorithm": "Centralized"}, {}, kind="centralized")
+    spec = Experiment("tiny", "t", "", "", "", base, [run], [], {})
+    said: list[str] = []
+    first = runner.run_experiment(spec, runs_dir=tmp_path / "a", archive=tmp_path / "kept")
+    assert first.runs[0].complete
+    assert sorted(p.name for p in (tmp_path / "kept" / "tiny" / "one").iterdir()) == sorted(
+        n for n in runner.ARCHIVED if (tmp_path / "a" / "tiny" / "one" / n).exists()
+    )
+    again = runner.run_experiment(
+        spec, runs_dir=tmp_path / "b", archive=tmp_path / "kept", reuse=True, echo=said.append
+    )
+    assert again.runs[0].reused and "kept" in said[0]
+    assert again.runs[0].records == first.runs[0].records
+    # A changed setting is a different run: trained, not read back.
+    changed = Experiment("tiny", "t", "", "", "", base | {"job": {"rounds": 2}}, [run], [], {})
+    fresh = runner.run_experiment(
+        changed, runs_dir=tmp_path / "b", archive=tmp_path / "kept", reuse=True, echo=said.append
+    )
+    assert not fresh.runs[0].reused and len(fresh.runs[0].records) == 2
