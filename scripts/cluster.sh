@@ -198,6 +198,17 @@ redis_start() {
   d="$DIR/redis-$port"
   mkdir -p "$d"
   primary=$(primary_port)
+  # Sentinels learn of a failover from each other within seconds: the first to answer may still
+  # name this very server when another already names the promoted replica, and a server that
+  # comes back as a second primary is demoted only later (the cluster test saw it come back as
+  # primary under load). Any Sentinel naming another server wins.
+  if [ "$primary" = "$port" ]; then
+    local p addr
+    for p in "${SENTINEL_PORTS[@]}"; do
+      addr=$(rcli "$p" sentinel get-master-addr-by-name "$MASTER" 2>/dev/null | tr -d '\r' | sed -n 2p)
+      if [ -n "$addr" ] && [ "$addr" != "$port" ]; then primary=$addr; break; fi
+    done
+  fi
   local role=()
   [ "$primary" = "$port" ] || role=(--replicaof 127.0.0.1 "$primary")
   redis-server --port "$port" --bind 127.0.0.1 --daemonize yes --pidfile "$d/pid" \
