@@ -28,7 +28,7 @@ from broker.store import (
 from services.aggregator.evaluation import Evaluator
 from services.aggregator.gate import MemberBook
 from services.aggregator.inbox import UpdateInbox
-from services.aggregator.metrics import build_record, event_data
+from services.aggregator.metrics import build_record, event_data, own_model_accuracy
 from services.algorithms.base import (
     ClientUpdate,
     ShardReplica,
@@ -40,7 +40,7 @@ from services.common.membership import client_members
 from services.common.outbox import Outbox
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
-from services.report.records import MetricsSink, VersionRecord
+from services.report.records import OWN_MODEL_ACCURACY, MetricsSink, VersionRecord
 
 
 @dataclass
@@ -77,6 +77,9 @@ class Core(ABC):
     _bytes_at: int = 0
     _late_at: int = 0
     _started: float = 0.0
+    # Each client's latest own-model accuracy (`own_model_accuracy`): one float per client
+    # that has reported, bounded by the members.
+    _own: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._started = self.clock()
@@ -206,6 +209,9 @@ class Core(ABC):
             strategy_metrics=own,
         )
         record.extra.update(extra or {})
+        own_accuracy = own_model_accuracy(self._own, updates)
+        if own_accuracy == own_accuracy:
+            record.extra[OWN_MODEL_ACCURACY] = own_accuracy
         self.mark()
         self.sink.record(record)
         self.log.info(

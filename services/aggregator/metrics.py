@@ -51,6 +51,17 @@ def client_mean(updates: Sequence[ClientUpdate], names: Sequence[str]) -> float:
     return sum(values) / len(values) if values else NAN
 
 
+def own_model_accuracy(latest: dict[str, float], updates: Sequence[ClientUpdate]) -> float:
+    """Keep each reporting client's `personal_accuracy` (its model after local training, on
+    its local test data) in `latest`; the mean over every client seen so far (NaN if none): a
+    round's cohort may be a tenth of the clients, and the papers average over all of them."""
+    for u in updates:
+        value = metric(u.metrics, PERSONAL_ACCURACY)
+        if value is not None and value == value:
+            latest[u.client] = value
+    return sum(latest.values()) / len(latest) if latest else NAN
+
+
 def reported_extras(updates: Sequence[ClientUpdate]) -> dict[str, float]:
     """The `report.<name>` client metrics, per client and as their mean over clients."""
     out: dict[str, float] = {}

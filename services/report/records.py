@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The personalised-FL papers' metric (Sub-FedAvg's, FedDeper's), an `extra` of the records:
+# each client's own model after its local training, on its local test set, averaged over all
+# clients that have trained (their latest reports).
+OWN_MODEL_ACCURACY = "own_model_accuracy"
+
 
 @dataclass(frozen=True)
 class VersionRecord:

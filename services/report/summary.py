@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.report.records import VersionRecord
+from services.report.records import OWN_MODEL_ACCURACY, VersionRecord
 from services.report.rundir import RunInfo
 
 STALENESS_PREFIX = "staleness."
@@ -125,6 +125,17 @@ class Totals:
         )
 
 
+def _own_line(records: Sequence[VersionRecord]) -> list[str]:
+    """The papers' personalised metric, where the clients report it (`OWN_MODEL_ACCURACY`)."""
+    own = records[-1].extra.get(OWN_MODEL_ACCURACY, math.nan)
+    if not math.isfinite(own):
+        return []
+    return [
+        f"  own-model accuracy       {pct(own).strip()}   (the papers' personalised metric: "
+        "each client's model after its local training, all clients that trained)"
+    ]
+
+
 def finite_or(value: float, default: float = -math.inf) -> float:
     return value if math.isfinite(value) else default
 
@@ -167,6 +178,7 @@ def summary_text(
             f"   (best {pct(totals.best_global).strip()} in round {totals.best_global_round})",
             f"  final personal accuracy  {pct(totals.final_personal).strip()}"
             f"   (best {pct(totals.best_personal).strip()})",
+            *_own_line(records),
             f"  total time               {total_s:.1f} s",
             f"  samples/s (median)       {totals.median_samples_per_s:,.0f}"
             f"   ({totals.samples:,} samples trained)",
