@@ -37,6 +37,12 @@ METHODS: tuple[tuple[str, str, Mapping[str, Any]], ...] = (
     (FEDAVG, "fedavg", {"name": "fedavg"}),
     (LOCAL, "local", {"name": "standalone"}),
 )
+# At the paper's setting theta is one copy per client aggregated by alpha_k (the paper's
+# SplitFed [26], which SplitGP is at gamma = 0): the SFL baseline keeps the same server side.
+PAPER_METHODS = tuple(
+    (method, part, {"name": "sfl_v1"} if method == SFL else algorithm)
+    for method, part, algorithm in METHODS
+)
 SPLIT_INFERENCE = (SPLITGP, MULTI_EXIT)
 P_VALUES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 # Test rows of the final evaluation: the first FINAL_ROWS of the test set (about a fifth are
@@ -48,7 +54,11 @@ SWEEP = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.31)
 SWEEP_P = (0.0, 0.2, 0.5, 0.8, 1.0)
 
 
-def grid(datasets: Sequence[tuple[str, str]], methods: Sequence[str] = ()) -> list[Run]:
+def grid(
+    datasets: Sequence[tuple[str, str]],
+    methods: Sequence[str] = (),
+    table: Sequence[tuple[str, str, Mapping[str, Any]]] = METHODS,
+) -> list[Run]:
     return [
         Run(
             f"{dataset}-{part}",
@@ -56,7 +66,7 @@ def grid(datasets: Sequence[tuple[str, str]], methods: Sequence[str] = ()) -> li
             {"data": {"dataset": dataset}, "algorithm": dict(algorithm)},
         )
         for tag, dataset in datasets
-        for method, part, algorithm in METHODS
+        for method, part, algorithm in table
         if not methods or method in methods
     ]
 
@@ -254,6 +264,7 @@ def build() -> Experiment:
     return from_examples(
         NAME,
         runs=grid(DATASETS),
+        paper_runs=grid(DATASETS, table=PAPER_METHODS),
         quick_runs=grid(DATASETS[:1], (SPLITGP, SFL, LOCAL)),
         quick=smoke(3, 30, clients={"count": 6, "min_to_start": 6}),
         verdict=verdict,
