@@ -10,7 +10,11 @@ worker's replica holds everything after c_1 and trains a batch from level m on
 
 Blobs: `client/global` holds the blocks up to c_M (a client loads them all and trains its own),
 `server/global` the blocks after c_1 with the heads of c_2..c_M (the replica), `aux/global` the
-heads of every level. A tensor in two blobs has one value: the heteroavg of its holders.
+heads of every level. With `aggregation = "merged"` a tensor in two blobs has one value, the
+heteroavg of all its holders; with "separate" (the paper's "aggregates the client-side model and
+server-side model separately") `client/global` and `aux/global` average the clients alone and
+`server/global` the replicas alone, and the full model of level m is the client side to c_m
+followed by the server side (`level<m>.full_accuracy`).
 
 The math, for a client at level m:
 - client loss: `sum_{i<=m} l(a_i(z_i), y)`, z_i the activation at c_i (`local_loss`);
@@ -25,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Self
+from typing import Literal, Self
 
 import torch
 from pydantic import Field
@@ -65,6 +69,13 @@ class FedSplitXSection(Params):
     # Level assigned when a client declares no capability (Join.capability = 0) and has none in
     # clients.capability_mix; capped at the number of levels.
     default_level: int = Field(default=1, ge=1)
+    # "merged": a tensor in two blobs (a middle block on the clients and on the server) is one
+    # tensor, the heteroavg of all its holders. "separate": the paper's "aggregates the
+    # client-side model and server-side model separately" (fed server and main server), so
+    # w^c (blocks to c_M and heads, from the clients) and w^s (blocks after c_1 and the server's
+    # heads, from the replicas) are two models that share no value; the full model of level m
+    # is w^c[:c_m] followed by w^s[c_m:].
+    aggregation: Literal["merged", "separate"] = "merged"
 
 
 def parse_cuts(text: str) -> tuple[str, ...]:
@@ -189,6 +200,7 @@ class FedSplitX(StrategyBase):
     cuts: tuple[str, ...] = ()  # the partition points; (): the model's cuts
     one_level: bool = False  # local-loss SFL: the job's cut is the only level
     default_level: int = 1
+    aggregation: Literal["merged", "separate"] = "merged"
     structure: Structure | None = field(default=None, compare=False)
 
     @classmethod
@@ -198,7 +210,12 @@ class FedSplitX(StrategyBase):
         assert isinstance(params, FedSplitXSection)
         if name == "local_loss_sfl":
             return cls(name=name, one_level=True)
-        return cls(name=name, cuts=parse_cuts(params.cuts), default_level=params.default_level)
+        return cls(
+            name=name,
+            cuts=parse_cuts(params.cuts),
+            default_level=params.default_level,
+            aggregation=params.aggregation,
+        )
 
     @property
     def partial_client_updates(self) -> bool:
@@ -344,6 +361,8 @@ class FedSplitX(StrategyBase):
             holdings += replica_holdings(
                 r.weights, cut_samples, structure.cut_index, structure.levels
             )
+        if self.aggregation == "separate":
+            return separate_heteroavg(previous, holdings[: len(updates)], holdings[len(updates) :])
         merged: dict[str, torch.Tensor] = {}
         for state in previous.values():
             merged.update(state)
@@ -362,17 +381,45 @@ class FedSplitX(StrategyBase):
         """Per level m, for the report: the client model's accuracy (blocks up to c_m with head
         a_m) on the test rows (x, y), and the forward FLOPs per sample on each side."""
         structure = self._bound()
-        for state in blobs.values():
-            load_partial(model, state)
+        client = {**blobs.get(CLIENT, {}), **blobs.get(AUX, {})}
         out: dict[str, float] = {}
         for cost in structure.costs:
             key = f"level{cost.level}"
-            # The client model as it predicts on its own: blocks up to c_m and head a_m.
+            # The full model of this level: the server side from c_m on, the client side to c_m
+            # (the same for every level when the blobs share their tensors, "merged").
+            depth = structure.cut_index[cost.cut]
+            load_partial(model, blobs.get(SERVER, {}))
+            load_partial(model, {n: v for n, v in client.items() if below(n, depth, structure)})
+            out[f"{key}.full_accuracy"] = accuracy(model, x, y)
+            # The client model as it predicts on its own: blocks up to c_m and head a_m, the
+            # clients' copies.
+            load_partial(model, client)
             early_exit = nn.Sequential(model.client_blocks(cost.cut), model.head(cost.cut))
             out[f"{key}.client_accuracy"] = accuracy(early_exit, x, y)
             out[f"{key}.client_flops"] = float(cost.client_flops)
             out[f"{key}.server_flops"] = float(cost.server_flops)
         return out
+
+
+def separate_heteroavg(
+    previous: VersionWeights, clients: Sequence[Holding], replicas: Sequence[Holding]
+) -> VersionWeights:
+    """The paper's two aggregations: `client/global` and `aux/global` (w^c and its heads) the
+    heteroavg of the clients' uploads alone, `server/global` (w^s) that of the replicas alone."""
+    out = dict(previous)
+    client_side = {**previous.get(CLIENT, {}), **previous.get(AUX, {})}
+    averaged = heteroavg(clients, client_side)
+    for ref in (CLIENT, AUX):
+        if ref in previous:
+            out[ref] = {n: averaged[n] for n in previous[ref]}
+    if SERVER in previous:
+        out[SERVER] = heteroavg(replicas, dict(previous[SERVER]))
+    return out
+
+
+def below(name: str, depth: int, structure: Structure) -> bool:
+    """Whether state-dict `name` is a block at or before block `depth` (heads: never)."""
+    return name.startswith("blocks.") and (tensor_depth(name, structure.cut_index) or 0) <= depth
 
 
 def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 512) -> float:

@@ -27,6 +27,10 @@ from services.report.plots import plot_rounds
 
 NAME = "fedsplitx"
 LEVEL_CUTS = ("block1", "block2", "block3")
+# The paper setting (`--paper`, fedsplitx-paper.toml): ResNet-18 cut after its first three
+# stages. The paper's own partition points are in its Table 3 and Figure 2, not in its text.
+PAPER_CUTS = ("layer1", "layer2", "layer3")
+CIFAR10_TRAIN_ROWS = 50_000
 MIX = (16, 16, 18)
 QUICK_MIX = (2, 2, 2)
 FEDSPLITX = "FedSplitX"
@@ -39,6 +43,7 @@ WITH_FULL_MODEL = (FEDSPLITX, EXC1, ALL3)
 # `final.json` keys: the whole model, and each client model by the cut it ends at.
 FULL_ACCURACY = "full_accuracy"
 CLIENT_ACCURACY = "client_accuracy."
+LEVEL_FULL_ACCURACY = "full_accuracy."
 # Per-round extras written by the FedSplitX strategy (services/algorithms/fedsplitx.py).
 SERVER_FLOPS = "server_flops."
 LEVEL_OF = "level.client"  # `level.<client id>`: a participant's level that round
@@ -47,8 +52,11 @@ LATE_ROUNDS = 5
 PAPER = "arXiv 2310.14579"
 
 
-def grid(mix: Sequence[int]) -> list[Run]:
-    """FedSplitX on the population `mix` (clients per level 1, 2, 3) and its baselines."""
+def grid(mix: Sequence[int], cuts: Sequence[str] = LEVEL_CUTS, train_rows: int = 0) -> list[Run]:
+    """FedSplitX on the population `mix` (clients per level 1, 2, 3) and its baselines, the
+    one-level runs at `cuts` (the partition points c_1..c_3 of the base config). With
+    `train_rows` (the training split's size), EXC-level-3 trains on the level-3 clients' share
+    of it only ("only 18 clients participate"): the excluded clients' data is left out too."""
 
     def clients(count: int, mix: str = "") -> dict[str, object]:
         return {"clients": {"count": count, "min_to_start": count, "capability_mix": mix}}
@@ -57,16 +65,17 @@ def grid(mix: Sequence[int]) -> list[Run]:
         return algorithm("local_loss_sfl") | {"model": {"cut": cut}} | clients(count)
 
     total = sum(mix)
+    kept = {"data": {"train_samples": train_rows * mix[2] // total}} if train_rows else {}
     both = algorithm("fedsplitx") | clients(total, ",".join(str(n) for n in mix))
     return [
         Run("fedsplitx", {"method": FEDSPLITX}, both),
         Run(
-            "exc-level1-local_loss_sfl-block1",
+            f"exc-level1-local_loss_sfl-{cuts[0]}",
             {"method": EXC1, "level": "1"},
-            one_level("block1", total),
+            one_level(cuts[0], total),
         ),
-        Run("exc-level3", {"method": EXC3, "level": "3"}, one_level("block3", mix[2])),
-        Run("all-level3", {"method": ALL3, "level": "3"}, one_level("block3", total)),
+        Run("exc-level3", {"method": EXC3, "level": "3"}, one_level(cuts[2], mix[2]) | kept),
+        Run("all-level3", {"method": ALL3, "level": "3"}, one_level(cuts[2], total)),
     ]
 
 
@@ -82,6 +91,8 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     out = {FULL_ACCURACY: evaluate(model, full_model_weights(blobs), test).accuracy}
     for m, cut in enumerate(cuts, start=1):
         out[CLIENT_ACCURACY + cut] = levels[f"level{m}.client_accuracy"]
+        # The paper's full model per level (w^c to c_m, then w^s); all equal when "merged".
+        out[LEVEL_FULL_ACCURACY + cut] = levels[f"level{m}.full_accuracy"]
     return out
 
 
@@ -94,8 +105,38 @@ def run_levels(result: SeedRuns) -> tuple[int, ...]:
 def accuracy(result: SeedRuns | None, level: int | None) -> float:
     """The final level-`level` client model (the full model for None) on the whole test set
     (NaN: the run has none)."""
-    key = FULL_ACCURACY if level is None else CLIENT_ACCURACY + LEVEL_CUTS[level - 1]
-    return math.nan if result is None else result.final.get(key, math.nan)
+    if result is None:
+        return math.nan
+    if level is None:
+        return result.final.get(FULL_ACCURACY, math.nan)
+    cut = level_cut(result, level)
+    return math.nan if cut is None else result.final.get(CLIENT_ACCURACY + cut, math.nan)
+
+
+def level_cut(result: SeedRuns, level: int) -> str | None:
+    """The cut the run's level-`level` client model ends at: its `final_eval` keys, written
+    shallow to deep, one per level the run trains (None: the run has no such model)."""
+    cuts = [k.removeprefix(CLIENT_ACCURACY) for k in result.final if k.startswith(CLIENT_ACCURACY)]
+    levels = run_levels(result)
+    if level not in levels or len(cuts) != len(levels):
+        return None
+    return cuts[levels.index(level)]
+
+
+def level_flops(result: SeedRuns | None) -> list[tuple[int, int]]:
+    """(client, server) forward FLOPs per sample of each level the run trains, from its report
+    (`level<m>.client_flops`); the cnn5's at LEVEL_CUTS when the run recorded none."""
+    extra = {} if result is None or not result.records else result.records[0].extra
+    levels = () if result is None else run_levels(result)
+    found = [
+        (int(extra[f"level{m}.client_flops"]), int(extra[f"level{m}.server_flops"]))
+        for m in range(1, len(levels) + 1)
+        if f"level{m}.client_flops" in extra and f"level{m}.server_flops" in extra
+    ]
+    if levels and len(found) == len(levels):
+        return found
+    costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
+    return [(c.client_flops, c.server_flops) for c in costs if c.level in levels or not levels]
 
 
 def _method(results: ResultSet, method: str) -> SeedRuns | None:
@@ -146,7 +187,6 @@ def model_rows(result: SeedRuns) -> list[tuple[int | None, float]]:
 
 def accuracy_table(results: ResultSet) -> str:
     """One row per (run, model it yields): the final version on the whole test set."""
-    costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
     fed = _method(results, FEDSPLITX)
     fed_full = accuracy(fed, None)
     header = ["method", "clients (levels)", "model evaluated", "client fwd FLOPs/sample"]
@@ -158,8 +198,10 @@ def accuracy_table(results: ResultSet) -> str:
             if level is None:
                 what, flops, same = "full model (client side + server side)", "", fed_full
             else:
-                what = f"level-{level} client model (blocks to {LEVEL_CUTS[level - 1]} + head)"
-                flops, same = f"{costs[level - 1].client_flops:,}", accuracy(fed, level)
+                cut = level_cut(result, level) or "?"
+                own_flops = level_flops(result)[run_levels(result).index(level)][0]
+                what = f"level-{level} client model (blocks to {cut} + head)"
+                flops, same = f"{own_flops:,}", accuracy(fed, level)
             curve = level_curve(result, level)
             own = result is fed
             rows.append(
@@ -185,8 +227,12 @@ def accuracy_table(results: ResultSet) -> str:
 
 def flops_table(results: ResultSet) -> str:
     """Server forward FLOPs per trained sample, as measured over the runs' rows."""
-    costs = level_costs(build_model("cnn5"), LEVEL_CUTS)
-    reference = server_flops(_method(results, EXC1))
+    fed = _method(results, FEDSPLITX)
+    early = _method(results, EXC1)
+    costs = level_flops(fed)
+    cuts = [level_cut(fed, m) if fed is not None else None for m in (1, 2, 3)]
+    names = [c or cnn5 for c, cnn5 in zip(cuts, LEVEL_CUTS, strict=True)]
+    reference = server_flops(early)
     header = ["method", "clients (levels)", "server fwd FLOPs/sample (measured)"]
     header += ["relative to local-loss SFL block1", "samples trained"]
     header += ["server training GFLOPs (≈ 3 × fwd)", "bytes up / sample"]
@@ -207,21 +253,21 @@ def flops_table(results: ResultSet) -> str:
             ]
         )
     per_level = ", ".join(
-        f"level {c.level} ({c.cut}): client {c.client_flops:,} / server {c.server_flops:,}"
-        for c in costs
+        f"level {m} ({cut}): client {client:,} / server {server:,}"
+        for m, (cut, (client, server)) in enumerate(zip(names, costs, strict=False), start=1)
     )
+    alone = level_flops(early)[0][1] if early is not None else costs[0][1]
     caption = (
         "**Server compute** (forward FLOPs per trained sample, from each round's "
         "`server_flops.<client>`; a training step costs about three forwards). Per level, "
-        f"forward FLOPs per sample: {per_level}; local-loss SFL at block1 leaves the server "
-        f"{level_costs(build_model('cnn5'), ['block1'])[0].server_flops:,}."
+        f"forward FLOPs per sample: {per_level}; local-loss SFL at {names[0]} leaves the "
+        f"server {alone:,}."
     )
-    fed = _method(results, FEDSPLITX)
     mix = population(fed)
     if fed is not None and mix:
         draws = [int(v) for r in fed.records for k, v in r.extra.items() if k.startswith(LEVEL_OF)]
         # The server's expected forward FLOPs per sample for `mix` training equal rows.
-        expected = sum(n * c.server_flops for n, c in zip(mix, costs, strict=True)) / sum(mix)
+        expected = sum(n * c[1] for n, c in zip(mix, costs, strict=True)) / sum(mix)
         caption += (
             f" For FedSplitX's population ({'/'.join(map(str, mix))} clients at levels 1/2/3) "
             f"training equal rows the expected mean is {expected:,.0f}; "
@@ -381,6 +427,7 @@ def build() -> Experiment:
         NAME,
         runs=grid(MIX),
         quick_runs=grid(QUICK_MIX),
+        paper_runs=grid(MIX, PAPER_CUTS, train_rows=CIFAR10_TRAIN_ROWS),
         quick=smoke(clients={"fraction": 1.0}),
         verdict=verdict,
         final_eval=final_eval,
