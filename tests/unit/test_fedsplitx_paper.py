@@ -103,6 +103,7 @@ def test_paper_grid_runs_the_baselines_at_the_resnet_cuts() -> None:
     assert set(runs) == {
         "fedsplitx",
         "exc-level1-local_loss_sfl-layer1",
+        "exc-level2",
         "exc-level3",
         "all-level3",
     }
@@ -117,6 +118,14 @@ def test_paper_grid_runs_the_baselines_at_the_resnet_cuts() -> None:
     # 1,000 per client of the paper's IID split over 50.
     assert runs["exc-level3"]["data"]["train_samples"] == 18_000
     assert "data" not in runs["all-level3"]
+    # "level 1, level 2, and level 3": EXC-level-2 is the 16 + 18 = 34 capable clients with
+    # 50,000 * 34 / 50 = 34,000 rows.
+    assert runs["exc-level2"]["model"]["cut"] == "layer2"
+    assert runs["exc-level2"]["clients"]["count"] == 34
+    assert runs["exc-level2"]["data"]["train_samples"] == 34_000
+    # The scaled grid stays as it was: no EXC-level-2, EXC-level-3 on the whole split.
+    scaled = {r.label: r.overrides for r in fedsplitx.build().runs}
+    assert "exc-level2" not in scaled and "data" not in scaled["exc-level3"]
     assert runs["all-level3"]["clients"]["count"] == 50
 
 
