@@ -41,6 +41,10 @@ ALL3 = "All-level-3 (every client)"
 # The runs whose full model (client side + server side) is one of the compared models
 # (EXC-level-3's is not: its server side is one layer trained on 18 clients' features).
 WITH_FULL_MODEL = (FEDSPLITX, EXC1, ALL3)
+# The paper grid's EXC-level-3 run is also AccSFL at c_3 (ResNet-18's server side after layer3
+# is layer4 and the classifier): the paper compares its full model with FedSplitX's.
+ALSO = "also"
+ACCSFL3 = "AccSFL at c_3 (18 clients)"
 # `final.json` keys: the whole model, and each client model by the cut it ends at.
 FULL_ACCURACY = "full_accuracy"
 CLIENT_ACCURACY = "client_accuracy."
@@ -71,6 +75,7 @@ def grid(mix: Sequence[int], cuts: Sequence[str] = LEVEL_CUTS, train_rows: int =
         return {"data": {"train_samples": train_rows * clients // total}} if train_rows else {}
 
     both = algorithm("fedsplitx") | clients(total, ",".join(str(n) for n in mix))
+    exc3_tags = {"method": EXC3, "level": "3"} | ({ALSO: ACCSFL3} if train_rows else {})
     runs = [
         Run("fedsplitx", {"method": FEDSPLITX}, both),
         Run(
@@ -78,9 +83,7 @@ def grid(mix: Sequence[int], cuts: Sequence[str] = LEVEL_CUTS, train_rows: int =
             {"method": EXC1, "level": "1"},
             one_level(cuts[0], total),
         ),
-        Run(
-            "exc-level3", {"method": EXC3, "level": "3"}, one_level(cuts[2], mix[2]) | kept(mix[2])
-        ),
+        Run("exc-level3", exc3_tags, one_level(cuts[2], mix[2]) | kept(mix[2])),
         Run("all-level3", {"method": ALL3, "level": "3"}, one_level(cuts[2], total)),
     ]
     if train_rows:
@@ -107,6 +110,11 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
         # The paper's full model per level (w^c to c_m, then w^s); all equal when "merged".
         out[LEVEL_FULL_ACCURACY + cut] = levels[f"level{m}.full_accuracy"]
     return out
+
+
+def has_full_model(result: SeedRuns) -> bool:
+    """Whether the run's full model (client side + server side) is one of the compared ones."""
+    return result.tags["method"] in WITH_FULL_MODEL or result.tags.get(ALSO) == ACCSFL3
 
 
 def run_levels(result: SeedRuns) -> tuple[int, ...]:
@@ -193,7 +201,7 @@ def model_rows(result: SeedRuns) -> list[tuple[int | None, float]]:
     """The models a run yields: (level, or None for the full model; final accuracy on the
     whole test set)."""
     levels: list[int | None] = list(run_levels(result))
-    if result.tags["method"] in WITH_FULL_MODEL:
+    if has_full_model(result):
         levels.append(None)
     return [(level, accuracy(result, level)) for level in levels]
 
@@ -297,7 +305,7 @@ def _curves(results: ResultSet, slot: FigureSlot) -> str:
         drawn = False
         for i, result in enumerate(results):
             full = panel == "full model"
-            if full and result.tags["method"] not in WITH_FULL_MODEL:
+            if full and not has_full_model(result):
                 continue
             ys = [100 * v for v in level_curve(result, None if full else int(panel[6]))]
             if ys:
@@ -415,10 +423,20 @@ def verdict(results: ResultSet) -> list[str]:
             lines += _exc_lines(fed, exc, level)
     if (accsfl := _method(results, EXC1)) is not None:
         lines += _accsfl_lines(fed, accsfl)
+    exc3 = _method(results, EXC3)
+    if exc3 is not None and exc3.tags.get(ALSO) == ACCSFL3:
+        full, theirs = accuracy(fed, None), accuracy(exc3, None)
+        if math.isfinite(full - theirs):
+            word = "agrees: FedSplitX is ahead" if full > theirs else "**disagrees**: it is not"
+            lines.append(
+                f"Full model at depth-level 3: FedSplitX {pct(full)} vs {ACCSFL3} "
+                f'{pct(theirs)} ({pts(full - theirs)}): {word} (the paper: FedSplitX "achieves '
+                'better performance as it involves a larger number of participating clients").'
+            )
     swings = [
         f"{r.tags['method']} {100 * swing(r.curve()):.1f} points"
         for r in results
-        if r.tags["method"] in WITH_FULL_MODEL
+        if has_full_model(r)
     ]
     if len(swings) >= 2:
         lines.append(
