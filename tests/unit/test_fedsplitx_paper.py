@@ -176,3 +176,13 @@ def test_the_full_model_of_level_m_is_the_client_side_to_c_m_then_the_server_sid
     # Levels 2 and 3 run the clients' block2: NaN logits, argmax 0, none right.
     assert out["level2.full_accuracy"] == 0.0
     assert out["level3.full_accuracy"] == 0.0
+
+
+def test_the_paper_grids_exc_level3_full_model_is_accsfl_at_level3() -> None:
+    # "Comparing the performance of the client-side and full models between AccSFL and
+    # FedSplitX at depth-level 3": the 18-client run at layer3 is AccSFL there, full model too.
+    exc3 = _result("exc-level3", {"full_accuracy": 0.8, "client_accuracy.layer3": 0.65})
+    assert fedsplitx.has_full_model(exc3)
+    assert fedsplitx.model_rows(exc3) == [(3, 0.65), (None, 0.8)]
+    scaled = next(r for r in fedsplitx.build().runs if r.label == "exc-level3")
+    assert fedsplitx.ALSO not in scaled.tags  # cnn5's server side after block3 is one layer
