@@ -156,6 +156,11 @@ def _command(ctx: click.Context) -> str:
     args = ["splitmq", "experiment", ctx.params["name"]]
     for param in ctx.command.params:
         value = ctx.params[param.name or ""]
-        if isinstance(param, click.Option) and value != param.default and param.name not in _SAME:
-            args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
+        if not isinstance(param, click.Option) or param.name in _SAME:
+            continue
+        # A flag's default reads as a sentinel, not False, in newer click: ask its value.
+        if param.is_flag:
+            args += [param.opts[0]] if value else []
+        elif value != param.default:
+            args += [param.opts[0], str(value)]
     return shlex.join(args)

@@ -313,3 +313,12 @@ def test_an_archived_run_is_reused_when_its_report_directory_is_gone(
         changed, runs_dir=tmp_path / "b", archive=tmp_path / "kept", reuse=True, echo=said.append
     )
     assert not fresh.runs[0].reused and len(fresh.runs[0].records) == 2
+
+
+def test_the_stated_command_names_only_the_flags_given() -> None:
+    from services.cli.experiment_cmd import _command, experiment
+
+    given = experiment.make_context("experiment", ["splitgp", "--paper", "--seeds", "3"])
+    assert _command(given) == "splitmq experiment splitgp --paper --seeds 3"
+    plain = experiment.make_context("experiment", ["splitgp", "--reuse"])
+    assert _command(plain) == "splitmq experiment splitgp"
