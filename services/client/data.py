@@ -69,6 +69,7 @@ class JobData:
                     alpha=d.alpha,
                     shards_per_client=d.shards_per_client,
                     shard_size=d.shard_size,
+                    distinct_shards=d.distinct_shards,
                     ratio=d.ratio,
                 )
                 cap = d.client_samples or None

@@ -133,6 +133,10 @@ class DataSection(_Section):
     alpha: float = Field(default=0.5, gt=0)
     shards_per_client: int = Field(default=2, ge=1)
     shard_size: int = Field(default=250, ge=1)
+    # Whether a client's shards are always of different labels; false deals them at random, as
+    # Sub-FedAvg's text ("randomly assign two shards to each client") and reference code do,
+    # where a client now and then holds two shards of one label.
+    distinct_shards: bool = True
     ratio: float = Field(default=0.0, ge=0, le=1)
     # Cap on the test samples used per evaluation (0: the whole test set).
     eval_samples: int = Field(default=0, ge=0)

@@ -204,11 +204,12 @@ def partition(
     min_size: int = 10,
     shards_per_client: int = 2,
     shard_size: int = 250,
+    distinct_shards: bool = True,
     ratio: float = 0.0,
 ) -> list[Indices]:
     """The `kind` partitioner's split. Parameters a kind does not use are ignored:
-    ``alpha``/``min_size`` (dirichlet), ``shards_per_client``/``shard_size`` (shards), ``ratio``
-    (label_ratio)."""
+    ``alpha``/``min_size`` (dirichlet), ``shards_per_client``/``shard_size``/``distinct_shards``
+    (shards), ``ratio`` (label_ratio)."""
     if seed < 0:
         raise PartitionError(f"seed must be >= 0, got {seed}")
     if kind == "iid":
@@ -221,6 +222,7 @@ def partition(
             n_clients,
             shards_per_client=shards_per_client,
             shard_size=shard_size,
+            distinct=distinct_shards,
             seed=seed,
         )
     if kind == "label_ratio":
