@@ -23,6 +23,7 @@ from services.algorithms.base import (
     Hyper,
     LocalRound,
     ShardReplica,
+    VersionWeights,
     assign_level,
 )
 from services.algorithms.fedsplitx import (
@@ -341,10 +342,13 @@ def test_local_loss_sfl_server_trains_no_heads() -> None:
     assert all(torch.equal(after[n], v) for n, v in heads_before.items())
 
 
-def test_aggregate_weighs_clients_and_the_replica_per_tensor() -> None:
+def two_level_round(strategy: FedSplitX) -> tuple[VersionWeights, VersionWeights]:
+    """`strategy` (over cnn5 at block1/2/3) aggregating one round: client a at level 1 (10 rows,
+    every tensor +1), client b at level 2 (30 rows, +4), and the replica (+8), which ran a's
+    10 rows from block1 and b's 30 from block2. Returns (previous, aggregated)."""
     model = cnn5()
-    strategy = FedSplitX().for_model(lambda: model, "block1")
-    previous = strategy.initial_weights(model, "block1")
+    bound = strategy.for_model(lambda: model, "block1")
+    previous = bound.initial_weights(model, "block1")
 
     def shifted(state: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
         return {n: v + by if v.is_floating_point() else v for n, v in state.items()}
@@ -367,7 +371,11 @@ def test_aggregate_weighs_clients_and_the_replica_per_tensor() -> None:
     )
     server = previous[BlobRef(SERVER_PART)]
     replica = ShardReplica(0, 40, shifted(server, 8.0), cut_samples={"block1": 10, "block2": 30})
-    out = strategy.aggregate(previous, [level1, level2], [replica])
+    return previous, bound.aggregate(previous, [level1, level2], [replica])
+
+
+def test_aggregate_weighs_clients_and_the_replica_per_tensor() -> None:
+    previous, out = two_level_round(FedSplitX())
     merged = {**out[BlobRef(AUX_PART)], **out[BlobRef(SERVER_PART)], **out[BlobRef(CLIENT_PART)]}
     base = {n: v for blob in previous.values() for n, v in blob.items()}
 

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from broker.store import AUX_PART, CLIENT_PART, SERVER_PART, BlobRef
-from models.state import client_state, head_state
 from models.zoo import cnn5
-from services.algorithms.base import ClientUpdate, ShardReplica
 from services.algorithms.fedsplitx import FedSplitX
 from services.algorithms.registry import build_strategy
 from services.config.loading import load_settings
 from services.experiments import fedsplitx
 from services.experiments.results import RunResult, SeedRuns
 from services.experiments.spec import EXAMPLES_DIR
+from tests.unit.test_fedsplitx import two_level_round
 
 PAPER_TOML = EXAMPLES_DIR / "fedsplitx-paper.toml"
 
@@ -48,34 +47,8 @@ def test_client_side_and_server_side_are_aggregated_separately() -> None:
     # separately. The aggregation of server-side model parameters is performed at the main
     # server, while the aggregation of client-side model parameters takes place at the fed
     # server." cnn5, levels block1/2/3 (blocks 0/1/2, output block 3).
-    model = cnn5()
-    strategy = FedSplitX(aggregation="separate").for_model(lambda: model, "block1")
-    previous = strategy.initial_weights(model, "block1")
-
-    def shifted(state: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
-        return {n: v + by if v.is_floating_point() else v for n, v in state.items()}
-
-    # Client a at level 1 (10 rows, every tensor +1), client b at level 2 (30 rows, +4).
-    a = ClientUpdate(
-        "a",
-        100,
-        1,
-        shifted(client_state(model, "block1"), 1.0),
-        shifted(head_state(model, ["block1"]), 1.0),
-        metrics={"train_samples": 10.0},
-    )
-    b = ClientUpdate(
-        "b",
-        100,
-        1,
-        shifted(client_state(model, "block2"), 4.0),
-        shifted(head_state(model, ["block1", "block2"]), 4.0),
-        metrics={"train_samples": 30.0},
-    )
-    # The replica (+8) ran a's 10 rows from block1 and b's 30 from block2.
-    server = previous[BlobRef(SERVER_PART)]
-    replica = ShardReplica(0, 40, shifted(server, 8.0), cut_samples={"block1": 10, "block2": 30})
-    out = strategy.aggregate(previous, [a, b], [replica])
+    # Client a at level 1 (10 rows, +1), b at level 2 (30 rows, +4), the replica +8.
+    previous, out = two_level_round(FedSplitX(aggregation="separate"))
 
     def moved(part: str, name: str) -> float:
         ref = BlobRef(part)
