@@ -39,11 +39,12 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], caption
     return (caption + "\n\n" if caption else "") + "\n".join(lines)
 
 
-def spread_cell(spread: Spread) -> str:
-    """A cell over seeds: `82.5 ± 0.4`; one value alone as `percent` writes it."""
+def spread_cell(spread: Spread, sign: str = "") -> str:
+    """A cell over seeds: `82.5 ± 0.4` (with `sign="+"` a difference, `+1.5 ± 0.4`); one
+    value alone as `percent` writes it."""
     if spread.count < 2:
-        return percent(spread.mean)
-    return f"{percent(spread.mean)} ± {percent(spread.std)}"
+        return percent(spread.mean, sign)
+    return f"{percent(spread.mean, sign)} ± {percent(spread.std)}"
 
 
 def render_table(table: Table, results: ResultSet) -> str:

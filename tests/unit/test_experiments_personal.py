@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from services.experiments.results import (
     FINAL_JSON,
     ResultSet,
     RunResult,
+    SeedRuns,
     load_result,
 )
 from services.experiments.spec import Experiment, Run
@@ -109,9 +111,9 @@ def test_subfedavg_takes_each_clients_last_report() -> None:
     records = (record(0, first), record(1, second))
     result = run_result("Sub-FedAvg (Un) 50%", "subfedavg", records)
     assert subfedavg.last_per_client(result, "local_accuracy") == {"client-1": 0.7, "client-2": 0.9}
-    assert subfedavg.personalised(result)[0] == pytest.approx(0.8)
-    assert subfedavg.personalised(result)[1] == 2
-    assert subfedavg.reduction(result, "param_reduction") == pytest.approx(0.4)
+    assert subfedavg.run_personalised(result)[0] == pytest.approx(0.8)
+    assert subfedavg.run_personalised(result)[1] == 2
+    assert subfedavg.reduction(SeedRuns((result,)), "param_reduction") == pytest.approx(0.4)
 
 
 def test_baselines_personalised_accuracy_from_the_final_evaluation() -> None:
@@ -119,11 +121,11 @@ def test_baselines_personalised_accuracy_from_the_final_evaluation() -> None:
     standalone = run_result(subfedavg.STANDALONE, "standalone", final=final)
     fedavg = run_result(subfedavg.FEDAVG, "fedavg", final=final)
     # Standalone: only the clients that trained a model of their own; FedAvg: every client.
-    assert subfedavg.personalised(standalone)[0] == pytest.approx(0.6)
-    assert subfedavg.personalised(standalone)[1] == 1
-    assert subfedavg.personalised(fedavg)[0] == pytest.approx(0.4)
-    assert subfedavg.personalised(fedavg)[1] == 2
-    assert subfedavg.reduction(fedavg, "param_reduction") == 0.0
+    assert subfedavg.run_personalised(standalone)[0] == pytest.approx(0.6)
+    assert subfedavg.run_personalised(standalone)[1] == 1
+    assert subfedavg.run_personalised(fedavg)[0] == pytest.approx(0.4)
+    assert subfedavg.run_personalised(fedavg)[1] == 2
+    assert subfedavg.reduction(SeedRuns((fedavg,)), "param_reduction") == 0.0
 
 
 def test_subfedavg_verdict_and_table_state_the_gains_in_points() -> None:
@@ -144,6 +146,36 @@ def test_subfedavg_verdict_and_table_state_the_gains_in_points() -> None:
     assert "| Standalone | 85.0 |  |  | 0.0 | 0.0 | 1 |" in table
 
 
+def seeded(method: str, algorithm: str, values: list[float], seed: int) -> RunResult:
+    """One seed's run whose personalised accuracy is `values[seed]`."""
+    value = values[seed]
+    if algorithm == "subfedavg":
+        return replace(
+            run_result(method, algorithm, (record(0, {"local_accuracy.c": value}),)), seed=seed
+        )
+    return replace(run_result(method, algorithm, final={"local.c": value, "own.c": 1.0}), seed=seed)
+
+
+def test_subfedavg_gaps_are_paired_by_seed_and_judged_against_their_spread() -> None:
+    sub = [0.90, 0.92, 0.94]
+    steady = [0.80, 0.81, 0.82]  # gaps +10, +11, +12: mean 11, std 1
+    noisy = [0.80, 1.00, 0.70]  # gaps +10, -8, +24: mean 8.7, std 16
+    runs = [seeded("Sub-FedAvg (Un) 50%", "subfedavg", sub, s) for s in range(3)]
+    runs += [seeded(subfedavg.STANDALONE, "standalone", steady, s) for s in range(3)]
+    runs += [seeded(subfedavg.FEDAVG, "fedavg", noisy, s) for s in range(3)]
+    results = ResultSet(runs)
+    gain = subfedavg.gap(results, "MNIST", ["Sub-FedAvg (Un) 50%"], subfedavg.STANDALONE)
+    assert gain.mean == pytest.approx(0.11)
+    assert gain.std == pytest.approx(0.01)
+    assert gain.count == 3
+    lines = subfedavg.verdict(results)
+    assert "+11.0 ± 1.0 points" in lines[0] and "**well below**" in lines[0]
+    assert "within seed spread of FedAvg" in lines[1]
+    table = subfedavg.main_table(results)
+    assert "| Sub-FedAvg (Un) 50% | 92.0 ± 2.0 | +11.0 ± 1.0 | +8.7 ± 16.0 |" in table
+    assert "mean ± std over 3 seeds" in table
+
+
 def splitgp_final(local: float, ood: float, head: tuple[float, float]) -> dict[str, float]:
     final = {"splitgp.split_local": local, "splitgp.split_ood": ood}
     final |= {"splitgp.head_local": head[0], "splitgp.head_ood": head[1]}
@@ -159,7 +191,9 @@ def test_accuracy_at_p_mixes_local_and_ood() -> None:
     assert splitgp.mix(0.9, 0.3, 0.0) == 0.9
     assert splitgp.mix(0.9, 0.3, 1.0) == 0.3
     assert splitgp.mix(0.9, 0.3, 0.5) == pytest.approx(0.6)
-    result = run_result(splitgp.SPLITGP, "splitgp", final=splitgp_final(0.9, 0.3, (0.95, 0.0)))
+    result = SeedRuns(
+        (run_result(splitgp.SPLITGP, "splitgp", final=splitgp_final(0.9, 0.3, (0.95, 0.0))),)
+    )
     # p = 0: 2 and 2.31 both keep the local rows right (0.5 + t / 4 capped at 1); the larger,
     # which offloads fewer rows, wins the tie.
     assert splitgp.best_threshold(result, 0.0)[0] == pytest.approx(1.0)
