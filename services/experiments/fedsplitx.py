@@ -20,9 +20,19 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.figures import FigureSlot
-from services.experiments.results import ResultSet, SeedRuns, finite, late_mean, mean, swing
+from services.experiments.results import (
+    ResultSet,
+    SeedRuns,
+    Spread,
+    finite,
+    late_mean,
+    mean,
+    paired_gap,
+    swing,
+    within_spread,
+)
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
-from services.experiments.tables import markdown_table, pct, percent, points, pts
+from services.experiments.tables import gap_words, markdown_table, pct, percent, points
 from services.report.plots import plot_rounds
 
 NAME = "fedsplitx"
@@ -365,23 +375,40 @@ def _late(result: SeedRuns, level: int | None) -> str:
     return pct(late_mean(level_curve(result, level), LATE_ROUNDS))
 
 
+def _ahead(gap: Spread, yes: str, no: str, tie: str) -> str:
+    """The verdict words of a paired gap over seeds: `tie` within seed spread, else `yes`
+    when ahead and `no` when not."""
+    if within_spread(gap):
+        return tie
+    return yes if gap.mean > 0 else no
+
+
 def _exc_lines(fed: SeedRuns, exc: SeedRuns, level: int) -> list[str]:
     name = f"EXC-level-{level}"
     full, theirs = accuracy(fed, None), accuracy(exc, level)
     lines = []
     if math.isfinite(full - theirs):
-        judged = "agrees: FedSplitX is" if full - theirs > 0 else "**disagrees**: FedSplitX is not"
+        gap = paired_gap(fed, exc, lambda s: accuracy(s, None), lambda s: accuracy(s, level))
+        judged = _ahead(
+            gap,
+            "agrees: FedSplitX is",
+            "**disagrees**: FedSplitX is not",
+            "**disagrees**: within seed spread, FedSplitX is not clearly",
+        )
         late = f"mean of the last {LATE_ROUNDS} rounds {_late(fed, None)} vs {_late(exc, level)}"
         lines.append(
             f"FedSplitX's full model {pct(full)} vs {name}'s global model (the level-{level} "
-            f"model) {pct(theirs)} ({pts(full - theirs)}; {late}): {judged} ahead of {name}."
+            f"model) {pct(theirs)} ({gap_words(gap)}; {late}): {judged} ahead of {name}."
         )
     own = accuracy(fed, level)
     if math.isfinite(own - theirs):
-        word = "better" if own > theirs else "**not better**"
+        gap = paired_gap(fed, exc, lambda s: accuracy(s, level))
+        word = _ahead(
+            gap, "better", "**not better**", "**not clearly better** (within seed spread)"
+        )
         lines.append(
             f"Level-{level} client model: FedSplitX's {pct(own)} vs {name}'s {pct(theirs)} "
-            f"({pts(own - theirs)}; mean of the last {LATE_ROUNDS} rounds "
+            f"({gap_words(gap)}; mean of the last {LATE_ROUNDS} rounds "
             f"{_late(fed, level)} vs {_late(exc, level)}): the client-side model "
             f"FedSplitX gives level-{level} clients is {word} than the one exclusive learning "
             "trains."
@@ -402,10 +429,11 @@ def _accsfl_lines(fed: SeedRuns, accsfl: SeedRuns) -> list[str]:
         )
     full, acc_full = accuracy(fed, None), accuracy(accsfl, None)
     if math.isfinite(acc_full) and math.isfinite(full):
-        word = "ahead of" if full > acc_full else "**behind**"
+        gap = paired_gap(fed, accsfl, lambda s: accuracy(s, None))
+        word = _ahead(gap, "ahead of", "**behind**", "**level with** (within seed spread)")
         lines.append(
             f"Full model: FedSplitX {pct(full)} vs local-loss SFL at block1 {pct(acc_full)} "
-            f"({pts(full - acc_full)}; mean of the last {LATE_ROUNDS} rounds "
+            f"({gap_words(gap)}; mean of the last {LATE_ROUNDS} rounds "
             f"{_late(fed, None)} vs {_late(accsfl, None)}): FedSplitX is {word} "
             "local-loss SFL with the early cut, whose server trains everything after block1 "
             "on every row."
@@ -427,10 +455,16 @@ def verdict(results: ResultSet) -> list[str]:
     if exc3 is not None and exc3.tags.get(ALSO) == ACCSFL3:
         full, theirs = accuracy(fed, None), accuracy(exc3, None)
         if math.isfinite(full - theirs):
-            word = "agrees: FedSplitX is ahead" if full > theirs else "**disagrees**: it is not"
+            gap = paired_gap(fed, exc3, lambda s: accuracy(s, None))
+            word = _ahead(
+                gap,
+                "agrees: FedSplitX is ahead",
+                "**disagrees**: it is not",
+                "**disagrees**: within seed spread, not clearly ahead",
+            )
             lines.append(
                 f"Full model at depth-level 3: FedSplitX {pct(full)} vs {ACCSFL3} "
-                f'{pct(theirs)} ({pts(full - theirs)}): {word} (the paper: FedSplitX "achieves '
+                f'{pct(theirs)} ({gap_words(gap)}): {word} (the paper: FedSplitX "achieves '
                 'better performance as it involves a larger number of participating clients").'
             )
     swings = [
@@ -441,14 +475,15 @@ def verdict(results: ResultSet) -> list[str]:
     if len(swings) >= 2:
         lines.append(
             "Round-to-round swing of the full model's accuracy (mean absolute change, "
-            "evaluation rows): " + ", ".join(swings) + "."
+            "evaluation rows, seeds' mean curve): " + ", ".join(swings) + "."
         )
-    every = accuracy(_method(results, ALL3), 3)
-    capable = accuracy(_method(results, EXC3), 3)
-    if math.isfinite(every - capable):
+    all3, exc3_ = _method(results, ALL3), _method(results, EXC3)
+    every, capable = accuracy(all3, 3), accuracy(exc3_, 3)
+    if all3 is not None and exc3_ is not None and math.isfinite(every - capable):
+        gap = paired_gap(all3, exc3_, lambda s: accuracy(s, 3))
         lines.append(
             f"What exclusion costs at level 3: all clients at level 3 reach {pct(every)} with "
-            f"the level-3 model, the capable clients alone {pct(capable)} ({pts(every - capable)})."
+            f"the level-3 model, the capable clients alone {pct(capable)} ({gap_words(gap)})."
         )
     return lines
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 import itertools
 import math
 
-from services.experiments.results import ResultSet, finite, mean
+from services.experiments.results import (
+    SPREAD_FACTOR,
+    ResultSet,
+    Spread,
+    finite,
+    paired_gap,
+    within_spread,
+)
 from services.experiments.spec import (
     CurvePlot,
     Experiment,
@@ -61,27 +68,36 @@ def grid(
     return runs
 
 
-# Differences under this many points are read as ties: one seed per run, no error bars.
-TIE_POINTS = 1.0
-
-
-def _gains(results: ResultSet, r: str, other: str) -> dict[str, float]:
-    """MiniBatch-SFL minus `other`, final global accuracy in points, per cut (finite only)."""
+def _gains(results: ResultSet, r: str, other: str) -> dict[str, Spread]:
+    """MiniBatch-SFL minus `other`, final global accuracy in points, per cut, paired seed by
+    seed (cuts where both ran only)."""
     out = {}
     for cut in results.values("cut"):
-        ours = results.value("final_global", algorithm=MBSFL, r=r, cut=cut)
-        theirs = results.value("final_global", algorithm=other, r=r, cut=cut)
-        if math.isfinite(ours - theirs):
-            out[cut] = 100.0 * (ours - theirs)
+        ours = results.one({"algorithm": MBSFL, "r": r, "cut": cut})
+        theirs = results.one({"algorithm": other, "r": r, "cut": cut})
+        if ours is None or theirs is None:
+            continue
+        gap = paired_gap(ours, theirs, lambda s: s.metric("final_global"))
+        if math.isfinite(gap.mean):
+            out[cut] = Spread(100.0 * gap.mean, 100.0 * gap.std, gap.count)
     return out
 
 
-def _listing(gains: dict[str, float]) -> str:
-    return ", ".join(f"{cut} {g:+.1f}" for cut, g in gains.items())
+def _listing(gains: dict[str, Spread]) -> str:
+    return ", ".join(
+        f"{cut} {g.mean:+.1f}" + (f" ± {g.std:.1f}" if g.count > 1 else "")
+        for cut, g in gains.items()
+    )
+
+
+def _tied(a: Spread, b: Spread) -> bool:
+    """Two gains (points) no further apart than `SPREAD_FACTOR` of the larger std."""
+    return abs(b.mean - a.mean) <= SPREAD_FACTOR * max(a.std, b.std)
 
 
 def _largest_lead(results: ResultSet, r: str, other: str) -> tuple[float, str, int] | None:
-    """The largest lead of MiniBatch-SFL over `other` at any round: (points, cut, round)."""
+    """The largest lead of MiniBatch-SFL over `other` at any round, of the seeds' mean curves:
+    (points, cut, round)."""
     best: tuple[float, str, int] | None = None
     for cut in results.values("cut"):
         ours = results.one({"algorithm": MBSFL, "r": r, "cut": cut})
@@ -95,12 +111,13 @@ def _largest_lead(results: ResultSet, r: str, other: str) -> tuple[float, str, i
     return best
 
 
-def _trend(values: list[float]) -> str:
-    if all(b - a > TIE_POINTS for a, b in itertools.pairwise(values)):
+def _trend(values: list[Spread]) -> str:
+    steps = list(itertools.pairwise(values))
+    if all(b.mean > a.mean and not _tied(a, b) for a, b in steps):
         return "grows with depth, as the paper says"
-    if all(a - b > TIE_POINTS for a, b in itertools.pairwise(values)):
+    if all(b.mean < a.mean and not _tied(a, b) for a, b in steps):
         return "**shrinks** with depth, the opposite of the paper"
-    return "**does not grow** with depth"
+    return "**does not grow** with depth (within seed spread from cut to cut)"
 
 
 def _against(results: ResultSet, other: str, paper: float) -> list[str]:
@@ -109,36 +126,40 @@ def _against(results: ResultSet, other: str, paper: float) -> list[str]:
     if not gains:
         return []
     high = ratios[-1]
-    best_cut = max(gains, key=lambda c: gains[c])
-    ahead = sum(1 for g in gains.values() if g > TIE_POINTS)
-    size = "**far below**" if gains[best_cut] < paper / 2 else "of the size of"
+    best_cut = max(gains, key=lambda c: gains[c].mean)
+    ahead = sum(1 for g in gains.values() if g.mean > 0 and not within_spread(g))
+    seeds = max(g.count for g in gains.values())
+    size = "**far below**" if gains[best_cut].mean < paper / 2 else "of the size of"
+    over = f" (mean ± std over {seeds} seeds, paired seed by seed)" if seeds > 1 else ""
     lines = [
-        f"**vs {other}, r = {high}**: MiniBatch-SFL's final accuracy minus {other}'s, by cut: "
-        f"{_listing(gains)} points; ahead by more than {TIE_POINTS:.0f} point at {ahead} of "
-        f"{len(gains)} cuts. Our largest gain, {gains[best_cut]:+.1f} (cut {best_cut}), is "
-        f"{size} the paper's up to +{paper}."
+        f"**vs {other}, r = {high}**: MiniBatch-SFL's final accuracy minus {other}'s, by cut"
+        f"{over}: {_listing(gains)} points; ahead beyond seed spread (more than "
+        f"{SPREAD_FACTOR:.0f} std) at {ahead} of {len(gains)} cuts. Our largest gain, "
+        f"{gains[best_cut].mean:+.1f} (cut {best_cut}), is {size} the paper's up to +{paper}."
     ]
     lead = _largest_lead(results, high, other)
     if lead is not None:
         rounds = max(len(r.records) for r in results)
         lines.append(
-            f"vs {other}, r = {high}, at any single round: the largest lead is {lead[0]:+.1f} "
-            f"points (cut {lead[1]}, round {lead[2]} of {rounds})."
+            f"vs {other}, r = {high}, at any single round (seeds' mean curves): the largest "
+            f"lead is {lead[0]:+.1f} points (cut {lead[1]}, round {lead[2]} of {rounds})."
         )
     if len(gains) > 1:
         lines.append(f"vs {other}, r = {high}: the gain {_trend(list(gains.values()))}.")
     low_gains = _gains(results, ratios[0], other) if ratios[0] != high else {}
     if low_gains:
-        mean_low, mean_high = mean(low_gains.values()), mean(gains.values())
-        if mean_high - mean_low > TIE_POINTS:
+        low = Spread.of(g.mean for g in low_gains.values())
+        top = Spread.of(g.mean for g in gains.values())
+        noise = max(g.std for g in (*low_gains.values(), *gains.values()))
+        if top.mean - low.mean > SPREAD_FACTOR * noise:
             how = "larger at high non-IID, as the paper says"
-        elif mean_low - mean_high > TIE_POINTS:
+        elif low.mean - top.mean > SPREAD_FACTOR * noise:
             how = "**smaller** at high non-IID, the opposite of the paper"
         else:
-            how = f"**about the same** (within {TIE_POINTS:.0f} point)"
+            how = f"**about the same** (within {SPREAD_FACTOR:.0f} std of the seed spread)"
         lines.append(
-            f"vs {other}, mean gain over the cuts: {mean_low:+.1f} points at r = {ratios[0]}, "
-            f"{mean_high:+.1f} at r = {high}: {how}."
+            f"vs {other}, mean gain over the cuts: {low.mean:+.1f} points at r = {ratios[0]}, "
+            f"{top.mean:+.1f} at r = {high}: {how}."
         )
     return lines
 

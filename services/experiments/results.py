@@ -8,7 +8,7 @@ import itertools
 import json
 import math
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -187,6 +187,32 @@ class SeedRuns:
     def pair(self, prefix: str) -> tuple[float, float]:
         pairs = [r.pair(prefix) for r in self.runs]
         return mean(p[0] for p in pairs), mean(p[1] for p in pairs)
+
+
+# A gap over seeds no larger than this many of its standard deviations is read as no gap.
+SPREAD_FACTOR = 2.0
+
+
+def paired_gap(
+    ours: SeedRuns,
+    theirs: SeedRuns,
+    value: Callable[[SeedRuns], float],
+    their_value: Callable[[SeedRuns], float] | None = None,
+) -> Spread:
+    """`value(ours) - their_value(theirs)` (`value` for both by default), seed by seed over the
+    seeds both ran: each seed's run read alone, so that what one seed's partition and initial
+    model do to both cancels."""
+    other = value if their_value is None else their_value
+    seeds = range(min(len(ours.runs), len(theirs.runs)))
+    return Spread.of(
+        value(SeedRuns((ours.runs[i],))) - other(SeedRuns((theirs.runs[i],))) for i in seeds
+    )
+
+
+def within_spread(gap: Spread) -> bool:
+    """The gap is no larger than `SPREAD_FACTOR` standard deviations over its seeds (never
+    with one seed: there is no spread to judge it by)."""
+    return gap.count > 1 and abs(gap.mean) <= SPREAD_FACTOR * gap.std
 
 
 def mean_record(rows: Sequence[VersionRecord]) -> VersionRecord:

@@ -18,7 +18,14 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import local_test_accuracy
 from services.experiments.figures import FigureSlot
-from services.experiments.results import ResultSet, RunResult, SeedRuns, Spread, mean
+from services.experiments.results import (
+    ResultSet,
+    RunResult,
+    SeedRuns,
+    Spread,
+    mean,
+    within_spread,
+)
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import markdown_table, percent, spread_cell
 from services.report.plots import plot_rounds
@@ -43,8 +50,6 @@ PAPER_OVER_STANDALONE = 20.0
 PAPER_OVER_FEDAVG = 30.0
 # Within this many points of the paper's gain we call it close.
 CLOSE_POINTS = 5.0
-# A paired gap over seeds no larger than this many of its standard deviations is no lead.
-SPREAD_FACTOR = 2.0
 
 
 def grid(
@@ -219,17 +224,14 @@ def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
 
 
 def _judge(gain: Spread, paper: float, other: str) -> str:
-    """The verdict on a paired gap over seeds: a gap is real when its mean exceeds twice its
-    std over the seeds (one seed: no spread to judge it by, said so)."""
+    """The verdict on a paired gap over seeds: a gap `within_spread` is no lead (one seed: no
+    spread to judge it by, said so)."""
     if not math.isfinite(gain.mean):
         return ""
-    value, noise = 100 * gain.mean, 100 * gain.std
-    if gain.count < 2:
-        lead = "one seed, no spread to judge the gap by; "
-    elif abs(value) <= SPREAD_FACTOR * noise:
+    value = 100 * gain.mean
+    if within_spread(gain):
         return f"**disagrees**: within seed spread of {other} (the paper: ≈ +{paper:.0f})"
-    else:
-        lead = ""
+    lead = "one seed, no spread to judge the gap by; " if gain.count < 2 else ""
     if value <= 0:
         return f"{lead}**disagrees**: Sub-FedAvg is not ahead of {other}"
     if abs(value - paper) <= CLOSE_POINTS:

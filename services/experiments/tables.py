@@ -32,6 +32,13 @@ def pts(value: float) -> str:
     return percent(value, "+", " points")
 
 
+def gap_words(gap: Spread) -> str:
+    """A paired gap over seeds in a sentence: `+1.5 ± 0.4 points`, `+1.5 points (one seed)`."""
+    if gap.count < 2:
+        return f"{pts(gap.mean)} (one seed)"
+    return f"{percent(gap.mean, '+')} ± {percent(gap.std)} points"
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], caption: str = "") -> str:
     """The table, below `caption` (bold markdown) when there is one."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
