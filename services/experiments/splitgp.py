@@ -7,9 +7,9 @@ the others by their whole model.
 
 from __future__ import annotations
 
+import json
 import math
-import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from services.algorithms.base import VersionWeights
@@ -19,9 +19,15 @@ from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
 from services.experiments.figures import FigureSlot
-from services.experiments.results import ResultSet, SeedRuns
+from services.experiments.results import (
+    EXPERIMENT_JSON,
+    SPREAD_FACTOR,
+    ResultSet,
+    SeedRuns,
+    Spread,
+)
 from services.experiments.spec import Experiment, Run, from_examples, smoke
-from services.experiments.tables import markdown_table, percent
+from services.experiments.tables import markdown_table, percent, spread_cell
 from services.report.plots import line_style
 from services.report.summary import finite_or
 
@@ -112,29 +118,44 @@ def best_threshold(result: SeedRuns, p: float) -> tuple[float, float]:
     return best
 
 
-def curve_rows(results: ResultSet, dataset: str) -> list[tuple[str, list[float]]]:
-    """(line, accuracy at each p): each method's own inference, then SplitGP's variants."""
+def per_p(found: SeedRuns, values: Callable[[SeedRuns], list[float]]) -> list[Spread]:
+    """`values` (one per p) of each seed's run read alone, as a spread over the seeds per p."""
+    each = [values(SeedRuns((run,))) for run in found.runs]
+    return [Spread.of(v[i] for v in each) for i in range(len(P_VALUES))]
+
+
+def _mixed(prefix: str) -> Callable[[SeedRuns], list[float]]:
+    """The accuracy at each p of the final evaluation's `<prefix>_local`/`_ood` pair."""
+    return lambda s: [mix(*s.pair(prefix), p) for p in P_VALUES]
+
+
+def curve_rows(results: ResultSet, dataset: str) -> list[tuple[str, list[Spread]]]:
+    """(line, accuracy at each p over the seeds): each method's own inference, then SplitGP's
+    variants."""
     rows = []
     for method in results.values("method"):
         found = results.named("final", dataset=dataset, method=method)
         if found is not None:
-            rows.append((method, [mix(*inference(found), p) for p in P_VALUES]))
+            rows.append((method, per_p(found, lambda s: [mix(*inference(s), p) for p in P_VALUES])))
     splitgp = results.named("final", dataset=dataset, method=SPLITGP)
     if splitgp is not None:
         for name, prefix in (("head only", "splitgp.head"), ("whole model", "full")):
-            rows.append((f"{SPLITGP}, {name}", [mix(*splitgp.pair(prefix), p) for p in P_VALUES]))
-        best = [best_threshold(splitgp, p)[0] for p in P_VALUES]
+            rows.append((f"{SPLITGP}, {name}", per_p(splitgp, _mixed(prefix))))
+        best = per_p(splitgp, lambda s: [best_threshold(s, p)[0] for p in P_VALUES])
         rows.append((f"{SPLITGP}, best E_th per p", best))
     return rows
 
 
 def p_table(results: ResultSet, dataset: str) -> str:
     header = ["method", *(f"p={p:g}" for p in P_VALUES)]
-    body = [[name, *(percent(v) for v in values)] for name, values in curve_rows(results, dataset)]
+    body = [
+        [name, *(spread_cell(v) for v in values)] for name, values in curve_rows(results, dataset)
+    ]
+    over = f"; mean ± std over {results.seeds} seeds" if results.seeds > 1 else ""
     caption = (
         f"**{dataset}: accuracy (%) against the out-of-distribution share p of the test mix** "
         "(mean over all clients of their final models; SplitGP and multi-exit by split "
-        "inference at the configured E_th, the others by their whole model)"
+        f"inference at the configured E_th, the others by their whole model{over})"
     )
     return markdown_table(header, body, caption)
 
@@ -162,9 +183,10 @@ def sweep_table(results: ResultSet, dataset: str) -> str:
 def _p_figure(results: ResultSet, slot: FigureSlot) -> str:
     def draw(axes: Any, dataset: str) -> bool:
         drawn = False
-        for i, (name, values) in enumerate(curve_rows(results, dataset)):
+        for i, (name, spreads) in enumerate(curve_rows(results, dataset)):
+            values = [100 * v.mean for v in spreads]
             if any(math.isfinite(v) for v in values):
-                axes.plot(P_VALUES, [100 * v for v in values], label=name, **line_style(i))
+                axes.plot(P_VALUES, values, label=name, **line_style(i))
                 drawn = True
         axes.set_xlabel("out-of-distribution share p")
         return drawn
@@ -204,32 +226,45 @@ def verdict(results: ResultSet) -> list[str]:
         others = {m: v for m, v in rows.items() if m in (MULTI_EXIT, SFL, FEDAVG, LOCAL)}
         if ours is None or not others:
             continue
-        lost, margins = [], []
+        lost: list[str] = []
+        tied: list[str] = []
+        margins: list[float] = []
         for i, p in enumerate(P_VALUES):
-            best = max(others, key=lambda m: finite_or(others[m][i]))
-            theirs = others[best][i]
-            margins.append(100 * (ours[i] - finite_or(theirs)))
-            if not ours[i] >= theirs:
-                lost.append(
-                    f"p={p:g} ({best} {100 * theirs:.1f}% vs {100 * ours[i]:.1f}%, "
-                    f"{100 * (ours[i] - theirs):+.1f})"
-                )
+            best = max(others, key=lambda m: finite_or(others[m][i].mean))
+            mine, theirs = ours[i], others[best][i]
+            margins.append(100 * (mine.mean - finite_or(theirs.mean)))
+            if mine.mean >= theirs.mean:
+                continue
+            where = (
+                f"p={p:g} ({best} {100 * theirs.mean:.1f}% vs {100 * mine.mean:.1f}%, "
+                f"{100 * (mine.mean - theirs.mean):+.1f})"
+            )
+            noise = SPREAD_FACTOR * max(mine.std, theirs.std)
+            (tied if theirs.mean - mine.mean <= noise else lost).append(where)
         span = (
             f"margin over the best other method {min(margins):+.1f} to {max(margins):+.1f} points"
         )
         if lost:
             judged = f"is **not** best at every p ({span}); beaten at {'; '.join(lost)}"
+        elif tied:
+            judged = (
+                f"is **not clearly** best at every p ({span}); within seed spread of the best "
+                f"other at {'; '.join(tied)}"
+            )
         else:
             judged = f"is the most accurate at every p ({span}): agrees with the paper"
+        if lost and tied:
+            judged += f"; within seed spread at {'; '.join(tied)}"
         lines.append(f"{dataset}: SplitGP {judged}.")
     return lines + offload_lines(results)
 
 
 def configured_threshold(result: SeedRuns) -> float:
-    """The run's E_th, from the config its report directory recorded (NaN when unreadable)."""
+    """The run's E_th, from the config its experiment.json recorded (kept with the archived
+    runs too; NaN when unreadable)."""
     try:
-        with (result.run_dir / "config.toml").open("rb") as fh:
-            return float(tomllib.load(fh)["algorithm"]["splitgp"]["entropy_threshold"])
+        doc = json.loads((result.run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
+        return float(doc["config"]["algorithm"]["splitgp"]["entropy_threshold"])
     except (OSError, KeyError, ValueError, TypeError):
         return math.nan
 

@@ -215,13 +215,33 @@ def test_splitgp_verdict_names_where_it_is_beaten() -> None:
         ]
     )
     rows = dict(splitgp.curve_rows(results, "MNIST"))
-    assert rows[splitgp.SPLITGP][0] == pytest.approx(0.9)
-    assert rows[splitgp.FEDAVG][-1] == pytest.approx(0.7)
+    assert rows[splitgp.SPLITGP][0].mean == pytest.approx(0.9)
+    assert rows[splitgp.FEDAVG][-1].mean == pytest.approx(0.7)
     (line,) = splitgp.verdict(results)
     # Local-only wins at p = 0 (95 vs 90) and FedAvg at p = 1 (70 vs 60): both named.
     assert "**not** best" in line
     assert "p=0 (Local-only 95.0% vs 90.0%, -5.0)" in line
     assert "p=1 (FedAvg 70.0% vs 60.0%, -10.0)" in line
+
+
+def test_splitgp_verdict_tells_a_loss_within_seed_spread_from_a_real_one() -> None:
+    def at(method: str, algorithm: str, local: float, ood: float, seed: int) -> RunResult:
+        final = {"full_local": local, "full_ood": ood}
+        return replace(run_result(method, algorithm, final=final), seed=seed)
+
+    runs = []
+    for seed, ood in enumerate((0.6, 0.8)):  # p = 1: 70 ± 14 against FedAvg's 72
+        final = splitgp_final(0.9, ood, (0.95, 0.0))
+        runs.append(replace(run_result(splitgp.SPLITGP, "splitgp", final=final), seed=seed))
+        runs += [at(splitgp.FEDAVG, "fedavg", 0.72, 0.72, seed)]
+        runs += [at(splitgp.LOCAL, "standalone", 0.95, 0.0, seed)]  # p = 0: 95 vs 90, no spread
+    results = ResultSet(runs)
+    rows = dict(splitgp.curve_rows(results, "MNIST"))
+    assert rows[splitgp.SPLITGP][-1].std == pytest.approx(0.1414, abs=1e-4)
+    (line,) = splitgp.verdict(results)
+    assert "beaten at p=0 (Local-only 95.0% vs 90.0%, -5.0)" in line
+    assert "within seed spread at p=1 (FedAvg 72.0% vs 70.0%, -2.0)" in line
+    assert "| SplitGP | 90.0 ± 0.0 |" in splitgp.p_table(results, "MNIST")
 
 
 def test_final_json_is_read_back_with_the_run(tmp_path: Path) -> None:
