@@ -9,7 +9,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from services.experiments.results import ResultSet, SeedRuns, finite, late_mean, mean, swing
+from services.experiments.figures import FigureSlot
+from services.experiments.results import (
+    ResultSet,
+    SeedRuns,
+    Spread,
+    finite,
+    late_mean,
+    mean,
+    paired_gap,
+    swing,
+    within_spread,
+)
 from services.experiments.spec import (
     CurvePlot,
     Experiment,
@@ -20,7 +31,8 @@ from services.experiments.spec import (
     from_examples,
     smoke,
 )
-from services.experiments.tables import pct, pts
+from services.experiments.tables import gap_words, markdown_table, pct, pts, spread_cell
+from services.report.records import OWN_MODEL_ACCURACY
 
 NAME = "feddeper"
 FEDAVG = "FedAvg"
@@ -76,24 +88,69 @@ def global_on_local(result: SeedRuns) -> float:
 
 def _global_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> list[str]:
     ours, theirs = deper.curve(), fedavg.curve()
-    late = late_mean(ours, LATE_ROUNDS) - late_mean(theirs, LATE_ROUNDS)
-    speed = mean(ours) - mean(theirs)  # the mean over all rounds: higher when sooner there
-    if not math.isfinite(late + speed):
+    late = paired_gap(deper, fedavg, lambda s: late_mean(s.curve(), LATE_ROUNDS))
+    # The mean over all rounds: higher when sooner there.
+    speed = paired_gap(deper, fedavg, lambda s: mean(s.curve()))
+    if not math.isfinite(late.mean + speed.mean):
         return []
-    if late > 0 and speed > 0:
+    if within_spread(late) and within_spread(speed):
+        word = "is within seed spread of FedAvg: no evidence for"
+    elif late.mean > 0 and speed.mean > 0:
         word = "agrees with"
-    elif late <= 0 and speed <= 0:
+    elif late.mean <= 0 and speed.mean <= 0:
         word = "**disagrees** with"
     else:
         word = "is mixed evidence for"
     return [
         f"n = {n}, {label}, aggregated model: mean global accuracy over the last "
         f"{LATE_ROUNDS} rounds {pct(late_mean(ours, LATE_ROUNDS))} vs FedAvg "
-        f"{pct(late_mean(theirs, LATE_ROUNDS))} ({pts(late)}); over all rounds (speed of "
-        f"convergence) {pct(mean(ours))} vs {pct(mean(theirs))} ({pts(speed)}): {word} the "
-        f"claim of faster convergence. Round-to-round swing {pct(swing(ours))} vs "
+        f"{pct(late_mean(theirs, LATE_ROUNDS))} ({gap_words(late)}); over all rounds (speed of "
+        f"convergence) {pct(mean(ours))} vs {pct(mean(theirs))} ({gap_words(speed)}): {word} "
+        f"the claim of faster convergence. Round-to-round swing {pct(swing(ours))} vs "
         f"{pct(swing(theirs))}."
     ]
+
+
+def own_model(result: SeedRuns) -> float:
+    """The paper's personalised metric ("the personalized models' performance (v_i) in local
+    testing"): every client's latest v_k on its local test set, averaged over all clients
+    (`extra.own_model_accuracy`); for FedAvg, which has no v_k, the final global model on the
+    last cohort's local test sets."""
+    if not result.records:
+        return math.nan
+    last = result.records[-1]
+    if result.algorithm == "feddeper":
+        return last.extra.get(OWN_MODEL_ACCURACY, math.nan)
+    return last.personal_accuracy
+
+
+def own_model_table(results: ResultSet) -> str:
+    methods = results.values("method")
+    header = ["n", *methods, *(f"{m} − {FEDAVG}" for m in methods if m != FEDAVG)]
+    rows = []
+    for n in results.values("n"):
+        found = {m: results.named(n=n, method=m) for m in methods}
+        cells = [
+            spread_cell(Spread.of(own_model(SeedRuns((r,))) for r in f.runs)) if f else "–"
+            for f in found.values()
+        ]
+        base = found.get(FEDAVG)
+        gaps = [
+            spread_cell(paired_gap(f, base, own_model), "+") if f and base else "–"
+            for m, f in found.items()
+            if m != FEDAVG
+        ]
+        rows.append([n, *cells, *gaps])
+    over = f"; mean ± std over {results.seeds} seeds, gaps paired seed by seed" * (
+        results.seeds > 1
+    )
+    caption = (
+        "**Own-model accuracy, the paper's personalised metric** (FedDeper: every client's "
+        "latest v_k on its local test set, averaged over all clients that trained, not only "
+        "the last round's; FedAvg: the final global model on the last cohort's local test sets; "
+        f"%, differences in points{over})"
+    )
+    return markdown_table(header, rows, caption)
 
 
 def _personal_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> list[str]:
@@ -101,11 +158,24 @@ def _personal_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> li
     baseline = late_mean(fedavg.curve("personal_accuracy"), LATE_ROUNDS)
     if not math.isfinite(personal + baseline):
         return []
+    own = paired_gap(deper, fedavg, own_model)
+    headline = ""
+    if math.isfinite(own.mean):
+        judged = (
+            "within seed spread"
+            if within_spread(own)
+            else ("ahead, as the paper says" if own.mean > 0 else "**behind**")
+        )
+        headline = (
+            f"own-model accuracy (every client's latest v_k) {pct(own_model(deper))} vs "
+            f"FedAvg's global model on local test sets {pct(own_model(fedavg))} "
+            f"({gap_words(own)}): {judged}. The last rounds' participants alone: "
+        )
     return [
-        f"n = {n}, {label}, personalised: v_k on local test sets {pct(personal)} (mean of the "
-        f"last {LATE_ROUNDS} rounds) vs FedAvg's global model on the same kind of sets "
-        f"{pct(baseline)} ({pts(personal - baseline)}); FedDeper's own global model on its "
-        f"last round's local test sets: {pct(global_on_local(deper))}."
+        f"n = {n}, {label}, personalised: {headline}v_k on local test sets {pct(personal)} "
+        f"(mean of the last {LATE_ROUNDS} rounds) vs FedAvg's global model on the same kind "
+        f"of sets {pct(baseline)} ({pts(personal - baseline)}); FedDeper's own global model "
+        f"on its last round's local test sets: {pct(global_on_local(deper))}."
     ]
 
 
@@ -158,6 +228,10 @@ def verdict(results: ResultSet) -> list[str]:
     return lines
 
 
+def extras(results: ResultSet, slot: FigureSlot) -> list[str]:
+    return [own_model_table(results)]
+
+
 def build() -> Experiment:
     methods = (FEDAVG, *(feddeper_label(r) for r in RHOS))
     diffs = tuple((m, FEDAVG) for m in methods[1:])
@@ -173,8 +247,8 @@ def build() -> Experiment:
         tables=(
             table("Final global test accuracy (aggregated model, whole test set)"),
             table(
-                "Final personalised accuracy (FedDeper: v_k on local test sets; "
-                "FedAvg: global model on local test sets)",
+                "Final personalised accuracy of the last round's participants (FedDeper: their "
+                "v_k on local test sets; FedAvg: global model on local test sets)",
                 "final_personal",
             ),
             table("Best global test accuracy over the rounds", "best_global", with_diffs=False),
@@ -190,5 +264,6 @@ def build() -> Experiment:
             ),
         ),
         verdict=verdict,
+        extras=extras,
         stall_s=STALL_S,
     )

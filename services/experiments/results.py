@@ -56,6 +56,12 @@ class RunResult:
     def complete(self) -> bool:
         return self.status == "finished" and len(self.records) >= self.rounds
 
+    @property
+    def settled(self) -> bool:
+        """Its outcome is the settings' own: it finished, or the job failed by itself (a model
+        that diverged fails the same way again), unlike a run stopped from outside."""
+        return self.complete or settled_status(self.status, len(self.records), self.rounds)
+
     def metric(self, name: Metric) -> float:
         totals = Totals.of(self.records)
         return math.nan if totals is None else float(getattr(totals, name))
@@ -187,6 +193,12 @@ class SeedRuns:
     def pair(self, prefix: str) -> tuple[float, float]:
         pairs = [r.pair(prefix) for r in self.runs]
         return mean(p[0] for p in pairs), mean(p[1] for p in pairs)
+
+
+def settled_status(status: str, records: int, rounds: int) -> bool:
+    """A run's status and record count say it is done with: finished all its rounds, or
+    failed by itself (`RunResult.settled`)."""
+    return (status == "finished" and records >= rounds) or status.startswith("failed")
 
 
 # A gap over seeds no larger than this many of its standard deviations is read as no gap.

@@ -35,6 +35,7 @@ from services.experiments.results import (
     RunResult,
     load_result,
     read_records,
+    settled_status,
 )
 from services.experiments.spec import Experiment, FinalEval, Run
 from services.experiments.watchdog import run_stop
@@ -111,7 +112,8 @@ def same_settings(stored: Any, current: Any, defaults: Any) -> bool:
 
 
 def reusable(run_dir: Path, settings: Settings) -> bool:
-    """Whether `run_dir` holds a finished earlier run of exactly these settings."""
+    """Whether `run_dir` holds a settled earlier run of exactly these settings: finished, or
+    failed by itself (`RunResult.settled`)."""
     try:
         meta = json.loads((run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
         info, records = read_records(run_dir)
@@ -122,7 +124,7 @@ def reusable(run_dir: Path, settings: Settings) -> bool:
     if not isinstance(stored, dict):
         return False
     same = same_settings(_numbers_only(stored), comparable(settings), defaults)
-    return same and info.get("status") == "finished" and len(records) >= settings.job.rounds
+    return same and settled_status(str(info.get("status", "")), len(records), settings.job.rounds)
 
 
 def machine_line() -> str:
@@ -306,7 +308,7 @@ def run_experiment(
         )
         result = load_result(run, run_dir, seed=seed)
         results.append(result)
-        if kept is not None and result.complete:
+        if kept is not None and result.settled:
             keep(run_dir, kept)
         trained_s, trained = trained_s + wall_s, trained + 1
         eta = _eta(trained_s, trained, trained + len(planned) - i)

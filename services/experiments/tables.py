@@ -33,9 +33,9 @@ def pts(value: float) -> str:
 
 
 def gap_words(gap: Spread) -> str:
-    """A paired gap over seeds in a sentence: `+1.5 ± 0.4 points`, `+1.5 points (one seed)`."""
+    """A paired gap over seeds in a sentence: `+1.5 ± 0.4 points`, `+1.5 points, one seed`."""
     if gap.count < 2:
-        return f"{pts(gap.mean)} (one seed)"
+        return f"{pts(gap.mean)}, one seed"
     return f"{percent(gap.mean, '+')} ± {percent(gap.std)} points"
 
 

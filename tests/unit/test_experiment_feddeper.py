@@ -12,7 +12,7 @@ from services.experiments import feddeper
 from services.experiments.results import ResultSet, RunResult, late_mean, mean, swing
 from services.experiments.runner import build_settings
 from services.experiments.spec import Run
-from services.report.records import VersionRecord
+from services.report.records import OWN_MODEL_ACCURACY, VersionRecord
 
 
 def record(i: int, global_acc: float, personal: float, extra: dict[str, float]) -> VersionRecord:
@@ -121,11 +121,33 @@ def test_verdict_compares_each_rho_with_fedavg_of_the_same_n() -> None:
     full, rho01_global, rho01_personal, rho1_global, rho1_personal = lines
     assert full == "Every round of every run closed with its full cohort."
     assert "rho=0.1" in rho01_global and "agrees with the claim" in rho01_global
-    assert "50.0% vs FedAvg 40.0% (+10.0 points)" in rho01_global
+    assert "50.0% vs FedAvg 40.0% (+10.0 points, one seed)" in rho01_global
     assert "90.0%" in rho01_personal and "50.0% (+40.0 points)" in rho01_personal
     assert "last round's local test sets: 65.0%" in rho01_personal
-    assert "**disagrees** with the claim" in rho1_global and "(-20.0 points)" in rho1_global
+    assert "**disagrees** with the claim" in rho1_global
+    assert "(-20.0 points, one seed)" in rho1_global
     assert "(+0.0 points)" in rho1_personal
+
+
+def test_own_model_accuracy_is_every_clients_latest_v_k_beside_fedavgs_global_model() -> None:
+    def seeded(method: str, name: str, personal: float, own: float, seed: int) -> RunResult:
+        base = result({"n": "100", "method": method}, [0.5], [personal])
+        records = tuple(
+            replace(r, extra={**r.extra, OWN_MODEL_ACCURACY: own}) for r in base.records
+        )
+        run = Run(base.run.label, base.run.tags, {"algorithm": {"name": name}})
+        return replace(base, run=run, records=records, seed=seed)
+
+    runs = []
+    for seed, (own, fed) in enumerate(((0.90, 0.60), (0.94, 0.62))):
+        # FedAvg's headline is its global model on the local test sets, not its clients'
+        # fine-tuned models (0.0 here).
+        runs.append(seeded(feddeper.FEDAVG, "fedavg", fed, 0.0, seed))
+        # The last cohort's v_k (0.99) is not the headline: every client's latest v_k is.
+        runs.append(seeded("FedDeper rho=1", "feddeper", 0.99, own, seed))
+    table = feddeper.own_model_table(ResultSet(runs))
+    assert "| 100 | 61.0 ± 1.4 | 92.0 ± 2.8 | +31.0 ± 1.4 |" in table
+    assert "mean ± std over 2 seeds" in table
 
 
 def test_verdict_without_fedavg_compares_nothing() -> None:

@@ -23,7 +23,7 @@ from services.experiments.centralized import (
 )
 from services.experiments.document import write_section
 from services.experiments.registry import NAMES, get_experiment
-from services.experiments.results import ResultSet, RunResult, matches
+from services.experiments.results import ResultSet, RunResult, matches, settled_status
 from services.experiments.runner import build_settings, comparable, same_settings, slug
 from services.experiments.spec import EXAMPLES_DIR, Run, Table
 from services.experiments.tables import render_table
@@ -322,3 +322,14 @@ def test_the_stated_command_names_only_the_flags_given() -> None:
     assert _command(given) == "splitmq experiment splitgp --paper --seeds 3"
     plain = experiment.make_context("experiment", ["splitgp", "--reuse"])
     assert _command(plain) == "splitmq experiment splitgp"
+
+
+def test_a_run_that_failed_by_itself_is_settled_and_a_stopped_one_is_not() -> None:
+    # A diverged model fails the same way again: its outcome is kept and reused. A run
+    # stopped from outside (Ctrl-C, a timeout) says nothing about its settings.
+    assert settled_status("finished", 5, 5)
+    assert not settled_status("finished", 4, 5)
+    assert settled_status(
+        "failed: 3 consecutive attempts at round 27 without one valid update", 26, 30
+    )
+    assert not settled_status("stopped", 26, 30)
