@@ -173,7 +173,7 @@ def run_report(
     click.echo(banner(files.info))
     click.echo(f"run directory: {files.run_dir}" + (" (resumed)" if resume else ""))
     try:
-        trackers = run_trackers(settings, files.run_dir)
+        trackers = run_trackers(settings, files.run_dir, resume=resume)
     except TrackingUnavailable as exc:
         raise click.ClickException(str(exc)) from None
     echo = EchoSink(click.echo, rounds=settings.job.rounds)

@@ -81,7 +81,12 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, params: Mapping[str, str]) -> None:
         tbx = _library("tensorboardX", "tensorboard")
         self.log_dir = run_dir / TENSORBOARD_DIR
-        self._writer: _Writer = tbx.SummaryWriter(logdir=str(self.log_dir))
+        # A resumed run adds its own event file beside the earlier ones (TensorBoard reads a
+        # directory's files as one series); the suffix keeps it from taking an earlier one's
+        # name, which is made of the time in seconds, the host and the process id.
+        earlier = len(list(self.log_dir.glob("events.out.tfevents.*")))
+        suffix = f".{earlier}" if earlier else ""
+        self._writer: _Writer = tbx.SummaryWriter(logdir=str(self.log_dir), filename_suffix=suffix)
         table = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
         self._writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
         self._closed = False
@@ -106,7 +111,14 @@ class MlflowSink:
     tracking store (a database, a server)."""
 
     def __init__(
-        self, run_dir: Path, experiment: str, run_name: str, params: Mapping[str, str], uri: str
+        self,
+        run_dir: Path,
+        experiment: str,
+        run_name: str,
+        params: Mapping[str, str],
+        uri: str,
+        *,
+        resume: bool = False,
     ) -> None:
         tracking = _library("mlflow.tracking", "mlflow")
         self.store_dir = run_dir / MLFLOW_DIR
@@ -118,16 +130,34 @@ class MlflowSink:
         self._client = tracking.MlflowClient(tracking_uri=uri or self.store_dir.resolve().as_uri())
         found = self._client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
-        run = self._client.create_run(experiment_id, run_name=run_name)
-        self.run_id: str = run.info.run_id
         entities = importlib.import_module("mlflow.entities")
         self._metric = entities.Metric
         self._param = entities.Param
+        self._ended = False
+        earlier = self._run_named(experiment_id, run_name) if resume else None
+        if earlier is not None:
+            # A resumed job goes on in the run it started: one metric history from round 1.
+            # Its parameters stay as first logged (MLflow refuses to change one; a resume may
+            # only change how long and how patiently the job runs).
+            self.run_id: str = earlier
+            self._client.update_run(self.run_id, status="RUNNING")
+            return
+        run = self._client.create_run(experiment_id, run_name=run_name)
+        self.run_id = run.info.run_id
         self._client.log_batch(
             self.run_id,
             params=[self._param(k, v[:_MLFLOW_PARAM_CHARS]) for k, v in sorted(params.items())],
         )
-        self._ended = False
+
+    def _run_named(self, experiment_id: str, run_name: str) -> str | None:
+        """The id of the latest run called `run_name` in the experiment (None: none)."""
+        found = self._client.search_runs(
+            [experiment_id],
+            filter_string=f"attributes.run_name = '{run_name}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return str(found[0].info.run_id) if found else None
 
     def record(self, record: VersionRecord) -> None:
         stamp = int(record.elapsed_s * 1000)
@@ -148,24 +178,32 @@ def tracking_sinks(
     job: str,
     config: Mapping[str, Any],
     mlflow_uri: str = "",
+    *,
+    resume: bool = False,
 ) -> list[MetricsSink]:
     """The sinks of `trackers` (names in TRACKERS) for one run directory; `config` is the
-    job's settings as a nested mapping (logged as the run's parameters)."""
+    job's settings as a nested mapping (logged as the run's parameters). `resume`: the run
+    directory's job goes on (`--resume`), and so do its trackers: TensorBoard adds an event
+    file beside the earlier ones in the same directory (it reads them as one series), MLflow
+    logs into the run it started."""
     params = flat_params(config)
     sinks: list[MetricsSink] = []
     for name in trackers:
         if name == "tensorboard":
             sinks.append(TensorBoardSink(run_dir, params))
         elif name == "mlflow":
-            sinks.append(MlflowSink(run_dir, job, run_dir.name, params, mlflow_uri))
+            sinks.append(MlflowSink(run_dir, job, run_dir.name, params, mlflow_uri, resume=resume))
         else:
             raise ValueError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}")
     return sinks
 
 
-def run_trackers(settings: Settings, run_dir: Path) -> list[MetricsSink]:
+def run_trackers(settings: Settings, run_dir: Path, *, resume: bool = False) -> list[MetricsSink]:
     """The trackers `settings.report.tracking` chooses, for the run in `run_dir` (none by
-    default); the config they log has its secrets masked, as config.toml has."""
+    default; `resume`: it goes on, see `tracking_sinks`); the config they log has its secrets
+    masked, as config.toml has."""
     config = redact(settings.model_dump(mode="json"))
     report = settings.report
-    return tracking_sinks(report.tracking, run_dir, settings.job.name, config, report.mlflow_uri)
+    return tracking_sinks(
+        report.tracking, run_dir, settings.job.name, config, report.mlflow_uri, resume=resume
+    )

@@ -135,3 +135,40 @@ def test_the_run_report_feeds_the_chosen_trackers(tmp_path: Path) -> None:
     sink.finish("finished")
     scalars = event_scalars(files.run_dir / TENSORBOARD_DIR)
     assert [v for _, v in scalars["global_accuracy"]] == [0.25, 0.5, 0.75]
+
+
+def test_a_resumed_run_goes_on_in_its_trackers(tmp_path: Path) -> None:
+    """`--resume`: TensorBoard's and MLflow's series run from round 1, not from the resume."""
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
+    config = {"job": {"name": "demo", "rounds": 2}}
+    first = tracking_sinks(["tensorboard", "mlflow"], tmp_path, "demo", config)
+    for sink in first:
+        for r in RECORDS[:2]:
+            sink.record(r)
+        sink.finish("stopped")
+    # The resume asks for one more round: a changed parameter MLflow would refuse to log.
+    again = {"job": {"name": "demo", "rounds": 3}}
+    second = tracking_sinks(["tensorboard", "mlflow"], tmp_path, "demo", again, resume=True)
+    for sink in second:
+        sink.record(RECORDS[2])
+        sink.finish("finished")
+    scalars = event_scalars(tmp_path / TENSORBOARD_DIR)
+    assert scalars["global_accuracy"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    client = mlflow_tracking.MlflowClient(tracking_uri=(tmp_path / MLFLOW_DIR).resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "demo"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["job.rounds"] == "2"  # as first logged
+    history = client.get_metric_history(run.info.run_id, "global_accuracy")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def test_a_resume_without_an_earlier_mlflow_run_starts_one(tmp_path: Path) -> None:
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
+    (sink,) = tracking_sinks(["mlflow"], tmp_path, "demo", {"job": {"name": "demo"}}, resume=True)
+    sink.record(RECORDS[0])
+    sink.finish("finished")
+    client = mlflow_tracking.MlflowClient(tracking_uri=(tmp_path / MLFLOW_DIR).resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "demo"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.params["job.name"] == "demo"
