@@ -124,16 +124,19 @@ def own_model(result: SeedRuns) -> float:
     return last.personal_accuracy
 
 
+def own_spread(result: SeedRuns) -> Spread:
+    """`own_model` of each seed's run read alone (seeds may end at different rounds: a
+    diverged one stops early), over the seeds."""
+    return Spread.of(own_model(SeedRuns((r,))) for r in result.runs)
+
+
 def own_model_table(results: ResultSet) -> str:
     methods = results.values("method")
     header = ["n", *methods, *(f"{m} − {FEDAVG}" for m in methods if m != FEDAVG)]
     rows = []
     for n in results.values("n"):
         found = {m: results.named(n=n, method=m) for m in methods}
-        cells = [
-            spread_cell(Spread.of(own_model(SeedRuns((r,))) for r in f.runs)) if f else "–"
-            for f in found.values()
-        ]
+        cells = [spread_cell(own_spread(f)) if f else "–" for f in found.values()]
         base = found.get(FEDAVG)
         gaps = [
             spread_cell(paired_gap(f, base, own_model), "+") if f and base else "–"
@@ -167,8 +170,8 @@ def _personal_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> li
             else ("ahead, as the paper says" if own.mean > 0 else "**behind**")
         )
         headline = (
-            f"own-model accuracy (every client's latest v_k) {pct(own_model(deper))} vs "
-            f"FedAvg's global model on local test sets {pct(own_model(fedavg))} "
+            f"own-model accuracy (every client's latest v_k) {pct(own_spread(deper).mean)} vs "
+            f"FedAvg's global model on local test sets {pct(own_spread(fedavg).mean)} "
             f"({gap_words(own)}): {judged}. The last rounds' participants alone: "
         )
     return [
