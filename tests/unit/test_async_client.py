@@ -198,6 +198,9 @@ def test_an_async_client_without_samples_uploads_nothing_and_waits_for_the_end(
     try:
         with caplog.at_level(logging.INFO, "splitmq.client"):
             stats = client.run(threading.Event())
+        # The client's Leave is published as it returns; the service thread takes it from the
+        # queue a moment later, so halting it at once could drop the Leave unread.
+        service.left.wait(10)
     finally:
         halt.set()
         peer.join(10)
