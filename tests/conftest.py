@@ -75,3 +75,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup`: a file's tests run on one worker (its
+    module-scoped fixtures, such as a Sentinel group on fixed ports, exist once), and the two
+    files that kill and restart nodes of the one local cluster share a group."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = "cluster" if path.startswith("tests/cluster/") else path
+        item.add_marker(pytest.mark.xdist_group(group))
