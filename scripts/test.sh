@@ -58,10 +58,11 @@ if [ -n "$cluster_job" ]; then
 fi
 echo "== pytest"
 set +e
-# Two pytest-xdist workers, a file's tests on one worker (tests/conftest.py sets the groups):
-# most end-to-end tests wait on brokers and heartbeats, so two share the 2 cores well.
-# SPLITMQ_TEST_WORKERS=0 runs them in this one process.
-"$VENV/bin/python" -m pytest -n "${SPLITMQ_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# SPLITMQ_TEST_WORKERS=2 runs pytest on two pytest-xdist workers, a file's tests on one worker
+# (tests/conftest.py sets the groups). It stays 0 (one process) by default until two tests that
+# failed under that load are fixed: the cluster's `up` restarting a slow node and the metrics
+# test's busy fraction.
+"$VENV/bin/python" -m pytest -n "${SPLITMQ_TEST_WORKERS:-0}" --dist loadgroup "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "test: pytest collected no tests - that is a failure" >&2; exit 1; fi
