@@ -126,7 +126,16 @@ running_nodes() {  # on node N: the running members of its cluster, one a line
     sed -n 's/.*"running_nodes":\[\([^]]*\)\].*/\1/p' | tr -d '"' | tr ',' '\n' | grep .
 }
 
-joined() { running_nodes "$1" | grep -qx "$(node_name 1)"; }
+# A busy machine can make one rabbitmqctl call fail; that must not read as "not a member", which
+# would stop and re-join a node of a running cluster.
+joined() {
+  local try
+  for try in 1 2 3; do
+    running_nodes "$1" | grep -qx "$(node_name 1)" && return 0
+    sleep 1
+  done
+  return 1
+}
 
 # Joins nodes N... to node 1's cluster: their apps stop together, join one by one (each join is
 # a schema change on node 1) and start together, so two joins cost about one app restart. A node
@@ -300,14 +309,28 @@ cmd_up() {
   [ -x "$RMQ_BIN/rabbitmq-server" ] || die "RabbitMQ not found in $RMQ_BIN (apt-get install rabbitmq-server)"
   local t0
   t0=$(now)
-  if ! up_once; then
-    # Whatever was half-made (a node that cannot boot on its old data, a stuck join) is not worth
-    # repairing in a scratch cluster: start over once, from nothing.
+  if anything_running; then
+    # Someone may be using it: never tear a running cluster down. A wait that timed out on a busy
+    # machine gets one more try; after that, say so and leave every node as it is.
+    up_once || { say "not whole yet; waiting once more"; up_once; } ||
+      die "the cluster runs but is not whole; see 'cluster.sh status' and the logs in $DIR"
+  elif ! up_once; then
+    # Whatever was half-made from nothing (a node that cannot boot on its old data, a stuck join)
+    # is not worth repairing in a scratch cluster: start over once, from nothing.
     say "not up; starting over from an empty $DIR"
     cmd_down
     up_once || die "the cluster did not come up; logs are in $DIR"
   fi
   say "up in $(since "$t0") s"
+}
+
+anything_running() {
+  local n p
+  [ -d "$DIR" ] || return 1
+  for n in "${NODES[@]}"; do rabbit_pid "$n" >/dev/null && return 0; done
+  for p in "${REDIS_PORTS[@]}"; do redis_pid "$p" >/dev/null && return 0; done
+  for p in "${SENTINEL_PORTS[@]}"; do sentinel_pid "$p" >/dev/null && return 0; done
+  return 1
 }
 
 cmd_down() {

@@ -180,6 +180,9 @@ class Client:
     # A client host's client runs on a seat it lends (services/client/host.py); None: the
     # client opens its own connections and keeps its own model.
     seat: Seat | None = None
+    # Shared by clients of one process that compete for its cores (an embedded run); None:
+    # the client computes whenever it likes (a process of its own). A seat brings its own.
+    compute: ComputeGate | None = None
 
     def __post_init__(self, dataset: Dataset | JobData | None) -> None:
         count = self.settings.clients.count
@@ -284,7 +287,7 @@ class Client:
             models=OwnModel(job_model(settings)),
             memory=KeptMemory(),
             join_info={},
-            compute=ComputeGate(),
+            compute=self.compute or ComputeGate(),
         )
 
     # --- join -------------------------------------------------------------------------------------

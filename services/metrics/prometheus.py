@@ -31,7 +31,9 @@ class BusyMeter:
     """`fraction()` = 1 - waiting / elapsed over roughly the last `window_s` seconds.
 
     Waits are credited when they end (a role's `get` returns), so a wait in progress counts as
-    busy until then; roles wait at most a poll interval at a time, far below the window.
+    busy until then; roles wait at most a poll interval at a time, far below the window. A wait
+    that began before the window's baseline mark is credited to the window only from the mark
+    on: credited whole, a mostly idle role (the coordinator, busy well under 1 %) read 0.
     """
 
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
@@ -39,12 +41,20 @@ class BusyMeter:
         self._clock = clock
         self._lock = threading.Lock()
         self._waited = 0.0
-        self._marks: deque[tuple[float, float]] = deque([(clock(), 0.0)])
+        # [time, waited before it]: a list, so a wait that spans a mark can move its share.
+        self._marks: deque[list[float]] = deque([[clock(), 0.0]])
 
     def waited(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
         with self._lock:
-            self._waited += max(0.0, seconds)
-            self._mark(self._clock())
+            now = self._clock()
+            began = now - seconds
+            for mark in reversed(self._marks):
+                if mark[0] <= began:
+                    break
+                mark[1] += min(seconds, mark[0] - began)  # the part before this mark
+            self._waited += seconds
+            self._mark(now)
 
     def fraction(self) -> float:
         with self._lock:
@@ -58,7 +68,7 @@ class BusyMeter:
 
     def _mark(self, now: float) -> None:
         if now - self._marks[-1][0] >= _MARK_EVERY_S:
-            self._marks.append((now, self._waited))
+            self._marks.append([now, self._waited])
         # Keep the newest mark at or before the window's start as the baseline.
         while len(self._marks) > 1 and self._marks[1][0] <= now - self._window_s:
             self._marks.popleft()

@@ -6,12 +6,14 @@ client` has no use for the worker or the aggregator code).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData
+from services.client.lending import ComputeGate
 from services.common.backends import Backends
 from services.common.jobdata import load_job_dataset
 from services.common.supervise import Role, RoleSpec
@@ -62,10 +64,18 @@ def build_client(
     client_id: str,
     partition: int | None = None,
     dataset: Dataset | JobData | None = None,
+    compute: ComputeGate | None = None,
 ) -> Role:
     from services.client.client import Client
 
-    return Client(settings, backends, client_id=client_id, partition=partition, dataset=dataset)
+    return Client(
+        settings,
+        backends,
+        client_id=client_id,
+        partition=partition,
+        dataset=dataset,
+        compute=compute,
+    )
 
 
 def build_client_host(
@@ -110,9 +120,17 @@ def worker_count(settings: Settings) -> int:
 
 
 def embedded_roles(
-    settings: Settings, backends: Backends, sink: MetricsSink, dataset: Dataset
+    settings: Settings,
+    backends: Backends,
+    sink: MetricsSink,
+    dataset: Dataset,
+    *,
+    compute_slots: int | None = 0,
 ) -> Sequence[RoleSpec]:
-    """Every role of the job, in start order: the aggregator seeds version 1 first."""
+    """Every role of the job, in start order: the aggregator seeds version 1 first.
+
+    `compute_slots`: clients in whole-model work at once (`ComputeGate`); 0: one per core,
+    None: no limit (what benchmarks/embedded_cohort.py compares against)."""
     aggregator = build_aggregator(settings, backends, sink=sink, dataset=dataset)
     roles = [
         RoleSpec("aggregator", "aggregator", aggregator),
@@ -124,11 +142,21 @@ def embedded_roles(
     ]
     # One JobData: the clients share the loaded tensors and a single partitioning pass.
     shared = JobData(settings, dataset)
+    # Whole-model rounds of a cohort on the same cores: one at a time per core. More at once
+    # only add GIL hand-offs and cache misses (docs/benchmarks.md, "Embedded cohorts").
+    compute = None if compute_slots is None else ComputeGate(compute_slots or os.cpu_count() or 1)
     roles += [
         RoleSpec(
             f"client-{i}",
             "client",
-            build_client(settings, backends, client_id=f"client-{i}", partition=i, dataset=shared),
+            build_client(
+                settings,
+                backends,
+                client_id=f"client-{i}",
+                partition=i,
+                dataset=shared,
+                compute=compute,
+            ),
         )
         for i in range(settings.clients.count)
     ]

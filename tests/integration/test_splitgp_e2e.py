@@ -162,13 +162,17 @@ def test_splitgp_learns_and_personalises(trained: Trained) -> None:
     assert [r.version for r in records] == list(range(2, ROUNDS + 2))
     last = records[-1].extra
     # Four clients with about two classes each (chance: 10 %, about 50 % within a client's
-    # own classes). Measured on this run: head_local 0.84, theta_global 0.38, head_global
-    # 0.30, global 0.44; the floors leave room for another seed of the thread schedule.
-    # A head answering its own classes is far above chance ...
-    assert last["splitgp.head_local"] >= 0.7, last
+    # own classes). The order the worker serves the four clients in (60 steps in all,
+    # momentum 0.9) moves every figure; over 29 runs of this test, quiet and beside two
+    # busy loops, and once in CI: head_local 0.66-0.86, head_global 0.26-0.32, theta_global
+    # 0.33-0.42 and 0.04-0.12 above head_global. A head answering its own classes is far
+    # above chance, and far above what it scores on every class ...
+    heads = {k: round(v, 3) for k, v in last.items() if k.startswith("splitgp.")}
+    assert last["splitgp.head_local"] >= 0.55, heads
+    assert last["splitgp.head_local"] >= last["splitgp.head_global"] + 0.25, heads
     # ... theta generalises beyond any single client's classes, which a head cannot ...
-    assert last["splitgp.theta_global"] >= 0.25, last
-    assert last["splitgp.theta_global"] > last["splitgp.head_global"], last
+    assert last["splitgp.theta_global"] >= 0.25, heads
+    assert last["splitgp.theta_global"] > last["splitgp.head_global"], heads
     # The global full model (phi + theta) on the global test set: final 0.38-0.46 in 8 runs of
     # this test, once 0.245 in CI (the order the worker serves the clients in moves it), first
     # round 0.16-0.27. So: twice chance at the end, and better than after the first round.

@@ -60,6 +60,23 @@ def test_busy_meter_is_one_minus_the_waiting_share_of_the_window() -> None:
     assert meter.fraction() == pytest.approx(1.0)
 
 
+def test_a_wait_spanning_the_windows_start_counts_only_its_part_inside() -> None:
+    # A role that waits in 0.2 s polls and works 1 % of the time: crediting each wait whole at
+    # its end over-counted the window's waiting and clamped the fraction to 0.
+    clock = FakeClock()
+    meter = BusyMeter(window_s=10.0, clock=clock)
+    for _ in range(400):  # 80 s: polls of 0.198 s waiting then 0.002 s of work
+        clock.now += 0.198
+        meter.waited(0.198)
+        clock.now += 0.002
+    assert meter.fraction() == pytest.approx(0.01, abs=0.002)
+    # A wait in progress counts as busy until it ends; once credited, the window is all idle
+    # from it.
+    clock.now += 0.15
+    meter.waited(0.15)
+    assert 0.0 < meter.fraction() < 0.02
+
+
 def test_role_recorders_export_labelled_families() -> None:
     meters = PrometheusMeters("jobx")
     worker = meters.role("worker", "w-1")
