@@ -110,6 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `splitmq experiment` does: each role is a thread
     cores = os.cpu_count() or 1
+    load = os.getloadavg()[0]  # before: the runs themselves load the machine
     results: dict[str, list[tuple[float, float]]] = {"gated": [], "open": []}
     for rep in range(args.reps):
         for label, slots in (("gated", 0), ("open", None)):
@@ -120,13 +121,12 @@ def main() -> None:
     open_ = statistics.median(w for w, _ in results["open"])
     gated_cpu = statistics.median(c for _, c in results["gated"])
     open_cpu = statistics.median(c for _, c in results["open"])
-    load = os.getloadavg()[0]
     text = f"""
 ## Embedded cohorts: whole-model clients one per core vs all at once
 
 `{command_line("benchmarks.embedded_cohort")}`
 
-{machine_line(f"load {load:.2f} at the end")}. Sub-FedAvg (unstructured), MNIST 5-layer CNN,
+{machine_line(f"load {load:.2f} before")}. Sub-FedAvg (unstructured), MNIST 5-layer CNN,
 {CLIENTS} clients of two 250-image shards, 10 a round, one local epoch of batch 10 (500 steps a
 round over the cohort), {args.rounds} rounds, medians over rounds 2..{args.rounds} and
 {args.reps} runs each, alternating.
