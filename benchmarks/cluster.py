@@ -121,6 +121,7 @@ class LocalCluster:
         self._env = dict(os.environ)
         if directory is not None:
             self._env["SPLITMQ_CLUSTER_DIR"] = directory
+        self.last_log = ""
 
     # ---------------------------------------------------------------- addresses
     @property
@@ -155,6 +156,7 @@ class LocalCluster:
 
     def _run(self, *args: str, timeout: float = 600.0) -> str:
         done = self._call(*args, timeout=timeout)
+        self.last_log = done.stderr  # what the script said it did (e.g. which nodes it started)
         if done.returncode != 0:
             raise ClusterError(
                 f"cluster.sh {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}"
@@ -176,6 +178,15 @@ class LocalCluster:
         return self.status().ok
 
     # ---------------------------------------------------------------- RabbitMQ
+    def rabbit_log_tail(self, node: int, lines: int = 30) -> str:
+        """The end of node `node`'s logs (what it said before it stopped), for failures."""
+        folder = Path(self._env.get("SPLITMQ_CLUSTER_DIR", "/tmp/splitmq-cluster"))
+        tails = []
+        for log in sorted((folder / f"rabbit-{node}" / "log").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {log}\n" + "\n".join(text))
+        return "\n".join(tails)
+
     def rabbit_pid(self, node: int) -> int | None:
         out = self._call("pid", "rabbit", str(node), timeout=30).stdout.strip()
         return int(out) if out.isdigit() else None

@@ -109,6 +109,7 @@ rabbit_spawn() {
   local n=$1 d
   rabbit_pid "$n" >/dev/null && return 0
   d=$(node_dir "$n")
+  say "node $(node_name "$n") is not running: starting it"
   rabbit_prepare "$n"
   rm -f "$d/pid"
   # Its own session, so the caller's Ctrl-C or process-group kill does not reach the node.

@@ -22,8 +22,18 @@ def _wait_whole(cluster: LocalCluster, timeout: float = 60.0) -> None:
 
 def test_up_is_idempotent_and_status_shows_the_whole_cluster(cluster: LocalCluster) -> None:
     before = [cluster.rabbit_pid(n) for n in NODES]
+    assert None not in before, before
     cluster.up()
-    assert [cluster.rabbit_pid(n) for n in NODES] == before, "up restarted a running node"
+    after = [cluster.rabbit_pid(n) for n in NODES]
+    # The script says which nodes it found not running: a node that died on its own before
+    # `up` is another failure than `up` restarting a live one.
+    if after != before:
+        logs = "\n".join(
+            cluster.rabbit_log_tail(n)
+            for n, (a, b) in enumerate(zip(before, after, strict=True), 1)
+            if a != b
+        )
+        pytest.fail(f"up restarted a node: {before} -> {after}\n{cluster.last_log}\n{logs}")
 
     status = cluster.status()
     assert status.ok
