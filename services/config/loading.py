@@ -7,6 +7,7 @@ aliases for the settings people change most (``SPLITMQ_AMQP_URL``, ``SPLITMQ_RED
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from services.algorithms.hints import did_you_mean
 from services.algorithms.registry import REGISTRY
 from services.config.job import AlgorithmSection
 from services.config.root import Settings
+
+_log = logging.getLogger("splitmq.config")
 
 ENV_PREFIX = "SPLITMQ_"
 ENV_ALIASES: dict[str, tuple[str, ...]] = {
@@ -62,9 +65,37 @@ def _section(model: type[BaseModel], path: Sequence[object]) -> type[BaseModel] 
 
 
 def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
-    """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored)."""
+    """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored),
+    or a key of a free-form table (the recipe's `[optimizer]`: any keyword argument)."""
     section = _section(model, path[:-1])
-    return section is not None and path[-1] in section.model_fields
+    return section is not None and (path[-1] in section.model_fields or _free_form(section))
+
+
+def _free_form(section: type[BaseModel]) -> bool:
+    return section.model_config.get("extra") == "allow"
+
+
+def _env_value(model: type[BaseModel], path: tuple[str, ...], value: str) -> Any:
+    """A declared field's value stays a string (pydantic converts it); a free-form key's is
+    read as a TOML value (`0.5`, `true`, `[0.9, 0.999]`), as the file would give it, else
+    kept as the string."""
+    section = _section(model, path[:-1])
+    if section is None or path[-1] in section.model_fields:
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def _unknown_key_warning(model: type[BaseModel], key: str, path: tuple[str, ...]) -> None:
+    """A variable under a known section that names none of its settings is ignored (it may be
+    another program's), but a typo must not pass unseen: say so, with the nearest setting."""
+    if len(path) < 2 or _section(model, path[:1]) is None:
+        return
+    section = _section(model, path[:-1])
+    hint = did_you_mean(path[-1], section.model_fields) if section is not None else ""
+    _log.warning("%s is ignored: %s is no setting%s", key, ".".join(path), hint)
 
 
 def _error_line(error: ErrorDetails) -> str:
@@ -87,11 +118,12 @@ def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, A
             continue
         path = ENV_ALIASES.get(key) or tuple(key.removeprefix(ENV_PREFIX).lower().split("__"))
         if not _known_path(model, path):
+            _unknown_key_warning(model, key, path)
             continue
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = value
+        node[path[-1]] = _env_value(model, path, value)
     return out
 
 

@@ -132,3 +132,30 @@ def test_load_settings_takes_a_path_name_and_no_environment(tmp_path: Path) -> N
     path.write_text('[job]\nname = "notebook"\n')
     assert load_settings(str(path)).job.name == "notebook"
     assert load_settings(path, {"SPLITMQ_JOB__NAME": "from-env"}).job.name == "from-env"
+
+
+def test_the_environment_sets_the_recipes_keyword_arguments_as_toml_values() -> None:
+    # [optimizer] takes any keyword argument of the class it names; these once went nowhere.
+    env = {
+        "SPLITMQ_OPTIMIZER__NAME": "adamw",
+        "SPLITMQ_OPTIMIZER__LR": "0.5",
+        "SPLITMQ_OPTIMIZER__BETAS": "[0.8, 0.9]",
+        "SPLITMQ_OPTIMIZER__AMSGRAD": "true",
+        "SPLITMQ_SCHEDULE__NAME": "steplr",
+        "SPLITMQ_SCHEDULE__STEP_SIZE": "3",
+    }
+    settings = load_settings(None, env)
+    assert settings.optimizer.arguments() == {"lr": 0.5, "betas": (0.8, 0.9), "amsgrad": True}
+    assert settings.schedule.arguments() == {"step_size": 3}
+
+
+def test_a_misspelt_variable_under_a_known_section_is_named_with_the_nearest_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="splitmq.config"):
+        settings = load_settings(None, {"SPLITMQ_CLIENTS__COUNTT": "3", "SPLITMQ_DATA_DIR": "x"})
+    assert settings.clients.count == load_settings(None).clients.count
+    # Only the one under a section: SPLITMQ_DATA_DIR is another program's variable.
+    assert caplog.messages == [
+        "SPLITMQ_CLIENTS__COUNTT is ignored: clients.countt is no setting: did you mean count?"
+    ]
