@@ -146,6 +146,7 @@ rabbit_join() {
   local n pids=() todo=() rc=0
   for n in "$@"; do joined "$n" || todo+=("$n"); done
   [ ${#todo[@]} -gt 0 ] || return 0
+  say "joining ${todo[*]} to $(node_name 1)"
   for n in "${todo[@]}"; do ctl "$n" stop_app >/dev/null & pids+=($!); done
   for n in "${pids[@]}"; do wait "$n" || rc=1; done
   [ $rc -eq 0 ] || return 1
@@ -297,7 +298,8 @@ up_once() {
   for n in "${NODES[@]}"; do rabbit_wait "$n" & pids+=($!); done
   for p in "${pids[@]}"; do wait "$p" || failed=1; done
   [ $failed -eq 0 ] || return 1
-  rabbit_join "${NODES[@]:1}" || return 1
+  # A whole cluster is left alone: joining stops a node's app and may reset it.
+  cluster_whole || rabbit_join "${NODES[@]:1}" || return 1
   wait_until "$TIMEOUT" "3 running RabbitMQ nodes" cluster_whole || return 1
   wait_until "$TIMEOUT" "the Redis replica in sync" replica_synced || return 1
   for p in "${SENTINEL_PORTS[@]}"; do
