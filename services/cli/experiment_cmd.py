@@ -73,6 +73,14 @@ _SAME = ("reuse", "runs_dir")  # left out of the stated command (`_command`)
     show_default=True,
     help="torch intra-op threads of this process (the roles already run on many threads).",
 )
+@click.option(
+    "--client-slots",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="A run's clients training whole models at once (0: one per core). Two experiment "
+    "processes side by side go faster with 1 each: threads of one process share its GIL.",
+)
 def experiment(
     name: str,
     data_dir: Path | None,
@@ -84,6 +92,7 @@ def experiment(
     only: str | None,
     seeds: int,
     torch_threads: int,
+    client_slots: int,
 ) -> None:
     """Run the experiment NAME and write its tables and plots.
 
@@ -120,6 +129,7 @@ def experiment(
                 stop=stop,
                 only=(lambda run: fnmatch.fnmatch(run.label, only)) if only else None,
                 seeds=seeds,
+                client_slots=client_slots,
                 # Kept beside the figures, so a long grid can be run in parts (`--reuse`).
                 archive=None if quick else target.parent / FIGURES_DIR / "runs",
             )

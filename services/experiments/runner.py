@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ from services.report.rundir import METRICS_JSON, write_atomic
 from services.report.sinks import EchoSink, RecordsOnly, TeeSink
 from services.report.tracking import run_trackers
 from services.runtime.embedded import embedded_settings, run_embedded
+from services.runtime.roles import embedded_roles
 
 Echo = Callable[[str], None]
 # Settings that say where things are, not what is computed: a run is reusable across them.
@@ -147,13 +149,22 @@ def run_service(
     stop: threading.Event,
     run_dir: Path,
     final_eval: FinalEval | None = None,
+    client_slots: int | None = 0,
 ) -> None:
     """Run the job embedded; then `final_eval` its last published version into final.json
-    (the embedded runner is given its hub, so its store still holds the versions)."""
+    (the embedded runner is given its hub, so its store still holds the versions).
+    `client_slots`: clients in whole-model work at once (`embedded_roles`)."""
     embedded, _ = embedded_settings(settings)
     hub = Embedded()
     backends = Backends(embedded.broker, embedded.store, hub)
-    run_embedded(settings, sink=sink, stop=stop, dataset=dataset, backends=backends)
+    run_embedded(
+        settings,
+        sink=sink,
+        stop=stop,
+        dataset=dataset,
+        backends=backends,
+        build_roles=functools.partial(embedded_roles, compute_slots=client_slots),
+    )
     job = settings.job.name
     version = hub.store.current_version(job)
     if final_eval is None or version == NO_VERSION:
@@ -173,6 +184,7 @@ def execute(
     command: str,
     echo: Echo,
     stop: threading.Event,
+    client_slots: int | None = 0,
 ) -> float:
     """Run one job into `run_dir`; its wall time in seconds (a service run's `final_eval`
     included). A run that publishes no version for `stall_s` seconds is stopped."""
@@ -191,7 +203,9 @@ def execute(
         if run.kind == "centralized":
             train_centralized(settings, dataset, tee, this_run)
         else:
-            run_service(settings, dataset, tee, this_run, run_dir, experiment.final_eval)
+            run_service(
+                settings, dataset, tee, this_run, run_dir, experiment.final_eval, client_slots
+            )
     wall_s = time.monotonic() - started
     meta = {
         "label": run.label,
@@ -252,6 +266,7 @@ def run_experiment(
     only: Callable[[Run], bool] | None = None,
     seeds: int = 1,
     archive: Path | None = None,
+    client_slots: int | None = 0,
 ) -> ResultSet:
     """Every run of the experiment (the --quick grid when `quick`), in order, each `seeds`
     times: job.seed s, s+1, ... from the run's configured seed s, into `<label>` for the first
@@ -265,6 +280,9 @@ def run_experiment(
     `ARCHIVED`) are also kept in `archive/<name>/<directory>/`, and `reuse` reads a run back
     from there when its report directory is gone: a grid too long for one sitting (or one
     machine) is run in parts, and the parts are kept with the results they produced.
+
+    `client_slots`: each run's clients in whole-model work at once (0: one per core; 1 when
+    several experiment processes share the machine).
     """
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
@@ -304,7 +322,15 @@ def run_experiment(
         if key not in datasets:
             datasets[key] = load_dataset(key[0], key[1] or None)
         wall_s = execute(
-            experiment, run, settings, datasets[key], run_dir, command=command, echo=echo, stop=stop
+            experiment,
+            run,
+            settings,
+            datasets[key],
+            run_dir,
+            command=command,
+            echo=echo,
+            stop=stop,
+            client_slots=client_slots,
         )
         result = load_result(run, run_dir, seed=seed)
         results.append(result)
