@@ -18,7 +18,9 @@ class BusyMeter:
         self._last: float | None = None
 
     def waited(self, seconds: float) -> None:
-        self._waited += max(0.0, seconds)
+        """A wait that ended now; only its part inside the window counts (a poll that began
+        before the last `take` would otherwise push an idle window's waiting past its length)."""
+        self._waited += min(max(0.0, seconds), max(0.0, self._clock() - self._since))
 
     def take(self, min_window_s: float = 0.0) -> float | None:
         """The busy fraction since the previous `take`, then a new window starts. A window

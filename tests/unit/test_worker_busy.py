@@ -28,13 +28,29 @@ def test_busy_is_the_share_of_the_window_not_spent_waiting() -> None:
     clock = Clock()
     meter = BusyMeter(clock)
     assert meter.take() is None  # no time has passed
-    meter.waited(3.0)
     clock.now += 10.0
+    meter.waited(3.0)
     assert meter.take() == 0.7
     # A new window: all of it waiting.
-    meter.waited(4.0)
     clock.now += 4.0
+    meter.waited(4.0)
     assert meter.take() == 0.0
+
+
+def test_a_wait_that_began_before_the_window_counts_only_its_part_inside() -> None:
+    clock = Clock()
+    meter = BusyMeter(clock)
+    clock.now += 10.0
+    meter.waited(9.9)
+    assert meter.take() is not None
+    # 0.2 s polls, 1 % busy: the poll that spanned the take began 0.15 s before it.
+    clock.now += 0.05
+    meter.waited(0.2)
+    for _ in range(9):
+        clock.now += 0.2
+        meter.waited(0.198)
+    fraction = meter.take()
+    assert fraction is not None and 0.0 < fraction < 0.02
 
 
 def test_a_short_window_repeats_the_last_fraction_and_keeps_counting() -> None:
@@ -42,13 +58,13 @@ def test_a_short_window_repeats_the_last_fraction_and_keeps_counting() -> None:
     meter = BusyMeter(clock)
     clock.now += 0.5
     assert meter.take(min_window_s=1.0) is None  # a worker that just started says nothing
-    meter.waited(0.5)
     clock.now += 1.5
+    meter.waited(0.5)
     assert meter.take(min_window_s=1.0) == 0.75  # 0.5 of 2.0 waited
     clock.now += 0.1
     assert meter.take(min_window_s=1.0) == 0.75
-    meter.waited(-1.0)  # a clock step backwards is no waiting
     clock.now += 1.0
+    meter.waited(-1.0)  # a clock step backwards is no waiting
     assert meter.take(min_window_s=1.0) == 1.0
 
 
