@@ -141,6 +141,9 @@ class Trial:
     distance: float
     adopted: int  # masks adopted this round (hybrid: |w| and channel masks count apart)
     channel_distance: float = 0.0
+    # The local accuracy of the model as the adoption step leaves it, when a trial measured
+    # it (an accepted trial's model is the final one): not measured a second time.
+    accuracy: float | None = None
 
 
 @algorithm("subfedavg", params=SubFedAvgSection)
@@ -228,12 +231,14 @@ class SubFedAvg(StrategyBase):
         cfg, model = self.config, r.model
         params = layout.params(model)
 
-        def accuracy() -> float:
-            if self.splits:
-                return reported_accuracy(r.channel)
-            return r.context.local_accuracy(model)
+        measured: list[float] = []  # the last trial's accuracy, while its model stands
 
-        chosen, adopted = current, 0
+        def accuracy() -> float:
+            value = reported_accuracy(r.channel) if self.splits else r.context.local_accuracy(model)
+            measured[:] = [value]
+            return value
+
+        chosen, adopted, known = current, 0, None
         distance = hamming_distance(early.weights, late.weights)
         masks = current.elements(layout)
         sparsity = param_reduction(params, masks)
@@ -247,7 +252,7 @@ class SubFedAvg(StrategyBase):
             )
             candidate = MaskSet(weights, current.channels)
             if self._trial(model, candidate.elements(layout), rule, accuracy):
-                chosen, adopted = candidate, 1
+                chosen, adopted, known = candidate, 1, measured[0]
         channel_distance = 0.0
         if layout.units:
             channel_distance = flat_hamming(
@@ -258,8 +263,9 @@ class SubFedAvg(StrategyBase):
             if rule.should_try(channel_distance, sparsity):
                 candidate = MaskSet(chosen.weights, late.channels)
                 if self._trial(model, candidate.elements(layout), rule, accuracy):
-                    chosen, adopted = candidate, adopted + 1
-        return Trial(chosen, distance, adopted, channel_distance)
+                    chosen, adopted, known = candidate, adopted + 1, measured[0]
+        # A rejected trial restores the model it found, so `known` still describes it.
+        return Trial(chosen, distance, adopted, channel_distance, None if self.splits else known)
 
     @staticmethod
     def _trial(
@@ -294,7 +300,11 @@ class SubFedAvg(StrategyBase):
             metrics["channel_distance"] = trial.channel_distance
             metrics["report.channel_reduction"] = 1.0 - kept / total
         if not self.splits:
-            metrics["report.local_accuracy"] = r.context.local_accuracy(model)
+            # The client's own model after its round: the paper's personalised metric
+            # (`personal_accuracy`, which the client would otherwise measure again) and the
+            # cohort's per-client column.
+            accuracy = r.context.local_accuracy(model) if trial.accuracy is None else trial.accuracy
+            metrics["personal_accuracy"] = metrics["report.local_accuracy"] = accuracy
         return metrics
 
     # --- worker -----------------------------------------------------------------------------

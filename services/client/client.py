@@ -592,7 +592,10 @@ class RoundRunner:
             # it would on a device).
             self.memory.put(plan.algorithm, memory)
         metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
-        if not member.strategy.splits and self.evaluate:
+        # An algorithm that measured its own model already (FedDeper's v_k, Sub-FedAvg's
+        # pruned model) reports it in `result.metrics`, which wins below.
+        measured = "personal_accuracy" in result.metrics
+        if not member.strategy.splits and self.evaluate and not measured:
             metrics["personal_accuracy"] = self._local_accuracy(index, model)
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),

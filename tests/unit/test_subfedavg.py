@@ -141,6 +141,37 @@ def test_hybrid_prunes_channels_by_bn_scale_in_a_round() -> None:
     assert metrics["report.flop_reduction"] > metrics["report.channel_reduction"] / 2
 
 
+@pytest.mark.parametrize(
+    ("params", "evaluations"),
+    [
+        ({"acc_thresh": 0.5}, 1),  # the accepted trial's model is the final one
+        ({"acc_thresh": 0.95}, 2),  # rejected: the restored model is measured again
+        ({"acc_thresh": 0.5, "dist_thresh": 0.9}, 1),  # no trial: measured once
+        ({"mode": "hybrid", "acc_thresh": 0.5, "channel_percent": 0.3}, 2),  # two trials
+    ],
+)
+def test_each_model_state_is_evaluated_once_and_is_the_personal_accuracy(
+    params: dict[str, object], evaluations: int
+) -> None:
+    """A whole-model round's accuracy after training is measured once: the paper's metric
+    (`personal_accuracy`, which the client then does not measure again) and the report's
+    column are that one number."""
+    seen: list[torch.Tensor] = []
+
+    def accuracy(module: nn.Module) -> float:
+        seen.append(torch.cat([p.detach().flatten().clone() for p in module.parameters()]))
+        return 0.1 * len(seen) + 0.5
+
+    ctx = ClientContext("c1", 0, local_accuracy=accuracy)
+    net = model()
+    metrics = run(strategy(**params), net, ctx)
+    assert len(seen) == evaluations
+    final = torch.cat([p.detach().flatten() for p in net.parameters()])
+    # Whatever measured last measured the model as the round leaves it.
+    assert torch.equal(seen[-1], final)
+    assert metrics["personal_accuracy"] == metrics["report.local_accuracy"] == 0.1 * len(seen) + 0.5
+
+
 @dataclass
 class Tally:
     accuracy: float
