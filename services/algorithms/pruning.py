@@ -6,7 +6,7 @@ full model's state-dict names to masks. Masks only ever shrink: a pruned weight 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,13 +120,22 @@ def apply_masks(module: nn.Module, masks: Mapping[str, torch.Tensor]) -> None:
             tensor.mul_(mask.to(device=tensor.device, dtype=tensor.dtype))
 
 
-def mask_gradients(module: nn.Module, masks: Mapping[str, torch.Tensor]) -> None:
-    """Zero the gradients of pruned weights, so that no optimizer step (momentum included: its
-    buffer only ever sees zeros there) moves them off zero."""
-    for name, param in module.named_parameters():
-        mask = masks.get(name)
-        if mask is not None and param.grad is not None:
-            param.grad.mul_(mask.to(device=param.grad.device, dtype=param.grad.dtype))
+def gradient_masker(module: nn.Module, masks: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+    """A call that zeroes the gradients of pruned weights, so that no optimizer step (momentum
+    included: its buffer only ever sees zeros there) moves them off zero. The masks are cast to
+    their parameters' dtype here, once per round, not at every step."""
+    pairs = [
+        (param, masks[name].to(device=param.device, dtype=param.dtype))
+        for name, param in module.named_parameters()
+        if name in masks
+    ]
+
+    def mask() -> None:
+        for param, kept in pairs:
+            if param.grad is not None:
+                param.grad.mul_(kept)
+
+    return mask
 
 
 def masked_state(

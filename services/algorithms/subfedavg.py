@@ -55,8 +55,8 @@ from services.algorithms.pruning import (
     channel_mask,
     count_flops,
     flat_hamming,
+    gradient_masker,
     hamming_distance,
-    mask_gradients,
     masked_state,
     param_reduction,
     percentile_mask,
@@ -177,10 +177,11 @@ class SubFedAvg(StrategyBase):
         first = first_checkpoint(r.steps, r.hyper.local_epochs)
         early: MaskSet | None = None
         samples = 0
+        mask_gradients = gradient_masker(model, masks)
         for step, (x, y) in enumerate(r.batches):
             optimizer.zero_grad(set_to_none=True)
             self._backward(r, x, y, step)
-            mask_gradients(model, masks)
+            mask_gradients()
             optimizer.step()
             samples += int(y.shape[0])
             if step + 1 == first:

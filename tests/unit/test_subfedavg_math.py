@@ -16,8 +16,8 @@ from services.algorithms.pruning import (
     channel_mask,
     count_flops,
     flat_hamming,
+    gradient_masker,
     hamming_distance,
-    mask_gradients,
     masked_state,
     param_reduction,
     percentile_mask,
@@ -137,10 +137,11 @@ def test_masked_gradients_keep_pruned_weights_exactly_zero_under_momentum() -> N
     masks = {"weight": torch.rand(3, 4) > 0.5}
     apply_masks(layer, masks)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.5, momentum=0.9)
+    mask_gradients = gradient_masker(layer, masks)
     for _ in range(5):
         optimizer.zero_grad()
         layer(torch.randn(8, 4)).pow(2).sum().backward()
-        mask_gradients(layer, masks)
+        mask_gradients()
         optimizer.step()
     assert torch.count_nonzero(layer.weight[~masks["weight"]]) == 0
     assert torch.count_nonzero(layer.weight[masks["weight"]]) == int(masks["weight"].sum())
