@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import click
 
@@ -44,6 +44,9 @@ from services.config.root import Settings
 from services.runtime.preflight import StartInterrupted, check_services
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
+if TYPE_CHECKING:
+    from services.report.records import MetricsSink
+
 
 def _serve(
     settings: Settings,
@@ -52,7 +55,10 @@ def _serve(
     log: LogOptions,
     context: dict[str, ContextValue] | None = None,
 ) -> bool:
-    """Run one role until it ends or a signal stops it; True if stopped by a signal."""
+    """Run one role until it ends or a signal stops it; True if stopped by a signal.
+
+    `factory` is called once the broker and store answered: it imports the roles (and torch),
+    so a wrong URL or password is reported before seconds of imports, not after."""
     # Clients talk only to the broker (design §3): they need no store at all.
     require_servers(settings, kind, store=kind != "client")
     context = context or {}
@@ -105,9 +111,13 @@ def coordinator(config: Path | None, log: LogOptions) -> None:
     It admits clients (Join → Welcome with shard, cut and weights), tracks heartbeats and
     drops members whose heartbeats stop.
     """
-    from services.runtime.roles import build_coordinator
 
-    _serve(load(config)[1], "coordinator", build_coordinator, log)
+    def factory(settings: Settings, backends: Backends) -> Role:
+        from services.runtime.roles import build_coordinator
+
+        return build_coordinator(settings, backends)
+
+    _serve(load(config)[1], "coordinator", factory, log)
 
 
 @click.command()
@@ -120,10 +130,13 @@ def worker(config: Path | None, worker_id: str | None, log: LogOptions) -> None:
     It leases shards, consumes their smashed data, steps the shard replica and replies with
     gradients; uses CUDA when present. Scale out by starting more.
     """
-    from services.runtime.roles import build_worker
-
     wid = worker_id or default_member_id("worker-")
-    factory = partial(build_worker, worker_id=wid)
+
+    def factory(settings: Settings, backends: Backends) -> Role:
+        from services.runtime.roles import build_worker
+
+        return build_worker(settings, backends, worker_id=wid)
+
     _serve(load(config)[1], "worker", factory, log, {"worker": wid})
 
 
@@ -144,13 +157,16 @@ def client(
     It trains the client-side layers, publishes smashed data to its shard, applies the
     returned gradients and uploads its weights at the end of each round.
     """
-    from services.runtime.roles import build_client
-
     _, settings = load(config)
     # In the secured mode a client is who its RabbitMQ user is (`splitmq provision-clients`).
     secured = settings.security.per_client_users
     cid = client_id or (default_client_id(settings) if secured else default_member_id("client-"))
-    factory = partial(build_client, client_id=cid, partition=partition)
+
+    def factory(settings: Settings, backends: Backends) -> Role:
+        from services.runtime.roles import build_client
+
+        return build_client(settings, backends, client_id=cid, partition=partition)
+
     _serve(settings, "client", factory, log, {"client": cid})
 
 
@@ -242,7 +258,6 @@ def clients(
     (docs/architecture.md, "Client hosts").
     """
     from services.client.traces import Trace
-    from services.runtime.roles import build_client_host
 
     _, settings = load(config)
     _fewer_malloc_arenas()
@@ -253,19 +268,25 @@ def clients(
     online = None
     if trace_file is not None:
         online = Trace.load(trace_file).scaled(time_scale).intervals
-    factory = partial(
-        build_client_host,
-        host=host,
-        count=count,
-        first=first,
-        by_index=partitions == "index",
-        online=online,
-        offline=offline,
-        spill_dir=spill_dir,
-        join_rate=join_rate,
-        publishers=connections,
-        stats_file=stats_file,
-    )
+
+    def factory(settings: Settings, backends: Backends) -> Role:
+        from services.runtime.roles import build_client_host
+
+        return build_client_host(
+            settings,
+            backends,
+            host=host,
+            count=count,
+            first=first,
+            by_index=partitions == "index",
+            online=online,
+            offline=offline,
+            spill_dir=spill_dir,
+            join_rate=join_rate,
+            publishers=connections,
+            stats_file=stats_file,
+        )
+
     _serve(settings, "client", factory, log, {"client": host})
 
 
@@ -306,15 +327,13 @@ def aggregator(
     It opens and closes rounds, aggregates client updates and shard replicas into version
     v+1, evaluates it and writes the run directory.
     """
-    from services.runtime.roles import build_aggregator
-
     _, settings = load(config)
     require_servers(settings, "aggregator")
     if resume and run_dir is None:
         raise click.UsageError("--resume goes on with the run in --run-dir; name it")
     files, sink = run_report(settings, report_dir, run_dir, resume=resume)
     try:
-        stopped = _serve(settings, "aggregator", partial(build_aggregator, sink=sink), log)
+        stopped = _serve(settings, "aggregator", partial(_aggregator, sink=sink), log)
     except click.exceptions.Exit:
         files.finish("failed: aggregator died (see its log)")
         raise
@@ -369,3 +388,9 @@ def autoscale(config: Path | None, log_dir: Path | None, log: LogOptions) -> Non
             # `splitmq check autoscaler` (the compose healthcheck) reads its health key.
             instance = default_member_id("autoscaler-")
             Autoscaler(settings, backends, pool, instance=instance).run(stop)
+
+
+def _aggregator(settings: Settings, backends: Backends, *, sink: MetricsSink) -> Role:
+    from services.runtime.roles import build_aggregator
+
+    return build_aggregator(settings, backends, sink=sink)

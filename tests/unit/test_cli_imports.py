@@ -1,4 +1,4 @@
-"""`splitmq check` and `splitmq --help` must not import torch.
+"""`splitmq check`, `splitmq --help` and a role that cannot start must not import torch.
 
 `splitmq check ROLE` is the containers' healthcheck, a fresh process every few seconds; torch
 alone takes seconds of CPU to import, so the CLI imports it (and the roles, models and report
@@ -83,6 +83,20 @@ def test_check_of_the_store_and_a_client_do_not_import_torch(redis_config: Path)
     assert heavy == []
     out, heavy = splitmq(["--config", str(redis_config), "check", "client", "--id", "nobody"])
     assert out.strip() == "unhealthy: no live client named nobody in job imports"
+    assert heavy == []
+
+
+# The aggregator is not among them: it opens its run directory first, so that the report
+# records the failure, and the run's description names the algorithm and torch's version.
+@pytest.mark.parametrize("role", ["coordinator", "worker", "client"])
+def test_a_role_that_cannot_start_says_so_before_importing_torch(tmp_path: Path, role: str) -> None:
+    # A wrong URL is the user's mistake: one line at once, not after seconds of imports.
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[job]\nname = "imports"\n[broker]\nkind = "rabbitmq"\n[store]\nkind = "redis"\n'
+    )
+    out, heavy = splitmq([role, str(config)], env={"SPLITMQ_AMQP_URL": "http://127.0.0.1:5672/"})
+    assert "could not start: the RabbitMQ URL must start with amqp:// or amqps://" in out, out
     assert heavy == []
 
 
