@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -91,9 +92,12 @@ def package_version() -> str:
         return ""
 
 
+@functools.cache
 def source_commit(tree: Path = SOURCE_TREE) -> str:
     """The commit checked out where this code lives, `+dirty` when it has uncommitted changes
-    to tracked files; "" when it is not a git checkout (an installed wheel) or git is absent."""
+    to tracked files; "" when it is not a git checkout (an installed wheel) or git is absent.
+    Asked once per process: a long grid's later runs still run the code it loaded, whatever
+    was committed in the tree since."""
     try:
         head = subprocess.run(
             ["git", "-C", str(tree), "rev-parse", "HEAD"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
 import tomllib
 from dataclasses import replace as dataclasses_replace
 from datetime import datetime
@@ -15,7 +16,7 @@ import pytest
 from services.config.root import Settings
 from services.report.filesink import FileSink
 from services.report.records import VersionRecord
-from services.report.rundir import RunInfo, create_run_dir
+from services.report.rundir import RunInfo, create_run_dir, source_commit
 from services.report.sinks import EchoSink, TeeSink
 from services.report.summary import Totals, progress_line, summary_text
 from services.report.tables import record_from_dict
@@ -285,3 +286,24 @@ def test_metrics_json_names_the_code_that_ran(tmp_path: Path) -> None:
     ).stdout.strip()
     if head:  # tests run from a checkout: its commit, marked when the tree has changes
         assert run["git_commit"].removesuffix("+dirty") == head
+
+
+def test_the_source_commit_is_the_one_the_process_started_with(tmp_path: Path) -> None:
+    """A run records the commit its code came from: a commit made in the tree while a long
+    grid runs does not relabel the grid's later runs."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    first = git("rev-parse", "HEAD")
+    assert source_commit(tmp_path) == first
+    (tmp_path / "code.py").write_text("x = 2\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "second")
+    assert source_commit(tmp_path) == first
