@@ -281,6 +281,10 @@ class Broker(Protocol):
         """Delete a queue and its messages (operators and tests)."""
         ...
 
+    def server_info(self) -> ServerInfo:
+        """Who answers and whether it lets us declare and publish (`splitmq doctor`)."""
+        ...
+
     def close(self) -> None:
         """Close the connection; unacked deliveries return to their queues."""
         ...

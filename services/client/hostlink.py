@@ -30,7 +30,15 @@ from broker.errors import (
 from broker.messages import HostHeartbeat, new_message_id
 from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import CONTROL_EXCHANGE
-from broker.transport import PLAIN, Broker, Delivery, PublishOptions, QueueSpec, Refused
+from broker.transport import (
+    PLAIN,
+    Broker,
+    Delivery,
+    PublishOptions,
+    QueueSpec,
+    Refused,
+    ServerInfo,
+)
 from services.client.errors import ClientStopped
 from services.common.health import Beat
 from services.common.membership import HOST_HEARTBEAT_MEMBERS
@@ -280,6 +288,10 @@ class SeatBroker:
 
     def delete_queue(self, queue: str) -> None:
         raise BrokerError("a client host's client deletes no queue")
+
+    def server_info(self) -> ServerInfo:
+        with self._publishers.handle() as broker:  # the host's connection is the seat's
+            return broker.server_info()
 
     def close(self) -> None:
         self.unplug()

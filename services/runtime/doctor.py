@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from broker.errors import (
@@ -13,7 +13,6 @@ from broker.errors import (
     StoreAuthError,
 )
 from broker.redis_store import RedisWeightStore
-from broker.transport import ServerInfo
 from services.common.backends import Backends, Embedded
 from services.config.root import Settings
 from services.data.errors import DataError
@@ -56,10 +55,7 @@ def check_broker(backends: Backends) -> Check:
             "start it (`rabbitmq-server -detached`) or set SPLITMQ_AMQP_URL",
         )
     try:
-        server_info: Callable[[], ServerInfo] | None = getattr(broker, "server_info", None)
-        if server_info is None:
-            return Check("broker", True, f"{type(broker).__name__} {where}")
-        info = server_info()
+        info = broker.server_info()
     except SplitMQError as exc:
         return Check("broker", False, f"{where}: {exc}")
     finally:

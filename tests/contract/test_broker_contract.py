@@ -148,6 +148,16 @@ def bad_messages(
     return receive(consumer, count)
 
 
+def test_server_info_says_who_answers_and_that_declare_and_publish_work(
+    broker_factory: BrokerFactory,
+) -> None:
+    """`splitmq doctor`'s probe, on every backend (part of the `Broker` protocol)."""
+    info = broker_factory().server_info()
+    assert info.product and info.version
+    assert (info.can_declare, info.can_publish, info.detail) == (True, True, "")
+    assert info.max_message_bytes > 0
+
+
 def test_round_trip_carries_body_headers_and_ids(broker_factory: BrokerFactory) -> None:
     broker = broker_factory()
     spec = broker_factory.spec("work")
