@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from models.errors import ModelSpecError
 from models.heads import AuxHead, HeadFactory, default_head
+from models.pooling import MaxPool2d
 from models.split import SplitNet, flat_features
 
 
@@ -39,7 +40,7 @@ class ConvBlock(nn.Module):
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding, bias=bias)
         self.bn = nn.BatchNorm2d(out_channels)
         self.act = nn.ReLU(inplace=True)
-        self.pool: nn.Module = nn.MaxPool2d(pool) if pool else nn.Identity()
+        self.pool: nn.Module = MaxPool2d(pool) if pool else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.pool(self.act(self.bn(self.conv(x))))
@@ -55,7 +56,7 @@ class ConvStage(nn.Module):
         self.convs = nn.Sequential(
             *(ConvBlock(channels[i], channels[i + 1], 3, padding=1) for i in range(len(widths)))
         )
-        self.pool = nn.MaxPool2d(2)
+        self.pool = MaxPool2d(2)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.pool(self.convs(x))
