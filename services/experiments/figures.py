@@ -14,9 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.experiments.results import ResultSet
+from services.experiments.results import ResultSet, SeedRuns
 from services.experiments.spec import CurvePlot, FinalPlot, Plot
 from services.report.plots import PanelDraw, line_style, panel_figure, plot_rounds, round_axis
+
+
+def plot_band(axes: Any, i: int, run: SeedRuns, metric: str, label: str, size: int = 2) -> None:
+    """The i-th line: `metric` per round as a percentage, the mean over the seeds with a band
+    of ± one standard deviation in the line's colour (no band for one seed)."""
+    band = run.band(metric)
+    plot_rounds(axes, i, run.records, [100.0 * b.mean for b in band], label, size)
+    if len(run.runs) > 1:
+        xs = [r.round for r in run.records]
+        low = [100.0 * (b.mean - b.std) for b in band]
+        high = [100.0 * (b.mean + b.std) for b in band]
+        axes.fill_between(xs, low, high, alpha=0.2, color=axes.lines[-1].get_color())
 
 
 def _curve(plot: CurvePlot, results: ResultSet, axes: Any, where: dict[str, str]) -> bool:
@@ -24,13 +36,7 @@ def _curve(plot: CurvePlot, results: ResultSet, axes: Any, where: dict[str, str]
     for i, line in enumerate(results.values(plot.lines)):
         run = results.one({**where, plot.lines: line})
         if run is not None and run.records:
-            band = run.band(plot.metric)
-            plot_rounds(axes, i, run.records, [100.0 * b.mean for b in band], line, 3)
-            if len(run.runs) > 1:  # mean ± std over the seeds, in the line's colour
-                xs = [r.round for r in run.records]
-                low = [100.0 * (b.mean - b.std) for b in band]
-                high = [100.0 * (b.mean + b.std) for b in band]
-                axes.fill_between(xs, low, high, alpha=0.2, color=axes.lines[-1].get_color())
+            plot_band(axes, i, run, plot.metric, line, 3)
             drawn = True
     round_axis(axes)
     axes.set_ylabel(f"{plot.metric.replace('_', ' ')} (%)")

@@ -141,6 +141,10 @@ def test_subfedavg_verdict_and_table_state_the_gains_in_points() -> None:
     lines = subfedavg.verdict(results)
     assert "+5.0 points" in lines[0] and "**well below**" in lines[0]
     assert "+40.0 points" in lines[1] and "more than the paper's" in lines[1]
+    # 15 points of headroom above Standalone's 85% would allow a +20 lead: not explained by it.
+    assert "**unexplained**" in lines[0]
+    assert "explained" not in lines[1]
+    assert "-35.0 points; agrees with the paper's remark" in lines[2]
     table = subfedavg.main_table(results)
     assert "| Sub-FedAvg (Un) 50% | 90.0 | +5.0 | +40.0 | 50.0 | 45.0 | 1 |" in table
     assert "| Standalone | 85.0 |  |  | 0.0 | 0.0 | 1 |" in table
@@ -171,6 +175,9 @@ def test_subfedavg_gaps_are_paired_by_seed_and_judged_against_their_spread() -> 
     lines = subfedavg.verdict(results)
     assert "+11.0 ± 1.0 points" in lines[0] and "**well below**" in lines[0]
     assert "within seed spread of FedAvg" in lines[1]
+    # FedAvg's 83.3% leaves 16.7 points: a lead of +30 cannot occur, whatever the method.
+    assert "**explained**: FedAvg's 83.3% leaves at most 16.7 points" in lines[1]
+    assert "FedAvg − Standalone is +2.3 ± 15.6 points; **disagrees** with" in lines[2]
     table = subfedavg.main_table(results)
     assert "| Sub-FedAvg (Un) 50% | 92.0 ± 2.0 | +11.0 ± 1.0 | +8.7 ± 16.0 |" in table
     assert "mean ± std over 3 seeds" in table
