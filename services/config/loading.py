@@ -107,7 +107,20 @@ def _error_line(error: ErrorDetails) -> str:
     named = not where or message.startswith(f"{where}.")
     line = f"  {message}" if named else f"  {where}: {message}"
     section = _section(Settings, loc[:-1]) if error["type"] == "extra_forbidden" else None
-    return line + did_you_mean(str(loc[-1]), section.model_fields) if section else line
+    if section is None:
+        return line
+    key = str(loc[-1])
+    return line + (_home_section(key) or did_you_mean(key, section.model_fields))
+
+
+def _home_section(key: str) -> str:
+    """': KEY belongs in [SECTION]' when another top-level section has that very setting (a
+    key put under the wrong table), '' when none has."""
+    for name, field in Settings.model_fields.items():
+        home = field.annotation
+        if isinstance(home, type) and issubclass(home, BaseModel) and key in home.model_fields:
+            return f": {key} belongs in [{name}]"
+    return ""
 
 
 def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:

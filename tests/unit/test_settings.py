@@ -99,6 +99,10 @@ def test_a_cluster_is_a_list_of_nodes_and_gets_quorum_queues(tmp_path: Path) -> 
         ),
         ("jbo = 1\n", "jbo: Extra inputs are not permitted: did you mean job?"),
         (
+            "[data]\nbatch_size = 3\n",
+            "data.batch_size: Extra inputs are not permitted: batch_size belongs in [algorithm]",
+        ),
+        (
             '[algorithm]\nname = "splitgp"\n[algorithm.splitgp]\ngamam = 1\n',
             "algorithm.splitgp.gamam: Extra inputs are not permitted: did you mean gamma?",
         ),
