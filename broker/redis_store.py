@@ -303,10 +303,14 @@ class RedisWeightStore(PublishingStore):
 
     def _failing_over(self, exc: redis.RedisError) -> bool:
         """A reply that, behind Sentinel, means the primary is changing (a single server
-        answering so is misconfigured, and keeps today's immediate StoreError)."""
+        answering so is misconfigured, and keeps today's immediate StoreError). NOSCRIPT is
+        one: a pipeline loads its scripts on the old primary, then runs EVALSHA on the promoted
+        replica, which has never seen them; the retry's pipeline loads them there."""
         if self._sentinel is None or not isinstance(exc, redis.ResponseError):
             return False
-        return str(exc).startswith(_FAILOVER_REPLIES) or isinstance(exc, redis.ReadOnlyError)
+        return str(exc).startswith(_FAILOVER_REPLIES) or isinstance(
+            exc, redis.ReadOnlyError | redis.exceptions.NoScriptError
+        )
 
     def _replicated(
         self,

@@ -61,6 +61,8 @@ def failing(first: list[Exception]) -> Any:
         redis.ResponseError("NOREPLICAS Not enough good replicas to write."),
         redis.ResponseError("UNBLOCKED force unblock from blocking operation"),
         redis.ResponseError("MASTERDOWN Link with MASTER is down"),
+        # A pipeline's scripts loaded on the old primary, its EVALSHA run on the new one.
+        redis.exceptions.NoScriptError("No matching script. Please use EVAL."),
     ],
 )
 def test_failover_replies_are_waited_out_behind_sentinel(reply: Exception) -> None:
