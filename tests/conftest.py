@@ -77,11 +77,20 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+# Tests that kill servers and time a failover against Sentinel's and RabbitMQ's own clocks
+# (down-after 1 s, a node's boot): `scripts/test.sh` runs them alone, after the parallel phase,
+# because their deadlines assume the machine's cores, as a deployment's failover would have.
+EXCLUSIVE = ("tests/cluster/", "tests/integration/test_redis_sentinel.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's `--dist loadgroup`: a file's tests run on one worker (its
     module-scoped fixtures, such as a Sentinel group on fixed ports, exist once), and the two
-    files that kill and restart nodes of the one local cluster share a group."""
+    files that kill and restart nodes of the one local cluster share a group. The `exclusive`
+    marker goes on the files of `EXCLUSIVE`."""
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         group = "cluster" if path.startswith("tests/cluster/") else path
         item.add_marker(pytest.mark.xdist_group(group))
+        if path.startswith(EXCLUSIVE):
+            item.add_marker(pytest.mark.exclusive)
