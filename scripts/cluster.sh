@@ -66,7 +66,13 @@ sigkill() {
 # ---------------------------------------------------------------- RabbitMQ
 node_name() { echo "splitmq-$1@localhost"; }
 node_dir() { echo "$DIR/rabbit-$1"; }
-rabbit_pid() { live_pid "$(node_dir "$1")/pid" "-home $(node_dir "$1") "; }
+# The pid file, else the node's Erlang VM by its command line: a node still booting has written
+# no pid file yet, and one left behind by an interrupted run may have lost its directory, yet
+# holds its ports; both must count as running (no second spawn) and be stopped by `down`.
+rabbit_pid() {
+  live_pid "$(node_dir "$1")/pid" "-home $(node_dir "$1") " ||
+    pgrep -o -f -- "beam\.smp .* -home $(node_dir "$1") "
+}
 
 # rmq N PROGRAM ARGS...: a RabbitMQ program with node N's environment. Its own env file, config
 # and plugins file, so /etc/rabbitmq's (NODENAME=rabbit@localhost, port 5672) never apply.
@@ -175,6 +181,8 @@ rabbit_kill() { sigkill "$(rabbit_pid "$1")" || true; }
 rabbit_stop() {
   local n=$1 pid
   pid=$(rabbit_pid "$n") || return 0
+  # No pid file: booting, or left over without its directory; rabbitmqctl cannot reach it.
+  if [ ! -s "$(node_dir "$n")/pid" ]; then kill -KILL "$pid" 2>/dev/null || true; return 0; fi
   ctl "$n" stop >/dev/null 2>&1 || true
   wait_until 15 "node $n stopped" bash -c "! kill -0 $pid" || kill -KILL "$pid" 2>/dev/null || true
 }
@@ -340,8 +348,12 @@ cmd_down() {
   local n p pids=() t0
   t0=$(now)
   if [ -e "$DIR" ] && [ ! -f "$MARKER" ]; then die "$DIR is not a cluster directory; not touching it"; fi
-  [ -d "$DIR" ] || return 0
+  # Nodes first, even without the directory: one left from an interrupted run still holds ports.
   for n in "${NODES[@]}"; do rabbit_stop "$n" & pids+=($!); done
+  if [ ! -d "$DIR" ]; then
+    for p in "${pids[@]}"; do wait "$p" || true; done
+    return 0
+  fi
   local pid redis=()
   for p in "${SENTINEL_PORTS[@]}"; do pid=$(sentinel_pid "$p") && redis+=("$pid"); done
   for p in "${REDIS_PORTS[@]}"; do pid=$(redis_pid "$p") && redis+=("$pid"); done
