@@ -56,7 +56,8 @@ SECTION = "sfl-throughput"
 TITLE = "## SFL-V2 throughput: RabbitMQ + Redis vs in-process"
 # The analysis under the table: prose about mechanisms, kept beside the script that measures.
 NOTES = Path(__file__).with_name("sfl_throughput_notes.md")
-TARGETS = {"cnn5": 0.70, "lenet5": 0.70, "resnet18": 0.85}
+# cnn5's is the redesign's goal (issue 11: >= 0.85 with float32 on the wire, quiet machine).
+TARGETS = {"cnn5": 0.85, "lenet5": 0.70, "resnet18": 0.85}
 DTYPES = ("float32", "float16", "bfloat16")
 
 
