@@ -179,6 +179,11 @@ def main_table(results: ResultSet) -> str:
     return markdown_table([*header, "clients counted"], rows, caption)
 
 
+def _over_seeds(results: ResultSet) -> str:
+    """A figure title's note on what its lines and bars are, when there are several seeds."""
+    return f" (mean ± std over {results.seeds} seeds)" if results.seeds > 1 else ""
+
+
 def _bars(results: ResultSet, slot: FigureSlot) -> str:
     methods = results.values("method")
 
@@ -198,9 +203,7 @@ def _bars(results: ResultSet, slot: FigureSlot) -> str:
         axes.set_xticks(range(len(methods)), names, rotation=45, ha="right", fontsize="small")
         return True
 
-    title = "Average personalised accuracy over the clients" + (
-        f" (mean ± std over {results.seeds} seeds)" if results.seeds > 1 else ""
-    )
+    title = "Average personalised accuracy over the clients" + _over_seeds(results)
     return slot.figure("personalised.png", title, results.values("dataset"), draw)
 
 
@@ -221,9 +224,7 @@ def _curves(results: ResultSet, slot: FigureSlot) -> str:
                 drawn = True
         return drawn
 
-    title = "Personalised accuracy of each round's cohort" + (
-        f" (mean ± std over {results.seeds} seeds)" if results.seeds > 1 else ""
-    )
+    title = "Personalised accuracy of each round's cohort" + _over_seeds(results)
     return slot.figure("cohort-curves.png", title, results.values("dataset"), draw)
 
 
@@ -306,6 +307,7 @@ def reduction_line(results: ResultSet) -> str:
 
 def verdict(results: ResultSet) -> list[str]:
     lines = []
+    rounds = max((r.rounds for r in results.runs), default=0)
     for dataset in results.values("dataset"):
         subs = {m: _value(results, dataset, m) for m in SUB_METHODS}
         subs = {m: v for m, v in subs.items() if math.isfinite(v)}
@@ -326,7 +328,7 @@ def verdict(results: ResultSet) -> list[str]:
                 f"({100 * (low - base):+.1f} to {100 * (high - base):+.1f}); "
                 + _judge(gain, paper, other)
                 + "."
-                + _cause(gain, paper, other, base, max(r.rounds for r in results.runs))
+                + _cause(gain, paper, other, base, rounds)
             )
         if remark := _fedavg_below_standalone(results, dataset):
             lines.append(remark)
