@@ -755,11 +755,11 @@ def _via_sentinel(
     credentials and TLS (rediss://); its host and port are not used."""
     params = {
         k: v
-        for k, v in parse_url(url).items()  # type: ignore[no-untyped-call]
+        for k, v in parse_url(url).items()  # type: ignore[no-untyped-call, unused-ignore]
         if k not in ("host", "port", "connection_class")
     }
     ssl: dict[str, Any] = {"ssl": True, **tls} if tls else {}
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         list(opts.sentinels),
         # Sentinels answer small queries: a dead one must not hold up discovery for long. They
         # get TLS like the data nodes, no credentials (sentinels with requirepass: not yet).
@@ -771,7 +771,7 @@ def _via_sentinel(
             **ssl,
         },
     )
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
         opts.master_name, redis_class=redis.Redis, **common, **params, **ssl
     )
     return sentinel, client
