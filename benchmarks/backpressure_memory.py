@@ -93,7 +93,7 @@ class Sample:
     rss: dict[str, int]  # role name -> VmRSS in bytes (live processes only)
     cpu: dict[str, float]  # role name -> CPU seconds used so far
     depths: dict[str, int]  # "shard", "replies" (all clients together), "updates", "control"
-    busy: dict[str, float]  # worker id -> busy fraction from its last heartbeat (workers/busy.py)
+    busy: dict[str, float]  # worker id -> busy fraction from its last heartbeat (workers/worker.py)
     load1: float
 
 

@@ -28,9 +28,6 @@ from broker.topology import (
 from broker.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PLAIN,
-    REASON_HEADER,
-    SOURCE_QUEUE_HEADER,
-    USER_HEADER,
     Delivery,
     Headers,
     HeaderValue,
@@ -41,7 +38,11 @@ from broker.transport import (
     ServerInfo,
     check_publish,
     count_settled,
+    dead_letter_headers,
+    no_dead_letter_routing,
+    not_outstanding,
     outgoing_headers,
+    unroutable,
 )
 
 __all__ = ["InMemoryBroker", "InMemoryHub"]
@@ -177,9 +178,7 @@ class InMemoryHub:
         if not targets:
             if exchange in BEST_EFFORT_EXCHANGES:
                 return []
-            raise UnroutableError(
-                f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
-            )
+            raise unroutable(exchange, routing_key)
         full: list[str] = []
         for name in targets:
             queue = self.queues[name]
@@ -448,7 +447,7 @@ class InMemoryBroker:
         with self._open() as session:
             for delivery, _ in letters:  # usage errors first, before anything is settled
                 if delivery.tag not in session.handed and delivery.tag not in session.returned:
-                    self._peek(delivery)
+                    raise not_outstanding(delivery)
             for delivery, reason in letters:
                 try:
                     self._dead_letter(delivery, reason)
@@ -463,16 +462,9 @@ class InMemoryBroker:
         session = self._session
         spec = session.declared.get(delivery.queue)
         if spec is None or (key := spec.dead_letter_routing_key) is None:
-            raise BrokerError(
-                f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
-                "declare its QueueSpec (with dead_letter_routing_key) here first"
-            )
+            raise no_dead_letter_routing(delivery)
         message = self._peek(delivery).message
-        headers: dict[str, HeaderValue] = dict(message.headers)
-        headers[REASON_HEADER] = reason
-        headers[SOURCE_QUEUE_HEADER] = delivery.queue
-        if message.user_id is not None:
-            headers[USER_HEADER] = message.user_id
+        headers = dead_letter_headers(delivery, reason)
         copy = _Message(DEAD_EXCHANGE, key, message.body, headers, message.message_id, None)
         try:
             full = self.hub.route(copy)
@@ -496,10 +488,7 @@ class InMemoryBroker:
                 f"delivery {delivery.tag} from {delivery.queue!r} was returned to its queue "
                 "(unsubscribed); it will be redelivered"
             )
-        raise BrokerError(
-            f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this handle "
-            "(already acked/nacked, or received on another handle)"
-        )
+        raise not_outstanding(delivery)
 
     def _take(self, delivery: Delivery) -> _Pending:
         pending = self._peek(delivery)

@@ -76,7 +76,6 @@ class _JobState:
     status: JobStatus | None = None
 
     def kind(self, member_id: str) -> dict[str, Member]:
-        """The members of `member_id`'s kind."""
         return self.members[keys.member_kind(member_id)]
 
     def sweep(self, now: float) -> None:
@@ -215,7 +214,6 @@ class InMemoryWeightStore(PublishingStore):
     def save_checkpoint(
         self, job: str, checkpoint: Checkpoint, *, holder: tuple[str, str] | None = None
     ) -> None:
-        keys.validate_job(job)
         data, sha256, meta = encode_checkpoint(checkpoint)
         stored = (int(checkpoint.applied), data, sha256, meta, self._clock())
         with self._job(job, create=True) as state:

@@ -29,17 +29,13 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.rabbitmq_channels import ChannelKeeper, queue_arguments, unroutable
+from broker.rabbitmq_channels import ChannelKeeper, queue_arguments
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
 from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
 from broker.transport import (
     PLAIN,
-    REASON_HEADER,
-    SOURCE_QUEUE_HEADER,
-    USER_HEADER,
     Broker,
     Delivery,
-    HeaderValue,
     Meter,
     PublishOptions,
     QueueSpec,
@@ -47,7 +43,11 @@ from broker.transport import (
     ServerInfo,
     check_publish,
     count_settled,
+    dead_letter_headers,
+    no_dead_letter_routing,
+    not_outstanding,
     outgoing_headers,
+    unroutable,
 )
 
 __all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
@@ -110,11 +110,6 @@ class RabbitMQBroker:
     def connects(self) -> int:
         """How many connections this handle has opened (1 + reconnects)."""
         return self._keeper.connects
-
-    @property
-    def generation(self) -> int:
-        """The generation new deliveries carry; it changes when older ones become stale."""
-        return self._keeper.generation
 
     # -- Broker protocol ----------------------------------------------------------------------
 
@@ -240,7 +235,7 @@ class RabbitMQBroker:
         for delivery, reason in letters:
             spec = self._keeper.specs.get(delivery.queue)
             if spec is None or spec.dead_letter_routing_key is None:
-                unsettled.append((delivery, _no_routing(delivery)))
+                unsettled.append((delivery, no_dead_letter_routing(delivery)))
                 continue
             try:
                 self._outstanding(delivery)
@@ -397,10 +392,7 @@ class RabbitMQBroker:
                     return None
                 self._returned.discard(delivery.tag)
                 raise self._stale(delivery, "was returned to its queue by unsubscribe")
-            raise BrokerError(
-                f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this "
-                "handle (already acked/nacked, or received on another handle)"
-            )
+            raise not_outstanding(delivery)
         return channel
 
     @staticmethod
@@ -419,20 +411,9 @@ if TYPE_CHECKING:  # mypy proves the class satisfies the protocol
 
 def _dead_letter_properties(delivery: Delivery, reason: str) -> Any:
     """The copy's properties: persistent, the original's headers and id, and ours."""
-    headers: dict[str, HeaderValue] = dict(delivery.headers)
-    headers[REASON_HEADER] = reason
-    headers[SOURCE_QUEUE_HEADER] = delivery.queue
-    if delivery.user_id is not None:
-        headers[USER_HEADER] = delivery.user_id
+    headers = dead_letter_headers(delivery, reason)
     return pika.BasicProperties(
         delivery_mode=_PERSISTENT, headers=headers, message_id=delivery.message_id
-    )
-
-
-def _no_routing(delivery: Delivery) -> BrokerError:
-    return BrokerError(
-        f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
-        "declare its QueueSpec (with dead_letter_routing_key) here first"
     )
 
 

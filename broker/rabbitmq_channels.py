@@ -38,15 +38,14 @@ from broker.errors import (
     BrokerError,
     BrokerUnavailableError,
     StaleDeliveryError,
-    UnroutableError,
 )
 from broker.rabbitmq_connection import (
+    AUTH_FAILURES,
     PIKA_ERRORS,
     Outage,
     RabbitMQOptions,
     auth_refused,
     describe,
-    is_auth_failure,
     server_url,
 )
 from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE, EXCHANGES
@@ -57,6 +56,7 @@ from broker.transport import (
     QueueSpec,
     Refused,
     incoming_headers,
+    unroutable,
 )
 
 T = TypeVar("T")
@@ -78,11 +78,6 @@ class _Sent:
 
     def refused(self, error: BrokerError) -> tuple[int, Refused]:
         return self.order, Refused(self.exchange, self.routing_key, self.body, self.options, error)
-
-
-def unroutable(exchange: str, routing_key: str, why: str = "") -> UnroutableError:
-    bound = f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
-    return UnroutableError(bound + why)
 
 
 def queue_arguments(
@@ -304,7 +299,7 @@ class ChannelKeeper:
                 if not self._connection_lost(exc):
                     raise self.channel_failure(exc, what) from exc
                 self._drop_connection()
-                if is_auth_failure(exc):
+                if isinstance(exc, AUTH_FAILURES):
                     raise auth_refused(exc, what, self._params) from exc
                 if outage is None:
                     where = ", ".join(server_url(node) for node in self._nodes)
@@ -322,25 +317,21 @@ class ChannelKeeper:
     def publish(
         self, exchange: str, routing_key: str, body: bytes, properties: Any, target: str
     ) -> None:
-        """Publish on the publisher channel and wait for the confirm. A connection lost before
-        the confirm is reopened and the message sent again (at-least-once)."""
-        self.call(
-            lambda: self.send(self.publisher(), exchange, routing_key, body, properties),
-            f"publish to {target}",
-        )
+        """Publish on the publisher channel and wait for the confirm; a refusal becomes our
+        error. A connection lost before the confirm is reopened and the message sent again
+        (at-least-once)."""
+        mandatory = exchange not in BEST_EFFORT_EXCHANGES
 
-    def send(
-        self, channel: Any, exchange: str, routing_key: str, body: bytes, properties: Any
-    ) -> None:
-        """One confirmed publish on `channel`; a refusal becomes our error, pika's own errors
-        pass (to `call`, which reconnects)."""
-        try:
-            mandatory = exchange not in BEST_EFFORT_EXCHANGES
-            channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
-        except pika.exceptions.NackError as exc:
-            raise self._full(exchange, routing_key) from exc
-        except pika.exceptions.UnroutableError as exc:
-            raise unroutable(exchange, routing_key) from exc
+        def send() -> None:
+            try:
+                channel = self.publisher()
+                channel.basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
+            except pika.exceptions.NackError as exc:
+                raise self._full(exchange, routing_key) from exc
+            except pika.exceptions.UnroutableError as exc:
+                raise unroutable(exchange, routing_key) from exc
+
+        self.call(send, f"publish to {target}")
 
     def _full(self, exchange: str, routing_key: str) -> BackPressureError:
         fanout = dict(EXCHANGES).get(exchange) == "fanout"
@@ -490,7 +481,6 @@ class ChannelKeeper:
                 if not self._taken_over(queue):
                     del self._waiting[queue]
                     self._consume(channel, queue, prefetch)
-                    self._prefetch[queue] = prefetch
         if self._waiting:
             # Wake up for the next look, not only for I/O: nothing is delivered from a queue
             # not consumed yet, so a wait past the look would last its whole time limit.
@@ -581,7 +571,6 @@ class ChannelKeeper:
             _log.info("waiting for the consumer of %s to go before taking it over", queue)
             return
         self._consume(self.consumer(), queue, prefetch)
-        self._prefetch[queue] = prefetch
 
     def cancel(self, queue: str) -> bool:
         """Stop consuming `queue`; True if a consumer on the current channel was cancelled."""
@@ -607,6 +596,7 @@ class ChannelKeeper:
         channel.basic_qos(prefetch_count=prefetch)
         on_message = functools.partial(self._on_message, self.generation, queue)
         self._consumer_tags[queue] = channel.basic_consume(queue, on_message, auto_ack=False)
+        self._prefetch[queue] = prefetch  # restored on every new consumer channel
 
     def _on_message(
         self,

@@ -12,17 +12,17 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import quote, urlparse
+from urllib.parse import quote
 
 import pika
 import pika.exceptions
 
 from broker.errors import BrokerAuthError, BrokerUnavailableError, ConnectionSettingsError
-from broker.tls import TLSOptions, client_context
+from broker.tls import TLSOptions, client_context, wants_tls
 from broker.transport import DEFAULT_MAX_MESSAGE_BYTES, Backoff
 
 # Failures of the credentials or vhost: a reconnect cannot fix them.
-_AUTH_FAILURES = (
+AUTH_FAILURES = (
     pika.exceptions.AuthenticationError,
     pika.exceptions.ProbableAuthenticationError,
     pika.exceptions.ProbableAccessDeniedError,
@@ -87,25 +87,15 @@ def connection_parameters(
 ) -> pika.URLParameters:
     """pika parameters for an ``amqp://`` or ``amqps://`` URL (amqps verifies the server,
     with `options.tls`)."""
-    scheme = urlparse(url).scheme
-    if scheme not in ("amqp", "amqps"):
-        got = f"{scheme}://" if scheme else "no scheme"
-        raise ConnectionSettingsError(
-            f"the RabbitMQ URL must start with amqp:// or amqps://, got {got} "
-            "(broker.amqp_url, SPLITMQ_AMQP_URL)"
-        )
+    secure = wants_tls(url, "amqp", "RabbitMQ", "broker.amqp_url, SPLITMQ_AMQP_URL", options.tls)
     try:
         params = pika.URLParameters(url)
     except ValueError as exc:  # e.g. a port that is not a number
         raise ConnectionSettingsError(f"unusable RabbitMQ URL (broker.amqp_url): {exc}") from None
-    if scheme == "amqps":
+    if secure:
         # pika's own default context has no server_hostname, so it cannot check the name.
         context = client_context(options.tls or TLSOptions())
         params.ssl_options = pika.SSLOptions(context, server_hostname=params.host)
-    elif options.tls is not None:
-        raise ConnectionSettingsError(
-            "TLS options are set but the RabbitMQ URL is amqp://: use amqps://"
-        )
     params.heartbeat = options.heartbeat
     params.blocked_connection_timeout = options.blocked_connection_timeout
     params.socket_timeout = options.socket_timeout
@@ -113,10 +103,6 @@ def connection_parameters(
     params.connection_attempts = 1
     params.client_properties = {"connection_name": connection_name}
     return params
-
-
-def is_auth_failure(exc: BaseException) -> bool:
-    return isinstance(exc, _AUTH_FAILURES)
 
 
 def server_url(params: pika.ConnectionParameters) -> str:

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlparse
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -31,7 +30,6 @@ from redis.sentinel import Sentinel
 
 from broker import keys, redis_scripts
 from broker.errors import (
-    ConnectionSettingsError,
     StoreAuthError,
     StoreError,
     StoreUnavailableError,
@@ -52,15 +50,12 @@ from broker.store_codec import (
     PublishingStore,
     decode_blob,
     decode_checkpoint,
-    decode_entry,
-    decode_info,
     encode_checkpoint,
-    encode_entry,
-    encode_info,
     lease_not_held,
     positive_ttl,
+    str_map,
 )
-from broker.tls import TLSOptions, redis_ssl_kwargs
+from broker.tls import TLSOptions, redis_ssl_kwargs, wants_tls
 
 if TYPE_CHECKING:
     import torch
@@ -177,6 +172,46 @@ def _ms(ttl_s: float) -> int:
     return max(1, round(positive_ttl(ttl_s) * 1000))
 
 
+def encode_entry(blob: PreparedBlob) -> str:
+    e = blob.entry
+    return json.dumps(
+        {
+            "part": e.ref.part,
+            "owner": e.ref.owner,
+            "key": blob.key,
+            "sha256": e.sha256,
+            "nbytes": e.nbytes,
+            "samples": e.samples,
+        },
+        sort_keys=True,
+    )
+
+
+def decode_entry(raw: bytes | str) -> tuple[str, ManifestEntry]:
+    """(blob key, entry) of one manifest field; `StoreError` if the field is malformed."""
+    try:
+        obj = json.loads(raw)
+        ref = BlobRef(str(obj["part"]), str(obj["owner"]))
+        entry = ManifestEntry(ref, str(obj["sha256"]), int(obj["nbytes"]), int(obj["samples"]))
+        return str(obj["key"]), entry
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"malformed manifest entry {raw!r}: {exc}") from exc
+
+
+def encode_info(info: Mapping[str, str]) -> str:
+    return json.dumps(str_map("member info", info), sort_keys=True)
+
+
+def decode_info(raw: bytes | str) -> dict[str, str]:
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise StoreError(f"malformed member info {raw!r}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise StoreError(f"malformed member info {raw!r}")
+    return {str(k): str(v) for k, v in obj.items()}
+
+
 def _kind_keys(job: str, kind: MemberKind) -> list[str]:
     return [keys.members_key(job, kind), keys.members_info_key(job, kind)]
 
@@ -208,23 +243,10 @@ class RedisWeightStore(PublishingStore):
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        scheme = urlparse(url).scheme
-        if scheme not in ("redis", "rediss"):
-            got = f"{scheme}://" if scheme else "no scheme"
-            raise ConnectionSettingsError(
-                f"the Redis URL must start with redis:// or rediss://, got {got} "
-                "(store.redis_url, SPLITMQ_REDIS_URL)"
-            )
-        self._options = options or RedisStoreOptions()
-        opts = self._options
-        if scheme == "rediss":
-            tls: dict[str, Any] = redis_ssl_kwargs(opts.tls or TLSOptions())
-        elif opts.tls is not None:
-            raise ConnectionSettingsError(
-                "TLS options are set but the Redis URL is redis://: use rediss://"
-            )
-        else:
-            tls = {}
+        self._options = opts = options or RedisStoreOptions()
+        tls: dict[str, Any] = {}
+        if wants_tls(url, "redis", "Redis", "store.redis_url, SPLITMQ_REDIS_URL", opts.tls):
+            tls = redis_ssl_kwargs(opts.tls or TLSOptions())
         common: dict[str, Any] = {
             "socket_timeout": opts.socket_timeout_s,
             "socket_connect_timeout": opts.socket_connect_timeout_s,
@@ -494,10 +516,9 @@ class RedisWeightStore(PublishingStore):
             script_keys.append(keys.lease_key(job, holder[0]))
             args.append(holder[1])
 
-        # A replace; with `holder` the script itself refuses a writer that lost the lease
-        # (during an outage, say).
         def save() -> Any:
-            # Retried when short of replicas: a replace, fenced by the lease as before.
+            # A replace, so retried when short of replicas; with `holder` the script itself
+            # refuses a writer that lost the lease (during an outage, say).
             what = f"checkpoint of shard {checkpoint.shard} of job {job}"
             return self._replicated(
                 self._save_checkpoint, script_keys, args, what, lambda result: result != -1

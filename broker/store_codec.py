@@ -10,7 +10,6 @@ between blob writes.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import uuid
 from abc import ABC, abstractmethod
@@ -95,32 +94,6 @@ def str_map(what: str, mapping: Mapping[str, str] | None) -> dict[str, str]:
     return result
 
 
-def encode_entry(blob: PreparedBlob) -> str:
-    e = blob.entry
-    return json.dumps(
-        {
-            "part": e.ref.part,
-            "owner": e.ref.owner,
-            "key": blob.key,
-            "sha256": e.sha256,
-            "nbytes": e.nbytes,
-            "samples": e.samples,
-        },
-        sort_keys=True,
-    )
-
-
-def decode_entry(raw: bytes | str) -> tuple[str, ManifestEntry]:
-    """(blob key, entry) of one manifest field; `StoreError` if the field is malformed."""
-    try:
-        obj = json.loads(raw)
-        ref = BlobRef(str(obj["part"]), str(obj["owner"]))
-        entry = ManifestEntry(ref, str(obj["sha256"]), int(obj["nbytes"]), int(obj["samples"]))
-        return str(obj["key"]), entry
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StoreError(f"malformed manifest entry {raw!r}: {exc}") from exc
-
-
 def decode_blob(
     job: str, version: int, key: str, entry: ManifestEntry, data: bytes | None
 ) -> dict[str, torch.Tensor]:
@@ -172,20 +145,6 @@ def lease_not_held(shard: int, holder: tuple[str, str]) -> LeaseNotHeldError:
     return LeaseNotHeldError(
         f"checkpoint of shard {shard} not saved: {holder[1]!r} does not hold lease {holder[0]!r}"
     )
-
-
-def encode_info(info: Mapping[str, str]) -> str:
-    return json.dumps(str_map("member info", info), sort_keys=True)
-
-
-def decode_info(raw: bytes | str) -> dict[str, str]:
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise StoreError(f"malformed member info {raw!r}: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise StoreError(f"malformed member info {raw!r}")
-    return {str(k): str(v) for k, v in obj.items()}
 
 
 class PublishingStore(ABC):

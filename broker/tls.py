@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from broker.errors import ConnectionSettingsError
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,22 @@ class TLSOptions:
     def __post_init__(self) -> None:
         if self.key_file and not self.cert_file:
             raise ValueError("TLS key_file given without cert_file")
+
+
+def wants_tls(url: str, scheme: str, server: str, setting: str, tls: TLSOptions | None) -> bool:
+    """Whether `url` is `<scheme>s://` rather than `<scheme>://`; any other scheme, or `tls`
+    options with a plain URL, is a `ConnectionSettingsError` naming `server` and `setting`."""
+    found = urlparse(url).scheme
+    if found not in (scheme, scheme + "s"):
+        got = f"{found}://" if found else "no scheme"
+        raise ConnectionSettingsError(
+            f"the {server} URL must start with {scheme}:// or {scheme}s://, got {got} ({setting})"
+        )
+    if found == scheme and tls is not None:
+        raise ConnectionSettingsError(
+            f"TLS options are set but the {server} URL is {scheme}://: use {scheme}s://"
+        )
+    return found != scheme
 
 
 def client_context(options: TLSOptions) -> ssl.SSLContext:

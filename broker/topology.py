@@ -88,11 +88,6 @@ def host_queue_name(job: str, host: str) -> str:
     return f"{job}.host.{host}"
 
 
-def host_routing_key(job: str, host: str) -> str:
-    # Three dot-separated parts: no training reply key (`<job>.<client>`) equals it.
-    return f"{job}.host.{host}"
-
-
 def infer_queue_name(job: str) -> str:
     return f"{job}.infer"
 
@@ -202,10 +197,12 @@ def host_queue(job: str, host: str, client: str | None = None) -> QueueSpec:
     """The one reply queue of a client host's clients (docs/architecture.md, "Client hosts"):
     bound with the host's own key, or, with `client`, the key of that client's replies. The
     coordinator binds each client's key when the client joins through the host (bindings add
-    up; the queue's arguments are the same either way)."""
-    key = host_routing_key(job, host) if client is None else reply_routing_key(job, client)
+    up; the queue's arguments are the same either way). The host's own key is the queue's name:
+    three dot-separated parts, so no training reply key (`<job>.<client>`) equals it."""
+    name = host_queue_name(job, host)
+    key = name if client is None else reply_routing_key(job, client)
     return QueueSpec(
-        name=host_queue_name(job, host),
+        name=name,
         exchange=REPLIES_EXCHANGE,
         routing_key=key,
         dead_letter_routing_key=job,

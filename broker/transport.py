@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from broker.errors import BrokerError, EncodeError, MessageTooLargeError
+from broker.errors import BrokerError, EncodeError, MessageTooLargeError, UnroutableError
 
 # No float: pika cannot encode floats in an AMQP field table, so a float header would work with
 # the in-memory broker and fail on RabbitMQ. Integers must fit in 64 signed bits.
@@ -197,6 +197,35 @@ class Delivery:
     user_id: str | None = None
     # Which connection this came on; an ack on a lost connection is meaningless.
     generation: int = 0
+
+
+def dead_letter_headers(delivery: Delivery, reason: str) -> dict[str, HeaderValue]:
+    """A dead-lettered copy's headers: the original's, with ours saying why and whence."""
+    headers = dict(delivery.headers)
+    headers[REASON_HEADER] = reason
+    headers[SOURCE_QUEUE_HEADER] = delivery.queue
+    if delivery.user_id is not None:
+        headers[USER_HEADER] = delivery.user_id
+    return headers
+
+
+def no_dead_letter_routing(delivery: Delivery) -> BrokerError:
+    return BrokerError(
+        f"queue {delivery.queue!r} has no dead-letter routing on this handle; "
+        "declare its QueueSpec (with dead_letter_routing_key) here first"
+    )
+
+
+def not_outstanding(delivery: Delivery) -> BrokerError:
+    return BrokerError(
+        f"delivery {delivery.tag} from {delivery.queue!r} is not outstanding on this handle "
+        "(already acked/nacked, or received on another handle)"
+    )
+
+
+def unroutable(exchange: str, routing_key: str, why: str = "") -> UnroutableError:
+    bound = f"no queue is bound to exchange {exchange!r} with routing key {routing_key!r}"
+    return UnroutableError(bound + why)
 
 
 @dataclass(frozen=True)

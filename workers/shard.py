@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -279,13 +279,13 @@ class ShardRunner:
     # --- deliveries ---------------------------------------------------------------------------
     def on_batch(self, delivery: Delivery, batch: SmashedBatch) -> None:
         replica, io = self.replica, self._io
-        problem = check_batch(batch, self._want) or check_membership(
-            batch, replica.cohort_round, replica.cohort
+        problem = (
+            check_batch(batch, self._want)
+            or check_membership(batch, replica.cohort_round, replica.cohort)
+            or self._stranger(batch.client)
         )
-        if problem is None and not self._member(batch.client):
-            problem = ("unknown_client", f"client {batch.client!r} is not a member of the job")
         if problem is not None:
-            self._io.reject(delivery, *problem)
+            io.reject(delivery, *problem)
             return
         if replica.applied_already(batch.client, batch.seq):
             self._hold(delivery)  # acked with the next checkpoint, never applied again
@@ -294,11 +294,10 @@ class ShardRunner:
         if self._replaces_buffered(delivery, batch):
             return
         clock = self._async
-        refused = clock.refusal(batch) if clock is not None else None
-        if clock is not None and refused is not None:
+        if clock is not None and (refused := clock.refusal(batch)) is not None:
             code, detail = refused
             if code != TOO_STALE:
-                self._io.reject(delivery, code, detail)
+                io.reject(delivery, code, detail)
                 return
             # Valid, just too old: answered, and acked with the next checkpoint.
             self._hold(delivery)
@@ -311,7 +310,7 @@ class ShardRunner:
         if clock is None and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
-                self._io.reject(delivery, "unknown_version", f"version {batch.version} not found")
+                io.reject(delivery, "unknown_version", f"version {batch.version} not found")
                 return
         item = Item(delivery, batch)
         if self._barrier is not None:
@@ -319,7 +318,7 @@ class ShardRunner:
             self._step_barrier(force=False)
         else:
             self._fold.append(item)
-            if len(self._fold) >= self._io.settings.workers.batch_messages:
+            if len(self._fold) >= io.settings.workers.batch_messages:
                 self.flush()
 
     def on_tail(self, delivery: Delivery, message: TailGradient) -> None:
@@ -329,9 +328,7 @@ class ShardRunner:
             detail = "a TailGradient in a job that is not U-shaped (model.tail is unset)"
             self._io.reject(delivery, "not_u_shaped", detail)
             return
-        problem = check_sender(message, self._want)
-        if problem is None and not self._member(message.client):
-            problem = ("unknown_client", f"client {message.client!r} is not a member of the job")
+        problem = check_sender(message, self._want) or self._stranger(message.client)
         if problem is not None:
             self._io.reject(delivery, *problem)
             return
@@ -369,10 +366,12 @@ class ShardRunner:
         step.tails[at] = delivery
         step.grads[at] = message.grad
 
-    def _member(self, client: str) -> bool:
+    def _stranger(self, client: str) -> Rejection | None:
         """Cohort members and clients already applied here are known without asking."""
         replica = self.replica
-        return client in replica.cohort or client in replica.seqs or self._io.members(client)
+        if client in replica.cohort or client in replica.seqs or self._io.members(client):
+            return None
+        return "unknown_client", f"client {client!r} is not a member of the job"
 
     def on_marker(self, delivery: Delivery, message: RoundStart | RoundEnd) -> None:
         if self._async is not None:
@@ -472,11 +471,12 @@ class ShardRunner:
             return
         io, replica = self._io, self.replica
         started = time.perf_counter()
+        # `check_batch` let a batch without labels through in a U-shaped job only.
         batches = [
             CohortBatch(
                 i.batch.client,
                 i.batch.activations,
-                _labels(i.batch),
+                cast(torch.Tensor, i.batch.labels),
                 self._cohort_weight(i.batch),
                 cut=i.batch.cut,
             )
@@ -487,11 +487,9 @@ class ShardRunner:
                 replica.server, replica.optimizer, batches, loss=io.hyper.loss
             )
         except Exception as exc:  # never let one step take the worker down
-            self._say("server step failed: %r", exc, level=logging.ERROR)
-            for item in items:
-                self._io.reject(item.delivery, "server_step", repr(exc))
+            self._step_failed("step", items, exc)
             return
-        # all_finite: numpy's scan on this thread, not torch's OpenMP pool (10x less here).
+        # all_finite: numpy's scan on this thread, much cheaper here than torch's OpenMP pool.
         if not all(math.isfinite(loss) and all_finite(g) for g, loss, _ in results):
             # The batches whose own loss was not finite (all, if none was singled out); the
             # others of the step are retried on a clean replica.
@@ -536,6 +534,11 @@ class ShardRunner:
             io.metrics.step(time.perf_counter() - started)
             io.metrics.samples(rows_total)
 
+    def _step_failed(self, what: str, items: list[Item], exc: Exception) -> None:
+        self._say("server %s failed: %r", what, exc, level=logging.ERROR)
+        for item in items:
+            self._io.reject(item.delivery, "server_step", repr(exc))
+
     def _cohort_weight(self, batch: SmashedBatch) -> float:
         """MiniBatch-SFL's p_n: the client's samples from RoundStart; its rows otherwise."""
         replica = self.replica
@@ -556,9 +559,7 @@ class ShardRunner:
             )
         except Exception as exc:  # never let one step take the worker down
             load_partial(server, buffers)
-            self._say("server forward failed: %r", exc, level=logging.ERROR)
-            for item in items:
-                self._io.reject(item.delivery, "server_step", repr(exc))
+            self._step_failed("forward", items, exc)
             return
         if not all(all_finite(out.detach()) for out in step.outputs):
             self._rollback(items)
@@ -576,12 +577,10 @@ class ShardRunner:
         ]
         deadline = io.clock() + io.settings.workers.step_barrier_timeout_s
         self._open = Open(items, step, replies, buffers, deadline)
-        for item, reply in zip(items, replies, strict=True):
+        for at, (item, reply) in enumerate(zip(items, replies, strict=True)):
             self._send_output(reply)
             orphan = self._orphans.pop((item.batch.client, item.batch.seq), None)
             if orphan is not None:
-                at = self._open.index(orphan.client, orphan.seq)
-                assert at is not None
                 self._take_tail(at, None, orphan)
         self._finish(force=False)
 
@@ -671,8 +670,7 @@ class ShardRunner:
             return Item(delivery, item.batch)
 
         step = self._open
-        at = step.index(batch.client, batch.seq) if step is not None else None
-        if step is not None and at is not None:
+        if step is not None and (at := step.index(batch.client, batch.seq)) is not None:
             # Its step is open: the client missed the ServerOutput (replies are transient).
             self._io.stats.duplicates_skipped += 1
             self._hold(step.items[at].delivery)
@@ -904,13 +902,6 @@ def answer(
         grad=grad,
         reason=reason,
     )
-
-
-def _labels(batch: SmashedBatch) -> torch.Tensor:
-    # `check_batch` let a batch without labels through in a U-shaped job only.
-    if batch.labels is None:
-        raise ValueError(f"SmashedBatch seq {batch.seq} has no labels to train on")
-    return batch.labels
 
 
 def reject(

@@ -14,14 +14,16 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from broker.codec import decode
 from broker.errors import BrokerError, DecodeError, StaleDeliveryError
+from broker.keys import CLIENT_MEMBER_PREFIX
 from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
-from broker.store import WeightStore
+from broker.store import MemberKind, MemberStore, WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
 from services.algorithms.registry import build_strategy
@@ -31,13 +33,16 @@ from services.common.leases import LeaseKeeper
 from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
-from workers.busy import BusyMeter
 from workers.clock import Continuous
 from workers.inference import InferenceServer
-from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
 from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
 from workers.stats import WorkerStats
+
+# Strangers the member cache remembers at once; the oldest is forgotten first.
+_MAX_STRANGERS = 4096
+_MEMBER_TTL_S = 2.0
+_NEGATIVE_TTL_S = 1.0
 
 
 class Worker:
@@ -372,3 +377,73 @@ class WorkerSession:
         if any(r.buffered() for r in self.runners.values()):
             return False
         return all(self.broker.queue_depth(q) == 0 for q in self.runners)
+
+
+@dataclass(eq=False)
+class MemberCache:
+    """Whether a client is a member of the job, as the store says, read sparingly.
+
+    A shard refuses smashed data from a stranger, but must never refuse a member's: a hit is
+    trusted for `_MEMBER_TTL_S`, and a miss always asks the store again, unless that very client
+    was found missing less than `_NEGATIVE_TTL_S` ago (a stranger flooding the queue then costs
+    one store read per id and interval, not one per message).
+    """
+
+    store: MemberStore
+    job: str
+    clock: Callable[[], float]
+    _members: frozenset[str] = frozenset()
+    _read_at: float | None = None
+    _strangers: OrderedDict[str, float] = field(default_factory=OrderedDict)  # when found missing
+
+    def __call__(self, client: str) -> bool:
+        now = self.clock()
+        fresh = self._read_at is not None and now - self._read_at < _MEMBER_TTL_S
+        if client in self._members and fresh:
+            return True
+        missed_at = self._strangers.get(client)
+        if missed_at is not None and now - missed_at < _NEGATIVE_TTL_S:
+            return False
+        members = self.store.live_members(self.job, MemberKind.CLIENT)
+        self._members = frozenset(m[len(CLIENT_MEMBER_PREFIX) :] for m in members)
+        self._read_at = now
+        if client in self._members:
+            self._strangers.pop(client, None)
+            return True
+        self._strangers[client] = now
+        self._strangers.move_to_end(client)
+        while len(self._strangers) > _MAX_STRANGERS:
+            self._strangers.popitem(last=False)
+        return False
+
+
+class BusyMeter:
+    """How busy a worker is: the share of wall time it spent on anything but waiting for a
+    delivery, which the autoscaler reads from its heartbeat (docs/deployment.md, "Autoscaling
+    workers": why queue depth alone cannot tell). Accumulates waiting time; `take` turns a
+    window of it into a busy fraction.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._since = clock()
+        self._waited = 0.0
+        self._last: float | None = None
+
+    def waited(self, seconds: float) -> None:
+        """A wait that ended now; only its part inside the window counts (a poll that began
+        before the last `take` would otherwise push an idle window's waiting past its length)."""
+        self._waited += min(max(0.0, seconds), max(0.0, self._clock() - self._since))
+
+    def take(self, min_window_s: float = 0.0) -> float | None:
+        """The busy fraction since the previous `take`, then a new window starts. A window
+        shorter than `min_window_s` says too little (a worker just started is "busy" loading
+        its replicas): the previous fraction instead (None until there is one), the window
+        goes on."""
+        now = self._clock()
+        elapsed = now - self._since
+        if elapsed <= 0 or elapsed < min_window_s:
+            return self._last
+        fraction = min(1.0, max(0.0, 1.0 - self._waited / elapsed))
+        self._since, self._waited, self._last = now, 0.0, fraction
+        return fraction

@@ -117,7 +117,6 @@ class Aggregator:
         or the store propagates after the sink is told "failed: ...", and a job that cannot make
         progress raises `JobFailedError` once the clients are dismissed.
         """
-
         # In the secured mode its round markers carry its AMQP user, which workers check.
         user = service_user(self._settings)
         broker = self._backends.open_broker("aggregator", stamp=user)
@@ -127,7 +126,7 @@ class Aggregator:
             if ended is not None:
                 records, status = self._already_ended(ended)
             else:
-                records, status = self._drive(broker, store, stop)
+                records, status = self.core(broker, store, stop).run()
         except JobFailedError as exc:  # ended by decision; the clients were dismissed
             self._sink.finish(f"failed: {exc}")
             raise
@@ -160,12 +159,6 @@ class Aggregator:
         clients, rounds = self._settings.clients, self._settings.rounds
         refresh_s = max(1.0, clients.heartbeat_s)
         return MemberBook(store, self.job, self._pace, refresh_s, 2 * rounds.deadline_s)
-
-    def _drive(
-        self, broker: Broker, store: WeightStore, stop: threading.Event
-    ) -> tuple[list[VersionRecord], str]:
-        """The sync or the async clock until the job's end."""
-        return self.core(broker, store, stop).run()
 
     def core(self, broker: Broker, store: WeightStore, stop: threading.Event) -> Core:
         """Declare and subscribe; the job's clock (sync or async) over `broker` and `store`,

@@ -230,7 +230,6 @@ class Core(ABC):
         """Record how the job ended, dismiss every live member with that status and announce it;
         updates still held are acked and dropped. The record comes before the members are read
         (the coordinator's half of that race: `JoinDesk.join`)."""
-
         self.stats.unfolded_at_end += self.abandon()
         self.inbox.release()
         self.store.set_job_status(self.job, ended)

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from broker.messages import ConfigValue
 from services.aggregator.evaluation import VersionEval
 from services.algorithms.base import ClientUpdate
-from services.algorithms.fedsplitx import trained_samples
 from services.report.records import VersionRecord
 
 # Accepted spellings of each client metric, first match wins.
@@ -88,7 +87,7 @@ def clients_rate(updates: Sequence[ClientUpdate], seconds: Sequence[str]) -> flo
     times = [metric(u.metrics, seconds) for u in updates]
     if not updates or not all(t is not None and t > 0 for t in times):
         return None
-    return sum(trained_samples(u) / t for u, t in zip(updates, times, strict=True) if t)
+    return sum(u.trained_samples / t for u, t in zip(updates, times, strict=True) if t)
 
 
 def build_record(
@@ -110,7 +109,7 @@ def build_record(
     on each local test set) then goes to `extra["global_personal_accuracy"]`."""
     # Samples actually trained this round; `WeightsUpdate.samples` is |D_k|, the averaging
     # weight, which max_steps_per_round may cap far below.
-    samples = int(sum(trained_samples(u) for u in updates))
+    samples = int(sum(u.trained_samples for u in updates))
     extra: dict[str, float] = {"round_s": round_s}
     # Sums of the clients' own rates. `client_samples_per_s` counts a client's whole round,
     # waiting for its gradients included: what the cohort trained at. The compute-only rate

@@ -20,10 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from services.algorithms.base import ClientUpdate, ShardReplica, StrategyBase, VersionWeights
+from services.algorithms.base import ClientUpdate, ShardReplica, State, StrategyBase, VersionWeights
 from services.algorithms.staleness import StalenessRule
-
-State = Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,12 @@ class ClientUpdate:
     masks: State = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
 
+    @property
+    def trained_samples(self) -> float:
+        """The rows the client trained this round (its `train_samples`), else its |D_k|."""
+        reported = self.metrics.get("train_samples")
+        return float(self.samples) if reported is None else float(reported)
+
 
 @dataclass(frozen=True)
 class ShardReplica:
@@ -387,8 +393,7 @@ class StrategyBase:
         loss: LossFn = cross_entropy,
     ) -> StepResults:
         """One server step with the job's `loss`; per batch (dL/dz, loss, correct) in input
-        order. The default is
-        the no-server step of algorithms that do not split: no smashed data should arrive."""
+        order. The default refuses: an algorithm that does not split gets no smashed data."""
         raise RuntimeError(f"{self.name} has no server-side model: no smashed data should arrive")
 
     def server_forward(

@@ -10,11 +10,7 @@ worker's replica holds everything after c_1 and trains a batch from level m on
 
 Blobs: `client/global` holds the blocks up to c_M (a client loads them all and trains its own),
 `server/global` the blocks after c_1 with the heads of c_2..c_M (the replica), `aux/global` the
-heads of every level. With `aggregation = "merged"` a tensor in two blobs has one value, the
-heteroavg of all its holders; with "separate" (the paper's "aggregates the client-side model and
-server-side model separately") `client/global` and `aux/global` average the clients alone and
-`server/global` the replicas alone, and the full model of level m is the client side to c_m
-followed by the server side (`level<m>.full_accuracy`).
+heads of every level; how a tensor held by both sides is averaged: `FedSplitXSection.aggregation`.
 
 The math, for a client at level m:
 - client loss: `sum_{i<=m} l(a_i(z_i), y)`, z_i the activation at c_i (`local_loss`);
@@ -354,7 +350,7 @@ class FedSplitX(StrategyBase):
             raise ValueError("no client updates to aggregate")
         structure = self._bound()
         holdings: list[Holding] = [
-            ({**u.client_weights, **u.aux_weights}, trained_samples(u)) for u in updates
+            ({**u.client_weights, **u.aux_weights}, u.trained_samples) for u in updates
         ]
         for r in replicas:
             cut_samples = dict(r.cut_samples) or {structure.levels[0]: r.samples}
@@ -432,9 +428,3 @@ def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 5
             logits = module(x[start : start + chunk])
             correct += int((logits.argmax(dim=1) == y[start : start + chunk]).sum())
     return correct / len(y)
-
-
-def trained_samples(update: ClientUpdate) -> float:
-    """The rows a client trained this round (its `train_samples`), else its |D_k|."""
-    reported = update.metrics.get("train_samples")
-    return float(update.samples) if reported is None else float(reported)

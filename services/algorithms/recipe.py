@@ -201,7 +201,7 @@ def check_recipe(optimizer: OptimizerSection, schedule: ScheduleSection, loss: L
         ("optimizer.server", optimizer.server_side, "schedule.server", schedule.server_side),
     )
     for kind, choice, plan_kind, plan in sides:
-        make: OptimizerFactory = _DEFAULT
+        make: OptimizerFactory = _default
         if choice is not None:
             check_arguments(kind, optimizer_class(choice.name, kind), choice.arguments())
             make = optimizer_factory(choice, kind)
@@ -223,9 +223,6 @@ def check_recipe(optimizer: OptimizerSection, schedule: ScheduleSection, loss: L
 def _default(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """A stand-in for the SGD of `[algorithm]`, for checking a schedule over it."""
     return torch.optim.SGD(params, lr=0.01)
-
-
-_DEFAULT: OptimizerFactory = _default
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

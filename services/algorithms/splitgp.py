@@ -273,18 +273,15 @@ def version_metrics(
     if not clients or CLIENT not in blobs:
         return {}
     cut = cut_of(model, blobs[CLIENT])
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    values: dict[str, list[float]] = {}
     for client, classes in sorted(clients.items()):
         load_partial(model, full_model_weights(blobs, client))
         with evaluating([model]):
             results = row_results(model, cut, model.server_blocks(cut), x, y)
-        metrics = client_metrics(results, y, classes, threshold, sweep)
-        for name, value in metrics.items():
+        for name, value in client_metrics(results, y, classes, threshold, sweep).items():
             if value == value:  # NaN: the client has no such rows
-                sums[name] = sums.get(name, 0.0) + value
-                counts[name] = counts.get(name, 0) + 1
-    return {f"splitgp.{name}": sums[name] / counts[name] for name in sums}
+                values.setdefault(name, []).append(value)
+    return {f"splitgp.{name}": sum(seen) / len(seen) for name, seen in values.items()}
 
 
 # --- the algorithm --------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Client: its binary mask lives in `ClientContext.memory` across rounds (all ones at first). The
 assigned weights are masked with it, gradients are masked so pruned weights stay exactly zero,
-and candidate masks are derived after the first and the last local epoch (`pruning`,
-`prune_layout`). A new mask is tried when the two differ by more than `dist_thresh` and the
-sparsity is below `target`, and kept when the pruned model's local accuracy exceeds
-`acc_thresh`. The client uploads its masked weights and its masks.
+and candidate masks are derived after the first and the last local epoch (`pruning`). A new
+mask is tried when the two differ by more than `dist_thresh` and the sparsity is below
+`target`, and kept when the pruned model's local accuracy exceeds `acc_thresh`. The client
+uploads its masked weights and its masks.
 
 Server: intersection averaging (`intersection_average`); each participant's personalised model,
 the new global model under its mask, is published as its personal blob so that the
@@ -47,11 +47,12 @@ from services.algorithms.base import (
     average_replicas,
     full_state,
 )
-from services.algorithms.prune_layout import PruneLayout, build_layout
 from services.algorithms.pruning import (
     AdoptionRule,
     Masks,
+    PruneLayout,
     apply_masks,
+    build_layout,
     channel_mask,
     count_flops,
     flat_hamming,
@@ -63,7 +64,7 @@ from services.algorithms.pruning import (
     step_percent,
 )
 from services.algorithms.recipe import LossFn, cross_entropy
-from services.algorithms.sfl import SFL
+from services.algorithms.sfl import rows_step
 
 WEIGHT_KEY = "subfedavg.weights."  # + weight name: the |w| masks in ClientContext.memory
 CHANNEL_KEY = "subfedavg.channels."  # + BN module name: the hybrid's channel masks
@@ -319,7 +320,7 @@ class SubFedAvg(StrategyBase):
     ) -> StepResults:
         if not self.splits:
             return super().server_step(server, optimizer, batches, loss=loss)
-        return SFL().server_step(server, optimizer, batches, loss=loss)
+        return rows_step(server, optimizer, batches, loss=loss)  # SFL's
 
     # --- aggregator -------------------------------------------------------------------------
     def aggregate(

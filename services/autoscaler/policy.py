@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from services.config.autoscaler import AutoscalerSection
+from services.config.root import AutoscalerSection
 
 
 def capped(section: AutoscalerSection, shards: int) -> AutoscalerSection:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from services.cli.common import config_argument, load, read_settings
+from services.cli.common import config_argument, load, read_settings, require_reachable
 
 
 @click.command()
@@ -35,17 +35,13 @@ def clean(config: Path | None, client_ids: tuple[str, ...], force: bool) -> None
     from broker.keys import CLIENT_MEMBER_PREFIX
     from broker.store import MemberKind
     from services.common.backends import Backends
-    from services.runtime.processes import clear_job, preflight
+    from services.runtime.processes import clear_job
 
     path, _ = load(config)
     # The servers `splitmq up` runs the job on, whatever kinds the file names.
     env = {**os.environ, "SPLITMQ_BROKER": "rabbitmq", "SPLITMQ_STORE": "redis"}
     settings = read_settings(path, env)
-    problems = preflight(settings)
-    if problems:
-        raise click.ClickException(
-            "splitmq clean needs RabbitMQ and Redis:\n  " + "\n  ".join(problems)
-        )
+    require_reachable(settings, "clean")
     job = settings.job.name
     with closing(Backends(settings.broker, settings.store).open_store(give_up_after=10.0)) as store:
         ended = store.job_status(job) is not None

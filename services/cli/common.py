@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import shlex
 import signal
 import socket
 import threading
@@ -23,10 +24,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
+from services.common.backends import Backends
 from services.common.logs import ContextValue, configured_logging
 from services.common.user_errors import user_message
 from services.config.loading import ConfigError, load_settings
 from services.config.root import Settings
+from services.runtime.doctor import check_broker, check_store
 
 if TYPE_CHECKING:
     from services.report.filesink import FileSink
@@ -147,6 +150,15 @@ def require_servers(settings: Settings, command: str, *, store: bool = True) -> 
     )
 
 
+def require_reachable(settings: Settings, command: str) -> None:
+    """RabbitMQ and Redis must both answer (`splitmq up`, `splitmq clean`)."""
+    backends = Backends(settings.broker, settings.store)
+    failed = [c for c in (check_broker(backends), check_store(backends)) if not c.ok]
+    if failed:
+        problems = "\n  ".join(c.detail + (f" ({c.hint})" if c.hint else "") for c in failed)
+        raise click.ClickException(f"splitmq {command} needs RabbitMQ and Redis:\n  {problems}")
+
+
 def run_report(
     settings: Settings,
     report_dir: Path | None,
@@ -196,6 +208,36 @@ def load(config: Path | None) -> tuple[Path, Settings]:
             f"no configuration: pass CONFIG (or `splitmq --config FILE ...`) or set {CONFIG_ENV}"
         )
     return path, read_settings(path, os.environ)
+
+
+def comma_floats(text: str) -> list[float]:
+    """Comma-separated numbers >= 0, as options give lists of them."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise click.BadParameter(f"the numbers must be >= 0, got {text!r}")
+    return values
+
+
+def stated_command(ctx: click.Context, *head: str, skip: tuple[str, ...] = ()) -> str:
+    """The command that reproduces this invocation: `splitmq NAME *head` and the options that
+    differ from their defaults (`skip`: options left out).
+
+    Built from the parsed options rather than argv (which is a test runner's under pytest).
+    """
+    args = ["splitmq", ctx.command.name or "", *head]
+    for param in ctx.command.params:
+        value = ctx.params[param.name or ""]
+        if not isinstance(param, click.Option) or param.name in skip:
+            continue
+        # A flag's default reads as a sentinel, not False, in newer click: ask its value.
+        if param.is_flag:
+            args += [param.opts[0]] if value else []
+        elif value is not None and value != param.default:
+            args += [param.opts[0], str(value)]
+    return shlex.join(args)
 
 
 def default_member_id(prefix: str = "") -> str:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import shlex
 from pathlib import Path
 
 import click
 
-from services.cli.common import stop_on_signals
+from services.cli.common import stated_command, stop_on_signals
 from services.common.logs import configured_logging
 from services.config.loading import ConfigError
 from services.data.errors import DataError
@@ -18,7 +17,6 @@ from services.experiments.registry import NAMES, get_experiment
 DEFAULT_OUT = Path("docs/results.md")
 # A smoke run must not replace real results unless asked to.
 QUICK_OUT = Path("runs/experiments/results-quick.md")
-_SAME = ("reuse", "runs_dir")  # left out of the stated command (`_command`)
 
 
 @click.command()
@@ -106,10 +104,9 @@ def experiment(
     if quick and paper:
         raise click.UsageError("--quick and --paper exclude each other (smoke size or the paper's)")
     target = out or (QUICK_OUT if quick else DEFAULT_OUT)
-    # Each role of a run is a thread that calls torch; intra-op threads on top of that
-    # oversubscribe the cores, and on a loaded 2-core host a cnn5 step ran 20-50x slower
-    # with 2 intra-op threads than with 1 (threads spin at barriers waiting for each other).
-    # This is the process's edge: the setting is for the whole command.
+    # Each role of a run is a thread that calls torch: intra-op threads on top of them
+    # oversubscribe the cores and spin at barriers waiting for each other. This is the
+    # process's edge: the setting is for the whole command.
     import torch
 
     torch.set_num_threads(torch_threads)
@@ -158,19 +155,5 @@ def _data_source(data_dir: Path | None) -> str:
 
 
 def _command(ctx: click.Context) -> str:
-    """The command that reproduces the results: its options that differ from their defaults.
-
-    Built from the parsed options rather than argv (which is a test runner's under pytest);
-    --reuse and --runs-dir are left out: a reused run is a run of the very same settings.
-    """
-    args = ["splitmq", "experiment", ctx.params["name"]]
-    for param in ctx.command.params:
-        value = ctx.params[param.name or ""]
-        if not isinstance(param, click.Option) or param.name in _SAME:
-            continue
-        # A flag's default reads as a sentinel, not False, in newer click: ask its value.
-        if param.is_flag:
-            args += [param.opts[0]] if value else []
-        elif value != param.default:
-            args += [param.opts[0], str(value)]
-    return shlex.join(args)
+    """--reuse and --runs-dir are left out: a reused run is a run of the very same settings."""
+    return stated_command(ctx, ctx.params["name"], skip=("reuse", "runs_dir"))

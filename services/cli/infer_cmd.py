@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from broker.store import SERVER_PART, BlobRef, MemberKind
-from services.cli.common import config_argument, load
+from services.cli.common import comma_floats, config_argument, load
 from services.common.backends import Backends
 from services.config.root import Settings
 from services.security.identity import service_user
@@ -34,16 +34,6 @@ NO_WORKER = (
     "no worker is serving job {job!r} (none is live in the store; a finished job's workers "
     "have stopped): add --serve to answer the requests in this process, or --local"
 )
-
-
-def parse_thresholds(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: give comma-separated numbers") from None
-    if not values or any(v < 0 for v in values):
-        raise click.BadParameter(f"{text!r}: give one or more thresholds >= 0")
-    return values
 
 
 @click.command()
@@ -111,7 +101,9 @@ def infer(
     from services.client.data import JobData
     from services.client.inference_sweep import personal_clients, sweep_clients
 
-    thresholds = parse_thresholds(sweep_text)
+    thresholds = comma_floats(sweep_text)
+    if not thresholds:
+        raise click.BadParameter("give one or more thresholds", param_hint="--sweep")
     _, settings = load(config)
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
     if not strategy.split_inference:

@@ -53,21 +53,11 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
     ctx.obj = GroupOptions(config, debug)
 
 
-for command in (
-    run,
-    up,
-    coordinator,
-    aggregator,
-    worker,
-    client,
-    clients,
-    doctor,
-    experiment,
-    check,
-):
+for command in (run, up, coordinator, aggregator, worker, client, clients, check, doctor, clean):
     cli.add_command(command)
-for command in (autoscale, clean, dashboard, export, infer, privacy, provision_clients, traces):
+for command in (autoscale, dashboard, experiment, export, infer, privacy, provision_clients):
     cli.add_command(command)
+cli.add_command(traces)
 
 
 def main() -> None:

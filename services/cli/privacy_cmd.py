@@ -5,28 +5,17 @@ from __future__ import annotations
 
 import os
 import platform
-import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from services.cli.common import load
+from services.cli.common import comma_floats, load, stated_command
 from services.data.errors import DataError
 
 DEFAULT_OUT = Path("runs/privacy")
 QUICK_OUT = Path("runs/privacy-quick")
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
-    if any(v < 0 for v in values):
-        raise click.BadParameter(f"scales and weights must be >= 0, got {text!r}")
-    return values
 
 
 @click.command()
@@ -122,17 +111,16 @@ def privacy(
 
     from services.common.jobdata import data_request
     from services.data.loaders import load_data
-    from services.privacy.hooks import hooks_for
     from services.privacy.inversion import DecoderTraining
     from services.privacy.loop import ClientHooks
     from services.privacy.report import write_report
-    from services.privacy.sweep import Budget, Case, binary_task, grid, run_case, run_grid
+    from services.privacy.sweep import Budget, Case, binary_task, grid, hooks_for, run_case
 
     torch.set_num_threads(torch_threads)
     _, settings = load(config)
     target = out or (QUICK_OUT if quick else DEFAULT_OUT)
     cut_list = [c for c in (cuts or settings.model.cut).split(",") if c]
-    lists = [_floats(text) for text in (noise, nopeek, gradient_noise)]
+    lists = [comma_floats(text) for text in (noise, nopeek, gradient_noise)]
     if quick:
         cut_list, lists = cut_list[:1], [values[:1] for values in lists]
     budget = Budget(
@@ -163,7 +151,7 @@ def privacy(
 
     load_before = os.getloadavg()
     started = time.perf_counter()
-    results = run_grid(settings, data, cases, budget, make_hooks, echo=click.echo)
+    results = [run_case(settings, data, c, budget, make_hooks, echo=click.echo) for c in cases]
     two_class = settings.model_copy(
         update={"model": settings.model.model_copy(update={"num_classes": 2})}
     )
@@ -177,7 +165,7 @@ def privacy(
     )
     context = {
         "title": f"{settings.model.name} on {data.info.name}",
-        "command": _command(click.get_current_context()),
+        "command": stated_command(click.get_current_context(), str(config)),
         "dataset": data.info.name,
         "model": settings.model.name,
         "train_samples": len(data.train),
@@ -200,17 +188,3 @@ def privacy(
     }
     for path in write_report(target, results, binary, context):
         click.echo(f"wrote {path}")
-
-
-def _command(ctx: click.Context) -> str:
-    """The options that differ from their defaults, in a command that reproduces the run."""
-    args = ["splitmq", "privacy", str(ctx.params["config"])]
-    for param in ctx.command.params:
-        value = ctx.params[param.name or ""]
-        if not isinstance(param, click.Option) or value is None or value == param.default:
-            continue
-        if param.is_flag:
-            args += [param.opts[0]] if value else []
-        else:
-            args += [param.opts[0], str(value)]
-    return shlex.join(args)

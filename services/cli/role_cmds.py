@@ -5,7 +5,7 @@ These are what compose services and `splitmq up` start. Each needs the real brok
 (the in-memory ones live inside one process), stops gracefully on SIGTERM / Ctrl-C, and exits
 non-zero when the role dies: with the traceback in its log for a bug, in one log line for a
 user's error (`services.common.user_errors`). The four roles wait up to
-`preflight.START_WAIT_S` for their broker and store before they start.
+`doctor.START_WAIT_S` for their broker and store before they start.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from services.common.health import FileHealthBeat, HealthBeat
 from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
-from services.runtime.preflight import StartInterrupted, check_services
+from services.runtime.doctor import StartInterrupted, check_services
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 if TYPE_CHECKING:
@@ -270,16 +270,16 @@ def clients(
         online = Trace.load(trace_file).scaled(time_scale).intervals
 
     def factory(settings: Settings, backends: Backends) -> Role:
-        from services.runtime.roles import build_client_host
+        from services.client.host import ClientHost, always_online
 
-        return build_client_host(
+        return ClientHost(
             settings,
-            backends,
+            backends.for_role("client", host),
             host=host,
             count=count,
             first=first,
             by_index=partitions == "index",
-            online=online,
+            online=online or always_online,
             offline=offline,
             spill_dir=spill_dir,
             join_rate=join_rate,

@@ -20,6 +20,7 @@ from services.cli.common import (
     log_options,
     read_settings,
     report_dir_option,
+    require_reachable,
     run_report,
     stop_on_signals,
 )
@@ -32,7 +33,6 @@ from services.runtime.processes import (
     child_specs,
     clear_job,
     job_version,
-    preflight,
     reset_for_resume,
 )
 
@@ -187,11 +187,7 @@ def up(
         os.environ, workers=max(n_workers, 1), clients=n_clients, min_to_start=min_to_start
     )
     settings = read_settings(path, env)
-    problems = preflight(settings)
-    if problems:
-        raise click.ClickException(
-            "splitmq up needs RabbitMQ and Redis:\n  " + "\n  ".join(problems)
-        )
+    require_reachable(settings, "up")
     if resume_dir is not None:
         run_dir = resume_dir
         specs = child_specs(n_workers, n_clients, run_dir, resume=True)

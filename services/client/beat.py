@@ -42,15 +42,13 @@ class HeartbeatThread(Beat):
     def __init__(
         self,
         open_broker: Callable[[], Broker],
+        version: Callable[[], int],
         *,
         job: str,
         client: str,
         interval_s: float,
-        version: Callable[[], int],
         logger: logging.Logger,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"heartbeat interval must be positive, got {interval_s}")
         super().__init__(f"heartbeat-{client}", f"the heartbeats of {client}", interval_s, logger)
         self._open_broker = open_broker
         self._broker: Broker | None = None

@@ -11,9 +11,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import KW_ONLY, InitVar, dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ from services.client.errors import (
     StaleWeights,
     Superseded,
 )
-from services.client.lending import ComputeGate, KeptMemory, Memory, Models, OwnModel, Seat
+from services.client.lending import ComputeGate, KeptMemory, OwnModel, Seat
 from services.client.link import BrokerChannel, ClientLink, Tally
 from services.client.plan import RoundPlan, config_int
 from services.client.secured import secured_client_broker
@@ -238,13 +239,7 @@ class Client:
             joined = self._join(link)
             if joined is not None:
                 runner = RoundRunner(
-                    link,
-                    seat.models,
-                    seat.memory,
-                    seat.compute,
-                    self._data,
-                    settings.job.seed,
-                    settings.evaluation.enabled,
+                    link, seat, self._data, settings.job.seed, settings.evaluation.enabled
                 )
                 self._serve(link, runner, *joined)
         except ClientStopped:
@@ -269,21 +264,17 @@ class Client:
     def _own_seat(self, name: str) -> Seat:
         """A standalone client's connections, heartbeat thread and one model."""
         settings, backends, client = self.settings, self.backends, self.client_id
-
-        def heartbeats(version: Callable[[], int]) -> HeartbeatThread:
+        return Seat(
+            broker=secured_client_broker(settings, backends, client, name),
             # A thread and connection of their own (services/client/beat.py).
-            return HeartbeatThread(
+            heartbeats=partial(
+                HeartbeatThread,
                 lambda: secured_client_broker(settings, backends, client, f"{name}-heartbeat"),
                 job=self._job,
                 client=client,
                 interval_s=settings.clients.heartbeat_s,
-                version=version,
                 logger=logging.getLogger("splitmq.client"),
-            )
-
-        return Seat(
-            broker=secured_client_broker(settings, backends, client, name),
-            heartbeats=heartbeats,
+            ),
             models=OwnModel(job_model(settings)),
             memory=KeptMemory(),
             join_info={},
@@ -449,7 +440,7 @@ class Client:
         """Train a round and upload it; False when it was dropped (and said so)."""
         link.version = work.version
         try:
-            with runner.models.borrow() as model:
+            with runner.seat.models.borrow() as model:
                 update = runner.run(model, member, work)
                 link.send(updates_routing_key(self._job), update)
         except (EncodeError, RoundAborted) as exc:  # EncodeError: the local model diverged
@@ -522,11 +513,7 @@ class RoundRunner:
     """Runs the rounds of one client; holds what lives across rounds."""
 
     link: ClientLink
-    models: Models
-    # The algorithm's per-client tensors across rounds (`ClientContext.memory`), with the
-    # algorithm they belong to: cleared when the job switches algorithm.
-    memory: Memory
-    compute: ComputeGate
+    seat: Seat
     data: JobData
     seed: int
     # `evaluation.enabled`: a whole-model client reports its local accuracy after the round.
@@ -559,7 +546,9 @@ class RoundRunner:
         if not member.strategy.splits:
             # The whole model runs here: measure its training loss on the batches it sees.
             batches, hook = self._tallied(model, batches, local, plan.hyper.loss)
-        algorithm, memory = self.memory.take()
+        # The algorithm's per-client tensors (`ClientContext.memory`) are cleared when the job
+        # switches algorithm.
+        algorithm, memory = self.seat.memory.take()
         if algorithm != plan.algorithm:
             memory = {}
         context = ClientContext(
@@ -570,7 +559,7 @@ class RoundRunner:
         )
         # A whole-model round waits on nothing: it computes within the host's gate.
         gate: AbstractContextManager[None] = (
-            nullcontext() if member.strategy.splits else self.compute.held()
+            nullcontext() if member.strategy.splits else self.seat.compute.held()
         )
         try:
             with gate:
@@ -590,7 +579,7 @@ class RoundRunner:
                 hook.remove()
             # What the algorithm remembered so far (a lost round may have changed it too, as
             # it would on a device).
-            self.memory.put(plan.algorithm, memory)
+            self.seat.memory.put(plan.algorithm, memory)
         metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
         # An algorithm that measured its own model already (FedDeper's v_k, Sub-FedAvg's
         # pruned model) reports it in `result.metrics`, which wins below.
@@ -653,7 +642,7 @@ class RoundRunner:
         if not len(picked):
             return 0.0
         correct = 0
-        with self.compute.held(), evaluating([model]):
+        with self.seat.compute.held(), evaluating([model]):
             for chunk in picked.split(EVAL_CHUNK):
                 logits = model(test.x.index_select(0, chunk))
                 correct += int((logits.argmax(dim=1) == test.y.index_select(0, chunk)).sum())

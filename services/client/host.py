@@ -32,7 +32,6 @@ from typing import Literal
 from broker.errors import BrokerError
 from broker.topology import host_queue, host_queue_name
 from broker.transport import Broker
-from services.client.beat import Heartbeats
 from services.client.client import Client
 from services.client.data import JobData
 from services.client.errors import ClientError, ClientSettingsError
@@ -80,12 +79,6 @@ def hosted_client_id(host: str, index: int) -> str:
     return f"{host}-{index}"
 
 
-def check_host_id(host: str) -> None:
-    problem = host_id_problem(host)
-    if problem is not None:
-        raise ClientSettingsError(f"{problem} (--host)")
-
-
 @dataclass
 class HostStats:
     """What a host's clients did, summed over their sessions, and what the host itself did."""
@@ -107,13 +100,12 @@ class HostStats:
 
     def as_json(self) -> dict[str, object]:
         """For `--stats-file`: per client its counters, and the host's own."""
-        total = self.total()
         return {
             "clients": self.clients,
             "sessions": self.sessions,
             "finished": self.finished,
             "job_status": self.job_status,
-            "total": asdict(total),
+            "total": asdict(self.total()),
             "per_client": {
                 c: {
                     "batches_sent": one.batches_sent,
@@ -198,7 +190,9 @@ class ClientHost:
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("splitmq.host"))
 
     def __post_init__(self) -> None:
-        check_host_id(self.host)
+        problem = host_id_problem(self.host)
+        if problem is not None:
+            raise ClientSettingsError(f"{problem} (--host)")
         if self.count < 1 or self.first < 0:
             raise ClientSettingsError(
                 f"--count {self.count} / --first {self.first}: need >= 1 / >= 0"
@@ -354,30 +348,29 @@ class ClientHost:
                 return  # every interval is over
             stop.wait(_TICK_S)
 
-    def _events(self) -> list[tuple[float, int, int, int]]:
-        """Every client's going online and offline as a heap of (time, order, kind, index):
-        kind 1 = online, 0 = offline, so an interval ending when the next starts goes offline
-        first."""
-        events: list[tuple[float, int, int, int]] = []
+    def _events(self) -> list[tuple[float, int, int]]:
+        """Every client's going online and offline as a heap of (time, kind, index): kind 1 =
+        online, 0 = offline, so an interval ending when the next starts goes offline first."""
+        events: list[tuple[float, int, int]] = []
         for index in range(self.first, self.first + self.count):
             client = hosted_client_id(self.host, index)
             for on, off in self.online(index, client):
-                events.append((on, 1, 1, index))
+                events.append((on, 1, index))
                 if math.isfinite(off):
-                    events.append((off, 0, 0, index))
+                    events.append((off, 0, index))
         heapq.heapify(events)
         return events
 
     def _due(
         self,
-        events: list[tuple[float, int, int, int]],
+        events: list[tuple[float, int, int]],
         elapsed: float,
         returning: dict[int, None],
         start: Callable[[int], bool],
     ) -> bool:
         """Apply the events due by `elapsed`; False when a start was interrupted by `stop`."""
         while events and events[0][0] <= elapsed:
-            _, _, kind, index = heapq.heappop(events)
+            _, kind, index = heapq.heappop(events)
             client = hosted_client_id(self.host, index)
             if kind == 0:
                 returning.pop(index, None)
@@ -405,13 +398,9 @@ class ClientHost:
             )
             self._memories[client] = memory
         seat_broker = SeatBroker(client, shared.dispatcher, shared.pool)
-
-        def heartbeats(version: Callable[[], int]) -> Heartbeats:
-            return SeatBeats(shared.roster, client, version)
-
         seat = Seat(
             broker=seat_broker,
-            heartbeats=heartbeats,
+            heartbeats=partial(SeatBeats, shared.roster, client),
             models=shared.models,
             memory=memory,
             join_info={HOST_INFO_KEY: self.host},

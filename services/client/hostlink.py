@@ -192,8 +192,6 @@ class Publishers:
     answered while a handle is called)."""
 
     def __init__(self, handles: Sequence[Broker]) -> None:
-        if not handles:
-            raise ValueError("a client host needs at least one publishing handle")
         self._handles = list(handles)
         self._free: queue.SimpleQueue[Broker] = queue.SimpleQueue()
         self._used: dict[int, float] = {}
@@ -222,11 +220,6 @@ class Publishers:
             if now - self._used.get(id(handle), 0.0) >= idle_s:
                 with self.handle() as broker:
                     broker.queue_depth(probe)
-
-    def close(self) -> None:
-        for handle in self._handles:
-            with contextlib.suppress(BrokerError):
-                handle.close()
 
 
 class SeatBroker:
@@ -360,11 +353,9 @@ class HostBeat(Beat):
         self._roster = roster
         self._job = job
         self._host = host
-        self._interval_s = interval_s
         self._probe = probe
         self.messages_sent = 0
         self.members_sent = 0
-        self.bytes_sent = 0
         # Seconds from publish to confirm, of the latest beats (a day's worth at most).
         self.publish_s: deque[float] = deque(maxlen=_BEATS_KEPT)
 
@@ -388,8 +379,7 @@ class HostBeat(Beat):
                 continue
             self.messages_sent += 1
             self.members_sent += len(chunk)
-            self.bytes_sent += len(body)
-        self._publishers.keep_alive(self._interval_s, self._probe)
+        self._publishers.keep_alive(self._refresh_s, self._probe)
 
     def end(self) -> None:
         pass  # the handles are the host's; it closes them

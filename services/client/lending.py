@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from broker.transport import Broker
 from models.split import SplitNet
@@ -105,16 +105,16 @@ class ComputeGate:
     @contextmanager
     def held(self) -> Iterator[None]:
         depth: int = getattr(self._depth, "n", 0)
-        first = depth == 0 and self._slots is not None
-        if first and self._slots is not None:
-            self._slots.acquire()
+        slots = self._slots if depth == 0 else None  # a nested hold has its slot already
+        if slots is not None:
+            slots.acquire()
         self._depth.n = depth + 1
         try:
             yield
         finally:
             self._depth.n = depth
-            if first and self._slots is not None:
-                self._slots.release()
+            if slots is not None:
+                slots.release()
 
 
 class Memory(Protocol):
@@ -151,7 +151,7 @@ class SpilledMemory:
             return "", {}
         with safe_open(str(self._path), framework="pt") as f:
             algorithm = (f.metadata() or {}).get("algorithm", "")
-        return algorithm, load_file(self._path)
+            return algorithm, {name: f.get_tensor(name) for name in f.keys()}
 
     def put(self, algorithm: str, tensors: Tensors) -> None:
         if not tensors:

@@ -104,16 +104,16 @@ class ClientLink:
         reply_timeout_s: float = 30.0,
         max_republish: int = 5,
         seq_start: int = 0,
-        model: SplitNet | None = None,
-        plan: RoundPlan | None = None,
+        model: SplitNet,
+        plan: RoundPlan,
         heartbeats: StartBeats | None = None,
         reply: QueueSpec | None = None,
     ) -> None:
-        """`model` and `plan` (the client's own settings) judge Welcomes and assignments;
-        without them only their envelope is. `heartbeats` makes the member's heartbeats
-        (`start_heartbeats`). `reply` is the client's own reply queue, declared and consumed by
-        `open`; None for a client host's client, whose replies reach `broker` through the
-        host's queue (docs/architecture.md, "Client hosts")."""
+        """`model` and `plan` (the client's own settings) judge Welcomes and assignments.
+        `heartbeats` makes the member's heartbeats (`start_heartbeats`). `reply` is the
+        client's own reply queue, declared and consumed by `open`; None for a client host's
+        client, whose replies reach `broker` through the host's queue (docs/architecture.md,
+        "Client hosts")."""
         self._broker = broker
         self.job = job
         self.client = client
@@ -190,10 +190,8 @@ class ClientLink:
             finally:
                 self.io_s += self.clock() - started
             started = self.clock()
-            stopped = self._stop.wait(_BACKOFF.delay(attempt, self._rng))
+            self._stop.wait(_BACKOFF.delay(attempt, self._rng))  # a stop raises at the top
             self.io_s += self.clock() - started
-            if stopped:
-                raise ClientStopped("stop requested")
             attempt += 1
 
     def keep_alive(self) -> None:
@@ -316,8 +314,6 @@ class ClientLink:
         return None
 
     def _fit_problem(self, message: Welcome | WeightsAssignment) -> str | None:
-        if self._model is None or self._plan is None:
-            return None
         if isinstance(message, WeightsAssignment) and not message.participate:
             return None
         kind = type(message).__name__
@@ -363,17 +359,15 @@ def _gradient_problem(reply: GradientReply, batch: SmashedBatch) -> str | None:
     return f"GradientReply seq {reply.seq}: gradient shape {got}, expected {list(shape)}"
 
 
-def _output_problem(
-    output: ServerOutput, batch: SmashedBatch, model: SplitNet | None
-) -> str | None:
+def _output_problem(output: ServerOutput, batch: SmashedBatch, model: SplitNet) -> str | None:
     """Why `output` cannot be the server's output for `batch`, when it answers it."""
     if output.seq != batch.seq:
         return None
     got = list(output.activations.shape)
     want: list[int] = [int(batch.activations.shape[0])]
-    if model is not None and model.tail is not None:
+    if model.tail is not None:
         want += model.server_output_shape()
-    elif got[:1] == want:  # without the model only the rows can be checked
+    elif got[:1] == want:  # a model without a tail has no output shape: only the rows count
         return None
     if got == want:
         return None

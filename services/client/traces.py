@@ -6,7 +6,7 @@ names its client by a 0-based index (an integer: the host's n-th client, so one 
 any host) or by a client id (anything else); when a client has rows under both, its id's rows
 win, being the more specific. A client with no rows follows the trace's `missing` rule.
 
-Pure: no broker, no torch; the client host asks `online` / `next_change` and does the rest.
+Pure: no broker, no torch; the client host replays each client's `intervals`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -60,12 +60,6 @@ class Trace:
 
     sessions: Mapping[ClientKey, tuple[Interval, ...]]
     missing: Missing = "online"
-    # Each client's session starts, for bisecting: a replay asks `online` often.
-    _starts: Mapping[ClientKey, list[float]] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        starts = {key: [start for start, _ in spans] for key, spans in self.sessions.items()}
-        object.__setattr__(self, "_starts", starts)
 
     # -- reading and writing ------------------------------------------------------------------
 
@@ -81,9 +75,7 @@ class Trace:
     @classmethod
     def parse(cls, text: str, source: str = "<trace>", missing: Missing = "online") -> Trace:
         rows = csv.reader(io.StringIO(text))
-        header = next(rows, None)
-        _check_header(source, header)
-        order = [name.strip() for name in header or ()]
+        order = _header(source, next(rows, None))
         spans: dict[ClientKey, list[tuple[float, float, int]]] = {}
         for cells in rows:
             line = rows.line_num
@@ -187,14 +179,13 @@ class Trace:
 
     def _find(self, index: int, client_id: str | None, t: float) -> tuple[Sequence[Interval], int]:
         """The client's intervals and the position of the last one starting at or before `t`."""
-        key = self._key(index, client_id)
-        if key is None:
-            spans = _ALWAYS if self.missing == "online" else ()
-            return spans, bisect.bisect_right([start for start, _ in spans], t) - 1
-        return self.sessions[key], bisect.bisect_right(self._starts[key], t) - 1
+        spans = self.intervals(index, client_id)
+        # (t, inf) sorts after every interval starting at or before t.
+        return spans, bisect.bisect_right(spans, (t, math.inf)) - 1
 
 
-def _check_header(source: str, header: Sequence[str] | None) -> None:
+def _header(source: str, header: Sequence[str] | None) -> list[str]:
+    """The column names, in their order (a `TraceError` unless they are `COLUMNS`)."""
     if header is None:
         raise TraceError(f"{source}:1", f"empty file: the header {','.join(COLUMNS)} is missing")
     names = [name.strip() for name in header]
@@ -208,6 +199,7 @@ def _check_header(source: str, header: Sequence[str] | None) -> None:
         raise TraceError(f"{source}:1", f"missing column {absent[0]!r}")
     if len(names) != len(COLUMNS):
         raise TraceError(f"{source}:1", "a column is named twice")
+    return names
 
 
 def _client(source: str, line: int, cell: str) -> ClientKey:

@@ -7,29 +7,20 @@ evaluator and every process building the model read the same data the same way.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields, replace
 
 from services.config.root import Settings
 from services.data.augment import Augmenter
 from services.data.errors import DataFormatError
 from services.data.loaders import Dataset, input_shape, load_data
-from services.data.registry import Augmentation, DatasetInfo
+from services.data.registry import DatasetInfo
 from services.data.request import DataRequest
 
 
 def data_request(settings: Settings) -> DataRequest:
-    data = settings.data
-    return DataRequest(
-        dataset=data.dataset,
-        dir=data.dir,
-        path=data.path,
-        test_path=data.test_path,
-        image_size=data.image_size,
-        test_fraction=data.test_fraction,
-        seed=settings.job.seed,
-        normalize=data.normalize,
-        mean=data.mean,
-        std=data.std,
-    )
+    # A request's fields are the [data] keys of the same names, and the job's seed.
+    keys = {f.name for f in fields(DataRequest)} - {"seed"}
+    return DataRequest(**settings.data.model_dump(include=keys), seed=settings.job.seed)
 
 
 def check_fits(settings: Settings, info: DatasetInfo) -> None:
@@ -65,11 +56,6 @@ def job_input_shape(settings: Settings) -> tuple[int, ...]:
 def job_augmentation(settings: Settings, info: DatasetInfo) -> Augmenter | None:
     """The clients' training-batch augmenter: `[data.augment]` over the dataset's defaults;
     None when nothing is augmented."""
-    section, default = settings.data.augment, info.augment
-    params = Augmentation(
-        crop_padding=default.crop_padding if section.crop_padding is None else section.crop_padding,
-        horizontal_flip=default.horizontal_flip
-        if section.horizontal_flip is None
-        else section.horizontal_flip,
-    )
+    # [data.augment]'s keys are `Augmentation`'s fields; unset ones are None.
+    params = replace(info.augment, **settings.data.augment.model_dump(exclude_none=True))
     return Augmenter.for_data(params, info) if params.active else None

@@ -109,9 +109,6 @@ def same_incarnation(before: MemberInfo, now: MemberInfo | None) -> bool:
 
 def client_members(store: MemberStore, job: str) -> dict[str, MemberInfo]:
     """Live clients by id (members with unreadable info are left out); no other kind is read."""
-    out: dict[str, MemberInfo] = {}
-    for member in store.live_members(job, MemberKind.CLIENT).values():
-        info = MemberInfo.from_member(member)
-        if info is not None:
-            out[info.client] = info
-    return out
+    members = store.live_members(job, MemberKind.CLIENT).values()
+    infos = (MemberInfo.from_member(member) for member in members)
+    return {info.client: info for info in infos if info is not None}

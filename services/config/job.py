@@ -24,7 +24,6 @@ from pydantic_core import ErrorDetails
 from services.algorithms.hints import did_you_mean
 from services.algorithms.registry import REGISTRY
 from services.algorithms.training import LossSection, OptimizerSection, ScheduleSection
-from services.config.privacy import PrivacySection
 from services.config.settings import _Section
 
 P = TypeVar("P", bound=BaseModel)
@@ -367,6 +366,36 @@ class WorkersSection(_Section):
     step_barrier_timeout_s: float = Field(default=30.0, gt=0)
 
 
+# `services.algorithms.defences.KEY_PREFIX`, which imports torch: the config must not.
+PRIVACY_PREFIX = "privacy."
+
+
+class PrivacySection(_Section):
+    """`[privacy]`: the client-side defences on smashed data (docs/privacy.md "Defences"), off
+    by default. Validated here at load time; the values travel to clients among the
+    algorithm's parameters (`entries`), where `services.algorithms.defences` checks them again
+    as it builds them (a client does not trust a malformed config map)."""
+
+    # sigma of the Gaussian noise N(0, sigma^2 I) added to z (after the clip), in z's units.
+    noise_scale: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    # C: each sample's z is scaled to an L2 norm of at most C before the noise; unset: none.
+    clip_norm: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # alpha: the client's loss gains alpha * dCor(x, z') (NoPeek, Vepakomma et al. 2020).
+    nopeek_weight: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.noise_scale or self.clip_norm is not None or self.nopeek_weight)
+
+    def entries(self, seed: int) -> dict[str, float | int]:
+        """The settings as algorithm parameters (`privacy.<key>`), with the job's `seed` for
+        the noise; none when every defence is off, so an undefended job's config is as it was."""
+        if not self.active:
+            return {}
+        values = {k: v for k, v in self.model_dump().items() if v is not None}
+        return {f"{PRIVACY_PREFIX}{k}": v for k, v in {**values, "seed": seed}.items()}
+
+
 class EvaluationSection(_Section):
     # false: versions are not evaluated on the test set (accuracy and test loss are n/a,
     # metrics.json has them null) and clients of whole-model algorithms do not report their
@@ -426,15 +455,10 @@ class JobConfig(_Section):
         if self.model.tail:
             self._u_shaped_supported()
         self._one_optimizer_setting()
-        if self.recipe_set:
+        o, s = self.optimizer, self.schedule  # a recipe other than plain SGD and cross-entropy
+        if o.name or o.server or s.name or s.server or not self.loss.is_default:
             self._recipe_usable()
         return self
-
-    @property
-    def recipe_set(self) -> bool:
-        """Whether [optimizer], [schedule] or [loss] changes the plain SGD and cross-entropy."""
-        o, s = self.optimizer, self.schedule
-        return bool(o.name or o.server or s.name or s.server or not self.loss.is_default)
 
     def _one_optimizer_setting(self) -> None:
         """The SGD settings of [algorithm] and an [optimizer] must not both be given: one

@@ -64,24 +64,9 @@ def _section(model: type[BaseModel], path: Sequence[object]) -> type[BaseModel] 
     return model
 
 
-def _known_path(model: type[BaseModel], path: tuple[str, ...]) -> bool:
-    """Whether `path` names a field of `model` (so unrelated SPLITMQ_* variables are ignored),
-    or a key of a free-form table (the recipe's `[optimizer]`: any keyword argument)."""
-    section = _section(model, path[:-1])
-    return section is not None and (path[-1] in section.model_fields or _free_form(section))
-
-
-def _free_form(section: type[BaseModel]) -> bool:
-    return section.model_config.get("extra") == "allow"
-
-
-def _env_value(model: type[BaseModel], path: tuple[str, ...], value: str) -> Any:
-    """A declared field's value stays a string (pydantic converts it); a free-form key's is
-    read as a TOML value (`0.5`, `true`, `[0.9, 0.999]`), as the file would give it, else
-    kept as the string."""
-    section = _section(model, path[:-1])
-    if section is None or path[-1] in section.model_fields:
-        return value
+def _toml_value(value: str) -> Any:
+    """A free-form key's value read as TOML (`0.5`, `true`, `[0.9, 0.999]`), as the file would
+    give it, else kept as the string."""
     try:
         return tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
@@ -130,13 +115,18 @@ def env_overrides(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, A
         if not key.startswith(ENV_PREFIX):  # the aliases too
             continue
         path = ENV_ALIASES.get(key) or tuple(key.removeprefix(ENV_PREFIX).lower().split("__"))
-        if not _known_path(model, path):
+        # `path` must name a field (unrelated SPLITMQ_* variables are ignored), or a key of a
+        # free-form table (the recipe's `[optimizer]`: any keyword argument).
+        section = _section(model, path[:-1])
+        declared = section is not None and path[-1] in section.model_fields
+        if not declared and (section is None or section.model_config.get("extra") != "allow"):
             _unknown_key_warning(model, key, path)
             continue
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = _env_value(model, path, value)
+        # A declared field's value stays a string: pydantic converts it.
+        node[path[-1]] = value if declared else _toml_value(value)
     return out
 
 

@@ -1,12 +1,14 @@
-"""The root of a SplitMQ configuration file: connections, the job description and [metrics]."""
+"""The root of a SplitMQ configuration file: connections, the job description, [metrics] and
+[autoscaler]."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from broker.topology import job_queues
 from broker.transport import QueueSpec
-from services.config.autoscaler import AutoscalerSection
 from services.config.job import JobConfig
 from services.config.settings import ConnectionSettings, _Section
 
@@ -42,6 +44,42 @@ class MetricsSection(_Section):
     def first_port(self, kind: str) -> int:
         """The port a process of `kind` tries first (0: let the OS choose)."""
         return 0 if self.port == 0 else min(65535, self.port + PORT_OFFSETS.get(kind, 0))
+
+
+class AutoscalerSection(_Section):
+    """`[autoscaler]`: how `splitmq autoscale` sizes the worker pool (services/autoscaler; the
+    rule these settings feed: docs/deployment.md, "Autoscaling workers")."""
+
+    min_workers: int = Field(default=1, ge=0)
+    # Workers beyond the job's shard count would idle (each shard has one holder): the
+    # autoscaler never goes past S whatever this says.
+    max_workers: int = Field(default=4, ge=1)
+    target_depth_per_worker: int = Field(default=32, ge=1)
+    scale_up_busy: float = Field(default=0.75, gt=0, le=1)
+    scale_down_busy: float = Field(default=0.25, ge=0, lt=1)
+    cooldown_s: float = Field(default=30.0, ge=0)
+    scale_down_after_s: float = Field(default=60.0, ge=0)
+    poll_s: float = Field(default=2.0, gt=0)
+    backend: Literal["local", "docker"] = "local"
+    # When the autoscaler itself stops: how long its local workers get to hand over before
+    # they are killed (scaling down never kills; it waits for the worker to exit).
+    stop_timeout_s: float = Field(default=120.0, gt=0)
+    # Docker backend: the compose project and service whose containers are the workers.
+    docker_project: str = "splitmq"
+    docker_service: str = "worker"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalerSection:
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})"
+            )
+        if self.scale_down_busy >= self.scale_up_busy:
+            raise ValueError(
+                f"scale_down_busy ({self.scale_down_busy}) must be below scale_up_busy "
+                f"({self.scale_up_busy}): the gap between them is the hysteresis"
+            )
+        return self
 
 
 class Settings(ConnectionSettings, JobConfig):

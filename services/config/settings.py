@@ -125,8 +125,7 @@ class StoreSettings(_Section):
     @classmethod
     def _sentinel_list(cls, value: object) -> object:
         # SPLITMQ_REDIS_SENTINELS="a:26379,b:26379": environment values arrive as one string.
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
+        value = _comma_separated(value)
         if isinstance(value, (list, tuple)):
             for entry in value:
                 cls.sentinel_address(entry)

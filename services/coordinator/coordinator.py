@@ -132,6 +132,7 @@ class Coordinator:
             self._settle(run.broker, delivery, reason)
             return
         with log_context(client=message.client):
+            # A handler returns None once the message is handled, else why to dead-letter it.
             if isinstance(message, Join):
                 reason = self._join(run, message)
             elif isinstance(message, Heartbeat):
@@ -165,7 +166,6 @@ class Coordinator:
         return None
 
     def _join(self, run: _Run, message: Join) -> str | None:
-        """None once handled; the reason to dead-letter it otherwise."""
         # Bound before anything is sent to the client: a Welcome, a refusal, a dismissal.
         reason = run.hosts.bind(message)
         if reason is not None:
@@ -180,7 +180,6 @@ class Coordinator:
         return None
 
     def _heartbeat(self, run: _Run, message: Heartbeat) -> str | None:
-        """None once handled; the reason to dead-letter it otherwise."""
         if run.roster.renew([message.client])[0]:
             self.stats.heartbeats += 1
             return None
@@ -213,7 +212,6 @@ class Coordinator:
         return all(told)
 
     def _leave(self, run: _Run, message: Leave) -> str | None:
-        """None once handled; the reason to dead-letter it otherwise."""
         if run.roster.lookup(message.client) is None:
             self._log.info("job %s: leave from unknown client %s", self.job, message.client)
             return f"Leave of client {message.client!r}, who is not a member"

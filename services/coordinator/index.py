@@ -1,11 +1,7 @@
 """The coordinator's index of the live client members: by id, the partitions they hold and the
 members per shard, so that a Join, a Leave or a heartbeat costs O(log N), not a read of every
-member (issue 13: a job of 100,000 clients heartbeats ~50,000 times a second).
-
-The store stays the record (a restarted coordinator and the aggregator read it); the index is
-what this coordinator knows of it: built from one read of all members (`Roster.sync`), and
-changed by each join, leave and expiry the coordinator sees. `Deadlines` says when each member
-is due to expire if it is not renewed: what the sweep asks the store about (`Roster.sweep`).
+member (issue 13: a job of 100,000 clients heartbeats ~50,000 times a second). The store stays
+the record; how the index and the `Deadlines` of its members follow it: roster.py.
 """
 
 from __future__ import annotations
@@ -80,9 +76,6 @@ class MemberIndex:
 
     def __contains__(self, client: object) -> bool:
         return client in self._members
-
-    def get(self, client: str) -> MemberInfo | None:
-        return self._members.get(client)
 
     def clients(self) -> set[str]:
         return set(self._members)

@@ -137,7 +137,6 @@ class JoinDesk:
         self._roster.record(info)
         # Read again after the member write: a Join racing the job's end is dismissed here or by
         # the aggregator. The version check covers a last version out with the end not recorded.
-
         ended = self._store.job_status(self._job)
         last = self._store.current_version(self._job)
         if ended is not None or last - 1 >= self._settings.job.rounds:

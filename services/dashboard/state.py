@@ -230,11 +230,7 @@ class DashboardState:
                 "report": (
                     None
                     if report is None
-                    else {
-                        "run_dir": report.run_dir,
-                        "status": report.status,
-                        "summary": report.summary,
-                    }
+                    else {k: v for k, v in vars(report).items() if k != "records"}
                 ),
             }
 

@@ -343,23 +343,15 @@ def load_data(
             source.augment,
         )  # fmt: skip
         return to_dataset(source.name, root, arrays, request)
-    if source == "npz":
+    if source in GENERIC_KINDS:
         root = _required_path(request)
-        arrays = read_npz_dataset(
-            root,
-            _generic_path(request, "test_path"),
-            test_fraction=request.test_fraction,
-            seed=request.seed,
-        )
-        return to_dataset(root.name, root, arrays, request)
-    if source == "image_folder":
-        root = _required_path(request)
-        arrays = read_image_folder(
-            root,
-            image_size=request.image_size,
-            test_fraction=request.test_fraction,
-            seed=request.seed,
-        )
+        fraction, seed = request.test_fraction, request.seed
+        if source == "npz":
+            test_path = _generic_path(request, "test_path")
+            arrays = read_npz_dataset(root, test_path, test_fraction=fraction, seed=seed)
+        else:
+            size = request.image_size
+            arrays = read_image_folder(root, image_size=size, test_fraction=fraction, seed=seed)
         return to_dataset(root.name, root, arrays, request)
     assert callable(source)
     return to_dataset(request.dataset, Path(request.path or "."), source(request), request)

@@ -51,7 +51,7 @@ def seeds_line(results: ResultSet) -> str:
             "within what another seed could change."
         )
     seeds = sorted({s for r in results for s in r.seeds})
-    told = " to ".join(map(str, dict.fromkeys(counts)))
+    told = " to ".join(map(str, counts))
     return (
         f"{told} per configuration (job.seed {', '.join(map(str, seeds))}: initial model, "
         "partition, sampling and data order); tables show mean ± sample standard deviation, "

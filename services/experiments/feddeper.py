@@ -14,6 +14,7 @@ from services.experiments.results import (
     ResultSet,
     SeedRuns,
     Spread,
+    ahead_words,
     finite,
     late_mean,
     mean,
@@ -144,9 +145,7 @@ def own_model_table(results: ResultSet) -> str:
             if m != FEDAVG
         ]
         rows.append([n, *cells, *gaps])
-    over = f"; mean ± std over {results.seeds} seeds, gaps paired seed by seed" * (
-        results.seeds > 1
-    )
+    over = results.over_seeds(after=", gaps paired seed by seed")
     caption = (
         "**Own-model accuracy, the paper's personalised metric** (FedDeper: every client's "
         "latest v_k on its local test set, averaged over all clients that trained, not only "
@@ -164,11 +163,7 @@ def _personal_lines(n: str, fedavg: SeedRuns, deper: SeedRuns, label: str) -> li
     own = paired_gap(deper, fedavg, own_model)
     headline = ""
     if math.isfinite(own.mean):
-        judged = (
-            "within seed spread"
-            if within_spread(own)
-            else ("ahead, as the paper says" if own.mean > 0 else "**behind**")
-        )
+        judged = ahead_words(own, "ahead, as the paper says", "**behind**", "within seed spread")
         headline = (
             f"own-model accuracy (every client's latest v_k) {pct(own_spread(deper).mean)} vs "
             f"FedAvg's global model on local test sets {pct(own_spread(fedavg).mean)} "

@@ -23,13 +23,12 @@ from services.experiments.figures import FigureSlot
 from services.experiments.results import (
     ResultSet,
     SeedRuns,
-    Spread,
+    ahead_words,
     finite,
     late_mean,
     mean,
     paired_gap,
     swing,
-    within_spread,
 )
 from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
 from services.experiments.tables import gap_words, markdown_table, pct, percent, points
@@ -375,21 +374,13 @@ def _late(result: SeedRuns, level: int | None) -> str:
     return pct(late_mean(level_curve(result, level), LATE_ROUNDS))
 
 
-def _ahead(gap: Spread, yes: str, no: str, tie: str) -> str:
-    """The verdict words of a paired gap over seeds: `tie` within seed spread, else `yes`
-    when ahead and `no` when not."""
-    if within_spread(gap):
-        return tie
-    return yes if gap.mean > 0 else no
-
-
 def _exc_lines(fed: SeedRuns, exc: SeedRuns, level: int) -> list[str]:
     name = f"EXC-level-{level}"
     full, theirs = accuracy(fed, None), accuracy(exc, level)
     lines = []
     if math.isfinite(full - theirs):
         gap = paired_gap(fed, exc, lambda s: accuracy(s, None), lambda s: accuracy(s, level))
-        judged = _ahead(
+        judged = ahead_words(
             gap,
             "agrees: FedSplitX is",
             "**disagrees**: FedSplitX is not",
@@ -403,7 +394,7 @@ def _exc_lines(fed: SeedRuns, exc: SeedRuns, level: int) -> list[str]:
     own = accuracy(fed, level)
     if math.isfinite(own - theirs):
         gap = paired_gap(fed, exc, lambda s: accuracy(s, level))
-        word = _ahead(
+        word = ahead_words(
             gap, "better", "**not better**", "**not clearly better** (within seed spread)"
         )
         lines.append(
@@ -430,7 +421,7 @@ def _accsfl_lines(fed: SeedRuns, accsfl: SeedRuns) -> list[str]:
     full, acc_full = accuracy(fed, None), accuracy(accsfl, None)
     if math.isfinite(acc_full) and math.isfinite(full):
         gap = paired_gap(fed, accsfl, lambda s: accuracy(s, None))
-        word = _ahead(gap, "ahead of", "**behind**", "**level with** (within seed spread)")
+        word = ahead_words(gap, "ahead of", "**behind**", "**level with** (within seed spread)")
         lines.append(
             f"Full model: FedSplitX {pct(full)} vs local-loss SFL at block1 {pct(acc_full)} "
             f"({gap_words(gap)}; mean of the last {LATE_ROUNDS} rounds "
@@ -456,7 +447,7 @@ def verdict(results: ResultSet) -> list[str]:
         full, theirs = accuracy(fed, None), accuracy(exc3, None)
         if math.isfinite(full - theirs):
             gap = paired_gap(fed, exc3, lambda s: accuracy(s, None))
-            word = _ahead(
+            word = ahead_words(
                 gap,
                 "agrees: FedSplitX is ahead",
                 "**disagrees**: it is not",

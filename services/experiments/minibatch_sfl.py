@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 from services.experiments.results import (
     SPREAD_FACTOR,
     ResultSet,
+    SeedRuns,
     Spread,
     finite,
     paired_gap,
@@ -68,15 +70,20 @@ def grid(
     return runs
 
 
-def _gains(results: ResultSet, r: str, other: str) -> dict[str, Spread]:
-    """MiniBatch-SFL minus `other`, final global accuracy in points, per cut, paired seed by
-    seed (cuts where both ran only)."""
-    out = {}
+def _pairs(results: ResultSet, r: str, other: str) -> Iterator[tuple[str, SeedRuns, SeedRuns]]:
+    """(cut, MiniBatch-SFL's run, `other`'s) at `r` for each cut where both ran."""
     for cut in results.values("cut"):
         ours = results.one({"algorithm": MBSFL, "r": r, "cut": cut})
         theirs = results.one({"algorithm": other, "r": r, "cut": cut})
-        if ours is None or theirs is None:
-            continue
+        if ours is not None and theirs is not None:
+            yield cut, ours, theirs
+
+
+def _gains(results: ResultSet, r: str, other: str) -> dict[str, Spread]:
+    """MiniBatch-SFL minus `other`, final global accuracy in points, per cut, paired seed by
+    seed."""
+    out = {}
+    for cut, ours, theirs in _pairs(results, r, other):
         gap = paired_gap(ours, theirs, lambda s: s.metric("final_global"))
         if math.isfinite(gap.mean):
             out[cut] = Spread(100.0 * gap.mean, 100.0 * gap.std, gap.count)
@@ -99,11 +106,7 @@ def _largest_lead(results: ResultSet, r: str, other: str) -> tuple[float, str, i
     """The largest lead of MiniBatch-SFL over `other` at any round, of the seeds' mean curves:
     (points, cut, round)."""
     best: tuple[float, str, int] | None = None
-    for cut in results.values("cut"):
-        ours = results.one({"algorithm": MBSFL, "r": r, "cut": cut})
-        theirs = results.one({"algorithm": other, "r": r, "cut": cut})
-        if ours is None or theirs is None:
-            continue
+    for cut, ours, theirs in _pairs(results, r, other):
         for a, b in zip(ours.records, theirs.records, strict=False):
             lead = 100.0 * (a.global_accuracy - b.global_accuracy)
             if math.isfinite(lead) and (best is None or lead > best[0]):

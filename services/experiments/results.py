@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.experiments.spec import Metric, Run
+from services.report.filesink import read_records
 from services.report.records import VersionRecord
-from services.report.rundir import METRICS_JSON
 from services.report.summary import Totals
-from services.report.tables import record_from_dict
 
 # Written by the experiment runner beside metrics.json: what the report directory lacks.
 EXPERIMENT_JSON = "experiment.json"
@@ -154,14 +153,6 @@ class SeedRuns:
         return sum(r.wall_s for r in self.runs)
 
     @property
-    def reused(self) -> bool:
-        return all(r.reused for r in self.runs)
-
-    @property
-    def machine(self) -> str:
-        return self.first.machine
-
-    @property
     def records(self) -> tuple[VersionRecord, ...]:
         """Per round, the seeds' records averaged (as long as the shortest seed's)."""
         if len(self.runs) == 1:
@@ -227,6 +218,14 @@ def within_spread(gap: Spread) -> bool:
     return gap.count > 1 and abs(gap.mean) <= SPREAD_FACTOR * gap.std
 
 
+def ahead_words(gap: Spread, yes: str, no: str, tie: str) -> str:
+    """The verdict words of a paired gap over seeds: `tie` within seed spread, else `yes`
+    when ahead and `no` when not."""
+    if within_spread(gap):
+        return tie
+    return yes if gap.mean > 0 else no
+
+
 def mean_record(rows: Sequence[VersionRecord]) -> VersionRecord:
     """One round's records of several seeds as one: numbers averaged (counts rounded), the
     version and round of the first, each `extra` metric averaged over the seeds having it."""
@@ -242,13 +241,6 @@ def mean_record(rows: Sequence[VersionRecord]) -> VersionRecord:
     return VersionRecord(version=first.version, round=first.round, extra=extra, **values)
 
 
-def read_records(run_dir: Path) -> tuple[dict[str, Any], tuple[VersionRecord, ...]]:
-    """The run info and the records of a report directory's metrics.json."""
-    doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
-    records = tuple(record_from_dict(r) for r in doc.get("records", []))
-    return dict(doc.get("run", {})), records
-
-
 def load_result(run: Run, run_dir: Path, *, reused: bool = False, seed: int = 0) -> RunResult:
     """The run's records from metrics.json, its wall time and host from experiment.json and
     its final evaluation from final.json (none when the experiment has no `final_eval`)."""
@@ -262,7 +254,7 @@ def load_result(run: Run, run_dir: Path, *, reused: bool = False, seed: int = 0)
         status=str(info.get("status", "unknown")),
         wall_s=float(meta["wall_s"]),
         rounds=int(info.get("rounds", 0)),
-        records=records,
+        records=tuple(records),
         reused=reused,
         machine=str(meta.get("machine", "")),
         load=math.nan if meta.get("load") is None else float(meta["load"]),
@@ -297,6 +289,10 @@ class ResultSet:
     def seeds(self) -> int:
         """Seeds per label (the most any label has; 0 without runs)."""
         return max((len(r.runs) for r in self.results), default=0)
+
+    def over_seeds(self, before: str = "; ", after: str = "") -> str:
+        """A caption's note that its numbers are means over the seeds ("" for one seed)."""
+        return f"{before}mean ± std over {self.seeds} seeds{after}" if self.seeds > 1 else ""
 
     def one(self, where: Mapping[str, str]) -> SeedRuns | None:
         """The single run that fits `where` best: the one that names the most of its tags.

@@ -35,12 +35,11 @@ from services.experiments.results import (
     ResultSet,
     RunResult,
     load_result,
-    read_records,
     settled_status,
 )
 from services.experiments.spec import Experiment, FinalEval, Run
 from services.experiments.watchdog import run_stop
-from services.report.filesink import FileSink
+from services.report.filesink import FileSink, read_records
 from services.report.records import MetricsSink
 from services.report.rundir import METRICS_JSON, write_atomic
 from services.report.sinks import EchoSink, RecordsOnly, TeeSink
@@ -119,7 +118,7 @@ def reusable(run_dir: Path, settings: Settings) -> bool:
     try:
         meta = json.loads((run_dir / EXPERIMENT_JSON).read_text(encoding="utf-8"))
         info, records = read_records(run_dir)
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError):
         return False
     defaults = comparable(Settings())
     stored = meta.get("config")
@@ -233,8 +232,6 @@ def keep(run_dir: Path, kept: Path) -> None:
 
 
 def _eta(done_s: float, done: int, total: int) -> str:
-    if done == 0:
-        return ""
     left = done_s / done * (total - done)
     return f", about {left / 60:.0f} min left" if left >= 60 else f", about {left:.0f} s left"
 

@@ -151,7 +151,7 @@ def p_table(results: ResultSet, dataset: str) -> str:
     body = [
         [name, *(spread_cell(v) for v in values)] for name, values in curve_rows(results, dataset)
     ]
-    over = f"; mean ± std over {results.seeds} seeds" if results.seeds > 1 else ""
+    over = results.over_seeds()
     caption = (
         f"**{dataset}: accuracy (%) against the out-of-distribution share p of the test mix** "
         "(mean over all clients of their final models; SplitGP and multi-exit by split "

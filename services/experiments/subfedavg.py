@@ -167,9 +167,7 @@ def main_table(results: ResultSet) -> str:
                 percent(reduction(found, "flop_reduction")),
             ]
         rows.append([*row, " / ".join(counted)])
-    over = f"; mean ± std over {results.seeds} seeds, gaps paired seed by seed" * (
-        results.seeds > 1
-    )
+    over = results.over_seeds(after=", gaps paired seed by seed")
     caption = (
         "**Average personalised accuracy over the clients** (each client's own model on its "
         f"local test set, %; differences in points{over}) **and mean parameter and FLOP "
@@ -177,11 +175,6 @@ def main_table(results: ResultSet) -> str:
         "order)"
     )
     return markdown_table([*header, "clients counted"], rows, caption)
-
-
-def _over_seeds(results: ResultSet) -> str:
-    """A figure title's note on what its lines and bars are, when there are several seeds."""
-    return f" (mean ± std over {results.seeds} seeds)" if results.seeds > 1 else ""
 
 
 def _bars(results: ResultSet, slot: FigureSlot) -> str:
@@ -203,7 +196,7 @@ def _bars(results: ResultSet, slot: FigureSlot) -> str:
         axes.set_xticks(range(len(methods)), names, rotation=45, ha="right", fontsize="small")
         return True
 
-    title = "Average personalised accuracy over the clients" + _over_seeds(results)
+    title = "Average personalised accuracy over the clients" + results.over_seeds(" (", ")")
     return slot.figure("personalised.png", title, results.values("dataset"), draw)
 
 
@@ -224,7 +217,7 @@ def _curves(results: ResultSet, slot: FigureSlot) -> str:
                 drawn = True
         return drawn
 
-    title = "Personalised accuracy of each round's cohort" + _over_seeds(results)
+    title = "Personalised accuracy of each round's cohort" + results.over_seeds(" (", ")")
     return slot.figure("cohort-curves.png", title, results.values("dataset"), draw)
 
 

@@ -72,8 +72,7 @@ def render_table(table: Table, results: ResultSet) -> str:
             row.append(points(va - vb))
         body.append(row)
     metric = table.metric.replace("_", " ")
-    seeds = results.seeds
-    over = f"mean ± std over {seeds} seeds; " if seeds > 1 else ""
+    over = results.over_seeds("", "; ")
     return markdown_table(
         header,
         body,

@@ -7,6 +7,7 @@ split-learning client sends it, over in-process training loops of the job's mode
   cosine attacks) and the AUC that scores it;
 - `inversion`: a decoder trained from smashed data back to images on public data;
 - `sweep`: one run of all three per setting (and dCor between inputs and smashed data, with
-  the service's own `distance_correlation`), and a grid of settings; `hooks`: a setting's
-  defences from `services.algorithms.defences`; `report` and `figures`: JSON, table, plots.
+  the service's own `distance_correlation`), with the setting's defences from
+  `services.algorithms.defences`, and a grid of settings; `report` and `figures`: JSON,
+  table, plots.
 """

@@ -82,8 +82,6 @@ class SplitParts:
 
 @dataclass(frozen=True)
 class StepRecord:
-    loss: float
-    correct: int
     sent_gradient: Tensor | None
     """U-shaped: the defended dL/dh the server received, one row per example."""
 
@@ -110,14 +108,10 @@ class SplitTrainer:
         h = parts.server(received)
         sent_gradient: Tensor | None = None
         if parts.tail is None:
-            logits = h
-            loss = self.hyper.loss(logits, y)
-            loss.backward()
+            self.hyper.loss(h, y).backward()
         else:
             h_client = h.detach().requires_grad_()
-            logits = parts.tail(h_client)
-            loss = self.hyper.loss(logits, y)
-            loss.backward()
+            self.hyper.loss(parts.tail(h_client), y).backward()
             assert h_client.grad is not None
             sent_gradient = defences.gradient(h_client.grad).detach()
             h.backward(sent_gradient)
@@ -128,8 +122,7 @@ class SplitTrainer:
         client_objective.backward()
         self.server_opt.step()
         self.client_opt.step()
-        correct = int((logits.detach().argmax(dim=1) == y).sum())
-        return StepRecord(float(loss.detach()), correct, sent_gradient)
+        return StepRecord(sent_gradient)
 
 
 def accuracy(parts: SplitParts, defences: ClientHooks, x: Tensor, y: Tensor, batch: int) -> float:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from services.algorithms.defences import distance_correlation
+from services.algorithms.defences import add_noise, defend, distance_correlation, nopeek_loss
 from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset, Split
@@ -94,20 +95,32 @@ class CaseResult:
             "dcor": self.dcor,
             "smashed_rms": self.smashed_rms,
             "gradient_norm": self.gradient_norm,
+            # Every number of the reconstruction; its images go to PNGs.
             "reconstruction": None
             if recon is None
-            else {
-                "mse": recon.mse,
-                "psnr_db": recon.psnr_db,
-                "ssim": recon.ssim,
-                "baseline_mse": recon.baseline_mse,
-                "baseline_psnr_db": recon.baseline_psnr_db,
-            },
+            else {f.name: getattr(recon, f.name) for f in fields(recon) if f.name != "images"},
             "seconds": self.seconds,
         }
 
 
 MakeHooks = Callable[[Case], ClientHooks]
+
+
+def hooks_for(case: Case, seed: int) -> ClientHooks:
+    """The case's defences built from the service's own defence functions, so the attacks
+    measure what a client really sends: clipping then noise on z, noise on the returned dL/dh,
+    NoPeek on (x, z'); the noise comes from one generator seeded with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    clip = case.clip or None
+
+    def smashed(z: Tensor) -> Tensor:
+        return defend(z, case.noise, clip, generator)
+
+    def gradient(g: Tensor) -> Tensor:
+        return add_noise(g, case.gradient_noise, generator)
+
+    regulariser = partial(nopeek_loss, weight=case.nopeek) if case.nopeek else None
+    return ClientHooks(smashed=smashed, gradient=gradient, regulariser=regulariser)
 
 
 def binary_task(data: Dataset, positive: int) -> Dataset:
@@ -194,18 +207,6 @@ def grid(
             if ushaped:
                 cases += [Case(cut, ushaped, gradient_noise=s) for s in gradient_noises]
     return cases
-
-
-def run_grid(
-    settings: Settings,
-    data: Dataset,
-    cases: Sequence[Case],
-    budget: Budget,
-    make_hooks: MakeHooks,
-    *,
-    echo: Callable[[str], None] = lambda _: None,
-) -> list[CaseResult]:
-    return [run_case(settings, data, case, budget, make_hooks, echo=echo) for case in cases]
 
 
 def _progress(case: Case, round_no: int, result: CaseResult) -> str:

@@ -43,6 +43,12 @@ def write_records(run_dir: Path, run: Mapping[str, Any], records: Sequence[Versi
     write_atomic(run_dir / METRICS_CSV, metrics_csv(records))
 
 
+def read_records(run_dir: Path) -> tuple[dict[str, Any], list[VersionRecord]]:
+    """metrics.json's run info and records, as `write_records` wrote them."""
+    doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
+    return dict(doc["run"]), [record_from_dict(r) for r in doc["records"]]
+
+
 def plot_spec(settings: Settings) -> PlotSpec | None:
     """The plots a run of `settings` draws (None: none)."""
     report = settings.report
@@ -98,9 +104,8 @@ class FileSink:
         the records kept, the run marked running again, the settings as now (config.toml
         rewritten: a resume may train more rounds)."""
         write_config(run_dir, settings)
-        doc = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
-        run = RunInfo(**doc["run"])
-        records = [record_from_dict(r) for r in doc["records"]]
+        stored, records = read_records(run_dir)
+        run = RunInfo(**stored)
         now = datetime.now().astimezone().isoformat(timespec="seconds")
         resumed = ",".join(filter(None, (run.extra.get("resumed_at", ""), now)))
         info = replace(

@@ -9,7 +9,6 @@ keep the seeded initial values of the template the caller passes (version 1's mo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from safetensors.torch import save
 from broker.store import GLOBAL_OWNER, NO_VERSION, VersionStore
 from models.split import SplitNet
 from services.algorithms.base import VersionWeights, full_model_weights
+from services.report.rundir import write_atomic
 
 MODEL_FILE = "model.safetensors"
 PERSONAL_DIR = "personal"
@@ -59,12 +59,8 @@ def write_state(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, 
     """`state` as a safetensors file, replaced in one step (a crash leaves no half file)."""
     # safetensors refuses tensors that share storage; own contiguous copies never do.
     tensors = {name: t.detach().cpu().contiguous().clone() for name, t in state.items()}
-    data = save(tensors, metadata={"format": "pt", **metadata})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, save(tensors, metadata={"format": "pt", **metadata}))
 
 
 def save_final_model(

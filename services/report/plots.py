@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,6 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _LINES = ("-", "--", "-.", ":")
 
 STALENESS_PNG = "staleness.png"
-# What `panel_figure` can write besides PNG (vector formats, for papers).
-PLOT_FORMATS = ("png", "pdf", "svg")
 
 
 @dataclass(frozen=True)
@@ -136,17 +134,29 @@ _PLOTS = (
 )
 
 
+def _round_lines(
+    axes: Any, records: Sequence[VersionRecord], lines: Iterable[tuple[str, list[float]]], size: int
+) -> bool:
+    """Each (label, one value per record) against the round; True when one had data (a line
+    without is a metric this algorithm does not report)."""
+    drawn = False
+    for i, (label, ys) in enumerate(lines):
+        if any(math.isfinite(y) for y in ys):
+            plot_rounds(axes, i, records, ys, label, size)
+            drawn = True
+    return drawn
+
+
 def _series(
     records: Sequence[VersionRecord], percent: bool, series: Sequence[tuple[str, str]]
 ) -> PanelDraw:
+    scale = 100.0 if percent else 1.0
+
     def draw(axes: Any, _: str) -> bool:
-        drawn = False
-        for i, (label, name) in enumerate(series):
-            ys = [float(getattr(r, name)) * (100.0 if percent else 1.0) for r in records]
-            if any(math.isfinite(y) for y in ys):  # else a metric this algorithm does not report
-                plot_rounds(axes, i, records, ys, label, 4)
-                drawn = True
-        return drawn
+        lines = [
+            (label, [float(getattr(r, name)) * scale for r in records]) for label, name in series
+        ]
+        return _round_lines(axes, records, lines, 4)
 
     return draw
 
@@ -214,13 +224,8 @@ def _algorithm_series(records: Sequence[VersionRecord], patterns: Sequence[str])
     )
 
     def draw(axes: Any, _: str) -> bool:
-        drawn = False
-        for i, name in enumerate(names):
-            ys = [100.0 * r.extra.get(name, math.nan) for r in records]
-            if any(math.isfinite(y) for y in ys):
-                plot_rounds(axes, i, records, ys, name, 3)
-                drawn = True
-        return drawn
+        lines = [(name, [100.0 * r.extra.get(name, math.nan) for r in records]) for name in names]
+        return _round_lines(axes, records, lines, 3)
 
     return draw
 
@@ -237,51 +242,23 @@ def write_plots(
     title -> patterns of the `extra` series drawn in it, into algorithm.png."""
     if not records:
         return []
-    made = [
-        panel_figure(
-            run_dir / file,
-            title,
-            [""],
-            _series(records, percent, series),
-            ylabel=ylabel,
-            formats=formats,
-        )
+    figures: list[tuple[str, str, list[str], PanelDraw, str]] = [
+        (file, title, [""], _series(records, percent, series), ylabel)
         for file, title, ylabel, percent, series in _PLOTS
     ]
-    made.append(
-        panel_figure(
-            run_dir / "progress.png",
-            "Test accuracy against rounds, time, samples and bytes",
-            [name for name, _, _ in _AXES],
-            _progress(records),
-            ylabel="accuracy (%)",
-            formats=formats,
-        )
-    )
+    progress = "Test accuracy against rounds, time, samples and bytes"
+    axes_names = [name for name, _, _ in _AXES]
+    figures.append(("progress.png", progress, axes_names, _progress(records), "accuracy (%)"))
     panels = dict(algorithm_plots or {})
     if panels:
 
         def own(axes: Any, title: str) -> bool:
             return _algorithm_series(records, panels[title])(axes, title)
 
-        made.append(
-            panel_figure(
-                run_dir / "algorithm.png",
-                "The algorithm's own metrics",
-                list(panels),
-                own,
-                ylabel="%",
-                formats=formats,
-            )
-        )
-    made.append(
-        panel_figure(
-            run_dir / STALENESS_PNG,
-            "Staleness of updates",
-            [""],
-            _staleness(records),
-            ylabel="updates",
-            formats=formats,
-        )
-    )
+        figures.append(("algorithm.png", "The algorithm's own metrics", list(panels), own, "%"))
+    figures.append((STALENESS_PNG, "Staleness of updates", [""], _staleness(records), "updates"))
+    made = [
+        panel_figure(run_dir / file, title, names, draw, ylabel=ylabel, formats=formats)
+        for file, title, names, draw, ylabel in figures
+    ]
     return [p for p in made if p is not None]

@@ -9,17 +9,16 @@ on from are dropped: those rounds are trained again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from services.config.loading import ConfigError, read_toml
 from services.config.root import Settings
-from services.report.filesink import write_records
+from services.report.filesink import read_records, write_records
 from services.report.records import VersionRecord
 from services.report.rundir import CONFIG_FILE, METRICS_JSON
-from services.report.tables import record_from_dict
+from services.report.tomlwrite import flatten
 from services.report.version_file import VERSION_FILE, SavedVersion, load_version
 
 # What a resumed run may change, by dotted name or section: how long and how patiently it runs,
@@ -55,22 +54,14 @@ class ResumeError(ConfigError):
     """The run directory cannot be continued (with this config); the message says why."""
 
 
-def _flat(data: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            out.update(_flat(value, f"{prefix}{key}."))
-        elif value is not None:  # TOML has no null: the saved file leaves None out
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
 def what_matters(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings the trained weights depend on, by dotted name (None values left out)."""
+    """The settings the trained weights depend on, by dotted name (None values left out: TOML
+    has no null, so the saved file has none)."""
     return {
-        key: value
-        for key, value in _flat(config, "").items()
-        if not any(key == name or key.startswith(f"{name}.") for name in MAY_CHANGE)
+        key: list(value) if isinstance(value, tuple) else value
+        for key, value in flatten(config).items()
+        if value is not None
+        and not any(key == name or key.startswith(f"{name}.") for name in MAY_CHANGE)
     }
 
 
@@ -89,13 +80,12 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], list[VersionRecord]]:
     """metrics.json of a run directory: its run info and its records."""
     if not run_dir.is_dir():
         raise ResumeError(f"--resume {run_dir}: no such directory")
-    path = run_dir / METRICS_JSON
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        return dict(doc["run"]), [record_from_dict(r) for r in doc["records"]]
+        return read_records(run_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ResumeError(
-            f"--resume {run_dir}: not a run directory of splitmq run or up ({path}: {exc})"
+            f"--resume {run_dir}: not a run directory of splitmq run or up "
+            f"({run_dir / METRICS_JSON}: {exc})"
         ) from None
 
 

@@ -98,21 +98,16 @@ def source_commit(tree: Path = SOURCE_TREE) -> str:
     to tracked files; "" when it is not a git checkout (an installed wheel) or git is absent.
     Asked once per process: a long grid's later runs still run the code it loaded, whatever
     was committed in the tree since."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=5, check=True
+        )
+        return done.stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(tree), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return ""
     return f"{head}+dirty" if changed else head
@@ -151,9 +146,9 @@ def write_config(run_dir: Path, settings: Settings) -> Path:
     return write_atomic(run_dir / CONFIG_FILE, text)
 
 
-def write_atomic(path: Path, text: str) -> Path:
+def write_atomic(path: Path, data: str | bytes) -> Path:
     """Replace `path` in one step, so a crash never leaves a half-written file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
     os.replace(tmp, path)
     return path

@@ -44,6 +44,17 @@ def redact(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as `section.key` -> value."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def dumps(data: Mapping[str, Any], prefix: str = "") -> str:
     """TOML text for `data`; None values are left out (TOML has no null)."""
     scalars: list[str] = []

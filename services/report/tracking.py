@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from services.config.root import Settings
 from services.report.records import MetricsSink, VersionRecord
-from services.report.tomlwrite import redact
+from services.report.tomlwrite import flatten, redact
 
 TRACKERS = ("tensorboard", "mlflow")
 TENSORBOARD_DIR = "tensorboard"
@@ -43,18 +43,6 @@ def series(record: VersionRecord) -> dict[str, float]:
     out = {k: float(v) for k, v in row.items() if k not in _NOT_SERIES}
     out.update({f"extra.{k}": float(v) for k, v in record.extra.items()})
     return {k: v for k, v in out.items() if math.isfinite(v)}
-
-
-def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """A nested config as `section.key` -> text (the run's hyper-parameters)."""
-    out: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flat_params(value, f"{name}."))
-        else:
-            out[name] = str(value)
-    return out
 
 
 def _library(module: str, tracker: str) -> Any:
@@ -186,7 +174,7 @@ def tracking_sinks(
     directory's job goes on (`--resume`), and so do its trackers: TensorBoard adds an event
     file beside the earlier ones in the same directory (it reads them as one series), MLflow
     logs into the run it started."""
-    params = flat_params(config)
+    params = {name: str(value) for name, value in flatten(config).items()}
     sinks: list[MetricsSink] = []
     for name in trackers:
         if name == "tensorboard":

@@ -1,9 +1,19 @@
-"""`splitmq doctor`: is the configured broker and store usable, and if not, what to do."""
+"""Probes of the configured servers: `splitmq doctor` (is the broker and store usable, and if
+not, what to do) and a role's first contact with them (`check_services`).
+
+A role process waits out a brief outage at start (RabbitMQ or Redis restarting beside it), but
+not the whole outage budget of a running role (`reconnect_give_up_s`, 300 s by default): a
+wrong port or host should fail within `START_WAIT_S`, and a refused password or a bad URL at
+once, each in one line. A signal ends the wait (a running role's reconnects know nothing of
+the stop event, so without this SIGTERM went unheard for the whole budget).
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass, replace
 
 from broker.errors import (
@@ -124,12 +134,7 @@ def check_store(backends: Backends) -> Check:
     except ConnectionSettingsError as exc:
         return Check("store", False, str(exc), "fix SPLITMQ_REDIS_URL / store.redis_url")
     except SplitMQError as exc:
-        return Check(
-            "store",
-            False,
-            f"cannot use Redis at {where}: {exc}",
-            hint,
-        )
+        return Check("store", False, f"cannot use Redis at {where}: {exc}", hint)
     finally:
         if "store" in locals():
             store.close()
@@ -198,3 +203,38 @@ def run_checks(settings: Settings, env: Mapping[str, str] | None = None) -> list
     env = os.environ if env is None else env
     backends = Backends(settings.broker, settings.store, Embedded())
     return [check_torch(), check_broker(backends), check_store(backends), check_data(settings, env)]
+
+
+# Long enough for a broker or Redis restarting beside the role; compose starts roles only
+# once both are healthy and restarts a role that failed, so a longer wait buys nothing.
+START_WAIT_S = 30.0
+
+
+class StartInterrupted(Exception):
+    """A signal (the stop event) arrived while waiting for the broker or store."""
+
+
+def check_services(
+    backends: Backends,
+    job: str,
+    *,
+    store: bool,
+    stop: threading.Event,
+    wait_s: float = START_WAIT_S,
+) -> None:
+    """Connect to the broker (and, if `store`, read `job`'s version from the store) once,
+    waiting at most `wait_s` for each; raise what the broker layer raises
+    (`BrokerUnavailableError`, `BrokerAuthError`, `ConnectionSettingsError`, their store
+    twins) or `StartInterrupted`."""
+
+    def sleep(seconds: float) -> None:
+        if stop.wait(seconds):
+            raise StartInterrupted
+
+    broker_wait = min(wait_s, backends.broker_settings.reconnect_give_up_s)
+    backends.open_broker("", give_up_after=broker_wait, sleep=sleep).close()
+    if not store:
+        return
+    give_up_after = min(wait_s, backends.store_settings.retry_for_s)
+    with closing(backends.open_store(give_up_after=give_up_after, sleep=sleep)) as probe:
+        probe.current_version(job)

@@ -25,7 +25,6 @@ from services.autoscaler.local import role_env
 from services.common.backends import Backends
 from services.common.supervise import Outcome
 from services.config.root import Settings
-from services.runtime.doctor import check_broker, check_store
 
 Echo = Callable[[str], None]
 _POLL_S = 0.2
@@ -78,13 +77,6 @@ def child_env(
     return env
 
 
-def preflight(settings: Settings) -> list[str]:
-    """What is missing for `up`, in plain words (empty: RabbitMQ and Redis both answer)."""
-    backends = Backends(settings.broker, settings.store)
-    checks = (check_broker(backends), check_store(backends))
-    return [c.detail + (f" ({c.hint})" if c.hint else "") for c in checks if not c.ok]
-
-
 def clear_job(
     settings: Settings, client_ids: Sequence[str], backends: Backends | None = None
 ) -> None:
@@ -97,9 +89,9 @@ def clear_job(
         store.delete_job(settings.job.name)
 
 
-def job_version(settings: Settings, backends: Backends | None = None) -> int:
+def job_version(settings: Settings) -> int:
     """The job's current version in the store (`NO_VERSION`: none)."""
-    backends = backends or Backends(settings.broker, settings.store)
+    backends = Backends(settings.broker, settings.store)
     with closing(backends.open_store(give_up_after=10.0)) as store:
         return store.current_version(settings.job.name)
 

@@ -1,4 +1,5 @@
-"""Build the role objects of a job: one place that knows each role's constructor.
+"""Build the role objects of a job, for the embedded runner and the role processes (a client
+host, which only `splitmq clients` runs, is built there).
 
 Imports happen inside the builders so a process imports only the role it runs (a `splitmq
 client` has no use for the worker or the aggregator code).
@@ -8,8 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData
@@ -22,9 +21,6 @@ from services.data.loaders import Dataset
 from services.metrics.recorder import RecordMetrics
 from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
-
-if TYPE_CHECKING:  # the host's module is imported by its builder only
-    from services.client.host import Intervals, Offline
 
 
 def build_coordinator(settings: Settings, backends: Backends) -> Role:
@@ -75,41 +71,6 @@ def build_client(
         partition=partition,
         dataset=dataset,
         compute=compute,
-    )
-
-
-def build_client_host(
-    settings: Settings,
-    backends: Backends,
-    *,
-    host: str,
-    count: int,
-    first: int = 0,
-    by_index: bool = True,
-    online: Intervals | None = None,
-    offline: Offline = "vanish",
-    spill_dir: Path | None = None,
-    join_rate: float = 100.0,
-    publishers: int = 4,
-    stats_file: Path | None = None,
-    dataset: Dataset | JobData | None = None,
-) -> Role:
-    from services.client.host import ClientHost, always_online
-
-    return ClientHost(
-        settings,
-        backends.for_role("client", host),
-        host=host,
-        count=count,
-        first=first,
-        by_index=by_index,
-        online=online or always_online,
-        offline=offline,
-        spill_dir=spill_dir,
-        dataset=dataset,
-        join_rate=join_rate,
-        publishers=publishers,
-        stats_file=stats_file,
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.autoscaler.policy import Decision, Observation, PolicyState, capped, decide
-from services.config.autoscaler import AutoscalerSection
+from services.config.root import AutoscalerSection
 
 LIMITS = AutoscalerSection(
     min_workers=1,

@@ -12,7 +12,7 @@ import pytest
 from broker.errors import BrokerUnavailableError
 from services.common.backends import Backends
 from services.config.settings import BrokerSettings, StoreSettings
-from services.runtime.preflight import StartInterrupted, check_services
+from services.runtime.doctor import StartInterrupted, check_services
 
 
 def closed_port() -> int:

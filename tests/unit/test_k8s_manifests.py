@@ -32,9 +32,8 @@ from broker.topology import (
     shard_queue_name,
     updates_queue_name,
 )
-from services.config.autoscaler import AutoscalerSection
 from services.config.loading import load_settings
-from services.config.root import Settings
+from services.config.root import AutoscalerSection, Settings
 from tests.unit.test_compose import parse_cli
 
 ROOT = Path(__file__).resolve().parents[2]

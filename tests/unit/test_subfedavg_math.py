@@ -9,10 +9,10 @@ from torch import nn
 
 from models.registry import build_model
 from models.split import SplitNet
-from services.algorithms.prune_layout import build_layout
 from services.algorithms.pruning import (
     AdoptionRule,
     apply_masks,
+    build_layout,
     channel_mask,
     count_flops,
     flat_hamming,

@@ -1,4 +1,4 @@
-"""A worker's busy fraction (workers/busy.py) and the heartbeat the autoscaler reads it from."""
+"""A worker's busy fraction (workers/worker.py) and the heartbeat the autoscaler reads it from."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import time
 from services.common.backends import Backends, Embedded
 from services.common.leases import worker_beat
 from tests.unit.test_worker_support import make_settings, one_torch_thread, seed_version
-from workers.busy import BusyMeter
-from workers.worker import Worker
+from workers.worker import BusyMeter, Worker
 
 __all__ = ["one_torch_thread"]
 
