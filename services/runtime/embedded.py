@@ -60,6 +60,7 @@ def run_embedded(
     stop: threading.Event,
     dataset: Dataset | None = None,
     build_roles: RoleBuilder = embedded_roles,
+    logger: logging.Logger | None = None,
     backends: Backends | None = None,
     run_dir: Path | None = None,
     resume: SavedVersion | None = None,
@@ -73,7 +74,7 @@ def run_embedded(
     what it trained until then. `resume`: the job goes on from that version (a stopped run's,
     `load_version`) instead of seeding version 1.
     """
-    log = logging.getLogger("splitmq.runtime")
+    log = logger or logging.getLogger("splitmq.runtime")
     settings = force_embedded(settings, log)
     if backends is None:
         backends = Backends(settings.broker, settings.store, Embedded())
