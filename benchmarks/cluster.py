@@ -187,6 +187,17 @@ class LocalCluster:
             tails.append(f"--- {log}\n" + "\n".join(text))
         return "\n".join(tails)
 
+    def sentinel_events(self) -> str:
+        """What each Sentinel logged about masters and failovers (`+switch-master`, `+sdown`,
+        `+convert-to-slave`, ...), for failures: a second failover explains a surprising role."""
+        folder = Path(self._env.get("SPLITMQ_CLUSTER_DIR", "/tmp/splitmq-cluster"))
+        marks = ("switch-master", "sdown", "odown", "convert-to-slave", "failover", "slave ")
+        parts = []
+        for log in sorted(folder.glob("sentinel-*/sentinel.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            parts.append(f"--- {log}\n" + "\n".join(x for x in lines if any(m in x for m in marks)))
+        return "\n".join(parts)
+
     def rabbit_pid(self, node: int) -> int | None:
         out = self._call("pid", "rabbit", str(node), timeout=30).stdout.strip()
         return int(out) if out.isdigit() else None
