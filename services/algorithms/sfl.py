@@ -71,23 +71,34 @@ def weighted_step(
     `loss_scale` s scales the step and the returned gradients, `s * dl/dz` (SplitGP's
     `1 - gamma`, eq. 8); the reported losses are unscaled.
     """
-    if len(ys) != len(zs):
-        raise ValueError(f"need a label batch per input, got {len(zs)} inputs, {len(ys)} labels")
-    step = forward_open(server, zs, p, concat=concat)  # checks zs and p
+    # Inline, not `ushape.forward_open`: this is every SFL batch's path (docs/architecture.md,
+    # "A batch's round trip"), which stays within its files.
+    if not (len(zs) == len(ys) == len(p)) or not zs:
+        raise ValueError(f"need matching non-empty inputs, got {len(zs)}, {len(ys)}, {len(p)}")
+    if any(pn <= 0 for pn in p):
+        raise ValueError(f"client weights must be positive, got {list(p)}")
+    device = next(server.parameters()).device
     total_p = float(sum(p))
+    # The wire may carry float16/bfloat16; the server always computes in float32.
+    inputs = [z.detach().to(device=device, dtype=torch.float32).requires_grad_(True) for z in zs]
+    labels = [y.to(device=device, dtype=torch.long) for y in ys]
+    if concat and len(inputs) > 1:
+        joined = server(torch.cat(inputs))
+        outputs = list(torch.split(joined, [int(z.shape[0]) for z in inputs]))
+    else:
+        outputs = [server(z) for z in inputs]
     losses: list[torch.Tensor] = []
     correct: list[int] = []
-    for logits, y in zip(step.outputs, ys, strict=True):
-        labels = y.to(device=logits.device, dtype=torch.long)
-        losses.append(loss(logits, labels))
-        correct.append(int((logits.detach().argmax(dim=1) == labels).sum()))
+    for logits, y in zip(outputs, labels, strict=True):
+        losses.append(loss(logits, y))
+        correct.append(int((logits.detach().argmax(dim=1) == y).sum()))
     objective = sum((pn / total_p) * ln for pn, ln in zip(p, losses, strict=True))
     optimizer.zero_grad(set_to_none=True)
     assert isinstance(objective, torch.Tensor)
     (objective * loss_scale).backward()
     optimizer.step()
     grads = []
-    for z, pn in zip(step.inputs, p, strict=True):
+    for z, pn in zip(inputs, p, strict=True):
         assert z.grad is not None
         grads.append((z.grad * (total_p / pn)).detach())
     return ServerStepResult(grads, [float(ln.detach()) for ln in losses], correct)
