@@ -230,7 +230,11 @@ class DashboardState:
                 "report": (
                     None
                     if report is None
-                    else {k: v for k, v in vars(report).items() if k != "records"}
+                    else {
+                        "run_dir": report.run_dir,
+                        "status": report.status,
+                        "summary": report.summary,
+                    }
                 ),
             }
 
