@@ -108,7 +108,9 @@ class Join(_Common):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Welcome(_Common):
-    """The coordinator admits a client: its shard, cut and starting weights."""
+    """The coordinator admits a client: its shard, cut and starting weights, and the first seq
+    of its session (`seq_base`): the session numbers its SmashedBatches contiguously from there.
+    0 only from a coordinator without seq bases (the codec reads no body without the field)."""
 
     shard: Count
     cut: str
@@ -116,6 +118,7 @@ class Welcome(_Common):
     client_weights: Weights
     aux_weights: Weights
     config: Config
+    seq_base: Count = 0
 
 
 @dataclass(frozen=True, slots=True)

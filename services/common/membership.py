@@ -19,6 +19,8 @@ from broker.store import Member, MemberKind, MemberStore
 
 # The Join info key (and member info key) of the client process's session id.
 SESSION_KEY = "session"
+# The member info key of the session's first seq (`MemberInfo.seq_base`).
+SEQ_BASE_KEY = "seq_base"
 _SESSION_MAX = 64
 # The Join info key naming the client host a client runs on (docs/architecture.md, "Client
 # hosts"); its replies then go to that host's queue.
@@ -54,6 +56,10 @@ class MemberInfo:
     classes: tuple[int, ...] = ()
     joined_at: float = 0.0
     session: str = ""  # "" in records written before sessions: every such one is alike
+    # The session's first SmashedBatch seq, sent in its Welcome: the session numbers its
+    # batches contiguously from here (docs/architecture.md, Welcome). 0: unknown (a
+    # record written before seq bases), which a reader must treat as "no window known".
+    seq_base: int = 0
 
     @property
     def ready(self) -> bool:
@@ -73,6 +79,7 @@ class MemberInfo:
             "classes": ",".join(str(c) for c in self.classes),
             "joined_at": f"{self.joined_at:.3f}",
             SESSION_KEY: self.session,
+            SEQ_BASE_KEY: str(self.seq_base),
         }
 
     @classmethod
@@ -91,6 +98,7 @@ class MemberInfo:
                 classes=parse_classes(info.get("classes", "")),
                 joined_at=float(info.get("joined_at", "0")),
                 session=info.get(SESSION_KEY, ""),
+                seq_base=max(0, int(info.get(SEQ_BASE_KEY, "0"))),
             )
         except (KeyError, ValueError):
             return None
