@@ -92,6 +92,9 @@ class Replica:
         # Which seqs are applied, per client: all up to its floor, and those in its window.
         self.floors: dict[str, int] = {}
         self.recent: dict[str, list[int]] = {}  # sorted, above the floor, at most RECENT_SEQS
+        # The message id each recent seq was applied from: a copy carries it, a forgery reusing
+        # the seq does not (`workers.seqs.copy_problem`). Absent in checkpoints from before.
+        self.recent_ids: dict[str, dict[int, str]] = {}
         self.cohort_round = -1
         self.cohort: dict[str, int] = {}
         self.progress: dict[str, tuple[int, int]] = {}
@@ -171,15 +174,27 @@ class Replica:
         self.handed_in = False
 
     def record(
-        self, client: str, seq: int, step: int, steps: int, rows: int, cut: str = ""
+        self,
+        client: str,
+        seq: int,
+        step: int,
+        steps: int,
+        rows: int,
+        cut: str = "",
+        message_id: str = "",
     ) -> None:
-        """One batch applied (`cut`: where its activations come from; "": the replica's)."""
+        """One batch applied (`cut`: where its activations come from; "": the replica's), from
+        message `message_id`."""
         # max(): a seq must never move back, or a later copy of a newer batch would pass.
         self.seqs[client] = max(seq, self.seqs.get(client, seq))
         recent = self.recent.setdefault(client, [])
+        ids = self.recent_ids.setdefault(client, {})
         bisect.insort(recent, seq)
+        if message_id:
+            ids[seq] = message_id
         if len(recent) > RECENT_SEQS:
             oldest = recent.pop(0)
+            ids.pop(oldest, None)
             self.floors[client] = max(oldest, self.floors.get(client, oldest))
         self.progress[client] = (step, steps)
         self.applied += 1
@@ -201,6 +216,10 @@ class Replica:
         recent = self.recent.get(client, [])
         at = bisect.bisect_left(recent, seq)
         return at < len(recent) and recent[at] == seq
+
+    def applied_id(self, client: str, seq: int) -> str | None:
+        """The message id recent seq `seq` of `client` was applied from (None: not kept)."""
+        return self.recent_ids.get(client, {}).get(seq)
 
     def checkpoint(self, buffers: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
         """`buffers` replace the replica's own (a U-shaped step's forward, not applied yet,
@@ -272,6 +291,13 @@ def _int_lists(key: str, raw: object) -> dict[str, list[int]]:
     return {str(k): sorted(int(v) for v in values) for k, values in _mapping(key, raw).items()}
 
 
+def _id_maps(key: str, raw: object) -> dict[str, dict[int, str]]:
+    return {
+        str(k): {int(s): str(i) for s, i in _mapping(key, v).items()}
+        for k, v in _mapping(key, raw).items()
+    }
+
+
 def _pairs(key: str, raw: object) -> dict[str, tuple[int, int]]:
     return {str(k): (int(v[0]), int(v[1])) for k, v in _mapping(key, raw).items()}
 
@@ -281,5 +307,6 @@ _META: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(("version", "round", "round_samples", "steps", "cohort_round"), _int),
     **dict.fromkeys(("cut_samples", "seqs", "floors", "cohort"), _int_map),
     "recent": _int_lists,
+    "recent_ids": _id_maps,
     **dict.fromkeys(("progress", "audit"), _pairs),
 }

@@ -63,7 +63,10 @@ from services.common.leases import lease_name
 from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
 from workers.clock import Continuous
+from workers.credit import StepRule
+from workers.gate import ClientGate
 from workers.replica import Replica
+from workers.seqs import copy_problem, reused
 
 if TYPE_CHECKING:
     from workers.worker import WorkerSession
@@ -257,6 +260,9 @@ class ShardRunner:
         self._send_grad = session.strategy.waits_for_gradient
         self._open: Open | None = None  # U-shaped: the step waiting for tail gradients
         self._orphans: OrderedDict[tuple[str, int], TailGradient] = OrderedDict()
+        a = session.settings.algorithm
+        rule = StepRule(a.batch_size, a.local_epochs, a.max_steps_per_round)
+        self._gate = ClientGate(rule, session.members, replica, by_version=continuous is not None)
 
     @property
     def shard(self) -> int:
@@ -287,23 +293,15 @@ class ShardRunner:
         if problem is not None:
             io.reject(delivery, *problem)
             return
-        if replica.applied_already(batch.client, batch.seq):
-            self._hold(delivery)  # acked with the next checkpoint, never applied again
-            self._answer_duplicate(batch)
-            return
-        if self._replaces_buffered(delivery, batch):
+        if self._taken_before(delivery, batch):
             return
         clock = self._async
-        if clock is not None and (refused := clock.refusal(batch)) is not None:
-            code, detail = refused
-            if code != TOO_STALE:
-                io.reject(delivery, code, detail)
-                return
-            # Valid, just too old: answered, and acked with the next checkpoint.
-            self._hold(delivery)
-            io.stats.too_stale += 1
-            io.replier.send(answer(batch, clock.known_version, "rejected", detail))
+        if clock is not None and self._refused_by_clock(delivery, batch, clock):
             return
+        if (over := self._gate.over_budget(batch)) is not None:
+            io.refuse(delivery, over)
+            return
+        self._gate.took(batch)
         if io.metrics.enabled:
             newest = replica.version if clock is None else clock.known_version
             io.metrics.staleness(newest - batch.version)
@@ -320,6 +318,42 @@ class ShardRunner:
             self._fold.append(item)
             if len(self._fold) >= io.settings.workers.batch_messages:
                 self.flush()
+
+    def _taken_before(self, delivery: Delivery, batch: SmashedBatch) -> bool:
+        """Whether `batch`'s seq settled it: a copy of an applied or a buffered batch (answered
+        or replaced), a message reusing such a seq, or a seq outside the client's session
+        window (both dead-lettered: `workers.seqs`)."""
+        replica, io = self.replica, self._io
+        if replica.applied_already(batch.client, batch.seq):
+            recorded = replica.applied_id(batch.client, batch.seq)
+            if (forged := copy_problem(batch.seq, batch.message_id, recorded)) is not None:
+                io.reject(delivery, *forged)
+                return True
+            self._hold(delivery)  # acked with the next checkpoint, never applied again
+            self._answer_duplicate(batch)
+            return True
+        if (outside := self._gate.seq_problem(batch)) is not None:
+            io.reject(delivery, *outside)
+            return True
+        return self._replaces_buffered(delivery, batch)
+
+    def _refused_by_clock(self, delivery: Delivery, batch: SmashedBatch, clock: Continuous) -> bool:
+        """Async mode: whether `batch`'s version is unknown (dead-lettered) or too stale to
+        train on (answered)."""
+        io = self._io
+        self._gate.forget_versions_before(clock.known_version - clock.max_staleness)
+        refused = clock.refusal(batch)
+        if refused is None:
+            return False
+        code, detail = refused
+        if code != TOO_STALE:
+            io.reject(delivery, code, detail)
+            return True
+        # Valid, just too old: answered, and acked with the next checkpoint.
+        self._hold(delivery)
+        io.stats.too_stale += 1
+        io.replier.send(answer(batch, clock.known_version, "rejected", detail))
+        return True
 
     def on_tail(self, delivery: Delivery, message: TailGradient) -> None:
         """A client's dL/d(ServerOutput): finishes its open step (docs/architecture.md,
@@ -401,6 +435,7 @@ class ShardRunner:
             if message.round > self.replica.cohort_round and self._barrier is not None:
                 self._barrier.new_round()
             self.replica.begin_round(message.round, cohort)
+            self._gate.new_round()
         self._hold(delivery)
 
     def _on_round_end(self, delivery: Delivery, message: RoundEnd) -> None:
@@ -511,7 +546,7 @@ class ShardRunner:
             b = item.batch
             rows = int(b.activations.shape[0])
             rows_total += rows
-            replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut)
+            replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut, b.message_id)
             self._hold(item.delivery)
             reply = answer(
                 b,
@@ -646,6 +681,7 @@ class ShardRunner:
             self._barrier.clear()
         io.redeliver(self.shard)
         fresh = self.replica.reset(io.store, self._want.job)
+        self._gate.reset()
         if self._async is not None:
             self._async.restart()  # measured from the state it went back to
         io.stats.rollbacks += 1
@@ -663,14 +699,22 @@ class ShardRunner:
         if not self.buffered():
             return False
 
+        taken_from: list[str] = []  # a buffered batch's message id, when `batch` is not its copy
+
         def same(item: Item) -> bool:
-            return item.batch.client == batch.client and item.batch.seq == batch.seq
+            if item.batch.client != batch.client or item.batch.seq != batch.seq:
+                return False
+            if item.batch.message_id != batch.message_id:
+                taken_from.append(item.batch.message_id)
+                return False
+            return True
 
         def renewed(item: Item) -> Item:
             return Item(delivery, item.batch)
 
         step = self._open
-        if step is not None and (at := step.index(batch.client, batch.seq)) is not None:
+        at = step.index(batch.client, batch.seq) if step is not None else None
+        if step is not None and at is not None and same(step.items[at]):
             # Its step is open: the client missed the ServerOutput (replies are transient).
             self._io.stats.duplicates_skipped += 1
             self._hold(step.items[at].delivery)
@@ -682,6 +726,9 @@ class ShardRunner:
         for index, item in enumerate(self._fold):
             if same(item):
                 older, self._fold[index] = item, renewed(item)
+        if older is None and taken_from:
+            self._io.reject(delivery, *reused(batch.seq, batch.message_id, taken_from[0]))
+            return True
         if older is None:
             return False
         # No reply: the batch is still to be served, and its answer will follow.

@@ -14,16 +14,15 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from broker.codec import decode
 from broker.errors import BrokerError, DecodeError, StaleDeliveryError
-from broker.keys import CLIENT_MEMBER_PREFIX
 from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
-from broker.store import MemberKind, MemberStore, WeightStore
+from broker.rejection import Rejected, dead_letter_many_safely
+from broker.store import WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
 from services.algorithms.registry import build_strategy
@@ -34,15 +33,12 @@ from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
+from workers.credit import Surplus
 from workers.inference import InferenceServer
+from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
 from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
 from workers.stats import WorkerStats
-
-# Strangers the member cache remembers at once; the oldest is forgotten first.
-_MAX_STRANGERS = 4096
-_MEMBER_TTL_S = 2.0
-_NEGATIVE_TTL_S = 1.0
 
 
 class Worker:
@@ -159,6 +155,7 @@ class WorkerSession:
         self.replier = Replier(self.broker, self.stop, self.log, keep=2 * settings.clients.count)
         # Whether the job's coordinator admitted a client.
         self.members = MemberCache(store, self.job, self.clock)
+        self.surplus = Surplus(clock=self.clock)  # refused unjudged, dead-lettered together
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
 
@@ -185,11 +182,14 @@ class WorkerSession:
                 self._each(ShardRunner.flush)
             else:
                 self.dispatch(delivery)
+            if self.surplus.due() or (delivery is None and self.surplus):
+                self.settle_surplus()
             self._each(ShardRunner.poll)
             if burst and delivery is None and self._drained():
                 return
 
     def hand_over_all(self) -> None:
+        self.settle_surplus()
         for runner in list(self.runners.values()):
             self.hand_over(runner)
         for shard in list(self.unloaded):
@@ -355,6 +355,20 @@ class WorkerSession:
     def reject(self, delivery: Delivery, code: str, detail: str) -> None:
         reject(self.broker, delivery, code, detail, self.stats.dead_lettered, self.log)
 
+    def refuse(self, delivery: Delivery, reason: str) -> None:
+        """Dead-letter `delivery` with `reason` (`"<code>: <detail>"`) in the next batch of
+        refusals: a flood's excess costs one wait for the broker per batch, not per message."""
+        self.surplus.add(delivery, reason)
+
+    def settle_surplus(self) -> None:
+        letters = self.surplus.take()
+        if not letters:
+            return
+        outcomes = dead_letter_many_safely(self.broker, letters)
+        for (_, reason), outcome in zip(letters, outcomes, strict=True):
+            if outcome is not Rejected.REDELIVERED:  # else judged again when it comes back
+                self.stats.dead_lettered[reason.split(":", 1)[0]] += 1
+
     def _each(self, action: Callable[[ShardRunner], None]) -> None:
         for runner in list(self.runners.values()):
             try:
@@ -366,6 +380,8 @@ class WorkerSession:
         if not self.strategy.server_barrier and any(r.foldable() for r in self.runners.values()):
             return 0.0  # fold only what is already waiting: look, don't wait
         until = [self.next_tick, now + self.poll_s]
+        if self.surplus:
+            until.append(now + self.surplus.wait_s)
         until += [d for r in self.runners.values() if (d := r.deadline()) is not None]
         return max(0.0, min(until) - now)
 
@@ -377,44 +393,6 @@ class WorkerSession:
         if any(r.buffered() for r in self.runners.values()):
             return False
         return all(self.broker.queue_depth(q) == 0 for q in self.runners)
-
-
-@dataclass(eq=False)
-class MemberCache:
-    """Whether a client is a member of the job, as the store says, read sparingly.
-
-    A shard refuses smashed data from a stranger, but must never refuse a member's: a hit is
-    trusted for `_MEMBER_TTL_S`, and a miss always asks the store again, unless that very client
-    was found missing less than `_NEGATIVE_TTL_S` ago (a stranger flooding the queue then costs
-    one store read per id and interval, not one per message).
-    """
-
-    store: MemberStore
-    job: str
-    clock: Callable[[], float]
-    _members: frozenset[str] = frozenset()
-    _read_at: float | None = None
-    _strangers: OrderedDict[str, float] = field(default_factory=OrderedDict)  # when found missing
-
-    def __call__(self, client: str) -> bool:
-        now = self.clock()
-        fresh = self._read_at is not None and now - self._read_at < _MEMBER_TTL_S
-        if client in self._members and fresh:
-            return True
-        missed_at = self._strangers.get(client)
-        if missed_at is not None and now - missed_at < _NEGATIVE_TTL_S:
-            return False
-        members = self.store.live_members(self.job, MemberKind.CLIENT)
-        self._members = frozenset(m[len(CLIENT_MEMBER_PREFIX) :] for m in members)
-        self._read_at = now
-        if client in self._members:
-            self._strangers.pop(client, None)
-            return True
-        self._strangers[client] = now
-        self._strangers.move_to_end(client)
-        while len(self._strangers) > _MAX_STRANGERS:
-            self._strangers.popitem(last=False)
-        return False
 
 
 class BusyMeter:

@@ -137,17 +137,17 @@ def test_a_copy_of_an_applied_batch_gets_its_gradient_again_in_async_mode(job: s
     settings, embedded, model, client = setup(job)
     gen = torch.Generator().manual_seed(4)
     batches = [random_batch(model, gen) for _ in range(3)]
-    client.batch("c0", 0, *batches[0], version=1)
-    client.batch("c0", 1, *batches[1], version=1, round_=1)
-    client.batch("c0", 1, *batches[1], version=1, round_=1)  # republished
-    client.batch("c0", 0, *batches[0], version=1)  # an older seq: its gradient is not kept
+    zero = client.batch("c0", 0, *batches[0], version=1)
+    one = client.batch("c0", 1, *batches[1], version=1, round_=1)
+    client.publish(0, one)  # republished
+    client.publish(0, zero)  # an older seq: its gradient is not kept
 
     def burst(worker_id: str) -> Any:
         backends = Backends(settings.broker, settings.store, embedded)
         return Worker(settings, backends, worker_id=worker_id).run(threading.Event(), burst=True)
 
     first = burst("w1")
-    client.batch("c0", 1, *batches[1], version=1, round_=1)  # again, to a worker taking over
+    client.publish(0, one)  # again, to a worker taking over
     client.batch("c0", 2, *batches[2], version=1, round_=2)
     second = burst("w2")
 

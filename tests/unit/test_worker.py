@@ -131,12 +131,12 @@ def test_duplicate_seqs_are_never_applied_twice(job: str) -> None:
     batches = [random_batch(model, gen) for _ in range(4)]
     client.round_start(0, {"c0": 32})
     client.batch("c0", 0, *batches[0])
-    client.batch("c0", 1, *batches[1])
-    client.batch("c0", 1, *batches[1])  # the client republished after a reply timeout
-    client.batch("c0", 2, *batches[2])
+    one = client.batch("c0", 1, *batches[1])
+    client.publish(0, one)  # the client republished after a reply timeout
+    two = client.batch("c0", 2, *batches[2])
     first = run_burst(settings, embedded)
     # A later worker resumes from the checkpoint: an old seq is still a duplicate.
-    client.batch("c0", 2, *batches[2])
+    client.publish(0, two)
     client.batch("c0", 3, *batches[3])
     client.round_end(0)
     second = run_burst(settings, embedded, worker_id="w2")
@@ -410,8 +410,8 @@ def test_a_copy_of_a_buffered_batch_is_served_once(job: str) -> None:
     za, ya = random_batch(model, gen)
     zb, yb = random_batch(model, gen)
     client.round_start(0, cohort)
-    client.batch("a", 0, za, ya, steps=1)
-    client.batch("a", 0, za, ya, steps=1)  # republished while the barrier waits for b
+    first = client.batch("a", 0, za, ya, steps=1)
+    client.publish(0, first)  # republished while the barrier waits for b
     client.batch("b", 0, zb, yb, steps=1)
     client.round_end(0)
 
