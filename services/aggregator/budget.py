@@ -2,9 +2,12 @@
 
 RabbitMQ hands the queue out in order and dead-lettering junk (a confirmed publish each) is
 slower than one client publishes it, so without budgets a flood delays every update queued
-behind it. The rule (a token bucket per sender; strangers share one, so made-up ids buy no
-fresh buckets; the surplus dead-lettered in batches) and its measurements: docs/reliability.md,
-the flood row. A legitimate client sends one message per local round, far below its budget.
+behind it. The rule (a token bucket per sender: its AMQP user where the broker vouches for
+one, else the member a message names; strangers share one, so made-up ids buy no fresh buckets;
+the surplus dead-lettered in batches) and its measurements: docs/reliability.md, the flood row.
+What a round takes (a member's one update or notice) spends nothing, so junk in a member's name
+cannot refuse its real update (the inbox judges first). A legitimate client sends one message
+per local round, far below its budget.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ class SenderBudgets:
         """The reason a message over `sender`'s budget is dead-lettered with."""
         who = f"sender {sender!r}" if sender else "senders without an identity (one budget)"
         return (
-            f"over_budget: {who} above {self.burst} messages then {self.rate_per_s:g}/s; "
-            "refused unjudged"
+            f"over_budget: {who} above {self.burst} messages then {self.rate_per_s:g}/s "
+            "that no round took; refused"
         )
 
     def report(self, sender: str) -> int:

@@ -1,6 +1,7 @@
-"""The aggregator's side of `<job>.updates`: spend the sender's budget (`budget`), decode,
-check, screen (`gate`), hand to the clock's gate, ack. Validation comes before state, so every
-invalid message is dead-lettered with its reason, in both modes.
+"""The aggregator's side of `<job>.updates`: decode, check, screen (`gate`), hand to the
+clock's gate; then what the gate did not take spends its sender's budget (`budget`) before it
+is acked, answered or dead-lettered. Validation comes before state, so every invalid message is
+dead-lettered with its reason, in both modes.
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update. A `RoundDropped` notice is acked once judged:
@@ -36,7 +37,25 @@ class InboxStats:
     dead_lettered: int = 0
     accepted_bytes: int = 0
     drops: int = 0  # RoundDropped notices taken (not their duplicates, late or refused ones)
-    throttled: int = 0  # refused unjudged: their sender was over its budget
+    throttled: int = 0  # refused (no round took them) while their sender was over its budget
+
+
+@dataclass(frozen=True)
+class _Ruling:
+    """What the inbox makes of one delivery."""
+
+    offer: Offer
+    # Whose budget a message without an AMQP user spends: the member it names once the screen
+    # knows it, else the strangers' one.
+    member: str = STRANGERS
+    # The update or notice the gate judged (None: refused before the gate, by `offer`).
+    judged: WeightsUpdate | RoundDropped | None = None
+    # What follows its dead letter (a member's unusable update: the gate is told).
+    then: Callable[[], None] | None = None
+
+    @classmethod
+    def refused(cls, reason: str, kind: str) -> _Ruling:
+        return cls(Offer(Verdict.REJECT, reason, kind=kind))
 
 
 @dataclass
@@ -69,55 +88,51 @@ class UpdateInbox:
                 delivery = self.broker.get(timeout - wait)
         if delivery is None:
             return False
-        if delivery.user_id:  # the broker's word for the sender: no need to decode first
-            decoded = None
-            sender = delivery.user_id
+        ruling = self._rule(delivery, _decoded(delivery), gate, version)
+        # Validate before charging: what the gate takes (a member's one update or notice of a
+        # round) is never refused for a budget, so junk in a member's name cannot cost it its
+        # round; the rest spends its sender's budget before anything more is done for it.
+        if ruling.offer.verdict is not Verdict.ACCEPT:
+            sender = delivery.user_id or ruling.member
+            if not self.budgets.spend(sender):
+                self._batch(delivery, self.budgets.refusal(sender), lambda: self._throttled(sender))
+                return True
+        if ruling.judged is not None:
+            self._settle(delivery, ruling.judged, ruling.offer, version)
         else:
-            decoded = _decoded(delivery)
-            sender = self._claimed(decoded)
-        if not self.budgets.spend(sender):
-            self._batch(delivery, self.budgets.refusal(sender), lambda: self._throttled(sender))
-            return True
-        self._judge(delivery, _decoded(delivery) if decoded is None else decoded, gate, version)
+            self._dead_letter(delivery, ruling.offer.reason, ruling.offer.kind, ruling.then)
         return True
 
-    def _claimed(self, decoded: Message | DecodeError) -> str:
-        """The budget an unstamped message spends: its client's if that is a member's."""
-        if isinstance(decoded, WeightsUpdate | RoundDropped) and decoded.job == self.job:
-            if self.screen.members.get(decoded.client) is not None:
-                return decoded.client
-        return STRANGERS
-
-    def _judge(
+    def _rule(
         self, delivery: Delivery, message: Message | DecodeError, gate: Gate, version: int
-    ) -> None:
+    ) -> _Ruling:
+        """The checks in order (decode, type, job, sender, screen), then the gate's verdict."""
         if isinstance(message, DecodeError):
             reason = message.reason
-            self._dead_letter(delivery, f"undecodable: {reason}", decode_kind(reason))
-            return
+            return _Ruling.refused(f"undecodable: {reason}", decode_kind(reason))
         if not isinstance(message, WeightsUpdate | RoundDropped):
             reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
-            self._dead_letter(delivery, reason, "wrong_type")
-            return
+            return _Ruling.refused(reason, "wrong_type")
         if message.job != self.job:
-            self._dead_letter(delivery, f"update for job {message.job!r}", "wrong_job")
-            return
+            return _Ruling.refused(f"update for job {message.job!r}", "wrong_job")
         sender = client_id_problem(message.client) or self.senders.client_problem(
             delivery, message.client
         )
         if sender is not None:
-            self._dead_letter(delivery, sender, "bad_sender")
-            return
+            return _Ruling.refused(sender, "bad_sender")
         refusal = self.screen.refusal(message)
         if refusal is not None:
-            then = (lambda: gate.refused(message.client)) if refusal.kind != NOT_MEMBER else None
-            self._dead_letter(delivery, refusal.reason, refusal.kind, then)
-            return
+            if refusal.kind == NOT_MEMBER:
+                return _Ruling(refusal)
+            client = message.client
+            return _Ruling(refusal, member=client, then=lambda: gate.refused(client))
+        # Past the screen the client is a member (or was one lately): its name is the budget
+        # an unstamped message spends (the open mode cannot tell it from a forgery, which is
+        # why what the gate takes spends none).
         if isinstance(message, RoundDropped):
-            self._settle(delivery, message, gate.offer_drop(message), version)
-        else:
-            self.metrics.staleness(version - message.version)
-            self._settle(delivery, message, gate.offer(message), version)
+            return _Ruling(gate.offer_drop(message), member=message.client, judged=message)
+        self.metrics.staleness(version - message.version)
+        return _Ruling(gate.offer(message), member=message.client, judged=message)
 
     def flush(self) -> None:
         """Dead-letter the batch (the surplus, and what was judged meanwhile) in one go."""
@@ -139,8 +154,8 @@ class UpdateInbox:
         refused = self.budgets.report(sender)
         if refused:
             self.logger.warning(
-                "job %s: %s is over its budget of %d updates, then %g a second: %d refused "
-                "unjudged (dead-lettered with that reason) since the last report",
+                "job %s: %s is over its budget of %d updates, then %g a second: %d that no "
+                "round took refused (dead-lettered with that reason) since the last report",
                 self.job,
                 f"client {sender!r}" if sender else "an unknown sender",
                 self.budgets.burst,
@@ -228,7 +243,7 @@ class UpdateInbox:
             settled()
 
 
-# Refusal kind of a message refused unjudged (`services.aggregator.budget`).
+# Refusal kind of a message refused for its sender's budget (`services.aggregator.budget`).
 OVER_BUDGET = "over_budget"
 
 

@@ -54,6 +54,20 @@ class Decision(enum.Enum):
     REOPEN = "reopen"  # nothing arrived: sample a new cohort for the same round
 
 
+def wrong_version(message: WeightsUpdate | RoundDropped) -> Offer | None:
+    """The REJECT of a sync update or notice whose version is not its round's (round r trains
+    version r + 1), else None. Checked before a message is taken as late: a late one is acked
+    (an update answered), so junk in a member's name must not pass as one."""
+    if message.version == message.round + 1:
+        return None
+    what = "update" if isinstance(message, WeightsUpdate) else "RoundDropped"
+    reason = (
+        f"{what} based on version {message.version}; "
+        f"round {message.round + 1} trains version {message.round + 1}"
+    )
+    return Offer(Verdict.REJECT, reason, kind="wrong_version")
+
+
 @dataclass(frozen=True)
 class ClosedGate:
     """Between rounds: updates of round <= `last` are late, later ones premature."""
@@ -61,9 +75,10 @@ class ClosedGate:
     last: int
 
     def offer(self, update: WeightsUpdate | RoundDropped) -> Offer:
-        if update.round <= self.last:
-            return Offer(Verdict.LATE, f"round {update.round + 1} is closed")
-        return Offer(Verdict.REJECT, f"round {update.round + 1} is not open", kind="not_open")
+        if update.round > self.last:
+            reason = f"round {update.round + 1} is not open"
+            return Offer(Verdict.REJECT, reason, kind="not_open")
+        return wrong_version(update) or Offer(Verdict.LATE, f"round {update.round + 1} is closed")
 
     offer_drop = offer
 
@@ -97,8 +112,6 @@ class OpenRound:
             return misplaced
         if update.client in self.updates:
             return Offer(Verdict.DUPLICATE)
-        if (wrong := self._wrong_version(update)) is not None:
-            return wrong
         # A valid update outweighs an earlier notice that the round was dropped.
         self.declined.pop(update.client, None)
         self.updates[update.client] = client_update(update, self.client_ref, self.aux_ref)
@@ -114,8 +127,6 @@ class OpenRound:
             return Offer(Verdict.REJECT, reason, kind="contradicts_update")
         if drop.client in self.declined:
             return Offer(Verdict.DUPLICATE)
-        if (wrong := self._wrong_version(drop)) is not None:
-            return wrong
         expected = self.assigned.get(drop.client)
         if drop.ref_message_id and expected and drop.ref_message_id != expected:
             return Offer(
@@ -126,27 +137,19 @@ class OpenRound:
 
     def _misplaced(self, message: WeightsUpdate | RoundDropped) -> Offer | None:
         """The verdict on an update or notice not for this round's cohort, or None."""
-        if message.round < self.round:
-            return Offer(Verdict.LATE, f"round {message.round + 1} is closed")
         if message.round > self.round:
             reason = f"round {message.round + 1} is not open (open: {self.round + 1})"
             return Offer(Verdict.REJECT, reason, kind="not_open")
+        if (wrong := wrong_version(message)) is not None:
+            return wrong
+        if message.round < self.round:
+            return Offer(Verdict.LATE, f"round {message.round + 1} is closed")
         if message.client not in self.cohort:
             if message.client in self.earlier:
                 return Offer(Verdict.LATE, f"round {self.round + 1} was reopened without you")
             reason = f"client {message.client!r} is not in round {self.round + 1}"
             return Offer(Verdict.REJECT, reason, kind="not_in_cohort")
         return None
-
-    def _wrong_version(self, message: WeightsUpdate | RoundDropped) -> Offer | None:
-        if message.version == self.version:
-            return None
-        what = "update" if isinstance(message, WeightsUpdate) else "RoundDropped"
-        reason = (
-            f"{what} based on version {message.version}; "
-            f"round {self.round + 1} trains version {self.version}"
-        )
-        return Offer(Verdict.REJECT, reason, kind="wrong_version")
 
     def refused(self, client: str) -> None:
         pass  # counted by the inbox, per attempt

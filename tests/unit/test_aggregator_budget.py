@@ -1,5 +1,6 @@
-"""Per-sender budgets on the updates queue: a flooder's surplus is refused unjudged (dead-lettered
-in batches, each with the reason), the others are served, and strangers share one budget."""
+"""Per-sender budgets on the updates queue: a flooder's surplus is refused (dead-lettered in
+batches, each with the reason), the others are served, strangers share one budget, and what a
+round takes spends none (junk in a member's name cannot refuse its real update)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from broker.codec import encode
 from broker.errors import BrokerError
 from broker.memory_broker import InMemoryBroker, InMemoryHub
-from broker.messages import WeightsUpdate, new_message_id
+from broker.messages import ABORTED, RoundDropped, WeightsUpdate, new_message_id
 from broker.topology import (
     CONTROL_EXCHANGE,
     dead_queue,
@@ -138,7 +139,7 @@ class Flood:
         return letters
 
 
-def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_its_reason(
+def test_a_flooders_surplus_is_refused_into_the_dead_letter_queue_with_its_reason(
     job: str,
 ) -> None:
     flood = Flood.of(job)
@@ -153,8 +154,8 @@ def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_
     inbox.drain(flood.gate, 1)
 
     assert set(flood.gate.updates) == {"honest"}  # served after the flood ahead of it
-    # mallory's first 3 judged (dead-lettered with the screen's reason, one by one), 7 refused
-    # unjudged; strangers (undecodable bodies) spend a budget of their own, judged while the
+    # mallory's first 3 dead-lettered with the screen's reason (one by one), 7 for its budget;
+    # strangers (undecodable bodies) spend a budget of their own, judged while the
     # surplus waits: they join its batch.
     assert (inbox.stats.dead_lettered, inbox.stats.throttled) == (3 + 2, 7)
     assert inbox.refusals[OVER_BUDGET] == 7
@@ -165,12 +166,33 @@ def test_a_flooders_surplus_is_refused_unjudged_into_the_dead_letter_queue_with_
     refused = sorted(m for m, r in reasons.items() if r.startswith("over_budget:"))
     assert refused == [f"junk-{i}" for i in range(3, 10)]
     assert reasons["junk-9"] == (
-        "over_budget: sender 'mallory' above 3 messages then 1e-09/s; refused unjudged"
+        "over_budget: sender 'mallory' above 3 messages then 1e-09/s that no round took; refused"
     )
     assert all("unknown tensors" in reasons[f"junk-{i}"] for i in range(3))
     assert all(reasons[f"anon-{i}"].startswith("undecodable") for i in range(2))
     assert STRANGERS == ""  # the strangers' budget is keyed by no client id
     assert "senders without an identity" in SenderBudgets().refusal(STRANGERS)
+
+
+def test_junk_in_a_members_name_spends_its_budget_yet_its_real_update_is_taken(job: str) -> None:
+    """Issue 33: 9,000 RoundDropped claiming client-2 (open mode: nothing says who sent them)
+    spent client-2's budget, and its real update behind them was refused `over_budget`."""
+    flood = Flood.of(job)
+    for i in range(10):
+        drop = RoundDropped(job, "honest", new_message_id(), 999, 0, ABORTED)
+        flood.publish(encode(drop), f"forged-{i}")
+    flood.publish(flood.update("honest"), "honest")
+    inbox = flood.inbox(InMemoryBroker(flood.embedded.hub), SenderBudgets(3, 1e-9))
+
+    inbox.drain(flood.gate, 1)
+
+    assert set(flood.gate.updates) == {"honest"} and inbox.stats.accepted == 1
+    assert flood.gate.declined == {}  # no forged drop was taken for the round's
+    assert (inbox.stats.late, inbox.stats.throttled, inbox.stats.dead_lettered) == (0, 7, 3)
+    reasons = {m: str(h[REASON_HEADER]) for m, h in flood.dead_letters().items()}
+    assert set(reasons) == {f"forged-{i}" for i in range(10)}
+    assert all("based on version 999" in reasons[f"forged-{i}"] for i in range(3))
+    assert all(reasons[f"forged-{i}"].startswith("over_budget: sender 'honest'") for i in (3, 9))
 
 
 def test_the_surplus_goes_in_batches_full_aged_or_before_the_inbox_waits(job: str) -> None:

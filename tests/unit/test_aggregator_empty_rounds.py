@@ -299,7 +299,9 @@ def test_drops_that_do_not_belong_to_the_attempt(
 
 def test_between_rounds_a_drop_is_late_or_premature() -> None:
     gate = ClosedGate(last=2)
-    assert gate.offer_drop(drop_of("a", round_index=2)).verdict is Verdict.LATE
+    assert gate.offer_drop(drop_of("a", round_index=2, version=3)).verdict is Verdict.LATE
+    forged = gate.offer_drop(drop_of("a", round_index=2, version=999))  # round 3 trains v3
+    assert (forged.verdict, forged.kind) == (Verdict.REJECT, "wrong_version")
     premature = gate.offer_drop(drop_of("a", round_index=3))
     assert (premature.verdict, premature.kind) == (Verdict.REJECT, "not_open")
 

@@ -17,6 +17,7 @@ from services.aggregator.round_gate import (
     OpenRound,
     quorum_size,
     sample_cohort,
+    wrong_version,
 )
 from services.common.membership import MemberInfo, member_id
 from services.config.job import ClientsSection
@@ -93,12 +94,15 @@ def test_verdicts() -> None:
     state = open_round("a", "b")
     assert state.offer(update("a")).verdict is Verdict.ACCEPT
     assert state.offer(update("a")).verdict is Verdict.DUPLICATE
-    assert state.offer(update("b", round_=2)).verdict is Verdict.LATE
+    assert state.offer(update("b", round_=2, version=3)).verdict is Verdict.LATE
     assert state.offer(update("old")).verdict is Verdict.LATE  # an abandoned attempt's member
     rejected = {
         "stranger": update("stranger"),
         "future": update("b", round_=4),
         "stale version": update("b", version=3),
+        # Late ones too must name their round's version (round r trains version r + 1).
+        "late, another version": update("b", round_=2, version=999),
+        "an abandoned attempt's, another version": update("old", version=999),
     }
     for what, message in rejected.items():
         offer = state.offer(message)
@@ -107,6 +111,32 @@ def test_verdicts() -> None:
     assert set(state.updates) == {"a"}
     assert ClosedGate(3).offer(update("a")).verdict is Verdict.LATE
     assert ClosedGate(2).offer(update("a")).verdict is Verdict.REJECT
+    assert ClosedGate(3).offer(update("a", version=999)).kind == "wrong_version"
+
+
+def test_a_late_message_must_name_its_rounds_version() -> None:
+    """Junk in a member's name (issue 33: 9,000 RoundDropped of version 999) is not taken for
+    a late message, which is acked (an update answered `round_closed`)."""
+    assert wrong_version(update("a", round_=2, version=3)) is None
+    assert wrong_version(RoundDropped("j", "a", "m", 1, 0, "aborted")) is None
+    for message in (
+        update("a", round_=2, version=999),
+        RoundDropped("j", "a", "m", 999, 0, "aborted"),
+        RoundDropped("j", "a", "m", 1, 1, "aborted"),
+    ):
+        offer = wrong_version(message)
+        assert offer is not None and offer.verdict is Verdict.REJECT
+        assert offer.kind == "wrong_version"
+        assert f"based on version {message.version}" in offer.reason
+    state = open_round("a", "b")
+    for drop in (
+        RoundDropped("j", "b", "m", 999, 1, "aborted"),  # a closed round's
+        RoundDropped("j", "old", "m", 999, 3, "aborted"),  # an abandoned attempt's
+    ):
+        assert state.offer_drop(drop).kind == "wrong_version"
+        assert ClosedGate(3).offer_drop(drop).kind == "wrong_version"
+    assert state.offer_drop(RoundDropped("j", "b", "m", 2, 1, "aborted")).verdict is Verdict.LATE
+    assert state.declined == {}
 
 
 def test_the_book_reads_the_members_once_a_refresh_and_forgets_who_left() -> None:
