@@ -42,6 +42,7 @@ from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.doctor import StartInterrupted, check_services
+from services.runtime.threads import apply_process_budget, shared_by
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ def _serve(
     context = context or {}
     with log.logging(settings, {"role": kind, "job": settings.job.name, **context}):
         logger = logging.getLogger(f"splitmq.{kind}")
+        apply_process_budget(settings, logger)
         backends = Backends(settings.broker, settings.store)
         # `splitmq check <kind>` (the containers' healthcheck) reads this key.
         instance = str(context.get(kind) or default_member_id(f"{kind}-"))
@@ -287,7 +289,8 @@ def clients(
             stats_file=stats_file,
         )
 
-    _serve(settings, "client", factory, log, {"client": host})
+    # The host's clients compute at once, each on its thread: they share the cores.
+    _serve(shared_by(settings, count), "client", factory, log, {"client": host})
 
 
 # glibc's mallopt parameter for the most arenas (malloc.h).

@@ -88,6 +88,7 @@ def run(
     # Progress lines say what happens; role logs below WARNING would drown them.
     with log.logging(settings, {"job": settings.job.name}, default="WARNING"):
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
+        settings = _budget_threads(settings)
         saved = saved_version(resume_dir, settings) if resume_dir is not None else None
         dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.common)
         sink, both = run_report(settings, report_dir, resume_dir, resume=saved is not None)
@@ -184,7 +185,11 @@ def up(
     # fewer clients than the file's round-1 quorum would never start: lower it to match.
     min_to_start = min(file_settings.clients.min_to_start, n_clients)
     env = child_env(
-        os.environ, workers=max(n_workers, 1), clients=n_clients, min_to_start=min_to_start
+        os.environ,
+        workers=max(n_workers, 1),
+        clients=n_clients,
+        min_to_start=min_to_start,
+        runtime=file_settings.runtime,
     )
     settings = read_settings(path, env)
     require_reachable(settings, "up")
@@ -229,6 +234,22 @@ def up(
         click.echo(f"splitmq up: {result.status}", err=True)
     if result.exit_code:
         raise click.exceptions.Exit(result.exit_code)
+
+
+def _budget_threads(settings: Settings) -> Settings:
+    """The embedded run's settings with its thread budget, applied to this process: its
+    clients and workers are threads that compute at once, each with its own OpenMP team, so
+    they divide the cores as processes would (services/config/runtime.py). One number for the
+    whole process, set before any role starts: torch.set_num_threads is the default that each
+    thread's team takes, and the roles that compute are alike (the aggregator evaluates and
+    the coordinator routes while they wait). Intra-op threads beyond the share would only
+    spin at barriers on cores that another role needs."""
+    from services.runtime.roles import worker_count
+    from services.runtime.threads import apply_budget, process_budget, shared_by
+
+    settings = shared_by(settings, settings.clients.count + worker_count(settings))
+    apply_budget(process_budget(settings))
+    return settings
 
 
 def _resume_up(settings: Settings, run_dir: Path, client_ids: list[str]) -> int:

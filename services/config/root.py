@@ -1,5 +1,5 @@
-"""The root of a SplitMQ configuration file: connections, the job description, [metrics] and
-[autoscaler]."""
+"""The root of a SplitMQ configuration file: connections, the job description, [metrics],
+[autoscaler] and [runtime]."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from broker.topology import job_queues
 from broker.transport import QueueSpec
 from services.config.job import JobConfig
+from services.config.runtime import RuntimeSection
 from services.config.settings import ConnectionSettings, _Section
 
 # Where each kind of process starts looking for a free port, relative to `port`.
@@ -87,6 +88,7 @@ class Settings(ConnectionSettings, JobConfig):
 
     autoscaler: AutoscalerSection = AutoscalerSection()
     metrics: MetricsSection = MetricsSection()
+    runtime: RuntimeSection = RuntimeSection()
 
     def job_queues(self) -> list[QueueSpec]:
         """The job's server-side queues with the configured bounds (what every role declares)."""

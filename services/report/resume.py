@@ -42,6 +42,7 @@ MAY_CHANGE = (
     "report",
     "metrics",
     "autoscaler",
+    "runtime",
     "broker",
     "store",
     "security",

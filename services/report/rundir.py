@@ -18,6 +18,7 @@ import torch
 from services.algorithms.fedsplitx import FedSplitXSection
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
+from services.config.runtime import usable_cores
 from services.report.tomlwrite import dumps, redact
 
 CONFIG_FILE = "config.toml"
@@ -59,10 +60,18 @@ class RunInfo:
     status: str = "running"
     splitmq: str = ""  # the installed package's version
     git_commit: str = ""  # of the source tree the code ran from ("" outside a git checkout)
+    # The thread budget of the run's processes ([runtime]; 0 and "" in older runs): torch's
+    # intra-op and inter-op threads of each compute thread, and how they were chosen.
+    torch_threads: int = 0
+    torch_interop_threads: int = 0
+    thread_budget: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def for_settings(cls, settings: Settings, command: str, started: datetime) -> RunInfo:
+        # What the command that starts the process applies (services/runtime/threads.py):
+        # the settings say how many compute threads share the host's cores.
+        budget = settings.runtime.budget(usable_cores())
         return cls(
             job=settings.job.name,
             command=command,
@@ -79,6 +88,9 @@ class RunInfo:
             rounds=settings.job.rounds,
             splitmq=package_version(),
             git_commit=source_commit(),
+            torch_threads=budget.intra_op,
+            torch_interop_threads=budget.inter_op,
+            thread_budget=budget.rule(),
         )
 
     def ended(self, status: str, at: datetime) -> RunInfo:

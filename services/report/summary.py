@@ -77,9 +77,15 @@ def banner(info: RunInfo) -> str:
     cut = f"cut {info.cut}" if info.cut else "no split"
     if info.cut.startswith("levels"):
         cut = info.cut
-    return (
+    line = (
         f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
         f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"
+    )
+    if not info.torch_threads:  # a run from before the thread budget
+        return line
+    return (
+        f"{line}\ntorch threads: {info.torch_threads} intra-op / {info.torch_interop_threads} "
+        f"inter-op per compute thread ({info.thread_budget})"
     )
 
 

@@ -29,6 +29,7 @@ from broker.transport import Broker
 from services.common.backends import Backends
 from services.config.loading import load_settings
 from services.config.root import Settings
+from services.config.runtime import usable_cores
 from services.runtime.processes import clear_job
 from tests.integration.scrape import Samples, missing, scrape, state, total, wait_for
 
@@ -235,10 +236,22 @@ def test_every_role_serves_its_metrics_during_a_run(config: Path, tmp_path: Path
     assert "did not stop cleanly" not in text
     for name in ("aggregator", "coordinator", "worker-0", "worker-1", "client-0", "client-2"):
         assert f"\n{name:<11} | " in text, name
+    # Its thread budget: two workers and three clients compute at once on this host's cores,
+    # so each child runs torch on a fifth of them, says so, and the report records it.
+    cores = usable_cores()
+    share = max(1, cores // 5)
+    rule = f"auto: {cores} cores shared by 5 compute threads"
+    said = f"torch threads: {share} intra-op / {share} inter-op ({rule})"
+    lines = text.splitlines()
+    for name in ("aggregator", "coordinator", "worker-0", "worker-1", "client-0", "client-2"):
+        assert any(line.startswith(f"{name} ") and said in line for line in lines), name
+    assert "in effect" not in text  # torch runs with the budget it was given
     (run_dir,) = runs.iterdir()
     assert run_dir.name.startswith(f"{job}-")
     doc = json.loads((run_dir / "metrics.json").read_text())
     assert doc["run"]["status"] == "finished"
+    assert doc["run"]["torch_threads"] == doc["run"]["torch_interop_threads"] == share
+    assert doc["run"]["thread_budget"] == rule
     assert doc["run"]["command"].startswith("splitmq aggregator")
     assert [r["version"] for r in doc["records"]] == [2, 3, 4]
     assert all(r["participants"] == 3 for r in doc["records"])
