@@ -7,13 +7,14 @@ from before sessions had one). A worker takes a batch only inside its session's 
     seq_base <= seq <= top + credit
 
 `top` is the highest seq taken (applied, or buffered to be) in the session, `seq_base - 1`
-before any (a record without `seq_base` has no window, as before sessions had one), and `credit` the client's allowance of batches per round (`workers.credit`): a
-client's seqs run ahead of what the worker took by at most the batches it has in flight. A seq
-outside is refused `bad_seq` and never recorded, so a forged seq far ahead cannot raise the
-floor that `Replica.applied_already` keeps (a recorded copy below `seq_base`, from the
-client's previous session, is still answered as a copy, before this check). A seq outside the
-known window may be the first of a new session: the member record is read again (at most five
-times a second, `MemberCache.info`), and the window moves to the new `seq_base`.
+before any, and `credit` the client's allowance of batches per round (`workers.credit`): a
+client's seqs run ahead of what the worker took by at most the batches it has in flight. A
+record without `seq_base` has no window, as before sessions had one. A seq outside is refused
+`bad_seq` and never recorded, so a forged seq far ahead cannot raise the floor that
+`Replica.applied_already` keeps (a recorded copy below `seq_base`, from the client's previous
+session, is still answered as a copy, before this check). A seq outside the known window may
+be the first of a new session: the member record is read again (at most five times a second,
+`MemberCache.info`), and the window moves to the new `seq_base`.
 
 The same rule tells a genuine copy of an applied batch from a forgery: a copy carries the
 message id of the batch it repeats (`copy_problem`).

@@ -37,7 +37,7 @@ from workers.credit import Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
-from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner, reject
+from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner
 from workers.stats import WorkerStats
 
 
@@ -189,7 +189,6 @@ class WorkerSession:
                 return
 
     def hand_over_all(self) -> None:
-        self.settle_surplus()
         for runner in list(self.runners.values()):
             self.hand_over(runner)
         for shard in list(self.unloaded):
@@ -283,6 +282,7 @@ class WorkerSession:
         self._say("holds shard %d (version %d, %d applied, round %d)", *args)
 
     def hand_over(self, runner: ShardRunner) -> None:
+        self.settle_surplus()
         queue = shard_queue_name(self.job, runner.shard)
         try:
             runner.checkpoint()
@@ -296,6 +296,7 @@ class WorkerSession:
         self._say("handed over shard %d", runner.shard)
 
     def redeliver(self, shard: int) -> None:
+        self.settle_surplus()
         queue = shard_queue_name(self.job, shard)
         self.broker.unsubscribe(queue)
         self.broker.subscribe(queue, prefetch=self.prefetch)
@@ -306,6 +307,7 @@ class WorkerSession:
         self.unloaded.discard(shard)
         if self.runners.pop(queue, None) is None:
             return
+        self.settle_surplus()
         self.broker.unsubscribe(queue)
         self.stats.shards_lost += 1
         self._say("lost the lease of shard %d", shard, level=logging.WARNING)
@@ -353,21 +355,35 @@ class WorkerSession:
         self.log.log(level, prefix + message, self.worker_id, self.job, *args, exc_info=exc_info)
 
     def reject(self, delivery: Delivery, code: str, detail: str) -> None:
-        reject(self.broker, delivery, code, detail, self.stats.dead_lettered, self.log)
+        self.refuse(delivery, f"{code}: {detail}")
 
     def refuse(self, delivery: Delivery, reason: str) -> None:
         """Dead-letter `delivery` with `reason` (`"<code>: <detail>"`) in the next batch of
-        refusals: a flood's excess costs one wait for the broker per batch, not per message."""
+        refusals: a flood costs one wait for the broker per batch, not per message (issue 33:
+        a flood must drain faster than one client can publish it)."""
         self.surplus.add(delivery, reason)
 
     def settle_surplus(self) -> None:
+        """Dead-letter the refusals waiting: before anything that gives deliveries back to the
+        queue (they would come back to be judged again), and whenever they are due."""
         letters = self.surplus.take()
         if not letters:
             return
         outcomes = dead_letter_many_safely(self.broker, letters)
+        first: dict[str, str] = {}
+        counts = self.stats.dead_lettered
         for (_, reason), outcome in zip(letters, outcomes, strict=True):
             if outcome is not Rejected.REDELIVERED:  # else judged again when it comes back
-                self.stats.dead_lettered[reason.split(":", 1)[0]] += 1
+                code = reason.split(":", 1)[0]
+                counts[code] += 1
+                first.setdefault(code, reason)
+        for code, reason in first.items():  # one line a code and batch, not one a message
+            self._say(
+                "dead-lettered message(s) (%s in total): %s",
+                counts[code],
+                reason,
+                level=logging.WARNING,
+            )
 
     def _each(self, action: Callable[[ShardRunner], None]) -> None:
         for runner in list(self.runners.values()):
