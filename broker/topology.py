@@ -6,8 +6,13 @@ from dataclasses import dataclass, replace
 
 from broker.transport import QueueSpec
 
-SMASHED_EXCHANGE = "splitmq.smashed"
-CONTROL_EXCHANGE = "splitmq.control"
+# Topic exchanges, so that RabbitMQ's topic permissions can confine a client user of the
+# secured mode to its own job's routing keys (services/security/provision.py); bindings are
+# exact keys (job names and client ids hold neither '*' nor '#'), routed as by a direct
+# exchange. New names, not the direct `splitmq.smashed` / `splitmq.control` of earlier
+# releases: RabbitMQ refuses to re-declare an exchange as another type (PRECONDITION_FAILED).
+SMASHED_EXCHANGE = "splitmq.smashed.topic"
+CONTROL_EXCHANGE = "splitmq.control.topic"
 REPLIES_EXCHANGE = "splitmq.replies"
 EVENTS_EXCHANGE = "splitmq.events"
 DEAD_EXCHANGE = "splitmq.dead"
@@ -18,8 +23,8 @@ BEST_EFFORT_EXCHANGES = frozenset({EVENTS_EXCHANGE})
 
 # (name, type); every broker declares all of them before any queue.
 EXCHANGES: tuple[tuple[str, str], ...] = (
-    (SMASHED_EXCHANGE, "direct"),
-    (CONTROL_EXCHANGE, "direct"),
+    (SMASHED_EXCHANGE, "topic"),
+    (CONTROL_EXCHANGE, "topic"),
     (REPLIES_EXCHANGE, "direct"),
     (EVENTS_EXCHANGE, "fanout"),
     (DEAD_EXCHANGE, "direct"),
@@ -50,6 +55,18 @@ class QueueLimits:
     updates_max_length_bytes: int = 1 << 30
     dead_max_length: int = 100_000
     dead_max_length_bytes: int = 2 << 30
+    # Reply queues (`<job>.reply.<client>`, `<job>.infer-reply.<requester>`): only services
+    # write to them, but every message a client sends may be answered there (a Join with a
+    # Welcome holding its weights), so a client that keeps asking and never reads would grow
+    # its queue without end. A legitimate client holds at most its Welcome, an assignment or
+    # two, and one reply per batch in flight: fewer batches than its shard queue holds
+    # (`max_length`), and room for three messages of RabbitMQ's largest (128 MiB) and their
+    # gradients. Publishers are refused when full (reject-publish).
+    reply_max_length: int = 10_000
+    reply_max_length_bytes: int = 512 << 20
+    # A client host's one queue (`<job>.host.<H>`) carries the replies of all its clients.
+    host_max_length: int = 100_000
+    host_max_length_bytes: int = 4 << 30
 
 
 def shard_queue_name(job: str, shard: int) -> str:
@@ -184,53 +201,50 @@ def dead_queue(job: str, limits: QueueLimits | None = None) -> QueueSpec:
     )
 
 
-def reply_queue(job: str, client: str) -> QueueSpec:
-    return QueueSpec(
-        name=reply_queue_name(job, client),
-        exchange=REPLIES_EXCHANGE,
-        routing_key=reply_routing_key(job, client),
-        dead_letter_routing_key=job,
+def _reply_bounds(limits: QueueLimits | None) -> tuple[int, int]:
+    limits = limits or QueueLimits()
+    return limits.reply_max_length, limits.reply_max_length_bytes
+
+
+def reply_queue(job: str, client: str, limits: QueueLimits | None = None) -> QueueSpec:
+    key = reply_routing_key(job, client)
+    return _bounded(
+        job, reply_queue_name(job, client), REPLIES_EXCHANGE, key, _reply_bounds(limits)
     )
 
 
-def host_queue(job: str, host: str, client: str | None = None) -> QueueSpec:
+def host_queue(
+    job: str, host: str, client: str | None = None, limits: QueueLimits | None = None
+) -> QueueSpec:
     """The one reply queue of a client host's clients (docs/architecture.md, "Client hosts"):
     bound with the host's own key, or, with `client`, the key of that client's replies. The
     coordinator binds each client's key when the client joins through the host (bindings add
     up; the queue's arguments are the same either way). The host's own key is the queue's name:
     three dot-separated parts, so no training reply key (`<job>.<client>`) equals it."""
+    limits = limits or QueueLimits()
     name = host_queue_name(job, host)
     key = name if client is None else reply_routing_key(job, client)
-    return QueueSpec(
-        name=name,
-        exchange=REPLIES_EXCHANGE,
-        routing_key=key,
-        dead_letter_routing_key=job,
-    )
+    bounds = (limits.host_max_length, limits.host_max_length_bytes)
+    return _bounded(job, name, REPLIES_EXCHANGE, key, bounds)
 
 
-def infer_reply_queue(job: str, requester: str) -> QueueSpec:
+def infer_reply_queue(job: str, requester: str, limits: QueueLimits | None = None) -> QueueSpec:
     """An ad-hoc split-inference requester's private reply queue (a service user, e.g.
     `splitmq infer`): gone with its connection, as the requester's waits are. Apart from the
     training reply queue, so a client may ask for inference while its training loop consumes
     `<job>.reply.<client>`."""
-    return QueueSpec(
-        name=infer_reply_queue_name(job, requester),
-        exchange=REPLIES_EXCHANGE,
-        routing_key=infer_reply_routing_key(job, requester),
-        durable=False,
-        exclusive=True,
-        auto_delete=True,
-        dead_letter_routing_key=job,
-    )
+    key = infer_reply_routing_key(job, requester)
+    name = infer_reply_queue_name(job, requester)
+    bounded = _bounded(job, name, REPLIES_EXCHANGE, key, _reply_bounds(limits))
+    return replace(bounded, durable=False, exclusive=True, auto_delete=True)
 
 
-def client_infer_reply_queue(job: str, client: str) -> QueueSpec:
+def client_infer_reply_queue(job: str, client: str, limits: QueueLimits | None = None) -> QueueSpec:
     """A client user's inference reply queue in the secured mode: same name and binding as
     `infer_reply_queue`, but durable and shared-access, because the client may not declare (or
     bind) a queue: `splitmq provision-clients` declares it for the client with the services'
     connection, and the client only checks that it exists."""
-    private = infer_reply_queue(job, client)
+    private = infer_reply_queue(job, client, limits)
     return replace(private, durable=True, exclusive=False, auto_delete=False)
 
 

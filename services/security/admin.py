@@ -29,12 +29,24 @@ class AdminError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class TopicPermission:
+    """Which routing keys (regular expressions) a user may publish with (`write`) and bind
+    with (`read`) on one topic exchange; RabbitMQ checks them on topic exchanges only."""
+
+    exchange: str
+    write: str
+    read: str
+
+
+@dataclass(frozen=True)
 class Permissions:
-    """configure / write / read regular expressions of one user in one vhost."""
+    """configure / write / read regular expressions of one user in one vhost, and its topic
+    permissions (an exchange without one is not restricted by key)."""
 
     configure: str
     write: str
     read: str
+    topics: tuple[TopicPermission, ...] = ()
 
 
 class RabbitAdmin(Protocol):
@@ -46,7 +58,9 @@ class RabbitAdmin(Protocol):
     def put_user(self, user: str, password: str) -> None:
         """Create `user`, or set its password if it exists (no tags: not an administrator)."""
 
-    def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None: ...
+    def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
+        """Set `user`'s permissions in `vhost`, and its topic permissions on each exchange
+        `permissions.topics` names."""
 
     def delete_user(self, user: str) -> None:
         """Delete `user` (its connections are closed); a missing user is not an error."""
@@ -91,8 +105,21 @@ class RabbitmqctlAdmin:
         self._check(done, f"create user {user!r}")
 
     def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
-        argv = ["rabbitmqctl", "set_permissions", "--vhost", vhost, user, *astuple(permissions)]
+        p = permissions
+        argv = [
+            "rabbitmqctl",
+            "set_permissions",
+            "--vhost",
+            vhost,
+            user,
+            p.configure,
+            p.write,
+            p.read,
+        ]
         self._check(self._run(argv, ""), f"set the permissions of {user!r}")
+        for topic in p.topics:
+            argv = ["rabbitmqctl", "set_topic_permissions", "--vhost", vhost, user, *astuple(topic)]
+            self._check(self._run(argv, ""), f"set the topic permissions of {user!r}")
 
     def delete_user(self, user: str) -> None:
         done = self._run(["rabbitmqctl", "delete_user", user], "")
@@ -150,8 +177,12 @@ class ManagementAdmin:
         self._call("PUT", f"/api/users/{quote(user, safe='')}", body)
 
     def set_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
-        path = f"/api/permissions/{quote(vhost, safe='')}/{quote(user, safe='')}"
-        self._call("PUT", path, asdict(permissions))
+        where = f"{quote(vhost, safe='')}/{quote(user, safe='')}"
+        p = permissions
+        body = {"configure": p.configure, "write": p.write, "read": p.read}
+        self._call("PUT", f"/api/permissions/{where}", body)
+        for topic in p.topics:
+            self._call("PUT", f"/api/topic-permissions/{where}", asdict(topic))
 
     def delete_user(self, user: str) -> None:
         try:

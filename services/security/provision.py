@@ -34,7 +34,7 @@ from broker.topology import (
     reply_queue_name,
 )
 from broker.transport import Broker, QueueSpec
-from services.security.admin import AdminError, Permissions, RabbitAdmin
+from services.security.admin import AdminError, Permissions, RabbitAdmin, TopicPermission
 from services.security.identity import (
     client_host,
     client_id_problem,
@@ -54,19 +54,30 @@ class ClientOfHostError(AdminError):
     """A client user `H-<n>` and a host user `H` of one job: the host could speak for it."""
 
 
-def _permissions(read_queues: Sequence[str]) -> Permissions:
+def _permissions(job: str, read_queues: Sequence[str]) -> Permissions:
+    """Write on the two exchanges clients publish to, with their own job's routing keys only
+    (topic permissions): shard and infer keys `<job>.<n>`, `<job>.infer` on the smashed
+    exchange; the control and updates keys `<job>`, `<job>.updates` on the control exchange.
+    A job name holds no '.', so no key of job `a` is a key of another job (`a.b` would be)."""
+    if "." in job:
+        raise ValueError(f"job name {job!r} holds a '.': its routing keys would be ambiguous")
     write = "|".join(re.escape(name) for name in (SMASHED_EXCHANGE, CONTROL_EXCHANGE))
     read = "|".join(re.escape(name) for name in read_queues)
-    return Permissions(configure="^$", write=f"^({write})$", read=f"^({read})$")
+    own = re.escape(job)
+    topics = (
+        TopicPermission(SMASHED_EXCHANGE, write=f"^{own}\\.([0-9]+|infer)$", read="^$"),
+        TopicPermission(CONTROL_EXCHANGE, write=f"^{own}(\\.updates)?$", read="^$"),
+    )
+    return Permissions("^$", write=f"^({write})$", read=f"^({read})$", topics=topics)
 
 
 def client_permissions(job: str, client: str) -> Permissions:
-    return _permissions((reply_queue_name(job, client), infer_reply_queue_name(job, client)))
+    return _permissions(job, (reply_queue_name(job, client), infer_reply_queue_name(job, client)))
 
 
 def host_permissions(job: str, host: str) -> Permissions:
     """A host reads its one queue, where the coordinator binds its own clients' replies only."""
-    return _permissions((host_queue_name(job, host),))
+    return _permissions(job, (host_queue_name(job, host),))
 
 
 def client_queues(job: str, client: str) -> list[QueueSpec]:

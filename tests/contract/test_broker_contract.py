@@ -28,11 +28,16 @@ from broker.topology import (
     CONTROL_EXCHANGE,
     DEAD_EXCHANGE,
     EVENTS_EXCHANGE,
+    REPLIES_EXCHANGE,
     SMASHED_EXCHANGE,
     QueueLimits,
+    client_infer_reply_queue,
     control_queue,
     dead_queue,
+    host_queue,
+    infer_reply_queue,
     job_queues,
+    reply_queue,
     updates_queue,
 )
 from broker.transport import (
@@ -408,6 +413,47 @@ def test_every_job_queue_a_client_can_reach_is_bounded() -> None:
         assert spec.max_length is not None and spec.max_length_bytes is not None, spec.name
         expected = "drop-head" if spec.exchange == DEAD_EXCHANGE else "reject-publish"
         assert spec.overflow == expected, spec.name
+
+
+def _reply_queues(job: str, limits: QueueLimits | None = None) -> list[QueueSpec]:
+    return [
+        reply_queue(job, "c", limits),
+        infer_reply_queue(job, "r", limits),
+        client_infer_reply_queue(job, "c", limits),
+        host_queue(job, "H", limits=limits),
+        host_queue(job, "H", "H-0", limits),
+    ]
+
+
+def test_every_reply_queue_is_bounded_and_refuses_when_full() -> None:
+    # Each message a client sends may be answered on its reply queue (a Join with a Welcome
+    # holding its weights): one that keeps asking and never reads must not grow it without end.
+    limits = QueueLimits()
+    for spec in _reply_queues("j"):
+        assert spec.max_length is not None and spec.max_length_bytes is not None, spec.name
+        assert spec.overflow == "reject-publish", spec.name
+        # Room for a Welcome and assignments of RabbitMQ's largest message, and a reply for
+        # every batch the client's shard queue can hold.
+        assert spec.max_length >= limits.max_length, spec.name
+        assert spec.max_length_bytes >= 3 * DEFAULT_MAX_MESSAGE_BYTES, spec.name
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_reply_queues_push_back_when_full(broker_factory: BrokerFactory, which: int) -> None:
+    # The same bound on both brokers: a full reply queue refuses the publisher (a service),
+    # which then knows the client is not reading.
+    job = broker_factory.job
+    limits = QueueLimits(reply_max_length=2, host_max_length=2)
+    spec = broker_factory.track(_reply_queues(job, limits)[which])
+    broker = broker_factory()
+    broker.declare([spec])
+    taken = 2 + (broker_factory.slack if spec.durable else 0)
+    for index in range(taken):
+        broker.publish(REPLIES_EXCHANGE, spec.routing_key, f"m{index}".encode())
+
+    with pytest.raises(BackPressureError, match=spec.name):
+        broker.publish(REPLIES_EXCHANGE, spec.routing_key, b"refused")
+    assert broker.queue_depth(spec.name) == taken
 
 
 def test_dead_letter_needs_the_queue_declared_on_the_handle(

@@ -46,13 +46,18 @@ from broker.topology import (
     REPLIES_EXCHANGE,
     SMASHED_EXCHANGE,
     client_queue_names,
+    control_queue_name,
     dead_queue_name,
     infer_queue_name,
     infer_reply_queue_name,
     infer_routing_key,
+    job_queues,
     reply_queue,
     reply_queue_name,
     reply_routing_key,
+    shard_queue_name,
+    shard_routing_key,
+    updates_routing_key,
 )
 from broker.transport import REASON_HEADER, USER_HEADER, Broker, PublishOptions
 from models.parts import ServerModel
@@ -365,6 +370,49 @@ def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_
         if client is not None:
             client.close()
         forger.close()
+        services.close()
+
+
+def test_a_client_publishes_into_its_own_job_only(provisioned: Provisioned) -> None:
+    """Issue 33: a client user of one job landed a message in another job's control and shard
+    queues (its write permission named the exchanges, any routing key). RabbitMQ's topic
+    permissions now refuse every key but its own job's, and nothing reaches the other job."""
+    settings, envs, _ = provisioned
+    job, other = settings.job.name, f"{settings.job.name}x"  # `other` shares job's prefix
+    a = sorted(envs)[0]
+    services = Backends(settings.broker, settings.store).open_broker("test-services")
+    alice = client_handle(envs[a], "test-cross-job")
+    others = job_queues(other, 1)
+    try:
+        services.declare(others)
+        options = PublishOptions(message_id="cross-job", user_id=client_user(job, a))
+        refused = [
+            (CONTROL_EXCHANGE, other),  # its Joins, Heartbeats, Leaves
+            (CONTROL_EXCHANGE, updates_routing_key(other)),  # its WeightsUpdates
+            (SMASHED_EXCHANGE, shard_routing_key(other, 0)),  # its shard queue
+            (SMASHED_EXCHANGE, infer_routing_key(other)),  # its inference requests
+        ]
+        for exchange, key in refused:
+            with pytest.raises(BrokerError, match="ACCESS_REFUSED") as why:
+                alice.publish(exchange, key, b"x", options)
+            assert f"topic '{key}'" in str(why.value), why.value
+        assert {s.name: services.queue_depth(s.name) for s in others} == {s.name: 0 for s in others}
+        # Its own job's keys are still its to use (then drained: the module shares the job).
+        own = [(CONTROL_EXCHANGE, job), (SMASHED_EXCHANGE, shard_routing_key(job, 0))]
+        for exchange, key in own:
+            alice.publish(exchange, key, b"x", options)
+        shard = shard_queue_name(job, 0)
+        assert services.queue_depth(control_queue_name(job)) == services.queue_depth(shard) == 1
+        for name in (control_queue_name(job), shard):
+            services.subscribe(name, prefetch=1)
+            delivery = services.get(WAIT_S)
+            assert delivery is not None and delivery.message_id == "cross-job"
+            services.ack(delivery)
+            services.unsubscribe(name)
+    finally:
+        for spec in others:
+            services.delete_queue(spec.name)
+        alice.close()
         services.close()
 
 

@@ -14,7 +14,7 @@ import stat
 import subprocess
 import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,13 @@ from broker.store import WeightStore
 from broker.tls import TLSOptions
 from broker.topology import (
     CONTROL_EXCHANGE,
+    SMASHED_EXCHANGE,
     control_queue,
     infer_reply_queue_name,
+    infer_routing_key,
     reply_queue_name,
+    shard_routing_key,
+    updates_routing_key,
 )
 from broker.transport import Delivery, PublishOptions
 from services.cli.common import require_servers
@@ -47,7 +51,12 @@ from services.config.settings import TLSSettings
 from services.report.sinks import RecordsOnly
 from services.runtime.embedded import run_embedded
 from services.runtime.roles import embedded_roles
-from services.security.admin import ManagementAdmin, Permissions, RabbitmqctlAdmin
+from services.security.admin import (
+    ManagementAdmin,
+    Permissions,
+    RabbitmqctlAdmin,
+    TopicPermission,
+)
 from services.security.identity import (
     SenderCheck,
     amqp_user,
@@ -63,6 +72,7 @@ from services.security.provision import (
     client_names,
     client_permissions,
     client_url,
+    host_permissions,
     provision,
     revoke,
     vhost_of,
@@ -296,20 +306,49 @@ def test_a_secured_client_declares_passively_and_stamps(monkeypatch: pytest.Monk
 
 
 def test_a_client_may_write_the_client_exchanges_and_read_only_its_reply_queue() -> None:
-    p = client_permissions("job.1", "c-1")
-    assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job.1.reply.c-1")
-    for exchange in ("splitmq.smashed", "splitmq.control"):
+    p = client_permissions("job-1", "c-1")
+    assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job-1.reply.c-1")
+    for exchange in (SMASHED_EXCHANGE, CONTROL_EXCHANGE):
         assert re.search(p.write, exchange), exchange
     # Not the dead-letter exchange: forged dead letters, a flooded `<job>.dead`.
     for other in ("splitmq.replies", "splitmq.events", "splitmq.dead", "amq.default", "",
-                  "job.1.reply.c-1"):  # fmt: skip
+                  "job-1.reply.c-1", "splitmq.smashed", "splitmq.control"):  # fmt: skip
         assert not re.search(p.write, other), other
-    assert re.search(p.read, reply_queue_name("job.1", "c-1"))
-    assert re.search(p.read, infer_reply_queue_name("job.1", "c-1"))  # split inference answers
-    for other in ("job.1.reply.c-10", "job.1.reply.c-2", "jobx1.reply.c-1", "job.1.control",
-                  "splitmq.replies", "job.1.dead", "job.1.infer", "job.1.infer-reply.c-2",
-                  "job.1.infer-reply.c-10", "job.1.reply.c-1|job.1.infer-reply.c-1"):  # fmt: skip
+    assert re.search(p.read, reply_queue_name("job-1", "c-1"))
+    assert re.search(p.read, infer_reply_queue_name("job-1", "c-1"))  # split inference answers
+    for other in ("job-1.reply.c-10", "job-1.reply.c-2", "jobx1.reply.c-1", "job-1.control",
+                  "splitmq.replies", "job-1.dead", "job-1.infer", "job-1.infer-reply.c-2",
+                  "job-1.infer-reply.c-10", "job-1.reply.c-1|job-1.infer-reply.c-1"):  # fmt: skip
         assert not re.search(p.read, other), other
+
+
+def _keys(p: Permissions, exchange: str) -> Callable[[str], bool]:
+    """Whether RabbitMQ's topic permissions let `p`'s user publish to `exchange` with a key."""
+    (topic,) = [t for t in p.topics if t.exchange == exchange]
+    assert topic.read == "^$"  # binds nothing (it may not bind at all: configure is ^$)
+    return lambda key: re.search(topic.write, key) is not None
+
+
+def test_a_client_publishes_only_with_its_own_jobs_routing_keys() -> None:
+    # Issue 33: one job's client landed messages in another job's control and shard queues.
+    p = client_permissions("a", "c-1")
+    smashed, control = _keys(p, SMASHED_EXCHANGE), _keys(p, CONTROL_EXCHANGE)
+    own = [shard_routing_key("a", 0), shard_routing_key("a", 17), infer_routing_key("a")]
+    assert all(map(smashed, own))
+    assert control("a") and control(updates_routing_key("a"))
+    others = ["b.0", "ab.0", "a_.0", "b.infer", "a.0.0", "a.", "a.x", "a", "a.updates", "a.0|b.0"]
+    assert not any(map(smashed, [*others, shard_routing_key("ab", 0), "A.0"]))
+    assert not any(map(control, ["b", "ab", "b.updates", "a.0", "a.infer", "a.updatesx", ""]))
+    # A host speaks for its clients: the same keys, of its job only.
+    host = host_permissions("a", "edge")
+    assert host.topics == p.topics
+
+
+def test_a_job_name_with_a_dot_is_refused_its_users() -> None:
+    # Job `a.updates`'s control key is job `a`'s updates key; settings refuse such names, and
+    # so does provisioning.
+    with pytest.raises(ValueError, match="holds a '\\.'"):
+        client_permissions("a.updates", "c-1")
 
 
 class FakeAdmin:
@@ -441,7 +480,8 @@ def test_rabbitmqctl_gets_passwords_on_stdin_and_resets_existing_users() -> None
     admin = RabbitmqctlAdmin(run=run)
     admin.put_user("new", "s3cret")
     admin.put_user("old", "pw2")
-    admin.set_permissions("/", "new", Permissions("^$", "^w$", "^r$"))
+    topic = TopicPermission("x.topic", "^k$", "^$")
+    admin.set_permissions("/", "new", Permissions("^$", "^w$", "^r$", topics=(topic,)))
     assert calls[0] == (["rabbitmqctl", "add_user", "new"], "s3cret")
     assert calls[2] == (["rabbitmqctl", "change_password", "old"], "pw2")
     assert calls[3][0] == [
@@ -453,6 +493,16 @@ def test_rabbitmqctl_gets_passwords_on_stdin_and_resets_existing_users() -> None
         "^$",
         "^w$",
         "^r$",
+    ]
+    assert calls[4][0] == [
+        "rabbitmqctl",
+        "set_topic_permissions",
+        "--vhost",
+        "/",
+        "new",
+        "x.topic",
+        "^k$",
+        "^$",
     ]
     assert all("s3cret" not in arg for argv, _ in calls for arg in argv)
     admin.put_user("j.c", "pw3")
@@ -479,15 +529,18 @@ def test_the_management_api_is_called_with_basic_auth() -> None:
 
     admin = ManagementAdmin("http://mq:15672/", "admin", "pw", opener=opener)
     admin.put_user("c/1", "x")
-    admin.set_permissions("/", "c/1", Permissions("^$", "^w$", "^r$"))
+    topic = TopicPermission("x.topic", "^k$", "^$")
+    admin.set_permissions("/", "c/1", Permissions("^$", "^w$", "^r$", topics=(topic,)))
     assert admin.users() == {"guest"}
     assert [(r.get_method(), r.full_url) for r in seen] == [
         ("PUT", "http://mq:15672/api/users/c%2F1"),
         ("PUT", "http://mq:15672/api/permissions/%2F/c%2F1"),
+        ("PUT", "http://mq:15672/api/topic-permissions/%2F/c%2F1"),
         ("GET", "http://mq:15672/api/users"),
     ]
     assert seen[0].get_header("Authorization") == "Basic YWRtaW46cHc="
     assert seen[1].data == b'{"configure": "^$", "write": "^w$", "read": "^r$"}'
+    assert seen[2].data == b'{"exchange": "x.topic", "write": "^k$", "read": "^$"}'
 
 
 # --- clients and Redis ----------------------------------------------------------------------------

@@ -12,7 +12,12 @@ import pytest
 
 from broker.errors import BrokerError
 from broker.memory_broker import InMemoryBroker, InMemoryHub
-from broker.topology import host_queue_name, reply_queue_name
+from broker.topology import (
+    CONTROL_EXCHANGE,
+    SMASHED_EXCHANGE,
+    host_queue_name,
+    reply_queue_name,
+)
 from services.config.loading import load_settings
 from services.security.identity import (
     SenderCheck,
@@ -80,13 +85,13 @@ def test_a_host_heartbeat_comes_from_the_host_user_only() -> None:
 
 
 def test_a_host_reads_only_its_own_queue_and_configures_nothing() -> None:
-    p = host_permissions("job.1", "edge")
-    assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job.1.host.edge")
-    assert re.search(p.write, "splitmq.smashed") and re.search(p.write, "splitmq.control")
+    p = host_permissions("job-1", "edge")
+    assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job-1.host.edge")
+    assert re.search(p.write, SMASHED_EXCHANGE) and re.search(p.write, CONTROL_EXCHANGE)
     assert not re.search(p.write, "splitmq.replies") and not re.search(p.write, "splitmq.dead")
-    assert re.search(p.read, host_queue_name("job.1", "edge"))
-    others = ("job.1.host.edge2", "job.1.host.edg", "job.1.host.core", "job.1.control")
-    for other in (*others, reply_queue_name("job.1", "edge-0"), "job.1.dead", "jobx1.host.edge"):
+    assert re.search(p.read, host_queue_name("job-1", "edge"))
+    others = ("job-1.host.edge2", "job-1.host.edg", "job-1.host.core", "job-1.control")
+    for other in (*others, reply_queue_name("job-1", "edge-0"), "job-1.dead", "jobx1.host.edge"):
         assert not re.search(p.read, other), other
 
 
