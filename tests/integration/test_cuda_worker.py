@@ -2,8 +2,9 @@
 
 CI has no GPU, so these run only where torch sees one (the `device` tool's machine;
 `scripts/gpu_check.sh` runs them there). Everything else in the suite pins or defaults to the
-CPU paths; these exercise the device-to-host copies of the codec and a worker training the
-server side on `cuda`, against the same in-process reference loop as test_exactness.
+CPU paths; these exercise the device-to-host copies of the codec, the worker's data plane
+(pinned buffers, the copy stream, decoding one delivery ahead) and a worker training the server
+side on `cuda`, against the same in-process reference loop as test_exactness.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from services.data.loaders import Dataset
 from tests.integration.reference_loops import reference_run
 from tests.integration.test_exactness import ROUNDS, TOLERANCE, dataset, job_settings, train
 from tests.unit.test_client_peers import max_diff
+from tests.unit.test_device_io import STEPS, queued
+from tests.unit.test_device_io import train as train_inbox
+from workers.device_io import DevicePlane
 
 __all__ = ["dataset"]  # the module-scoped fixture, imported so that it applies here
 
@@ -117,3 +121,46 @@ def test_cuda_worker_trains_what_the_cpu_reference_does(
     server, client = max_diff(trained.server, want.server), max_diff(trained.client, want.client)
     print(f"CUDA worker (tf32={tf32}) vs CPU reference: server {server:.2e}, client {client:.2e}")
     assert server <= TOLERANCE and client <= TOLERANCE, (server, client)
+
+
+# --- the worker's data plane (workers/device_io.py) ----------------------------------------------
+CUDA = torch.device("cuda")  # only used once a test runs: CI skips them all
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plane_stages_batches_on_the_device_and_replies_through_pinned_memory(
+    dtype: torch.dtype,
+) -> None:
+    plane = DevicePlane(CUDA)
+    z = torch.randn(64, 16, 14, 14).to(dtype)
+    message = decode(encode(batch(z)))  # a view of the body, as the worker receives it
+    staged = plane.ready(plane.stage(message))
+    assert isinstance(staged, SmashedBatch) and staged.labels is not None
+    assert staged.activations.device.type == "cuda" and staged.activations.dtype == dtype
+    assert staged.labels.device.type == "cpu"  # the shard's checks read them
+    assert torch.equal(staged.activations.cpu(), z)
+    grad = torch.randn_like(staged.activations, dtype=torch.float32)  # the step's dL/dz
+    out = plane.host(grad, dtype)
+    assert out.is_pinned() and out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out, grad.to(dtype).cpu())
+
+
+@pytest.fixture
+def deterministic_cudnn() -> Iterator[None]:
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    yield
+    torch.backends.cudnn.deterministic = before
+
+
+def test_the_prefetch_path_trains_on_cuda_what_the_plain_path_does(
+    job: str, deterministic_cudnn: None
+) -> None:
+    plain_hub, plain, plain_opt = queued(job)
+    ahead_hub, ahead, ahead_opt = queued(job)
+    seqs = list(range(STEPS))
+    assert train_inbox(plain_hub, job, plain, plain_opt, ahead=False, device=CUDA) == seqs
+    assert train_inbox(ahead_hub, job, ahead, ahead_opt, ahead=True, device=CUDA) == seqs
+    got = ahead.state_dict()
+    for name, want in plain.state_dict().items():
+        assert max_diff({name: got[name]}, {name: want}) <= 1e-6, name

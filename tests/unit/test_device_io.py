@@ -60,11 +60,13 @@ def train(
     *,
     ahead: bool,
     decoder: Callable[[bytes], Message] = decode,
+    device: torch.device = CPU,
 ) -> list[int]:
     """Step on every queued batch as the worker does; the seqs in the order they were served."""
     broker = InMemoryBroker(hub)
     broker.subscribe(shard_queue_name(job, 0), prefetch=4)
-    plane = DevicePlane(CPU)
+    plane = DevicePlane(device)
+    server.to(device)
     inbox = Inbox(broker, plane, ahead=ahead, decoder=decoder)
     served: list[int] = []
     try:
