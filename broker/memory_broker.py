@@ -174,6 +174,8 @@ class InMemoryHub:
         if kind == "fanout":
             targets = list(dict.fromkeys(itertools.chain.from_iterable(by_key.values())))
         else:
+            # Direct, or topic with exact binding keys only (job names and client ids hold
+            # neither '*' nor '#'), which RabbitMQ routes as a direct exchange does.
             targets = by_key.get(routing_key, [])
         if not targets:
             if exchange in BEST_EFFORT_EXCHANGES:
