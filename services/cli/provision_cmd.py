@@ -81,8 +81,9 @@ def provision_clients(
 
     Client <id> of job <job> logs in as user <job>.<id>, so jobs sharing a broker and a
     prefix never touch each other's users; existing users are refused without --force. Each
-    may publish to the smashed and control exchanges with its own AMQP user_id, and read
-    only its own reply queues (training and split inference); its credentials go to
+    may publish to the smashed and control exchanges with its own AMQP user_id and its own
+    job's routing keys only (RabbitMQ topic permissions), and read only its own reply queues
+    (training and split inference); its credentials go to
     OUT/<job>.<id>.env, to be set in the client's environment (they also turn
     security.per_client_users on there). Run the services with
     security.per_client_users = true, and the clients with `--id <id>`.
