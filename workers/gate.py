@@ -1,16 +1,187 @@
-"""A shard's per-client checks of a valid SmashedBatch: its session's seq window
-(`workers.seqs`) and its round's credit (`workers.credit`), both sized by the client's
-allowance of batches per round."""
+"""A shard's per-client checks of a valid SmashedBatch (issue 33): one client must not cost
+the others their training, by a flood or by its seqs. The rules and their measurements:
+docs/reliability.md, "One client against the others on a shard queue".
+
+**Credit.** A shard queue is one FIFO for every client of the shard and the round markers, so
+whatever a client publishes is consumed ahead of what is queued behind it. The worker cannot
+reorder the queue, but it can make a client's excess cheap: a client has at most `allowance`
+batches accepted per round, and every batch beyond that is refused unjudged, dead-lettered
+`over_budget` in batches (`Surplus`: one wait for the broker per `SURPLUS_BATCH`), so a flood
+drains at reject speed and never trains the replica. The allowance comes from the client's
+assignment: the steps a client with its samples takes in a round (`round_steps`, the client's
+own rule), twice over (the last round's stragglers come after the next RoundStart), plus
+`SLACK`. A round is what lies between two RoundStarts (a reopened round counts afresh); in
+async mode, which has no markers, the batches computed with one weights version (a client
+trains one local round per version it fetched, two when no newer one was out yet), for the
+versions not too stale to train on.
+
+**Seqs.** A client's session numbers its SmashedBatches contiguously from the `seq_base` of
+its Welcome, which the coordinator keeps in its member record (`MemberInfo.seq_base`). A worker
+takes a batch only inside its session's window:
+
+    seq_base <= seq <= top + allowance
+
+`top` is the highest seq taken (applied, or buffered to be) in the session, `seq_base - 1`
+before any: a client's seqs run ahead of what the worker took by at most the batches it has
+in flight. A record without `seq_base` (0, written before sessions had one) has no window: such
+a client numbers from its clock. A seq outside is refused `bad_seq` and never recorded, so a
+forged seq far ahead cannot raise the floor that `Replica.applied_already` keeps (a recorded
+copy below `seq_base`, from the client's previous session, is answered as a copy before this
+check). A seq outside the known window may be a new session's first: the member record is read
+again (at most five times a second, `MemberCache.info`) and the window moves to its `seq_base`.
+A copy of an applied or buffered batch carries that batch's message id; a message reusing its
+seq under another id is refused `seq_reused` (`copy_problem`).
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.messages import SmashedBatch
-from workers.credit import Credit, StepRule
+from broker.transport import Delivery
 from workers.members import MemberCache
 from workers.replica import Replica
-from workers.seqs import Rejection, SessionSeqs
+
+Rejection = tuple[str, str]
+# The seq_base of a client (0: unknown); True: read the member record again first.
+BaseLookup = Callable[[str, bool], int]
+# Batches beyond twice a round's steps a client may have accepted: a round reopened by a
+# straggler's republish, a step barrier's redelivery after a take-over.
+SLACK = 8
+# The refused are dead-lettered once this many wait, once the oldest has waited this long, or
+# when the worker's wait for input ends with nothing. Unsettled, they hold prefetch slots, so
+# the batch is kept well under the shard's prefetch (at least 16).
+SURPLUS_BATCH = 8
+SURPLUS_WAIT_S = 0.02
+
+
+def round_steps(samples: int, *, batch_size: int, local_epochs: int, max_steps: int) -> int:
+    """Steps of a client's round with `samples` training samples (`services.client.data`'s
+    `round_batches`: whole epochs of ceil(samples / batch_size) batches, `max_steps` a cap)."""
+    total = -(-max(0, samples) // batch_size) * local_epochs
+    return min(total, max_steps) if max_steps else total
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """The job's step settings, which every client of the round shares."""
+
+    batch_size: int
+    local_epochs: int
+    max_steps: int
+
+    def allowance(self, samples: int) -> int:
+        """Batches a client with `samples` samples may have accepted per round."""
+        steps = round_steps(
+            samples,
+            batch_size=self.batch_size,
+            local_epochs=self.local_epochs,
+            max_steps=self.max_steps,
+        )
+        return 2 * steps + SLACK
+
+
+@dataclass
+class Credit:
+    """Batches accepted per (client, round key) against their allowance."""
+
+    _spent: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def spend(self, client: str, key: int, allowance: int) -> bool:
+        """Take one batch of `client`'s credit for round `key`; False when it has none left."""
+        spent = self._spent.get((client, key), 0)
+        if spent >= allowance:
+            return False
+        self._spent[(client, key)] = spent + 1
+        return True
+
+    def new_round(self) -> None:
+        """A RoundStart: every client's count starts again."""
+        self._spent.clear()
+
+    def forget_before(self, key: int) -> None:
+        """Async mode: the counts of versions too stale to train on go."""
+        for stale in [k for k in self._spent if k[1] < key]:
+            del self._spent[stale]
+
+
+def window_problem(seq: int, base: int, top: int | None, credit: int) -> str | None:
+    """Why `seq` lies outside `[base, top + credit]`, None when inside. Base 0 (a member record
+    from before sessions had one) has no window: such a client numbers its batches from its
+    clock, so a restarted process jumps ahead by its downtime in microseconds."""
+    if not base:
+        return None
+    if seq < base:
+        return f"seq {seq} is below its session's first seq {base}"
+    if top is not None and seq > top + credit:
+        return f"seq {seq} is beyond the session's highest seq taken {top} + credit {credit}"
+    return None
+
+
+def copy_problem(seq: int, message_id: str, recorded_id: str | None) -> Rejection | None:
+    """A message reusing applied seq `seq` is a copy when it carries the applied batch's message
+    id (a republish or a redelivery does); `recorded_id` None: not kept, taken for a copy."""
+    if recorded_id is None or recorded_id == message_id:
+        return None
+    return reused(seq, message_id, recorded_id)
+
+
+def reused(seq: int, message_id: str, taken_id: str) -> Rejection:
+    """The refusal of message `message_id`, which reuses seq `seq` of message `taken_id`."""
+    return (
+        "seq_reused",
+        f"seq {seq} was taken from message {taken_id}; message {message_id} reuses it",
+    )
+
+
+@dataclass
+class _Session:
+    base: int
+    top: int | None
+
+
+class SessionSeqs:
+    """Each client's current session window, from its member record (read through `lookup`)."""
+
+    def __init__(self, lookup: BaseLookup) -> None:
+        self._lookup = lookup
+        self._sessions: dict[str, _Session] = {}
+
+    def problem(self, client: str, seq: int, credit: int, applied: int | None) -> Rejection | None:
+        """("bad_seq", why) when `seq` is outside `client`'s session window, else None.
+        `applied`: the highest seq of the client the replica has applied (any session)."""
+        session = self._sessions.get(client)
+        if session is None:
+            session = self._open(client, self._lookup(client, False), applied)
+        why = window_problem(seq, session.base, session.top, credit)
+        if why is None:
+            return None
+        base = self._lookup(client, True)
+        if base != session.base:  # a new session
+            session = self._open(client, base, applied)
+            why = window_problem(seq, session.base, session.top, credit)
+            if why is None:
+                return None
+        return "bad_seq", why
+
+    def took(self, client: str, seq: int) -> None:
+        """`seq` passed every check and is applied or buffered: the window moves up."""
+        session = self._sessions.get(client)
+        if session is not None and (session.top is None or seq > session.top):
+            session.top = seq
+
+    def forget(self) -> None:
+        """Back to the replica's record (after a rollback to its checkpoint)."""
+        self._sessions.clear()
+
+    def _open(self, client: str, base: int, applied: int | None) -> _Session:
+        top = applied if applied is not None and applied >= base else None
+        if top is None and base:
+            top = base - 1
+        session = self._sessions[client] = _Session(base, top)
+        return session
 
 
 @dataclass(eq=False)
@@ -71,3 +242,32 @@ class ClientGate:
     def _seq_base(self, client: str, again: bool) -> int:
         info = self.members.info(client, again=again)
         return info.seq_base if info is not None else 0
+
+
+@dataclass
+class Surplus:
+    """Refused deliveries waiting to be dead-lettered together, each with its reason."""
+
+    size: int = SURPLUS_BATCH
+    wait_s: float = SURPLUS_WAIT_S
+    clock: Callable[[], float] = time.monotonic
+    letters: list[tuple[Delivery, str]] = field(default_factory=list)
+    _since: float = 0.0  # when the oldest came
+
+    def __len__(self) -> int:
+        return len(self.letters)
+
+    def add(self, delivery: Delivery, reason: str) -> None:
+        if not self.letters:
+            self._since = self.clock()
+        self.letters.append((delivery, reason))
+
+    def due(self) -> bool:
+        """Full, or its oldest has waited long enough."""
+        if not self.letters:
+            return False
+        return len(self.letters) >= self.size or self.clock() - self._since >= self.wait_s
+
+    def take(self) -> list[tuple[Delivery, str]]:
+        taken, self.letters = self.letters, []
+        return taken

@@ -63,10 +63,8 @@ from services.common.leases import lease_name
 from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
 from workers.clock import Continuous
-from workers.credit import StepRule
-from workers.gate import ClientGate
+from workers.gate import ClientGate, StepRule, copy_problem, reused
 from workers.replica import Replica
-from workers.seqs import copy_problem, reused
 
 if TYPE_CHECKING:
     from workers.worker import WorkerSession

@@ -33,7 +33,7 @@ from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
-from workers.credit import Surplus
+from workers.gate import Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device

@@ -35,7 +35,7 @@ from tests.unit.test_worker_support import (
     random_batch,
     seed_version,
 )
-from workers.credit import StepRule
+from workers.gate import StepRule
 from workers.stats import WorkerStats
 from workers.worker import Worker
 

@@ -6,9 +6,17 @@ from __future__ import annotations
 from broker.memory_store import InMemoryWeightStore
 from broker.transport import Delivery
 from services.common.membership import MemberInfo, member_id
-from workers.credit import SLACK, Credit, StepRule, Surplus, round_steps
+from workers.gate import (
+    SLACK,
+    Credit,
+    SessionSeqs,
+    StepRule,
+    Surplus,
+    copy_problem,
+    round_steps,
+    window_problem,
+)
 from workers.members import MemberCache
-from workers.seqs import SessionSeqs, copy_problem, window_problem
 
 
 class Clock:
