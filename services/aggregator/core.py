@@ -48,6 +48,7 @@ class Stats:
     versions: int = 0
     conflicts: int = 0  # versions another aggregator published first
     reopened: int = 0  # sync: attempts at a round that got no valid update
+    late_replicas: int = 0  # sync: rounds whose replicas came after replica_timeout_s
     folded: int = 0  # async: updates folded into versions
     too_stale: int = 0  # async: updates refused for staleness
     unfolded_at_end: int = 0  # async: buffered when the job ended

@@ -1,7 +1,8 @@
 """The sync clock: rounds with a cohort, a deadline and a quorum (docs/architecture.md, "Sync
-round protocol", steps 3, 5 and 6). A reopened round publishes nothing; a shard whose worker
-does not hand in its replica within `rounds.replica_timeout_s` is left out of the round (the
-previous server weights stand in for it).
+round protocol", steps 3, 5 and 6). A reopened round publishes nothing; a closed round's version
+waits for every cohort shard's replica, however late (docs/reliability.md, "A late replica"):
+a worker reloads its replica from each new version, so a version published without it would
+lose every batch the shard applied in the round.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.messages import ConfigValue, Message, RoundEnd, RoundStart, new_message_id
-from broker.store import Checkpoint
+from broker.store import Checkpoint, MemberKind, MemberStore
 from services.aggregator.core import Core, read_version
 from services.aggregator.gate import reference_of
 from services.aggregator.round_gate import (
@@ -23,6 +24,7 @@ from services.aggregator.round_gate import (
 )
 from services.algorithms.base import ShardReplica
 from services.common.handout import WeightsCache
+from services.common.leases import worker_beat
 from services.common.logs import log_context
 from services.common.membership import MemberInfo
 from services.common.server_fold import meta_cuts, meta_int
@@ -38,6 +40,16 @@ def replica_of(checkpoint: Checkpoint) -> ShardReplica:
     cuts = {c: n for c, n in meta_cuts(meta).items() if n > 0}
     samples = max(0, meta_int(meta, "round_samples", 0))
     return ShardReplica(checkpoint.shard, samples, dict(checkpoint.weights), cuts)
+
+
+def shard_holders(store: MemberStore, job: str) -> dict[int, str]:
+    """Shard → the live worker whose heartbeat says it holds the shard's lease."""
+    holders: dict[int, str] = {}
+    for member in store.live_members(job, MemberKind.WORKER).values():
+        beat = worker_beat(member)
+        if beat is not None:
+            holders.update(dict.fromkeys(beat.shards, beat.worker))
+    return holders
 
 
 def cohort_shards(cohort: Mapping[str, MemberInfo]) -> dict[int, dict[str, ConfigValue]]:
@@ -217,7 +229,7 @@ class RoundClock(Core):
 
     def _replicas(self, state: OpenRound) -> list[ShardReplica] | None:
         """RoundEnd behind the round's batches, then the replicas the shards' workers hand in
-        for the round, in shard order; None if stopped first."""
+        for the round, in shard order, however long they take; None if stopped first."""
         if not self.strategy.splits:
             return []
         pending = list(cohort_shards(state.cohort))
@@ -225,26 +237,49 @@ class RoundClock(Core):
             s: RoundEnd(self.job, "", new_message_id(), state.version, state.round, s)
             for s in pending
         }
+        since = self.clock()  # counted from before RoundEnd goes out, which may wait its turn
         if not self._to_shards(ends):
             return None
         found: dict[int, ShardReplica] = {}
-        timeout_s = self.settings.rounds.replica_timeout_s
-        deadline = self.clock() + timeout_s
+        every_s = self.settings.rounds.replica_timeout_s
+        report_at = since + every_s
         while pending:
             for shard in list(pending):
                 checkpoint = self.store.load_checkpoint(self.job, shard)
                 if checkpoint is not None and meta_int(checkpoint.meta, "round", -1) >= state.round:
                     found[shard] = replica_of(checkpoint)
                     pending.remove(shard)
-            if pending and self.clock() >= deadline:
-                self.log.warning(
-                    "job %s: no replica of shards %s for round %d after %.0f s; going on without",
-                    self.job,
-                    pending,
-                    state.round + 1,
-                    timeout_s,
-                )
+            if not pending:
                 break
-            if pending and self.stop.wait(_POLL_S):
+            if self.clock() >= report_at:
+                self._still_waiting(state, pending, self.clock() - since)
+                report_at = self.clock() + every_s
+            if self.stop.wait(_POLL_S):
                 return None
+        self.stats.late_replicas += report_at > since + every_s
         return [found[s] for s in sorted(found)]
+
+    def _still_waiting(self, state: OpenRound, pending: list[int], waited_s: float) -> None:
+        """Say, each `replica_timeout_s`, which replicas the version waits for and whether a
+        worker serves their shards (a backlog ahead of RoundEnd), or none does (it died: the
+        worker that takes the shard over restores its checkpoint, is redelivered what the
+        checkpoint lacks, and hands the round in)."""
+        holders = shard_holders(self.store, self.job)
+        for shard in pending:
+            worker = holders.get(shard)
+            served = (
+                f"worker {worker} holds it (still working through the shard's queue)"
+                if worker
+                else "no live worker holds it: the one that takes it over hands it in; start "
+                "one (`splitmq worker`) if none is left"
+            )
+            self.log.warning(
+                "job %s: no replica of shard %d for round %d after %.0f s; %s. Version %d "
+                "waits for it: publishing without it would lose the batches it applied",
+                self.job,
+                shard,
+                state.round + 1,
+                waited_s,
+                served,
+                state.version + 1,
+            )
