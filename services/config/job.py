@@ -323,7 +323,9 @@ class RoundsSection(_Section):
     # A round closes when every participant reported, or at the deadline with a quorum.
     deadline_s: float = Field(default=120.0, gt=0)
     quorum: float = Field(default=0.5, gt=0, le=1)
-    # How long the aggregator waits for shard replicas after signalling the end of a round.
+    # A round's version waits for every shard's replica however long it takes (without it the
+    # round's server training would be lost); every this many seconds of waiting the aggregator
+    # says which shards it waits for and whether a live worker holds them.
     replica_timeout_s: float = Field(default=60.0, gt=0)
     # A round that got no valid update is reopened with a new cohort; this many such attempts
     # in a row fail the job, with their reasons (e.g. every model diverged: NaN updates are
