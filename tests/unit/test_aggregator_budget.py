@@ -33,6 +33,7 @@ from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo, member_id
 from services.common.outbox import Outbox
 from services.metrics.broker import BrokerMeter
+from services.security.identity import SenderCheck, client_user, host_user
 from services.metrics.prometheus import PrometheusMeters
 from tests.unit.test_aggregator_peers import ManualClock
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
@@ -103,8 +104,8 @@ class Flood:
     def junk(self) -> bytes:
         return self.update("mallory", not_in_the_model=torch.zeros(1))
 
-    def publish(self, body: bytes, message_id: str) -> None:
-        broker = InMemoryBroker(self.embedded.hub)
+    def publish(self, body: bytes, message_id: str, user: str | None = None) -> None:
+        broker = InMemoryBroker(self.embedded.hub, stamp=user)
         broker.publish(
             CONTROL_EXCHANGE,
             updates_routing_key(self.job),
@@ -113,7 +114,11 @@ class Flood:
         )
 
     def inbox(
-        self, broker: Broker, budgets: SenderBudgets, surplus: Surplus | None = None
+        self,
+        broker: Broker,
+        budgets: SenderBudgets,
+        surplus: Surplus | None = None,
+        senders: SenderCheck | None = None,
     ) -> UpdateInbox:
         broker.declare(self.specs(self.job))
         broker.subscribe(updates_queue_name(self.job), prefetch=100)
@@ -126,6 +131,7 @@ class Flood:
             screen=UpdateScreen.of(self.embedded.store, self.job, 1, members, partial=False),
             budgets=budgets,
             surplus=Surplus() if surplus is None else surplus,
+            senders=SenderCheck() if senders is None else senders,
         )
 
     def dead_letters(self) -> dict[str, Headers]:
@@ -193,6 +199,48 @@ def test_junk_in_a_members_name_spends_its_budget_yet_its_real_update_is_taken(j
     assert set(reasons) == {f"forged-{i}" for i in range(10)}
     assert all("based on version 999" in reasons[f"forged-{i}"] for i in range(3))
     assert all(reasons[f"forged-{i}"].startswith("over_budget: sender 'honest'") for i in (3, 9))
+
+
+def test_in_the_secured_mode_the_authenticated_sender_pays(job: str) -> None:
+    """Junk that mallory's RabbitMQ user sends in honest's name is refused (`bad_sender`) and
+    spends mallory's user's budget, never honest's: honest's late update is still answered."""
+    flood = Flood.of(job)
+    flood.gate.round, flood.gate.version = 1, 2  # round 1 closed: honest's update is late
+    mallory, honest = client_user(job, "mallory"), client_user(job, "honest")
+    for i in range(10):
+        flood.publish(flood.update("honest"), f"forged-{i}", user=mallory)
+    flood.publish(flood.update("honest"), "honest", user=honest)
+    secured = SenderCheck(secured=True, job=job)
+    inbox = flood.inbox(InMemoryBroker(flood.embedded.hub), SenderBudgets(3, 1e-9), None, secured)
+
+    inbox.drain(flood.gate, 2)
+
+    assert (inbox.stats.dead_lettered, inbox.stats.throttled, inbox.stats.late) == (3, 7, 1)
+    reasons = {m: str(h[REASON_HEADER]) for m, h in flood.dead_letters().items()}
+    assert set(reasons) == {f"forged-{i}" for i in range(10)}
+    assert all("does not match the AMQP user" in reasons[f"forged-{i}"] for i in range(3))
+    assert reasons["forged-9"].startswith(f"over_budget: sender '{mallory}'")
+
+
+def test_a_client_hosts_updates_are_all_taken_whatever_its_users_budget(job: str) -> None:
+    """A client host's clients share one RabbitMQ user, so their updates of a round spend one
+    budget: before, the 4th of them (burst 3) was refused `over_budget`. What a round takes
+    spends none."""
+    flood = Flood.of(job)
+    clients = [f"edge-{i}" for i in range(6)]
+    for i, client in enumerate(clients):
+        info = MemberInfo(client, 0, CUT, 10, 2 + i)
+        flood.embedded.store.heartbeat(job, member_id(client), 60.0, info.to_info())
+    flood.gate.cohort = {c: MemberInfo(c, 0, CUT, 10, 2 + i) for i, c in enumerate(clients)}
+    for client in clients:
+        flood.publish(flood.update(client), client, user=host_user(job, "edge"))
+    secured = SenderCheck(secured=True, job=job)
+    inbox = flood.inbox(InMemoryBroker(flood.embedded.hub), SenderBudgets(3, 1e-9), None, secured)
+
+    inbox.drain(flood.gate, 1)
+
+    assert set(flood.gate.updates) == set(clients)
+    assert (inbox.stats.accepted, inbox.stats.throttled, inbox.stats.dead_lettered) == (6, 0, 0)
 
 
 def test_the_surplus_goes_in_batches_full_aged_or_before_the_inbox_waits(job: str) -> None:
