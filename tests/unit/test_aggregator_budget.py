@@ -33,8 +33,8 @@ from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo, member_id
 from services.common.outbox import Outbox
 from services.metrics.broker import BrokerMeter
-from services.security.identity import SenderCheck, client_user, host_user
 from services.metrics.prometheus import PrometheusMeters
+from services.security.identity import SenderCheck, client_user, host_user
 from tests.unit.test_aggregator_peers import ManualClock
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 
