@@ -194,6 +194,8 @@ TABLE: tuple[Row, ...] = (
     Row("updates", "RoundDropped from a non-member for a closed round", "not a member"),
     Row("updates", "update from a non-member for a closed round", "not a member"),
     Row("updates", "update with unknown tensors for a closed round", "unknown tensors"),
+    Row("updates", "late update naming another version than its round's", "based on version"),
+    Row("updates", "late RoundDropped naming another version than its round's", "based on version"),
     # client, reply queue
     Row("reply", "SmashedBatch (wrong type)", "does not belong"),
     Row("reply", "Error of another job", "for job"),
@@ -717,6 +719,9 @@ def test_aggregator_updates_queue(job: str) -> None:
         "update with unknown tensors for a closed round": update(
             client_weights={**weights, "nope": torch.zeros(1)}
         ),
+        # Round 0 trains version 1: junk in a member's name is not acked as late (issue 33).
+        "late update naming another version than its round's": update(version=999),
+        "late RoundDropped naming another version than its round's": dropped(version=999),
     }
     impostors = {
         "update whose AMQP user_id is someone else": update(),
