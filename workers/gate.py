@@ -253,6 +253,8 @@ class Surplus:
     clock: Callable[[], float] = time.monotonic
     letters: list[tuple[Delivery, str]] = field(default_factory=list)
     _since: float = 0.0  # when the oldest came
+    # Per reason code: when it was last logged, and the refusals since.
+    _unlogged: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.letters)
@@ -271,3 +273,15 @@ class Surplus:
     def take(self) -> list[tuple[Delivery, str]]:
         taken, self.letters = self.letters, []
         return taken
+
+    def settled(self, code: str) -> int:
+        """Count one dead letter of `code`; how many to log now: those since the last line of
+        that code, at most one line a second (a flood would write one per message)."""
+        now = self.clock()
+        logged_at, since = self._unlogged.get(code, (float("-inf"), 0))
+        since += 1
+        if now - logged_at < 1.0:
+            self._unlogged[code] = (logged_at, since)
+            return 0
+        self._unlogged[code] = (now, 0)
+        return since

@@ -370,20 +370,18 @@ class WorkerSession:
         if not letters:
             return
         outcomes = dead_letter_many_safely(self.broker, letters)
-        first: dict[str, str] = {}
-        counts = self.stats.dead_lettered
-        for (_, reason), outcome in zip(letters, outcomes, strict=True):
-            if outcome is not Rejected.REDELIVERED:  # else judged again when it comes back
-                code = reason.split(":", 1)[0]
-                counts[code] += 1
-                first.setdefault(code, reason)
-        for code, reason in first.items():  # one line a code and batch, not one a message
-            self._say(
-                "dead-lettered message(s) (%s in total): %s",
-                counts[code],
-                reason,
-                level=logging.WARNING,
-            )
+        for (delivery, reason), outcome in zip(letters, outcomes, strict=True):
+            if outcome is Rejected.REDELIVERED:  # judged again when it comes back
+                continue
+            code = reason.split(":", 1)[0]
+            self.stats.dead_lettered[code] += 1
+            if count := self.surplus.settled(code):
+                args = (count, delivery.queue, reason)
+                self._say(
+                    "dead-lettered %d message(s) from %s, the last: %s",
+                    *args,
+                    level=logging.WARNING,
+                )
 
     def _each(self, action: Callable[[ShardRunner], None]) -> None:
         for runner in list(self.runners.values()):

@@ -135,3 +135,13 @@ def test_member_info_is_read_again_only_when_asked_and_not_too_often() -> None:
     assert members.info("a").seq_base == 1000  # type: ignore[union-attr]
     assert members.info("a", again=True).seq_base == 5000  # type: ignore[union-attr]
     assert members.info("nobody") is None and not members("nobody")
+
+
+def test_refusals_are_logged_at_most_once_a_second_per_code() -> None:
+    clock = Clock()
+    surplus = Surplus(clock=clock)
+    assert surplus.settled("bad_seq") == 1
+    assert [surplus.settled("bad_seq") for _ in range(5)] == [0] * 5
+    assert surplus.settled("over_budget") == 1
+    clock.now += 1.0
+    assert surplus.settled("bad_seq") == 6
