@@ -222,8 +222,6 @@ class Client:
             heartbeat_s=settings.clients.heartbeat_s,
             reply_timeout_s=settings.clients.reply_timeout_s,
             max_republish=self.max_republish,
-            # Above any earlier run's (workers skip seq <= last applied): the clock in µs.
-            seq_start=time.time_ns() // 1000,
             model=seat.models.reference,  # its weights come from the service, not the seed
             plan=RoundPlan.from_settings(settings),
             heartbeats=seat.heartbeats,
@@ -366,6 +364,7 @@ class Client:
         # (an async job's first round is this Welcome's, deferred below).
         plan = RoundPlan.from_settings(self.settings).updated(welcome.config)
         link.version = welcome.version
+        link.begin(welcome.seq_base)
         link.start_heartbeats()
         link.log.info(
             "welcomed at version %d: shard %d, cut %s, partition %d",
@@ -420,6 +419,7 @@ class Client:
             if isinstance(message, Welcome):
                 # The answer to our own Join: shard and cut are the coordinator's record.
                 member = replace(member, shard=message.shard, cut=message.cut)
+                link.begin(message.seq_base)
             work = clock.take(message)
             if work is not None:
                 return work, member

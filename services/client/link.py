@@ -103,13 +103,14 @@ class ClientLink:
         rng: random.Random | None = None,
         reply_timeout_s: float = 30.0,
         max_republish: int = 5,
-        seq_start: int = 0,
+        seq_start: int | None = None,
         model: SplitNet,
         plan: RoundPlan,
         heartbeats: StartBeats | None = None,
         reply: QueueSpec | None = None,
     ) -> None:
         """`model` and `plan` (the client's own settings) judge Welcomes and assignments.
+        `seq_start`: the session's first seq, if known before its Welcome (`begin`).
         `heartbeats` makes the member's heartbeats (`start_heartbeats`). `reply` is the
         client's own reply queue, declared and consumed by `open`; None for a client host's
         client, whose replies reach `broker` through the host's queue (docs/architecture.md,
@@ -126,8 +127,11 @@ class ClientLink:
         self._rng = rng or random.Random()
         self.reply_timeout_s = reply_timeout_s
         self.max_republish = max_republish
-        # Seqs only grow, across rounds: a reply at or past `next_seq` answers nothing sent.
-        self.next_seq = seq_start
+        # The session's seqs run from its Welcome's `seq_base` on, one per batch, across
+        # rounds: a reply at or past `next_seq` answers nothing sent, one below `seq_base` is a
+        # previous process's. None before the Welcome: nothing is sent yet.
+        self.seq_base = seq_start
+        self.next_seq = seq_start or 0
         self.unawaited: set[int] = set()  # seqs sent without waiting (local-loss algorithms)
         self._model = model
         self._plan = plan
@@ -147,6 +151,15 @@ class ClientLink:
         if self._reply is not None:
             self._broker.declare([self._reply])
             self._broker.subscribe(self._reply.name, prefetch=REPLY_PREFETCH)
+
+    def begin(self, seq_base: int) -> None:
+        """Number the batches from a Welcome's `seq_base` on. Another Welcome of the session
+        repeats its base; one after the member's record expired (answered `unknown_member`,
+        joined again) brings a higher one, chosen above every seq sent, and the batches go on
+        from there. A lower one (an older Welcome, late) changes nothing: seqs never go back."""
+        if self.seq_base is None or seq_base > self.seq_base:
+            self.seq_base = seq_base
+            self.next_seq = max(self.next_seq, seq_base)
 
     def start_heartbeats(self) -> None:
         """Start beating (once a member) until `leave`."""
@@ -302,8 +315,8 @@ class ClientLink:
             return f"{kind} for client {message.client!r} on the queue of {self.client!r}"
         if isinstance(message, GradientReply | ServerOutput):
             # An earlier seq may be a late copy of an answer already taken, or a previous
-            # run's: a duplicate, not an invalid message.
-            if message.seq >= self.next_seq:
+            # run's (every one before the Welcome): a duplicate, not an invalid message.
+            if self.seq_base is not None and message.seq >= self.next_seq:
                 return (
                     f"{kind} for seq {message.seq}, never sent by this client "
                     f"(its next seq is {self.next_seq})"

@@ -27,6 +27,7 @@ from services.config.root import Settings
 from services.coordinator.hosts import HostBindings, host_heartbeat_problem, join_host_problem
 from services.coordinator.joining import JoinDesk
 from services.coordinator.roster import Roster
+from services.coordinator.welcomes import REWELCOME_S, Verdict, WelcomeLimit
 from services.security.identity import client_id_problem, sender_check, service_user
 
 _PREFETCH = 32
@@ -51,6 +52,8 @@ class CoordinatorStats:
     joined: int = 0
     rejoined: int = 0
     refused: int = 0  # joins answered with an Error (job full)
+    withheld: int = 0  # joins recorded without a second Welcome (welcomes.py)
+    replays: int = 0  # joins dead-lettered as replayed or too soon after a Welcome
     left: int = 0
     expired: int = 0
     heartbeats: int = 0
@@ -68,12 +71,14 @@ class Coordinator:
         *,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 0.2,
+        rewelcome_s: float = REWELCOME_S,
     ) -> None:
         self._settings = settings
         self._backends = backends
         self._clock = clock
         self._log = logging.getLogger("splitmq.coordinator")
         self._poll_s = poll_s
+        self._rewelcome_s = rewelcome_s
         self.stats = CoordinatorStats()
         self._senders = sender_check(settings)
 
@@ -100,15 +105,16 @@ class Coordinator:
     def _serve(self, broker: Broker, store: WeightStore, stop: threading.Event) -> None:
         outbox = Outbox(broker, self.job, self._log)
         clients = self._settings.clients
+        limit = WelcomeLimit(self._clock, self._rewelcome_s)
         roster = Roster(
             store,
             self.job,
             count=clients.count,
             ttl_s=clients.heartbeat_ttl_s,
-            expired=lambda gone: self._announce_expired(store, outbox, gone),
+            expired=lambda gone: self._announce_expired(store, outbox, limit, gone),
             clock=self._clock,
         )
-        desk = JoinDesk(self._settings, store, roster, outbox, self._log)
+        desk = JoinDesk(self._settings, store, roster, outbox, self._log, limit)
         run = _Run(broker, store, roster, outbox, desk, HostBindings(broker, self.job))
         roster.sync()
         next_sweep = self._clock() + clients.heartbeat_s
@@ -174,6 +180,10 @@ class Coordinator:
         self.stats.joined += outcome == "new"
         self.stats.rejoined += outcome == "rejoined"
         self.stats.refused += outcome == "refused"
+        self.stats.withheld += outcome == "withheld"
+        if outcome == "replayed" or outcome == "too_soon":
+            self.stats.replays += 1
+            return run.desk.limit.refusal(Verdict(outcome), message.client, message.message_id)
         if outcome == "unreachable":
             run.hosts.forget(message.client)
             return f"client {message.client} has no reply queue"
@@ -216,6 +226,7 @@ class Coordinator:
             self._log.info("job %s: leave from unknown client %s", self.job, message.client)
             return f"Leave of client {message.client!r}, who is not a member"
         run.roster.remove(message.client)
+        run.desk.limit.forget(message.client)
         self.stats.left += 1
         version = run.store.current_version(self.job)
         self._log.info("job %s: client %s left (%s)", self.job, message.client, message.reason)
@@ -223,10 +234,13 @@ class Coordinator:
         run.outbox.event("member_left", version, data, message.client)
         return None
 
-    def _announce_expired(self, store: WeightStore, outbox: Outbox, clients: Sequence[str]) -> None:
+    def _announce_expired(
+        self, store: WeightStore, outbox: Outbox, limit: WelcomeLimit, clients: Sequence[str]
+    ) -> None:
         """Announce members whose heartbeats stopped (the store already dropped them)."""
         version = store.current_version(self.job)
         for client in clients:
+            limit.forget(client)
             self.stats.expired += 1
             self._log.info("job %s: client %s expired", self.job, client)
             outbox.event("member_left", version, {"reason": "expired"}, client)

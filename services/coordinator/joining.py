@@ -4,7 +4,8 @@ A re-Join of a live member gets the same assignment again, so joining is idempot
 answers `Error(job_full)`; a Join after the end gets the members' dismissal (docs/reliability.md,
 **An ended job stays ended**). The record's `session` is the Join's, else a fresh one for a new
 record, so a restarted client is a new incarnation (`membership.same_incarnation`) and the round
-it was in stops waiting for the old process.
+it was in stops waiting for the old process. Each session gets a `seq_base` (`seq_base_after`),
+kept while the session is; how often a client is welcomed again: welcomes.py.
 """
 
 from __future__ import annotations
@@ -27,14 +28,32 @@ from services.common.membership import MemberInfo, parse_classes, session_of
 from services.common.outbox import Outbox
 from services.config.root import Settings
 from services.coordinator.roster import Roster
+from services.coordinator.welcomes import Verdict, WelcomeLimit
 
 # How young the last read of all members may be for a Join to be refused as the job is full
 # without another: expiries the index has not seen yet free slots (roster.py).
 _FULL_SYNC_S = 1.0
 
 # What became of a Join: "refused" (job full), "finished" (the job is over: told so instead of
-# welcomed), "unreachable" (no reply queue: the join was undone).
-JoinOutcome = Literal["new", "rejoined", "refused", "finished", "unreachable"]
+# welcomed), "unreachable" (no reply queue: the join was undone), "withheld" (recorded, not
+# welcomed again: its session's Welcome is on its way), "replayed" / "too_soon" (to be
+# dead-lettered: welcomes.py).
+JoinOutcome = Literal[
+    "new", "rejoined", "refused", "finished", "unreachable", "withheld", "replayed", "too_soon"
+]
+
+
+def seq_base_after(previous: int, now_us: int) -> int:
+    """A new session's first seq: the wall clock in µs, and above `previous` (the base of the
+    record it replaces; 0 if none).
+
+    Strictly above every seq an earlier session of the client could have used, even one whose
+    record expired long ago: a session starts at or below the clock of its Welcome and sends
+    far fewer than one batch a µs, so its seqs stay below the clock. Above `previous` as well,
+    should this coordinator's clock be behind the one that chose it. Above the earlier
+    session's seqs matters: a worker takes a seq it has applied for a copy (workers/replica.py).
+    """
+    return max(now_us, previous + 1)
 
 
 def choose_shard(shards: int, clients: int, partition: int, loads: Mapping[int, int]) -> int:
@@ -103,6 +122,7 @@ class JoinDesk:
         roster: Roster,
         outbox: Outbox,
         logger: logging.Logger,
+        limit: WelcomeLimit,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -112,6 +132,7 @@ class JoinDesk:
         self._job = settings.job.name
         self._weights: WeightsCache | None = None
         self._levels = LevelDesk(settings)
+        self.limit = limit
 
     def join(self, message: Join) -> JoinOutcome:
         ended = self._store.job_status(self._job)
@@ -120,13 +141,23 @@ class JoinDesk:
         version = self._store.current_version(self._job)
         existing = self._roster.lookup(message.client)
         session = session_of(message.info)
+        known = session or (existing.session if existing is not None else "")
+        member = existing is not None
+        verdict = self.limit.judge(message.client, message.message_id, known, member=member)
+        if verdict is Verdict.REPLAYED:
+            return "replayed"
+        if verdict is Verdict.TOO_SOON:
+            return "too_soon"
         if existing is not None:
             classes = reported_classes(message)
+            same = known == existing.session and existing.seq_base > 0
             info = replace(
                 existing,
                 samples=message.samples,
                 classes=existing.classes if classes is None else classes,
-                session=session or existing.session,
+                session=known,
+                # The session's base stays; a new process of the client starts above it.
+                seq_base=existing.seq_base if same else self._seq_base(existing.seq_base),
             )
         else:
             assigned = self._assign(message, session or new_message_id())
@@ -142,12 +173,15 @@ class JoinDesk:
         if ended is not None or last - 1 >= self._settings.job.rounds:
             self._roster.remove(message.client)
             return self._dismiss(message, last, ended.text if ended else JOB_FINISHED)
+        if verdict is Verdict.WITHHOLD:
+            return "withheld"
         try:
             self._welcome(message, info, version)
         except UnroutableError:
             if existing is None:
                 self._roster.remove(message.client)
             return "unreachable"
+        self.limit.welcomed(message.client, message.message_id, info.session)
         if existing is not None:
             restarted = " as a new process" if info.session != existing.session else ""
             self._log.info("job %s: client %s re-joined%s", self._job, message.client, restarted)
@@ -179,7 +213,12 @@ class JoinDesk:
             classes=reported_classes(message) or (),
             joined_at=time.time(),
             session=session,
+            seq_base=self._seq_base(0),
         )
+
+    @staticmethod
+    def _seq_base(previous: int) -> int:
+        return seq_base_after(previous, time.time_ns() // 1000)
 
     def _partition(self, requested: int | None) -> int | None:
         """`Partitions.choose` over the live members: the holders of a requested partition
@@ -230,6 +269,7 @@ class JoinDesk:
             client_weights=client_weights,
             aux_weights=aux_weights,
             config={**client_config(self._settings, info.partition), **self._level_of(info.cut)},
+            seq_base=info.seq_base,
         )
         self._outbox.reply(message.client, welcome)
 

@@ -27,6 +27,7 @@ from services.common.backends import Backends, Embedded
 from services.common.membership import client_members
 from services.config.root import Settings
 from services.coordinator.coordinator import Coordinator
+from services.coordinator.welcomes import REWELCOME_S
 from services.report.records import ListSink, VersionRecord
 from tests.unit.test_aggregator_peers import (
     WAIT_S,
@@ -123,7 +124,8 @@ def test_a_member_that_rejoins_as_a_new_process_is_not_waited_for(
         clock = ManualClock()
         sink = ListSink()
         aggregator = Aggregator(settings, handles, sink=sink, clock=clock, poll_s=0.02)
-        coordinator = Coordinator(settings, handles, clock=ManualClock(), poll_s=0.02)
+        coordinator_clock = ManualClock()
+        coordinator = Coordinator(settings, handles, clock=coordinator_clock, poll_s=0.02)
         result: list[list[VersionRecord]] = []
         done = threading.Event()
 
@@ -141,6 +143,7 @@ def test_a_member_that_rejoins_as_a_new_process_is_not_waited_for(
             before = client_members(store, job)["c"]
             if how == "left":
                 send(Leave(job, "c", new_message_id(), 1, "stopped"))
+            coordinator_clock.advance(REWELCOME_S)  # the coordinator's interval (welcomes.py)
             join("c", session)
             wait_until(lambda: welcomes(fakes["c"]) == 2, "c's second Welcome")
             after = client_members(store, job)["c"]

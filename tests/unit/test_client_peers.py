@@ -189,6 +189,8 @@ class PeerScript:
     worker_gate: threading.Event | None = None  # the worker consumes only once this is set
     # Answer the first heartbeat with Error(unknown_member); assign only after a re-Join.
     forget_member: bool = False
+    # The Welcomes' seq_base, in order (the last one repeats; none: 0).
+    seq_bases: tuple[int, ...] = ()
     before_welcome: list[tuple[bytes, str]] = field(default_factory=list)  # (body, routing key)
     # Answer the first update round_closed (its round closed without it) and reopen the round:
     # a new assignment for the same round.
@@ -338,9 +340,11 @@ class ScriptedPeers(threading.Thread):
         config: dict[str, str | int | float | bool] = {"algorithm": self.settings.algorithm.name}
         if self.script.welcome_partition is not None:
             config["partition"] = self.script.welcome_partition
+        bases = self.script.seq_bases
+        seq_base = bases[min(self.log.welcomes, len(bases) - 1)] if bases else 0
         return Welcome(
             self.job, client, new_message_id(), self.version, 0, self.cut, 0,
-            self.client_weights, self.aux_weights, config,
+            self.client_weights, self.aux_weights, config, seq_base,
         )  # fmt: skip
 
     def _assignment(self, client: str) -> WeightsAssignment:

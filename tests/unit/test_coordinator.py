@@ -38,6 +38,7 @@ from services.common.backends import Backends, Embedded
 from services.common.membership import MemberInfo, client_members, member_id
 from services.config.root import Settings
 from services.coordinator.coordinator import Coordinator
+from services.coordinator.welcomes import REWELCOME_S
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock, make_settings, running
 
 LOG = logging.getLogger("test.coordinator")
@@ -166,6 +167,7 @@ def test_a_rejoin_gets_the_same_assignment(job: str) -> None:
         first = desk.welcome("a")
         desk.join("b")
         desk.welcome("b")
+        desk.clock.advance(REWELCOME_S)  # a Welcome again only after the interval
         desk.join("a", index="0", classes="1")  # asks for another slot: keeps its own
         again = desk.welcome("a")
 
@@ -187,10 +189,12 @@ def test_a_join_from_another_process_is_recorded_as_a_new_incarnation(job: str) 
             desk.join("a", index="1", session=session)
             desk.welcome("a")
             records.append(desk.member("a"))
+            desk.clock.advance(REWELCOME_S)  # welcomed again only after the interval
         for _ in range(2):  # a client that names no session
             desk.join("b")
             desk.welcome("b")
             records.append(desk.member("b"))
+            desk.clock.advance(REWELCOME_S)
         desk.send(Leave(job, "b", new_message_id(), 1, "stopped"))
         desk.join("b")  # handled after the Leave: one queue, in order
         desk.welcome("b")

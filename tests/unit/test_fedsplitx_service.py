@@ -15,6 +15,7 @@ from broker.messages import Join, SmashedBatch, new_message_id
 from services.aggregator.rounds import replica_of
 from services.common.jobmodel import job_hyper, job_model
 from services.coordinator.joining import LevelDesk
+from services.coordinator.welcomes import REWELCOME_S
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
 from workers.replica import Replica, open_replica
@@ -126,6 +127,7 @@ def test_coordinator_welcomes_each_client_at_its_level(job: str) -> None:
         b = desk.welcome("b")
         desk.send(Join(job, "c", new_message_id(), 0, 50, 0, {}))  # given partition 2
         c = desk.welcome("c")
+        desk.clock.advance(REWELCOME_S)  # welcomed again only after the interval
         desk.send(Join(job, "a", new_message_id(), 0, 50, 3, {"index": "0"}))  # re-join
         again = desk.welcome("a")
     assert (a.cut, a.config["level"]) == ("block1", 1)

@@ -1,0 +1,90 @@
+"""Which Joins get a full Welcome: a Welcome carries the client's whole starting weights, so a
+Join replayed 500 times must not put 500 of them on its reply queue (issue 33, point 4; the
+policy: docs/architecture.md, step 2, **Replayed Joins**).
+
+Per client the coordinator remembers the ids of the Joins it handled and when it last
+welcomed which session:
+
+- a Join whose id was handled already (a replay, or a redelivery) is dead-lettered;
+- a Join of the session welcomed less than `REWELCOME_S` ago is recorded (its samples and
+  classes) but not welcomed again: that Welcome is on its way. Such Joins are the client's own
+  retries queued while the coordinator was not up, and the re-Join that reports the samples of
+  a partition the Welcome assigned;
+- a Join of another session within that time is dead-lettered: the client joins again every few
+  seconds until welcomed (`Client.join_retry_s`), and is welcomed after the interval.
+
+So one client id costs at most one full Welcome per `REWELCOME_S`, whatever is sent in its
+name. The memory is this process's: a restarted coordinator may welcome a session once more.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+# Shorter than the client's Join retry (5 s), so that a client whose Welcome was lost (its
+# reply queue purged, say) is welcomed by its next retry; long enough that a burst of queued
+# retries or replays costs one Welcome.
+REWELCOME_S = 2.0
+# Join ids remembered per client: more than the retries a client sends before it is welcomed.
+_IDS_KEPT = 32
+
+
+class Verdict(Enum):
+    WELCOME = "welcome"
+    WITHHOLD = "withhold"  # record the Join, send no Welcome: one is on its way
+    REPLAYED = "replayed"  # dead-letter: this Join was handled already
+    TOO_SOON = "too_soon"  # dead-letter: another session was welcomed a moment ago
+
+
+@dataclass
+class _Welcomed:
+    session: str
+    at: float
+    ids: deque[str] = field(default_factory=lambda: deque(maxlen=_IDS_KEPT))
+
+
+class WelcomeLimit:
+    def __init__(self, clock: Callable[[], float], interval_s: float = REWELCOME_S) -> None:
+        self._clock = clock
+        self.interval_s = interval_s
+        self._clients: dict[str, _Welcomed] = {}
+
+    def judge(self, client: str, join_id: str, session: str, *, member: bool) -> Verdict:
+        """What to do with a Join of `session` (the record's session when the Join names none);
+        `member`: the client has a live record (without one a Welcome is its only way in)."""
+        last = self._clients.get(client)
+        if last is None:
+            return Verdict.WELCOME
+        if join_id in last.ids:
+            return Verdict.REPLAYED
+        if self._clock() - last.at >= self.interval_s:
+            return Verdict.WELCOME
+        if session != last.session:
+            return Verdict.TOO_SOON
+        if not member:
+            return Verdict.WELCOME
+        last.ids.append(join_id)
+        return Verdict.WITHHOLD
+
+    def welcomed(self, client: str, join_id: str, session: str) -> None:
+        """A Welcome answering `join_id` went out."""
+        last = self._clients.setdefault(client, _Welcomed(session, 0.0))
+        last.session = session  # the ids handled stay: a replay of an old session's is one too
+        last.at = self._clock()
+        last.ids.append(join_id)
+
+    def forget(self, client: str) -> None:
+        """The client is no member any more (left, expired): its next Join starts afresh."""
+        self._clients.pop(client, None)
+
+    def refusal(self, verdict: Verdict, client: str, join_id: str) -> str:
+        """The dead-letter reason of a REPLAYED or TOO_SOON Join."""
+        if verdict is Verdict.REPLAYED:
+            return f"replayed_join: Join {join_id} of client {client!r} was answered already"
+        return (
+            f"rejoin_too_soon: client {client!r} was welcomed as another session less than "
+            f"{self.interval_s:g} s ago (one Welcome per client per {self.interval_s:g} s)"
+        )
