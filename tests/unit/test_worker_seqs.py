@@ -3,9 +3,17 @@ copies, credit per round, the surplus of refusals, and the member records behind
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
+import torch
+
 from broker.memory_store import InMemoryWeightStore
 from broker.transport import Delivery
+from services.common.backends import Backends
 from services.common.membership import MemberInfo, member_id
+from tests.unit.test_async_worker import setup as async_setup
+from tests.unit.test_worker_support import random_batch
 from workers.gate import (
     SLACK,
     Credit,
@@ -17,6 +25,7 @@ from workers.gate import (
     window_problem,
 )
 from workers.members import MemberCache
+from workers.worker import Worker
 
 
 class Clock:
@@ -145,3 +154,17 @@ def test_refusals_are_logged_at_most_once_a_second_per_code() -> None:
     assert surplus.settled("over_budget") == 1
     clock.now += 1.0
     assert surplus.settled("bad_seq") == 6
+
+
+def test_in_async_mode_a_client_has_its_allowance_per_version(job: str) -> None:
+    # No round markers: the batches computed with one version are a round's worth.
+    settings, embedded, model, client = async_setup(job)  # c0: 100 samples, batches of 64
+    allowance = StepRule(64, 1, 0).allowance(100)
+    gen = torch.Generator().manual_seed(5)
+    for seq in range(allowance + 3):
+        client.batch("c0", seq, *random_batch(model, gen, rows=1), version=1)
+    stats = Worker(settings, Backends(settings.broker, settings.store, embedded)).run(
+        threading.Event(), burst=True
+    )
+    assert stats.batches_applied == allowance
+    assert stats.dead_lettered == Counter({"over_budget": 3})
