@@ -273,7 +273,9 @@ def clients(
 
     def factory(settings: Settings, backends: Backends) -> Role:
         from services.client.host import ClientHost, always_online
+        from services.runtime.roles import preload_optimizer_code
 
+        preload_optimizer_code()
         return ClientHost(
             settings,
             backends.for_role("client", host),

@@ -23,6 +23,14 @@ from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
 
 
+def preload_optimizer_code() -> None:
+    """Import what torch's first optimizer imports (torch._dynamo, behind its
+    `_disable_dynamo` wrapper): seconds of CPU on a small machine, otherwise paid inside round
+    1 by the first worker or client to build an optimizer, while the others wait on the
+    import lock. Called by the builders of the roles that train, before the role joins."""
+    import torch._dynamo  # noqa: F401
+
+
 def build_coordinator(settings: Settings, backends: Backends) -> Role:
     from services.coordinator.coordinator import Coordinator
 
@@ -50,6 +58,7 @@ def build_aggregator(
 def build_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
     from workers.worker import Worker
 
+    preload_optimizer_code()
     return Worker(settings, backends.for_role("worker", worker_id), worker_id=worker_id)
 
 
@@ -64,6 +73,7 @@ def build_client(
 ) -> Role:
     from services.client.client import Client
 
+    preload_optimizer_code()
     return Client(
         settings,
         backends,
