@@ -34,7 +34,7 @@ from broker.topology import reply_routing_key
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.report.tomlwrite import dumps
-from services.runtime.processes import clear_job
+from services.runtime.processes import child_env, clear_job
 
 ROOT = Path(__file__).resolve().parent.parent
 # Defaults of the cases (`Case.clients`, `Case.batch`): what docs/benchmarks.md reports.
@@ -65,6 +65,9 @@ class Case:
     batch_messages: int = 1
     worker_threads: int = 1
     client_threads: int = 1
+    # True: no thread variable set by hand; every process gets what `splitmq up` gives its
+    # children (the [runtime] thread budget), and the two fields above are ignored.
+    default_threads: bool = False
     allocator: bool = True
     eval_samples: int = 256
     clients: int = CLIENTS
@@ -240,6 +243,12 @@ class Deployment:
             env.pop(name, None)
         if self.case.allocator:
             env.update(ALLOCATOR_ENV)
+        if self.case.default_threads:
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "SPLITMQ_RUNTIME__TORCH_THREADS"):
+                env.pop(name, None)
+            env = child_env(env, workers=1, clients=self.case.clients)
+            env.update(SPLITMQ_DATA_DIR=str(self.data_dir))
+            return env
         if threads > 1:
             # Sharing two cores with the clients, spinning OpenMP threads wait for a
             # descheduled sibling for whole time slices; passive ones sleep instead.

@@ -2,14 +2,16 @@
 
     python -m benchmarks.sfl_throughput [--models cnn5 lenet5 resnet18] [--reps N]
                                         [--dtypes float32 float16 bfloat16] [--fold 4]
-                                        [--write-docs]
+                                        [--default-threads] [--write-docs]
 
 For each model (batch 64, 4 clients, IID partition, data from SPLITMQ_DATA_DIR, default
 ../shared/data):
 
 - **MQ**: one deployment per smashed dtype (`benchmarks.sfl_deploy`): aggregator, coordinator,
   one worker (`workers.batch_messages = 1`: plain SFL-V2) and 4 clients, each its own process,
-  over the real RabbitMQ and Redis. Every round is one repetition: samples counted between two
+  over the real RabbitMQ and Redis; threads set by hand (1 torch thread per client, the
+  worker's per model) or, with `--default-threads`, the product's own budget as `splitmq up`
+  gives it (`[runtime] torch_threads = auto`). Every round is one repetition: samples counted between two
   reply timestamps once every client is past its warm-up, while all four are busy.
 - **in-process**: `benchmarks.sfl_inprocess`, one process doing the same SFL-V2 steps, measured
   right before the first deployment and after each one in every variant (1 or 2 torch threads,
@@ -224,6 +226,7 @@ def run_model(args: argparse.Namespace, plan: Plan, log: IO[str]) -> ModelRun:
             rounds=args.reps or (plan.rounds if dtype == "float32" else plan.dtype_rounds),
             warm=plan.warm,
             worker_threads=args.worker_threads or plan.worker_threads,
+            default_threads=args.default_threads,
             allocator=not args.no_allocator,
             eval_samples=plan.eval_samples,
             clients=args.clients,
@@ -407,6 +410,22 @@ def load_average() -> str:
         return "unknown"
 
 
+def threads_setup(args: argparse.Namespace, workers: str) -> str:
+    """Which thread settings the deployments ran with, in words."""
+    if args.default_threads:
+        return (
+            "MQ processes at the product's defaults (`--default-threads`): no thread variable "
+            "set by hand; each process gets what `splitmq up` gives its children "
+            "(`[runtime] torch_threads = auto`: the cores divided among the worker and the "
+            "clients, passive OpenMP waits)."
+        )
+    return (
+        "MQ processes tuned by hand (run with `--default-threads` for the product's "
+        f"defaults): each client 1 torch thread, the worker {workers} (OMP_WAIT_POLICY=PASSIVE "
+        "when more than one: it shares the cores with the clients)."
+    )
+
+
 def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str) -> str:
     rows = table_rows(runs)
     throughput, verdicts = throughput_table(rows)
@@ -425,9 +444,8 @@ def report(args: argparse.Namespace, runs: Sequence[ModelRun], load_before: str)
         "worker with `batch_messages = 1` (plain SFL-V2) unless marked folding; smashed data "
         "persistent, gradient replies transient, all confirmed. One window per round (steady "
         "state: from the moment every client has had its first replies of the round until the "
-        "first client is done). MQ processes: each client 1 torch thread, the worker "
-        f"{workers} (OMP_WAIT_POLICY=PASSIVE when more than one: it shares the cores with the "
-        "clients). The in-process loop: the fastest of the variants "
+        f"first client is done). {threads_setup(args, workers)} The in-process loop: the "
+        "fastest of the variants "
         f"{', '.join(args.inproc)} (torch threads; p: OMP_WAIT_POLICY=PASSIVE), all measured "
         "before the first deployment and after each one; each deployment is compared with the "
         "mean of the best variants just before and just after it. Allocator environment of "
@@ -472,6 +490,12 @@ def main() -> None:
         nargs="+",
         default=["1", "2", "2p"],
         help="in-process variants: torch threads, 'p' for OMP_WAIT_POLICY=PASSIVE; the faster wins",
+    )
+    parser.add_argument(
+        "--default-threads",
+        action="store_true",
+        help="deploy at the product's thread budget ([runtime] torch_threads = auto), as "
+        "`splitmq up` does, instead of 1 thread per client and --worker-threads",
     )
     parser.add_argument("--no-allocator", action="store_true", help="glibc malloc defaults")
     parser.add_argument("--clients", type=int, default=CLIENTS, help="simulated clients")
