@@ -93,7 +93,7 @@ class Replica:
         self.floors: dict[str, int] = {}
         self.recent: dict[str, list[int]] = {}  # sorted, above the floor, at most RECENT_SEQS
         # The message id each recent seq was applied from: a copy carries it, a forgery reusing
-        # the seq does not (`workers.seqs.copy_problem`). Absent in checkpoints from before.
+        # the seq does not (`workers.gate.copy_problem`). Absent in checkpoints from before.
         self.recent_ids: dict[str, dict[int, str]] = {}
         self.cohort_round = -1
         self.cohort: dict[str, int] = {}

@@ -320,7 +320,7 @@ class ShardRunner:
     def _taken_before(self, delivery: Delivery, batch: SmashedBatch) -> bool:
         """Whether `batch`'s seq settled it: a copy of an applied or a buffered batch (answered
         or replaced), a message reusing such a seq, or a seq outside the client's session
-        window (both dead-lettered: `workers.seqs`)."""
+        window (both dead-lettered: `workers.gate`)."""
         replica, io = self.replica, self._io
         if replica.applied_already(batch.client, batch.seq):
             recorded = replica.applied_id(batch.client, batch.seq)
