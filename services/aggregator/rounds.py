@@ -252,11 +252,12 @@ class RoundClock(Core):
             if not pending:
                 break
             if self.clock() >= report_at:
+                if report_at == since + every_s:  # the first report of this round
+                    self.stats.late_replicas += 1
                 self._still_waiting(state, pending, self.clock() - since)
                 report_at = self.clock() + every_s
             if self.stop.wait(_POLL_S):
                 return None
-        self.stats.late_replicas += report_at > since + every_s
         return [found[s] for s in sorted(found)]
 
     def _still_waiting(self, state: OpenRound, pending: list[int], waited_s: float) -> None:

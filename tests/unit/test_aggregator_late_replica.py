@@ -184,6 +184,7 @@ def test_a_late_replica_reaches_the_published_version(
 
     assert sink.status == "finished"
     assert [(r.round, r.participants) for r in result[0]] == [(1, 2), (2, 2)]
+    assert aggregator.stats.late_replicas == 1  # round 1's; round 2's came at once
     # Each version's server side is its round's replica, and counts its samples.
     for version, blob in versions.items():
         for name, tensor in blob.items():
