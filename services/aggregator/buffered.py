@@ -151,6 +151,11 @@ class BufferClock(Core):
         """A member's notice that a local round came to nothing: acked and counted."""
         if drop.message_id in self._seen:
             return Offer(Verdict.DUPLICATE)
+        if drop.version > self.version:  # junk: enough notices in a row would fail the job
+            reason = (
+                f"RoundDropped based on version {drop.version}, beyond the current {self.version}"
+            )
+            return Offer(Verdict.REJECT, reason, kind="wrong_version")
         if self._member(drop.client) is None:
             reason = f"client {drop.client!r} is not a member of the job"
             return Offer(Verdict.REJECT, reason, kind="not_member")

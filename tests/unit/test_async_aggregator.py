@@ -267,8 +267,10 @@ def test_drops_are_counted_and_enough_in_a_row_fail_the_job(job: str) -> None:
             failures.append(exc)
         aj.done.set()
 
-    def drop(client: str, reason: str = "non_finite", message_id: str = "") -> None:
-        notice = RoundDropped(aj.job, client, message_id or new_message_id(), 1, 0, reason)
+    def drop(
+        client: str, reason: str = "non_finite", message_id: str = "", version: int = 1
+    ) -> None:
+        notice = RoundDropped(aj.job, client, message_id or new_message_id(), version, 0, reason)
         aj.broker.publish(CONTROL_EXCHANGE, updates_routing_key(aj.job), encode(notice))
 
     try:
@@ -280,6 +282,7 @@ def test_drops_are_counted_and_enough_in_a_row_fail_the_job(job: str) -> None:
             drop("b", "aborted", message_id="once")
             drop("b", "aborted", message_id="once")  # a redelivery: not counted twice
             drop("c")
+            drop("a", version=999)  # of a version not published: junk, dead-lettered, not counted
             assert not aj.done.wait(0.3)  # two in a row so far
             drop("a")
             assert aj.done.wait(WAIT_S)
@@ -292,7 +295,9 @@ def test_drops_are_counted_and_enough_in_a_row_fail_the_job(job: str) -> None:
         assert aj.store.job_status(aj.job) == JobStatus("failed", reason)
         assert aj.aggregator.inbox_stats.drops == 4
         assert aj.aggregator.inbox_stats.duplicates == 1
-        assert any("'stranger' is not a member" in r for r in dead_reasons(aj))
+        reasons = dead_reasons(aj)
+        assert any("'stranger' is not a member" in r for r in reasons)
+        assert any("based on version 999, beyond the current" in r for r in reasons)
         # Every member is dismissed with the status, as in sync mode.
         last = [m for m in aj.replies("c", 1) if isinstance(m, WeightsAssignment)]
         assert last and last[-1].config["status"] == f"failed: {reason}"
