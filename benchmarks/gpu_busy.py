@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import statistics
 import subprocess
@@ -34,12 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.capacity_null import recast
 from benchmarks.common import command_line, machine_line, write_section
 from broker.codec import encode
 from broker.memory_broker import InMemoryBroker
 from broker.messages import RoundStart, SmashedBatch, new_message_id
 from broker.topology import SMASHED_EXCHANGE, reply_queue, reply_queue_name, shard_routing_key
-from services.algorithms.base import CohortBatch, StepResults, StrategyBase
+from services.algorithms.base import CohortBatch, StepResults
 from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.registry import build_strategy
 from services.algorithms.sfl import SFL
@@ -89,17 +89,13 @@ class TimedSFL(SFL):
             self.spans.append(lambda: start.elapsed_time(end) / 1e3)
 
 
-def timed(strategy: StrategyBase, *, cuda: bool) -> TimedSFL:
-    kept = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy) if f.init}
-    return TimedSFL(**kept, cuda=cuda)
-
-
 class TimedWorker(Worker):
     """`Worker` with its server steps timed: everything else is the product's."""
 
     def __init__(self, settings: Settings, backends: Backends, **kwargs: Any) -> None:
         super().__init__(settings, backends, **kwargs)
-        self.strategy = self.timed = timed(self.strategy, cuda=settings.workers.device == "cuda")
+        cuda = settings.workers.device == "cuda"
+        self.strategy = self.timed = recast(self.strategy, TimedSFL, cuda=cuda)
 
 
 def settings_for(job: str, prefetch: str, device: str) -> Settings:
