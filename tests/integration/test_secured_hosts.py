@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,7 @@ from services.common.backends import Backends
 from services.common.supervise import RoleSpec, Supervisor
 from services.config.loading import load_settings
 from services.coordinator.coordinator import Coordinator
+from services.coordinator.welcomes import REWELCOME_S
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
 from services.runtime.roles import build_aggregator, build_coordinator, build_worker
@@ -131,7 +134,10 @@ def test_a_host_user_reads_its_own_clients_replies_only(
             edge.ack(delivery)
             welcome = decode(delivery.body)
             send(edge, user, HostHeartbeat(job, "edge", new_message_id(), 1, {"edge-0": 1}), "b")
-            send(edge, user, own, "own-join-again")  # after the heartbeat: one queue, in order
+            # After the heartbeat: one queue, in order. A Join of its own (a replay would be
+            # dead-lettered), past the coordinator's interval between two Welcomes.
+            time.sleep(REWELCOME_S)
+            send(edge, user, replace(own, message_id=new_message_id()), "own-join-again")
             again = edge.get(WAIT_S)
             assert again is not None
             edge.ack(again)
