@@ -44,7 +44,7 @@ from tests.unit.test_aggregator_peers import (
     worker_loop,
 )
 
-pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis]
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
 
 LOG = logging.getLogger("test.forged_drops")
 SAMPLES = {"a": 10, "b": 30}
