@@ -57,8 +57,8 @@ class MemberInfo:
     joined_at: float = 0.0
     session: str = ""  # "" in records written before sessions: every such one is alike
     # The session's first SmashedBatch seq, sent in its Welcome: the session numbers its
-    # batches contiguously from here (docs/architecture.md, Welcome). 0: unknown (a
-    # record written before seq bases), which a reader must treat as "no window known".
+    # batches contiguously from here (docs/architecture.md, step 2, **Sessions and seqs**).
+    # 0: unknown (a record written before seq bases): a reader knows no window then.
     seq_base: int = 0
 
     @property
