@@ -2,8 +2,8 @@
 costs nothing, next to raw pika at the same sizes (issue 34); run by hand, not a test.
 
     python -m benchmarks.capacity_null [--sizes 100KiB 1.5MiB 16MiB] [--messages 240]
-                                       [--runs 3] [--device cpu] [--url URL] [--redis-url URL]
-                                       [--write-docs]
+                                       [--runs 3] [--device cpu] [--prefetch auto]
+                                       [--url URL] [--redis-url URL] [--write-docs]
 
 The ceiling any worker can reach, GPU or not: every byte and check of the data plane, none of
 the compute. Two paths per size, each a load generator in this process and a worker in a
@@ -45,7 +45,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pika
 import torch
@@ -79,6 +79,7 @@ MAX_WINDOW = 32
 SMALL_SIZE_FACTOR = {"100KiB": 4, "1.5MiB": 2}
 WAIT = 60.0  # seconds a reply may take (the worker's first includes its start) before failing
 BLOCK = 4  # blocks per run, alternating between the paths
+S = TypeVar("S", bound=StrategyBase)
 
 
 # --- the null model and step ---------------------------------------------------------------------
@@ -125,10 +126,16 @@ class NullSFL(SFL):
         return [(torch.zeros_like(b.activations), 0.0, 0) for b in batches]
 
 
+def recast(strategy: StrategyBase, cls: Callable[..., S], **extra: Any) -> S:
+    """`strategy`'s settings in `cls`, a subclass of its class that a benchmark built (a
+    strategy is a frozen dataclass: its fields are all it holds)."""
+    kept = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy) if f.init}
+    return cls(**kept, **extra)
+
+
 def nulled(strategy: StrategyBase) -> NullSFL:
     """`strategy` (an SFL) with the null server step, its settings kept."""
-    kept = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy) if f.init}
-    return NullSFL(**kept)
+    return recast(strategy, NullSFL)
 
 
 class NullWorker(Worker):
@@ -148,6 +155,7 @@ class Job:
     url: str
     redis_url: str
     device: str
+    prefetch: str = "auto"  # workers.prefetch
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -177,7 +185,11 @@ class Job:
                 "data": {"dataset": "fashion_mnist_sample"},
                 "algorithm": {"name": "sfl_v2"},
                 "clients": {"count": CLIENTS},
-                "workers": {"device": self.device, "checkpoint_every_steps": self.checkpoint},
+                "workers": {
+                    "device": self.device,
+                    "prefetch": self.prefetch,
+                    "checkpoint_every_steps": self.checkpoint,
+                },
                 "broker": {"kind": "rabbitmq", "amqp_url": self.url},
                 "store": {"kind": "redis", "redis_url": self.redis_url},
             }
@@ -465,6 +477,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="verdict on the median of runs")
     parser.add_argument("--warmup", type=int, default=16, help="untimed replies per path")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--prefetch", default="auto", choices=["auto", "on", "off"], help="workers.prefetch"
+    )
     parser.add_argument("--url", default=os.environ.get("SPLITMQ_AMQP_URL", DEFAULT_URL))
     parser.add_argument("--redis-url", default=os.environ.get("SPLITMQ_REDIS_URL", DEFAULT_REDIS))
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
@@ -472,7 +487,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     tag = uuid.uuid4().hex[:8]
     jobs = {
-        size: Job(f"capnull-{tag}-{i}", size, args.url, args.redis_url, args.device)
+        size: Job(f"capnull-{tag}-{i}", size, args.url, args.redis_url, args.device, args.prefetch)
         for i, size in enumerate(args.sizes)
     }
     results: dict[str, list[Rates]] = {}
@@ -492,7 +507,8 @@ def main() -> None:
         f"worker within {TARGET}x of raw pika at every size (median of runs): "
         f"{'yes' if passed else 'NO'}\n\n"
         f"machine: {machine_line(f'torch {torch.__version__}')}; worker device "
-        f"{args.device}; 1-minute load average {load:.1f} at the start, "
+        f"{args.device}, workers.prefetch {args.prefetch}; 1-minute load average "
+        f"{load:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end\n\n"
         f"{info.product} {info.version}, pika {pika.__version__}; {CLIENTS} clients; in flight: "
         f"{windows}; checkpoint every {checkpoints} steps; {args.runs} runs of {BLOCK} "

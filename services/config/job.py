@@ -363,6 +363,9 @@ class WorkersSection(_Section):
     # (1 = strictly sequential, the papers' semantics). MiniBatch-SFL always batches per step.
     batch_messages: int = Field(default=1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Decode (and copy to the device) the next delivery on a thread of its own while a step
+    # runs (workers/device_io.py); "auto": with a CUDA device only, where it hides the copies.
+    prefetch: Literal["auto", "on", "off"] = "auto"
     lease_ttl_s: float = Field(default=10.0, gt=0)
     # MiniBatch-SFL: how long a step waits for missing participants before going on without them.
     step_barrier_timeout_s: float = Field(default=30.0, gt=0)
