@@ -136,11 +136,12 @@ class Inbox:
         plane: DevicePlane,
         *,
         ahead: bool,
-        decoder: Callable[[bytes], Message] = decode,
+        decoder: Callable[[bytes], Message] | None = None,
     ) -> None:
+        """`decoder`: `broker.codec.decode` unless given (tests wrap it)."""
         self._broker = broker
         self._plane = plane
-        self._decoder = decoder
+        self._decoder = decoder or decode
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splitmq-decode")
             if ahead
