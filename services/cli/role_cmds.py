@@ -42,7 +42,7 @@ from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.doctor import StartInterrupted, check_services
-from services.runtime.threads import apply_process_budget, shared_by
+from services.runtime.threads import apply_budget, apply_process_budget, process_budget, shared_by
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 if TYPE_CHECKING:
@@ -336,6 +336,8 @@ def aggregator(
     require_servers(settings, "aggregator")
     if resume and run_dir is None:
         raise click.UsageError("--resume goes on with the run in --run-dir; name it")
+    # The run header and metrics.json say the threads torch runs with: set them first.
+    apply_budget(process_budget(settings))
     files, sink = run_report(settings, report_dir, run_dir, resume=resume)
     try:
         stopped = _serve(settings, "aggregator", partial(_aggregator, sink=sink), log)

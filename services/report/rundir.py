@@ -69,9 +69,14 @@ class RunInfo:
 
     @classmethod
     def for_settings(cls, settings: Settings, command: str, started: datetime) -> RunInfo:
-        # What the command that starts the process applies (services/runtime/threads.py):
-        # the settings say how many compute threads share the host's cores.
+        # What torch runs with in this process (the command applied the budget before
+        # reporting), and the [runtime] rule when that is where it came from: a caller that
+        # sets torch's threads itself (`splitmq experiment --torch-threads`) is said as such.
         budget = settings.runtime.budget(usable_cores())
+        intra, inter = torch.get_num_threads(), torch.get_num_interop_threads()
+        rule = budget.rule()
+        if intra != budget.intra_op:
+            rule = f"set by the command ([runtime] would give {budget.intra_op})"
         return cls(
             job=settings.job.name,
             command=command,
@@ -88,9 +93,9 @@ class RunInfo:
             rounds=settings.job.rounds,
             splitmq=package_version(),
             git_commit=source_commit(),
-            torch_threads=budget.intra_op,
-            torch_interop_threads=budget.inter_op,
-            thread_budget=budget.rule(),
+            torch_threads=intra,
+            torch_interop_threads=inter,
+            thread_budget=rule,
         )
 
     def ended(self, status: str, at: datetime) -> RunInfo:

@@ -15,7 +15,7 @@ from services.config.runtime import RuntimeSection, thread_budget, usable_cores
 from services.report.rundir import RunInfo
 from services.report.summary import banner
 from services.runtime.processes import child_env
-from services.runtime.threads import apply_budget, shared_by
+from services.runtime.threads import apply_budget, process_budget, shared_by
 
 
 @pytest.mark.parametrize(
@@ -109,11 +109,24 @@ def test_applying_twice_in_one_process_does_not_raise() -> None:
         torch.set_num_threads(before)
 
 
-def test_the_run_header_and_metrics_show_the_budget() -> None:
+def test_the_run_header_and_metrics_show_the_threads_torch_runs_with() -> None:
+    import torch
+
     settings = shared_by(load_settings(None, {"SPLITMQ_RUNTIME__TORCH_THREADS": "2"}), 5)
-    info = RunInfo.for_settings(settings, "splitmq run", datetime.now())
-    assert (info.torch_threads, info.torch_interop_threads) == (2, 2)
+    before = torch.get_num_threads()
+    try:
+        apply_budget(process_budget(settings))
+        info = RunInfo.for_settings(settings, "splitmq run", datetime.now())
+        torch.set_num_threads(1)  # a command that sets them itself (splitmq experiment)
+        other = RunInfo.for_settings(settings, "splitmq experiment", datetime.now())
+    finally:
+        torch.set_num_threads(before)
+    inter = torch.get_num_interop_threads()  # sized once per process: maybe by an earlier test
+    assert (info.torch_threads, info.torch_interop_threads) == (2, inter)
     assert info.thread_budget == "runtime.torch_threads = 2"
     assert banner(info).splitlines()[1] == (
-        "torch threads: 2 intra-op / 2 inter-op per compute thread (runtime.torch_threads = 2)"
+        f"torch threads: 2 intra-op / {inter} inter-op per compute thread "
+        "(runtime.torch_threads = 2)"
     )
+    assert other.torch_threads == 1
+    assert other.thread_budget == "set by the command ([runtime] would give 2)"
