@@ -50,9 +50,9 @@ BaseLookup = Callable[[str, bool], int]
 # Batches beyond twice a round's steps a client may have accepted: a round reopened by a
 # straggler's republish, a step barrier's redelivery after a take-over.
 SLACK = 8
-# The refused are dead-lettered once this many wait, once the oldest has waited this long, or
-# when the worker's wait for input ends with nothing. Unsettled, they hold prefetch slots, so
-# the batch is kept well under the shard's prefetch (at least 16).
+# The refused are dead-lettered once this many wait (the worker uses half its prefetch, at
+# least this), once the oldest has waited this long, or when the worker's wait for input ends
+# with nothing. Unsettled, they hold prefetch slots.
 SURPLUS_BATCH = 8
 SURPLUS_WAIT_S = 0.02
 

@@ -33,7 +33,7 @@ from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
-from workers.gate import Surplus
+from workers.gate import SURPLUS_BATCH, Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
@@ -155,7 +155,9 @@ class WorkerSession:
         self.replier = Replier(self.broker, self.stop, self.log, keep=2 * settings.clients.count)
         # Whether the job's coordinator admitted a client.
         self.members = MemberCache(store, self.job, self.clock)
-        self.surplus = Surplus(clock=self.clock)  # refused unjudged, dead-lettered together
+        # Refusals dead-lettered together: a flood's cost is mostly the wait for the broker's
+        # confirms, once per batch; half the prefetch leaves the other half to serve.
+        self.surplus = Surplus(size=max(SURPLUS_BATCH, self.prefetch // 2), clock=self.clock)
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
 
