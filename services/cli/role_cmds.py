@@ -42,7 +42,7 @@ from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.doctor import StartInterrupted, check_services
-from services.runtime.threads import apply_budget, apply_process_budget, process_budget, shared_by
+from services.runtime.threads import budgeted, shared_by
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 if TYPE_CHECKING:
@@ -65,7 +65,6 @@ def _serve(
     context = context or {}
     with log.logging(settings, {"role": kind, "job": settings.job.name, **context}):
         logger = logging.getLogger(f"splitmq.{kind}")
-        apply_process_budget(settings, logger)
         backends = Backends(settings.broker, settings.store)
         # `splitmq check <kind>` (the containers' healthcheck) reads this key.
         instance = str(context.get(kind) or default_member_id(f"{kind}-"))
@@ -86,7 +85,8 @@ def _serve(
                 from services.runtime.observe import observe_role
 
                 observation = observe_role(settings, kind, backends, echo=click.echo)
-                with health, observation as seen:
+                # After the check: the budget imports torch, seconds a wrong URL need not wait.
+                with health, observation as seen, budgeted(settings, logger):
                     role = factory(settings, seen.backends)
                     failed = "died"
                     role.run(stop)
@@ -337,13 +337,13 @@ def aggregator(
     if resume and run_dir is None:
         raise click.UsageError("--resume goes on with the run in --run-dir; name it")
     # The run header and metrics.json say the threads torch runs with: set them first.
-    apply_budget(process_budget(settings))
-    files, sink = run_report(settings, report_dir, run_dir, resume=resume)
-    try:
-        stopped = _serve(settings, "aggregator", partial(_aggregator, sink=sink), log)
-    except click.exceptions.Exit:
-        files.finish("failed: aggregator died (see its log)")
-        raise
+    with budgeted(settings):
+        files, sink = run_report(settings, report_dir, run_dir, resume=resume)
+        try:
+            stopped = _serve(settings, "aggregator", partial(_aggregator, sink=sink), log)
+        except click.exceptions.Exit:
+            files.finish("failed: aggregator died (see its log)")
+            raise
     files.finish("stopped" if stopped else "finished")
     if summary:
         click.echo(files.summary, nl=False)

@@ -35,6 +35,7 @@ from services.runtime.processes import (
     job_version,
     reset_for_resume,
 )
+from services.runtime.threads import budgeted, shared_by
 
 resume_option = click.option(
     "--resume",
@@ -85,10 +86,12 @@ def run(
 
     _resume_here(report_dir, resume_dir)
     _, settings = load(config)
-    # Progress lines say what happens; role logs below WARNING would drown them.
-    with log.logging(settings, {"job": settings.job.name}, default="WARNING"):
+    settings = _embedded_threads(settings)
+    # Progress lines say what happens; role logs below WARNING would drown them. The thread
+    # budget is set before the run header, which shows it.
+    logs = log.logging(settings, {"job": settings.job.name}, default="WARNING")
+    with logs, budgeted(settings):
         settings = force_embedded(settings, logging.getLogger("splitmq.runtime"))
-        settings = _budget_threads(settings)
         saved = saved_version(resume_dir, settings) if resume_dir is not None else None
         dataset = load_job_dataset(settings)  # a DataError is one line (services.cli.common)
         sink, both = run_report(settings, report_dir, resume_dir, resume=saved is not None)
@@ -236,20 +239,17 @@ def up(
         raise click.exceptions.Exit(result.exit_code)
 
 
-def _budget_threads(settings: Settings) -> Settings:
-    """The embedded run's settings with its thread budget, applied to this process: its
-    clients and workers are threads that compute at once, each with its own OpenMP team, so
-    they divide the cores as processes would (services/config/runtime.py). One number for the
-    whole process, set before any role starts: torch.set_num_threads is the default that each
-    thread's team takes, and the roles that compute are alike (the aggregator evaluates and
-    the coordinator routes while they wait). Intra-op threads beyond the share would only
-    spin at barriers on cores that another role needs."""
+def _embedded_threads(settings: Settings) -> Settings:
+    """The embedded run's settings for its thread budget: its clients and workers are threads
+    that compute at once, each with its own OpenMP team, so they divide the cores as
+    processes would (services/config/runtime.py). One number for the whole process, set
+    before any role starts: torch.set_num_threads is the default that each thread's team
+    takes, and the roles that compute are alike (the aggregator evaluates and the coordinator
+    routes while they wait). Intra-op threads beyond the share would only spin at barriers
+    on cores that another role needs."""
     from services.runtime.roles import worker_count
-    from services.runtime.threads import apply_budget, process_budget, shared_by
 
-    settings = shared_by(settings, settings.clients.count + worker_count(settings))
-    apply_budget(process_budget(settings))
-    return settings
+    return shared_by(settings, settings.clients.count + worker_count(settings))
 
 
 def _resume_up(settings: Settings, run_dir: Path, client_ids: list[str]) -> int:

@@ -10,7 +10,8 @@ of ours could call torch; the child then calls `apply_budget` with the same numb
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from services.config.root import Settings
 from services.config.runtime import ThreadBudget, usable_cores
@@ -50,13 +51,24 @@ def apply_budget(budget: ThreadBudget) -> tuple[int, int]:
     return torch.get_num_threads(), torch.get_num_interop_threads()
 
 
-def apply_process_budget(settings: Settings, log: logging.Logger) -> tuple[int, int]:
-    """`process_budget` applied to this process, said in `log`."""
+@contextmanager
+def budgeted(settings: Settings, log: logging.Logger | None = None) -> Iterator[tuple[int, int]]:
+    """`process_budget` applied for the block (said in `log`); the (intra-op, inter-op)
+    threads in effect. torch's intra-op default is put back after it: a command invoked in a
+    process that goes on (tests use click's runner) leaves it as it found it."""
+    import torch
+
+    before = torch.get_num_threads()
     budget = process_budget(settings)
     applied = apply_budget(budget)
-    in_effect = "" if applied == (budget.intra_op, budget.inter_op) else f"; in effect {applied}"
-    log.info("torch threads: %s%s", budget.words(), in_effect)
-    return applied
+    if log is not None:
+        wanted = (budget.intra_op, budget.inter_op)
+        in_effect = "" if applied == wanted else f"; in effect {applied}"
+        log.info("torch threads: %s%s", budget.words(), in_effect)
+    try:
+        yield applied
+    finally:
+        torch.set_num_threads(before)
 
 
 def budget_env(budget: ThreadBudget, base: Mapping[str, str]) -> dict[str, str]:

@@ -15,7 +15,7 @@ from services.config.runtime import RuntimeSection, thread_budget, usable_cores
 from services.report.rundir import RunInfo
 from services.report.summary import banner
 from services.runtime.processes import child_env
-from services.runtime.threads import apply_budget, process_budget, shared_by
+from services.runtime.threads import apply_budget, budgeted, process_budget, shared_by
 
 
 @pytest.mark.parametrize(
@@ -130,3 +130,13 @@ def test_the_run_header_and_metrics_show_the_threads_torch_runs_with() -> None:
     )
     assert other.torch_threads == 1
     assert other.thread_budget == "set by the command ([runtime] would give 2)"
+
+
+def test_a_command_run_in_process_leaves_torch_as_it_found_it() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    settings = load_settings(None, {"SPLITMQ_RUNTIME__TORCH_THREADS": str(before + 1)})
+    with budgeted(settings) as (intra, _):
+        assert intra == torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
