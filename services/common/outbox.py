@@ -34,14 +34,20 @@ class Outbox:
 
     def reply(self, client: str, message: Message) -> int:
         """Send to `client`'s reply queue; the encoded size. Raises `UnroutableError` when the
-        client has no reply queue (it never declared one, or it is gone)."""
+        client cannot be reached: it has no reply queue (it never declared one, or it is gone),
+        or its queue is at its bound. A full reply queue is the same fate told another way: its
+        client reads none of its replies, and waiting for it would let one client that stopped
+        reading stall the role that answers everyone (docs/architecture.md, reply bounds)."""
         body = encode(message)
-        self._broker.publish(
-            REPLIES_EXCHANGE,
-            reply_routing_key(self._job, client),
-            body,
-            PublishOptions(message_id=message.message_id),
-        )
+        try:
+            self._broker.publish(
+                REPLIES_EXCHANGE,
+                reply_routing_key(self._job, client),
+                body,
+                PublishOptions(message_id=message.message_id),
+            )
+        except BackPressureError as exc:
+            raise UnroutableError(f"reply queue of client {client!r} is full: {exc}") from None
         return len(body)
 
     def error(self, client: str, version: int, code: str, reason: str, ref: str = "") -> bool:
@@ -49,10 +55,9 @@ class Outbox:
         message = Error(self._job, client, new_message_id(), version, code, reason, ref)
         try:
             self.reply(client, message)
-        except UnroutableError:
-            self._log.warning(
-                "job %s: cannot send error %r to client %s: no reply queue", self._job, code, client
-            )
+        except UnroutableError as exc:
+            args = (self._job, code, client, exc)
+            self._log.warning("job %s: cannot send error %r to client %s: %s", *args)
             return False
         return True
 
