@@ -28,7 +28,7 @@ a client numbers from its clock. A seq outside is refused `bad_seq` and never re
 forged seq far ahead cannot raise the floor that `Replica.applied_already` keeps (a recorded
 copy below `seq_base`, from the client's previous session, is answered as a copy before this
 check). A seq outside the known window may be a new session's first: the member record is read
-again (at most five times a second, `MemberCache.info`) and the window moves to its `seq_base`.
+again (once a second per client, `MemberCache.info`) and the window moves to its `seq_base`.
 A copy of an applied or buffered batch carries that batch's message id; a message reusing its
 seq under another id is refused `seq_reused` (`copy_problem`).
 """

@@ -4,6 +4,7 @@ sparingly: the worker asks for every SmashedBatch, the store must not see one re
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +17,11 @@ from services.common.membership import MemberInfo
 _MAX_STRANGERS = 4096
 _MEMBER_TTL_S = 2.0
 _NEGATIVE_TTL_S = 1.0
-# How soon `info(again=True)` may read the store again: a new session's first batch comes long
-# after its Join (an assignment, a forward), a flood of seqs outside any window asks this often.
-_REREAD_S = 0.2
+# How soon `info(again=True)` may read the store again for one client, and for any: a client's
+# new session is read at its first batch whatever other clients asked, while a flood of seqs
+# outside any window costs a read a second per member id it names, at most 20 a second.
+_CLIENT_REREAD_S = 1.0
+_REREAD_S = 0.05
 
 
 @dataclass(eq=False)
@@ -39,6 +42,7 @@ class MemberCache:
     _infos: dict[str, MemberInfo | None] = field(default_factory=dict)
     _read_at: float | None = None
     _strangers: OrderedDict[str, float] = field(default_factory=OrderedDict)  # when found missing
+    _asked: OrderedDict[str, float] = field(default_factory=OrderedDict)  # `again`, by client
 
     def __call__(self, client: str) -> bool:
         now = self.clock()
@@ -51,10 +55,11 @@ class MemberCache:
 
     def info(self, client: str, *, again: bool = False) -> MemberInfo | None:
         """`client`'s member record (None: not a member, or a record that is not a client's).
-        `again`: read the store first, unless it was read less than `_REREAD_S` ago (the caller
-        saw something the record it has does not explain: a new session)."""
+        `again`: read the store first (the caller saw something the record it has does not
+        explain: a new session), unless that client asked less than `_CLIENT_REREAD_S` ago or
+        anyone less than `_REREAD_S` ago."""
         now = self.clock()
-        if again and not self._fresh(now, _REREAD_S):
+        if again and self._may_read_again(client, now):
             self._read(client, now)
         elif client not in self._members and not self(client):
             return None
@@ -62,6 +67,18 @@ class MemberCache:
             member = self._members.get(client)
             self._infos[client] = None if member is None else MemberInfo.from_member(member)
         return self._infos[client]
+
+    def _may_read_again(self, client: str, now: float) -> bool:
+        if (
+            self._fresh(now, _REREAD_S)
+            or now - self._asked.get(client, -math.inf) < _CLIENT_REREAD_S
+        ):
+            return False
+        self._asked[client] = now
+        self._asked.move_to_end(client)
+        while len(self._asked) > _MAX_STRANGERS:
+            self._asked.popitem(last=False)
+        return True
 
     def _fresh(self, now: float, ttl_s: float) -> bool:
         return self._read_at is not None and now - self._read_at < ttl_s

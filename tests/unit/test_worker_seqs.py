@@ -131,7 +131,7 @@ def test_the_surplus_is_due_when_full_or_old() -> None:
     assert surplus.due()
 
 
-def test_member_info_is_read_again_only_when_asked_and_not_too_often() -> None:
+def test_member_info_is_read_again_only_when_asked_and_not_too_often_per_client() -> None:
     store, clock = InMemoryWeightStore(), Clock()
     info = MemberInfo("a", 0, "block1", 16, 0, seq_base=1000)
     store.heartbeat("j", member_id("a"), 60.0, info.to_info())
@@ -140,9 +140,14 @@ def test_member_info_is_read_again_only_when_asked_and_not_too_often() -> None:
     assert first is not None and first.seq_base == 1000
     store.heartbeat("j", member_id("a"), 60.0, {**info.to_info(), "seq_base": "5000"})
     assert members.info("a", again=True).seq_base == 1000  # type: ignore[union-attr]
-    clock.now += 0.5
+    clock.now += 0.1
     assert members.info("a").seq_base == 1000  # type: ignore[union-attr]
     assert members.info("a", again=True).seq_base == 5000  # type: ignore[union-attr]
+    store.heartbeat("j", member_id("a"), 60.0, {**info.to_info(), "seq_base": "9000"})
+    clock.now += 0.5  # that client asked again less than a second ago: no read
+    assert members.info("a", again=True).seq_base == 5000  # type: ignore[union-attr]
+    clock.now += 0.5
+    assert members.info("a", again=True).seq_base == 9000  # type: ignore[union-attr]
     assert members.info("nobody") is None and not members("nobody")
 
 
