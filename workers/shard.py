@@ -75,6 +75,8 @@ _ORPHANS = 64
 # A reply refused by back-pressure is tried again after these, doubling.
 _FIRST_DELAY_S = 0.05
 _MAX_DELAY_S = 2.0
+# Tries of a reply whose client's queue is full before it is dropped (docs/reliability.md).
+_FULL_ATTEMPTS = 4
 
 
 @dataclass(frozen=True)
@@ -805,8 +807,9 @@ Answer = GradientReply | InferReply | ServerOutput | Error
 
 
 class Replier:
-    """The runner's reply step: sends replies, waiting out back-pressure, and keeps each
-    client's last "ok" reply (by reference, at most `keep` clients) for `resend`: replies are
+    """The runner's reply step: sends replies (to a full reply queue a few times, then the
+    reply is dropped: its client reads none), and keeps each client's last "ok" reply (by
+    reference, at most `keep` clients) for `resend`: replies are
     transient, so a broker restart loses them, and a sequential client's last reply is the only
     one it can still be waiting for.
     """
@@ -862,7 +865,7 @@ class Replier:
         return self._deliver(lambda: _what(message), routing_key, body, options)
 
     def _settle(self) -> None:
-        """Refusals of earlier replies: a full queue is waited out, confirmed this time; a gone
+        """Refusals of earlier replies: a full queue is tried again, confirmed this time; a gone
         client or connection is only logged (the client republishes a batch whose reply it
         missed, and `resend` answers it)."""
         for refused in self._broker.refused():
@@ -892,11 +895,13 @@ class Replier:
                 return True
             except BackPressureError:
                 attempts += 1
-                # The client's own reply queue is full: keep trying, it only grows that way
-                # when the client is slow, and dropping the reply would leave it waiting. A
-                # stopping worker gives up after a few tries (the client will republish).
-                if self._stop.is_set() and attempts >= 3:
-                    self._logger.warning("%s dropped: full while stopping", what())
+                # The client's own reply queue is at its bound, far above what a client that
+                # reads its replies ever holds: it stopped reading, and waiting for it would
+                # stall every client of the shard. A few short tries ride out a quorum queue's
+                # overshoot; then the reply is dropped, and kept for `resend` should the client
+                # come back and republish its batch.
+                if attempts >= _FULL_ATTEMPTS:
+                    self._logger.warning("%s dropped: the client's reply queue is full", what())
                     return False
                 self._sleep(delay)
                 delay = min(delay * 2, _MAX_DELAY_S)

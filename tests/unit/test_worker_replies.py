@@ -83,6 +83,15 @@ def test_back_pressure_is_retried_with_growing_delays() -> None:
     assert sleeps == [0.05, 0.1, 0.2]
 
 
+def test_a_reply_queue_that_stays_full_does_not_stall_the_shard() -> None:
+    # A client that stopped reading its replies: its queue at the bound (issue 33). The worker
+    # gives the reply up after a few short tries instead of waiting for that one client.
+    broker, sleeps = SpyBroker(refuse=1_000), list[float]()
+    assert not replier(broker, sleeps).send(reply())
+    assert len(broker.calls) == 4
+    assert sum(sleeps) < 0.5
+
+
 def test_a_vanished_client_is_not_fatal() -> None:
     broker, sleeps = SpyBroker(unroutable=True), list[float]()
     assert not replier(broker, sleeps).send(reply())
