@@ -71,14 +71,15 @@ class Config:
 
 def configs(cores: int, hog: bool) -> list[Config]:
     tuned = [
-        (f"threads={t} {wait.lower()}", {"SPLITMQ_RUNTIME__TORCH_THREADS": str(t), **w})
+        (f"threads={t}{label}", {"SPLITMQ_RUNTIME__TORCH_THREADS": str(t), **wait})
         for t in sorted({1, cores})
-        for wait, w in (("active", {"OMP_WAIT_POLICY": "ACTIVE"}), ("passive", {}))
+        for label, wait in (("", {}), (" active", {"OMP_WAIT_POLICY": "ACTIVE"}))
     ]
     out = [Config("plain loop", "loop")]
     for kind in ("run", "up"):
         out.append(Config(f"{kind} default", kind))
-        # Without OMP_WAIT_POLICY the product sets PASSIVE where processes share cores.
+        # Without OMP_WAIT_POLICY, `up` sets PASSIVE for its children (they share the cores);
+        # `run` leaves OpenMP's default (spin a while, then sleep).
         out += [Config(f"{kind} {label}", kind, env) for label, env in tuned]
     if hog:
         out.append(Config("up default, 1-core hog beside it", "up", hog=True))
@@ -197,9 +198,10 @@ def report(
             'the same data, the faster of 1 thread and one per core. "default": a fresh '
             "shell (no OMP_*/MKL_* variables, `[runtime] torch_threads = auto`); "
             '"threads=N": `SPLITMQ_RUNTIME__TORCH_THREADS=N`, "active": also '
-            "`OMP_WAIT_POLICY=ACTIVE` (without it the budget waits passively where processes "
-            'share cores). The hog is one `python -c "while True: pass"` (as `stress --cpu '
-            "1`). Configurations interleaved, the order rotated each repetition.",
+            "`OMP_WAIT_POLICY=ACTIVE` (without it, `up` gives its children PASSIVE and `run` "
+            "keeps OpenMP's default). The hog is one "
+            '`python -c "while True: pass"` (as `stress --cpu 1`). Configurations '
+            "interleaved, the order rotated each repetition.",
             "",
             *lines,
             "",
@@ -216,7 +218,12 @@ def report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--loop-steps", type=int, default=160, help="timed plain-loop steps")
+    parser.add_argument(
+        "--loop-steps",
+        type=int,
+        default=750,
+        help="timed plain-loop steps (750: the runs' 24,000 samples)",
+    )
     parser.add_argument("--only", nargs="+", help="labels to run (default: all)")
     parser.add_argument("--no-hog", action="store_true", help="skip the competing-load run")
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
