@@ -93,16 +93,23 @@ def dead_queue_name(job: str) -> str:
     return f"{job}.dead"
 
 
-def reply_queue_name(job: str, client: str) -> str:
-    return f"{job}.reply.{client}"
+def hidden_name(name: str, hidden: str) -> str:
+    """Queue `name` with a secret part appended (the secured mode's reply queues,
+    services/security/hidden.py): RabbitMQ checks no permission on a passive declare, so a
+    queue whose name can be guessed shows its depth to anyone. `""` keeps `name`."""
+    return f"{name}.{hidden}" if hidden else name
+
+
+def reply_queue_name(job: str, client: str, hidden: str = "") -> str:
+    return hidden_name(f"{job}.reply.{client}", hidden)
 
 
 def reply_routing_key(job: str, client: str) -> str:
     return f"{job}.{client}"
 
 
-def host_queue_name(job: str, host: str) -> str:
-    return f"{job}.host.{host}"
+def host_queue_name(job: str, host: str, hidden: str = "") -> str:
+    return hidden_name(f"{job}.host.{host}", hidden)
 
 
 def infer_queue_name(job: str) -> str:
@@ -114,8 +121,8 @@ def infer_routing_key(job: str) -> str:
     return f"{job}.infer"
 
 
-def infer_reply_queue_name(job: str, requester: str) -> str:
-    return f"{job}.infer-reply.{requester}"
+def infer_reply_queue_name(job: str, requester: str, hidden: str = "") -> str:
+    return hidden_name(f"{job}.infer-reply.{requester}", hidden)
 
 
 def infer_reply_routing_key(job: str, requester: str) -> str:
@@ -206,11 +213,14 @@ def _reply_bounds(limits: QueueLimits | None) -> tuple[int, int]:
     return limits.reply_max_length, limits.reply_max_length_bytes
 
 
-def reply_queue(job: str, client: str, limits: QueueLimits | None = None) -> QueueSpec:
+def reply_queue(
+    job: str, client: str, limits: QueueLimits | None = None, hidden: str = ""
+) -> QueueSpec:
+    """A client's training replies, bound with `<job>.<client>` whatever its name (`hidden`):
+    the services publish by key and never need the name."""
     key = reply_routing_key(job, client)
-    return _bounded(
-        job, reply_queue_name(job, client), REPLIES_EXCHANGE, key, _reply_bounds(limits)
-    )
+    name = reply_queue_name(job, client, hidden)
+    return _bounded(job, name, REPLIES_EXCHANGE, key, _reply_bounds(limits))
 
 
 def host_queue(
@@ -239,19 +249,25 @@ def infer_reply_queue(job: str, requester: str, limits: QueueLimits | None = Non
     return replace(bounded, durable=False, exclusive=True, auto_delete=True)
 
 
-def client_infer_reply_queue(job: str, client: str, limits: QueueLimits | None = None) -> QueueSpec:
-    """A client user's inference reply queue in the secured mode: same name and binding as
-    `infer_reply_queue`, but durable and shared-access, because the client may not declare (or
-    bind) a queue: `splitmq provision-clients` declares it for the client with the services'
-    connection, and the client only checks that it exists."""
+def client_infer_reply_queue(
+    job: str, client: str, limits: QueueLimits | None = None, hidden: str = ""
+) -> QueueSpec:
+    """A client user's inference reply queue in the secured mode: same binding as
+    `infer_reply_queue` (its name with `hidden` appended), but durable and shared-access,
+    because the client may not declare (or bind) a queue: `splitmq provision-clients` declares
+    it for the client with the services' connection, and the client only checks that it
+    exists."""
     private = infer_reply_queue(job, client, limits)
-    return replace(private, durable=True, exclusive=False, auto_delete=False)
+    name = infer_reply_queue_name(job, client, hidden)
+    return replace(private, name=name, durable=True, exclusive=False, auto_delete=False)
 
 
-def client_queue_names(job: str, client: str) -> list[str]:
+def client_queue_names(job: str, client: str, hidden: tuple[str, str] = ("", "")) -> list[str]:
     """The queues kept for one client across connections: its training reply queue and its
-    provisioned (durable) split-inference reply queue; what removing the client removes."""
-    return [reply_queue_name(job, client), infer_reply_queue_name(job, client)]
+    provisioned (durable) split-inference reply queue, with their `hidden` parts (secured
+    mode); what removing the client removes."""
+    reply, infer = hidden
+    return [reply_queue_name(job, client, reply), infer_reply_queue_name(job, client, infer)]
 
 
 def job_queues(job: str, shards: int, limits: QueueLimits | None = None) -> list[QueueSpec]:

@@ -107,7 +107,8 @@ def provision_clients(
     broker = Backends(settings.broker, settings.store).open_broker("splitmq-provision")
     try:
         if revoke_users:
-            revoke(admin, broker, job=job, clients=names, hosts=hosts)
+            vhost = vhost_of(settings.broker.amqp_url)
+            revoke(admin, broker, job=job, clients=names, hosts=hosts, vhost=vhost)
             users = [client_user(job, n) for n in names] + [host_user(job, h) for h in hosts]
             click.echo(
                 f"job {job}: deleted {len(users)} users with {admin.name} and their reply "

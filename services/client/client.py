@@ -34,7 +34,8 @@ from broker.messages import (
     Welcome,
     new_message_id,
 )
-from broker.topology import reply_queue, updates_routing_key
+from broker.topology import updates_routing_key
+from broker.transport import QueueSpec
 from models.split import SplitNet, evaluating
 from models.state import load_partial
 from services.algorithms.base import ClientContext, LocalRound, Strategy
@@ -62,6 +63,7 @@ from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
 from services.data.batches import Batch
 from services.data.loaders import Dataset
+from services.security.hidden import client_reply_queue, queue_secret
 from services.security.identity import CLIENT_ID
 
 EVAL_CHUNK = 512
@@ -225,7 +227,7 @@ class Client:
             model=seat.models.reference,  # its weights come from the service, not the seed
             plan=RoundPlan.from_settings(settings),
             heartbeats=seat.heartbeats,
-            reply=None if self.seat else reply_queue(self._job, self.client_id),
+            reply=None if self.seat else self._reply_queue(),
         )
         reason = "finished"
         try:
@@ -258,6 +260,13 @@ class Client:
             stats.backpressure_retries,
         )
         return stats
+
+    def _reply_queue(self) -> QueueSpec:
+        """A standalone client's reply queue: in the secured mode under the name its password
+        hides (services/security/hidden.py), which only it and its provisioner know."""
+        per_client_users = self.settings.security.per_client_users
+        secret = queue_secret(per_client_users, self.backends.broker_settings.amqp_url)
+        return client_reply_queue(self._job, self.client_id, secret)
 
     def _own_seat(self, name: str) -> Seat:
         """A standalone client's connections, heartbeat thread and one model."""

@@ -26,7 +26,6 @@ from broker.messages import Error, InferReply, InferRequest, Message, new_messag
 from broker.rejection import ack_safely, dead_letter_safely
 from broker.topology import (
     SMASHED_EXCHANGE,
-    client_infer_reply_queue,
     infer_reply_queue,
     infer_routing_key,
 )
@@ -40,6 +39,7 @@ from services.algorithms.splitgp import (
     stays_local,
     sweep,
 )
+from services.security.hidden import client_infer_queue
 
 # Rows per InferRequest: a chunk of cnn5 cut activations is well under a megabyte.
 DEFAULT_CHUNK = 256
@@ -73,7 +73,8 @@ class BrokerTheta:
 
     It owns `broker` (one thread, as every broker handle; `close` closes it). With
     `provisioned` it consumes the durable reply queue provisioned for client `requester`
-    (docs/deployment.md, "Security"), else a private one. A call publishes its chunks all at
+    (docs/deployment.md, "Security"), under the name its password `secret` hides
+    (services/security/hidden.py), else a private one. A call publishes its chunks all at
     once, so the workers answer them in parallel. `version`: the weights version `z` was
     computed with (0: the newest); `last_version`: the version that answered.
     """
@@ -85,6 +86,7 @@ class BrokerTheta:
         *,
         requester: str | None = None,
         provisioned: bool = False,
+        secret: str = "",
         version: int = 0,
         timeout_s: float = 30.0,
         chunk: int = DEFAULT_CHUNK,
@@ -101,7 +103,11 @@ class BrokerTheta:
         # Seqs start at a random point: a provisioned queue outlives its consumers, so answers
         # to an earlier handle's requests (same requester, seqs from 1) may still be in it.
         self._seq = secrets.randbits(SEQ_BASE_BITS)
-        spec = (client_infer_reply_queue if provisioned else infer_reply_queue)(job, self.requester)
+        spec = (
+            client_infer_queue(job, self.requester, secret)
+            if provisioned
+            else infer_reply_queue(job, self.requester)
+        )
         broker.declare([spec])
         broker.subscribe(spec.name, prefetch=64)
 

@@ -12,6 +12,7 @@ from services.client.errors import ClientError
 from services.client.inference import BrokerTheta
 from services.common.backends import Backends
 from services.config.root import Settings
+from services.security.hidden import queue_secret
 from services.security.identity import amqp_user, client_user, host_user
 
 
@@ -64,6 +65,9 @@ def client_theta(
             settings.job.name,
             requester=client_id,
             provisioned=settings.security.per_client_users,
+            secret=queue_secret(
+                settings.security.per_client_users, backends.broker_settings.amqp_url
+            ),
             version=version,
             timeout_s=timeout_s,
         )

@@ -1,6 +1,6 @@
 """Managing RabbitMQ users: through the management HTTP API, or `rabbitmqctl` on the broker's host.
 
-Both do the same four things (`RabbitAdmin`); what each needs: docs/deployment.md,
+Both do the same five things (`RabbitAdmin`); what each needs: docs/deployment.md,
 "Provisioning client users". Passwords never appear on a command line: `rabbitmqctl` reads them
 from standard input.
 """
@@ -65,6 +65,10 @@ class RabbitAdmin(Protocol):
     def delete_user(self, user: str) -> None:
         """Delete `user` (its connections are closed); a missing user is not an error."""
 
+    def queues(self, vhost: str) -> frozenset[str]:
+        """The names of every queue in `vhost`: a secured client's queue names hold a part
+        derived from its password (`hidden.py`), so revoking finds them by their prefix."""
+
 
 Runner = Callable[[Sequence[str], str], subprocess.CompletedProcess[str]]
 
@@ -126,6 +130,15 @@ class RabbitmqctlAdmin:
         if done.returncode != 0 and "no_such_user" in done.stdout + done.stderr:
             return
         self._check(done, f"delete user {user!r}")
+
+    def queues(self, vhost: str) -> frozenset[str]:
+        argv = ["rabbitmqctl", "list_queues", "--vhost", vhost, "--quiet", "--formatter", "json"]
+        done = self._run([*argv, "name"], "")
+        self._check(done, f"list the queues of vhost {vhost!r}")
+        try:
+            return frozenset(str(row["name"]) for row in json.loads(done.stdout))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise AdminError(f"rabbitmqctl list_queues: unexpected output ({exc})") from None
 
     @staticmethod
     def _check(done: subprocess.CompletedProcess[str], what: str) -> None:
@@ -190,6 +203,14 @@ class ManagementAdmin:
         except AdminError as exc:
             if "HTTP 404" not in str(exc):
                 raise
+
+    def queues(self, vhost: str) -> frozenset[str]:
+        path = f"/api/queues/{quote(vhost, safe='')}?columns=name"
+        body = self._call("GET", path)
+        try:
+            return frozenset(str(row["name"]) for row in json.loads(body))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise AdminError(f"GET {path}: unexpected answer ({exc})") from None
 
     def _call(self, method: str, path: str, body: object = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()

@@ -25,16 +25,13 @@ from urllib.parse import quote, unquote, urlparse, urlunparse
 from broker.topology import (
     CONTROL_EXCHANGE,
     SMASHED_EXCHANGE,
-    client_infer_reply_queue,
     client_queue_names,
     host_queue,
     host_queue_name,
-    infer_reply_queue_name,
-    reply_queue,
-    reply_queue_name,
 )
 from broker.transport import Broker, QueueSpec
 from services.security.admin import AdminError, Permissions, RabbitAdmin, TopicPermission
+from services.security.hidden import client_infer_queue, client_reply_queue, is_queue_of
 from services.security.identity import (
     client_host,
     client_id_problem,
@@ -71,8 +68,9 @@ def _permissions(job: str, read_queues: Sequence[str]) -> Permissions:
     return Permissions("^$", write=f"^({write})$", read=f"^({read})$", topics=topics)
 
 
-def client_permissions(job: str, client: str) -> Permissions:
-    return _permissions(job, (reply_queue_name(job, client), infer_reply_queue_name(job, client)))
+def client_permissions(job: str, client: str, secret: str = "") -> Permissions:
+    """What client user `client` may do; `secret`, its password, hides its queues' names."""
+    return _permissions(job, [spec.name for spec in client_queues(job, client, secret)])
 
 
 def host_permissions(job: str, host: str) -> Permissions:
@@ -80,10 +78,10 @@ def host_permissions(job: str, host: str) -> Permissions:
     return _permissions(job, (host_queue_name(job, host),))
 
 
-def client_queues(job: str, client: str) -> list[QueueSpec]:
+def client_queues(job: str, client: str, secret: str = "") -> list[QueueSpec]:
     """The queues a client user reads, declared for it (it may not): training replies and
-    split-inference replies."""
-    return [reply_queue(job, client), client_infer_reply_queue(job, client)]
+    split-inference replies, under names hidden by its password `secret` (`hidden.py`)."""
+    return [client_reply_queue(job, client, secret), client_infer_queue(job, client, secret)]
 
 
 @dataclass(frozen=True)
@@ -176,32 +174,47 @@ def write_secret(path: Path, text: str) -> None:
 class _Account:
     name: str
     user: str
+    password: str
     permissions: Permissions
     queues: list[QueueSpec]
     env: Callable[[str], str]  # the env file, given the URL
+    defaults: list[str]  # its queues' default names: those of earlier passwords start so
+
+
+def _client_account(job: str, client: str) -> _Account:
+    password = secrets.token_urlsafe(24)
+    return _Account(
+        client,
+        client_user(job, client),
+        password,
+        client_permissions(job, client, password),
+        client_queues(job, client, password),
+        partial(env_file, job, client=client),
+        client_queue_names(job, client),
+    )
+
+
+def _host_account(job: str, host: str) -> _Account:
+    # A host's queue keeps its default name: the coordinator binds its clients' keys to it
+    # at their Joins, so it must know the name (docs/deployment.md, "Security").
+    return _Account(
+        host,
+        host_user(job, host),
+        secrets.token_urlsafe(24),
+        host_permissions(job, host),
+        [host_queue(job, host)],
+        partial(host_env_file, job, host=host),
+        [],
+    )
 
 
 def _accounts(job: str, clients: Sequence[str], hosts: Sequence[str]) -> list[_Account]:
-    accounts = [
-        _Account(
-            c,
-            client_user(job, c),
-            client_permissions(job, c),
-            client_queues(job, c),
-            partial(env_file, job, client=c),
-        )
-        for c in clients
-    ]
-    return accounts + [
-        _Account(
-            h,
-            host_user(job, h),
-            host_permissions(job, h),
-            [host_queue(job, h)],
-            partial(host_env_file, job, host=h),
-        )
-        for h in hosts
-    ]
+    return [_client_account(job, c) for c in clients] + [_host_account(job, h) for h in hosts]
+
+
+def _earlier_queues(names: frozenset[str], defaults: Sequence[str]) -> list[str]:
+    """Which of `names` are queues of these default names, under any hidden part or none."""
+    return sorted(n for n in names if any(is_queue_of(n, d) for d in defaults))
 
 
 def _check_hosts(job: str, clients: Sequence[str], hosts: Sequence[str], users: set[str]) -> None:
@@ -244,12 +257,19 @@ def provision(
             "Use --force to reset them anyway, or --revoke them first"
         )
     _check_hosts(job, clients, hosts, present)
+    queues = admin.queues(vhost)
     services.declare([spec for account in accounts for spec in account.queues])
     written: list[Credentials] = []
     for account in accounts:
-        password = secrets.token_urlsafe(24)
+        password = account.password
         admin.put_user(account.user, password)
         admin.set_permissions(vhost, account.user, account.permissions)
+        # Queues of an earlier password (or of the default names, before names were hidden):
+        # nobody reads them any more, and they hold what was left for the old holder.
+        current = {spec.name for spec in account.queues}
+        for name in _earlier_queues(queues, account.defaults):
+            if name not in current:
+                services.delete_queue(name)
         url = client_url(url_template, account.user, password)
         path = out_dir / f"{account.user}.env"  # per job too: jobs may share `out_dir` and ids
         write_secret(path, account.env(url))
@@ -264,13 +284,17 @@ def revoke(
     job: str,
     clients: Sequence[str],
     hosts: Sequence[str] = (),
+    vhost: str = "/",
 ) -> None:
     """Delete each client's and host's user of this job, and the queues `provision` declared
     for it: they are durable, so they would otherwise outlive the user, holding whatever
-    replies were left for it. Another job's users, even of the same ids, are not touched."""
+    replies were left for it. A client's queue names hold a part of its password, which is
+    not kept, so they are found by their prefix among `vhost`'s queues (the default names of
+    earlier releases too). Another job's users, even of the same ids, are not touched."""
+    queues = admin.queues(vhost) if clients else frozenset()
     for client in clients:
         admin.delete_user(client_user(job, client))
-        for name in client_queue_names(job, client):
+        for name in _earlier_queues(queues, client_queue_names(job, client)):
             services.delete_queue(name)
     for host in hosts:
         admin.delete_user(host_user(job, host))

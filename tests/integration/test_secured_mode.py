@@ -17,6 +17,8 @@ coordinator running with `security.per_client_users = true`:
 - two jobs provisioned with the same `--prefix` get users of their own: both clients log in and
   read their queues, and revoking one job leaves the other's user working; provisioning a job's
   existing users again is refused unless `--force`.
+- A cannot find B's queues: under their default names there are none (NOT_FOUND), and their
+  real names hold a part only B's password gives.
 
 The users are deleted again at the end (`--revoke`), and with them their reply queues.
 """
@@ -49,11 +51,8 @@ from broker.topology import (
     control_queue_name,
     dead_queue_name,
     infer_queue_name,
-    infer_reply_queue_name,
     infer_routing_key,
     job_queues,
-    reply_queue,
-    reply_queue_name,
     reply_routing_key,
     shard_queue_name,
     shard_routing_key,
@@ -73,6 +72,7 @@ from services.config.loading import load_settings
 from services.config.root import Settings
 from services.coordinator.coordinator import Coordinator
 from services.security.admin import AdminError, pick_admin
+from services.security.hidden import client_hidden, client_reply_queue, queue_secret
 from services.security.identity import amqp_user, client_user
 from tests.unit.test_aggregator_peers import WAIT_S, declare_all, delete_all, running
 from workers.inference import InferenceServer
@@ -133,7 +133,9 @@ def provision(
         yield settings, {name: read_env(out, job, name) for name in names}, config
     finally:
         revoked = CliRunner().invoke(cli, [*args, "--revoke"], catch_exceptions=False)
-        left = surviving_queues(backends, [q for n in names for q in client_queue_names(job, n)])
+        kept = [q for n in names for q in client_queue_names(job, n)]
+        kept += [q for n in names for q in own_queues(read_env(out, job, n), job, n)]
+        left = surviving_queues(backends, kept)
         delete_all(backends, settings, names)
         assert revoked.exit_code == 0, revoked.output
         # `--revoke` deletes the durable reply queues it declared, not only the users.
@@ -180,6 +182,13 @@ def surviving_queues(backends: Backends, queues: list[str]) -> list[str]:
     return found
 
 
+def own_queues(env: dict[str, str], job: str, client: str) -> list[str]:
+    """The real names of `client`'s (reply, inference reply) queues: hidden by the password
+    in its env file (services/security/hidden.py)."""
+    secret = queue_secret(True, env["SPLITMQ_AMQP_URL"])
+    return client_queue_names(job, client, client_hidden(job, client, secret))
+
+
 def client_handle(env: dict[str, str], name: str) -> RabbitMQBroker:
     settings = load_settings(None, env)
     assert settings.broker.passive_declare and settings.security.per_client_users
@@ -210,15 +219,16 @@ def test_clients_are_confined_and_impostors_dead_lettered(
     alice = client_handle(envs[a], "test-client-a")
     try:
         # Confinement: own queue yes, anyone else's no; no declaring, no forged replies.
-        alice.declare([reply_queue(job, a)])  # passive: provisioning declared it
-        alice.subscribe(reply_queue_name(job, a), prefetch=10)
+        mine = client_reply_queue(job, a, queue_secret(True, envs[a]["SPLITMQ_AMQP_URL"]))
+        alice.declare([mine])  # passive: provisioning declared it
+        alice.subscribe(mine.name, prefetch=10)
         with pytest.raises(BrokerError, match="ACCESS_REFUSED") as refused:
-            alice.subscribe(reply_queue_name(job, b), prefetch=10)
+            alice.subscribe(own_queues(envs[b], job, b)[0], prefetch=10)
         assert f"user '{client_user(job, a)}'" in str(refused.value)
         declaring = RabbitMQBroker(envs[a]["SPLITMQ_AMQP_URL"], RabbitMQOptions(give_up_after=10))
         try:
             with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
-                declaring.declare([reply_queue(job, a)])  # not passive: needs configure
+                declaring.declare([mine])  # not passive: needs configure
         finally:
             declaring.close()
         with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
@@ -309,9 +319,10 @@ def test_split_inference_answers_a_client_in_its_own_name_only(
             client_user(job, a),
         )
         assert server.stats.requests == 1 and server.stats.dead_lettered["impostor"] == 1
-        assert services.queue_depth(infer_reply_queue_name(job, b)) == 0
+        b_infer = own_queues(envs[b], job, b)[1]
+        assert services.queue_depth(b_infer) == 0
         # Confinement: neither B's answers nor the requests of others (their activations).
-        for queue in (infer_reply_queue_name(job, b), infer_queue_name(job)):
+        for queue in (b_infer, infer_queue_name(job)):
             with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
                 alice.subscribe(queue, prefetch=10)
     finally:
@@ -346,8 +357,11 @@ def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_
         client_settings = load_settings(config, envs[a])
         backends = Backends(client_settings.broker, client_settings.store)
         client = secured_client_broker(client_settings, backends, a, "test-client-a")
-        client.declare([reply_queue(job, a)])
-        client.subscribe(reply_queue_name(job, a), prefetch=10)
+        mine = own_queues(envs[a], job, a)[0]
+        client.declare(
+            [client_reply_queue(job, a, queue_secret(True, envs[a]["SPLITMQ_AMQP_URL"]))]
+        )
+        client.subscribe(mine, prefetch=10)
         services.publish(
             REPLIES_EXCHANGE,
             reply_routing_key(job, a),
@@ -364,8 +378,8 @@ def test_a_client_may_not_forge_dead_letters_yet_its_bad_replies_reach_the_dead_
         assert (dead.message_id, dead.body) == ("bad-reply", b"\x00garbage")
         # Rejected and routed by RabbitMQ, not published by A.
         assert dead.headers.get("x-first-death-reason") == "rejected"
-        assert dead.headers.get("x-first-death-queue") == reply_queue_name(job, a)
-        assert services.queue_depth(reply_queue_name(job, a)) == 0
+        assert dead.headers.get("x-first-death-queue") == mine
+        assert services.queue_depth(mine) == 0
     finally:
         if client is not None:
             client.close()
@@ -416,6 +430,34 @@ def test_a_client_publishes_into_its_own_job_only(provisioned: Provisioned) -> N
         services.close()
 
 
+def test_a_client_cannot_find_another_clients_queues(provisioned: Provisioned) -> None:
+    """Issue 33: RabbitMQ checks no permission on a passive declare, so client A could ask for
+    B's reply queues by their guessable names and learn their depth (how many replies wait for
+    B). Now B's queues are named with 128 bits only B's password gives: under the default
+    names (or A's own password's) there are none, and yet B's replies reach B by its key."""
+    settings, envs, _ = provisioned
+    job = settings.job.name
+    a, b = sorted(envs)
+    services = Backends(settings.broker, settings.store).open_broker("test-services")
+    alice = client_handle(envs[a], "test-snooper")
+    guessed = client_queue_names(job, b)
+    try:
+        for name in guessed:
+            with pytest.raises(BrokerError, match="NOT_FOUND"):
+                alice.queue_depth(name)
+        with_own_password = own_queues(envs[a], job, b)  # B's names hidden by A's password
+        for name in with_own_password:
+            with pytest.raises(BrokerError, match="NOT_FOUND"):
+                alice.queue_depth(name)
+        real = own_queues(envs[b], job, b)
+        assert not set(real) & {*guessed, *with_own_password}
+        assert [services.queue_depth(name) for name in real] == [0, 0]
+        assert reads_its_reply_queue(envs[b], job, b, services)  # routed by key, as ever
+    finally:
+        alice.close()
+        services.close()
+
+
 def provision_cli(config: Path, prefix: str, out: Path, *extra: str) -> Result:
     args = ["provision-clients", str(config), "--count", "2", "--prefix", prefix]
     return CliRunner().invoke(cli, [*args, "--out", str(out), *extra], catch_exceptions=False)
@@ -430,7 +472,7 @@ def reads_its_reply_queue(env: dict[str, str], job: str, client: str, services: 
         assert "ACCESS_REFUSED" in str(exc) or "uthentication" in str(exc), exc
         return False
     try:
-        handle.subscribe(reply_queue_name(job, client), prefetch=10)
+        handle.subscribe(own_queues(env, job, client)[0], prefetch=10)
         marker = new_message_id()
         services.publish(
             REPLIES_EXCHANGE,

@@ -32,9 +32,12 @@ from broker.tls import TLSOptions
 from broker.topology import (
     CONTROL_EXCHANGE,
     SMASHED_EXCHANGE,
+    client_infer_reply_queue,
+    client_queue_names,
     control_queue,
     infer_reply_queue_name,
     infer_routing_key,
+    reply_queue,
     reply_queue_name,
     shard_routing_key,
     updates_routing_key,
@@ -57,6 +60,7 @@ from services.security.admin import (
     RabbitmqctlAdmin,
     TopicPermission,
 )
+from services.security.hidden import client_hidden, client_reply_queue, queue_secret
 from services.security.identity import (
     SenderCheck,
     amqp_user,
@@ -352,11 +356,17 @@ def test_a_job_name_with_a_dot_is_refused_its_users() -> None:
 
 
 class FakeAdmin:
+    """Users and permissions in dicts; the queues are those of `hub` (one vhost)."""
+
     name = "fake"
 
     def __init__(self) -> None:
         self.passwords: dict[str, str] = {}
         self.permissions: dict[tuple[str, str], Permissions] = {}
+        self.hub = InMemoryHub()
+
+    def queues(self, vhost: str) -> frozenset[str]:
+        return frozenset(self.hub.queues)
 
     def users(self) -> frozenset[str]:
         return frozenset(self.passwords)
@@ -371,8 +381,15 @@ class FakeAdmin:
         self.passwords.pop(user, None)
 
 
+def real_names(admin: FakeAdmin, job: str, client: str) -> list[str]:
+    """The names `provision` gave `client`'s queues: hidden by its password."""
+    password = admin.passwords[client_user(job, client)]
+    return client_queue_names(job, client, client_hidden(job, client, password))
+
+
 def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> None:
-    admin, hub = FakeAdmin(), InMemoryHub()
+    admin = FakeAdmin()
+    hub = admin.hub
     services = InMemoryBroker(hub)
     names = client_names("edge-", 2, start=3)
     written = provision(
@@ -380,7 +397,8 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
         out_dir=tmp_path,
     )  # fmt: skip
     assert names == ["edge-3", "edge-4"] and admin.users() == {"j.edge-3", "j.edge-4"}
-    assert admin.permissions[("/", "j.edge-3")] == client_permissions("j", "edge-3")
+    password = admin.passwords["j.edge-3"]
+    assert admin.permissions[("/", "j.edge-3")] == client_permissions("j", "edge-3", password)
     for creds in written:
         text = creds.path.read_text()
         assert creds.user == f"j.{creds.name}" and creds.path.name == f"j.{creds.name}.env"
@@ -396,31 +414,37 @@ def test_provisioning_creates_users_queues_and_secret_files(tmp_path: Path) -> N
         assert default_client_id(settings) == creds.name  # `splitmq client` without --id
         assert settings.broker.passive_declare and settings.security.per_client_users
         assert settings.broker.dead_letter_by_nack
-    # The reply queues exist, so the clients' passive declares find them.
-    assert services.queue_depth(reply_queue_name("j", "edge-4")) == 0
-    assert services.queue_depth(infer_reply_queue_name("j", "edge-4")) == 0
+        # The reply queues exist, so the clients' passive declares find them, under the names
+        # the client computes from the password in its env file.
+        reply = client_reply_queue("j", creds.name, queue_secret(True, settings.broker.amqp_url))
+        assert reply.name == real_names(admin, "j", creds.name)[0]
+        assert services.queue_depth(reply.name) == 0
+    assert services.queue_depth(real_names(admin, "j", "edge-4")[1]) == 0
     assert len(set(admin.passwords.values())) == 2  # a password each
 
 
 def test_revoking_deletes_the_users_and_their_durable_reply_queues(tmp_path: Path) -> None:
-    admin, hub = FakeAdmin(), InMemoryHub()
+    admin = FakeAdmin()
+    hub = admin.hub
     services = InMemoryBroker(hub)
     names = client_names("edge-", 2)
     provision(
         admin, services, job="j", clients=names, vhost="/", url_template="amqp://svc:x@mq/",
         out_dir=tmp_path,
     )  # fmt: skip
-    kept = [reply_queue_name("j", "edge-1"), infer_reply_queue_name("j", "edge-1")]
+    kept = real_names(admin, "j", "edge-1")
+    gone = real_names(admin, "j", "edge-0")
     revoke(admin, services, job="j", clients=["edge-0"])
     assert admin.users() == {"j.edge-1"}
-    for queue in (reply_queue_name("j", "edge-0"), infer_reply_queue_name("j", "edge-0")):
+    for queue in gone:
         with pytest.raises(BrokerError, match="NOT_FOUND"):
             services.queue_depth(queue)
     assert [services.queue_depth(q) for q in kept] == [0, 0]  # only the revoked client's go
 
 
 def test_jobs_sharing_a_prefix_get_users_of_their_own(tmp_path: Path) -> None:
-    admin, services = FakeAdmin(), InMemoryBroker(InMemoryHub())
+    admin = FakeAdmin()
+    services = InMemoryBroker(admin.hub)
     names = client_names("edge-", 2)
     x = provision(
         admin, services, job="x", clients=names, vhost="/", url_template="amqp://svc:x@mq/",
@@ -434,14 +458,57 @@ def test_jobs_sharing_a_prefix_get_users_of_their_own(tmp_path: Path) -> None:
     assert admin.users() == {"x.edge-0", "x.edge-1", "y.edge-0", "y.edge-1"}
     assert {u: admin.passwords[u] for u in x_passwords} == x_passwords  # x's not reset
     assert all(creds.path.exists() for creds in x)  # nor its env files overwritten
-    assert admin.permissions[("/", "x.edge-0")] == client_permissions("x", "edge-0")
+    password = admin.passwords["x.edge-0"]
+    assert admin.permissions[("/", "x.edge-0")] == client_permissions("x", "edge-0", password)
     revoke(admin, services, job="y", clients=names)
     assert admin.users() == {"x.edge-0", "x.edge-1"}
-    assert services.queue_depth(reply_queue_name("x", "edge-0")) == 0
+    assert services.queue_depth(real_names(admin, "x", "edge-0")[0]) == 0
+
+
+def test_secured_queue_names_hide_128_bits_of_the_clients_password() -> None:
+    """Issue 33: a passive declare needs no permission, so a guessable name shows the queue's
+    depth to anyone. The hidden part depends on the password, the job and the client; the open
+    mode (no secret) keeps the default names."""
+    assert client_reply_queue("j", "c-1", "") == reply_queue("j", "c-1")
+    assert client_hidden("j", "c-1", "") == ("", "")
+    reply, infer = client_hidden("j", "c-1", "pw")
+    assert re.fullmatch("[0-9a-f]{32}", reply) and re.fullmatch("[0-9a-f]{32}", infer)
+    assert reply != infer
+    others = [client_hidden(*args) for args in (("j", "c-1", "pw2"), ("j", "c-2", "pw"))]
+    others.append(client_hidden("k", "c-1", "pw"))
+    assert all(reply not in other and infer not in other for other in others)
+    spec = client_reply_queue("j", "c-1", "pw")
+    assert spec.name == f"{reply_queue_name('j', 'c-1')}.{reply}"
+    assert spec.routing_key == reply_queue("j", "c-1").routing_key  # the services' key
+    assert queue_secret(True, "amqp://j.c-1:p%2Fw@mq/") == "p/w"
+    assert queue_secret(False, "amqp://j.c-1:pw@mq/") == ""
+
+
+def test_reprovisioning_and_revoking_drop_the_queues_of_earlier_names(tmp_path: Path) -> None:
+    """Upgrade: queues of the default names (earlier releases) or of an earlier password are
+    nobody's after a --force; revoking finds them without the password. Client `edge-1`'s
+    prefix is no prefix of `edge-10`'s names."""
+    admin = FakeAdmin()
+    services = InMemoryBroker(admin.hub)
+    old = [reply_queue("j", "edge-1"), client_infer_reply_queue("j", "edge-1")]
+    services.declare(old)  # as an earlier release provisioned them
+    args: dict[str, Any] = {
+        "job": "j", "vhost": "/", "url_template": "amqp://svc:x@mq/", "out_dir": tmp_path,
+    }  # fmt: skip
+    provision(admin, services, clients=["edge-1", "edge-10"], **args)
+    first = real_names(admin, "j", "edge-1")
+    provision(admin, services, clients=["edge-1"], force=True, **args)
+    now = real_names(admin, "j", "edge-1")
+    assert set(admin.hub.queues) == {*now, *real_names(admin, "j", "edge-10")}
+    assert not set(now) & {*first, *(spec.name for spec in old)}
+    services.declare(old)  # left behind again
+    revoke(admin, services, job="j", clients=["edge-1"])
+    assert set(admin.hub.queues) == set(real_names(admin, "j", "edge-10"))
 
 
 def test_provisioning_refuses_existing_users_of_the_job_unless_forced(tmp_path: Path) -> None:
-    admin, services = FakeAdmin(), InMemoryBroker(InMemoryHub())
+    admin = FakeAdmin()
+    services = InMemoryBroker(admin.hub)
     args: dict[str, Any] = {
         "job": "j", "vhost": "/", "url_template": "amqp://svc:x@mq/", "out_dir": tmp_path,
     }  # fmt: skip
@@ -517,6 +584,27 @@ def test_rabbitmqctl_lists_the_users_as_json() -> None:
         return subprocess.CompletedProcess(argv, 0, listing, "")
 
     assert RabbitmqctlAdmin(run=run).users() == {"guest", "j.c-0"}
+
+
+def test_both_admins_list_a_vhosts_queues() -> None:
+    """What revoking a client finds its hidden queue names in."""
+
+    def run(argv: Sequence[str], stdin: str) -> subprocess.CompletedProcess[str]:
+        assert list(argv) == [
+            "rabbitmqctl", "list_queues", "--vhost", "v/1", "--quiet", "--formatter", "json", "name"
+        ]  # fmt: skip
+        return subprocess.CompletedProcess(argv, 0, '[\n{"name":"j.reply.c.ab"}\n]\n', "")
+
+    assert RabbitmqctlAdmin(run=run).queues("v/1") == {"j.reply.c.ab"}
+    seen: list[str] = []
+
+    def opener(request: urllib.request.Request, timeout: float) -> bytes:
+        seen.append(request.full_url)
+        return b'[{"name": "j.reply.c.ab"}, {"name": "j.dead"}]'
+
+    admin = ManagementAdmin("http://mq:15672", "admin", "pw", opener=opener)
+    assert admin.queues("v/1") == {"j.reply.c.ab", "j.dead"}
+    assert seen == ["http://mq:15672/api/queues/v%2F1?columns=name"]
 
 
 def test_the_management_api_is_called_with_basic_auth() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker.errors import BrokerError
-from broker.memory_broker import InMemoryBroker, InMemoryHub
+from broker.memory_broker import InMemoryBroker
 from broker.topology import (
     CONTROL_EXCHANGE,
     SMASHED_EXCHANGE,
@@ -96,7 +96,8 @@ def test_a_host_reads_only_its_own_queue_and_configures_nothing() -> None:
 
 
 def test_hosts_are_provisioned_with_their_queue_and_revoked(tmp_path: Path) -> None:
-    admin, services = FakeAdmin(), InMemoryBroker(InMemoryHub())
+    admin = FakeAdmin()
+    services = InMemoryBroker(admin.hub)
     written = provision(
         admin, services, job="j", clients=["solo-a"], hosts=host_names("edge, core"),
         vhost="/", url_template="amqp://svc:x@mq/", out_dir=tmp_path,
@@ -122,7 +123,8 @@ def test_hosts_are_provisioned_with_their_queue_and_revoked(tmp_path: Path) -> N
 
 
 def test_a_client_of_a_hosts_shape_is_never_provisioned_beside_it(tmp_path: Path) -> None:
-    admin, services = FakeAdmin(), InMemoryBroker(InMemoryHub())
+    admin = FakeAdmin()
+    services = InMemoryBroker(admin.hub)
     args: dict[str, Any] = {
         "job": "j", "vhost": "/", "url_template": "amqp://svc:x@mq/", "out_dir": tmp_path,
     }  # fmt: skip
