@@ -11,8 +11,8 @@ For each model (batch 64, 4 clients, IID partition, data from SPLITMQ_DATA_DIR, 
   one worker (`workers.batch_messages = 1`: plain SFL-V2) and 4 clients, each its own process,
   over the real RabbitMQ and Redis; threads set by hand (1 torch thread per client, the
   worker's per model) or, with `--default-threads`, the product's own budget as `splitmq up`
-  gives it (`[runtime] torch_threads = auto`). Every round is one repetition: samples counted between two
-  reply timestamps once every client is past its warm-up, while all four are busy.
+  gives it (`[runtime] torch_threads = auto`). Every round is one repetition: samples counted
+  between two reply timestamps once every client is past its warm-up, while all four are busy.
 - **in-process**: `benchmarks.sfl_inprocess`, one process doing the same SFL-V2 steps, measured
   right before the first deployment and after each one in every variant (1 or 2 torch threads,
   optionally with passive OpenMP waits); each deployment is compared with the mean of the best
