@@ -42,7 +42,7 @@ from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.doctor import StartInterrupted, check_services
-from services.runtime.threads import budgeted, shared_by
+from services.runtime.threads import budgeted, shared_by, sharing_env
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 if TYPE_CHECKING:
@@ -357,9 +357,10 @@ def make_pool(settings: Settings, config: Path, log_dir: Path | None) -> WorkerP
         except DockerUnavailableError as exc:
             raise click.ClickException(str(exc)) from None
         return DockerPool(client, section.docker_project, section.docker_service)
+    # Its workers share this host's cores: each gets its part of them when all are running.
     return LocalProcessPool(
         config.resolve(),
-        os.environ,
+        sharing_env(os.environ, settings.runtime, section.max_workers),
         prefix=default_member_id("auto-"),
         log_dir=log_dir,
         stop_timeout_s=section.stop_timeout_s,

@@ -25,8 +25,8 @@ from services.autoscaler.local import role_env
 from services.common.backends import Backends
 from services.common.supervise import Outcome
 from services.config.root import Settings
-from services.config.runtime import RuntimeSection, usable_cores
-from services.runtime.threads import budget_env
+from services.config.runtime import RuntimeSection
+from services.runtime.threads import sharing_env
 
 Echo = Callable[[str], None]
 _POLL_S = 0.2
@@ -77,10 +77,7 @@ def child_env(
     and their thread budget: the host's cores divided among the workers and clients, which
     compute at once (the aggregator and the coordinator mostly wait on them and get the same
     share). `runtime`: the file's [runtime] (default: its defaults)."""
-    runtime = runtime or RuntimeSection()
-    shared = runtime.model_copy(update={"shared_by": runtime.shared_by * (workers + clients)})
-    env = budget_env(shared.budget(usable_cores()), role_env(base))
-    env["SPLITMQ_RUNTIME__SHARED_BY"] = str(shared.shared_by)
+    env = sharing_env(role_env(base), runtime or RuntimeSection(), workers + clients)
     env["SPLITMQ_BROKER"] = "rabbitmq"
     env["SPLITMQ_STORE"] = "redis"
     env["SPLITMQ_WORKERS__COUNT"] = str(workers)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from services.config.root import Settings
-from services.config.runtime import ThreadBudget, usable_cores
+from services.config.runtime import RuntimeSection, ThreadBudget, usable_cores
 
 _log = logging.getLogger("splitmq.runtime")
 
@@ -81,4 +81,14 @@ def budget_env(budget: ThreadBudget, base: Mapping[str, str]) -> dict[str, str]:
     env["MKL_NUM_THREADS"] = str(budget.intra_op)
     if budget.shared:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def sharing_env(base: Mapping[str, str], runtime: RuntimeSection, sharers: int) -> dict[str, str]:
+    """`base` for a child that is one of `sharers` compute processes started on this host (the
+    workers and clients of `splitmq up`, the local workers of `splitmq autoscale`): their share
+    of the cores, and `[runtime] shared_by` so the child's own budget and report agree."""
+    shared = runtime.model_copy(update={"shared_by": runtime.shared_by * max(1, sharers)})
+    env = budget_env(shared.budget(usable_cores()), base)
+    env["SPLITMQ_RUNTIME__SHARED_BY"] = str(shared.shared_by)
     return env

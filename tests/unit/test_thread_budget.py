@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from services.autoscaler.local import LocalProcessPool
+from services.cli.role_cmds import make_pool
 from services.config.loading import ConfigError, load_settings
 from services.config.root import Settings
 from services.config.runtime import RuntimeSection, thread_budget, usable_cores
@@ -93,6 +95,17 @@ def test_up_keeps_the_users_setting_and_wait_policy() -> None:
     base = {"OMP_WAIT_POLICY": "ACTIVE"}
     env = child_env(base, workers=1, clients=1, runtime=RuntimeSection(torch_threads=3))
     assert env["OMP_NUM_THREADS"] == "3" and env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_autoscaled_local_workers_share_the_cores_among_the_most_it_starts(
+    tmp_path: Path,
+) -> None:
+    settings = load_settings(None, {"SPLITMQ_AUTOSCALER__MAX_WORKERS": "3"})
+    pool = make_pool(settings, tmp_path / "job.toml", None)
+    assert isinstance(pool, LocalProcessPool)
+    env = pool._env  # what every worker it starts is given
+    assert env["SPLITMQ_RUNTIME__SHARED_BY"] == "3"
+    assert env["OMP_NUM_THREADS"] == str(max(1, usable_cores() // 3))
 
 
 def test_applying_twice_in_one_process_does_not_raise() -> None:
