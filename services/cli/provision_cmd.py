@@ -83,7 +83,8 @@ def provision_clients(
     prefix never touch each other's users; existing users are refused without --force. Each
     may publish to the smashed and control exchanges with its own AMQP user_id and its own
     job's routing keys only (RabbitMQ topic permissions), and read only its own reply queues
-    (training and split inference); its credentials go to
+    (training and split inference, named with a part derived from its password, so that no
+    other client can find them); its credentials go to
     OUT/<job>.<id>.env, to be set in the client's environment (they also turn
     security.per_client_users on there). Run the services with
     security.per_client_users = true, and the clients with `--id <id>`.

@@ -257,7 +257,7 @@ def provision(
             "Use --force to reset them anyway, or --revoke them first"
         )
     _check_hosts(job, clients, hosts, present)
-    queues = admin.queues(vhost)
+    queues = admin.queues(vhost) if clients else frozenset()
     services.declare([spec for account in accounts for spec in account.queues])
     written: list[Credentials] = []
     for account in accounts:
