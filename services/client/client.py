@@ -227,7 +227,7 @@ class Client:
             model=seat.models.reference,  # its weights come from the service, not the seed
             plan=RoundPlan.from_settings(settings),
             heartbeats=seat.heartbeats,
-            reply=None if self.seat else self._reply_queue(),
+            reply=None if self.seat else self.reply_queue(),
         )
         reason = "finished"
         try:
@@ -261,7 +261,7 @@ class Client:
         )
         return stats
 
-    def _reply_queue(self) -> QueueSpec:
+    def reply_queue(self) -> QueueSpec:
         """A standalone client's reply queue: in the secured mode under the name its password
         hides (services/security/hidden.py), which only it and its provisioner know."""
         per_client_users = self.settings.security.per_client_users

@@ -44,6 +44,7 @@ from broker.topology import (
 )
 from broker.transport import Delivery, PublishOptions
 from services.cli.common import require_servers
+from services.client.client import Client
 from services.client.errors import ClientError
 from services.client.secured import secured_client_broker
 from services.common.backends import Backends, Embedded, tls_options
@@ -482,6 +483,23 @@ def test_secured_queue_names_hide_128_bits_of_the_clients_password() -> None:
     assert spec.routing_key == reply_queue("j", "c-1").routing_key  # the services' key
     assert queue_secret(True, "amqp://j.c-1:p%2Fw@mq/") == "p/w"
     assert queue_secret(False, "amqp://j.c-1:pw@mq/") == ""
+
+
+def test_a_standalone_client_consumes_the_name_its_password_hides() -> None:
+    """What `splitmq client` declares (passively) and consumes: the hidden name in the secured
+    mode, the default one in the open mode."""
+    url = "amqp://j.c-1:pw%2F1@mq/%2F"
+    env = {"SPLITMQ_JOB__NAME": "j", "SPLITMQ_DATA__DATASET": "fashion_mnist_sample"}
+    names = {}
+    for secured in (True, False):
+        mode = {"SPLITMQ_SECURITY__PER_CLIENT_USERS": str(secured).lower()}
+        settings = load_settings(None, {**env, **mode, "SPLITMQ_AMQP_URL": url})
+        client = Client(settings, Backends(settings.broker, settings.store), client_id="c-1")
+        names[secured] = client.reply_queue().name
+    assert names == {
+        True: client_reply_queue("j", "c-1", "pw/1").name,
+        False: reply_queue_name("j", "c-1"),
+    }
 
 
 def test_reprovisioning_and_revoking_drop_the_queues_of_earlier_names(tmp_path: Path) -> None:
