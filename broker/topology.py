@@ -224,16 +224,22 @@ def reply_queue(
 
 
 def host_queue(
-    job: str, host: str, client: str | None = None, limits: QueueLimits | None = None
+    job: str,
+    host: str,
+    client: str | None = None,
+    limits: QueueLimits | None = None,
+    hidden: str = "",
 ) -> QueueSpec:
     """The one reply queue of a client host's clients (docs/architecture.md, "Client hosts"):
     bound with the host's own key, or, with `client`, the key of that client's replies. The
     coordinator binds each client's key when the client joins through the host (bindings add
-    up; the queue's arguments are the same either way). The host's own key is the queue's name:
-    three dot-separated parts, so no training reply key (`<job>.<client>`) equals it."""
+    up; the queue's arguments are the same either way). The host's own key is the queue's
+    default name, whatever its name (`hidden`, the secured mode): three dot-separated parts, so
+    no training reply key (`<job>.<client>`) equals it."""
     limits = limits or QueueLimits()
-    name = host_queue_name(job, host)
-    key = name if client is None else reply_routing_key(job, client)
+    own = host_queue_name(job, host)
+    name = host_queue_name(job, host, hidden)
+    key = own if client is None else reply_routing_key(job, client)
     bounds = (limits.host_max_length, limits.host_max_length_bytes)
     return _bounded(job, name, REPLIES_EXCHANGE, key, bounds)
 

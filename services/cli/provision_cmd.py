@@ -90,7 +90,8 @@ def provision_clients(
     security.per_client_users = true, and the clients with `--id <id>`.
 
     With --hosts, each client host H gets user <job>.host.<H>, which may read only H's queue
-    (<job>.host.<H>); the coordinator routes there the replies of H's clients <H>-<n> only.
+    (<job>.host.<H>.<a part derived from its password>, which its clients' Joins name); the
+    coordinator routes there the replies of H's clients <H>-<n> only.
     Client ids of that shape are refused beside a host H (H could speak for them).
     """
     _, settings = load(config)

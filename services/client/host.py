@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from broker.errors import BrokerError
-from broker.topology import host_queue, host_queue_name
-from broker.transport import Broker
+from broker.transport import Broker, QueueSpec
 from services.client.client import Client
 from services.client.data import JobData
 from services.client.errors import ClientError, ClientSettingsError
@@ -56,9 +55,10 @@ from services.client.secured import secured_host_broker
 from services.client.stats import ClientStats
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
-from services.common.membership import HOST_INFO_KEY
+from services.common.membership import HOST_INFO_KEY, HOST_QUEUE_INFO_KEY
 from services.config.root import Settings
 from services.data.loaders import Dataset
+from services.security.hidden import host_reply_queue, queue_secret
 from services.security.identity import client_host, host_id_problem
 
 # Deliveries the host's consumer may hold unacknowledged: every online client's few replies.
@@ -154,6 +154,7 @@ class _Shared:
     roster: Roster
     models: ModelPool
     compute: ComputeGate
+    queue: str  # the host queue's name, which every Join tells the coordinator
 
 
 @dataclass
@@ -220,7 +221,7 @@ class ClientHost:
         )
         models = ModelPool(lambda: job_model(settings))
         compute = ComputeGate(self.compute_slots)
-        spec = host_queue(job, self.host)
+        spec = self._queue()
         inbound = opener(f"splitmq-host-{self.host}")
         handles: list[Broker] = []
         dispatcher = Dispatcher(
@@ -247,7 +248,7 @@ class ClientHost:
                 job=job,
                 host=self.host,
                 interval_s=settings.clients.heartbeat_s,
-                probe=host_queue_name(job, self.host),
+                probe=spec.name,
                 logger=self.logger,
             )
             beat.start()
@@ -260,7 +261,7 @@ class ClientHost:
                 self.count,
                 spec.name,
             )
-            shared = _Shared(dispatcher, pool, roster, models, compute)
+            shared = _Shared(dispatcher, pool, roster, models, compute, spec.name)
             self._schedule(stop, stats, shared)
         finally:
             self._stop_all()
@@ -299,6 +300,13 @@ class ClientHost:
             stats.models_built,
         )
         return stats
+
+    def _queue(self) -> QueueSpec:
+        """The host's queue: in the secured mode under the name its user's password hides
+        (services/security/hidden.py), which its clients' Joins tell the coordinator."""
+        per_client_users = self.settings.security.per_client_users
+        secret = queue_secret(per_client_users, self.backends.broker_settings.amqp_url)
+        return host_reply_queue(self.settings.job.name, self.host, secret)
 
     def _delete_queue(self, broker: Broker, name: str) -> None:
         try:
@@ -403,7 +411,7 @@ class ClientHost:
             heartbeats=partial(SeatBeats, shared.roster, client),
             models=shared.models,
             memory=memory,
-            join_info={HOST_INFO_KEY: self.host},
+            join_info={HOST_INFO_KEY: self.host, HOST_QUEUE_INFO_KEY: shared.queue},
             compute=shared.compute,
         )
         in_range = index < self.settings.clients.count

@@ -25,6 +25,9 @@ _SESSION_MAX = 64
 # The Join info key naming the client host a client runs on (docs/architecture.md, "Client
 # hosts"); its replies then go to that host's queue.
 HOST_INFO_KEY = "host"
+# The Join info key of that host's queue's name, hidden in the secured mode (services/security/
+# hidden.py): the coordinator binds the client's replies to it after checking its shape.
+HOST_QUEUE_INFO_KEY = "host_queue"
 # Most members one HostHeartbeat may list: a host sends one message per this many clients.
 HOST_HEARTBEAT_MEMBERS = 1024
 

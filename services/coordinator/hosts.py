@@ -4,15 +4,22 @@ for whom, and the bindings that route a hosted client's replies to its host's qu
 Only the coordinator binds (a host user may configure nothing), and only the key of a client
 of the host the Join names (`client_host`), so no host can have another's replies routed to
 it. Bindings stay after a Leave or an expiry: a client that comes back finds its route.
+
+The Join names the host's queue too: in the secured mode its name holds a part hidden by the
+host's password (services/security/hidden.py), which the coordinator cannot compute. It checks
+the name's shape instead (that host's queue and no other's, nor any other queue of the job) and
+binds only to a queue that exists, so a Join can neither create a queue nor route replies to a
+guessable one.
 """
 
 from __future__ import annotations
 
 from broker.errors import BrokerError, BrokerUnavailableError
 from broker.messages import HostHeartbeat, Join
-from broker.topology import host_queue
+from broker.topology import host_queue, host_queue_name
 from broker.transport import Broker, Delivery
-from services.common.membership import HOST_HEARTBEAT_MEMBERS, HOST_INFO_KEY
+from services.common.membership import HOST_HEARTBEAT_MEMBERS, HOST_INFO_KEY, HOST_QUEUE_INFO_KEY
+from services.security.hidden import hidden_of
 from services.security.identity import (
     SenderCheck,
     client_host,
@@ -34,7 +41,26 @@ def join_host_problem(message: Join) -> str | None:
             f"Join of client {message.client!r} through host {host!r}: a host's clients "
             f"are {host}-<n>"
         )
-    return None
+    return _host_queue_problem(message, host)
+
+
+def host_queue_hidden(message: Join, host: str) -> str | None:
+    """The hidden part of the host queue the Join names (`""`: the default name, also when it
+    names none, as hosts of earlier releases); None if the name is not of `host`'s queue."""
+    name = message.info.get(HOST_QUEUE_INFO_KEY)
+    default = host_queue_name(message.job, host)
+    return "" if name is None else hidden_of(name, default)
+
+
+def _host_queue_problem(message: Join, host: str) -> str | None:
+    if host_queue_hidden(message, host) is not None:
+        return None
+    name = str(message.info.get(HOST_QUEUE_INFO_KEY))[:200]
+    default = host_queue_name(message.job, host)
+    return (
+        f"Join of client {message.client!r} names host queue {name!r}: host {host!r}'s "
+        f"queue is {default!r}, or that name, '.' and 32 lowercase hex digits"
+    )
 
 
 def host_heartbeat_problem(
@@ -62,28 +88,43 @@ def host_heartbeat_problem(
 
 
 class HostBindings:
-    """Binds hosted clients' reply keys to their host's queue, once per client and run."""
+    """Binds hosted clients' reply keys to their host's queue, once per client, queue and run."""
 
     def __init__(self, broker: Broker, job: str) -> None:
         self._broker = broker
         self._job = job
-        self._bound: set[str] = set()
+        self._bound: dict[str, str] = {}  # client -> the queue its key is bound to
 
     def bind(self, message: Join) -> str | None:
-        """Route the joining client's replies to the host its Join names, if any, before
-        anything is sent to it; the reason to dead-letter the Join if RabbitMQ refuses."""
+        """Route the joining client's replies to the host queue its Join names, if any (its
+        name checked by `join_host_problem`), before anything is sent to it; the reason to
+        dead-letter the Join if the queue is missing or RabbitMQ refuses."""
         host = message.info.get(HOST_INFO_KEY)
-        if host is None or message.client in self._bound:
+        hidden = None if host is None else host_queue_hidden(message, host)
+        if host is None or hidden is None:
+            return None
+        spec = host_queue(self._job, host, message.client, hidden=hidden)
+        if self._bound.get(message.client) == spec.name:
             return None
         try:
-            self._broker.declare([host_queue(self._job, host, message.client)])
+            # Only to a queue that exists: its host (open mode) or provisioning declared it.
+            self._broker.queue_depth(spec.name)
+        except BrokerUnavailableError:
+            raise
+        except BrokerError:
+            return (
+                f"cannot bind client {message.client!r}'s replies to host {host!r}: its "
+                f"queue {spec.name!r} does not exist"
+            )
+        try:
+            self._broker.declare([spec])
         except BrokerUnavailableError:
             raise
         except BrokerError as exc:
             return f"cannot bind client {message.client!r}'s replies to host {host!r}: {exc}"
-        self._bound.add(message.client)
+        self._bound[message.client] = spec.name
         return None
 
     def forget(self, client: str) -> None:
         """Bind `client` again at its next Join (its replies found no queue)."""
-        self._bound.discard(client)
+        self._bound.pop(client, None)

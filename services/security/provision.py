@@ -26,12 +26,16 @@ from broker.topology import (
     CONTROL_EXCHANGE,
     SMASHED_EXCHANGE,
     client_queue_names,
-    host_queue,
     host_queue_name,
 )
 from broker.transport import Broker, QueueSpec
 from services.security.admin import AdminError, Permissions, RabbitAdmin, TopicPermission
-from services.security.hidden import client_infer_queue, client_reply_queue, is_queue_of
+from services.security.hidden import (
+    client_infer_queue,
+    client_reply_queue,
+    host_reply_queue,
+    is_queue_of,
+)
 from services.security.identity import (
     client_host,
     client_id_problem,
@@ -73,9 +77,10 @@ def client_permissions(job: str, client: str, secret: str = "") -> Permissions:
     return _permissions(job, [spec.name for spec in client_queues(job, client, secret)])
 
 
-def host_permissions(job: str, host: str) -> Permissions:
-    """A host reads its one queue, where the coordinator binds its own clients' replies only."""
-    return _permissions(job, (host_queue_name(job, host),))
+def host_permissions(job: str, host: str, secret: str = "") -> Permissions:
+    """A host reads its one queue, where the coordinator binds its own clients' replies only;
+    `secret`, its password, hides the queue's name."""
+    return _permissions(job, (host_reply_queue(job, host, secret).name,))
 
 
 def client_queues(job: str, client: str, secret: str = "") -> list[QueueSpec]:
@@ -195,16 +200,17 @@ def _client_account(job: str, client: str) -> _Account:
 
 
 def _host_account(job: str, host: str) -> _Account:
-    # A host's queue keeps its default name: the coordinator binds its clients' keys to it
-    # at their Joins, so it must know the name (docs/deployment.md, "Security").
+    # Hidden as a client's queues are; the host tells the coordinator the name in its
+    # clients' Joins (services/coordinator/hosts.py), so the coordinator needs no password.
+    password = secrets.token_urlsafe(24)
     return _Account(
         host,
         host_user(job, host),
-        secrets.token_urlsafe(24),
-        host_permissions(job, host),
-        [host_queue(job, host)],
+        password,
+        host_permissions(job, host, password),
+        [host_reply_queue(job, host, password)],
         partial(host_env_file, job, host=host),
-        [],
+        [host_queue_name(job, host)],
     )
 
 
@@ -257,7 +263,7 @@ def provision(
             "Use --force to reset them anyway, or --revoke them first"
         )
     _check_hosts(job, clients, hosts, present)
-    queues = admin.queues(vhost) if clients else frozenset()
+    queues = admin.queues(vhost) if clients or hosts else frozenset()
     services.declare([spec for account in accounts for spec in account.queues])
     written: list[Credentials] = []
     for account in accounts:
@@ -290,12 +296,14 @@ def revoke(
     for it: they are durable, so they would otherwise outlive the user, holding whatever
     replies were left for it. A client's queue names hold a part of its password, which is
     not kept, so they are found by their prefix among `vhost`'s queues (the default names of
-    earlier releases too). Another job's users, even of the same ids, are not touched."""
-    queues = admin.queues(vhost) if clients else frozenset()
+    earlier releases too); so are a host's. Another job's users, even of the same ids, are
+    not touched."""
+    queues = admin.queues(vhost) if clients or hosts else frozenset()
     for client in clients:
         admin.delete_user(client_user(job, client))
         for name in _earlier_queues(queues, client_queue_names(job, client)):
             services.delete_queue(name)
     for host in hosts:
         admin.delete_user(host_user(job, host))
-        services.delete_queue(host_queue_name(job, host))
+        for name in _earlier_queues(queues, [host_queue_name(job, host)]):
+            services.delete_queue(name)

@@ -1,14 +1,17 @@
 """Client hosts in the secured mode against the real RabbitMQ (docs/deployment.md, "Security").
 
 `splitmq provision-clients --hosts edge,core` creates the host users `<job>.host.edge` and
-`<job>.host.core`, their env files and their host queues. Then:
+`<job>.host.core`, their env files and their host queues, each named `<job>.host.<H>.<hidden>`
+after its host's password (services/security/hidden.py). Then:
 
 - edge can consume its own host queue, but not core's nor a client's reply queue
-  (ACCESS_REFUSED), and cannot declare (so cannot bind) anything;
+  (ACCESS_REFUSED), and cannot declare (so cannot bind) anything; its passive declare of
+  core's queue under the guessable name `<job>.host.core` finds nothing (NOT_FOUND);
 - with the coordinator running in the secured mode, edge's Join for its client edge-0 is
   welcomed on edge's queue (the coordinator bound edge-0's key), and its HostHeartbeat renews
   edge-0; a Join and a HostHeartbeat from edge claiming core's client core-0 are dead-lettered
-  with the reason, and nothing was bound for core-0 (its replies are unroutable).
+  with the reason, and nothing was bound for core-0 (its replies are unroutable); a Join of
+  edge's own client naming a host queue that is not edge's is dead-lettered with the reason.
 
 The users are revoked at the end (`--revoke --hosts`), and with them their host queues.
 """
@@ -38,7 +41,7 @@ from broker.topology import (
     reply_queue_name,
     reply_routing_key,
 )
-from broker.transport import PublishOptions
+from broker.transport import PublishOptions, QueueSpec
 from services.aggregator.aggregator import ensure_initial_version
 from services.algorithms.registry import build_strategy
 from services.cli.main import cli
@@ -51,6 +54,7 @@ from services.coordinator.welcomes import REWELCOME_S
 from services.data.loaders import load_dataset
 from services.report.records import ListSink
 from services.runtime.roles import build_aggregator, build_coordinator, build_worker
+from services.security.hidden import host_reply_queue, queue_secret
 from services.security.identity import amqp_user, host_user
 from tests.integration.test_secured_mode import (
     CONFIG,
@@ -74,6 +78,13 @@ def provision_hosts(config: Path, out: Path, *extra: str) -> Result:
 def host_env(out: Path, job: str, host: str) -> dict[str, str]:
     lines = (out / f"{host_user(job, host)}.env").read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def host_spec(out: Path, job: str, host: str) -> QueueSpec:
+    """Host `host`'s queue as provisioning declared it, named after its password."""
+    return host_reply_queue(
+        job, host, queue_secret(True, host_env(out, job, host)["SPLITMQ_AMQP_URL"])
+    )
 
 
 def send(handle: RabbitMQBroker, user: str, message: Message, marker: str) -> None:
@@ -105,11 +116,17 @@ def test_a_host_user_reads_its_own_clients_replies_only(
         user = host_user(job, "edge")
 
         # Confinement: its own queue yes; core's, a client's, and any declaring: no.
-        edge.declare([host_queue(job, "edge")])  # passive: provisioning declared it
-        edge.subscribe(host_queue_name(job, "edge"), prefetch=10)
-        for queue in (host_queue_name(job, "core"), reply_queue_name(job, "solo")):
+        spec, core = host_spec(out, job, "edge"), host_spec(out, job, "core")
+        assert spec.name.startswith(f"{host_queue_name(job, 'edge')}.")
+        edge.declare([spec])  # passive: provisioning declared it
+        edge.subscribe(spec.name, prefetch=10)
+        for queue in (core.name, reply_queue_name(job, "solo")):
             with pytest.raises(BrokerError, match="ACCESS_REFUSED"):
                 edge.subscribe(queue, prefetch=10)
+        # Core's queue under its guessable name: nothing there (a passive declare needs no
+        # permission, so a queue of that name would show its depth to edge).
+        with pytest.raises(BrokerError, match="NOT_FOUND"):
+            edge.queue_depth(host_queue_name(job, "core"))
         binding = RabbitMQBroker(
             host_env(out, job, "edge")["SPLITMQ_AMQP_URL"], RabbitMQOptions(give_up_after=10)
         )
@@ -127,7 +144,11 @@ def test_a_host_user_reads_its_own_clients_replies_only(
             send(edge, user, steal, "steal-join")
             beat = HostHeartbeat(job, "core", new_message_id(), 1, {"core-0": 1})
             send(edge, user, beat, "steal-beat")
-            own = Join(job, "edge-0", new_message_id(), 0, 10, 0, {"host": "edge"})
+            info = {"host": "edge", "host_queue": spec.name}
+            for name in (core.name, host_queue_name(job, "core"), f"{spec.name[:-1]}X"):
+                odd = Join(job, "edge-1", new_message_id(), 0, 10, 0, {**info, "host_queue": name})
+                send(edge, user, odd, f"odd-{name}")
+            own = Join(job, "edge-0", new_message_id(), 0, 10, 0, info)
             send(edge, user, own, "own-join")
             delivery = edge.get(WAIT_S)
             assert delivery is not None, "no Welcome for edge-0 on edge's queue"
@@ -149,18 +170,27 @@ def test_a_host_user_reads_its_own_clients_replies_only(
             user,
         )
         assert found["steal-beat"] == (f"host 'core' does not match the AMQP user {user!r}", user)
-        assert set(found) == {"steal-join", "steal-beat"}
+        for name in (core.name, host_queue_name(job, "core"), f"{spec.name[:-1]}X"):
+            reason = (
+                f"Join of client 'edge-1' names host queue {name!r}: host 'edge''s queue is "
+                f"{host_queue_name(job, 'edge')!r}, or that name, '.' and 32 lowercase hex digits"
+            )
+            assert found[f"odd-{name}"] == (reason, user)
+        assert len(found) == 5, found
         stats = coordinator.stats
         assert (stats.joined, stats.rejoined, stats.host_members) == (1, 1, 1)
         # Nothing routes core-0's replies anywhere: no binding was made for it.
         with pytest.raises(UnroutableError):
             services.publish(REPLIES_EXCHANGE, reply_routing_key(job, "core-0"), b"x")
-        assert services.queue_depth(host_queue_name(job, "core")) == 0
+        assert services.queue_depth(core.name) == 0
+        with pytest.raises(UnroutableError):  # nor edge-1's
+            services.publish(REPLIES_EXCHANGE, reply_routing_key(job, "edge-1"), b"x")
     finally:
         if edge is not None:
             edge.close()
+        named = [host_spec(out, job, h).name for h in HOSTS]
         revoked = provision_hosts(config, out, "--revoke")
-        left = surviving_queues(backends, [host_queue_name(job, h) for h in HOSTS])
+        left = surviving_queues(backends, [*named, *(host_queue_name(job, h) for h in HOSTS)])
         delete_all(backends, settings, ["solo"])
         services.close()
         store.close()
@@ -211,6 +241,15 @@ def test_a_secured_host_trains_a_job_as_its_own_user(
         outcome = Supervisor(roles, threading.Event()).run()
         assert outcome.status == "finished"
         assert len(sink.records) == 2 and all(r.participants == 3 for r in sink.records)
+        # Its replies came through its hidden queue; under the guessable name another user
+        # (core) learns nothing.
+        core = client_handle(host_env(out, job, "core"), "test-host-core")
+        try:
+            assert core.queue_depth(host_spec(out, job, "edge").name) == 0
+            with pytest.raises(BrokerError, match="NOT_FOUND"):
+                core.queue_depth(host_queue_name(job, "edge"))
+        finally:
+            core.close()
     finally:
         revoked = provision_hosts(config, out, "--revoke")
         delete_all(backends, services, [])

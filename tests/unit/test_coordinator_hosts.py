@@ -14,13 +14,13 @@ from broker.topology import (
     CONTROL_EXCHANGE,
     REPLIES_EXCHANGE,
     dead_queue_name,
-    host_queue,
     host_queue_name,
     reply_routing_key,
 )
 from broker.transport import REASON_HEADER, PublishOptions
 from services.common.membership import client_members, member_id
 from services.coordinator.welcomes import REWELCOME_S
+from services.security.hidden import host_reply_queue
 from services.security.identity import host_user
 from tests.unit.test_aggregator_peers import WAIT_S, ManualClock
 from tests.unit.test_coordinator import Desk, settings_for
@@ -29,18 +29,19 @@ from tests.unit.test_coordinator import Desk, settings_for
 class Host:
     """The test's client host `host`: one handle reading the host's queue."""
 
-    def __init__(self, desk: Desk, host: str, *, user: str | None = None) -> None:
+    def __init__(self, desk: Desk, host: str, *, user: str | None = None, secret: str = "") -> None:
         self.desk, self.host, self.job = desk, host, desk.job
         self.user = user
         self.broker = InMemoryBroker(desk.embedded.hub, user=user, stamp=user)
-        self.broker.declare([host_queue(self.job, host)])
-        self.broker.subscribe(host_queue_name(self.job, host), prefetch=100)
+        self.queue = host_reply_queue(self.job, host, secret).name
+        self.broker.declare([host_reply_queue(self.job, host, secret)])
+        self.broker.subscribe(self.queue, prefetch=100)
 
     def send(self, message: Message) -> None:
         self.broker.publish(CONTROL_EXCHANGE, self.job, encode(message))
 
-    def join(self, client: str, *, host: str | None = None) -> Join:
-        info = {"host": host or self.host}
+    def join(self, client: str, *, host: str | None = None, queue: str | None = None) -> Join:
+        info = {"host": host or self.host, "host_queue": queue or self.queue}
         message = Join(self.job, client, new_message_id(), 0, 50, 0, info)
         self.send(message)
         return message
@@ -188,3 +189,30 @@ def test_a_secured_host_user_speaks_for_its_clients_only(job: str) -> None:
         desk.handle("x").publish(
             REPLIES_EXCHANGE, reply_routing_key(job, "core-0"), b"x", PublishOptions()
         )
+
+
+def test_a_join_binds_only_to_an_existing_queue_of_its_host(job: str) -> None:
+    """A hidden host queue gets its clients' replies; a Join naming a queue of the right shape
+    that does not exist is dead-lettered, and the coordinator creates no queue for it."""
+    desk = Desk(settings_for(job))
+    edge = Host(desk, "edge", secret="edge's password")
+    missing = host_queue_name(job, "edge", "0" * 32)
+    with desk.serving():
+        edge.join("edge-1", queue=missing)
+        edge.join("edge-1", queue=host_queue_name(job, "edge"))  # the default: none here
+        edge.join("edge-0")
+        welcome = edge.replies(1)
+
+    assert edge.queue.startswith(f"{host_queue_name(job, 'edge')}.")
+    assert isinstance(welcome[0], Welcome) and welcome[0].client == "edge-0"
+    assert dead_reasons(desk) == [
+        f"cannot bind client 'edge-1''s replies to host 'edge': its queue {missing!r} does "
+        "not exist",
+        f"cannot bind client 'edge-1''s replies to host 'edge': its queue "
+        f"{host_queue_name(job, 'edge')!r} does not exist",
+    ]
+    hub = desk.embedded.hub.queues
+    assert missing not in hub and host_queue_name(job, "edge") not in hub
+    assert set(client_members(desk.store, job)) == {"edge-0"}
+    with pytest.raises(UnroutableError):  # nothing bound edge-1's replies anywhere
+        edge.broker.publish(REPLIES_EXCHANGE, reply_routing_key(job, "edge-1"), b"x")

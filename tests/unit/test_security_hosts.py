@@ -12,13 +12,17 @@ import pytest
 
 from broker.errors import BrokerError
 from broker.memory_broker import InMemoryBroker
+from broker.messages import Join, new_message_id
 from broker.topology import (
     CONTROL_EXCHANGE,
     SMASHED_EXCHANGE,
+    host_queue,
     host_queue_name,
     reply_queue_name,
 )
 from services.config.loading import load_settings
+from services.coordinator.hosts import join_host_problem
+from services.security.hidden import hidden_of, host_reply_queue, queue_secret
 from services.security.identity import (
     SenderCheck,
     amqp_user,
@@ -85,11 +89,14 @@ def test_a_host_heartbeat_comes_from_the_host_user_only() -> None:
 
 
 def test_a_host_reads_only_its_own_queue_and_configures_nothing() -> None:
-    p = host_permissions("job-1", "edge")
-    assert re.fullmatch(p.configure, "") and not re.search(p.configure, "job-1.host.edge")
+    p = host_permissions("job-1", "edge", "pw")
+    own = host_reply_queue("job-1", "edge", "pw").name
+    assert re.fullmatch(p.configure, "") and not re.search(p.configure, own)
     assert re.search(p.write, SMASHED_EXCHANGE) and re.search(p.write, CONTROL_EXCHANGE)
     assert not re.search(p.write, "splitmq.replies") and not re.search(p.write, "splitmq.dead")
-    assert re.search(p.read, host_queue_name("job-1", "edge"))
+    assert re.search(p.read, own) and not re.search(p.read, host_queue_name("job-1", "edge"))
+    assert not re.search(p.read, host_reply_queue("job-1", "edge", "other").name)
+    p = host_permissions("job-1", "edge")  # the name unhidden (what the checks below read)
     others = ("job-1.host.edge2", "job-1.host.edg", "job-1.host.core", "job-1.control")
     for other in (*others, reply_queue_name("job-1", "edge-0"), "job-1.dead", "jobx1.host.edge"):
         assert not re.search(p.read, other), other
@@ -104,20 +111,39 @@ def test_hosts_are_provisioned_with_their_queue_and_revoked(tmp_path: Path) -> N
     )  # fmt: skip
     assert [c.name for c in written] == ["solo-a", "edge", "core"]
     assert admin.users() == {"j.solo-a", "j.host.edge", "j.host.core"}
-    assert admin.permissions[("/", "j.host.edge")] == host_permissions("j", "edge")
     edge = written[1]
     assert edge.path.name == "j.host.edge.env"
     env = dict(line.split("=", 1) for line in edge.path.read_text().splitlines() if "=" in line)
     settings = load_settings(None, {**env, "SPLITMQ_JOB__NAME": "j"})
     assert amqp_user(settings.broker.amqp_url) == "j.host.edge"
     assert settings.broker.passive_declare and settings.security.per_client_users
-    assert services.queue_depth(host_queue_name("j", "edge")) == 0  # declared for it
+    secret = queue_secret(True, settings.broker.amqp_url)
+    assert secret == edge.password
+    queue = host_reply_queue("j", "edge", secret)
+    assert admin.permissions[("/", "j.host.edge")] == host_permissions("j", "edge", secret)
+    assert services.queue_depth(queue.name) == 0  # declared for it, under its hidden name
+    with pytest.raises(BrokerError, match="NOT_FOUND"):
+        services.queue_depth(host_queue_name("j", "edge"))  # and under no guessable one
 
+    # Again with --force: a new password, a new name; the earlier queue (and one of the
+    # default name, from before names were hidden) are gone.
+    services.declare([host_queue("j", "edge")])
+    again = provision(
+        admin, services, job="j", clients=[], hosts=["edge"], force=True,
+        vhost="/", url_template="amqp://svc:x@mq/", out_dir=tmp_path,
+    )  # fmt: skip
+    renamed = host_reply_queue("j", "edge", again[0].password).name
+    assert renamed != queue.name and services.queue_depth(renamed) == 0
+    for gone in (queue.name, host_queue_name("j", "edge")):
+        with pytest.raises(BrokerError, match="NOT_FOUND"):
+            services.queue_depth(gone)
+
+    core = host_reply_queue("j", "core", written[2].password).name
     revoke(admin, services, job="j", clients=[], hosts=["edge"])
     assert admin.users() == {"j.solo-a", "j.host.core"}
-    assert services.queue_depth(host_queue_name("j", "core")) == 0
+    assert services.queue_depth(core) == 0
     with pytest.raises(BrokerError, match="NOT_FOUND"):
-        services.queue_depth(host_queue_name("j", "edge"))
+        services.queue_depth(renamed)  # found by its prefix, without the password
     with pytest.raises(ValueError, match="--hosts"):
         host_names("ok,bad.id")
 
@@ -138,3 +164,46 @@ def test_a_client_of_a_hosts_shape_is_never_provisioned_beside_it(tmp_path: Path
     with pytest.raises(ClientOfHostError, match="core-7"):  # the host exists already
         provision(admin, services, clients=["core-7"], **args)
     assert admin.users() == {"j.edge-1", "j.host.core"}
+
+
+def test_a_host_queue_name_is_the_default_or_the_default_and_32_hex_digits() -> None:
+    default = host_queue_name("j", "edge")
+    hidden = host_reply_queue("j", "edge", "pw").name
+    assert hidden_of(default, default) == ""
+    assert hidden_of(hidden, default) == hidden[len(default) + 1 :]
+    assert len(hidden_of(hidden, default) or "") == 32
+    bad = [
+        f"{default}.",
+        f"{default}.{'0' * 31}",
+        f"{default}.{'0' * 33}",
+        f"{default}.{'A' * 32}",  # lowercase only
+        f"{default}.{'g' * 32}",
+        f"{default}.{'0' * 32}\n",
+        f"{default}x.{'0' * 32}",
+        f"{default}.{'0' * 32}.{'0' * 32}",
+        host_queue_name("j", "edge2"),
+        host_queue_name("j", "core", "0" * 32),
+        host_queue_name("k", "edge", "0" * 32),  # another job's
+        reply_queue_name("j", "edge-0"),
+        "j.control",
+        "j.dead",
+        "",
+    ]
+    for name in bad:
+        assert hidden_of(name, default) is None, name
+
+
+def test_a_join_through_a_host_names_that_hosts_queue_or_none() -> None:
+    def join(info: dict[str, str]) -> Join:
+        return Join("j", "edge-0", new_message_id(), 0, 10, 0, info)
+
+    hidden = host_reply_queue("j", "edge", "pw").name
+    assert join_host_problem(join({"host": "edge"})) is None  # a host of an earlier release
+    assert join_host_problem(join({"host": "edge", "host_queue": "j.host.edge"})) is None
+    assert join_host_problem(join({"host": "edge", "host_queue": hidden})) is None
+    for name in ("j.host.core", "j.reply.edge-0", f"{hidden}0", "j.host.edge." + "x" * 500):
+        problem = join_host_problem(join({"host": "edge", "host_queue": name}))
+        assert problem is not None and problem.startswith(
+            f"Join of client 'edge-0' names host queue {name[:200]!r}: host 'edge''s queue is "
+            "'j.host.edge', or that name, '.' and 32 lowercase hex digits"
+        ), problem
