@@ -11,7 +11,8 @@ after its host's password (services/security/hidden.py). Then:
   welcomed on edge's queue (the coordinator bound edge-0's key), and its HostHeartbeat renews
   edge-0; a Join and a HostHeartbeat from edge claiming core's client core-0 are dead-lettered
   with the reason, and nothing was bound for core-0 (its replies are unroutable); a Join of
-  edge's own client naming a host queue that is not edge's is dead-lettered with the reason.
+  edge's own client naming a host queue that is not edge's, or of edge's shape but missing, is
+  dead-lettered with the reason (and the coordinator creates no queue).
 
 The users are revoked at the end (`--revoke --hosts`), and with them their host queues.
 """
@@ -148,6 +149,11 @@ def test_a_host_user_reads_its_own_clients_replies_only(
             for name in (core.name, host_queue_name(job, "core"), f"{spec.name[:-1]}X"):
                 odd = Join(job, "edge-1", new_message_id(), 0, 10, 0, {**info, "host_queue": name})
                 send(edge, user, odd, f"odd-{name}")
+            # Of edge's shape but no queue: the coordinator creates none (its channel survives
+            # the NOT_FOUND: the Join below is still answered).
+            missing = host_queue_name(job, "edge", "0" * 32)
+            odd = Join(job, "edge-1", new_message_id(), 0, 10, 0, {**info, "host_queue": missing})
+            send(edge, user, odd, "missing")
             own = Join(job, "edge-0", new_message_id(), 0, 10, 0, info)
             send(edge, user, own, "own-join")
             delivery = edge.get(WAIT_S)
@@ -176,7 +182,12 @@ def test_a_host_user_reads_its_own_clients_replies_only(
                 f"{host_queue_name(job, 'edge')!r}, or that name, '.' and 32 lowercase hex digits"
             )
             assert found[f"odd-{name}"] == (reason, user)
-        assert len(found) == 5, found
+        assert found["missing"] == (
+            f"cannot bind client 'edge-1''s replies to host 'edge': its queue {missing!r} "
+            "does not exist",
+            user,
+        )
+        assert len(found) == 6, found
         stats = coordinator.stats
         assert (stats.joined, stats.rejoined, stats.host_members) == (1, 1, 1)
         # Nothing routes core-0's replies anywhere: no binding was made for it.
@@ -190,7 +201,10 @@ def test_a_host_user_reads_its_own_clients_replies_only(
             edge.close()
         named = [host_spec(out, job, h).name for h in HOSTS]
         revoked = provision_hosts(config, out, "--revoke")
-        left = surviving_queues(backends, [*named, *(host_queue_name(job, h) for h in HOSTS)])
+        guessed = [host_queue_name(job, h) for h in HOSTS] + [
+            host_queue_name(job, "edge", "0" * 32)
+        ]
+        left = surviving_queues(backends, [*named, *guessed])
         delete_all(backends, settings, ["solo"])
         services.close()
         store.close()
