@@ -42,7 +42,7 @@ from services.common.logs import ContextValue
 from services.common.supervise import JobFailedError, Role, RoleKind
 from services.config.root import Settings
 from services.runtime.doctor import StartInterrupted, check_services
-from services.runtime.threads import budgeted, shared_by, sharing_env
+from services.runtime.threads import budgeted, say_budget, shared_by, sharing_env
 from services.security.identity import HOST_ID_MAX, amqp_user, default_client_id, user_host
 
 if TYPE_CHECKING:
@@ -86,8 +86,11 @@ def _serve(
 
                 observation = observe_role(settings, kind, backends, echo=click.echo)
                 # After the check: the budget imports torch, seconds a wrong URL need not wait.
-                with health, observation as seen, budgeted(settings, logger):
+                with health, observation as seen, budgeted(settings) as applied:
                     role = factory(settings, seen.backends)
+                    # Said once the role is built: a user error in its arguments stays the
+                    # one line it is (tests/integration/test_cli_user_errors.py).
+                    say_budget(logger, settings, applied)
                     failed = "died"
                     role.run(stop)
             except StartInterrupted:

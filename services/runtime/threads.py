@@ -52,23 +52,26 @@ def apply_budget(budget: ThreadBudget) -> tuple[int, int]:
 
 
 @contextmanager
-def budgeted(settings: Settings, log: logging.Logger | None = None) -> Iterator[tuple[int, int]]:
-    """`process_budget` applied for the block (said in `log`); the (intra-op, inter-op)
-    threads in effect. torch's intra-op default is put back after it: a command invoked in a
-    process that goes on (tests use click's runner) leaves it as it found it."""
+def budgeted(settings: Settings) -> Iterator[tuple[int, int]]:
+    """`process_budget` applied for the block; the (intra-op, inter-op) threads in effect.
+    torch's intra-op default is put back after it: a command invoked in a process that goes on
+    (tests use click's runner) leaves it as it found it."""
     import torch
 
     before = torch.get_num_threads()
-    budget = process_budget(settings)
-    applied = apply_budget(budget)
-    if log is not None:
-        wanted = (budget.intra_op, budget.inter_op)
-        in_effect = "" if applied == wanted else f"; in effect {applied}"
-        log.info("torch threads: %s%s", budget.words(), in_effect)
+    applied = apply_budget(process_budget(settings))
     try:
         yield applied
     finally:
         torch.set_num_threads(before)
+
+
+def say_budget(log: logging.Logger, settings: Settings, applied: tuple[int, int]) -> None:
+    """The budget's log line (and what is in effect, where torch kept another size)."""
+    budget = process_budget(settings)
+    wanted = (budget.intra_op, budget.inter_op)
+    in_effect = "" if applied == wanted else f"; in effect {applied}"
+    log.info("torch threads: %s%s", budget.words(), in_effect)
 
 
 def budget_env(budget: ThreadBudget, base: Mapping[str, str]) -> dict[str, str]:
