@@ -554,11 +554,7 @@ class ShardRunner:
                 "ok",
                 loss=loss,
                 correct=correct,
-                grad=(
-                    grad.detach().to(device="cpu", dtype=b.activations.dtype).contiguous()
-                    if self._send_grad
-                    else None
-                ),
+                grad=io.plane.host(grad, b.activations.dtype) if self._send_grad else None,
             )
             if io.replier.send(reply):
                 io.stats.replies += 1
@@ -606,7 +602,7 @@ class ShardRunner:
                 message_id=new_message_id(),
                 version=self.replica.version,
                 seq=i.batch.seq,
-                activations=out.detach().to(device="cpu", dtype=i.batch.activations.dtype),
+                activations=io.plane.host(out, i.batch.activations.dtype),
             )
             for i, out in zip(items, step.outputs, strict=True)
         ]

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from broker.codec import decode
-from broker.errors import BrokerError, DecodeError, StaleDeliveryError
+from broker.errors import BrokerError, StaleDeliveryError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
 from broker.rejection import Rejected, dead_letter_many_safely
 from broker.store import WeightStore
@@ -33,6 +32,7 @@ from services.common.logs import log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
+from workers.device_io import Arrival, DevicePlane, Inbox, prefetches
 from workers.gate import SURPLUS_BATCH, Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
@@ -91,6 +91,7 @@ class Worker:
             session: WorkerSession | None = None
             try:
                 session = WorkerSession(self, broker, store, stop, stats)
+                handles.callback(session.inbox.close)
                 session.start()
                 session.loop(burst)
                 session.hand_over_all()
@@ -141,6 +142,9 @@ class WorkerSession:
         self.runners: dict[str, ShardRunner] = {}  # by queue name
         self.unloaded: set[int] = set()  # leased, but nothing published to load yet
         self.device = pick_device(settings.workers.device)
+        self.plane = DevicePlane(self.device)
+        ahead = prefetches(settings.workers.prefetch, self.device)
+        self.inbox = Inbox(self.broker, self.plane, ahead=ahead)
         self.template = job_model(settings)
         self.hyper = job_hyper(settings)
         # The first optimizer of a process imports torch._dynamo: seconds, more than a short
@@ -178,16 +182,16 @@ class WorkerSession:
             if now >= self.next_tick:
                 self.rebalance()
             waiting_since = self.clock()
-            delivery = self.broker.get(self._timeout(now))
+            arrival = self.inbox.get(self._timeout(now))
             self.busy.waited(self.clock() - waiting_since)
-            if delivery is None:
+            if arrival is None:
                 self._each(ShardRunner.flush)
             else:
-                self.dispatch(delivery)
-            if self.surplus.due() or (delivery is None and self.surplus):
+                self.dispatch(arrival)
+            if self.surplus.due() or (arrival is None and self.surplus):
                 self.settle_surplus()
             self._each(ShardRunner.poll)
-            if burst and delivery is None and self._drained():
+            if burst and arrival is None and self._drained():
                 return
 
     def hand_over_all(self) -> None:
@@ -292,6 +296,7 @@ class WorkerSession:
             self.drop(runner.shard)
             return
         self.broker.unsubscribe(queue)
+        self.inbox.forget(queue)
         del self.runners[queue]
         self.keeper.release(runner.shard)
         self.stats.shards_released += 1
@@ -301,6 +306,7 @@ class WorkerSession:
         self.settle_surplus()
         queue = shard_queue_name(self.job, shard)
         self.broker.unsubscribe(queue)
+        self.inbox.forget(queue)
         self.broker.subscribe(queue, prefetch=self.prefetch)
 
     def drop(self, shard: int) -> None:
@@ -311,20 +317,21 @@ class WorkerSession:
             return
         self.settle_surplus()
         self.broker.unsubscribe(queue)
+        self.inbox.forget(queue)
         self.stats.shards_lost += 1
         self._say("lost the lease of shard %d", shard, level=logging.WARNING)
 
     # --- deliveries ---------------------------------------------------------------------------
-    def dispatch(self, delivery: Delivery) -> None:
+    def dispatch(self, arrival: Arrival) -> None:
+        delivery, message = arrival.delivery, arrival.message
         runner = self.runners.get(delivery.queue)
         if runner is None:  # not ours (any more): let the holder have it
             with contextlib.suppress(StaleDeliveryError):  # then it is back in the queue already
                 self.broker.nack(delivery, requeue=True)
             return
-        try:
-            message = decode(delivery.body)
-        except DecodeError as exc:
-            self.reject(delivery, "decode", exc.reason)
+        if message is None:  # its body was refused
+            assert arrival.error is not None
+            self.reject(delivery, "decode", arrival.error.reason)
             return
         # The one look at the message's type: it picks the check of its sender and the handler.
         handle: Callable[[], None]
