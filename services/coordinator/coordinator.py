@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.codec import decode
 from broker.errors import DecodeError
@@ -27,7 +27,7 @@ from services.config.root import Settings
 from services.coordinator.hosts import HostBindings, host_heartbeat_problem, join_host_problem
 from services.coordinator.joining import JoinDesk
 from services.coordinator.roster import Roster
-from services.coordinator.welcomes import REWELCOME_S, Verdict, WelcomeLimit
+from services.coordinator.welcomes import REWELCOME_S, WelcomeLimit
 from services.security.identity import client_id_problem, sender_check, service_user
 
 _PREFETCH = 32
@@ -43,6 +43,9 @@ class _Run:
     outbox: Outbox
     desk: JoinDesk
     hosts: HostBindings
+    # Joins of a new session that came too soon after the client's last Welcome: the latest
+    # per client, with when it may be welcomed (`welcomes.py`).
+    deferred: dict[str, tuple[float, Join]] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,7 +56,8 @@ class CoordinatorStats:
     rejoined: int = 0
     refused: int = 0  # joins answered with an Error (job full)
     withheld: int = 0  # joins recorded without a second Welcome (welcomes.py)
-    replays: int = 0  # joins dead-lettered as replayed or too soon after a Welcome
+    replays: int = 0  # joins dead-lettered as replayed
+    deferred: int = 0  # joins of a new session answered after the interval (welcomes.py)
     left: int = 0
     expired: int = 0
     heartbeats: int = 0
@@ -122,6 +126,7 @@ class Coordinator:
             delivery = broker.get(self._poll_s)
             if delivery is not None:
                 self._handle(run, delivery)
+            self._due_joins(run)
             if self._clock() >= next_sweep:
                 # Asks about the members due to expire only: announces the expired ones.
                 roster.sweep()
@@ -181,13 +186,43 @@ class Coordinator:
         self.stats.rejoined += outcome == "rejoined"
         self.stats.refused += outcome == "refused"
         self.stats.withheld += outcome == "withheld"
-        if outcome == "replayed" or outcome == "too_soon":
+        if outcome == "too_soon":
+            # A new process of the client (or its forger) a moment after a Welcome: answered
+            # once the interval is over. Only the latest waits: an earlier one's session is
+            # superseded by it, as a later Join supersedes any.
+            due = self._clock() + run.desk.limit.interval_s
+            superseded = run.deferred.get(message.client)
+            run.deferred[message.client] = (due, message)
+            self.stats.deferred += 1
+            if superseded is not None:
+                self._log.info(
+                    "job %s: Join %s of client %s superseded by Join %s before its turn",
+                    self.job,
+                    superseded[1].message_id,
+                    message.client,
+                    message.message_id,
+                )
+            return None
+        if outcome == "replayed":
             self.stats.replays += 1
-            return run.desk.limit.refusal(Verdict(outcome), message.client, message.message_id)
+            return run.desk.limit.replay_reason(message.client, message.message_id)
         if outcome == "unreachable":
             run.hosts.forget(message.client)
             return f"client {message.client} has no reply queue"
         return None
+
+    def _due_joins(self, run: _Run) -> None:
+        """Answer the deferred Joins whose interval is over (acked when deferred: a refusal
+        now is only logged; the client's Join retry asks again)."""
+        now = self._clock()
+        for client, (due, message) in list(run.deferred.items()):
+            if now < due:
+                continue
+            del run.deferred[client]
+            with log_context(client=client):
+                reason = self._join(run, message)
+            if reason is not None:
+                self._log.warning("job %s: deferred Join of %s: %s", self.job, client, reason)
 
     def _heartbeat(self, run: _Run, message: Heartbeat) -> str | None:
         if run.roster.renew([message.client])[0]:

@@ -36,8 +36,8 @@ _FULL_SYNC_S = 1.0
 
 # What became of a Join: "refused" (job full), "finished" (the job is over: told so instead of
 # welcomed), "unreachable" (no reply queue: the join was undone), "withheld" (recorded, not
-# welcomed again: its session's Welcome is on its way), "replayed" / "too_soon" (to be
-# dead-lettered: welcomes.py).
+# welcomed again: its session's Welcome is on its way), "replayed" (to be dead-lettered),
+# "too_soon" (to be answered after the interval: welcomes.py).
 JoinOutcome = Literal[
     "new", "rejoined", "refused", "finished", "unreachable", "withheld", "replayed", "too_soon"
 ]

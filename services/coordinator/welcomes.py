@@ -10,8 +10,9 @@ welcomed which session:
   classes) but not welcomed again: that Welcome is on its way. Such Joins are the client's own
   retries queued while the coordinator was not up, and the re-Join that reports the samples of
   a partition the Welcome assigned;
-- a Join of another session within that time is dead-lettered: the client joins again every few
-  seconds until welcomed (`Client.join_retry_s`), and is welcomed after the interval.
+- a Join of another session within that time (a client restarted, or back from offline, a
+  moment after its Welcome) waits: the coordinator holds the latest such Join per client and
+  answers it once the interval is over (`Coordinator._due_joins`).
 
 So one client id costs at most one full Welcome per `REWELCOME_S`, whatever is sent in its
 name. The memory is this process's: a restarted coordinator may welcome a session once more.
@@ -36,7 +37,7 @@ class Verdict(Enum):
     WELCOME = "welcome"
     WITHHOLD = "withhold"  # record the Join, send no Welcome: one is on its way
     REPLAYED = "replayed"  # dead-letter: this Join was handled already
-    TOO_SOON = "too_soon"  # dead-letter: another session was welcomed a moment ago
+    TOO_SOON = "too_soon"  # defer: another session was welcomed a moment ago
 
 
 @dataclass
@@ -80,11 +81,7 @@ class WelcomeLimit:
         """The client is no member any more (left, expired): its next Join starts afresh."""
         self._clients.pop(client, None)
 
-    def refusal(self, verdict: Verdict, client: str, join_id: str) -> str:
-        """The dead-letter reason of a REPLAYED or TOO_SOON Join."""
-        if verdict is Verdict.REPLAYED:
-            return f"replayed_join: Join {join_id} of client {client!r} was answered already"
-        return (
-            f"rejoin_too_soon: client {client!r} was welcomed as another session less than "
-            f"{self.interval_s:g} s ago (one Welcome per client per {self.interval_s:g} s)"
-        )
+    @staticmethod
+    def replay_reason(client: str, join_id: str) -> str:
+        """The dead-letter reason of a REPLAYED Join."""
+        return f"replayed_join: Join {join_id} of client {client!r} was answered already"
