@@ -306,6 +306,9 @@ class Generator:
         raise NotImplementedError
 
 
+_COHORT_SAMPLES = 1 << 30
+
+
 class WorkerGenerator(Generator):
     name = "worker"
 
@@ -317,8 +320,11 @@ class WorkerGenerator(Generator):
         self.by_queue = {reply_queue_name(job.name, c): i for i, c in enumerate(self.clients)}
         for queue in self.by_queue:
             self.broker.subscribe(queue, prefetch=MAX_WINDOW)
-        # The cohort: the worker serves only members, and a RoundStart names them.
-        start = RoundStart(job.name, "", new_message_id(), 1, 0, 0, dict.fromkeys(self.clients, 1))
+        # The cohort: the worker serves only members, and a RoundStart names them, each with
+        # samples enough that its round's steps (the worker's per-client credit,
+        # workers/gate.py) cover every batch this benchmark sends in its one round.
+        cohort = dict.fromkeys(self.clients, _COHORT_SAMPLES)
+        start = RoundStart(job.name, "", new_message_id(), 1, 0, 0, cohort)
         self.broker.publish(SMASHED_EXCHANGE, shard_routing_key(job.name, 0), encode(start))
 
     def send(self, client: int) -> None:
