@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from broker.errors import BrokerError, StaleDeliveryError
 from broker.transport import Broker, Delivery
@@ -88,3 +90,40 @@ def ack_safely(broker: Broker, delivery: Delivery) -> bool:
     except StaleDeliveryError:
         return False
     return True
+
+
+@dataclass
+class LetterBatch:
+    """Refused deliveries waiting to be dead-lettered together (`dead_letter_many_safely`), each
+    with its reason: a flood's refusals then cost one wait for the broker per batch, not one per
+    message. Due when `size` wait or the oldest has waited `wait_s`."""
+
+    size: int = 8
+    wait_s: float = 0.02
+    clock: Callable[[], float] = time.monotonic
+    letters: list[tuple[Delivery, str]] = field(default_factory=list)
+    _since: float = 0.0  # when the oldest came
+
+    def __len__(self) -> int:
+        return len(self.letters)
+
+    def add(self, delivery: Delivery, reason: str) -> bool:
+        """Keep one; whether the batch is due now."""
+        if not self.letters:
+            self._since = self.clock()
+        self.letters.append((delivery, reason))
+        return self.due()
+
+    def due(self) -> bool:
+        """Full, or its oldest has waited long enough."""
+        if not self.letters:
+            return False
+        return len(self.letters) >= self.size or self.clock() - self._since >= self.wait_s
+
+    def time_left(self) -> float:
+        """How long the oldest may wait yet."""
+        return max(0.0, self.wait_s - (self.clock() - self._since)) if self.letters else 0.0
+
+    def take_letters(self) -> list[tuple[Delivery, str]]:
+        taken, self.letters = self.letters, []
+        return taken

@@ -35,11 +35,11 @@ seq under another id is refused `seq_reused` (`copy_problem`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.messages import SmashedBatch
+from broker.rejection import LetterBatch
 from broker.transport import Delivery
 from workers.members import MemberCache
 from workers.replica import Replica
@@ -245,34 +245,17 @@ class ClientGate:
 
 
 @dataclass
-class Surplus:
-    """Refused deliveries waiting to be dead-lettered together, each with its reason."""
+class Surplus(LetterBatch):
+    """The worker's refusals waiting to be dead-lettered together, and how often each reason
+    code may be logged."""
 
     size: int = SURPLUS_BATCH
     wait_s: float = SURPLUS_WAIT_S
-    clock: Callable[[], float] = time.monotonic
-    letters: list[tuple[Delivery, str]] = field(default_factory=list)
-    _since: float = 0.0  # when the oldest came
     # Per reason code: when it was last logged, and the refusals since.
     _unlogged: dict[str, tuple[float, int]] = field(default_factory=dict)
 
-    def __len__(self) -> int:
-        return len(self.letters)
-
-    def add(self, delivery: Delivery, reason: str) -> None:
-        if not self.letters:
-            self._since = self.clock()
-        self.letters.append((delivery, reason))
-
-    def due(self) -> bool:
-        """Full, or its oldest has waited long enough."""
-        if not self.letters:
-            return False
-        return len(self.letters) >= self.size or self.clock() - self._since >= self.wait_s
-
     def take(self) -> list[tuple[Delivery, str]]:
-        taken, self.letters = self.letters, []
-        return taken
+        return self.take_letters()
 
     def settled(self, code: str) -> int:
         """Count one dead letter of `code`; how many to log now: those since the last line of

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from broker.rejection import LetterBatch
 from broker.transport import Delivery
 
 # Messages a sender may have judged at once, and per second after that.
@@ -91,35 +92,20 @@ class SenderBudgets:
 
 
 @dataclass
-class Surplus:
+class Surplus(LetterBatch):
     """Dead letters waiting to go together, each with its reason and what to do once it is
     settled: the over-budget ones, and, while a batch of those is open, the judged ones too
     (during a flood, the flooder's budgeted junk would otherwise cost a confirm each)."""
 
     size: int = SURPLUS_BATCH
     wait_s: float = SURPLUS_WAIT_S
-    clock: Callable[[], float] = time.monotonic
-    letters: list[tuple[Delivery, str]] = field(default_factory=list)
     settled: list[Callable[[], None]] = field(default_factory=list)  # letter by letter
-    _since: float = 0.0  # when the oldest came
 
-    def __len__(self) -> int:
-        return len(self.letters)
-
-    def time_left(self) -> float:
-        """How long the oldest may wait yet."""
-        return max(0.0, self.wait_s - (self.clock() - self._since)) if self.letters else 0.0
-
-    def add(self, delivery: Delivery, reason: str, settled: Callable[[], None]) -> bool:
+    def add_settled(self, delivery: Delivery, reason: str, settled: Callable[[], None]) -> bool:
         """Keep one; whether the batch is due (full, or its oldest has waited long enough)."""
-        now = self.clock()
-        if not self.letters:
-            self._since = now
-        self.letters.append((delivery, reason))
         self.settled.append(settled)
-        return len(self.letters) >= self.size or now - self._since >= self.wait_s
+        return self.add(delivery, reason)
 
     def take(self) -> tuple[list[tuple[Delivery, str]], list[Callable[[], None]]]:
-        taken = self.letters, self.settled
-        self.letters, self.settled = [], []
-        return taken
+        settled, self.settled = self.settled, []
+        return self.take_letters(), settled

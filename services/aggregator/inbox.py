@@ -145,7 +145,7 @@ class UpdateInbox:
                     then()
 
     def _batch(self, delivery: Delivery, reason: str, settled: Callable[[], None]) -> None:
-        if self.surplus.add(delivery, reason, settled):
+        if self.surplus.add_settled(delivery, reason, settled):
             self.flush()
 
     def _throttled(self, sender: str) -> None:
