@@ -37,7 +37,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -114,10 +115,19 @@ class FloodTarget:
     shape: tuple[int, ...]
 
 
-def flood(amqp_url: str, targets: Connection, halt: Any, sent: Any, refused: Any) -> None:
+def flood(
+    amqp_url: str,
+    targets: Connection,
+    halt: Any,
+    sent: Any,
+    refused: Any,
+    cores: frozenset[int] | None = None,
+) -> None:
     """The flooder process: connected ahead (torch and pika take seconds to start, longer than
     a round), it waits for its target, then publishes one-row batches with fresh seqs,
-    confirmed one by one, until `halt`."""
+    confirmed one by one, until `halt`. With `cores` it runs on those alone (its own machine's)."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     broker = RabbitMQBroker(amqp_url, RabbitMQOptions(connection_name="flood-shard"))
     try:
         target = targets.recv()
@@ -173,9 +183,11 @@ class Observer:
         *,
         flood_round: int,
         flood_offset: int,
+        flooder_cores: frozenset[int] | None = None,
     ) -> None:
         self.cfg, self.figures, self.job, self.tap, self.store = cfg, figures, job, tap, store
         self.flood_round, self.flood_offset = flood_round, flood_offset
+        self.flooder_cores = flooder_cores
         limits = QueueLimits()
         self.queues = {
             shard_queue_name(self.job, s): limits.max_length for s in range(cfg.shards)
@@ -203,7 +215,7 @@ class Observer:
         targets, target_end = context.Pipe()
         halt = context.Event()
         sent, refused = context.Value("q", 0), context.Value("q", 0)
-        args = (self.cfg.amqp_url, target_end, halt, sent, refused)
+        args = (self.cfg.amqp_url, target_end, halt, sent, refused, self.flooder_cores)
         process = context.Process(target=flood, args=args, daemon=True)
         process.start()
         try:
@@ -318,18 +330,73 @@ def round_times(run_dir: str) -> dict[int, float]:
 
 
 def one_run(
-    cfg: SoakConfig, *, flooded: bool, flood_round: int, flood_offset: int
+    cfg: SoakConfig,
+    *,
+    flooded: bool,
+    flood_round: int,
+    flood_offset: int,
+    flooder_cores: frozenset[int] | None = None,
 ) -> tuple[SoakReport, FloodFigures]:
     figures = FloodFigures(flooded=flooded)
 
     def observe(children: Children, report: SoakReport, tap: Tap, store: WeightStore) -> Observer:
         return Observer(
-            cfg, figures, report.job, tap, store, flood_round=flood_round, flood_offset=flood_offset
+            cfg,
+            figures,
+            report.job,
+            tap,
+            store,
+            flood_round=flood_round,
+            flood_offset=flood_offset,
+            flooder_cores=flooder_cores,
         )
 
     report = run_once(replace(cfg, chaos=flooded), observe)
     figures.round_s = round_times(report.run_dir)
     return report, figures
+
+
+# --- a machine of its own for the flooder -------------------------------------------------------
+
+
+SERVICE_NAMES = ("beam.smp", "redis-server")  # RabbitMQ's VM and Redis: the service's side
+
+
+def service_tasks() -> list[int]:
+    """Every thread of the running RabbitMQ and Redis servers (affinity is per thread)."""
+    tids: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            name = (entry / "comm").read_text().strip()
+            tids += (
+                [int(t.name) for t in (entry / "task").iterdir()] if name in SERVICE_NAMES else []
+            )
+        except OSError:
+            continue  # gone meanwhile
+    return tids
+
+
+@contextmanager
+def pinned(service_cores: frozenset[int]) -> Iterator[None]:
+    """This process (and so every role it starts), RabbitMQ and Redis on `service_cores`, the
+    affinities restored after: the cores left over are the flooder's, as if it ran on a machine
+    of its own (a client's CPU is not the service's)."""
+    before = {tid: os.sched_getaffinity(tid) for tid in [0, *service_tasks()]}
+    try:
+        for tid in before:
+            try:
+                os.sched_setaffinity(tid, service_cores)
+            except OSError:
+                continue  # a thread gone meanwhile
+        yield
+    finally:
+        for tid, cores in before.items():
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:
+                continue
 
 
 # --- the reject path alone ---------------------------------------------------------------------
@@ -383,6 +450,17 @@ def _burst(settings: Settings, backends: Backends) -> float:
 # --- the table ----------------------------------------------------------------------------------
 
 
+def flooded_ratio(
+    flood_round: int,
+    calm: tuple[SoakReport, FloodFigures],
+    flood: tuple[SoakReport, FloodFigures],
+) -> float:
+    """The flooded round's time over the same round undisturbed (inf: either is missing)."""
+    version = flood_round + 1  # the flooded round publishes this version
+    calm_t, flood_t = calm[1].round_s.get(version), flood[1].round_s.get(version)
+    return flood_t / calm_t if calm_t and flood_t else float("inf")
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -392,6 +470,7 @@ def table(
     calm: tuple[SoakReport, FloodFigures],
     flood: tuple[SoakReport, FloodFigures],
     rejected: tuple[int, float],
+    ratios: list[float],
 ) -> str:
     (calm_r, calm_f), (flood_r, flood_f) = calm, flood
     version = flood_round + 1  # the flooded round publishes this version
@@ -408,6 +487,8 @@ def table(
         f"| status | {calm_r.status} | {flood_r.status} |",
         f"| round {flood_round} (the flooded one) | {_s(calm_t)} | {_s(flood_t)} "
         f"({ratio(flood_t, calm_t)}; target <= {TARGET}x) |",
+        f"| flooded round / undisturbed, each pair (the median pair shown) | - | "
+        f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x) |",
         f"| median round (after the first) | {_s(median['calm'])} | {_s(median['flood'])} "
         f"({ratio(median['flood'], median['calm'])}) |",
         f"| flood | - | {flood_f.flood_sent} batches in {flood_f.flood_s:.1f} s "
@@ -448,6 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood-offset", type=int, default=10**9)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--reject-count", type=int, default=2000, help="for the reject path")
+    parser.add_argument(
+        "--flooder-core",
+        type=int,
+        default=None,
+        help="run the flooder alone on this core and everything else (the job's roles, "
+        "RabbitMQ, Redis) on the others, in both runs: a flooder on a machine of its own",
+    )
+    parser.add_argument("--reps", type=int, default=1, help="undisturbed/flooded pairs, in turn")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= args.flood_round <= args.rounds:
@@ -468,12 +557,28 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=os.environ.get("SPLITMQ_REDIS_URL", SoakConfig.redis_url),
     )
     shape = {"flood_round": args.flood_round, "flood_offset": args.flood_offset}
-    calm = one_run(cfg, flooded=False, **shape)
-    flood = one_run(cfg, flooded=True, **shape)
-    rejected = (
-        args.reject_count,
-        reject_seconds(cfg.amqp_url, cfg.redis_url, args.reject_count, args.flood_offset),
-    )
+    all_cores = frozenset(os.sched_getaffinity(0))
+    flooder_cores = None if args.flooder_core is None else frozenset({args.flooder_core})
+    if flooder_cores is not None and not flooder_cores < all_cores:
+        parser.error(
+            f"--flooder-core must be one of {sorted(all_cores)} and leave one for the rest"
+        )
+    service_cores = all_cores - (flooder_cores or frozenset())
+    with pinned(service_cores) if flooder_cores else nullcontext():
+        pairs = [
+            (
+                one_run(cfg, flooded=False, flooder_cores=flooder_cores, **shape),
+                one_run(cfg, flooded=True, flooder_cores=flooder_cores, **shape),
+            )
+            for _ in range(args.reps)
+        ]
+        ratios = [flooded_ratio(args.flood_round, calm, flood) for calm, flood in pairs]
+        # the pair whose flooded round is the median one is shown in full; every pair is checked
+        calm, flood = pairs[sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]]
+        rejected = (
+            args.reject_count,
+            reject_seconds(cfg.amqp_url, cfg.redis_url, args.reject_count, args.flood_offset),
+        )
     text = "\n\n".join(
         [
             f"`{command_line('benchmarks.flood_shard')}`, {machine_line()}, load average at "
@@ -481,20 +586,34 @@ def main(argv: list[str] | None = None) -> int:
             f"floods), {args.rounds} rounds of {args.steps} steps, one worker, cnn5 on the "
             f"Fashion-MNIST sample; the flood: one-row SmashedBatches as {FLOODER}, seqs "
             f"{args.flood_offset} above its session's `seq_base`, through round "
-            f"{args.flood_round}.",
-            table(args.flood_round, calm, flood, rejected),
+            f"{args.flood_round}; "
+            + (
+                f"the flooder alone on core {args.flooder_core}, the job's roles, RabbitMQ and "
+                f"Redis on {', '.join(map(str, sorted(service_cores)))} in both runs (a flooder "
+                "on a machine of its own)."
+                if flooder_cores
+                else "the flooder shares every core with the job, RabbitMQ and Redis."
+            ),
+            table(args.flood_round, calm, flood, rejected, ratios),
         ]
     )
     print(text)
-    for name, (report, figures) in (("undisturbed", calm), ("flooded", flood)):
-        for problem in [*report.problems, *figures.problems]:
-            print(f"problem ({name}):", problem)
-        LOG.debug("%s: %s %s", name, asdict(report), asdict(figures))
+    for pair in pairs:
+        for name, (report, figures) in zip(("undisturbed", "flooded"), pair, strict=True):
+            for problem in [*report.problems, *figures.problems]:
+                print(f"problem ({name}):", problem)
+            LOG.debug("%s: %s %s", name, asdict(report), asdict(figures))
     if args.write_docs:
-        write_section(SECTION, text)
-        write_section(SECTION, text, DOCS_RELIABILITY)
-    ok = flood[0].status == "finished" and not flood[1].versions_without_training
-    return 0 if ok and flood[1].legit_sent == flood[1].legit_applied else 1
+        section = SECTION if flooder_cores is None else f"{SECTION}-own-core"
+        write_section(section, text)
+        write_section(section, text, DOCS_RELIABILITY)
+    ok = all(
+        f[0].status == "finished"
+        and not f[1].versions_without_training
+        and f[1].legit_sent == f[1].legit_applied
+        for _, f in pairs
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
