@@ -6,7 +6,7 @@ docs/reliability.md, "One client against the others on a shard queue".
 whatever a client publishes is consumed ahead of what is queued behind it. The worker cannot
 reorder the queue, but it can make a client's excess cheap: a client has at most `allowance`
 batches accepted per round, and every batch beyond that is refused unjudged, dead-lettered
-`over_budget` in batches (`Surplus`: one wait for the broker per `SURPLUS_BATCH`), so a flood
+`over_budget` in batches (`Surplus`: one wait for the broker per half a prefetch), so a flood
 drains at reject speed and never trains the replica. The allowance comes from the client's
 assignment: the steps a client with its samples takes in a round (`round_steps`, the client's
 own rule), twice over (the last round's stragglers come after the next RoundStart), plus
@@ -50,11 +50,14 @@ BaseLookup = Callable[[str, bool], int]
 # Batches beyond twice a round's steps a client may have accepted: a round reopened by a
 # straggler's republish, a step barrier's redelivery after a take-over.
 SLACK = 8
-# The refused are dead-lettered once this many wait (the worker uses half its prefetch, at
-# least this), once the oldest has waited this long, or when the worker's wait for input ends
-# with nothing. Unsettled, they hold prefetch slots.
+# The refused are dead-lettered once this many wait (the worker uses half its prefetch) or once
+# the oldest has waited this long. Each settling is one synchronous wait for the broker's
+# confirms, which on a busy host is mostly the scheduler's latency, paid by every client the
+# worker serves; settling whenever the worker's wait for input ended empty (between two steps
+# of a round) paid it dozens of times a round during a flood. Unsettled, they hold prefetch
+# slots: at most half.
 SURPLUS_BATCH = 8
-SURPLUS_WAIT_S = 0.02
+SURPLUS_WAIT_S = 0.25
 
 
 def round_steps(samples: int, *, batch_size: int, local_epochs: int, max_steps: int) -> int:

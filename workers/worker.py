@@ -33,7 +33,7 @@ from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
 from workers.device_io import Arrival, DevicePlane, Inbox, prefetches
-from workers.gate import SURPLUS_BATCH, Surplus
+from workers.gate import Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
@@ -161,7 +161,7 @@ class WorkerSession:
         self.members = MemberCache(store, self.job, self.clock)
         # Refusals dead-lettered together: a flood's cost is mostly the wait for the broker's
         # confirms, once per batch; half the prefetch leaves the other half to serve.
-        self.surplus = Surplus(size=max(SURPLUS_BATCH, self.prefetch // 2), clock=self.clock)
+        self.surplus = Surplus(size=max(1, self.prefetch // 2), clock=self.clock)
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
 
@@ -188,7 +188,7 @@ class WorkerSession:
                 self._each(ShardRunner.flush)
             else:
                 self.dispatch(arrival)
-            if self.surplus.due() or (arrival is None and self.surplus):
+            if self.surplus.due():
                 self.settle_surplus()
             self._each(ShardRunner.poll)
             if burst and arrival is None and self._drained():
@@ -404,7 +404,7 @@ class WorkerSession:
             return 0.0  # fold only what is already waiting: look, don't wait
         until = [self.next_tick, now + self.poll_s]
         if self.surplus:
-            until.append(now + self.surplus.wait_s)
+            until.append(now + self.surplus.time_left())
         until += [d for r in self.runners.values() if (d := r.deadline()) is not None]
         return max(0.0, min(until) - now)
 
