@@ -1,6 +1,8 @@
 """Rejecting a delivery so that neither the rejection nor its settlement can crash a consumer
 (what becomes of it: docs/reliability.md, "Bad input"). `dead_letter_many_safely` does the same
-for a batch, waiting for the broker once for all of it (a flood's surplus).
+for a batch, waiting for the broker once for all of it (a flood's surplus). `Rejection` is why
+a delivery is refused, as every role's checks say it (services/common/checks); `Rejected` is
+what became of it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ from broker.errors import BrokerError, StaleDeliveryError
 from broker.transport import Broker, Delivery
 
 _log = logging.getLogger("splitmq.broker")
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a delivery is refused: `code` names the kind (the worker's counter key, the
+    aggregator's refusal kind of a round attempt) and `detail` says what is wrong."""
+
+    code: str
+    detail: str
+
+    @property
+    def reason(self) -> str:
+        """The dead-letter reason `"<code>: <detail>"` (the worker's; the aggregator and the
+        coordinator dead-letter with the detail alone)."""
+        return f"{self.code}: {self.detail}"
 
 
 class Rejected(enum.Enum):

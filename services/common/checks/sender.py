@@ -1,0 +1,64 @@
+"""Who a message says it comes from, and whether the broker's word agrees (the rules:
+services/security/identity.py): a client id is a plain id, and the AMQP user a delivery came
+from may speak for the client (or the service) the message names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from broker.rejection import Rejection
+from broker.transport import Delivery
+from services.security.identity import SenderCheck, client_id_problem
+
+
+class FromClient(Protocol):
+    @property
+    def client(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NamesClient:
+    """A message without a client id is refused (before its id's shape is judged)."""
+
+    code: str
+
+    def __call__(self, delivery: Delivery, message: FromClient, /) -> Rejection | None:
+        if message.client:
+            return None
+        return Rejection(self.code, f"{type(message).__name__} without a client id")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientIdShape:
+    """A client id must be a plain id: it becomes part of queue names and store keys."""
+
+    code: str
+
+    def __call__(self, delivery: Delivery, message: FromClient, /) -> Rejection | None:
+        problem = client_id_problem(message.client)
+        return None if problem is None else Rejection(self.code, problem)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSender:
+    """The delivery's AMQP user must be the client's own, or its host's."""
+
+    senders: SenderCheck
+    code: str
+
+    def __call__(self, delivery: Delivery, message: FromClient, /) -> Rejection | None:
+        problem = self.senders.client_problem(delivery, message.client)
+        return None if problem is None else Rejection(self.code, problem)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSender:
+    """A service's message (a round marker) must come from a service user (secured mode)."""
+
+    senders: SenderCheck
+    code: str
+
+    def __call__(self, delivery: Delivery, message: object, /) -> Rejection | None:
+        problem = self.senders.service_problem(delivery, type(message).__name__)
+        return None if problem is None else Rejection(self.code, problem)
