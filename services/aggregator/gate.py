@@ -1,10 +1,11 @@
 """What the inbox asks of every update and drop notice, in both modes: the screen, then a gate.
 
 The screen (`UpdateScreen`) checks what holds for every version of the job: the sender is a
-member, and an update's tensors have the model's names, shapes and kinds. A message that fails
-it is dead-lettered with its reason even when its round is long closed. Round, version, cohort
-and staleness are the gate's business (`round_gate.OpenRound` and `round_gate.ClosedGate` in
-sync mode, `buffered.BufferClock` in async mode).
+member (`MemberBook`), and an update reports samples and has the model's tensor names, shapes
+and kinds (`has_samples`, `TensorsFit`: delivery checks, services/common/checks). A message
+that fails it is dead-lettered with its reason even when its round is long closed. Round,
+version, cohort and staleness are the gate's business (`round_gate.OpenRound` and
+`round_gate.ClosedGate` in sync mode, `buffered.BufferClock` in async mode).
 
 Every read of the members goes through one `MemberBook`, so a client the clock put in a cohort
 is known to the screen by construction. A member that left stays known for a while (an update
@@ -23,9 +24,12 @@ from typing import Protocol
 import torch
 
 from broker.messages import RoundDropped, WeightsUpdate
+from broker.rejection import Rejection
 from broker.store import WeightStore
+from broker.transport import Delivery
 from services.aggregator.budget import STRANGERS, SenderBudgets
 from services.algorithms.base import ClientUpdate
+from services.common.checks.chain import Check
 from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo, client_members
 
@@ -170,6 +174,10 @@ class MemberBook:
         """The live members if the last read is `refresh_s` old (read again now), else None."""
         return self.live() if self.clock() - self._read_at >= self.refresh_s else None
 
+    def knows(self, client: str) -> bool:
+        """Whether `client` is a member, or left within `keep_s` (`get`)."""
+        return self.get(client) is not None
+
     def get(self, client: str) -> MemberInfo | None:
         """`client`'s record if it is a member, or left within `keep_s`, else None."""
         info = self.live_now.get(client)
@@ -180,13 +188,43 @@ class MemberBook:
         return info
 
 
+def has_samples(delivery: Delivery, update: WeightsUpdate, /) -> Rejection | None:
+    """An update must report what it trained on: its samples weigh it in the round."""
+    if update.samples >= 1:
+        return None
+    return Rejection("no_samples", "an update must report at least one training sample")
+
+
 @dataclass(frozen=True)
-class UpdateScreen:
-    members: MemberBook
+class TensorsFit:
+    """An update's masks fit its own weights, and its weights the job's model."""
+
     client_ref: Reference
     aux_ref: Reference
     # A client may upload part of the client blob (FedSplitX: the blocks up to its level).
     partial_clients: bool = False
+
+    def __call__(self, delivery: Delivery, update: WeightsUpdate, /) -> Rejection | None:
+        bad = (
+            masks_problem(update.masks, update.client_weights)
+            or weights_problem(
+                update.client_weights,
+                self.client_ref,
+                "client_weights",
+                subset=self.partial_clients,
+            )
+            or weights_problem(update.aux_weights, self.aux_ref, "aux_weights", subset=True)
+        )
+        return None if bad is None else Rejection("wrong_tensors", bad)
+
+
+@dataclass(frozen=True)
+class UpdateScreen:
+    """The members, and the checks of a member's update (after those of its sender, which the
+    inbox runs first; a drop notice has none of its own)."""
+
+    members: MemberBook
+    checks: tuple[Check[WeightsUpdate], ...]
 
     @classmethod
     def of(
@@ -194,27 +232,5 @@ class UpdateScreen:
     ) -> UpdateScreen:
         """The screen of a job whose model is that of `version` (any published one)."""
         client, aux = WeightsCache(store, job, version).global_weights()
-        return cls(members, reference_of(client), reference_of(aux), partial)
-
-    def refusal(self, message: WeightsUpdate | RoundDropped) -> Offer | None:
-        """The REJECT of a message that fails the screen; None when it passes. Every kind but
-        `NOT_MEMBER` comes from a member (its round came to nothing, async mode)."""
-        if self.members.get(message.client) is None:
-            reason = f"client {message.client!r} is not a member of the job"
-            return Offer(Verdict.REJECT, reason, kind=NOT_MEMBER)
-        if isinstance(message, RoundDropped):
-            return None
-        if message.samples < 1:
-            reason = "an update must report at least one training sample"
-            return Offer(Verdict.REJECT, reason, kind="no_samples")
-        bad = (
-            masks_problem(message.masks, message.client_weights)
-            or weights_problem(
-                message.client_weights,
-                self.client_ref,
-                "client_weights",
-                subset=self.partial_clients,
-            )
-            or weights_problem(message.aux_weights, self.aux_ref, "aux_weights", subset=True)
-        )
-        return None if bad is None else Offer(Verdict.REJECT, bad, kind="wrong_tensors")
+        fit = TensorsFit(reference_of(client), reference_of(aux), partial)
+        return cls(members, (has_samples, fit))

@@ -1,7 +1,8 @@
-"""The aggregator's side of `<job>.updates`: decode, check, screen (`gate`), hand to the
-clock's gate; then what the gate did not take spends its sender's budget (`budget`) before it
-is acked, answered or dead-lettered. Validation comes before state, so every invalid message is
-dead-lettered with its reason, in both modes.
+"""The aggregator's side of `<job>.updates`: decode, check (the sender's checks, then the
+screen's of a member's update: services/common/checks, `gate`), hand to the clock's gate; then
+what the gate did not take spends its sender's budget (`budget`) before it is acked, answered
+or dead-lettered. Validation comes before state, so every invalid message is dead-lettered with
+its reason, in both modes.
 
 Accepted updates stay unacknowledged until the version they go into is published, so an
 aggregator that dies mid-round loses no update. A `RoundDropped` notice is acked once judged:
@@ -19,14 +20,24 @@ from dataclasses import dataclass, field
 from broker.codec import decode
 from broker.errors import DecodeError
 from broker.messages import Message, RoundDropped, WeightsUpdate
-from broker.rejection import Rejected, ack_safely, dead_letter_many_safely, dead_letter_safely
+from broker.rejection import (
+    Rejected,
+    Rejection,
+    ack_safely,
+    dead_letter_many_safely,
+    dead_letter_safely,
+)
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
 from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import NOT_MEMBER, Gate, Offer, UpdateScreen, Verdict
+from services.common.checks.addressing import SameJob, wrong_type
+from services.common.checks.chain import Check, first_rejection
+from services.common.checks.membership import Membership
+from services.common.checks.sender import ClientIdShape, ClientSender
 from services.common.outbox import Outbox
 from services.metrics.recorder import NO_METRICS, Metrics
-from services.security.identity import SenderCheck, client_id_problem
+from services.security.identity import SenderCheck
 
 
 @dataclass
@@ -54,8 +65,9 @@ class _Ruling:
     then: Callable[[], None] | None = None
 
     @classmethod
-    def refused(cls, reason: str, kind: str) -> _Ruling:
-        return cls(Offer(Verdict.REJECT, reason, kind=kind))
+    def refused(cls, rejection: Rejection) -> _Ruling:
+        """Refused before the gate: a stranger's (the strangers' budget)."""
+        return cls(_offer(rejection))
 
 
 @dataclass
@@ -74,6 +86,16 @@ class UpdateInbox:
     refusals: Counter[str] = field(default_factory=Counter)
     budgets: SenderBudgets = field(default_factory=SenderBudgets)
     surplus: Surplus = field(default_factory=Surplus)
+    # A message's checks before the screen's: its job, its sender, whether it is a member.
+    checks: tuple[Check[WeightsUpdate | RoundDropped], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.checks = (
+            SameJob(self.job, "update for job {got!r}"),
+            ClientIdShape(BAD_SENDER),
+            ClientSender(self.senders, BAD_SENDER),
+            Membership(self.screen.members.knows, NOT_MEMBER),
+        )
 
     def poll(self, timeout: float, gate: Gate, version: int) -> bool:
         """Handle at most one delivery (waiting up to `timeout`); whether there was one.
@@ -106,33 +128,27 @@ class UpdateInbox:
     def _rule(
         self, delivery: Delivery, message: Message | DecodeError, gate: Gate, version: int
     ) -> _Ruling:
-        """The checks in order (decode, type, job, sender, screen), then the gate's verdict."""
+        """The checks in order (decode, type, `checks`, a member's update: the screen's), then
+        the gate's verdict."""
         if isinstance(message, DecodeError):
             reason = message.reason
-            return _Ruling.refused(f"undecodable: {reason}", decode_kind(reason))
+            return _Ruling.refused(Rejection(decode_kind(reason), f"undecodable: {reason}"))
         if not isinstance(message, WeightsUpdate | RoundDropped):
-            reason = f"{type(message).__name__} does not belong on {updates_queue_name(self.job)}"
-            return _Ruling.refused(reason, "wrong_type")
-        if message.job != self.job:
-            return _Ruling.refused(f"update for job {message.job!r}", "wrong_job")
-        sender = client_id_problem(message.client) or self.senders.client_problem(
-            delivery, message.client
-        )
-        if sender is not None:
-            return _Ruling.refused(sender, "bad_sender")
-        refusal = self.screen.refusal(message)
-        if refusal is not None:
-            if refusal.kind == NOT_MEMBER:
-                return _Ruling(refusal)
-            client = message.client
-            return _Ruling(refusal, member=client, then=lambda: gate.refused(client))
-        # Past the screen the client is a member (or was one lately): its name is the budget
+            return _Ruling.refused(wrong_type(message, updates_queue_name(self.job)))
+        rejection = first_rejection(self.checks, delivery, message)
+        if rejection is not None:
+            return _Ruling.refused(rejection)
+        # Past the checks the client is a member (or was one lately): its name is the budget
         # an unstamped message spends (the open mode cannot tell it from a forgery, which is
         # why what the gate takes spends none).
+        client = message.client
         if isinstance(message, RoundDropped):
-            return _Ruling(gate.offer_drop(message), member=message.client, judged=message)
+            return _Ruling(gate.offer_drop(message), member=client, judged=message)
+        rejection = first_rejection(self.screen.checks, delivery, message)
+        if rejection is not None:  # a member's unusable update: its round may count it
+            return _Ruling(_offer(rejection), member=client, then=lambda: gate.refused(client))
         self.metrics.staleness(version - message.version)
-        return _Ruling(gate.offer(message), member=message.client, judged=message)
+        return _Ruling(gate.offer(message), member=client, judged=message)
 
     def flush(self) -> None:
         """Dead-letter the batch (the surplus, and what was judged meanwhile) in one go."""
@@ -245,6 +261,13 @@ class UpdateInbox:
 
 # Refusal kind of a message refused for its sender's budget (`services.aggregator.budget`).
 OVER_BUDGET = "over_budget"
+# Refusal kind of a message whose client id or AMQP user is not what it claims.
+BAD_SENDER = "bad_sender"
+
+
+def _offer(rejection: Rejection) -> Offer:
+    """A check's rejection as the gate's REJECT (dead-lettered with the detail alone)."""
+    return Offer(Verdict.REJECT, rejection.detail, kind=rejection.code)
 
 
 def _decoded(delivery: Delivery) -> Message | DecodeError:

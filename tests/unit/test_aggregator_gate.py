@@ -10,7 +10,14 @@ from pydantic import ValidationError
 
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import RoundDropped, WeightsUpdate
-from services.aggregator.gate import MemberBook, UpdateScreen, Verdict, reference_of
+from broker.transport import Delivery
+from services.aggregator.gate import (
+    MemberBook,
+    TensorsFit,
+    Verdict,
+    has_samples,
+    reference_of,
+)
 from services.aggregator.round_gate import (
     ClosedGate,
     Decision,
@@ -19,6 +26,7 @@ from services.aggregator.round_gate import (
     sample_cohort,
     wrong_version,
 )
+from services.common.checks.chain import first_rejection
 from services.common.membership import MemberInfo, member_id
 from services.config.job import ClientsSection
 from tests.unit.test_aggregator_peers import ManualClock, add_member
@@ -160,17 +168,19 @@ def test_the_book_reads_the_members_once_a_refresh_and_forgets_who_left() -> Non
     assert book.reads == 4
 
 
-def screen(*members: str) -> UpdateScreen:
+def test_the_book_knows_members_and_recent_leavers_not_strangers() -> None:
     book = MemberBook(InMemoryWeightStore(), "j")
-    book.live_now.update(cohort(*members))
-    return UpdateScreen(book, reference_of(REF), {})
+    book.live_now.update(cohort("a"))
+    book.departed["gone"] = (cohort("gone")["gone"], 0.0)
+    assert book.knows("a") and book.knows("gone")
+    assert not book.knows("stranger")  # its re-read finds nothing
 
 
-def test_the_screen_refuses_strangers_and_foreign_tensors_whatever_the_round() -> None:
-    check = screen("a")
-    refused: dict[str, tuple[WeightsUpdate | RoundDropped, str]] = {
-        "stranger": (update("stranger"), "not_member"),
-        "stranger's drop": (RoundDropped("j", "stranger", "m", 4, 1, "aborted"), "not_member"),
+def test_the_screen_refuses_foreign_tensors_whatever_the_round() -> None:
+    checks = (has_samples, TensorsFit(reference_of(REF), {}))
+    delivery = Delivery(b"", "j.updates", "j", 1)
+    refused: dict[str, tuple[WeightsUpdate, str]] = {
+        "no samples": (replace(update("a"), samples=0), "no_samples"),
         "shape": (
             update("a", {"blocks.0.weight": torch.ones(3, 2), "blocks.0.bias": torch.ones(2)}),
             "wrong_tensors",
@@ -187,12 +197,16 @@ def test_the_screen_refuses_strangers_and_foreign_tensors_whatever_the_round() -
             ),
             "wrong_tensors",
         ),
+        "mask": (
+            replace(update("a"), masks={"x": torch.ones(1, dtype=torch.bool)}),
+            "wrong_tensors",
+        ),
     }
     for what, (message, kind) in refused.items():
-        refusal = check.refusal(message)
-        assert refusal is not None and refusal.kind == kind and refusal.reason, what
-    assert check.refusal(update("a", round_=0)) is None  # a closed round's: the gate's business
-    assert check.refusal(RoundDropped("j", "a", "m", 4, 1, "aborted")) is None
+        rejection = first_rejection(checks, delivery, message)
+        assert rejection is not None and rejection.code == kind and rejection.detail, what
+    # A closed round's: the gate's business.
+    assert first_rejection(checks, delivery, update("a", round_=0)) is None
 
 
 def test_accepted_weights_are_copies_in_the_versions_dtype() -> None:
