@@ -162,7 +162,7 @@ def theta_source(
     from models.state import load_partial
     from services.client.inference import BrokerTheta, LocalTheta
     from services.common.jobmodel import job_model
-    from workers.inference import InferenceServer
+    from services.runtime.plugins import inference_factory
 
     if in_process:
         theta = ServerModel(job_model(settings), settings.model.cut)
@@ -172,14 +172,13 @@ def theta_source(
         return
     with ExitStack() as stack:  # the broker handle closed first, then the server stopped
         if serve:
-            server = InferenceServer(
+            stop_server = inference_factory().start_inference(
                 settings,
                 backends,
                 worker_id="splitmq-infer",
-                model_factory=lambda: job_model(settings),
                 logger=logging.getLogger("splitmq.infer"),
             )
-            stack.callback(server.start())
+            stack.callback(stop_server)
         # In the secured mode its requests carry the services' AMQP user (workers check it).
         broker = backends.open_broker("splitmq-infer-client", stamp=service_user(settings))
         stack.callback(broker.close)

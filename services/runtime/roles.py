@@ -2,7 +2,8 @@
 host, which only `splitmq clients` runs, is built there).
 
 Imports happen inside the builders so a process imports only the role it runs (a `splitmq
-client` has no use for the worker or the aggregator code).
+client` has no use for the worker or the aggregator code); the worker, whose package imports
+services/, is loaded through its entry point (services/runtime/plugins.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.data.loaders import Dataset
 from services.metrics.recorder import RecordMetrics
 from services.report.records import MetricsSink
 from services.report.sinks import TeeSink
+from services.runtime.plugins import worker_factory
 
 
 def preload_optimizer_code() -> None:
@@ -56,10 +58,12 @@ def build_aggregator(
 
 
 def build_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
-    from workers.worker import Worker
-
+    """The worker comes from its entry point: workers/ imports services/, not the reverse."""
+    factory = worker_factory()
     preload_optimizer_code()
-    return Worker(settings, backends.for_role("worker", worker_id), worker_id=worker_id)
+    return factory.build_worker(
+        settings, backends.for_role("worker", worker_id), worker_id=worker_id
+    )
 
 
 def build_client(
