@@ -12,25 +12,30 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from broker.codec import decode
 from broker.errors import DecodeError
-from broker.messages import Heartbeat, HostHeartbeat, Join, Leave, Message
+from broker.messages import Heartbeat, HostHeartbeat, Join, Leave
 from broker.rejection import Rejected, ack_safely, dead_letter_safely
 from broker.store import WeightStore
 from broker.topology import control_queue_name
 from broker.transport import Broker, Delivery
 from services.common.backends import Backends
+from services.common.checks.addressing import wrong_type
+from services.common.checks.chain import Check, first_rejection
 from services.common.logs import log_context
 from services.common.outbox import Outbox
 from services.config.root import Settings
-from services.coordinator.hosts import HostBindings, host_heartbeat_problem, join_host_problem
+from services.coordinator.checks import ControlChecks
+from services.coordinator.hosts import HostBindings
 from services.coordinator.joining import JoinDesk
 from services.coordinator.roster import Roster
 from services.coordinator.welcomes import REWELCOME_S, WelcomeLimit
-from services.security.identity import client_id_problem, sender_check, service_user
+from services.security.identity import sender_check, service_user
 
 _PREFETCH = 32
+M = TypeVar("M", Join, Heartbeat, HostHeartbeat, Leave)
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class Coordinator:
         self._poll_s = poll_s
         self._rewelcome_s = rewelcome_s
         self.stats = CoordinatorStats()
-        self._senders = sender_check(settings)
+        self._checks = ControlChecks.of(settings.job.name, sender_check(settings))
 
     @property
     def job(self) -> str:
@@ -138,43 +143,35 @@ class Coordinator:
         except DecodeError as exc:
             self._settle(run.broker, delivery, f"undecodable: {exc.reason}")
             return
-        reason = self._misaddressed(message, delivery)
-        if reason is not None:
-            self._settle(run.broker, delivery, reason)
+        checks = self._checks
+        if isinstance(message, Join):
+            self._serve_one(run, delivery, message, checks.join, self._join)
+        elif isinstance(message, Heartbeat):
+            self._serve_one(run, delivery, message, checks.heartbeat, self._heartbeat)
+        elif isinstance(message, HostHeartbeat):
+            self._serve_one(run, delivery, message, checks.host_heartbeat, self._host_heartbeat)
+        elif isinstance(message, Leave):
+            self._serve_one(run, delivery, message, checks.leave, self._leave)
+        else:
+            refused = wrong_type(message, control_queue_name(self.job))
+            self._settle(run.broker, delivery, refused.detail)
+
+    def _serve_one(
+        self,
+        run: _Run,
+        delivery: Delivery,
+        message: M,
+        checks: tuple[Check[M], ...],
+        handler: Callable[[_Run, M], str | None],
+    ) -> None:
+        """`message`'s checks, then its handler, which returns None once the message is
+        handled, else why to dead-letter it."""
+        rejection = first_rejection(checks, delivery, message)
+        if rejection is not None:
+            self._settle(run.broker, delivery, rejection.detail)
             return
         with log_context(client=message.client):
-            # A handler returns None once the message is handled, else why to dead-letter it.
-            if isinstance(message, Join):
-                reason = self._join(run, message)
-            elif isinstance(message, Heartbeat):
-                reason = self._heartbeat(run, message)
-            elif isinstance(message, HostHeartbeat):
-                self._host_heartbeat(run, message)
-            elif isinstance(message, Leave):
-                reason = self._leave(run, message)
-            self._settle(run.broker, delivery, reason)
-
-    def _misaddressed(self, message: Message, delivery: Delivery) -> str | None:
-        if not isinstance(message, Join | Heartbeat | HostHeartbeat | Leave):
-            return f"{type(message).__name__} does not belong on {control_queue_name(self.job)}"
-        if message.job != self.job:
-            return f"message for job {message.job!r} on job {self.job!r}'s control queue"
-        if not message.client:
-            return f"{type(message).__name__} without a client id"
-        if isinstance(message, HostHeartbeat):
-            return host_heartbeat_problem(message, self._senders, delivery)
-        # Design §3: the broker vouches for user_id; the client field must not claim someone
-        # else's identity (and in the secured mode a client message must carry one).
-        sender = client_id_problem(message.client) or self._senders.client_problem(
-            delivery, message.client
-        )
-        if sender is not None:
-            return sender
-        if isinstance(message, Join):
-            return join_host_problem(message)
-        if isinstance(message, Heartbeat) and message.role != "client":
-            return f"heartbeat of role {message.role!r}: only clients are members"
-        return None
+            self._settle(run.broker, delivery, handler(run, message))
 
     def _join(self, run: _Run, message: Join) -> str | None:
         # Bound before anything is sent to the client: a Welcome, a refusal, a dismissal.

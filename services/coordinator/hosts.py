@@ -14,8 +14,11 @@ guessable one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from broker.errors import BrokerError, BrokerUnavailableError
 from broker.messages import HostHeartbeat, Join
+from broker.rejection import Rejection
 from broker.topology import host_queue, host_queue_name
 from broker.transport import Broker, Delivery
 from services.common.membership import HOST_HEARTBEAT_MEMBERS, HOST_INFO_KEY, HOST_QUEUE_INFO_KEY
@@ -63,28 +66,44 @@ def _host_queue_problem(message: Join, host: str) -> str | None:
     )
 
 
-def host_heartbeat_problem(
-    message: HostHeartbeat, senders: SenderCheck, delivery: Delivery
-) -> str | None:
-    """Why a HostHeartbeat is refused whole (None: it is not)."""
+@dataclass(frozen=True, slots=True)
+class HostSender:
+    """A HostHeartbeat names a host id, and comes from that host's AMQP user."""
+
+    senders: SenderCheck
+
+    def __call__(self, delivery: Delivery, message: HostHeartbeat, /) -> Rejection | None:
+        host = message.client
+        problem = host_id_problem(host) or self.senders.host_problem(delivery, host)
+        return None if problem is None else Rejection("bad_host", problem)
+
+
+def host_members(delivery: Delivery, message: HostHeartbeat, /) -> Rejection | None:
+    """A HostHeartbeat lists a bounded number of members, every one the host's own client
+    (refused whole: it speaks for no one else)."""
     host = message.client
-    problem = host_id_problem(host) or senders.host_problem(delivery, host)
-    if problem is not None:
-        return problem
     if len(message.members) > HOST_HEARTBEAT_MEMBERS:
-        return (
+        detail = (
             f"HostHeartbeat of host {host!r} lists {len(message.members)} members; at most "
             f"{HOST_HEARTBEAT_MEMBERS} per message"
         )
+        return Rejection("too_many_members", detail)
     strangers = [
         c for c in message.members if client_id_problem(c) is not None or client_host(c) != host
     ]
     if strangers:
-        return (
+        detail = (
             f"HostHeartbeat of host {host!r} lists {len(strangers)} clients not its own "
             f"({host}-<n>), e.g. {strangers[0][:80]!r}"
         )
+        return Rejection("not_its_clients", detail)
     return None
+
+
+def join_host(delivery: Delivery, message: Join, /) -> Rejection | None:
+    """A Join through a host comes through the host its id names, with that host's queue."""
+    problem = join_host_problem(message)
+    return None if problem is None else Rejection("bad_host", problem)
 
 
 class HostBindings:
