@@ -29,8 +29,10 @@ from broker.errors import (
     StaleDeliveryError,
     UnroutableError,
 )
-from broker.rabbitmq_channels import ChannelKeeper, queue_arguments
+from broker.rabbitmq_channels import ChannelKeeper
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
+from broker.rabbitmq_consumers import Consumers
+from broker.rabbitmq_declare import Declarations, queue_arguments
 from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
 from broker.transport import (
     PLAIN,
@@ -90,11 +92,15 @@ class RabbitMQBroker:
         self._unacked: dict[int, str] = {}  # handed out, not yet settled: tag -> queue
         self._returned: set[int] = set()  # tags given back by unsubscribe
         urls = [url] if isinstance(url, str) else list(url)
+        self._declared = Declarations(self._options)
+        self._consumers = Consumers(
+            on_delivery=self._buffer.append, on_void=self._void, clock=clock
+        )
         self._keeper = ChannelKeeper(
             [connection_parameters(u, self._options, self._name) for u in urls],
             self._options,
-            on_delivery=self._buffer.append,
-            on_void=self._void,
+            self._declared,
+            self._consumers,
             clock=clock,
             sleep=sleep,
             rng=rng or random.Random(),
@@ -117,7 +123,9 @@ class RabbitMQBroker:
         keeper = self._keeper
         names = ", ".join(spec.name for spec in queues) or "exchanges"
         try:
-            keeper.call(lambda: keeper.declare_on(keeper.publisher(), queues), f"declare {names}")
+            keeper.call(
+                lambda: self._declared.declare_on(keeper.publisher(), queues), f"declare {names}"
+            )
         except BrokerError as exc:
             advice = _inequivalent_advice(exc.__cause__)
             if advice is None:
@@ -150,13 +158,13 @@ class RabbitMQBroker:
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        if not self._keeper.subscribed(queue):
+        if not self._consumers.subscribed(queue):
             self._keeper.call(
                 lambda: self._keeper.subscribe(queue, prefetch), f"subscribe to {queue!r}"
             )
 
     def unsubscribe(self, queue: str) -> None:
-        if self._keeper.subscribed(queue):
+        if self._consumers.subscribed(queue):
             self._keeper.call(lambda: self._unsubscribe(queue), f"unsubscribe from {queue!r}")
 
     def get(self, timeout: float) -> Delivery | None:
@@ -233,7 +241,7 @@ class RabbitMQBroker:
         unsettled: Unsettled = []
         ready: list[tuple[Delivery, str, str]] = []
         for delivery, reason in letters:
-            spec = self._keeper.specs.get(delivery.queue)
+            spec = self._declared.specs.get(delivery.queue)
             if spec is None or spec.dead_letter_routing_key is None:
                 unsettled.append((delivery, no_dead_letter_routing(delivery)))
                 continue
@@ -271,7 +279,7 @@ class RabbitMQBroker:
     def _restore_dead_queue(self, routing_key: str) -> str | None:
         """Declare the dead-letter queue for `routing_key` again (with the spec this handle
         declared, if any, so its limits match); why not, or None once it is back."""
-        spec = self._keeper.specs.get(dead_queue_name(routing_key)) or dead_queue(routing_key)
+        spec = self._declared.specs.get(dead_queue_name(routing_key)) or dead_queue(routing_key)
         if self._options.passive_declare:
             return f"this handle only checks queues (passive_declare), so {spec.name!r} stays gone"
         _log.warning(
@@ -290,7 +298,7 @@ class RabbitMQBroker:
 
     def delete_queue(self, queue: str) -> None:
         self.unsubscribe(queue)
-        self._keeper.forget(queue)
+        self._declared.forget(queue)
         self._keeper.call(
             lambda: self._keeper.publisher().queue_delete(queue), f"delete queue {queue!r}"
         )
@@ -346,22 +354,24 @@ class RabbitMQBroker:
     # -- internals ----------------------------------------------------------------------------
 
     def _unsubscribe(self, queue: str) -> None:
-        spec = self._keeper.specs.get(queue)
+        spec = self._declared.specs.get(queue)
         held = any(d.queue == queue for d in self._buffer) or queue in self._unacked.values()
         if spec is not None and spec.single_active_consumer and held:
             # Cancelling first would let a successor take newer messages before these came
             # back (see ChannelKeeper._taken_over); closing the channel returns them as the
             # consumer goes.
-            self._keeper.drop_consumer(queue)
+            self._consumers.drop(queue)
             return
-        if not self._keeper.cancel(queue):
+        if not self._consumers.stop(queue):
+            return  # it was waiting to take the queue over: nothing of it was delivered
+        if not self._consumers.cancel(self._keeper.consumer(), queue):
             return  # the channel was replaced meanwhile: nothing of this queue is outstanding
         channel = self._keeper.consumer()
         # basic.cancel leaves delivered messages unacked; give them back, as the protocol says.
         for delivery in [d for d in self._buffer if d.queue == queue]:
             channel.basic_nack(delivery.tag, requeue=True)
         kept = [d for d in self._buffer if d.queue != queue]
-        self._buffer.clear()  # in place: the channel keeper appends to this very deque
+        self._buffer.clear()  # in place: `Consumers` appends to this very deque
         self._buffer.extend(kept)
         for tag, source in list(self._unacked.items()):
             if source == queue:
@@ -381,7 +391,7 @@ class RabbitMQBroker:
         already); a stale delivery gives None, and keeps its mark."""
         if self._keeper.closed:
             raise BrokerError("this broker handle is closed")
-        channel = self._keeper.live_consumer_channel(delivery.generation)
+        channel = self._consumers.live_channel(delivery.generation)
         if channel is None:
             if stale_passes:
                 return None
