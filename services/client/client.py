@@ -1,48 +1,36 @@
 """An edge client (architecture steps 2, 4, 7): join, train, leave.
 
 Sync and async jobs (docs/async.md, "The protocol") run one loop; the Welcome picks its clock
-(`Rounds`, `Newest`, `Idle`). A dropped round is said with a `RoundDropped`
-(docs/reliability.md, "Liveness").
+(services/client/clocks.py). `Client` joins, hands each round to a `RoundRunner`
+(services/client/runner.py) and says a dropped round with a `RoundDropped`
+(services/client/drops.py; docs/reliability.md, "Liveness").
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, InitVar, dataclass, replace
 from functools import partial
 
-import torch
-from torch import nn
-
 from broker.errors import EncodeError
 from broker.messages import (
-    ABORTED,
-    NON_FINITE,
-    ConfigValue,
     Error,
     GradientReply,
     Join,
     Message,
-    RoundDropped,
     WeightsAssignment,
-    WeightsUpdate,
     Welcome,
     new_message_id,
 )
 from broker.topology import updates_routing_key
 from broker.transport import QueueSpec
-from models.split import SplitNet, evaluating
-from models.state import load_partial
-from services.algorithms.base import ClientContext, LocalRound, Strategy
-from services.algorithms.recipe import LossFn
-from services.algorithms.registry import build_strategy
 from services.client.beat import HeartbeatThread
-from services.client.data import JobData, client_batches, round_batches
+from services.client.clocks import Clock, Idle, Newest, Rounds
+from services.client.data import JobData
+from services.client.drops import drop_notice, drop_reason
 from services.client.errors import (
     ClientError,
     ClientSettingsError,
@@ -54,119 +42,18 @@ from services.client.errors import (
     Superseded,
 )
 from services.client.lending import ComputeGate, KeptMemory, OwnModel, Seat
-from services.client.link import BrokerChannel, ClientLink, Tally
+from services.client.link import ClientLink
+from services.client.membership import Membership
 from services.client.plan import RoundPlan, config_int
+from services.client.runner import RoundRunner
 from services.client.secured import secured_client_broker
 from services.client.stats import ClientStats
 from services.common.backends import Backends
 from services.common.jobmodel import job_hyper, job_model
 from services.config.root import Settings
-from services.data.batches import Batch
 from services.data.loaders import Dataset
 from services.security.hidden import client_reply_queue, queue_secret
 from services.security.identity import CLIENT_ID
-
-EVAL_CHUNK = 512
-# The codec's wording for a tensor holding NaN or infinities (broker/codec.py), which is how a
-# diverged model shows: in its weights (the update) or its activations (a smashed batch).
-_NON_FINITE_WORDS = "NaN or infinite"
-# Enough of the exception's text for an operator's log; the reason kind is what counts.
-_DETAIL_CHARS = 300
-
-
-def drop_reason(exc: Exception) -> str:
-    """`non_finite` when the local model diverged, else `aborted`."""
-    return NON_FINITE if _NON_FINITE_WORDS in str(exc) else ABORTED
-
-
-def drop_notice(
-    job: str, client: str, assignment: WeightsAssignment, exc: Exception
-) -> RoundDropped:
-    return RoundDropped(
-        job=job,
-        client=client,
-        message_id=new_message_id(),
-        version=assignment.version,
-        round=assignment.round,
-        reason=drop_reason(exc),
-        ref_message_id=assignment.message_id,
-        detail=str(exc)[:_DETAIL_CHARS],
-    )
-
-
-class Rounds:
-    """Sync rounds: train each round a WeightsAssignment names, once."""
-
-    patience_s = math.inf  # assignments come when the round opens: wait for them
-    ask = False
-
-    def __init__(self) -> None:
-        self._last = -1
-        # The assignment whose round this client dropped last (None: it uploaded that round).
-        # The aggregator reopens a round that got no valid update with a new assignment for the
-        # same round: a dropped round is tried again then, an uploaded one only if the upload
-        # came after its round had closed (answered `round_closed`).
-        self._dropped: str | None = None
-        self._uploaded: str | None = None  # the assignment whose round was uploaded last
-
-    def take(self, message: Message) -> WeightsAssignment | None:
-        """The round to train that `message` hands out, or None."""
-        if not isinstance(message, WeightsAssignment) or not message.participate:
-            return None
-        if message.round < self._last:
-            return None
-        retry = self._dropped is not None and message.message_id != self._dropped
-        if message.round == self._last and not retry:
-            return None  # a copy of an assignment already handled, or an uploaded round
-        self._last = message.round
-        return message
-
-    def done(self, assignment: WeightsAssignment, *, uploaded: bool) -> None:
-        self._dropped = None if uploaded else assignment.message_id
-        self._uploaded = assignment.message_id if uploaded else None
-
-    def closed_before_upload(self) -> None:
-        """The aggregator answered an upload `round_closed`: it was not counted, so a reopened
-        attempt at that round is tried again, as after a drop (were the answer about an older
-        round, a later one is reopened only if no update of it counted: ours neither)."""
-        if self._uploaded is not None:
-            self._dropped, self._uploaded = self._uploaded, None
-
-
-class Idle(Rounds):
-    """Async mode for a member whose partition holds no training samples: it trains nothing and
-    stays a member until dismissed (docs/async.md, "The protocol": why)."""
-
-    def take(self, message: Message) -> WeightsAssignment | None:
-        return None
-
-
-class Newest:
-    """Async mode (docs/async.md, "The protocol"): local rounds numbered by the client, never
-    below an assignment's; one answers no real assignment, so its `RoundDropped` refers to none."""
-
-    def __init__(self, patience_s: float) -> None:
-        self.patience_s = patience_s  # for the answer to an upload: then ask again
-        self.ask = False  # nothing was uploaded, so nothing will be answered unless we ask
-        self._local = 0
-
-    def take(self, message: Message) -> WeightsAssignment | None:
-        if isinstance(message, Welcome):
-            w = message
-            message = WeightsAssignment(
-                w.job, w.client, "", w.version, 0, True, w.client_weights, w.aux_weights, w.config
-            )
-        elif not isinstance(message, WeightsAssignment) or not message.participate:
-            return None
-        self._local = max(self._local, message.round)
-        return replace(message, message_id="", round=self._local)
-
-    def done(self, assignment: WeightsAssignment, *, uploaded: bool) -> None:
-        self._local += 1
-        self.ask = not uploaded
-
-
-Clock = Rounds | Newest
 
 
 @dataclass(eq=False)
@@ -382,9 +269,7 @@ class Client:
             welcome.cut,
             index,
         )
-        member = Membership(
-            welcome.shard, welcome.cut, index, plan, build_strategy(plan.algorithm, plan.params)
-        )
+        member = Membership.settled(welcome.shard, welcome.cut, index, plan)
         if welcome.config.get("mode") != "async":  # the service runs the job in sync rounds
             return member, Rounds()
         if not len(self._data.indices(index)):
@@ -492,167 +377,3 @@ class Client:
             link.took_late(message)
         else:
             link.log.debug("ignoring %s", type(message).__name__)
-
-
-@dataclass(frozen=True)
-class Membership:
-    """What the Welcome settled: where this client trains and with what."""
-
-    shard: int
-    cut: str
-    partition: int
-    plan: RoundPlan
-    strategy: Strategy
-
-    def updated(self, config: Mapping[str, ConfigValue]) -> Membership:
-        """This membership as an assignment's `config` changes it (shard, plan, algorithm)."""
-        plan = self.plan.updated(config)
-        shard = config_int(config, "shard")
-        same = (plan.algorithm, plan.params) == (self.plan.algorithm, self.plan.params)
-        return replace(
-            self,
-            shard=self.shard if shard is None else shard,
-            plan=plan,
-            strategy=self.strategy if same else build_strategy(plan.algorithm, plan.params),
-        )
-
-
-@dataclass
-class RoundRunner:
-    """Runs the rounds of one client; holds what lives across rounds."""
-
-    link: ClientLink
-    seat: Seat
-    data: JobData
-    seed: int
-    # `evaluation.enabled`: a whole-model client reports its local accuracy after the round.
-    evaluate: bool = True
-
-    def run(
-        self, model: SplitNet, member: Membership, assignment: WeightsAssignment
-    ) -> WeightsUpdate:
-        """Train one round from `assignment` on `model` (the update's tensors may be views of
-        its weights: send it before the model goes back); raises `RoundAborted` when the
-        round is lost."""
-        link, stats = self.link, self.link.stats
-        started, io_before = link.clock(), link.io_s
-        up_before, down_before = stats.bytes_up, stats.bytes_down
-        plan = member.plan
-        load_partial(model, assignment.client_weights)
-        load_partial(model, assignment.aux_weights)
-        index = member.partition
-        batches, steps = round_batches(
-            client_batches(self.data, index, batch_size=plan.batch_size, seed=self.seed),
-            local_epochs=plan.hyper.local_epochs,
-            max_steps=plan.hyper.max_steps,
-            round_index=assignment.round,
-        )
-        channel = BrokerChannel(
-            link, assignment, shard=member.shard, cut=member.cut, wire_dtype=plan.wire_dtype
-        )
-        local = Tally()
-        hook = None
-        if not member.strategy.splits:
-            # The whole model runs here: measure its training loss on the batches it sees.
-            batches, hook = self._tallied(model, batches, local, plan.hyper.loss)
-        # The algorithm's per-client tensors (`ClientContext.memory`) are cleared when the job
-        # switches algorithm.
-        algorithm, memory = self.seat.memory.take()
-        if algorithm != plan.algorithm:
-            memory = {}
-        context = ClientContext(
-            client=link.client,
-            round=assignment.round,
-            memory=memory,
-            local_accuracy=lambda module: self._local_accuracy(index, module),
-        )
-        # A whole-model round waits on nothing: it computes within the host's gate.
-        gate: AbstractContextManager[None] = (
-            nullcontext() if member.strategy.splits else self.seat.compute.held()
-        )
-        try:
-            with gate:
-                result = member.strategy.client_round(
-                    LocalRound(
-                        model,
-                        member.cut,
-                        self._ticking(batches),
-                        steps,
-                        channel,
-                        plan.hyper.at_round(assignment.round, steps),
-                        context,
-                    )
-                )
-        finally:
-            if hook is not None:
-                hook.remove()
-            # What the algorithm remembered so far (a lost round may have changed it too, as
-            # it would on a device).
-            self.seat.memory.put(plan.algorithm, memory)
-        metrics: dict[str, float] = {**channel.tally.metrics(), **local.metrics()}
-        # An algorithm that measured its own model already (FedDeper's v_k, Sub-FedAvg's
-        # pruned model) reports it in `result.metrics`, which wins below.
-        measured = "personal_accuracy" in result.metrics
-        if not member.strategy.splits and self.evaluate and not measured:
-            metrics["personal_accuracy"] = self._local_accuracy(index, model)
-        metrics.update(
-            bytes_up=float(stats.bytes_up - up_before),
-            bytes_down=float(stats.bytes_down - down_before),
-            # The round's wall time, waits for gradients included, and the part of it spent
-            # computing: a split client's own rate is not the rate the cohort trains at.
-            round_wall_s=max(0.0, link.clock() - started),
-            compute_s=max(0.0, (link.clock() - started) - (link.io_s - io_before)),
-        )
-        metrics.update(result.metrics)
-        return WeightsUpdate(
-            job=link.job,
-            client=link.client,
-            message_id=new_message_id(),
-            version=assignment.version,
-            round=assignment.round,
-            samples=len(self.data.indices(index)),
-            client_weights=result.client_weights,
-            aux_weights=result.aux_weights,
-            masks=result.masks,
-            metrics=metrics,
-        )
-
-    def _ticking(self, batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Keeps the broker connection serviced between local steps, for algorithms that never
-        wait on the broker (membership heartbeats have a thread of their own)."""
-        for x, y in batches:
-            self.link.keep_alive()
-            yield x, y
-
-    def _tallied(
-        self, model: SplitNet, batches: Iterator[Batch], tally: Tally, loss_fn: LossFn
-    ) -> tuple[Iterator[Batch], torch.utils.hooks.RemovableHandle]:
-        labels: list[torch.Tensor] = []
-
-        def on_forward(_module: nn.Module, _inputs: object, logits: torch.Tensor) -> None:
-            if labels and logits.requires_grad:  # a training forward of the current batch
-                y = labels.pop()
-                with torch.no_grad():
-                    loss = float(loss_fn(logits, y))
-                    correct = int((logits.argmax(dim=1) == y).sum())
-                tally.add(loss, correct, int(y.shape[0]))
-
-        def remember() -> Iterator[Batch]:
-            for batch in batches:
-                labels[:] = [batch.y]
-                yield batch
-
-        return remember(), model.register_forward_hook(on_forward)
-
-    def _local_accuracy(self, index: int, model: nn.Module) -> float:
-        """`model` (inputs -> logits) on the client's local test set."""
-        test = self.data.dataset.test
-        picked = torch.from_numpy(self.data.local_test(index))
-        if not len(picked):
-            return 0.0
-        correct = 0
-        with self.seat.compute.held(), evaluating([model]):
-            for chunk in picked.split(EVAL_CHUNK):
-                logits = model(test.x.index_select(0, chunk))
-                correct += int((logits.argmax(dim=1) == test.y.index_select(0, chunk)).sum())
-        return correct / len(picked)

@@ -1,4 +1,4 @@
-"""The notice a client sends when it drops a round (services/client/client.py)."""
+"""The notice a client sends when it drops a round (services/client/drops.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from broker.codec import decode, encode
 from broker.errors import EncodeError
 from broker.messages import RoundDropped, WeightsAssignment, WeightsUpdate
-from services.client.client import drop_notice, drop_reason
+from services.client.drops import drop_notice, drop_reason
 from services.client.errors import RoundAborted
 
 

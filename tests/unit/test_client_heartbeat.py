@@ -75,7 +75,7 @@ def test_a_step_longer_than_the_ttl_does_not_expire_the_member(
     ensure_initial_version(store, settings, build_strategy("fedavg"), LOG)
     holding, release = threading.Event(), threading.Event()
     monkeypatch.setattr(
-        "services.client.client.build_strategy",
+        "services.client.membership.build_strategy",
         lambda *_: HeldFedAvg(holding=holding, release=release),
     )
     coordinator = Coordinator(settings, backends, poll_s=0.02)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from broker.messages import WeightsAssignment
-from services.client.client import Rounds
+from services.client.clocks import Rounds
 from services.data.loaders import Dataset, load_dataset
 from tests.unit.test_client import run_client
 from tests.unit.test_client_peers import PeerScript, make_settings
