@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -34,9 +34,9 @@ from broker.transport import Broker, QueueSpec
 from services.client.client import Client
 from services.client.data import JobData
 from services.client.errors import ClientError, ClientSettingsError
+from services.client.host_stats import HostStats
 from services.client.hostlink import (
     Dispatcher,
-    DispatchStats,
     HostBeat,
     Publishers,
     Roster,
@@ -77,72 +77,6 @@ def always_online(index: int, client: str) -> Sequence[tuple[float, float]]:
 
 def hosted_client_id(host: str, index: int) -> str:
     return f"{host}-{index}"
-
-
-@dataclass
-class HostStats:
-    """What a host's clients did, summed over their sessions, and what the host itself did."""
-
-    clients: int = 0
-    sessions: int = 0  # online sessions started (a client back online starts another)
-    finished: bool = False  # a client was told the job is over
-    job_status: str = ""
-    per_client: dict[str, ClientStats] = field(default_factory=dict)
-    # Each ended session in the order they ended: (client, its stats).
-    per_session: list[tuple[str, ClientStats]] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)  # client -> its last session's error
-    dispatch: DispatchStats = field(default_factory=DispatchStats)
-    beat_messages: int = 0
-    beat_members: int = 0
-    models_built: int = 0
-    join_s: list[float] = field(default_factory=list)  # each welcomed session's wait
-    beat_publish_s: list[float] = field(default_factory=list)  # each HostHeartbeat's confirm
-
-    def as_json(self) -> dict[str, object]:
-        """For `--stats-file`: per client its counters, and the host's own."""
-        return {
-            "clients": self.clients,
-            "sessions": self.sessions,
-            "finished": self.finished,
-            "job_status": self.job_status,
-            "total": asdict(self.total()),
-            "per_client": {
-                c: {
-                    "batches_sent": one.batches_sent,
-                    "replies_received": one.replies_received,
-                    "rounds": one.rounds,
-                    "rounds_aborted": one.rounds_aborted,
-                    "joins_sent": one.joins_sent,
-                    "republished": one.republished,
-                    "dead_lettered": one.dead_lettered,
-                }
-                for c, one in sorted(self.per_client.items())
-            },
-            "failed": self.failed,
-            "dispatch": asdict(self.dispatch),
-            "beat_messages": self.beat_messages,
-            "beat_members": self.beat_members,
-            "models_built": self.models_built,
-            "join_s": self.join_s,
-            "beat_publish_s": self.beat_publish_s,
-        }
-
-    def total(self) -> ClientStats:
-        out = ClientStats()
-        for stats in self.per_client.values():
-            _add(out, stats)
-        return out
-
-
-def _add(into: ClientStats, one: ClientStats) -> None:
-    """Counters add up; a flag or status is kept once set."""
-    for f in fields(ClientStats):
-        value = getattr(one, f.name)
-        if isinstance(value, bool | str):
-            if value:
-                setattr(into, f.name, value)
-        else:
-            setattr(into, f.name, getattr(into, f.name) + value)
 
 
 @dataclass(frozen=True)
@@ -437,7 +371,7 @@ class ClientHost:
                 return
             with self._lock:
                 stats.per_session.append((client, one))
-                _add(per_client, one)
+                per_client.add(one)
                 if one.join_s:
                     stats.join_s.append(one.join_s)
                 if one.finished:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -29,3 +29,13 @@ class ClientStats:
     stale_rounds: int = 0  # async mode: local rounds dropped because a worker said too_stale
     job_status: str = ""  # how the job ended, from its dismissal: "finished", "failed: ..."
     join_s: float = 0.0  # from the first Join to the Welcome (0: never welcomed)
+
+    def add(self, one: ClientStats) -> None:
+        """Add `one`'s counters to these; a flag or status is kept once set."""
+        for f in fields(ClientStats):
+            value = getattr(one, f.name)
+            if isinstance(value, bool | str):
+                if value:
+                    setattr(self, f.name, value)
+            else:
+                setattr(self, f.name, getattr(self, f.name) + value)

@@ -25,7 +25,8 @@ from broker.topology import (
 from broker.transport import REASON_HEADER, PublishOptions
 from services.client.client import Client
 from services.client.data import JobData
-from services.client.host import ClientHost, HostStats, hosted_client_id
+from services.client.host import ClientHost, hosted_client_id
+from services.client.host_stats import HostStats
 from services.client.hostlink import Dispatcher
 from services.client.lending import ModelPool, SpilledMemory
 from services.client.stats import ClientStats
