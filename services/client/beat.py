@@ -20,7 +20,7 @@ from services.common.health import Beat
 class Heartbeats(Protocol):
     """A member's heartbeats, started once it is welcomed and stopped before its Leave: a
     thread of its own (`HeartbeatThread`), or a seat in a client host's batched beats
-    (services/client/host.py). `sent` and `bytes_sent` count what it sent itself."""
+    (services/client/hostbeat.py). `sent` and `bytes_sent` count what it sent itself."""
 
     sent: int
     bytes_sent: int

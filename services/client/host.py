@@ -35,14 +35,8 @@ from services.client.client import Client
 from services.client.data import JobData
 from services.client.errors import ClientError, ClientSettingsError
 from services.client.host_stats import HostStats
-from services.client.hostlink import (
-    Dispatcher,
-    HostBeat,
-    Publishers,
-    Roster,
-    SeatBeats,
-    SeatBroker,
-)
+from services.client.hostbeat import HostBeat, Roster, SeatBeats
+from services.client.hostlink import Dispatcher, Publishers, SeatBroker
 from services.client.lending import (
     ComputeGate,
     KeptMemory,

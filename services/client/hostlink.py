@@ -1,8 +1,9 @@
 """A client host's connections, shared by all its clients (docs/architecture.md, "Client
 hosts"): one consumer of the host's reply queue that hands each delivery to its client's
-inbox (`Dispatcher`), a few publishing handles any client thread borrows (`Publishers`), and
-one batched heartbeat for every member (`HostBeat`). Each client sees its share as a `Broker`
-(`SeatBroker`), so its loop (services/client/client.py) is the standalone client's.
+inbox (`Dispatcher`), and a few publishing handles any client thread borrows (`Publishers`),
+which also carry the host's batched heartbeat (services/client/hostbeat.py). Each client sees
+its share as a `Broker` (`SeatBroker`), so its loop (services/client/client.py) is the
+standalone client's.
 
 A pika connection is not thread-safe: the dispatcher's handle is used by its thread only
 (clients' acks and dead letters are queued to it), and a publishing handle by one thread at a
@@ -18,18 +19,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from broker.codec import decode, encode
-from broker.errors import (
-    BackPressureError,
-    BrokerError,
-    DecodeError,
-    UnroutableError,
-)
-from broker.messages import HostHeartbeat, new_message_id
+from broker.codec import decode
+from broker.errors import BrokerError, DecodeError
 from broker.rejection import Rejected, dead_letter_safely
-from broker.topology import CONTROL_EXCHANGE
 from broker.transport import (
     PLAIN,
     Broker,
@@ -40,10 +34,7 @@ from broker.transport import (
     ServerInfo,
 )
 from services.client.errors import ClientStopped
-from services.common.health import Beat
-from services.common.membership import HOST_HEARTBEAT_MEMBERS
 
-_BEATS_KEPT = 50_000
 # How long the dispatcher waits for a delivery before it settles what clients queued.
 _SETTLE_EVERY_S = 0.02
 
@@ -288,98 +279,3 @@ class SeatBroker:
 
     def close(self) -> None:
         self.unplug()
-
-
-@dataclass
-class Roster:
-    """The host's members: each client's id and how to read the version it knows."""
-
-    _members: dict[str, Callable[[], int]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, client: str, version: Callable[[], int]) -> None:
-        with self._lock:
-            self._members[client] = version
-
-    def remove(self, client: str) -> None:
-        with self._lock:
-            self._members.pop(client, None)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            members = list(self._members.items())
-        return {client: version() for client, version in members}
-
-
-class SeatBeats:
-    """A client's heartbeats as a seat in the host's (`Heartbeats`): it joins the roster when
-    started and leaves it when stopped; the host's beat sends them."""
-
-    def __init__(self, roster: Roster, client: str, version: Callable[[], int]) -> None:
-        self._roster = roster
-        self._client = client
-        self._version = version
-        self.sent = 0  # the host counts the beats (`HostBeat.members_sent`)
-        self.bytes_sent = 0
-
-    def start(self) -> None:
-        self._roster.add(self._client, self._version)
-
-    def stop(self, timeout_s: float = 5.0) -> bool:
-        self._roster.remove(self._client)
-        return True
-
-
-class HostBeat(Beat):
-    """Every `interval_s`: one `HostHeartbeat` per `HOST_HEARTBEAT_MEMBERS` members, then a
-    keep-alive of the publishing handles no client used lately. Written by its thread only:
-    read the counters after `stop`."""
-
-    ERRORS = (BrokerError,)
-
-    def __init__(
-        self,
-        publishers: Publishers,
-        roster: Roster,
-        *,
-        job: str,
-        host: str,
-        interval_s: float,
-        probe: str,
-        logger: logging.Logger,
-    ) -> None:
-        super().__init__(f"host-{host}", f"the heartbeats of host {host}", interval_s, logger)
-        self._publishers = publishers
-        self._roster = roster
-        self._job = job
-        self._host = host
-        self._probe = probe
-        self.messages_sent = 0
-        self.members_sent = 0
-        # Seconds from publish to confirm, of the latest beats (a day's worth at most).
-        self.publish_s: deque[float] = deque(maxlen=_BEATS_KEPT)
-
-    def beat(self) -> None:
-        members = self._roster.snapshot()
-        clients = sorted(members)
-        version = max(members.values(), default=0)
-        for start in range(0, len(clients), HOST_HEARTBEAT_MEMBERS):
-            chunk = {c: members[c] for c in clients[start : start + HOST_HEARTBEAT_MEMBERS]}
-            message = HostHeartbeat(self._job, self._host, new_message_id(), version, chunk)
-            body = encode(message)
-            try:
-                options = PublishOptions(message.message_id)
-                started = time.monotonic()
-                self._publishers.publish(CONTROL_EXCHANGE, self._job, body, options)
-                self.publish_s.append(time.monotonic() - started)
-            except (BackPressureError, UnroutableError) as exc:
-                # The next one will do: a full or missing control queue is the service side's
-                # state, not this host's.
-                self._log.debug("host %s: heartbeat not delivered: %s", self._host, exc)
-                continue
-            self.messages_sent += 1
-            self.members_sent += len(chunk)
-        self._publishers.keep_alive(self._refresh_s, self._probe)
-
-    def end(self) -> None:
-        pass  # the handles are the host's; it closes them
