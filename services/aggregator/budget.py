@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from broker.rejection import LetterBatch
+from broker.rejection import LetterBatch, Rejection
 from broker.transport import Delivery
 
 # Messages a sender may have judged at once, and per second after that.
@@ -24,6 +24,8 @@ BURST = 64
 RATE_PER_S = 32.0
 # Budget of everyone without an identity of their own (strangers, undecodable bodies).
 STRANGERS = ""
+# Refusal kind (and the reason's head) of a message refused for its sender's budget.
+OVER_BUDGET = "over_budget"
 # The surplus is dead-lettered once this many wait, or once the oldest has waited this long,
 # or when the inbox's wait for input ends with nothing (the inbox flushes it). Unsettled, the
 # surplus holds its share of the aggregator's prefetch: at most its slack for late and
@@ -72,13 +74,11 @@ class SenderBudgets:
         for sender in [s for s, b in self._buckets.items() if now - b.at >= refill_s]:
             del self._buckets[sender]
 
-    def refusal(self, sender: str) -> str:
-        """The reason a message over `sender`'s budget is dead-lettered with."""
+    def refusal(self, sender: str) -> Rejection:
+        """Why a message over `sender`'s budget is refused (dead-lettered `code: detail`)."""
         who = f"sender {sender!r}" if sender else "senders without an identity (one budget)"
-        return (
-            f"over_budget: {who} above {self.burst} messages then {self.rate_per_s:g}/s "
-            "that no round took; refused"
-        )
+        detail = f"{who} above {self.burst} messages then {self.rate_per_s:g}/s that no round took"
+        return Rejection(OVER_BUDGET, f"{detail}; refused")
 
     def report(self, sender: str) -> int:
         """Messages of `sender` refused since the last report, when a report is due (at most

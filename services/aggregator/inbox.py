@@ -29,7 +29,7 @@ from broker.rejection import (
 )
 from broker.topology import updates_queue_name
 from broker.transport import Broker, Delivery
-from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
+from services.aggregator.budget import OVER_BUDGET, STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import NOT_MEMBER, Gate, Offer, UpdateScreen, Verdict
 from services.common.checks.addressing import SameJob, wrong_type
 from services.common.checks.chain import Check, first_rejection
@@ -117,7 +117,8 @@ class UpdateInbox:
         if ruling.offer.verdict is not Verdict.ACCEPT:
             sender = delivery.user_id or ruling.member
             if not self.budgets.spend(sender):
-                self._batch(delivery, self.budgets.refusal(sender), lambda: self._throttled(sender))
+                refused = self.budgets.refusal(sender)
+                self._batch(delivery, refused.reason, lambda: self._throttled(sender))
                 return True
         if ruling.judged is not None:
             self._settle(delivery, ruling.judged, ruling.offer, version)
@@ -259,8 +260,6 @@ class UpdateInbox:
             settled()
 
 
-# Refusal kind of a message refused for its sender's budget (`services.aggregator.budget`).
-OVER_BUDGET = "over_budget"
 # Refusal kind of a message whose client id or AMQP user is not what it claims.
 BAD_SENDER = "bad_sender"
 

@@ -24,9 +24,9 @@ from broker.topology import (
     updates_routing_key,
 )
 from broker.transport import REASON_HEADER, Broker, Delivery, Headers, PublishOptions, QueueSpec
-from services.aggregator.budget import STRANGERS, SenderBudgets, Surplus
+from services.aggregator.budget import OVER_BUDGET, STRANGERS, SenderBudgets, Surplus
 from services.aggregator.gate import MemberBook, UpdateScreen, reference_of
-from services.aggregator.inbox import OVER_BUDGET, UpdateInbox
+from services.aggregator.inbox import UpdateInbox
 from services.aggregator.round_gate import OpenRound
 from services.common.backends import Embedded
 from services.common.handout import WeightsCache
@@ -177,7 +177,7 @@ def test_a_flooders_surplus_is_refused_into_the_dead_letter_queue_with_its_reaso
     assert all("unknown tensors" in reasons[f"junk-{i}"] for i in range(3))
     assert all(reasons[f"anon-{i}"].startswith("undecodable") for i in range(2))
     assert STRANGERS == ""  # the strangers' budget is keyed by no client id
-    assert "senders without an identity" in SenderBudgets().refusal(STRANGERS)
+    assert "senders without an identity" in SenderBudgets().refusal(STRANGERS).detail
 
 
 def test_junk_in_a_members_name_spends_its_budget_yet_its_real_update_is_taken(job: str) -> None:
