@@ -10,7 +10,8 @@ RabbitMQ and Redis (SPLITMQ_AMQP_URL / SPLITMQ_REDIS_URL). A profiler (`sys.setp
 functions whose file lies under broker/, models/, services/ or workers/ of this checkout,
 including those a library calls back (pika's callbacks, logging's filters). Comprehensions and
 generator expressions are not functions and are not counted (Python 3.12 inlines most of
-them); a generator counts when it is called, not at each resumption.
+them); a generator counts at each resumption, as the profiler reports it: its body is product
+code run again (a client's batch iterator runs once a batch).
 
 The window: the client's optimizer clears its gradients once a batch (`zero_grad`); the trace
 opens at the clear of batch `warmup + 1` and closes `batches` clears later, so it holds whole
@@ -59,7 +60,6 @@ BATCHES = 40
 # when the product's own functions are renamed.
 MARKER = ("torch/optim/optimizer.py", "zero_grad")
 _COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
-_GENERATOR_FLAGS = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 
 Function = tuple[str, str]  # (file relative to the repository, qualified name)
 _MARK: Function = ("", "the window's marker")
@@ -157,7 +157,7 @@ class BatchTracer:
             return
         if what is _MARK:
             self._mark()
-        elif self._batch >= 0 and self._fresh(frame, code):
+        elif self._batch >= 0:
             self._counter()[what, self._batch] += 1
 
     def _classify(self, code: types.CodeType) -> Function | None:
@@ -177,11 +177,6 @@ class BatchTracer:
             counter = self._threads[ident] = Counter()
             self._counts.append((threading.current_thread().name, counter))
             return counter
-
-    @staticmethod
-    def _fresh(frame: types.FrameType, code: types.CodeType) -> bool:
-        """False for a generator's resumption (its frame resumes after a yield or await)."""
-        return not code.co_flags & _GENERATOR_FLAGS or frame.f_lasti <= _first_resume(code)
 
     def _mark(self) -> None:
         if self.closed.is_set() or side_of(threading.current_thread().name) != "client":
@@ -224,18 +219,6 @@ def _side(name: str, counters: list[Counts], batches: int) -> Side:
     path = {f: n / batches for f, n in calls.items() if 2 * len(seen[f]) >= batches}
     rest = {f: n / batches for f, n in calls.items() if f not in path}
     return Side(name, path, rest)
-
-
-def _first_resume(code: types.CodeType, cache: dict[types.CodeType, int] = {}) -> int:  # noqa: B006
-    """The offset at which a fresh generator frame starts (its first RESUME)."""
-    try:
-        return cache[code]
-    except KeyError:
-        import dis
-
-        first = next(i.offset for i in dis.get_instructions(code) if i.opname == "RESUME")
-        cache[code] = first
-        return first
 
 
 @contextmanager
