@@ -6,7 +6,7 @@ from broker.messages import Heartbeat, RoundStart
 from broker.rejection import Rejection
 from broker.transport import Delivery
 from services.common.checks.sender import ClientIdShape, ClientSender, NamesClient, ServiceSender
-from services.security.identity import SenderCheck, client_user, host_user
+from services.security.identity import SenderCheck, client_id_problem, client_user, host_user
 
 
 def delivery(user: str | None = None) -> Delivery:
@@ -31,6 +31,9 @@ def test_a_client_id_must_be_a_plain_id() -> None:
         refused = check(delivery(), beat(bad))
         assert refused is not None and refused.code == "bad_sender", bad
         assert "is not 1-64 letters, digits, '_' or '-'" in refused.detail
+    for client in ("a", "A_b-9", "x" * 64, "x" * 65, "a\n", "", "é"):  # the same rule, always
+        passes = check(delivery(), beat(client)) is None
+        assert passes == (client_id_problem(client) is None), client
 
 
 def test_the_amqp_user_must_be_the_clients_or_its_hosts() -> None:

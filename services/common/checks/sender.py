@@ -9,7 +9,7 @@ from typing import Protocol
 
 from broker.rejection import Rejection
 from broker.transport import Delivery
-from services.security.identity import SenderCheck, client_id_problem
+from services.security.identity import CLIENT_ID, SenderCheck, client_id_problem
 
 
 class FromClient(Protocol):
@@ -36,8 +36,10 @@ class ClientIdShape:
     code: str
 
     def __call__(self, delivery: Delivery, message: FromClient, /) -> Rejection | None:
-        problem = client_id_problem(message.client)
-        return None if problem is None else Rejection(self.code, problem)
+        # `client_id_problem`'s own test, so that a valid id (every batch) costs no more calls.
+        if CLIENT_ID.match(message.client):
+            return None
+        return Rejection(self.code, str(client_id_problem(message.client)))
 
 
 @dataclass(frozen=True, slots=True)
