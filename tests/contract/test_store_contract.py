@@ -211,7 +211,7 @@ def _blob_keys(store: Any, job: str) -> dict[str, float | None]:
             return {
                 k: None if b.expires_at is None else b.expires_at - now for k, b in blobs.items()
             }
-    raw = store._redis
+    raw = store._db.client
     found = [k.decode() for k in raw.scan_iter(match=keys.job_prefix(job) + "w:*", count=500)]
     ttls = [raw.pttl(k) for k in found]  # -1: no expiry, -2: gone since the scan
     return {k: None if t == -1 else t / 1000 for k, t in zip(found, ttls, strict=True) if t != -2}
@@ -223,7 +223,7 @@ def lease_owner(store: Any, job: str, name: str) -> str | None:
         with store._job(job) as state:
             lease = state.leases.get(name)  # swept of expired leases
         return None if lease is None else str(lease.owner)
-    raw = store._redis.get(keys.lease_key(job, name))
+    raw = store._db.client.get(keys.lease_key(job, name))
     return None if raw is None else str(raw.decode())
 
 

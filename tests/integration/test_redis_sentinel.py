@@ -298,7 +298,7 @@ def test_a_blob_lost_before_the_commit_is_written_again(redis_url: str, job: str
         def _write_pending(self, job: str, blobs: Any) -> list[str]:
             created: list[str] = super()._write_pending(job, blobs)
             if not type(self).lost:
-                type(self).lost = self._redis.delete(created[0])
+                type(self).lost = self._db.client.delete(created[0])
             return created
 
     store = LosesBlobAfterWriting(redis_url)

@@ -163,7 +163,7 @@ def test_rediss_gets_the_configured_files(certificate: tuple[Path, Path]) -> Non
     cert, key = certificate
     tls = TLSOptions(ca_file=str(cert), cert_file=str(cert), key_file=str(key))
     store = RedisWeightStore("rediss://redis.test:6380/0", RedisStoreOptions(tls=tls))
-    pool = store._redis.connection_pool
+    pool = store._db.client.connection_pool
     assert pool.connection_class is redis.connection.SSLConnection
     kwargs = pool.connection_kwargs
     assert (kwargs["ssl_ca_certs"], kwargs["ssl_certfile"], kwargs["ssl_keyfile"]) == (
@@ -188,7 +188,7 @@ def test_the_settings_reach_both_connections(certificate: tuple[Path, Path]) -> 
     )
     store = Backends(settings.broker, settings.store).open_store(wait=False)
     assert isinstance(store, RedisWeightStore)
-    kwargs = store._redis.connection_pool.connection_kwargs
+    kwargs = store._db.client.connection_pool.connection_kwargs
     assert kwargs["ssl_ca_certs"] == str(cert) and kwargs["ssl_check_hostname"] is False
 
 

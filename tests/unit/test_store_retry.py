@@ -168,7 +168,7 @@ def test_someone_elses_version_during_the_outage_is_a_conflict(
             rival.publish_version(job, NO_VERSION, {BlobRef("client"): {"w": torch.zeros(3)}})
         clock.sleep(seconds)
 
-    store._sleep = rival_publishes
+    store._db._sleep = rival_publishes  # the outage wait of the store's connection
     try:
         with pytest.raises(VersionConflictError) as caught:
             store.publish_version(job, NO_VERSION, BLOBS)
@@ -191,7 +191,7 @@ def test_a_commit_that_went_through_before_a_rival_still_counts_as_ours(
             rival.publish_version(job, 1, {BlobRef("client"): {"w": torch.zeros(3)}})
         clock.sleep(seconds)
 
-    store._sleep = rival_publishes
+    store._db._sleep = rival_publishes  # the outage wait of the store's connection
     try:
         assert store.publish_version(job, NO_VERSION, BLOBS) == 1
     finally:

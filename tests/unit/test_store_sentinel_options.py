@@ -134,18 +134,18 @@ def test_backends_pass_the_sentinel_settings_to_the_store() -> None:
     s = Backends(BrokerSettings(), settings).open_store(wait=False)
     try:
         assert isinstance(s, RedisWeightStore)
-        opts = s._options
+        opts = s._db.options
         assert opts.sentinels == (("127.0.0.1", 1), ("127.0.0.1", 2))
         assert (opts.master_name, opts.min_replicas, opts.replica_timeout_s) == ("prod", 1, 0.5)
-        pool = s._redis.connection_pool
+        pool = s._db.client.connection_pool
         assert pool.service_name == "prod"
         kwargs = pool.connection_kwargs
         assert (kwargs["db"], kwargs["password"]) == (3, "pw")
         assert "host" not in kwargs  # the URL's host is not where the store writes
         assert type(pool).__name__ == "SentinelConnectionPool"
         assert pool.connection_class.__name__ == "SentinelManagedSSLConnection"
-        assert s._sentinel is not None
-        sentinel_kwargs = s._sentinel.sentinels[0].connection_pool.connection_kwargs
+        assert s._db.sentinel is not None
+        sentinel_kwargs = s._db.sentinel.sentinels[0].connection_pool.connection_kwargs
         assert sentinel_kwargs.get("ssl_cert_reqs") == "required"
     finally:
         s.close()
@@ -155,8 +155,8 @@ def test_no_sentinels_keeps_the_plain_client() -> None:
     s = Backends(BrokerSettings(), StoreSettings(kind="redis")).open_store(wait=False)
     try:
         assert isinstance(s, RedisWeightStore)
-        assert s._sentinel is None
-        assert type(s._redis.connection_pool).__name__ == "ConnectionPool"
+        assert s._db.sentinel is None
+        assert type(s._db.client.connection_pool).__name__ == "ConnectionPool"
     finally:
         s.close()
 
