@@ -40,7 +40,8 @@ from services.common.backends import Backends
 from services.config.root import Settings
 from services.security.identity import client_id_problem, sender_check
 from workers.replica import SERVER, ModelFactory, pick_device
-from workers.shard import Replier, reject, shape_problem
+from workers.replies import Replier, reject
+from workers.shard_checks import shape_problem
 
 # Unacked requests per server: a few, so that requests spread over the workers of a job.
 INFER_PREFETCH = 4

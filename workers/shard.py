@@ -1,7 +1,8 @@
-"""Everything one held shard does with its deliveries, in the order of architecture step 5, and
-the replies it sends (`Replier`). Deliveries stay unacked until a checkpoint covers them
-(design §7): a crash loses nothing, and the checkpoint's seqs make a redelivered batch apply
-once. A non-finite step has poisoned the replica: nothing is recorded or answered; it rolls back.
+"""Everything one held shard does with its deliveries, in the order of architecture step 5; its
+replies go out through `workers.replies`, and the checks of a message alone are
+`workers.shard_checks`. Deliveries stay unacked until a checkpoint covers them (design §7): a
+crash loses nothing, and the checkpoint's seqs make a redelivered batch apply once. A
+non-finite step has poisoned the replica: nothing is recorded or answered; it rolls back.
 
 In a U-shaped job (`model.tail`) a step comes in two halves (docs/architecture.md, "U-shaped
 split"): a SmashedBatch (without labels) opens it, the forward's graph is kept and its output
@@ -10,39 +11,21 @@ a time; batches arriving meanwhile wait in the fold or the barrier. An open step
 stay unacked and a checkpoint taken while it is open holds the replica as before its forward
 (BatchNorm's running statistics included), so a crash in between redelivers the batch and its
 tail gradient and the step is applied once.
-
-A check returns `(code, detail)` for a message to dead-letter (the code: its counter key and the
-reason's head), else None.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from broker.codec import encode
-from broker.errors import (
-    BackPressureError,
-    EncodeError,
-    LeaseNotHeldError,
-    MessageTooLargeError,
-    StaleDeliveryError,
-    UnroutableError,
-    VersionNotFoundError,
-)
+from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import (
-    Error,
-    GradientReply,
-    InferReply,
     RoundEnd,
     RoundStart,
     ServerOutput,
@@ -50,156 +33,35 @@ from broker.messages import (
     TailGradient,
     new_message_id,
 )
-from broker.rejection import Rejected, dead_letter_safely
 from broker.tensors import all_finite
-from broker.topology import REPLIES_EXCHANGE, reply_routing_key
-from broker.transport import Broker, Delivery, PublishOptions
-from models.split import Shape
+from broker.topology import reply_routing_key
+from broker.transport import Delivery
 from models.state import load_partial
 from services.algorithms.base import CohortBatch, OpenStep, StepResults
 from services.algorithms.staleness import TOO_STALE
 from services.algorithms.ushape import backward_open
 from services.common.leases import lease_name
-from services.security.identity import client_id_problem
 from workers.barrier import StepBarrier
 from workers.clock import Continuous
 from workers.gate import ClientGate, StepRule, copy_problem, reused
 from workers.replica import Replica
+from workers.replies import answer
+from workers.shard_checks import (
+    Rejection,
+    ShardExpectations,
+    check_addressing,
+    check_batch,
+    check_marker,
+    check_membership,
+    check_sender,
+    parse_cohort,
+)
 
 if TYPE_CHECKING:
     from workers.worker import WorkerSession
 
-Rejection = tuple[str, str]
 # Tail gradients kept for a batch not forwarded yet (a queue's take-over may reorder the two).
 _ORPHANS = 64
-# A reply refused by back-pressure is tried again after these, doubling.
-_FIRST_DELAY_S = 0.05
-_MAX_DELAY_S = 2.0
-# Tries of a reply whose client's queue is full before it is dropped (docs/reliability.md).
-_FULL_ATTEMPTS = 4
-
-
-@dataclass(frozen=True)
-class ShardExpectations:
-    """What a valid message on one shard queue looks like."""
-
-    job: str
-    shard: int
-    cut_shape: Shape
-    num_classes: int
-    cut: str = ""  # the replica's cut, whose shape is `cut_shape`
-    # Further cuts a batch may name, with their shapes (FedSplitX's deeper depth levels).
-    other_cuts: Mapping[str, Shape] = field(default_factory=dict)
-    # A U-shaped job: batches come without labels, and TailGradients finish their steps.
-    u_shaped: bool = False
-
-    def shape_of(self, cut: str) -> Shape | None:
-        """The activation shape of a batch from `cut` ("" or the replica's: `cut_shape`);
-        None for a cut this shard does not serve."""
-        if not cut or cut == self.cut:
-            return self.cut_shape
-        return self.other_cuts.get(cut)
-
-
-def check_addressing(
-    message: RoundStart | RoundEnd | SmashedBatch | TailGradient, want: ShardExpectations
-) -> Rejection | None:
-    if message.job != want.job:
-        return "wrong_job", f"job {message.job!r} on a queue of job {want.job!r}"
-    if message.shard != want.shard:
-        return "wrong_shard", f"shard {message.shard} on the queue of shard {want.shard}"
-    return None
-
-
-def check_sender(message: SmashedBatch | TailGradient, want: ShardExpectations) -> Rejection | None:
-    addressing = check_addressing(message, want)
-    if addressing is not None:
-        return addressing
-    if not message.client:
-        return "bad_client", f"{type(message).__name__} without a client id"
-    bad_id = client_id_problem(message.client)
-    if bad_id is not None:
-        return "bad_client", bad_id
-    return None
-
-
-def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | None:
-    problem = check_sender(message, want)
-    if problem is not None:
-        return problem
-    z, y = message.activations, message.labels
-    shape = want.shape_of(message.cut)
-    if shape is None:
-        served = sorted({want.cut, *want.other_cuts} - {""})
-        return "bad_cut", f"activations from cut {message.cut!r}; this job's cuts are {served}"
-    wrong_shape = shape_problem(z, shape)
-    if wrong_shape is not None:
-        return "bad_shape", wrong_shape
-    if want.u_shaped:
-        if y is None:
-            return None
-        return "unexpected_labels", (
-            "a SmashedBatch with labels in a U-shaped job (model.tail is set): the labels "
-            "stay on the client, whose tail computes the loss"
-        )
-    if y is None:
-        return "missing_labels", (
-            "a SmashedBatch without labels in a job that is not U-shaped (model.tail is "
-            "unset): the server computes the loss and needs them"
-        )
-    if tuple(y.shape) != (z.shape[0],):
-        return "bad_shape", f"labels of shape {list(y.shape)} for {z.shape[0]} rows"
-    low, high = (int(v) for v in torch.aminmax(y))
-    if low < 0 or high >= want.num_classes:
-        return "bad_labels", f"labels in [{low}, {high}], classes are 0..{want.num_classes - 1}"
-    return None
-
-
-def shape_problem(z: torch.Tensor, shape: Shape) -> str | None:
-    """Why activations `z` are not `[N>0, *shape]` (None: they are)."""
-    if tuple(z.shape[1:]) == tuple(shape) and z.shape[0] > 0:
-        return None
-    want = ", ".join(str(d) for d in shape)
-    return f"activations of shape {list(z.shape)}; the cut expects [N>0, {want}]"
-
-
-def check_membership(
-    message: SmashedBatch, cohort_round: int, cohort: Mapping[str, int]
-) -> Rejection | None:
-    """A batch of a round whose cohort is known must come from a member of it. Other rounds'
-    (a straggler's, a round whose RoundStart this shard never saw) pass: the cohort is the
-    barrier's business, not a licence to train."""
-    if message.round == cohort_round and message.client not in cohort:
-        return "not_in_cohort", (
-            f"client {message.client!r} is not in the cohort of round {cohort_round + 1}"
-        )
-    return None
-
-
-def check_marker(message: RoundStart | RoundEnd, current_version: int) -> Rejection | None:
-    """Round markers come from the aggregator: round r belongs to version r + 1, and only a
-    version already published can have a round (a marker from the future is forged)."""
-    kind = type(message).__name__
-    if message.round >= message.version:
-        return "bad_marker", (
-            f"{kind} of round {message.round} names version {message.version}; "
-            "round r trains version r + 1"
-        )
-    if message.version > current_version:
-        return "bad_marker", (
-            f"{kind} names version {message.version}, beyond the published {current_version}"
-        )
-    return None
-
-
-def parse_cohort(message: RoundStart) -> tuple[dict[str, int] | None, Rejection | None]:
-    """The `{client: samples}` of a RoundStart (addressed right), or why it is unusable."""
-    cohort: dict[str, int] = {}
-    for client, samples in message.participants.items():
-        if not client or isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            return None, ("bad_cohort", f"participant {client!r} with samples {samples!r}")
-        cohort[client] = samples
-    return cohort, None
 
 
 class LeaseLostError(Exception):
@@ -796,175 +658,3 @@ class ShardRunner:
         self._pending.clear()
         self._steps_since = 0
         self._dirty = False
-
-
-# --- answers: GradientReplies and dead letters ---------------------------------------------
-Answer = GradientReply | InferReply | ServerOutput | Error
-
-
-class Replier:
-    """The runner's reply step: sends replies (to a full reply queue a few times, then the
-    reply is dropped: its client reads none), and keeps each client's last "ok" reply (by
-    reference, at most `keep` clients) for `resend`: replies are
-    transient, so a broker restart loses them, and a sequential client's last reply is the only
-    one it can still be waiting for.
-    """
-
-    def __init__(
-        self,
-        broker: Broker,
-        stop: threading.Event,
-        logger: logging.Logger,
-        *,
-        sleep: Callable[[float], None] | None = None,
-        keep: int = 1024,
-    ) -> None:
-        self._broker = broker
-        self._stop = stop
-        self._logger = logger
-        # Waiting on the stop event, so a stopping worker does not sit out a long backoff.
-        self._sleep = sleep or (lambda s: bool(stop.wait(s)))
-        self._keep = max(1, keep)
-        self._last: OrderedDict[tuple[str, str], GradientReply] = OrderedDict()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def resend(self, job: str, client: str, seq: int) -> bool | None:
-        """Send the reply last sent to `client` again, under a new message id, if it answers
-        `seq`: whether it went out; None when no such reply is kept (another worker applied
-        the batch, or the client has been answered for a later seq since)."""
-        kept = self._last.get((job, client))
-        if kept is None or kept.seq != seq:
-            return None
-        return self.send(replace(kept, message_id=new_message_id()))
-
-    def send(self, reply: GradientReply) -> bool:
-        """True once sent (a refusal comes back later, to `_settle`); False if undeliverable."""
-        if reply.status == "ok":
-            self._remember(reply)
-        self._settle()
-        # Not waiting for the confirm: the wait is a round trip to RabbitMQ on the job's
-        # critical path for every step (docs/benchmarks.md); a refusal comes back later.
-        return self.publish(reply, reply_routing_key(reply.job, reply.client), later=True)
-
-    def publish(self, message: Answer, routing_key: str, *, later: bool = False) -> bool:
-        """`message` on the replies exchange under `routing_key` (also split inference's);
-        `later`: without waiting for its confirm."""
-        try:
-            body = encode(message)
-        except EncodeError as exc:
-            self._logger.error("%s cannot be encoded: %s", _what(message), exc)
-            return False
-        options = PublishOptions(message.message_id, persistent=False, confirm_later=later)
-        return self._deliver(lambda: _what(message), routing_key, body, options)
-
-    def _settle(self) -> None:
-        """Refusals of earlier replies: a full queue is tried again, confirmed this time; a gone
-        client or connection is only logged (the client republishes a batch whose reply it
-        missed, and `resend` answers it)."""
-        for refused in self._broker.refused():
-            key = refused.routing_key
-            if isinstance(refused.error, BackPressureError):
-                options = replace(refused.options, confirm_later=False)
-                what = partial(str, f"the reply published to {key}")
-                self._deliver(what, key, refused.body, options)
-            else:
-                self._logger.warning(
-                    "the reply published to %s was not delivered: %s", key, refused.error
-                )
-
-    def _deliver(
-        self, what: Callable[[], str], routing_key: str, body: bytes, options: PublishOptions
-    ) -> bool:
-        # `what` names the message for a log line: built only when one is written, not for
-        # every reply on the worker's critical path.
-        delay = _FIRST_DELAY_S
-        attempts = 0
-        while True:
-            try:
-                # Transient: a gradient only matters while its client waits; persisting it
-                # costs a disk write on the job's critical path (docs/benchmarks.md, "SFL-V2
-                # throughput").
-                self._broker.publish(REPLIES_EXCHANGE, routing_key, body, options)
-                return True
-            except BackPressureError:
-                attempts += 1
-                # The client's own reply queue is at its bound, far above what a client that
-                # reads its replies ever holds: it stopped reading, and waiting for it would
-                # stall every client of the shard. A few short tries ride out a quorum queue's
-                # overshoot; then the reply is dropped, and kept for `resend` should the client
-                # come back and republish its batch.
-                if attempts >= _FULL_ATTEMPTS:
-                    self._logger.warning("%s dropped: the client's reply queue is full", what())
-                    return False
-                self._sleep(delay)
-                delay = min(delay * 2, _MAX_DELAY_S)
-            except UnroutableError:
-                self._logger.warning("%s unroutable: the client's queue is gone", what())
-                return False
-            except MessageTooLargeError as exc:
-                self._logger.error("%s too large: %s", what(), exc)
-                return False
-
-    def _remember(self, reply: GradientReply) -> None:
-        key = (reply.job, reply.client)
-        self._last[key] = reply
-        self._last.move_to_end(key)
-        while len(self._last) > self._keep:
-            self._last.popitem(last=False)
-
-
-def _what(message: Answer) -> str:
-    return f"{type(message).__name__} to job {message.job} client {message.client}"
-
-
-def answer(
-    batch: SmashedBatch | TailGradient,
-    version: int,
-    status: str,
-    reason: str = "",
-    *,
-    loss: float = 0.0,
-    correct: int = 0,
-    grad: torch.Tensor | None = None,
-) -> GradientReply:
-    """The reply to `batch`: "ok" with its step's results; without a gradient, "gone" (a
-    duplicate) or "rejected" (too stale)."""
-    samples = 0
-    if status == "ok" and isinstance(batch, SmashedBatch):
-        samples = int(batch.activations.shape[0])
-    return GradientReply(
-        job=batch.job,
-        client=batch.client,
-        message_id=new_message_id(),
-        version=version,
-        seq=batch.seq,
-        status=status,
-        loss=loss,
-        correct=correct,
-        samples=samples,
-        grad=grad,
-        reason=reason,
-    )
-
-
-def reject(
-    broker: Broker,
-    delivery: Delivery,
-    code: str,
-    detail: str,
-    counts: Counter[str],
-    logger: logging.Logger,
-) -> None:
-    """Dead-letter `delivery` with reason `"<code>: <detail>"` and count it under `code`."""
-    reason = f"{code}: {detail}"
-    # A full dead-letter queue: RabbitMQ's own dead-lettering still moves it there (or drops
-    # it), without our reason header; a poison message is never requeued.
-    if dead_letter_safely(broker, delivery, reason) is Rejected.REDELIVERED:
-        # Its connection is gone: it will be redelivered and rejected again then.
-        logger.info("dead-letter of a stale delivery from %s skipped (%s)", delivery.queue, reason)
-        return
-    counts[code] += 1
-    logger.warning("dead-lettered a message from %s: %s", delivery.queue, reason)

@@ -37,7 +37,9 @@ from workers.gate import Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
-from workers.shard import LeaseLostError, Replier, ShardExpectations, ShardRunner
+from workers.replies import Replier
+from workers.shard import LeaseLostError, ShardRunner
+from workers.shard_checks import ShardExpectations
 from workers.stats import WorkerStats
 
 

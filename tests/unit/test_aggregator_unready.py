@@ -19,7 +19,7 @@ from services.aggregator.aggregator import Aggregator
 from services.report.records import ListSink
 from tests.unit.test_aggregator import SAMPLES, Job, client_value, wait_until
 from tests.unit.test_aggregator_peers import FakeClient, add_member, make_settings
-from workers.shard import ShardExpectations, check_addressing, parse_cohort
+from workers.shard_checks import ShardExpectations, check_addressing, parse_cohort
 
 UNREADY = "has no training samples"
 

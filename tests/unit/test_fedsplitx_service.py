@@ -19,7 +19,7 @@ from services.coordinator.welcomes import REWELCOME_S
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
 from workers.replica import Replica, open_replica
-from workers.shard import ShardExpectations, check_batch
+from workers.shard_checks import ShardExpectations, check_batch
 
 LEVEL2_SHAPE = (20, 4, 4)  # cnn5 after block2
 

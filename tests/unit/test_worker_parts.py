@@ -14,7 +14,7 @@ from services.common.jobmodel import job_hyper, job_model
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 from workers.barrier import StepBarrier
 from workers.replica import RECENT_SEQS, Replica, open_replica, pick_device
-from workers.shard import ShardExpectations, check_batch, check_membership, parse_cohort
+from workers.shard_checks import ShardExpectations, check_batch, check_membership, parse_cohort
 
 COHORT = {"a": 10, "b": 20, "c": 30}
 

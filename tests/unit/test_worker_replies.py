@@ -1,4 +1,4 @@
-"""`workers.shard.Replier`: gradients go out transient, back-pressure is waited out."""
+"""`workers.replies.Replier`: gradients go out transient, back-pressure is waited out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from broker.errors import BackPressureError, UnroutableError
 from broker.messages import GradientReply, new_message_id
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
 from broker.transport import PLAIN, PublishOptions, Refused
-from workers.shard import Replier
+from workers.replies import Replier
 
 
 class SpyBroker:
