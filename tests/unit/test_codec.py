@@ -23,14 +23,13 @@ import torch
 
 from broker.codec import (
     MAGIC,
-    SCHEMA_VERSION,
     UNEXPECTED,
     CodecLimits,
-    build_schema,
     decode,
     encode,
     encode_into,
 )
+from broker.codec_schema import SCHEMA_VERSION, build_schema
 from broker.errors import DecodeError, EncodeError, UnexpectedMessageError
 from broker.messages import (
     MESSAGE_TYPES,
@@ -59,7 +58,7 @@ from broker.messages import (
 from broker.tensors import ALIGN, all_finite
 
 BROKER = Path(__file__).resolve().parents[2] / "broker"
-CODEC_MODULES = ("codec.py", "tensors.py", "messages.py")
+CODEC_MODULES = ("codec.py", "codec_schema.py", "tensors.py", "messages.py")
 
 
 # --- building messages and bodies ---------------------------------------------------------------
