@@ -139,7 +139,7 @@ class BatchTracer:
         self._warmup = warmup
         self._batches = batches
         self._codes: dict[types.CodeType, Function | None] = {}
-        self._threads: dict[int, Counts] = {}
+        self._local = threading.local()
         self._counts: list[tuple[str, Counts]] = []  # (thread name, its calls)
         self._marks = 0
         self._batch = -1  # the window's batch under way; -1: outside the window
@@ -170,13 +170,12 @@ class BatchTracer:
         return (path[self._root_len :].replace(os.sep, "/"), code.co_qualname)
 
     def _counter(self) -> Counts:
-        ident = threading.get_ident()
-        try:
-            return self._threads[ident]
-        except KeyError:
-            counter = self._threads[ident] = Counter()
+        # Thread-local, not keyed by thread id: a finished thread's id is given to the next.
+        counter: Counts | None = getattr(self._local, "counter", None)
+        if counter is None:
+            counter = self._local.counter = Counter()
             self._counts.append((threading.current_thread().name, counter))
-            return counter
+        return counter
 
     def _mark(self) -> None:
         if self.closed.is_set() or side_of(threading.current_thread().name) != "client":
@@ -201,11 +200,10 @@ class BatchTracer:
         client, worker = (
             _side(name, sides.get(name, []), self._batches) for name in ("client", "worker")
         )
-        others = {
-            thread: sum(counter.values()) / self._batches
-            for thread, counter in self._counts
-            if side_of(thread) is None
-        }
+        others: dict[str, float] = {}
+        for thread, counter in self._counts:
+            if side_of(thread) is None:
+                others[thread] = others.get(thread, 0.0) + sum(counter.values()) / self._batches
         return PathTrace(broker, self._batches, client, worker, others)
 
 
