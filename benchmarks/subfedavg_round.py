@@ -7,7 +7,7 @@ them), E = 5 passes of batch 10 (250 steps), SGD lr 0.01 momentum 0.5, pruning 1
 and a local test set of 2,000 images, as in `examples/experiments/subfedavg-paper.toml`. Two
 cases: a pruning trial that is accepted (`acc_thresh = 0`) and one that is rejected
 (`acc_thresh = 1`). After the round the client measures its model on the local test set, as
-`services/client/client.py` does, unless the algorithm reported it (`personal_accuracy`).
+`services/client/runner.py` does, unless the algorithm reported it (`personal_accuracy`).
 Prints, per case, how many times the local test set was evaluated and the median and minimum
 CPU seconds (`time.process_time`) of the round and that measurement over the repeats (the
 first, warm-up round is left out), and the load average before and after.
