@@ -169,7 +169,8 @@ class Aggregator:
         outbox = Outbox(broker, self.job, self._log)
         version = ensure_initial_version(store, self._settings, self._strategy, self._log)
         members = self._member_book(store)
-        partial = self._strategy.partial_client_updates
+        server = self._strategy.server
+        partial = server is not None and server.partial_client_updates
         inbox = UpdateInbox(
             broker,
             outbox,

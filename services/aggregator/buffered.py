@@ -204,7 +204,7 @@ class BufferClock(Core):
         current = read_version(self.store, self.job, version)
         replicas: list[ShardReplica] = []
         taken: dict[int, FoldedCheckpoint] = {}
-        if self.strategy.splits and BlobRef(SERVER_PART) in current:
+        if self.strategy.server is not None and BlobRef(SERVER_PART) in current:
             replicas, taken = self._server.fresh(current[BlobRef(SERVER_PART)])
         blobs = fold(self.strategy, current, [b.stale for b in buffered], self._rule, replicas)
         updates = [b.stale.update for b in buffered]

@@ -206,7 +206,7 @@ class Core(ABC):
             update_bytes=stats.accepted_bytes - self._bytes_at,
             assignment_bytes=self.assignment_bytes,
             late_updates=stats.late - self._late_at,
-            personal_from_clients=self.strategy.personal_on_clients,
+            personal_from_clients=self.strategy.traits.personal_on_clients,
             strategy_metrics=own,
         )
         record.extra.update(extra or {})

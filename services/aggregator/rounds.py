@@ -156,7 +156,7 @@ class RoundClock(Core):
             s: RoundStart(self.job, "", new_message_id(), version, r, s, participants)
             for s, participants in cohort_shards(cohort).items()
         }
-        if self.strategy.splits and not self._to_shards(starts):
+        if self.strategy.server is not None and not self._to_shards(starts):
             return None
         # Refusals count per attempt: the ones before it belong to an earlier one.
         self.inbox.refusals.clear()
@@ -230,7 +230,7 @@ class RoundClock(Core):
     def _replicas(self, state: OpenRound) -> list[ShardReplica] | None:
         """RoundEnd behind the round's batches, then the replicas the shards' workers hand in
         for the round, in shard order, however long they take; None if stopped first."""
-        if not self.strategy.splits:
+        if self.strategy.server is None:
             return []
         pending = list(cohort_shards(state.cohort))
         ends = {

@@ -3,10 +3,11 @@
 An algorithm is one module holding a `StrategyBase` subclass, registered by the `algorithm`
 decorator with its name(s), its `[algorithm.<name>]` parameter section, whether it stays
 synchronous and how many server shards it runs (`services.algorithms.registry` finds it).
-The base class declares every trait and hook a role consults, typed and with its default, so
-a subclass overrides only what differs: the client's round, the aggregation, and for split
-algorithms the worker's step. The math lives in pure functions (`averaging`, `sfl.weighted_step`),
-unit-tested without a broker.
+The strategy is narrow: the client's round, the aggregation, a few hooks with defaults, its
+class-wide `Traits`, and for a split algorithm the workers' half as an object of its own
+(`ServerSide`: the server step and what the workers and the coordinator know of it). The math
+lives in pure functions (`averaging`, `sfl.weighted_step`), unit-tested without a broker;
+`services.testing` holds the contract every strategy must meet.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import ClassVar, Literal, Protocol, Self, TypeVar
+from typing import ClassVar, Literal, Protocol, Self, TypeVar, dataclass_transform
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -265,6 +266,7 @@ class AlgorithmSpec:
 S = TypeVar("S", bound="type[StrategyBase]")
 
 
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(field,))
 def algorithm(
     name: str,
     *,
@@ -275,98 +277,162 @@ def algorithm(
 ) -> Callable[[S], S]:
     """Register the decorated strategy class under `name` (stack it for several names).
 
-    It only records the spec on the class: the registry reads it when it imports the module,
-    so importing an algorithm has no effect beyond defining it."""
+    The class becomes a frozen keyword-only dataclass, as every strategy is (no `@dataclass`
+    needed; one written below `@algorithm` is kept, one above it fails). Registering only
+    records the spec on the class: the registry reads it when it imports the module, so
+    importing an algorithm has no effect beyond defining it. A subclass of a registered class
+    is not registered under its parent's names: it registers names of its own."""
 
     def register(cls: S) -> S:
+        as_strategy(cls)
         spec = AlgorithmSpec(name, cls, params, section or name, sync_only, shards)
-        cls.registrations = (*cls.__dict__.get("registrations", ()), spec)
+        cls._registrations = (*vars(cls).get("_registrations", ()), spec)
         return cls
 
     return register
 
 
+def as_strategy(cls: type) -> None:
+    """Make `cls` a frozen keyword-only dataclass if it is not one itself; `TypeError` for a
+    class that is no strategy, or one between it and `StrategyBase` declaring fields without
+    being a dataclass (they would silently be class attributes)."""
+    if not issubclass(cls, StrategyBase):
+        raise TypeError(f"@algorithm registers StrategyBase subclasses, not {cls.__qualname__}")
+    if "__dataclass_params__" not in vars(cls):
+        dataclass(frozen=True, kw_only=True)(cls)
+    for klass in cls.__mro__[1 : cls.__mro__.index(StrategyBase)]:
+        declared = vars(klass).get("__annotations__", {})
+        fields = [n for n, a in declared.items() if not str(a).startswith(_CLASS_VARS)]
+        if fields and "__dataclass_params__" not in vars(klass):
+            raise TypeError(
+                f"{klass.__qualname__} declares fields {fields} but is no dataclass: decorate "
+                "it with @dataclass(frozen=True, kw_only=True), as every strategy is"
+            )
+
+
+_CLASS_VARS = ("ClassVar", "typing.ClassVar")
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the roles consult of an algorithm before building it, the same for every instance
+    of its class (`StrategyBase.traits`)."""
+
+    # The personalised models live only on the clients (FedDeper's v_k): the run's personalised
+    # accuracy is the mean of their `metrics["personal_accuracy"]`, not the aggregator's
+    # evaluation of published blobs.
+    personal_on_clients: bool = False
+    # It trains auxiliary heads at the cuts (SplitGP, FedSplitX): the job's model has them
+    # (`services.common.jobmodel`), version 1 holds them as `aux/global`; others get none.
+    uses_heads: bool = False
+    # The run's algorithm.png: panel title -> fnmatch patterns of the version records' `extra`
+    # series (fractions, drawn in %) the algorithm reports of its own (none: no figure).
+    report_plots: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # The client optimizers (lower-case torch.optim names) its update rule is written for;
+    # None: any. The config refuses another at load time (docs/training.md).
+    client_optimizers: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class ServerSide:
+    """The workers' half of a split algorithm (`StrategyBase.server`): the step they take on
+    smashed data, and what the workers, the coordinator and the config know of it. A subclass
+    overrides `step`, and `forward` for a U-shaped split."""
+
+    # The client blocks on a GradientReply after each SmashedBatch (False: local losses).
+    waits_for_gradient: bool = True
+    # One server step per step index over the whole cohort (MiniBatch-SFL): needs rounds.
+    barrier: bool = False
+    # It trains a U-shaped split (`model.tail`): the client's round uses the channel's
+    # forward/backward, the worker's step is `forward` then `ushape.backward_open`.
+    u_shaped: bool = False
+    # Workers answer InferRequests (SplitGP's split inference, `workers.inference`).
+    split_inference: bool = False
+    # The depth level of a client that declares no capability (FedSplitX's levels).
+    default_level: int = 1
+    # A client uploads only part of `client/global` (FedSplitX: up to its level).
+    partial_client_updates: bool = False
+
+    def step(
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
+    ) -> StepResults:
+        """One server step with the job's `loss`; per batch (dL/dz, loss, correct) in input
+        order (an empty dL/dz where the client waits for none)."""
+        raise NotImplementedError(f"{type(self).__qualname__}.step")
+
+    def forward(
+        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
+    ) -> OpenStep:
+        """A U-shaped step's forward over a step's batches (`weights`: the worker's p_n, or
+        the rows); the default refuses, for a server side without a U-shaped split."""
+        raise RuntimeError(f"{type(self).__qualname__} has no U-shaped split: unset model.tail")
+
+    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
+        """The cuts smashed data may come from, shallow to deep (FedSplitX: its levels). The
+        worker's replica starts at the first; the coordinator assigns clients among them."""
+        return (cut,)
+
+    def cut_label(self, cut: str) -> str:
+        """Where the model is split, as the run's banner says it (`cut`: the job's)."""
+        return cut
+
+
 @dataclass(frozen=True, kw_only=True)
 class StrategyBase:
-    """One algorithm: traits the roles consult, the client's round, the worker's step and the
-    aggregation. Every optional hook is here with its default; override what differs."""
+    """One algorithm: the client's round, the aggregation and, for a split algorithm, the
+    workers' half as its own object. Every hook has its default; override what differs.
+
+    Its members, all of them (`tests/unit/test_strategy_shape.py` holds it to at most 12):
+    `name`, `defences` and `traits` (data); `server` (the workers' half, None: no split);
+    `create`, `for_model`, `initial_weights`, `client_round`, `smashed`, `aggregate`,
+    `personal_metrics` and `async_refusal` (hooks). The registrations `algorithm` records
+    stay private to the registry.
+    """
 
     name: str = ""
     # What the client does to its smashed data before sending it (off by default).
     defences: Defences = field(default_factory=Defences)
+    traits: ClassVar[Traits] = Traits()
     # The specs `algorithm` recorded on this very class (not inherited: see the registry).
-    registrations: ClassVar[tuple[AlgorithmSpec, ...]] = ()
+    _registrations: ClassVar[tuple[AlgorithmSpec, ...]] = ()
+
+    @cached_property
+    def server(self) -> ServerSide | None:
+        """The workers' half; None (the default) for an algorithm that does not split: the
+        whole model trains on the client and no smashed data travels."""
+        return None
 
     @classmethod
     def create(cls, name: str, params: Params | None) -> Self:
         """The strategy registered as `name`, from its validated parameter section."""
         return cls(name=name)
 
-    # --- traits ---------------------------------------------------------------------------
-    @property
-    def splits(self) -> bool:
-        """False for FedAvg-like algorithms: the whole model trains on the client."""
-        return True
-
-    @property
-    def waits_for_gradient(self) -> bool:
-        """The client blocks on a GradientReply after each SmashedBatch."""
-        return self.splits
-
-    # MiniBatch-SFL: the worker takes one step per step index over the whole cohort.
-    server_barrier: ClassVar[bool] = False
-    # The personalised models live only on the clients (FedDeper's v_k): the run's personalised
-    # accuracy is the mean of their `metrics["personal_accuracy"]`, not the aggregator's
-    # evaluation of published blobs.
-    personal_on_clients: ClassVar[bool] = False
-    # Workers answer InferRequests for this algorithm (SplitGP's split inference).
-    split_inference: ClassVar[bool] = False
-    # It trains auxiliary heads at the cuts (SplitGP, FedSplitX): the job's model has them
-    # (`services.common.jobmodel`), version 1 holds them as `aux/global`; others get none.
-    uses_heads: ClassVar[bool] = False
-    # The run's algorithm.png: panel title -> fnmatch patterns of the version records' `extra`
-    # series (fractions, drawn in %) the algorithm reports of its own (none: no figure).
-    report_plots: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
-    # It trains a U-shaped split (`model.tail`): the client's round uses the channel's
-    # forward/backward, the worker's step is `server_forward` then `ushape.backward_open`.
-    u_shaped: ClassVar[bool] = False
-    # The client optimizers (lower-case torch.optim names) its update rule is written for;
-    # None: any. The config refuses another at load time (docs/training.md).
-    client_optimizers: ClassVar[frozenset[str] | None] = None
-
-    @property
-    def partial_client_updates(self) -> bool:
-        """A client uploads only part of `client/global` (FedSplitX: up to its level)."""
-        return False
-
-    @property
-    def default_level(self) -> int:
-        """The depth level of a client that declares no capability (FedSplitX's levels)."""
-        return 1
+    def for_model(self, model: Callable[[], SplitNet], cut: str) -> Self:
+        """The strategy as the aggregator runs it, bound to what aggregation needs of the
+        model (FedSplitX: which blocks follow which cut); `model` is called only then."""
+        return self
 
     def async_refusal(self) -> str | None:
         """Why this strategy cannot run in `rounds.mode = "async"`; None when it can."""
-        if self.server_barrier:
+        if self.server is not None and self.server.barrier:
             return (
                 f"{self.name} takes one server step per step index over the whole cohort: "
                 "that barrier needs a cohort, i.e. rounds"
             )
         return None
 
-    # --- structure --------------------------------------------------------------------------
-    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
-        """The cuts smashed data may come from, shallow to deep (FedSplitX: its levels). The
-        worker's replica starts at the first; the coordinator assigns clients among them."""
-        return (cut,)
-
-    def for_model(self, model: Callable[[], SplitNet], cut: str) -> Self:
-        """The strategy as the aggregator runs it, bound to what aggregation needs of the
-        model (FedSplitX: which blocks follow which cut); `model` is called only then."""
-        return self
-
-    # --- roles ------------------------------------------------------------------------------
     def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        """Blobs of version 1, from a freshly seeded model: client, server and heads."""
+        """Blobs of version 1, from a freshly seeded model: client, server and heads for a
+        split algorithm, else the whole model as `client/global`."""
+        if self.server is None:
+            return {CLIENT: full_state(model)}
         out = {CLIENT: client_state(model, cut), SERVER: server_state(model, cut)}
         if model.heads:
             out[AUX] = head_state(model, model.cuts)
@@ -384,25 +450,6 @@ class StrategyBase:
         stream = d.generator(z.device, c.client, c.round, step) if d.noise_scale else None
         return d.apply(x, z, stream)
 
-    def server_step(
-        self,
-        server: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Sequence[CohortBatch],
-        *,
-        loss: LossFn = cross_entropy,
-    ) -> StepResults:
-        """One server step with the job's `loss`; per batch (dL/dz, loss, correct) in input
-        order. The default refuses: an algorithm that does not split gets no smashed data."""
-        raise RuntimeError(f"{self.name} has no server-side model: no smashed data should arrive")
-
-    def server_forward(
-        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
-    ) -> OpenStep:
-        """A U-shaped step's forward over a step's batches (`weights`: the worker's p_n, or
-        the rows); the default refuses, for strategies without a U-shaped split."""
-        raise RuntimeError(f"{self.name} has no U-shaped split: unset model.tail")
-
     def aggregate(
         self,
         previous: VersionWeights,
@@ -413,7 +460,6 @@ class StrategyBase:
         default (`average_round`)."""
         return average_round(previous, updates, replicas)
 
-    # --- report -----------------------------------------------------------------------------
     def personal_metrics(
         self,
         model: SplitNet,
@@ -426,6 +472,70 @@ class StrategyBase:
         (SplitGP: head, server and split-inference accuracy), on the test rows (x, y);
         `clients` maps each id to its classes, `model` is a scratch model."""
         return {}
+
+    # The old members, kept read-only until their last readers move (not counted above).
+    @property
+    def splits(self) -> bool:
+        # TEMP(issue 35): remove once workers/worker.py, services/client/client.py and
+        # services/runtime/roles.py read `strategy.server is not None`
+        return self.server is not None
+
+    @property
+    def waits_for_gradient(self) -> bool:
+        # TEMP(issue 35): remove once workers/shard.py reads `strategy.server.waits_for_gradient`
+        return self.server is not None and self.server.waits_for_gradient
+
+    @property
+    def server_barrier(self) -> bool:
+        # TEMP(issue 35): remove once workers/worker.py and workers/shard.py read
+        # `strategy.server is not None and strategy.server.barrier`
+        return self.server is not None and self.server.barrier
+
+    @property
+    def split_inference(self) -> bool:
+        # TEMP(issue 35): remove once workers/worker.py and services/cli/infer_cmd.py read
+        # `strategy.server is not None and strategy.server.split_inference`
+        return self.server is not None and self.server.split_inference
+
+    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
+        # TEMP(issue 35): remove once workers/worker.py reads `strategy.server.batch_cuts`
+        return (cut,) if self.server is None else self.server.batch_cuts(model, cut)
+
+    def server_step(
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
+    ) -> StepResults:
+        # TEMP(issue 35): remove once workers/shard.py reads `strategy.server.step` (and the
+        # benchmarks override a ServerSide's `step` instead of this)
+        if self.server is None:
+            raise RuntimeError(
+                f"{self.name} has no server-side model: no smashed data should arrive"
+            )
+        return self.server.step(server, optimizer, batches, loss=loss)
+
+    def server_forward(
+        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
+    ) -> OpenStep:
+        # TEMP(issue 35): remove once workers/shard.py reads `strategy.server.forward`
+        if self.server is None:
+            raise RuntimeError(f"{self.name} has no U-shaped split: unset model.tail")
+        return self.server.forward(server, zs, weights)
+
+
+# The members above that only forward to their new place (TEMP(issue 35): remove with them).
+TEMP_ALIASES = (
+    "splits",
+    "waits_for_gradient",
+    "server_barrier",
+    "split_inference",
+    "batch_cuts",
+    "server_step",
+    "server_forward",
+)
 
 
 def assign_level(capability: int, levels: int, default: int) -> int:
@@ -483,14 +593,3 @@ def average_round(
         [u.client_weights for u in updates], [u.samples for u in updates]
     )
     return average_replicas(out, replicas)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Unsplit(StrategyBase):
-    """Base of the algorithms that train the whole model on the client (FedAvg, FedDeper,
-    Standalone): no smashed data, the whole model travels as `client/global`."""
-
-    splits = False
-
-    def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        return {CLIENT: full_state(model)}

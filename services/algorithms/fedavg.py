@@ -3,12 +3,10 @@ aggregator takes `w = sum_k alpha_k w_k`. The whole model travels as the `client
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from services.algorithms.base import (
     LocalRound,
     RoundResult,
-    Unsplit,
+    StrategyBase,
     algorithm,
     block_parameters,
     full_state,
@@ -16,8 +14,7 @@ from services.algorithms.base import (
 
 
 @algorithm("fedavg", shards="one")
-@dataclass(frozen=True, kw_only=True)
-class FedAvg(Unsplit):
+class FedAvg(StrategyBase):
     name: str = "fedavg"
 
     def client_round(self, r: LocalRound) -> RoundResult:

@@ -36,7 +36,8 @@ from services.algorithms.base import (
     Params,
     RoundResult,
     State,
-    Unsplit,
+    StrategyBase,
+    Traits,
     algorithm,
     block_parameters,
     full_state,
@@ -147,14 +148,12 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 
 
 @algorithm("feddeper", params=FedDeperSection, shards="one")
-@dataclass(frozen=True, kw_only=True)
-class FedDeper(Unsplit):
+class FedDeper(StrategyBase):
     rule: DeperRule = field(default_factory=lambda: make_rule(FedDeperSection()))
     name: str = "feddeper"
-    personal_on_clients = True
     # Both rules are SGD steps on rewritten gradients (the paper's alternating SGD): an
     # adaptive optimizer would rescale the pull towards x and the drift correction.
-    client_optimizers = frozenset({"sgd"})
+    traits = Traits(personal_on_clients=True, client_optimizers=frozenset({"sgd"}))
 
     @classmethod
     def create(cls, name: str, params: Params | None) -> Self:

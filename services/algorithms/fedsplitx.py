@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal, Self
 
@@ -45,10 +46,12 @@ from services.algorithms.base import (
     LocalRound,
     Params,
     RoundResult,
+    ServerSide,
     ShardReplica,
     State,
     StepResults,
     StrategyBase,
+    Traits,
     VersionWeights,
     algorithm,
 )
@@ -184,15 +187,81 @@ class Structure:
     costs: tuple[LevelCost, ...]
 
 
+def level_cuts(
+    model: SplitNet, cut: str, cuts: tuple[str, ...], one_level: bool
+) -> tuple[str, ...]:
+    """The depth levels' cuts, shallow to deep: `cuts` (the model's when empty), or `cut`,
+    the job's, alone for local-loss SFL (`one_level`)."""
+    return check_levels(model, (cut,) if one_level else (cuts or model.cuts))
+
+
+@dataclass(frozen=True)
+class LevelServer(ServerSide):
+    """The replica of FedSplitX (and local-loss SFL): it trains each batch from the batch's own
+    level's cut on the server loss and sends no gradient back."""
+
+    waits_for_gradient: bool = False
+    cuts: tuple[str, ...] = ()
+    one_level: bool = False
+
+    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
+        return level_cuts(model, cut, self.cuts, self.one_level)
+
+    def cut_label(self, cut: str) -> str:
+        if self.one_level:
+            return cut
+        return f"levels {','.join(self.cuts) or 'at every cut'}"
+
+    def step(
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
+    ) -> StepResults:
+        """One step on the rows-weighted mean of the batches' server losses, each batch run
+        from its own cut; no gradient goes back."""
+        if not isinstance(server, ServerModel):
+            raise TypeError(f"FedSplitX's server trains a ServerModel, not {type(server).__name__}")
+        if not batches:
+            raise ValueError("no batches to train on")
+        device = next(server.parameters()).device
+        total = float(sum(int(b.labels.shape[0]) for b in batches))
+        heads = () if self.one_level else (self.cuts or None)  # None: every head of the replica
+        objective = torch.zeros((), device=device)
+        results: StepResults = []
+        for b in batches:
+            z = b.activations.detach().to(device=device, dtype=torch.float32)
+            y = b.labels.to(device=device, dtype=torch.long)
+            output, aux = server.forward_from(z, b.cut or server.cut, heads)
+            objective = objective + server_loss(list(aux.values()), output, y, loss) * (
+                int(y.shape[0]) / total
+            )
+            with torch.no_grad():
+                batch_loss = float(loss(output, y))
+                hits = int((output.argmax(dim=1) == y).sum())
+            # No gradient goes back: the client does not wait for one.
+            results.append((torch.empty(0), batch_loss, hits))
+        if not bool(torch.isfinite(objective.detach())):
+            # No step; the worker checks the reported losses, so a head's non-finite loss must
+            # show there too (it rolls the replica back and dead-letters the batches).
+            return [(g, float("nan"), c) for g, _, c in results]
+        optimizer.zero_grad(set_to_none=True)
+        objective.backward()
+        optimizer.step()
+        return results
+
+
 @algorithm("local_loss_sfl", params=FedSplitXSection, section="fedsplitx")
 @algorithm("fedsplitx", params=FedSplitXSection)
-@dataclass(frozen=True, kw_only=True)
 class FedSplitX(StrategyBase):
     name: str = "fedsplitx"
-    waits_for_gradient = False
-    uses_heads = True
     # `personal_metrics`: each level's client model (blocks up to c_m, head a_m) on its own.
-    report_plots = MappingProxyType({"client model per level": ("level*.client_accuracy",)})
+    traits = Traits(
+        uses_heads=True,
+        report_plots=MappingProxyType({"client model per level": ("level*.client_accuracy",)}),
+    )
     cuts: tuple[str, ...] = ()  # the partition points; (): the model's cuts
     one_level: bool = False  # local-loss SFL: the job's cut is the only level
     default_level: int = 1
@@ -213,19 +282,20 @@ class FedSplitX(StrategyBase):
             aggregation=params.aggregation,
         )
 
-    @property
-    def partial_client_updates(self) -> bool:
+    @cached_property
+    def server(self) -> ServerSide | None:
         # A client uploads only the blocks up to its own level (the aggregator's gate allows it).
-        return not self.one_level
+        return LevelServer(
+            cuts=self.cuts,
+            one_level=self.one_level,
+            default_level=self.default_level,
+            partial_client_updates=not self.one_level,
+        )
 
     # --- structure ----------------------------------------------------------------------------
-    def batch_cuts(self, model: SplitNet, cut: str) -> tuple[str, ...]:
-        """The depth levels' cuts, shallow to deep (`cut`, the job's, for local-loss SFL)."""
-        return check_levels(model, (cut,) if self.one_level else (self.cuts or model.cuts))
-
     def for_model(self, model: Callable[[], SplitNet], cut: str) -> Self:
         built = model()
-        levels = self.batch_cuts(built, cut)
+        levels = level_cuts(built, cut, self.cuts, self.one_level)
         structure = Structure(
             levels=levels,
             cut_index={c: built.cut_index(c) for c in built.cuts},
@@ -240,7 +310,7 @@ class FedSplitX(StrategyBase):
 
     # --- roles --------------------------------------------------------------------------------
     def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        levels = self.batch_cuts(model, cut)
+        levels = level_cuts(model, cut, self.cuts, self.one_level)
         return {
             CLIENT: client_state(model, levels[-1]),
             SERVER: {**server_state(model, levels[0]), **head_state(model, levels[1:])},
@@ -249,7 +319,7 @@ class FedSplitX(StrategyBase):
 
     def client_round(self, r: LocalRound) -> RoundResult:
         model, cut = r.model, r.cut
-        levels = self.batch_cuts(model, cut)
+        levels = level_cuts(model, cut, self.cuts, self.one_level)
         if cut not in levels:
             raise ValueError(f"{self.name}: cut {cut!r} is not one of the levels {levels}")
         own = levels[: levels.index(cut) + 1]
@@ -297,46 +367,6 @@ class FedSplitX(StrategyBase):
             aux_weights=head_state(model, own),
             metrics=metrics,
         )
-
-    def server_step(
-        self,
-        server: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Sequence[CohortBatch],
-        *,
-        loss: LossFn = cross_entropy,
-    ) -> StepResults:
-        """One step on the rows-weighted mean of the batches' server losses, each batch run
-        from its own cut; no gradient goes back."""
-        if not isinstance(server, ServerModel):
-            raise TypeError(f"{self.name} trains a ServerModel, got {type(server).__name__}")
-        if not batches:
-            raise ValueError("no batches to train on")
-        device = next(server.parameters()).device
-        total = float(sum(int(b.labels.shape[0]) for b in batches))
-        heads = () if self.one_level else (self.cuts or None)  # None: every head of the replica
-        objective = torch.zeros((), device=device)
-        results: StepResults = []
-        for b in batches:
-            z = b.activations.detach().to(device=device, dtype=torch.float32)
-            y = b.labels.to(device=device, dtype=torch.long)
-            output, aux = server.forward_from(z, b.cut or server.cut, heads)
-            objective = objective + server_loss(list(aux.values()), output, y, loss) * (
-                int(y.shape[0]) / total
-            )
-            with torch.no_grad():
-                batch_loss = float(loss(output, y))
-                hits = int((output.argmax(dim=1) == y).sum())
-            # No gradient goes back: the client does not wait for one.
-            results.append((torch.empty(0), batch_loss, hits))
-        if not bool(torch.isfinite(objective.detach())):
-            # No step; the worker checks the reported losses, so a head's non-finite loss must
-            # show there too (it rolls the replica back and dead-letters the batches).
-            return [(g, float("nan"), c) for g, _, c in results]
-        optimizer.zero_grad(set_to_none=True)
-        objective.backward()
-        optimizer.step()
-        return results
 
     def aggregate(
         self,

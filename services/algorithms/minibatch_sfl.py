@@ -9,23 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
-from services.algorithms.base import CohortBatch, OpenStep, StepResults, algorithm
+from services.algorithms.base import CohortBatch, OpenStep, ServerSide, StepResults, algorithm
 from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.sfl import SFL, weighted_step
 from services.algorithms.ushape import forward_open
 
 
-@algorithm("minibatch_sfl", sync_only=True, shards="one")
-@dataclass(frozen=True, kw_only=True)
-class MiniBatchSFL(SFL):
-    name: str = "minibatch_sfl"
-    server_barrier = True
+@dataclass(frozen=True)
+class MiniBatchServer(ServerSide):
+    """Equation (3): one step per step index over the cohort's batches, weighted by p_n."""
 
-    def server_step(
+    barrier: bool = True
+    u_shaped: bool = True
+
+    def step(
         self,
         server: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -42,8 +44,17 @@ class MiniBatchSFL(SFL):
             loss=loss,
         ).rows()
 
-    def server_forward(
+    def forward(
         self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
     ) -> OpenStep:
         """Equation (3)'s forward: one per client's batch, weighted by p_n."""
         return forward_open(server, zs, weights, concat=False)
+
+
+@algorithm("minibatch_sfl", sync_only=True, shards="one")
+class MiniBatchSFL(SFL):
+    name: str = "minibatch_sfl"
+
+    @cached_property
+    def server(self) -> ServerSide | None:
+        return MiniBatchServer()

@@ -58,7 +58,7 @@ def specs_in(source: object) -> list[AlgorithmSpec]:
     else:
         raise TypeError(f"expected a module or a strategy class, got {source!r}")
     return [
-        s for c in classes if issubclass(c, StrategyBase) for s in vars(c).get("registrations", ())
+        s for c in classes if issubclass(c, StrategyBase) for s in vars(c).get("_registrations", ())
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from services.algorithms.base import (
     LocalRound,
     OpenStep,
     RoundResult,
+    ServerSide,
     StepResults,
     StrategyBase,
     algorithm,
@@ -125,15 +127,44 @@ def rows_step(
     ).rows()
 
 
+@dataclass(frozen=True)
+class SFLServer(ServerSide):
+    """SFL's workers: one rows-weighted step over a few folded messages (`rows_step`), and the
+    U-shaped forward over one concatenated batch. `loss_scale` scales the step and the
+    gradients (SplitGP's `1 - gamma`)."""
+
+    loss_scale: float = 1.0
+
+    def step(
+        self,
+        server: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Sequence[CohortBatch],
+        *,
+        loss: LossFn = cross_entropy,
+    ) -> StepResults:
+        return rows_step(server, optimizer, batches, loss_scale=self.loss_scale, loss=loss)
+
+    def forward(
+        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
+    ) -> OpenStep:
+        """Rows-weighted over one concatenated forward, as `rows_step`."""
+        if not self.u_shaped:
+            return super().forward(server, zs, weights)
+        return forward_open(server, zs, [float(z.shape[0]) for z in zs], concat=True)
+
+
 @algorithm("sfl_v1", shards="per_client")
 @algorithm("sfl_v2", shards="one")
 @algorithm("sfl")
-@dataclass(frozen=True, kw_only=True)
 class SFL(StrategyBase):
     """SFL-V1 / SFL-V2 / sharded SFL; a worker may fold queued messages into one step."""
 
     name: str = "sfl"
-    u_shaped = True
+
+    @cached_property
+    def server(self) -> ServerSide | None:
+        return SFLServer(u_shaped=True)
 
     def client_round(self, r: LocalRound) -> RoundResult:
         """Plain split training of the client side: every step waits for the server's dL/dz
@@ -152,19 +183,3 @@ class SFL(StrategyBase):
             optimizer.step()
             samples += int(y.shape[0])
         return RoundResult(client_state(r.model, r.cut), metrics={"train_samples": float(samples)})
-
-    def server_step(
-        self,
-        server: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Sequence[CohortBatch],
-        *,
-        loss: LossFn = cross_entropy,
-    ) -> StepResults:
-        return rows_step(server, optimizer, batches, loss=loss)
-
-    def server_forward(
-        self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
-    ) -> OpenStep:
-        """Rows-weighted over one concatenated forward, as `rows_step`."""
-        return forward_open(server, zs, [float(z.shape[0]) for z in zs], concat=True)

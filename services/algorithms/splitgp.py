@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 from typing import Self
 
 import torch
 from pydantic import Field
-from torch import nn
 from torch.nn import functional as F
 
 from broker.store import AUX_PART, CLIENT_PART, BlobRef
@@ -39,21 +39,21 @@ from services.algorithms.base import (
     AUX,
     CLIENT,
     ClientUpdate,
-    CohortBatch,
     LocalRound,
     Params,
     RoundResult,
+    ServerSide,
     ShardReplica,
     State,
-    StepResults,
     StrategyBase,
+    Traits,
     VersionWeights,
     algorithm,
     average_replicas,
     full_model_weights,
 )
 from services.algorithms.recipe import LossFn, cross_entropy
-from services.algorithms.sfl import rows_step
+from services.algorithms.sfl import SFLServer
 
 
 class SplitGPSection(Params):
@@ -324,24 +324,30 @@ def personalise(
 
 
 @algorithm("splitgp", params=SplitGPSection)
-@dataclass(frozen=True, kw_only=True)
 class SplitGP(StrategyBase):
     gamma: float = 0.5
     lam: float = 0.2
     entropy_threshold: float = 0.5
     sweep: tuple[float, ...] = SWEEP_THRESHOLDS
     name: str = "splitgp"
-    # Workers answer InferRequests with theta (`workers.inference`).
-    split_inference = True
-    uses_heads = True
     # `personal_metrics` per test-row kind: local classes, out of distribution, all.
-    report_plots = MappingProxyType(
-        {
-            "split inference accuracy": ("splitgp.split_*",),
-            "client head alone": ("splitgp.head_*",),
-            "rows offloaded to the server": ("splitgp.offload_*",),
-        }
+    traits = Traits(
+        uses_heads=True,
+        report_plots=MappingProxyType(
+            {
+                "split inference accuracy": ("splitgp.split_*",),
+                "client head alone": ("splitgp.head_*",),
+                "rows offloaded to the server": ("splitgp.offload_*",),
+            }
+        ),
     )
+
+    @cached_property
+    def server(self) -> ServerSide | None:
+        # Eq. (8): `theta <- theta - eta * (1-gamma) * grad l_S`, and each batch's
+        # `(1-gamma) * dl_S/dz` for its client; folded batches as in SFL's fold. Workers
+        # answer InferRequests with theta (`workers.inference`).
+        return SFLServer(loss_scale=1.0 - self.gamma, split_inference=True)
 
     @classmethod
     def create(cls, name: str, params: Params | None) -> Self:
@@ -380,18 +386,6 @@ class SplitGP(StrategyBase):
         return RoundResult(
             client_state(model, cut), aux_weights=head_state(model, [cut]), metrics=metrics
         )
-
-    def server_step(
-        self,
-        server: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Sequence[CohortBatch],
-        *,
-        loss: LossFn = cross_entropy,
-    ) -> StepResults:
-        # Eq. (8): `theta <- theta - eta * (1-gamma) * grad l_S`, and each batch's
-        # `(1-gamma) * dl_S/dz` for its client; folded batches as in SFL's fold.
-        return rows_step(server, optimizer, batches, loss_scale=1.0 - self.gamma, loss=loss)
 
     def aggregate(
         self,

@@ -7,7 +7,6 @@ from its own weights whenever it is sampled again (until then: the seeded initia
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from broker.store import CLIENT_PART, BlobRef
 from services.algorithms.base import ClientUpdate, ShardReplica, VersionWeights, algorithm
@@ -15,7 +14,6 @@ from services.algorithms.fedavg import FedAvg
 
 
 @algorithm("standalone")
-@dataclass(frozen=True, kw_only=True)
 class Standalone(FedAvg):
     name: str = "standalone"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Self
 
 import torch
@@ -27,20 +28,18 @@ from pydantic import Field
 from torch import nn
 
 from broker.store import CLIENT_PART, GLOBAL_OWNER, BlobRef
-from models.split import SplitNet
 from models.state import client_state
 from services.algorithms.averaging import normalised, weighted_average
 from services.algorithms.base import (
     CLIENT,
     ClientUpdate,
-    CohortBatch,
     LocalRound,
     Params,
     RoundResult,
+    ServerSide,
     ShardReplica,
     SmashedChannel,
     State,
-    StepResults,
     StrategyBase,
     VersionWeights,
     algorithm,
@@ -63,8 +62,7 @@ from services.algorithms.pruning import (
     percentile_mask,
     step_percent,
 )
-from services.algorithms.recipe import LossFn, cross_entropy
-from services.algorithms.sfl import rows_step
+from services.algorithms.sfl import SFLServer
 
 WEIGHT_KEY = "subfedavg.weights."  # + weight name: the |w| masks in ClientContext.memory
 CHANNEL_KEY = "subfedavg.channels."  # + BN module name: the hybrid's channel masks
@@ -148,7 +146,6 @@ class Trial:
 
 
 @algorithm("subfedavg", params=SubFedAvgSection)
-@dataclass(frozen=True, kw_only=True)
 class SubFedAvg(StrategyBase):
     config: SubFedAvgSection = field(default_factory=SubFedAvgSection)
     name: str = "subfedavg"
@@ -158,17 +155,19 @@ class SubFedAvg(StrategyBase):
         assert isinstance(params, SubFedAvgSection)
         return cls(config=params, name=name)
 
-    @property
-    def splits(self) -> bool:
-        return self.config.scope == "client"
+    @cached_property
+    def server(self) -> ServerSide | None:
+        """Scope "client": the server side trains as in SFL; "full": no split."""
+        return SFLServer() if self.config.scope == "client" else None
 
-    def initial_weights(self, model: SplitNet, cut: str) -> VersionWeights:
-        return super().initial_weights(model, cut) if self.splits else {CLIENT: full_state(model)}
+    @property
+    def _splits(self) -> bool:
+        return self.server is not None
 
     # --- client ---------------------------------------------------------------------------
     def client_round(self, r: LocalRound) -> RoundResult:
         model, cut = r.model, r.cut
-        last = len(model.blocks) if not self.splits else model.cut_index(cut) + 1
+        last = len(model.blocks) if not self._splits else model.cut_index(cut) + 1
         layout = build_layout(model, self.config.mode, range(last))
         current = MaskSet.recall(r.context.memory, layout)
         masks = current.elements(layout)
@@ -191,7 +190,7 @@ class SubFedAvg(StrategyBase):
         trial = self._adopt(r, layout, current, early or current, late)
         trial.masks.remember(r.context.memory)
         final = trial.masks.elements(layout)
-        weights = client_state(model, cut) if self.splits else full_state(model)
+        weights = client_state(model, cut) if self._splits else full_state(model)
         return RoundResult(
             {n: t.detach().clone() for n, t in weights.items()},
             masks={n: m.clone() for n, m in final.items()},
@@ -199,7 +198,7 @@ class SubFedAvg(StrategyBase):
         )
 
     def _backward(self, r: LocalRound, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        if not self.splits:
+        if not self._splits:
             r.hyper.loss(r.model(x), y).backward()
             return
         smashed = self.smashed(r, x, r.model.client_blocks(r.cut)(x), step)
@@ -236,7 +235,9 @@ class SubFedAvg(StrategyBase):
         measured: list[float] = []  # the last trial's accuracy, while its model stands
 
         def accuracy() -> float:
-            value = reported_accuracy(r.channel) if self.splits else r.context.local_accuracy(model)
+            value = (
+                reported_accuracy(r.channel) if self._splits else r.context.local_accuracy(model)
+            )
             measured[:] = [value]
             return value
 
@@ -267,7 +268,7 @@ class SubFedAvg(StrategyBase):
                 if self._trial(model, candidate.elements(layout), rule, accuracy):
                     chosen, adopted, known = candidate, adopted + 1, measured[0]
         # A rejected trial restores the model it found, so `known` still describes it.
-        return Trial(chosen, distance, adopted, channel_distance, None if self.splits else known)
+        return Trial(chosen, distance, adopted, channel_distance, None if self._splits else known)
 
     @staticmethod
     def _trial(
@@ -301,26 +302,13 @@ class SubFedAvg(StrategyBase):
             kept = sum(int(m.sum()) for m in trial.masks.channels.values())
             metrics["channel_distance"] = trial.channel_distance
             metrics["report.channel_reduction"] = 1.0 - kept / total
-        if not self.splits:
+        if not self._splits:
             # The client's own model after its round: the paper's personalised metric
             # (`personal_accuracy`, which the client would otherwise measure again) and the
             # cohort's per-client column.
             accuracy = r.context.local_accuracy(model) if trial.accuracy is None else trial.accuracy
             metrics["personal_accuracy"] = metrics["report.local_accuracy"] = accuracy
         return metrics
-
-    # --- worker -----------------------------------------------------------------------------
-    def server_step(
-        self,
-        server: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Sequence[CohortBatch],
-        *,
-        loss: LossFn = cross_entropy,
-    ) -> StepResults:
-        if not self.splits:
-            return super().server_step(server, optimizer, batches, loss=loss)
-        return rows_step(server, optimizer, batches, loss=loss)  # SFL's
 
     # --- aggregator -------------------------------------------------------------------------
     def aggregate(
@@ -347,7 +335,7 @@ class SubFedAvg(StrategyBase):
         out[CLIENT] = merged
         for u in updates:
             out[BlobRef(CLIENT_PART, u.client)] = masked_state(merged, u.masks)
-        return average_replicas(out, replicas) if self.splits else out
+        return average_replicas(out, replicas) if self._splits else out
 
 
 def reported_accuracy(channel: SmashedChannel) -> float:

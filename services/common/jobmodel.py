@@ -38,7 +38,7 @@ def job_model(settings: Settings, *, seed: int | None = None) -> SplitNet:
             settings.model.name,
             num_classes=settings.model.num_classes,
             input_shape=shape,
-            heads=REGISTRY.get(settings.algorithm.name).strategy.uses_heads,
+            heads=REGISTRY.get(settings.algorithm.name).strategy.traits.uses_heads,
             **settings.model.options,
         )
     model.set_tail(settings.model.tail, settings.model.cut)

@@ -490,7 +490,7 @@ class JobConfig(_Section):
         from services.algorithms.recipe import check_recipe
 
         check_recipe(self.optimizer, self.schedule, self.loss)
-        wanted = REGISTRY.get(self.algorithm.name).strategy.client_optimizers
+        wanted = REGISTRY.get(self.algorithm.name).strategy.traits.client_optimizers
         chosen = self.optimizer.client_side
         if wanted is not None and chosen is not None and chosen.name.lower() not in wanted:
             raise ValueError(
@@ -500,8 +500,8 @@ class JobConfig(_Section):
             )
 
     def _u_shaped_supported(self) -> None:
-        strategy = REGISTRY.get(self.algorithm.name).strategy
-        if not strategy.u_shaped:
+        server = REGISTRY.build(self.algorithm.name, self.algorithm.params()).server
+        if server is None or not server.u_shaped:
             raise ValueError(
                 f"model.tail = {self.model.tail!r}: algorithm {self.algorithm.name} has no "
                 "U-shaped split (sfl, sfl_v1, sfl_v2 and minibatch_sfl have); unset model.tail"

@@ -104,13 +104,17 @@ class LevelDesk:
     @cached_property
     def cuts(self) -> tuple[str, ...]:
         """The job's level cuts, shallow to deep (the model is built once)."""
-        settings = self._settings
-        return self._strategy.batch_cuts(job_model(settings), settings.model.cut)
+        settings, server = self._settings, self._strategy.server
+        if server is None:  # no split: the job's cut stands for the one level
+            return (settings.model.cut,)
+        return server.batch_cuts(job_model(settings), settings.model.cut)
 
     def cut(self, capability: int, partition: int) -> str:
         """The cut of the 1-based level of a client declaring `capability` with `partition`."""
         declared = capability or self._settings.clients.declared_capability(partition)
-        level = assign_level(declared, len(self.cuts), self._strategy.default_level)
+        server = self._strategy.server
+        default = 1 if server is None else server.default_level
+        level = assign_level(declared, len(self.cuts), default)
         return self.cuts[level - 1]
 
 

@@ -109,7 +109,9 @@ def final_eval(settings: Settings, dataset: Dataset, blobs: VersionWeights) -> d
     that cut's head) on the whole test set, keyed by the cut."""
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
     model: SplitNet = job_model(settings)
-    cuts = strategy.batch_cuts(model, settings.model.cut)
+    if strategy.server is None:
+        raise ValueError(f"{strategy.name} does not split: it has no levels to evaluate")
+    cuts = strategy.server.batch_cuts(model, settings.model.cut)
     bound = strategy.for_model(lambda: model, settings.model.cut)
     test = dataset.test
     levels = bound.personal_metrics(model, blobs, test.x, test.y, {})

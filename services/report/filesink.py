@@ -52,7 +52,7 @@ def read_records(run_dir: Path) -> tuple[dict[str, Any], list[VersionRecord]]:
 def plot_spec(settings: Settings) -> PlotSpec | None:
     """The plots a run of `settings` draws (None: none)."""
     report = settings.report
-    own = REGISTRY.get(settings.algorithm.name).strategy.report_plots
+    own = REGISTRY.get(settings.algorithm.name).strategy.traits.report_plots
     return PlotSpec(report.plot_formats, own) if report.plots else None
 
 

@@ -30,7 +30,7 @@ STALENESS_PNG = "staleness.png"
 @dataclass(frozen=True)
 class PlotSpec:
     """Which run plots to write: the file formats, and the algorithm's own panels (title ->
-    patterns of `extra` series; `StrategyBase.report_plots`)."""
+    patterns of `extra` series; `Traits.report_plots`)."""
 
     formats: Sequence[str] = ("png",)
     algorithm: Mapping[str, Sequence[str]] = field(default_factory=dict)
@@ -238,7 +238,7 @@ def write_plots(
     algorithm_plots: Mapping[str, Sequence[str]] | None = None,
 ) -> list[Path]:
     """The plots that have data, in each of `formats` (the PNG's path listed); an empty run
-    has none. `algorithm_plots` are the algorithm's own panels (`StrategyBase.report_plots`):
+    has none. `algorithm_plots` are the algorithm's own panels (`Traits.report_plots`):
     title -> patterns of the `extra` series drawn in it, into algorithm.png."""
     if not records:
         return []

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from services.algorithms.fedsplitx import FedSplitXSection
 from services.algorithms.registry import build_strategy
 from services.config.root import Settings
 from services.config.runtime import usable_cores
@@ -32,11 +31,8 @@ SOURCE_TREE = Path(__file__).resolve().parents[2]
 def cut_label(settings: Settings) -> str:
     """Where the model is split, as the banner shows it; empty when the algorithm doesn't split."""
     algorithm = settings.algorithm
-    if not build_strategy(algorithm.name, algorithm.params()).splits:
-        return ""
-    if algorithm.name == "fedsplitx":
-        return f"levels {algorithm.section(FedSplitXSection).cuts or 'at every cut'}"
-    return settings.model.cut
+    server = build_strategy(algorithm.name, algorithm.params()).server
+    return "" if server is None else server.cut_label(settings.model.cut)
 
 
 @dataclass(frozen=True)

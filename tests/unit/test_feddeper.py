@@ -107,7 +107,7 @@ def test_registry_builds_feddeper_with_validated_params() -> None:
     strategy = build_strategy("feddeper", {"rho": 0.3, "lam": 0.25, "rule": "proximal"})
     assert isinstance(strategy, FedDeper)
     assert strategy.rule == ProximalRule(rho=0.3, lam=0.25)
-    assert not strategy.splits and not strategy.waits_for_gradient
+    assert strategy.server is None
     defaults = build_strategy("feddeper")
     assert isinstance(defaults, FedDeper) and defaults.rule == ProximalRule(rho=0.1, lam=0.5)
     for bad in ({"rho": -1.0}, {"rule": "alternating"}, {"mu": 1.0}):
@@ -116,8 +116,8 @@ def test_registry_builds_feddeper_with_validated_params() -> None:
 
 
 def test_only_feddeper_takes_its_personal_accuracy_from_the_clients() -> None:
-    assert FedDeper().personal_on_clients
-    assert not FedAvg().personal_on_clients
+    assert FedDeper.traits.personal_on_clients
+    assert not FedAvg.traits.personal_on_clients
 
 
 # --- a client's round ------------------------------------------------------------------------

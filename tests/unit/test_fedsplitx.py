@@ -241,16 +241,22 @@ def batches(n: int, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_registry_builds_both_and_the_traits_say_local_loss() -> None:
     fsx = build_strategy("fedsplitx", {"cuts": "block1,block3", "default_level": 2})
     assert isinstance(fsx, FedSplitX) and fsx.cuts == ("block1", "block3")
-    assert not fsx.waits_for_gradient and fsx.splits and fsx.partial_client_updates
+    server = fsx.server
+    assert server is not None and not server.waits_for_gradient and server.partial_client_updates
     lls = build_strategy("local_loss_sfl", {})
     assert isinstance(lls, FedSplitX) and lls.name == "local_loss_sfl"
     model = cnn5()
-    assert fsx.batch_cuts(model, "block1") == ("block1", "block3")
-    assert build_strategy("fedsplitx", {}).batch_cuts(model, "block1") == CUTS
-    assert lls.batch_cuts(model, "block2") == ("block2",)
-    assert build_strategy("sfl_v2").batch_cuts(model, "block2") == ("block2",)
+    assert server.batch_cuts(model, "block1") == ("block1", "block3")
+    assert build_strategy("fedsplitx", {}).server.batch_cuts(model, "block1") == CUTS
+    assert lls.server.batch_cuts(model, "block2") == ("block2",)
+    # The level a client without a capability gets, whether uploads are partial, the banner.
+    assert server.default_level == 2 and not lls.server.partial_client_updates
+    assert server.cut_label("block1") == "levels block1,block3"
+    assert build_strategy("fedsplitx", {}).server.cut_label("block1") == "levels at every cut"
+    assert lls.server.cut_label("block2") == "block2"
+    assert build_strategy("sfl_v2").server.batch_cuts(model, "block2") == ("block2",)
     with pytest.raises(ValueError):
-        build_strategy("fedsplitx", {"cuts": "block3,block1"}).batch_cuts(model, "block1")
+        build_strategy("fedsplitx", {"cuts": "block3,block1"}).server.batch_cuts(model, "block1")
 
 
 def test_initial_blobs_cover_the_deepest_client_and_the_shallowest_server() -> None:
@@ -310,7 +316,7 @@ def test_server_step_trains_from_each_batchs_own_cut() -> None:
     optimizer = torch.optim.SGD(server.parameters(), lr=0.1)
     z = torch.randn(8, *model.cut_shape("block2"))
     y = torch.randint(0, 10, (8,))
-    results = FedSplitX().server_step(server, optimizer, [CohortBatch("c", z, y, cut="block2")])
+    results = FedSplitX().server.step(server, optimizer, [CohortBatch("c", z, y, cut="block2")])
     after = server.state_dict()
     changed = {n.split(".")[1] for n in after if not torch.equal(after[n], before[n])}
     # A level-2 batch trains block3, the classifier and a_3; not block2 nor a_2.
@@ -337,7 +343,7 @@ def test_local_loss_sfl_server_trains_no_heads() -> None:
     optimizer = torch.optim.SGD(server.parameters(), lr=0.1)
     z = torch.randn(8, *model.cut_shape("block1"))
     y = torch.randint(0, 10, (8,))
-    build_strategy("local_loss_sfl").server_step(server, optimizer, [CohortBatch("c", z, y)])
+    build_strategy("local_loss_sfl").server.step(server, optimizer, [CohortBatch("c", z, y)])
     after = server.state_dict()
     assert all(torch.equal(after[n], v) for n, v in heads_before.items())
 

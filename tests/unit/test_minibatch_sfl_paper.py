@@ -44,7 +44,7 @@ def test_server_step_is_equation_3_weighted_by_p_n() -> None:
     # Eq. (3), p = (1, 3): w_s - eta (1 [2, 0] + 3 [0, 4]) / 4 = [1, 2] - 0.1 [0.5, 3]
     # = [0.95, 1.7]. Weighting by rows (one each) would give [0.9, 1.8] instead.
     server, optimizer = linear_server()
-    rows = MiniBatchSFL().server_step(server, optimizer, two_clients(1.0, 3.0), loss=squared)
+    rows = MiniBatchSFL().server.step(server, optimizer, two_clients(1.0, 3.0), loss=squared)
     assert server.weight.detach().flatten().tolist() == pytest.approx([0.95, 1.7])
     grads = [g.flatten().tolist() for g, _, _ in rows]
     # Each client gets dh(w_s; z_n)/dz_n at the pre-update w_s = [1, 2], unweighted.
@@ -57,7 +57,7 @@ def test_sfl_v2_step_weights_the_batches_by_their_rows() -> None:
     # SFL-V2's step on the same two batches (folded): rows 1 and 1, p ignored:
     # [1, 2] - 0.1 ([2, 0] + [0, 4]) / 2 = [0.9, 1.8].
     server, optimizer = linear_server()
-    SFL().server_step(server, optimizer, two_clients(1.0, 3.0), loss=squared)
+    SFL().server.step(server, optimizer, two_clients(1.0, 3.0), loss=squared)
     assert server.weight.detach().flatten().tolist() == pytest.approx([0.9, 1.8])
 
 
@@ -71,7 +71,7 @@ def test_server_forward_is_per_client_batch() -> None:
         CohortBatch("c1", torch.tensor([[0.0], [2.0]]), torch.tensor([0, 0]), weight=1.0),
         CohortBatch("c2", torch.tensor([[10.0], [14.0]]), torch.tensor([0, 0]), weight=1.0),
     ]
-    MiniBatchSFL().server_step(server, optimizer, batches, loss=squared)
+    MiniBatchSFL().server.step(server, optimizer, batches, loss=squared)
     bn = server[0]
     assert isinstance(bn, nn.BatchNorm1d)
     assert bn.running_mean is not None

@@ -259,13 +259,15 @@ def test_an_algorithm_draws_its_own_series(tmp_path: Path) -> None:
 
     extra = {"splitgp.split_local": 0.8, "splitgp.split_ood": 0.4, "splitgp.head_local": 0.7}
     records = [dataclasses_replace(r, extra=extra) for r in RECORDS]
-    made = write_plots(tmp_path, records, algorithm_plots=SplitGP.report_plots)
+    made = write_plots(tmp_path, records, algorithm_plots=SplitGP.traits.report_plots)
     assert tmp_path / "algorithm.png" in made
     assert (tmp_path / "algorithm.png").read_bytes().startswith(PNG_MAGIC)
     from matplotlib.figure import Figure
 
     axes = Figure().add_subplot()
-    assert _algorithm_series(records, SplitGP.report_plots["split inference accuracy"])(axes, "")
+    assert _algorithm_series(records, SplitGP.traits.report_plots["split inference accuracy"])(
+        axes, ""
+    )
     assert sorted(line.get_label() for line in axes.lines) == [
         "splitgp.split_local",
         "splitgp.split_ood",

@@ -75,7 +75,7 @@ def test_params_are_validated_and_registered() -> None:
     assert build_strategy("splitgp") == SplitGP(gamma=0.5, lam=0.2, entropy_threshold=0.5)
     with pytest.raises(ValueError, match="gamma"):
         build_strategy("splitgp", {"gamma": 1.5})
-    assert strategy.split_inference and not SFL().split_inference
+    assert strategy.server.split_inference and not SFL().server.split_inference
 
 
 def test_gamma_zero_client_round_is_sfl_and_leaves_the_head_alone() -> None:
@@ -131,8 +131,8 @@ def test_server_step_is_sfl_step_scaled_by_one_minus_gamma() -> None:
     z = torch.randn(8, *model.cut_shape(CUT), generator=gen)
     y = torch.randint(0, 10, (8,), generator=gen)
     batch = [CohortBatch("c", z, y)]
-    ((grad, loss, correct),) = SplitGP(gamma=0.75).server_step(ours, opt_ours, batch)
-    ((sfl_grad, sfl_loss, sfl_correct),) = SFL().server_step(theirs, opt_theirs, batch)
+    ((grad, loss, correct),) = SplitGP(gamma=0.75).server.step(ours, opt_ours, batch)
+    ((sfl_grad, sfl_loss, sfl_correct),) = SFL().server.step(theirs, opt_theirs, batch)
     assert_close(grad, 0.25 * sfl_grad)
     assert loss == pytest.approx(sfl_loss) and correct == sfl_correct
     after_ours, after_theirs = dict(ours.named_parameters()), dict(theirs.named_parameters())

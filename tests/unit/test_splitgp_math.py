@@ -111,7 +111,7 @@ def test_server_gradient_and_theta_step_are_scaled_by_one_minus_gamma(gamma: flo
     server = linear_server()
     optimizer = torch.optim.SGD(server.parameters(), lr=0.1)
     z, y = torch.tensor([[2.0]]), torch.tensor([0])
-    [(grad, loss, _)] = SplitGP(gamma=gamma).server_step(
+    [(grad, loss, _)] = SplitGP(gamma=gamma).server.step(
         server, optimizer, [CohortBatch("a", z, y)]
     )
     s = 1.0 - gamma
@@ -132,7 +132,7 @@ def test_folded_batches_get_their_own_scaled_gradient_and_one_scaled_step() -> N
     zs = [torch.tensor([[2.0]]), torch.tensor([[1.0]])]
     ys = [torch.tensor([0]), torch.tensor([1])]
     batches = [CohortBatch("a", z, y) for z, y in zip(zs, ys, strict=True)]
-    results = SplitGP(gamma=0.5).server_step(server, optimizer, batches)
+    results = SplitGP(gamma=0.5).server.step(server, optimizer, batches)
     assert results[0][0].item() == pytest.approx(0.5 * 2 * Q, rel=1e-5)
     assert results[1][0].item() == pytest.approx(0.5 * 2 * (r - 1), rel=1e-5)
     mean_grad_w = [(-2 * Q + 1 - r) / 2, (2 * Q + r - 1) / 2]

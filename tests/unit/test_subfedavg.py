@@ -202,7 +202,7 @@ class ServerChannel:
 @pytest.mark.parametrize(("reported", "adopted"), [(0.9, 1.0), (0.3, 0.0)])
 def test_client_scope_prunes_only_the_client_side(reported: float, adopted: float) -> None:
     s = strategy(scope="client", acc_thresh=0.5)
-    assert s.splits and s.waits_for_gradient
+    assert s.server is not None and s.server.waits_for_gradient
     net = model()
     channel = ServerChannel(copy.deepcopy(net).server_blocks("block1"), Tally(reported))
     ctx = ClientContext("c1", 0)
@@ -260,12 +260,12 @@ def test_standalone_keeps_each_clients_model_and_averages_nothing() -> None:
     assert torch.equal(out[GLOBAL]["w"], torch.tensor([0.0]))
     assert torch.equal(out[BlobRef(CLIENT_PART, "a")]["w"], torch.tensor([1.0]))
     assert torch.equal(out[BlobRef(CLIENT_PART, "b")]["w"], torch.tensor([7.0]))
-    assert not Standalone().splits
+    assert Standalone().server is None
 
 
 def test_registry_builds_both_and_checks_the_params() -> None:
     s = build_strategy("subfedavg", {"mode": "hybrid", "scope": "client", "target": 0.7})
-    assert isinstance(s, SubFedAvg) and s.config.mode == "hybrid" and s.splits
+    assert isinstance(s, SubFedAvg) and s.config.mode == "hybrid" and s.server is not None
     assert build_strategy("standalone").name == "standalone"
     with pytest.raises(ValueError, match="prune_percent"):
         build_strategy("subfedavg", {"prune_percent": 1.5})
