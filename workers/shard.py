@@ -1,16 +1,12 @@
-"""Everything one held shard does with its deliveries, in the order of architecture step 5; its
-replies go out through `workers.replies`, and the checks of a message alone are
-`workers.shard_checks`. Deliveries stay unacked until a checkpoint covers them (design §7): a
-crash loses nothing, and the checkpoint's seqs make a redelivered batch apply once. A
-non-finite step has poisoned the replica: nothing is recorded or answered; it rolls back.
+"""Everything one held shard does with its deliveries, in the order of architecture step 5.
+Deliveries stay unacked until a checkpoint covers them (design §7): a crash loses nothing, and
+the checkpoint's seqs make a redelivered batch apply once. A non-finite step has poisoned the
+replica: nothing is recorded or answered; it rolls back.
 
-In a U-shaped job (`model.tail`) a step comes in two halves (docs/architecture.md, "U-shaped
-split"): a SmashedBatch (without labels) opens it, the forward's graph is kept and its output
-goes to the client as a ServerOutput; the client's TailGradient finishes it. One step is open at
-a time; batches arriving meanwhile wait in the fold or the barrier. An open step's deliveries
-stay unacked and a checkpoint taken while it is open holds the replica as before its forward
-(BatchNorm's running statistics included), so a crash in between redelivers the batch and its
-tail gradient and the step is applied once.
+The runner's parts: the checks of a message alone (`workers.shard_checks`), a client's credit
+and seq window (`workers.gate`), the step barrier (`workers.barrier`), a U-shaped job's open
+step (`workers.ushaped`) and the replies (`workers.replies`); what it reaches beyond its
+replica comes in a `ShardIO` (`workers.shard_io`).
 """
 
 from __future__ import annotations
@@ -18,32 +14,20 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 
 from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
-from broker.messages import (
-    RoundEnd,
-    RoundStart,
-    ServerOutput,
-    SmashedBatch,
-    TailGradient,
-    new_message_id,
-)
+from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
 from broker.tensors import all_finite
-from broker.topology import reply_routing_key
 from broker.transport import Delivery
-from models.state import load_partial
-from services.algorithms.base import CohortBatch, OpenStep, StepResults
+from services.algorithms.base import CohortBatch, StepResults
 from services.algorithms.staleness import TOO_STALE
-from services.algorithms.ushape import backward_open
 from services.common.leases import lease_name
 from workers.barrier import StepBarrier
 from workers.clock import Continuous
-from workers.gate import ClientGate, StepRule, copy_problem, reused
+from workers.gate import ClientGate, copy_problem, reused
 from workers.replica import Replica
 from workers.replies import answer
 from workers.shard_checks import (
@@ -56,75 +40,44 @@ from workers.shard_checks import (
     check_sender,
     parse_cohort,
 )
-
-if TYPE_CHECKING:
-    from workers.worker import WorkerSession
-
-# Tail gradients kept for a batch not forwarded yet (a queue's take-over may reorder the two).
-_ORPHANS = 64
+from workers.shard_io import Item, ShardIO
+from workers.ushaped import ForwardFailedError, UShapedStep
 
 
 class LeaseLostError(Exception):
     """Another worker holds this shard's lease now: drop the shard without checkpointing."""
 
 
-@dataclass(frozen=True)
-class Item:
-    """A valid batch waiting to be served, with the delivery to ack once it is checkpointed."""
-
-    delivery: Delivery
-    batch: SmashedBatch
-
-
-@dataclass(eq=False)
-class Open:
-    """A U-shaped step between its two messages (see the module doc)."""
-
-    items: list[Item]
-    step: OpenStep
-    replies: list[ServerOutput]  # per item: sent again for a copy of its batch
-    buffers: dict[str, torch.Tensor]  # the replica's buffers before the forward
-    deadline: float
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by item index
-    # By item index: the TailGradient's delivery (None: it was held on arrival, an orphan).
-    tails: dict[int, Delivery | None] = field(default_factory=dict)
-
-    def index(self, client: str, seq: int) -> int | None:
-        for at, item in enumerate(self.items):
-            if item.batch.client == client and item.batch.seq == seq:
-                return at
-        return None
-
-
 class ShardRunner:
+    """One held shard: its replica, the deliveries it holds unacked until a checkpoint, and
+    the batches it buffers (a fold, a step barrier, an open U-shaped step)."""
+
     def __init__(
         self,
         replica: Replica,
         want: ShardExpectations,
         continuous: Continuous | None,
-        session: WorkerSession,
+        io: ShardIO,
     ) -> None:
         """`continuous`: an async shard's clock; None in sync rounds (markers drive them)."""
         self.replica = replica
         self._want = want
         self._async = continuous
-        self._io = session
+        self._io = io
+        self._limits = limits = io.limits
         self._pending: list[Delivery] = []  # handled, waiting for a checkpoint to ack them
         self._pending_since = 0.0
         self._steps_since = 0
         self._dirty = False
         self._fold: list[Item] = []
-        workers = session.settings.workers
         self._barrier: StepBarrier[Item] | None = (
-            StepBarrier(workers.step_barrier_timeout_s) if session.strategy.server_barrier else None
+            StepBarrier(limits.step_timeout_s) if io.strategy.server_barrier else None
         )
         # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
-        self._send_grad = session.strategy.waits_for_gradient
-        self._open: Open | None = None  # U-shaped: the step waiting for tail gradients
-        self._orphans: OrderedDict[tuple[str, int], TailGradient] = OrderedDict()
-        a = session.settings.algorithm
-        rule = StepRule(a.batch_size, a.local_epochs, a.max_steps_per_round)
-        self._gate = ClientGate(rule, session.members, replica, by_version=continuous is not None)
+        self._send_grad = io.strategy.waits_for_gradient
+        # A U-shaped job's step between its halves; None in any other job.
+        self._ushaped = UShapedStep(io, self._hold) if want.u_shaped else None
+        self._gate = ClientGate(limits.rule, io.members, replica, by_version=continuous is not None)
 
     @property
     def shard(self) -> int:
@@ -132,16 +85,17 @@ class ShardRunner:
 
     def buffered(self) -> int:
         """Valid batches received but not applied yet (they go back to the queue on stop)."""
-        opened = len(self._open.items) if self._open is not None else 0
-        return len(self._fold) + (len(self._barrier) if self._barrier is not None else 0) + opened
+        barred = len(self._barrier) if self._barrier is not None else 0
+        opened = self._ushaped.held() if self._ushaped is not None else 0
+        return len(self._fold) + barred + opened
 
     def foldable(self) -> bool:
         """Batches wait in the fold and could be applied now (no U-shaped step is open)."""
-        return bool(self._fold) and self._open is None
+        return bool(self._fold) and not (self._ushaped is not None and self._ushaped.is_open)
 
     def deadline(self) -> float | None:
         times = [self._barrier.deadline() if self._barrier is not None else None]
-        times.append(self._open.deadline if self._open is not None else None)
+        times.append(self._ushaped.deadline() if self._ushaped is not None else None)
         return min((t for t in times if t is not None), default=None)
 
     # --- deliveries ---------------------------------------------------------------------------
@@ -178,7 +132,7 @@ class ShardRunner:
             self._step_barrier(force=False)
         else:
             self._fold.append(item)
-            if len(self._fold) >= io.settings.workers.batch_messages:
+            if len(self._fold) >= self._limits.batch_messages:
                 self.flush()
 
     def _taken_before(self, delivery: Delivery, batch: SmashedBatch) -> bool:
@@ -220,7 +174,7 @@ class ShardRunner:
     def on_tail(self, delivery: Delivery, message: TailGradient) -> None:
         """A client's dL/d(ServerOutput): finishes its open step (docs/architecture.md,
         "U-shaped split"); a copy of one applied already is answered as a batch's copy is."""
-        if not self._want.u_shaped:
+        if self._ushaped is None:
             detail = "a TailGradient in a job that is not U-shaped (model.tail is unset)"
             self._io.reject(delivery, "not_u_shaped", detail)
             return
@@ -228,39 +182,12 @@ class ShardRunner:
         if problem is not None:
             self._io.reject(delivery, *problem)
             return
-        client, seq = message.client, message.seq
-        if self.replica.applied_already(client, seq):
+        if self.replica.applied_already(message.client, message.seq):
             self._hold(delivery)
             self._answer_duplicate(message)
             return
-        at = self._open.index(client, seq) if self._open is not None else None
-        if at is None:
-            # Its batch is not forwarded here (yet): behind it after a take-over, or lost and
-            # to be republished by the client. Acked with the next checkpoint; if the batch
-            # never comes, the client's republish brings both again.
-            self._hold(delivery)
-            self._orphans[(client, seq)] = message
-            while len(self._orphans) > _ORPHANS:
-                self._orphans.popitem(last=False)
-            return
-        self._take_tail(at, delivery, message)
-        self._finish(force=False)
-
-    def _take_tail(self, at: int, delivery: Delivery | None, message: TailGradient) -> None:
-        step = self._open
-        assert step is not None
-        shape = list(step.replies[at].activations.shape)
-        if list(message.grad.shape) != shape:
-            detail = f"tail gradient of shape {list(message.grad.shape)} for an output of {shape}"
-            if delivery is not None:
-                self._io.reject(delivery, "bad_shape", detail)
-            return
-        older = step.tails.get(at)
-        if older is not None:  # a copy: the newer delivery is the one to ack with the step
-            self._io.stats.duplicates_skipped += 1
-            self._hold(older)
-        step.tails[at] = delivery
-        step.grads[at] = message.grad
+        if self._ushaped.take(delivery, message):
+            self._finish(force=False)
 
     def _stranger(self, client: str) -> Rejection | None:
         """Cohort members and clients already applied here are known without asking."""
@@ -314,9 +241,9 @@ class ShardRunner:
     # --- stepping -----------------------------------------------------------------------------
     def flush(self) -> None:
         """Apply folded batches now (the queue had nothing more to fold with them)."""
-        if self._fold and self._open is None:
+        if self._fold and not (self._ushaped is not None and self._ushaped.is_open):
             # At most one fold's worth: while a U-shaped step was open, more may have queued.
-            n = self._io.settings.workers.batch_messages
+            n = self._limits.batch_messages
             items, self._fold = self._fold[:n], self._fold[n:]
             self._apply(items)
 
@@ -331,25 +258,25 @@ class ShardRunner:
 
     def poll(self) -> None:
         """Time-driven work: a barrier or an open step past its timeout, a due checkpoint."""
-        if self._open is not None and self._io.clock() >= self._open.deadline:
+        if self._ushaped is not None and self._ushaped.due():
             self._finish(force=True)
         self._step_barrier(force=False)
-        workers = self._io.settings.workers
+        limits = self._limits
         if self._pending and (
-            self._steps_since >= workers.checkpoint_every_steps
-            or len(self._pending) >= self._io.pending_limit
-            or self._io.clock() - self._pending_since >= workers.checkpoint_every_s
+            self._steps_since >= limits.checkpoint_every_steps
+            or len(self._pending) >= limits.pending_limit
+            or self._io.clock() - self._pending_since >= limits.checkpoint_every_s
             or (self._async is not None and self._async.due())
         ):
             self.checkpoint()
 
     def _step_barrier(self, *, force: bool) -> None:
         barrier, replica = self._barrier, self.replica
-        if barrier is None or self._open is not None:
+        if barrier is None or (self._ushaped is not None and self._ushaped.is_open):
             return
         while (
             len(barrier)
-            and self._open is None
+            and not (self._ushaped is not None and self._ushaped.is_open)
             and (
                 force
                 or barrier.ready(replica.cohort, replica.progress)
@@ -363,8 +290,8 @@ class ShardRunner:
             self._apply(items)
 
     def _apply(self, items: list[Item]) -> None:
-        if self._want.u_shaped:
-            self._open_step(items)
+        if self._ushaped is not None:
+            self._open_step(self._ushaped, items)
             return
         io, replica = self._io, self.replica
         started = time.perf_counter()
@@ -381,7 +308,7 @@ class ShardRunner:
         ]
         try:
             results = io.strategy.server_step(
-                replica.server, replica.optimizer, batches, loss=io.hyper.loss
+                replica.server, replica.optimizer, batches, loss=io.loss
             )
         except Exception as exc:  # never let one step take the worker down
             self._step_failed("step", items, exc)
@@ -440,87 +367,37 @@ class ShardRunner:
         return float(batch.activations.shape[0])
 
     # --- U-shaped steps -----------------------------------------------------------------------
-    def _open_step(self, items: list[Item]) -> None:
-        """The forward half: the server's outputs go to the clients, the graph stays."""
-        io, server = self._io, self.replica.server
-        buffers = {n: b.detach().clone() for n, b in server.named_buffers()}
+    def _open_step(self, ushaped: UShapedStep, items: list[Item]) -> None:
+        """The forward half (`workers.ushaped`)."""
         try:
-            step = io.strategy.server_forward(
-                server,
-                [i.batch.activations for i in items],
-                [self._cohort_weight(i.batch) for i in items],
+            opened = ushaped.forward(
+                self.replica, items, [self._cohort_weight(i.batch) for i in items]
             )
-        except Exception as exc:  # never let one step take the worker down
-            load_partial(server, buffers)
-            self._step_failed("forward", items, exc)
+        except ForwardFailedError as failed:  # never let one step take the worker down
+            self._step_failed("forward", items, failed.cause)
             return
-        if not all(all_finite(out.detach()) for out in step.outputs):
+        if not opened:
             self._rollback(items)
             return
-        replies = [
-            ServerOutput(
-                job=i.batch.job,
-                client=i.batch.client,
-                message_id=new_message_id(),
-                version=self.replica.version,
-                seq=i.batch.seq,
-                activations=io.plane.host(out, i.batch.activations.dtype),
-            )
-            for i, out in zip(items, step.outputs, strict=True)
-        ]
-        deadline = io.clock() + io.settings.workers.step_barrier_timeout_s
-        self._open = Open(items, step, replies, buffers, deadline)
-        for at, (item, reply) in enumerate(zip(items, replies, strict=True)):
-            self._send_output(reply)
-            orphan = self._orphans.pop((item.batch.client, item.batch.seq), None)
-            if orphan is not None:
-                self._take_tail(at, None, orphan)
         self._finish(force=False)
-
-    def _send_output(self, reply: ServerOutput) -> None:
-        io = self._io
-        if io.replier.publish(reply, reply_routing_key(reply.job, reply.client), later=True):
-            io.stats.replies += 1
-        else:
-            io.stats.replies_undeliverable += 1
 
     def _finish(self, *, force: bool) -> None:
         """The backward half, once every batch's tail gradient is in (`force`: with those
         that are; a batch without one is answered "rejected", never applied)."""
-        step = self._open
-        if step is None or (len(step.grads) < len(step.items) and not force):
+        ushaped = self._ushaped
+        done = ushaped.backward(self.replica, force=force) if ushaped is not None else None
+        if ushaped is None or done is None:
             return
-        self._open = None
-        started = time.perf_counter()
-        grads = [step.grads.get(at) for at in range(len(step.items))]
-        present = [item for at, item in enumerate(step.items) if at in step.grads]
-        missing = [item for at, item in enumerate(step.items) if at not in step.grads]
-        results: list[torch.Tensor | None] = []
-        if present:
-            try:
-                results = backward_open(self.replica.optimizer, step.step, grads)
-            except Exception as exc:
-                self._say("server backward failed: %r", exc, level=logging.ERROR)
-                self._rollback(step.items)
-                return
-            if not all(all_finite(g) for g in results if g is not None):
-                self._rollback(present)
-                return
-        else:
-            load_partial(self.replica.server, step.buffers)  # as if never forwarded
-        for delivery in step.tails.values():
-            if delivery is not None:
-                self._hold(delivery)
-        if present:
-            dz = [(g, 0.0, 0) for g in results if g is not None]
-            self._answer_step(present, dz, started)
-        timeout = self._io.settings.workers.step_barrier_timeout_s
-        for item in missing:
-            self._hold(item.delivery)
-            reason = f"no tail gradient within {timeout:g} s: the step went on without it"
-            self._io.replier.send(answer(item.batch, self.replica.version, "rejected", reason))
+        if done.error is not None:
+            self._say("server backward failed: %r", done.error, level=logging.ERROR)
+        if done.poisoned:
+            self._rollback(done.poisoned)
+            return
+        if done.present:
+            self._answer_step(done.present, done.grads, done.started)
+        ushaped.turn_away(done.missing, self.replica.version)
         self._step_barrier(force=False)
-        if len(self._fold) >= self._io.settings.workers.batch_messages:
+        if len(self._fold) >= self._limits.batch_messages:
             self.flush()
 
     def _rollback(self, poisoned: list[Item]) -> None:
@@ -533,8 +410,9 @@ class ShardRunner:
         for item in poisoned:
             self._io.reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
         returned = len(self._pending) + self.buffered()
-        self._pending, self._fold, self._open = [], [], None
-        self._orphans.clear()
+        self._pending, self._fold = [], []
+        if self._ushaped is not None:
+            self._ushaped.clear()
         if self._barrier is not None:
             self._barrier.clear()
         io.redeliver(self.shard)
@@ -570,14 +448,13 @@ class ShardRunner:
         def renewed(item: Item) -> Item:
             return Item(delivery, item.batch)
 
-        step = self._open
-        at = step.index(batch.client, batch.seq) if step is not None else None
-        if step is not None and at is not None and same(step.items[at]):
+        ushaped = self._ushaped
+        opened = ushaped.item(batch.client, batch.seq) if ushaped is not None else None
+        if ushaped is not None and opened is not None and same(opened):
             # Its step is open: the client missed the ServerOutput (replies are transient).
             self._io.stats.duplicates_skipped += 1
-            self._hold(step.items[at].delivery)
-            step.items[at] = renewed(step.items[at])
-            self._send_output(replace(step.replies[at], message_id=new_message_id()))
+            self._hold(opened.delivery)
+            ushaped.resend(delivery, batch)
             return True
 
         older = self._barrier.replace(same, renewed) if self._barrier is not None else None
@@ -631,12 +508,12 @@ class ShardRunner:
         if not (force or self._dirty or self._pending):
             return
         io = self._io
-        if not io.keeper.renew(self.shard):
+        if not io.renew(self.shard):
             raise LeaseLostError(f"shard {self.shard}: lease taken over")
         holder = (lease_name(self.shard), io.worker_id)
         try:
             # An open U-shaped step is not in the checkpoint: the replica as before its forward.
-            buffers = self._open.buffers if self._open is not None else None
+            buffers = self._ushaped.buffers() if self._ushaped is not None else None
             saved = self.replica.checkpoint(buffers) if self._async is None else self._async.save()
             io.store.save_checkpoint(self._want.job, saved, holder=holder)
         except LeaseNotHeldError as exc:
@@ -647,12 +524,12 @@ class ShardRunner:
             self._async.saved(saved)
         # The save may have waited out a store outage during which the lease expired and
         # another worker loaded the older checkpoint: acking now would lose these batches.
-        if not io.keeper.renew(self.shard):
+        if not io.renew(self.shard):
             raise LeaseLostError(f"shard {self.shard}: lease lost while saving the checkpoint")
         io.stats.checkpoints += 1
         for delivery in self._pending:
             try:
-                io.broker.ack(delivery)
+                io.ack(delivery)
             except StaleDeliveryError:
                 io.stats.stale_acks += 1  # redelivered later, then skipped as a duplicate
         self._pending.clear()

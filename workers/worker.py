@@ -33,13 +33,14 @@ from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
 from workers.device_io import Arrival, DevicePlane, Inbox, prefetches
-from workers.gate import Surplus
+from workers.gate import StepRule, Surplus
 from workers.inference import InferenceServer
 from workers.members import MemberCache
 from workers.replica import Replica, open_replica, pick_device
 from workers.replies import Replier
 from workers.shard import LeaseLostError, ShardRunner
 from workers.shard_checks import ShardExpectations
+from workers.shard_io import ShardIO, ShardLimits
 from workers.stats import WorkerStats
 
 
@@ -166,6 +167,38 @@ class WorkerSession:
         self.surplus = Surplus(size=max(1, self.prefetch // 2), clock=self.clock)
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
+        self.shard_io = self._shard_io()
+
+    def _shard_io(self) -> ShardIO:
+        """What this session's runners may reach: nothing else of it."""
+        w, a = self.settings.workers, self.settings.algorithm
+        limits = ShardLimits(
+            batch_messages=w.batch_messages,
+            step_timeout_s=w.step_barrier_timeout_s,
+            checkpoint_every_steps=w.checkpoint_every_steps,
+            checkpoint_every_s=w.checkpoint_every_s,
+            pending_limit=self.pending_limit,
+            rule=StepRule(a.batch_size, a.local_epochs, a.max_steps_per_round),
+        )
+        return ShardIO(
+            worker_id=self.worker_id,
+            strategy=self.strategy,
+            loss=self.hyper.loss,
+            limits=limits,
+            store=self.store,
+            replier=self.replier,
+            plane=self.plane,
+            members=self.members,
+            stats=self.stats,
+            metrics=self.metrics,
+            clock=self.clock,
+            log=self.log,
+            ack=self.broker.ack,
+            reject=self.reject,
+            refuse=self.refuse,
+            renew=self.keeper.renew,
+            redeliver=self.redeliver,
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -283,7 +316,7 @@ class WorkerSession:
         if self.settings.asynchronous_mode:  # docs/async.md: the bound on smashed data's staleness
             bound = self.settings.asynchronous.worker_max_staleness
             clock = Continuous(replica, self.store, self.job, bound, self.stats, self.log)
-        self.runners[queue] = ShardRunner(replica, want, clock, self)
+        self.runners[queue] = ShardRunner(replica, want, clock, self.shard_io)
         self.broker.subscribe(queue, prefetch=self.prefetch)
         self.stats.shards_acquired += 1
         args = (shard, replica.version, replica.applied, replica.round + 1)

@@ -1,0 +1,66 @@
+"""What a shard runner is handed by its worker (`ShardIO`: everything it reaches beyond its
+replica, built once per `Worker.run`) and the unit it buffers (`Item`). Each runner gets these
+instead of the worker's session, so its reach is this list and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from broker.messages import SmashedBatch
+from broker.store import WeightStore
+from broker.transport import Delivery
+from services.algorithms.base import StrategyBase
+from services.algorithms.recipe import LossFn
+from services.metrics.recorder import Metrics
+from workers.device_io import DevicePlane
+from workers.gate import StepRule
+from workers.members import MemberCache
+from workers.replies import Replier
+from workers.stats import WorkerStats
+
+
+@dataclass(frozen=True)
+class ShardLimits:
+    """The job's settings a runner steps and checkpoints by."""
+
+    batch_messages: int  # batches folded into one step (`workers.batch_messages`)
+    step_timeout_s: float  # a step barrier's or an open U-shaped step's wait
+    checkpoint_every_steps: int
+    checkpoint_every_s: float
+    pending_limit: int  # unacked deliveries that force a checkpoint: prefetch is finite
+    rule: StepRule  # a client's batches per round (`workers.gate`)
+
+
+@dataclass(frozen=True)
+class ShardIO:
+    """A runner's I/O, shared by the runners of one worker: the broker, store and lease
+    operations it may call, its reply step and the counters it keeps."""
+
+    worker_id: str
+    strategy: StrategyBase
+    loss: LossFn
+    limits: ShardLimits
+    store: WeightStore
+    replier: Replier
+    plane: DevicePlane
+    members: MemberCache
+    stats: WorkerStats
+    metrics: Metrics
+    clock: Callable[[], float]
+    log: logging.Logger
+    ack: Callable[[Delivery], None]  # raises `StaleDeliveryError` after a reconnect
+    reject: Callable[[Delivery, str, str], None]  # dead-letter with (code, detail)
+    refuse: Callable[[Delivery, str], None]  # dead-letter with a whole reason
+    renew: Callable[[int], bool]  # the shard's lease: whether it is still ours
+    redeliver: Callable[[int], None]  # re-subscribe to the shard's queue
+
+
+@dataclass(frozen=True)
+class Item:
+    """A valid batch waiting to be served, with the delivery to ack once it is checkpointed."""
+
+    delivery: Delivery
+    batch: SmashedBatch
