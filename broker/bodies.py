@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from broker.tensors import writable_alias
+
 SWITCH = "SPLITMQ_IN_PLACE_BODIES"
 _Constructor = Callable[[None, int], bytes]
 _Window = np.ndarray[Any, np.dtype[np.uint8]]
@@ -34,30 +36,6 @@ def _constructor() -> _Constructor:
     prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)
     constructor: _Constructor = prototype(("PyBytes_FromStringAndSize", ctypes.pythonapi))
     return constructor
-
-
-class _Storage:
-    """A buffer's bytes as numpy sees them (`__array_interface__`), flagged writable; numpy
-    keeps this object as the array's base, and this object keeps the buffer alive."""
-
-    __slots__ = ("__array_interface__", "_owner")
-
-    def __init__(self, buffer: bytes | memoryview) -> None:
-        # The buffer protocol's own address for the storage: no assumption about its layout.
-        address: int = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
-        self._owner = buffer
-        self.__array_interface__ = {
-            "data": (address, False),
-            "shape": (len(buffer),),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-
-def writable_alias(buffer: bytes | memoryview) -> _Window:
-    """A writable uint8 array over a (read-only) contiguous buffer's memory, keeping it alive.
-    Writing through it is the caller's promise: only a body nobody else has seen yet."""
-    return np.asarray(_Storage(buffer))
 
 
 def probe(constructor: Callable[[], _Constructor] = _constructor) -> str | None:

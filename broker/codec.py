@@ -21,7 +21,6 @@ from broker.codec_schema import (
     SCHEMA_VERSION,
     SCHEMAS,
     CodecLimits,
-    Field,
     Placed,
     Reader,
     Schema,
@@ -32,14 +31,13 @@ from broker.messages import Message, consistency_error
 from broker.tensors import (
     ALIGN,
     TensorSlot,
-    align,
     all_finite,
     copy_checked,
     finite_array,
     host_array,
-    shareable,
     unpack_ext,
     view_from,
+    writable_alias,
 )
 
 # CodecLimits: the bounds `encode` and `decode` take, with them (it lives with the schema).
@@ -111,15 +109,13 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
         raise EncodeError(f"{type(message).__name__} is not a SplitMQ message type")
     writer = Writer(limits)
     header = dict(schema.header)
-    max_bytes = limits.max_string_len
-    for spec in schema.fields:  # as `_decode`'s loop: the fast path, else the long way
-        value = getattr(message, spec.name)
-        if type(value) is not spec.exact or spec.checks[0](value, spec.path, max_bytes):
-            value = writer.value(spec, value)
+    travelling = writer.fields(schema, [getattr(message, spec.name) for spec in schema.fields])
+    for spec, value in zip(schema.fields, travelling, strict=True):
         header[spec.name] = value
-    reason = consistency_error(message)
-    if reason is not None:
-        raise EncodeError(reason)
+    if schema.cross_checked:
+        reason = consistency_error(message)
+        if reason is not None:
+            raise EncodeError(reason)
     # packb would build a Packer with a 256 KiB buffer per call; headers are small.
     packed: bytes = msgpack.Packer(use_bin_type=True, buf_size=_PACK_BUFFER).pack(header)
     if len(packed) > limits.max_header_bytes:
@@ -127,7 +123,7 @@ def _plan(message: Message, limits: CodecLimits) -> _Plan:
             f"{schema.name}: header of {len(packed)} bytes exceeds {limits.max_header_bytes}"
         )
     prefix = _PREFIX.pack(MAGIC, len(packed)) + packed
-    data_start = align(len(prefix))
+    data_start = -(-len(prefix) // ALIGN) * ALIGN
     size = data_start + writer.cursor if writer.cursor else len(prefix)
     if size > limits.max_body_bytes:
         raise EncodeError(
@@ -209,49 +205,40 @@ def decode(
     """
     wanted = (expect,) if isinstance(expect, type) else expect
     try:
-        return _decode(body, limits or DEFAULT_LIMITS, wanted)
+        limits = limits or DEFAULT_LIMITS
+        view, header, header_end, schema = _read_header(body, limits)
+        if wanted is not None and schema.cls not in wanted:
+            raise UnexpectedMessageError(schema.name, " or ".join(t.__name__ for t in wanted))
+        if header.keys() != schema.header.keys():  # one C-level set comparison
+            _key_problem(schema, header)
+        reader = Reader(limits)
+        values = reader.fields(schema, [header[spec.name] for spec in schema.fields])
+        if reader.slots:
+            data_start = _check_layout(reader.slots, header_end, len(view))
+            _materialise(schema, values, view, data_start)
+        elif len(view) != header_end:
+            raise DecodeError(f"body has {len(view)} bytes, its layout accounts for {header_end}")
+        message: Message = schema.cls(*values)  # every field, in declaration order
+        if schema.cross_checked:
+            reason = consistency_error(message)
+            if reason is not None:
+                raise DecodeError(reason)
+        return message
     except DecodeError:
         raise
     except Exception as exc:
         raise DecodeError(f"{UNEXPECTED}{type(exc).__name__}: {exc}") from exc
 
 
-def _decode(body: Body, limits: CodecLimits, expect: tuple[type[Any], ...] | None) -> Message:
-    view = _byte_view(body)
-    header, header_end = _read_header(view, limits)
-    schema = _schema_of_header(header)
-    if expect is not None and schema.cls not in expect:
-        raise UnexpectedMessageError(schema.name, " or ".join(t.__name__ for t in expect))
-    if header.keys() != schema.header.keys():  # one C-level set comparison
-        _key_problem(schema, header)
-    reader = Reader(limits)
-    max_bytes = limits.max_string_len
-    values: list[object] = []
-    for spec in schema.fields:
-        value = header[spec.name]
-        if type(value) is not spec.exact or spec.checks[0](value, spec.path, max_bytes):
-            value = reader.value(spec, value)
-        values.append(value)
-    data_start = _check_layout(reader.slots, header_end, len(view))
-    data = shareable(view) if reader.slots else view
-    for index in schema.tensor_fields:
-        values[index] = _materialise(schema.fields[index], values[index], data, data_start)
-    message: Message = schema.cls(*values)  # every field, in declaration order
-    reason = consistency_error(message)
-    if reason is not None:
-        raise DecodeError(reason)
-    return message
-
-
-def _byte_view(body: object) -> memoryview:
+def _read_header(
+    body: object, limits: CodecLimits
+) -> tuple[memoryview, dict[object, object], int, Schema]:
+    """`body` as bytes, its header, where the header ends and the schema the header names."""
     try:
         view = memoryview(body)  # type: ignore[arg-type]
-        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
     except (TypeError, ValueError) as exc:
         raise DecodeError(f"body is not a contiguous byte buffer: {exc}") from None
-
-
-def _read_header(view: memoryview, limits: CodecLimits) -> tuple[dict[object, object], int]:
     size = len(view)
     if size > limits.max_body_bytes:
         raise DecodeError(f"body of {size} bytes exceeds the limit of {limits.max_body_bytes}")
@@ -285,10 +272,6 @@ def _read_header(view: memoryview, limits: CodecLimits) -> tuple[dict[object, ob
         raise DecodeError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise DecodeError(f"header must be a map, got {type(header).__name__}")
-    return header, end
-
-
-def _schema_of_header(header: dict[object, object]) -> Schema:
     version = header.get("v")
     if type(version) is not int:
         raise DecodeError(f"header needs an integer schema version 'v', got {version!r}")
@@ -298,11 +281,11 @@ def _schema_of_header(header: dict[object, object]) -> Schema:
     schema = BY_NAME.get(name) if isinstance(name, str) else None
     if schema is None:
         raise DecodeError(f"unknown message type {name!r}")
-    return schema
+    return view, header, end, schema
 
 
 def _key_problem(schema: Schema, header: dict[object, object]) -> NoReturn:
-    # `v` and `type` are there (`_schema_of_header` read them): a field is missing or unknown.
+    # `v` and `type` are there (`_read_header` read them): a field is missing or unknown.
     for spec in schema.fields:
         if spec.name not in header:
             raise DecodeError(f"{schema.name}: missing field {spec.name!r}")
@@ -313,7 +296,7 @@ def _key_problem(schema: Schema, header: dict[object, object]) -> NoReturn:
 def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> int:
     """Check tensor data is packed in order at 64-byte boundaries inside the body with nothing
     after it; return where the data section starts."""
-    data_start = align(header_end)
+    data_start = -(-header_end // ALIGN) * ALIGN
     cursor = 0
     previous: TensorSlot | None = None
     placed = [s for s in slots if s.nbytes]
@@ -325,8 +308,9 @@ def _check_layout(slots: list[TensorSlot], header_end: int, body_size: int) -> i
             raise DecodeError(f"{_span(slot)} is not {ALIGN}-byte aligned")
         if previous is not None and offset < cursor:
             raise DecodeError(f"{_span(slot)} overlaps {previous.path}")
-        if offset != align(cursor):
-            raise DecodeError(f"{_span(slot)} leaves a gap: expected offset {align(cursor)}")
+        packed = -(-cursor // ALIGN) * ALIGN  # where it starts when nothing lies in between
+        if offset != packed:
+            raise DecodeError(f"{_span(slot)} leaves a gap: expected offset {packed}")
         if data_start + end > body_size:
             available = max(0, body_size - data_start)
             raise DecodeError(f"{_span(slot)} lies outside the {available}-byte data section")
@@ -345,11 +329,17 @@ def _span(slot: TensorSlot) -> str:
     return f"{slot.path}: data [{slot.offset}, {slot.offset + slot.nbytes})"
 
 
-def _materialise(spec: Field, raw: object, body: memoryview, data_start: int) -> object:
-    if raw is None:
-        return None
-    finite = spec.tensor is not None and spec.tensor.finite
-    if isinstance(raw, TensorSlot):
-        return view_from(body, data_start, raw, finite=finite)
-    assert isinstance(raw, dict)  # a tensor map, as `Walker.value` built it
-    return {key: view_from(body, data_start, slot, finite=finite) for key, slot in raw.items()}
+def _materialise(schema: Schema, values: list[object], body: memoryview, data_start: int) -> None:
+    """Turn the tensor slots among `values` into views of `body`, checked (`view_from`)."""
+    # A read-only body (a received `bytes`) goes through a writable alias: see `view_from`.
+    data = writable_alias(body).data if body.readonly else body
+    for index in schema.tensor_fields:
+        raw, spec = values[index], schema.fields[index]
+        finite = spec.tensor is not None and spec.tensor.finite
+        if isinstance(raw, TensorSlot):
+            values[index] = view_from(data, data_start, raw, finite=finite)
+        elif raw is not None:
+            assert isinstance(raw, dict)  # a tensor map, as `Walker.value` built it
+            values[index] = {
+                k: view_from(data, data_start, v, finite=finite) for k, v in raw.items()
+            }

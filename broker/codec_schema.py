@@ -11,7 +11,7 @@ they are met: the writer places each in the data section, the reader collects th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, NamedTuple, get_args, get_origin
@@ -20,13 +20,12 @@ import numpy as np
 import torch
 
 from broker.errors import DecodeError, EncodeError
-from broker.messages import MESSAGE_TYPES, Marker, OneOf, TensorRule
+from broker.messages import CROSS_CHECKED, MESSAGE_TYPES, Marker, OneOf, TensorRule
 from broker.tensors import (
+    ALIGN,
     BY_TORCH,
     FloatBits,
     TensorSlot,
-    align,
-    host_array,
     parse_tensor_header,
     shape_reason,
     tensor_header,
@@ -90,10 +89,15 @@ class Field:
     kind: Kind
     checks: tuple[Check, ...]  # one per `kind.types`; a scalar field's include its markers
     tensor: TensorRule | None  # for a tensor field, or each value of a tensor map
-    # A scalar field's type: a value of exactly it that passes `checks[0]` travels as it is.
-    # Anything else takes the long way, which converts what it may or raises the precise
-    # reason: the fast path changes no outcome, only its cost.
+    # A scalar field's type: a value of exactly it that passes the fast path's inline test of
+    # `checks[0]` (the four fields below) travels as it is. Anything else takes the long way,
+    # which converts what it may or raises the precise reason: the fast path changes no
+    # outcome, only its cost.
     exact: type | None
+    low: int = INT64_MIN  # an int's least value
+    non_empty: bool = False  # a str's
+    choices: frozenset[str] | None = None  # a str's
+    finite: bool = False  # a float's
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class Schema:
     # in order, so filling a copy never resizes the dict.
     header: Mapping[str, object]
     tensor_fields: tuple[int, ...]  # the fields decoding turns from slots into views
+    cross_checked: bool  # whether `consistency_error` has anything to say about it
 
 
 def build_schema(cls: type[Any]) -> Schema:
@@ -119,6 +124,7 @@ def build_schema(cls: type[Any]) -> Schema:
         fields=prepared,
         header={"v": SCHEMA_VERSION, "type": cls.__name__} | dict.fromkeys(names),
         tensor_fields=tuple(i for i, f in enumerate(prepared) if f.tensor is not None),
+        cross_checked=cls in CROSS_CHECKED,
     )
 
 
@@ -134,8 +140,18 @@ def _field(path: str, name: str, annotation: Any) -> Field:
         raise TypeError(f"{path}: a tensor field needs exactly one TensorRule, others none")
     scalar = bool(kind.types) and not kind.is_map
     checks = tuple(_check(t, markers if scalar else []) for t in kind.types)
+    choices = [m.choices for m in markers if isinstance(m, OneOf)] if scalar else []
     return Field(
-        name, path, kind, checks, rules[0] if rules else None, kind.types[0] if scalar else None
+        name,
+        path,
+        kind,
+        checks,
+        rules[0] if rules else None,
+        kind.types[0] if scalar else None,
+        low=0 if scalar and Marker.NON_NEGATIVE in markers else INT64_MIN,
+        non_empty=scalar and Marker.NON_EMPTY in markers,
+        choices=next(iter(choices), None),
+        finite=scalar and Marker.FINITE in markers,
     )
 
 
@@ -204,6 +220,35 @@ class Walker:
     tensor_count: int = 0
     error: ClassVar[type[Exception]] = EncodeError
 
+    def fields(self, schema: Schema, values: Iterable[object]) -> list[object]:
+        """Each field's value as it travels, in `schema`'s order. A scalar of exactly its type
+        that plainly passes its checks, as tested inline here, travels as it is (the fast path:
+        no call per field); anything else is checked the long way, a tensor by `tensor`."""
+        max_bytes = self.limits.max_string_len
+        travelling: list[object] = []
+        for spec, value in zip(schema.fields, values, strict=True):
+            if type(value) is not spec.exact:
+                rule = spec.tensor
+                if rule is None or spec.kind.is_map or value is None:
+                    value = self.value(spec, value)  # a map, a missing tensor, or a conversion
+                else:
+                    value = self.tensor(value, rule, spec.path)
+            elif type(value) is int:
+                if not spec.low <= value <= INT64_MAX:
+                    value = self.value(spec, value)
+            elif type(value) is str:
+                # An ASCII string's UTF-8 size is its length (and it always encodes).
+                if (
+                    not (value.isascii() and len(value) <= max_bytes)
+                    or (spec.non_empty and not value)
+                    or (spec.choices is not None and value not in spec.choices)
+                ):
+                    value = self.value(spec, value)
+            elif type(value) is float and spec.finite and not math.isfinite(value):
+                value = self.value(spec, value)
+            travelling.append(value)
+        return travelling
+
     def value(self, spec: Field, value: object) -> object:
         """`value` as it travels, checked the long way."""
         kind, rule, path = spec.kind, spec.tensor, spec.path
@@ -253,7 +298,17 @@ class Walker:
         # Normalise subclasses (IntEnum, str enums) to the plain type msgpack writes.
         return kind(value) if isinstance(value, kind) else None
 
-    def count_tensor(self, path: str) -> None:
+    def check_rule(
+        self, rule: TensorRule, dtype: torch.dtype, shape: tuple[int, ...], path: str
+    ) -> None:
+        """Raise unless a tensor of `dtype` and `shape` may travel under `rule`, and count it."""
+        rank = len(shape)
+        if (
+            dtype not in rule.dtypes
+            or (rule.rank is not None and rank != rule.rank)
+            or rank < rule.min_rank
+        ):
+            raise self.error(rule_reason(rule, dtype, shape, path))
         self.tensor_count += 1
         if self.tensor_count > self.limits.max_tensors:
             raise self.error(f"{path}: more than {self.limits.max_tensors} tensors")
@@ -262,9 +317,8 @@ class Walker:
         raise NotImplementedError  # each direction handles tensors its own way
 
 
-def rule_reason(
-    rule: TensorRule, dtype: torch.dtype, shape: tuple[int, ...], path: str
-) -> str | None:
+def rule_reason(rule: TensorRule, dtype: torch.dtype, shape: tuple[int, ...], path: str) -> str:
+    """Why `rule` refuses a tensor of `dtype` and `shape` (its caller found that it does)."""
     if dtype not in rule.dtypes:
         allowed = sorted(_dtype_name(d) for d in rule.dtypes)
         return f"{path}: dtype {_dtype_name(dtype)} is not allowed here (allowed: {allowed})"
@@ -272,7 +326,7 @@ def rule_reason(
         return f"{path}: shape {list(shape)} must have rank {rule.rank}"
     if len(shape) < rule.min_rank:
         return f"{path}: shape {list(shape)} must have rank >= {rule.min_rank}"
-    return None
+    raise AssertionError(f"{path}: {dtype} {list(shape)} fits its rule")  # callers saw a misfit
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -310,17 +364,20 @@ class Writer(Walker):
         max_rank, max_dim = limits.max_rank, limits.max_body_bytes
         if len(shape) > max_rank or (shape and max(shape) > max_dim):
             raise EncodeError(shape_reason(list(shape), path, max_rank=max_rank, max_dim=max_dim))
-        reason = rule_reason(rule, dtype.torch_dtype, shape, path)
-        if reason is not None:
-            raise EncodeError(reason)
-        self.count_tensor(path)
+        self.check_rule(rule, dtype.torch_dtype, shape, path)
         nbytes = math.prod(shape) * dtype.itemsize
         offset = 0
         if nbytes:
-            offset = align(self.cursor)
+            offset = -(-self.cursor // ALIGN) * ALIGN
             self.cursor = offset + nbytes
-            # One numpy view of a CPU tensor serves the finite check and the copy.
-            host = host_array(value) if value.is_cpu else None
+            # One numpy view of a CPU tensor serves the finite check and the copy (as
+            # `tensors.host_array`: bfloat16 rides as int16, a dtype view tracks no gradient).
+            host = None
+            if value.is_cpu:
+                carrier = value.detach() if value.requires_grad else value
+                host = (
+                    carrier.view(torch.int16) if dtype.view_as is torch.bfloat16 else carrier
+                ).numpy()
             check = dtype.bits if rule.finite else None
             self.tensors.append(Placed(offset, nbytes, value, host, check, path))
         return tensor_header(dtype, shape, offset, nbytes)
@@ -342,9 +399,6 @@ class Reader(Walker):
         slot = parse_tensor_header(
             value, path, max_rank=limits.max_rank, max_dim=limits.max_body_bytes
         )
-        reason = rule_reason(rule, slot.dtype.torch_dtype, slot.shape, path)
-        if reason is not None:
-            raise DecodeError(reason)
-        self.count_tensor(path)
+        self.check_rule(rule, slot.dtype.torch_dtype, slot.shape, path)
         self.slots.append(slot)
         return slot

@@ -295,8 +295,13 @@ Message = (
 MESSAGE_TYPES: tuple[type[Message], ...] = get_args(Message)
 
 
+# The message types `consistency_error` checks: the codec asks it about these only.
+CROSS_CHECKED: frozenset[type[Message]] = frozenset({SmashedBatch})
+
+
 def consistency_error(message: Message) -> str | None:
-    """Cross-field checks the per-field schema cannot express; the reason, or None."""
+    """Cross-field checks the per-field schema cannot express (`CROSS_CHECKED` types); the
+    reason, or None."""
     if isinstance(message, SmashedBatch):
         rows = message.activations.shape[0]
         if message.labels is not None and message.labels.shape != (rows,):

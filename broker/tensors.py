@@ -8,14 +8,13 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, NamedTuple, NoReturn
 
 import msgpack
 import numpy as np
 import torch
 
-from broker.bodies import writable_alias
 from broker.errors import DecodeError
 
 ALIGN = 64  # tensor data starts at multiples of this from the start of the data section
@@ -218,14 +217,21 @@ def copy_checked(
     return finite is None or all_finite(copy)
 
 
-def shareable(body: memoryview) -> memoryview:
-    """`body`, or when it is read-only (a received `bytes`) a writable alias of its memory that
-    keeps it alive, for `view_from`. torch has no read-only tensors: over a read-only array
-    `torch.from_numpy` makes a writable tensor anyway, and warns. Decoded tensors are views of
-    the body on purpose, so the alias does what torch would, without the warning and without
-    touching a warning filter (right on every thread, free-threaded builds included).
+def writable_alias(buffer: bytes | memoryview) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A writable uint8 array over a (read-only) contiguous buffer's memory, keeping it alive.
+    Writing through it is the caller's promise: only a body nobody else has seen yet.
+
+    The decoder passes a received `bytes` body through it for `view_from`: torch has no
+    read-only tensors (over a read-only array `torch.from_numpy` makes a writable tensor anyway,
+    and warns), and decoded tensors are views of the body on purpose, so the alias does what
+    torch would, without the warning and without touching a warning filter (right on every
+    thread, free-threaded builds included).
     """
-    return writable_alias(body).data if body.readonly else body
+    # The buffer protocol's own address for the storage: no assumption about its layout.
+    address: int = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+    interface = {"data": (address, False), "shape": (len(buffer),), "typestr": "|u1", "version": 3}
+    # numpy keeps the namespace as the array's base, and the namespace keeps `buffer` alive.
+    return np.asarray(SimpleNamespace(__array_interface__=interface, owner=buffer))
 
 
 def view_from(
@@ -233,7 +239,7 @@ def view_from(
 ) -> torch.Tensor:
     """A zero-copy tensor over `body[start + slot.offset:]` (a fresh one when empty), its bool
     bytes and, when `finite`, its floats checked (`DecodeError` naming the slot's path). Pass a
-    read-only `body` through `shareable` first."""
+    read-only `body` through `writable_alias` first."""
     dtype = slot.dtype
     if not slot.nbytes:  # may lie past the end of a body without a data section
         return torch.empty(slot.shape, dtype=dtype.torch_dtype)

@@ -891,7 +891,7 @@ def test_unanticipated_failures_still_surface_as_decode_errors(
     def broken(message: object) -> str | None:
         raise RuntimeError("bug")
 
-    body = encode(Leave(**common()))
+    body = encode(smashed())  # a type with cross-field checks: decode asks about it
     monkeypatch.setattr("broker.codec.consistency_error", broken)
     with pytest.raises(DecodeError) as info:
         decode(body)

@@ -23,11 +23,11 @@ import torch
 
 import broker.bodies
 import broker.codec
-from broker.bodies import SWITCH, enabled, fresh_body, probe, writable_alias
+from broker.bodies import SWITCH, enabled, fresh_body, probe
 from broker.codec import _IN_PLACE, decode, encode, encode_into
 from broker.errors import EncodeError
 from broker.messages import Message, SmashedBatch, WeightsUpdate
-from broker.tensors import _CHUNK
+from broker.tensors import _CHUNK, writable_alias
 
 
 def common() -> dict[str, Any]:
