@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config.root import Settings
+from services.experiments.experiment import Experiment
 from services.experiments.figures import FigureSlot, write_figure
 from services.experiments.results import ResultSet
 from services.experiments.runner import build_settings
-from services.experiments.spec import Experiment
 from services.experiments.tables import render_table, runs_table
 
 RESULTS_HEADER = (

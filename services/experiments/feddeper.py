@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from services.experiments.experiment import Experiment, from_examples
 from services.experiments.figures import FigureSlot
 from services.experiments.results import (
     ResultSet,
@@ -22,16 +23,7 @@ from services.experiments.results import (
     swing,
     within_spread,
 )
-from services.experiments.spec import (
-    CurvePlot,
-    Experiment,
-    Metric,
-    Run,
-    Table,
-    algorithm,
-    from_examples,
-    smoke,
-)
+from services.experiments.spec import CurvePlot, Metric, Run, Table, algorithm, smoke
 from services.experiments.tables import gap_words, markdown_table, pct, pts, spread_cell
 from services.report.records import OWN_MODEL_ACCURACY
 

@@ -19,6 +19,7 @@ from services.algorithms.registry import build_strategy
 from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
+from services.experiments.experiment import Experiment, from_examples
 from services.experiments.figures import FigureSlot
 from services.experiments.results import (
     ResultSet,
@@ -30,7 +31,7 @@ from services.experiments.results import (
     paired_gap,
     swing,
 )
-from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
+from services.experiments.spec import Run, algorithm, smoke
 from services.experiments.tables import gap_words, markdown_table, pct, percent, points
 from services.report.plots import plot_rounds
 

@@ -10,6 +10,7 @@ import itertools
 import math
 from collections.abc import Iterator
 
+from services.experiments.experiment import Experiment, from_examples
 from services.experiments.results import (
     SPREAD_FACTOR,
     ResultSet,
@@ -19,16 +20,7 @@ from services.experiments.results import (
     paired_gap,
     within_spread,
 )
-from services.experiments.spec import (
-    CurvePlot,
-    Experiment,
-    FinalPlot,
-    Run,
-    Table,
-    algorithm,
-    from_examples,
-    smoke,
-)
+from services.experiments.spec import CurvePlot, FinalPlot, Run, Table, algorithm, smoke
 
 NAME = "minibatch_sfl"
 RATIOS = ("0", "0.8", "0.95")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from services.experiments.spec import Experiment
+from services.experiments.experiment import Experiment
 
 NAMES = ("minibatch_sfl", "feddeper", "subfedavg", "splitgp", "fedsplitx")
 

@@ -29,6 +29,7 @@ from services.config.root import Settings
 from services.config.settings import ConnectionSettings
 from services.data.loaders import Dataset, load_dataset
 from services.experiments.centralized import train_centralized
+from services.experiments.experiment import Experiment
 from services.experiments.results import (
     EXPERIMENT_JSON,
     FINAL_JSON,
@@ -37,7 +38,7 @@ from services.experiments.results import (
     load_result,
     settled_status,
 )
-from services.experiments.spec import Experiment, FinalEval, Run
+from services.experiments.spec import FinalEval, Run
 from services.experiments.watchdog import run_stop
 from services.report.filesink import FileSink, read_records
 from services.report.records import MetricsSink

@@ -18,6 +18,7 @@ from services.common.jobmodel import job_model
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import all_clients, local_and_ood
+from services.experiments.experiment import Experiment, from_examples
 from services.experiments.figures import FigureSlot
 from services.experiments.results import (
     EXPERIMENT_JSON,
@@ -26,7 +27,7 @@ from services.experiments.results import (
     SeedRuns,
     Spread,
 )
-from services.experiments.spec import Experiment, Run, from_examples, smoke
+from services.experiments.spec import Run, smoke
 from services.experiments.tables import markdown_table, percent, spread_cell
 from services.report.plots import line_style
 from services.report.summary import finite_or

@@ -17,6 +17,7 @@ from services.algorithms.base import VersionWeights
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.experiments.client_eval import local_test_accuracy
+from services.experiments.experiment import Experiment, from_examples
 from services.experiments.figures import FigureSlot, plot_band
 from services.experiments.results import (
     ResultSet,
@@ -26,7 +27,7 @@ from services.experiments.results import (
     mean,
     within_spread,
 )
-from services.experiments.spec import Experiment, Run, algorithm, from_examples, smoke
+from services.experiments.spec import Run, algorithm, smoke
 from services.experiments.tables import markdown_table, percent, spread_cell
 
 NAME = "subfedavg"

@@ -289,7 +289,7 @@ def test_an_archived_run_is_reused_when_its_report_directory_is_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from services.experiments import runner
-    from services.experiments.spec import Experiment
+    from services.experiments.experiment import Experiment
 
     monkeypatch.setattr(runner, "load_dataset", lambda name, where: tiny_dataset())
     base = centralized_settings(max_steps_per_round=2).model_dump(mode="json")

@@ -18,6 +18,7 @@ from models.registry import build_model
 from services.experiments import splitgp, subfedavg
 from services.experiments.client_eval import local_and_ood
 from services.experiments.document import Context, write_results
+from services.experiments.experiment import Experiment
 from services.experiments.figures import FigureSlot
 from services.experiments.results import (
     EXPERIMENT_JSON,
@@ -27,7 +28,7 @@ from services.experiments.results import (
     SeedRuns,
     load_result,
 )
-from services.experiments.spec import Experiment, Run
+from services.experiments.spec import Run
 from services.report.records import VersionRecord
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
