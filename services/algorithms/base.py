@@ -476,7 +476,7 @@ class StrategyBase:
     # The old members, kept read-only until their last readers move (not counted above).
     @property
     def splits(self) -> bool:
-        # TEMP(issue 35): remove once workers/worker.py, services/client/client.py and
+        # TEMP(issue 35): remove once workers/worker.py, services/client/runner.py and
         # services/runtime/roles.py read `strategy.server is not None`
         return self.server is not None
 
@@ -509,8 +509,9 @@ class StrategyBase:
         *,
         loss: LossFn = cross_entropy,
     ) -> StepResults:
-        # TEMP(issue 35): remove once workers/shard.py reads `strategy.server.step` (and the
-        # benchmarks override a ServerSide's `step` instead of this)
+        # TEMP(issue 35): remove once workers/shard.py and benchmarks/sfl_inprocess.py read
+        # `strategy.server.step` (and benchmarks/capacity_null.py and gpu_busy.py override a
+        # ServerSide's `step`, not this)
         if self.server is None:
             raise RuntimeError(
                 f"{self.name} has no server-side model: no smashed data should arrive"
@@ -520,7 +521,7 @@ class StrategyBase:
     def server_forward(
         self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
     ) -> OpenStep:
-        # TEMP(issue 35): remove once workers/shard.py reads `strategy.server.forward`
+        # TEMP(issue 35): remove once workers/ushaped.py reads `strategy.server.forward`
         if self.server is None:
             raise RuntimeError(f"{self.name} has no U-shaped split: unset model.tail")
         return self.server.forward(server, zs, weights)
