@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, NamedTuple, get_args, get_origin
 
+import msgpack
 import numpy as np
 import torch
 
@@ -24,11 +25,14 @@ from broker.messages import CROSS_CHECKED, MESSAGE_TYPES, Marker, OneOf, TensorR
 from broker.tensors import (
     ALIGN,
     BY_TORCH,
+    HEADER_KEYS,
+    REF,
+    TENSOR_EXT_CODE,
+    WIRE_DTYPES,
     FloatBits,
     TensorSlot,
-    parse_tensor_header,
+    ref_problem,
     shape_reason,
-    tensor_header,
 )
 
 SCHEMA_VERSION = 1
@@ -298,21 +302,6 @@ class Walker:
         # Normalise subclasses (IntEnum, str enums) to the plain type msgpack writes.
         return kind(value) if isinstance(value, kind) else None
 
-    def check_rule(
-        self, rule: TensorRule, dtype: torch.dtype, shape: tuple[int, ...], path: str
-    ) -> None:
-        """Raise unless a tensor of `dtype` and `shape` may travel under `rule`, and count it."""
-        rank = len(shape)
-        if (
-            dtype not in rule.dtypes
-            or (rule.rank is not None and rank != rule.rank)
-            or rank < rule.min_rank
-        ):
-            raise self.error(rule_reason(rule, dtype, shape, path))
-        self.tensor_count += 1
-        if self.tensor_count > self.limits.max_tensors:
-            raise self.error(f"{path}: more than {self.limits.max_tensors} tensors")
-
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:
         raise NotImplementedError  # each direction handles tensors its own way
 
@@ -354,6 +343,8 @@ class Writer(Walker):
     tensors: list[Placed] = field(default_factory=list)
 
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        """The tensor's header map (see `tensors.HEADER_KEYS`), its bytes placed after the
+        others'."""
         if not isinstance(value, torch.Tensor):
             raise EncodeError(f"{path}: expected a tensor, got {type(value).__name__}")
         dtype = BY_TORCH.get(value.dtype)
@@ -364,7 +355,17 @@ class Writer(Walker):
         max_rank, max_dim = limits.max_rank, limits.max_body_bytes
         if len(shape) > max_rank or (shape and max(shape) > max_dim):
             raise EncodeError(shape_reason(list(shape), path, max_rank=max_rank, max_dim=max_dim))
-        self.check_rule(rule, dtype.torch_dtype, shape, path)
+        # The rule and the count, as `Reader.tensor` checks them: inline, it runs per tensor.
+        rank = len(shape)
+        if (
+            dtype.torch_dtype not in rule.dtypes
+            or (rule.rank is not None and rank != rule.rank)
+            or rank < rule.min_rank
+        ):
+            raise EncodeError(rule_reason(rule, dtype.torch_dtype, shape, path))
+        self.tensor_count += 1
+        if self.tensor_count > limits.max_tensors:
+            raise EncodeError(f"{path}: more than {limits.max_tensors} tensors")
         nbytes = math.prod(shape) * dtype.itemsize
         offset = 0
         if nbytes:
@@ -380,13 +381,16 @@ class Writer(Walker):
                 ).numpy()
             check = dtype.bits if rule.finite else None
             self.tensors.append(Placed(offset, nbytes, value, host, check, path))
-        return tensor_header(dtype, shape, offset, nbytes)
+        # ExtType.__new__ re-checks its code and data in Python, a third of this map's cost;
+        # ours are valid by construction, so build the namedtuple as that __new__ finally does.
+        ref = tuple.__new__(msgpack.ExtType, (TENSOR_EXT_CODE, REF.pack(offset, nbytes)))
+        return {"dtype": dtype.name, "shape": list(shape), "data": ref}
 
 
 @dataclass
 class Reader(Walker):
-    """Tensors become `TensorSlot`s (collected in `slots`); `_decode` checks their layout and
-    only then turns them into views of the body."""
+    """Tensors become `TensorSlot`s (collected in `slots`); `codec.decode` checks their layout
+    and only then turns them into views of the body."""
 
     error: ClassVar[type[Exception]] = DecodeError
     slots: list[TensorSlot] = field(default_factory=list)
@@ -395,10 +399,47 @@ class Reader(Walker):
         return value if type(value) is kind else None
 
     def tensor(self, value: object, rule: TensorRule, path: str) -> object:
+        """A tensor's header map (unpacked with `unpack_ext`) as its checked slot."""
+        if not isinstance(value, dict):
+            raise DecodeError(f"{path}: expected a tensor map, got {type(value).__name__}")
+        if value.keys() != HEADER_KEYS:
+            found = sorted(str(k) for k in value)
+            raise DecodeError(
+                f"{path}: tensor map needs keys ['data', 'dtype', 'shape'], has {found}"
+            )
+        name = value["dtype"]
+        dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise DecodeError(
+                f"{path}: dtype {name!r} is not allowed (allowed: {sorted(WIRE_DTYPES)})"
+            )
         limits = self.limits
-        slot = parse_tensor_header(
-            value, path, max_rank=limits.max_rank, max_dim=limits.max_body_bytes
-        )
-        self.check_rule(rule, slot.dtype.torch_dtype, slot.shape, path)
+        max_rank, max_dim = limits.max_rank, limits.max_body_bytes
+        shape = value["shape"]
+        if type(shape) is not list or len(shape) > max_rank:
+            raise DecodeError(shape_reason(shape, path, max_rank=max_rank, max_dim=max_dim))
+        needed = dtype.itemsize
+        for dim in shape:
+            # bool is an int subclass; a shape of [True] is garbage, not [1].
+            if type(dim) is not int or dim < 0 or dim > max_dim:
+                raise DecodeError(shape_reason(shape, path, max_rank=max_rank, max_dim=max_dim))
+            needed *= dim
+        ref = value["data"]
+        if type(ref) is not tuple:  # `unpack_ext` makes well-formed references tuples
+            ref_problem(ref, path)
+        offset, nbytes = ref
+        if needed != nbytes:
+            raise DecodeError(f"{path}: shape {shape} needs {needed} bytes, data has {nbytes}")
+        dims, rank = tuple(shape), len(shape)
+        if (  # the rule and the count, as `Writer.tensor` checks them
+            dtype.torch_dtype not in rule.dtypes
+            or (rule.rank is not None and rank != rule.rank)
+            or rank < rule.min_rank
+        ):
+            raise DecodeError(rule_reason(rule, dtype.torch_dtype, dims, path))
+        self.tensor_count += 1
+        if self.tensor_count > limits.max_tensors:
+            raise DecodeError(f"{path}: more than {limits.max_tensors} tensors")
+        slot = TensorSlot(path, dtype, dims, offset, nbytes)
         self.slots.append(slot)
         return slot

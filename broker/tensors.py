@@ -18,10 +18,12 @@ import torch
 from broker.errors import DecodeError
 
 ALIGN = 64  # tensor data starts at multiples of this from the start of the data section
-# msgpack ext type code of a tensor's `data` reference; the payload is `_REF` (offset, nbytes).
+# msgpack ext type code of a tensor's `data` reference; the payload is `REF` (offset, nbytes).
 TENSOR_EXT_CODE = 1
-_REF = struct.Struct("<QQ")
-_HEADER_KEYS = frozenset({"dtype", "shape", "data"})
+REF = struct.Struct("<QQ")
+# A tensor's header map: `{"dtype": name, "shape": [dims], "data": ext TENSOR_EXT_CODE}`, written
+# and read by `broker.codec_schema`'s Writer and Reader.
+HEADER_KEYS = frozenset({"dtype", "shape", "data"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,53 +114,13 @@ class TensorSlot(NamedTuple):
     nbytes: int
 
 
-def tensor_header(
-    dtype: WireDtype, shape: tuple[int, ...], offset: int, nbytes: int
-) -> dict[str, object]:
-    """The header map of one tensor whose bytes lie at `offset` of the data section."""
-    # ExtType.__new__ re-checks its code and data in Python, a third of this function's cost;
-    # ours are valid by construction, so build the namedtuple as that __new__ finally does.
-    ref = tuple.__new__(msgpack.ExtType, (TENSOR_EXT_CODE, _REF.pack(offset, nbytes)))
-    return {"dtype": dtype.name, "shape": list(shape), "data": ref}
-
-
 def unpack_ext(code: int, data: bytes) -> object:
     """msgpack's `ext_hook` for headers: a well-formed tensor reference becomes its `(offset,
     nbytes)` tuple (msgpack makes no other tuples: arrays become lists); any other ext value
-    stays an ExtType, for `parse_tensor_header` to say what is wrong with it."""
-    if code == TENSOR_EXT_CODE and len(data) == _REF.size:
-        return _REF.unpack(data)
+    stays an ExtType, for `ref_problem` to say what is wrong with it."""
+    if code == TENSOR_EXT_CODE and len(data) == REF.size:
+        return REF.unpack(data)
     return msgpack.ExtType(code, data)
-
-
-def parse_tensor_header(obj: object, path: str, *, max_rank: int, max_dim: int) -> TensorSlot:
-    """Check one decoded header map (unpacked with `unpack_ext`); raises `DecodeError` naming
-    `path` on any inconsistency."""
-    if not isinstance(obj, dict):
-        raise DecodeError(f"{path}: expected a tensor map, got {type(obj).__name__}")
-    if obj.keys() != _HEADER_KEYS:
-        found = sorted(str(k) for k in obj)
-        raise DecodeError(f"{path}: tensor map needs keys ['data', 'dtype', 'shape'], has {found}")
-    name = obj["dtype"]
-    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise DecodeError(f"{path}: dtype {name!r} is not allowed (allowed: {sorted(WIRE_DTYPES)})")
-    shape = obj["shape"]
-    needed = dtype.itemsize
-    if type(shape) is not list or len(shape) > max_rank:
-        raise DecodeError(shape_reason(shape, path, max_rank=max_rank, max_dim=max_dim))
-    for dim in shape:
-        # bool is an int subclass; a shape of [True] is garbage, not [1].
-        if type(dim) is not int or dim < 0 or dim > max_dim:
-            raise DecodeError(shape_reason(shape, path, max_rank=max_rank, max_dim=max_dim))
-        needed *= dim
-    ref = obj["data"]
-    if type(ref) is not tuple:
-        _ref_problem(ref, path)
-    offset, nbytes = ref
-    if needed != nbytes:
-        raise DecodeError(f"{path}: shape {shape} needs {needed} bytes, data has {nbytes}")
-    return TensorSlot(path, dtype, tuple(shape), offset, nbytes)
 
 
 def shape_reason(obj: object, path: str, *, max_rank: int, max_dim: int) -> str:
@@ -176,10 +138,11 @@ def shape_reason(obj: object, path: str, *, max_rank: int, max_dim: int) -> str:
     raise AssertionError(f"{path}: shape {obj!r} has no problem")  # callers saw one
 
 
-def _ref_problem(obj: object, path: str) -> NoReturn:
+def ref_problem(obj: object, path: str) -> NoReturn:
+    """Raise what is wrong with a tensor map's `data`, which is not a well-formed reference."""
     if isinstance(obj, msgpack.ExtType) and obj.code == TENSOR_EXT_CODE:
         raise DecodeError(
-            f"{path}: tensor reference has {len(obj.data)} bytes, expected {_REF.size}"
+            f"{path}: tensor reference has {len(obj.data)} bytes, expected {REF.size}"
         )
     raise DecodeError(f"{path}: data must be a tensor reference, msgpack ext {TENSOR_EXT_CODE}")
 
