@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -68,6 +69,14 @@ class _Queue:
     ready_bytes: int = 0
     consumers: list[_Consumer] = field(default_factory=list)
     next_consumer: int = 0
+    # The spec's bounds, infinite where it has none: every publish compares against them.
+    max_length: float = field(init=False)
+    max_bytes: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        self.max_length = math.inf if spec.max_length is None else spec.max_length
+        self.max_bytes = math.inf if spec.max_length_bytes is None else spec.max_length_bytes
 
 
 @dataclass(eq=False)
@@ -107,10 +116,11 @@ def _declared_args(spec: QueueSpec) -> QueueSpec:
 
 def _overflows(queue: _Queue, size: int) -> bool:
     """Whether one more ready message of `size` bytes would exceed the queue's bounds."""
-    spec = queue.spec
-    return (spec.max_length is not None and len(queue.ready) + 1 > spec.max_length) or (
-        spec.max_length_bytes is not None and queue.ready_bytes + size > spec.max_length_bytes
-    )
+    return len(queue.ready) >= queue.max_length or queue.ready_bytes + size > queue.max_bytes
+
+
+def _closed() -> BrokerError:
+    return BrokerError("this broker handle is closed")
 
 
 class InMemoryHub:
@@ -184,7 +194,8 @@ class InMemoryHub:
         full: list[str] = []
         for name in targets:
             queue = self.queues[name]
-            if _overflows(queue, size):
+            # `_overflows`, inline: it runs for every message routed.
+            if len(queue.ready) >= queue.max_length or queue.ready_bytes + size > queue.max_bytes:
                 if queue.spec.overflow == "reject-publish":
                     full.append(name)
                     continue
@@ -244,10 +255,24 @@ class InMemoryHub:
     # -- internals --------------------------------------------------------------------------
 
     def dispatch(self, queue: _Queue) -> None:
-        while queue.ready:
-            consumer = self._pick(queue)
-            if consumer is None:
-                return
+        """Hand ready messages to consumers with room under their prefetch: round robin, or
+        only the first of a single-active-consumer queue."""
+        consumers = queue.consumers
+        while queue.ready and consumers:
+            if queue.spec.single_active_consumer:
+                consumer = consumers[0]
+                if consumer.in_flight >= consumer.prefetch:
+                    return
+            else:
+                count = len(consumers)
+                for step in range(count):
+                    index = (queue.next_consumer + step) % count
+                    consumer = consumers[index]
+                    if consumer.in_flight < consumer.prefetch:
+                        queue.next_consumer = (index + 1) % count
+                        break
+                else:
+                    return
             message = queue.ready.popleft()
             queue.ready_bytes -= len(message.body)
             consumer.in_flight += 1
@@ -263,22 +288,6 @@ class InMemoryHub:
             )
             consumer.session.buffer.append((delivery, _Pending(consumer, message)))
             consumer.session.wakeup.notify()
-
-    @staticmethod
-    def _pick(queue: _Queue) -> _Consumer | None:
-        consumers = queue.consumers
-        if not consumers:
-            return None
-        if queue.spec.single_active_consumer:
-            active = consumers[0]
-            return active if active.in_flight < active.prefetch else None
-        count = len(consumers)
-        for step in range(count):
-            index = (queue.next_consumer + step) % count
-            if consumers[index].in_flight < consumers[index].prefetch:
-                queue.next_consumer = (index + 1) % count
-                return consumers[index]
-        return None
 
     def _drop_head(self, queue: _Queue, size: int) -> bool:
         """Discard the oldest ready messages until one of `size` bytes fits (dead-lettering
@@ -305,8 +314,9 @@ class InMemoryHub:
     def settle(self, pending: _Pending) -> None:
         consumer = pending.consumer
         consumer.in_flight -= 1
-        if self.queues.get(consumer.queue.spec.name) is consumer.queue:
-            self.dispatch(consumer.queue)
+        queue = consumer.queue
+        if queue.ready and self.queues.get(queue.spec.name) is queue:
+            self.dispatch(queue)
 
     def queue(self, session: Session, name: str) -> _Queue:
         queue = self.queues.get(name)
@@ -348,15 +358,13 @@ class InMemoryBroker:
         self.meter = meter
         self._refused: list[Refused] = []
 
-    def _check_open(self) -> None:
-        if self._session.closed:
-            raise BrokerError("this broker handle is closed")
-
     @contextlib.contextmanager
     def _open(self) -> Iterator[Session]:
-        """The hub's lock held, on a handle that is not closed: its session."""
+        """The hub's lock held, on a handle that is not closed: its session. (publish, get and
+        ack, run for every message, do the same inline.)"""
         with self.hub.lock:
-            self._check_open()
+            if self._session.closed:
+                raise _closed()
             yield self._session
 
     def declare(self, queues: Sequence[QueueSpec]) -> None:
@@ -377,7 +385,9 @@ class InMemoryBroker:
         headers = outgoing_headers(options.headers) or {}
         try:
             message = _Message(exchange, routing_key, body, headers, options.message_id, user_id)
-            with self._open():
+            with self.hub.lock:
+                if self._session.closed:
+                    raise _closed()
                 full = self.hub.route(message)
             if full:
                 raise BackPressureError(
@@ -413,10 +423,20 @@ class InMemoryBroker:
 
     def get(self, timeout: float) -> Delivery | None:
         started = time.perf_counter()
-        with self._open() as session:
+        session = self._session
+        with self.hub.lock:
+            if session.closed:
+                raise _closed()
             if not session.buffer:
-                session.wakeup.wait_for(lambda: session.buffer or session.closed, timeout)
-                self._check_open()
+                # Condition.wait_for, without a predicate to call on each wake-up.
+                deadline = time.monotonic() + timeout
+                while not session.buffer and not session.closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0.0:
+                        break
+                    session.wakeup.wait(remaining)
+                if session.closed:
+                    raise _closed()
             delivery: Delivery | None = None
             if session.buffer:
                 delivery, pending = session.buffer.popleft()
@@ -427,8 +447,13 @@ class InMemoryBroker:
         return delivery
 
     def ack(self, delivery: Delivery) -> None:
-        with self._open():
-            self.hub.settle(self._take(delivery))
+        session = self._session
+        with self.hub.lock:
+            if session.closed:
+                raise _closed()
+            # `_take`, inline for a delivery that is outstanding (it raises for the others).
+            pending = session.handed.pop(delivery.tag, None) or self._take(delivery)
+            self.hub.settle(pending)
 
     def nack(self, delivery: Delivery, *, requeue: bool) -> None:
         with self._open():
