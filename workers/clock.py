@@ -16,6 +16,7 @@ import torch
 
 from broker.errors import VersionNotFoundError
 from broker.messages import SmashedBatch
+from broker.rejection import Rejection
 from broker.store import Checkpoint, WeightStore
 from models.state import load_partial
 from services.algorithms.async_fold import rebase_state
@@ -65,20 +66,21 @@ class Continuous:
             )
 
     # --- smashed data ------------------------------------------------------------------------
-    def refusal(self, batch: SmashedBatch) -> tuple[str, str] | None:
-        """("unknown_version", why), to dead-letter; (TOO_STALE, why), to answer and not train
+    def refusal(self, batch: SmashedBatch) -> Rejection | None:
+        """`unknown_version`, to dead-letter; TOO_STALE, to answer and not train
         on; None to train on it (docs/async.md, "Stale smashed data")."""
         if batch.version > self.known_version:
             self.known_version = max(self.known_version, self.store.current_version(self.job))
             if batch.version > self.known_version:
                 detail = f"version {batch.version} not found (newest {self.known_version})"
-                return "unknown_version", detail
+                return Rejection("unknown_version", detail)
         tau = self.known_version - batch.version
         if tau <= self.max_staleness:
             return None
-        return TOO_STALE, (
+        return Rejection(
+            TOO_STALE,
             f"{TOO_STALE}: smashed data computed with version {batch.version}, "
-            f"{tau} versions behind {self.known_version} (max {self.max_staleness})"
+            f"{tau} versions behind {self.known_version} (max {self.max_staleness})",
         )
 
     # --- checkpoints -------------------------------------------------------------------------

@@ -39,12 +39,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.messages import SmashedBatch
-from broker.rejection import LetterBatch
+from broker.rejection import LetterBatch, Rejection
 from broker.transport import Delivery
 from workers.members import MemberCache
 from workers.replica import Replica
 
-Rejection = tuple[str, str]
 # The seq_base of a client (0: unknown); True: read the member record again first.
 BaseLookup = Callable[[str, bool], int]
 # Batches beyond twice a round's steps a client may have accepted: a round reopened by a
@@ -133,10 +132,8 @@ def copy_problem(seq: int, message_id: str, recorded_id: str | None) -> Rejectio
 
 def reused(seq: int, message_id: str, taken_id: str) -> Rejection:
     """The refusal of message `message_id`, which reuses seq `seq` of message `taken_id`."""
-    return (
-        "seq_reused",
-        f"seq {seq} was taken from message {taken_id}; message {message_id} reuses it",
-    )
+    detail = f"seq {seq} was taken from message {taken_id}; message {message_id} reuses it"
+    return Rejection("seq_reused", detail)
 
 
 @dataclass
@@ -153,7 +150,7 @@ class SessionSeqs:
         self._sessions: dict[str, _Session] = {}
 
     def problem(self, client: str, seq: int, credit: int, applied: int | None) -> Rejection | None:
-        """("bad_seq", why) when `seq` is outside `client`'s session window, else None.
+        """A `bad_seq` rejection when `seq` is outside `client`'s session window, else None.
         `applied`: the highest seq of the client the replica has applied (any session)."""
         session = self._sessions.get(client)
         if session is None:
@@ -167,7 +164,7 @@ class SessionSeqs:
             why = window_problem(seq, session.base, session.top, credit)
             if why is None:
                 return None
-        return "bad_seq", why
+        return Rejection("bad_seq", why)
 
     def took(self, client: str, seq: int) -> None:
         """`seq` passed every check and is applied or buffered: the window moves up."""
@@ -215,18 +212,16 @@ class ClientGate:
         applied = self.replica.seqs.get(batch.client)
         return self._seqs.problem(batch.client, batch.seq, credit, applied)
 
-    def over_budget(self, batch: SmashedBatch) -> str | None:
-        """The reason to refuse `batch` unjudged when its client has no credit left, else None
+    def over_budget(self, batch: SmashedBatch) -> Rejection | None:
+        """Why to refuse `batch` unjudged when its client has no credit left, else None
         (one batch of credit spent)."""
         allowance = self.allowance(batch.client)
         key = batch.version if self.by_version else 0
         if self._credit.spend(batch.client, key, allowance):
             return None
         per = f"computed with version {batch.version}" if self.by_version else "this round"
-        return (
-            f"over_budget: client {batch.client!r} has had {allowance} batches {per}, its "
-            "allowance; refused unjudged"
-        )
+        detail = f"client {batch.client!r} has had {allowance} batches {per}, its allowance"
+        return Rejection("over_budget", f"{detail}; refused unjudged")
 
     def took(self, batch: SmashedBatch) -> None:
         self._seqs.took(batch.client, batch.seq)

@@ -14,16 +14,23 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from typing import cast
 
 import torch
 
 from broker.errors import LeaseNotHeldError, StaleDeliveryError, VersionNotFoundError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
+from broker.rejection import Rejection
 from broker.tensors import all_finite
 from broker.transport import Delivery
 from services.algorithms.base import CohortBatch, StepResults
 from services.algorithms.staleness import TOO_STALE
+from services.common.checks.addressing import SameJob, SameShard
+from services.common.checks.chain import Check, first_rejection
+from services.common.checks.markers import MarkerVersion
+from services.common.checks.membership import InCohort
+from services.common.checks.sender import ClientIdShape, ClientSender, NamesClient, ServiceSender
 from services.common.leases import lease_name
 from workers.barrier import StepBarrier
 from workers.clock import Continuous
@@ -31,13 +38,11 @@ from workers.gate import ClientGate, copy_problem, reused
 from workers.replica import Replica
 from workers.replies import answer
 from workers.shard_checks import (
-    Rejection,
+    BatchContent,
+    KnownClient,
     ShardExpectations,
-    check_addressing,
-    check_batch,
-    check_marker,
-    check_membership,
-    check_sender,
+    no_rounds,
+    not_u_shaped,
     parse_cohort,
 )
 from workers.shard_io import Item, ShardIO
@@ -78,6 +83,41 @@ class ShardRunner:
         # A U-shaped job's step between its halves; None in any other job.
         self._ushaped = UShapedStep(io, self._hold) if want.u_shaped else None
         self._gate = ClientGate(limits.rule, io.members, replica, by_version=continuous is not None)
+        self._batch_checks, self._tail_checks, self._marker_checks = self._chains()
+
+    def _chains(
+        self,
+    ) -> tuple[
+        tuple[Check[SmashedBatch], ...],
+        tuple[Check[TailGradient], ...],
+        tuple[Check[RoundStart | RoundEnd], ...],
+    ]:
+        """Each message type's delivery checks, in order: the sender first (as it always was),
+        then the addressing, the client id, the content, the cohort and the membership."""
+        io, want = self._io, self._want
+        sender = ClientSender(io.senders, "impostor")
+        addressed = (SameJob(want.job), SameShard(want.shard))
+        client_id = (NamesClient("bad_client"), ClientIdShape("bad_client"))
+        known = KnownClient(self.replica, io.members)
+        batch: tuple[Check[SmashedBatch], ...] = (
+            sender,
+            *addressed,
+            *client_id,
+            BatchContent(want),
+            InCohort(self.replica),
+            known,
+        )
+        tail: tuple[Check[TailGradient], ...] = (
+            (sender, *addressed, *client_id, known) if want.u_shaped else (sender, not_u_shaped)
+        )
+        published = partial(io.store.current_version, want.job)
+        marker: tuple[Check[RoundStart | RoundEnd], ...] = (
+            ServiceSender(io.senders, "impostor"),
+            *((no_rounds,) if self._async is not None else ()),
+            *addressed,
+            MarkerVersion(published),
+        )
+        return batch, tail, marker
 
     @property
     def shard(self) -> int:
@@ -101,21 +141,17 @@ class ShardRunner:
     # --- deliveries ---------------------------------------------------------------------------
     def on_batch(self, delivery: Delivery, batch: SmashedBatch) -> None:
         replica, io = self.replica, self._io
-        problem = (
-            check_batch(batch, self._want)
-            or check_membership(batch, replica.cohort_round, replica.cohort)
-            or self._stranger(batch.client)
-        )
-        if problem is not None:
-            io.reject(delivery, *problem)
-            return
+        for check in self._batch_checks:
+            if (problem := check(delivery, batch)) is not None:
+                io.refuse(delivery, problem.reason)
+                return
         if self._taken_before(delivery, batch):
             return
         clock = self._async
         if clock is not None and self._refused_by_clock(delivery, batch, clock):
             return
         if (over := self._gate.over_budget(batch)) is not None:
-            io.refuse(delivery, over)
+            io.refuse(delivery, over.reason)
             return
         self._gate.took(batch)
         if io.metrics.enabled:
@@ -124,7 +160,8 @@ class ShardRunner:
         if clock is None and batch.version > replica.version:
             self.settle()
             if not self._reload(batch.version):
-                io.reject(delivery, "unknown_version", f"version {batch.version} not found")
+                detail = f"version {batch.version} not found"
+                io.refuse(delivery, Rejection("unknown_version", detail).reason)
                 return
         item = Item(delivery, batch)
         if self._barrier is not None:
@@ -143,13 +180,13 @@ class ShardRunner:
         if replica.applied_already(batch.client, batch.seq):
             recorded = replica.applied_id(batch.client, batch.seq)
             if (forged := copy_problem(batch.seq, batch.message_id, recorded)) is not None:
-                io.reject(delivery, *forged)
+                io.refuse(delivery, forged.reason)
                 return True
             self._hold(delivery)  # acked with the next checkpoint, never applied again
             self._answer_duplicate(batch)
             return True
         if (outside := self._gate.seq_problem(batch)) is not None:
-            io.reject(delivery, *outside)
+            io.refuse(delivery, outside.reason)
             return True
         return self._replaces_buffered(delivery, batch)
 
@@ -161,26 +198,21 @@ class ShardRunner:
         refused = clock.refusal(batch)
         if refused is None:
             return False
-        code, detail = refused
-        if code != TOO_STALE:
-            io.reject(delivery, code, detail)
+        if refused.code != TOO_STALE:
+            io.refuse(delivery, refused.reason)
             return True
         # Valid, just too old: answered, and acked with the next checkpoint.
         self._hold(delivery)
         io.stats.too_stale += 1
-        io.replier.send(answer(batch, clock.known_version, "rejected", detail))
+        io.replier.send(answer(batch, clock.known_version, "rejected", refused.detail))
         return True
 
     def on_tail(self, delivery: Delivery, message: TailGradient) -> None:
         """A client's dL/d(ServerOutput): finishes its open step (docs/architecture.md,
         "U-shaped split"); a copy of one applied already is answered as a batch's copy is."""
-        if self._ushaped is None:
-            detail = "a TailGradient in a job that is not U-shaped (model.tail is unset)"
-            self._io.reject(delivery, "not_u_shaped", detail)
-            return
-        problem = check_sender(message, self._want) or self._stranger(message.client)
-        if problem is not None:
-            self._io.reject(delivery, *problem)
+        problem = first_rejection(self._tail_checks, delivery, message)
+        if problem is not None or self._ushaped is None:
+            self._io.refuse(delivery, (problem or not_u_shaped(delivery, message)).reason)
             return
         if self.replica.applied_already(message.client, message.seq):
             self._hold(delivery)
@@ -189,23 +221,10 @@ class ShardRunner:
         if self._ushaped.take(delivery, message):
             self._finish(force=False)
 
-    def _stranger(self, client: str) -> Rejection | None:
-        """Cohort members and clients already applied here are known without asking."""
-        replica = self.replica
-        if client in replica.cohort or client in replica.seqs or self._io.members(client):
-            return None
-        return "unknown_client", f"client {client!r} is not a member of the job"
-
     def on_marker(self, delivery: Delivery, message: RoundStart | RoundEnd) -> None:
-        if self._async is not None:
-            # Async mode has no rounds: a marker would reset the replica's sample count.
-            self._io.reject(delivery, "no_rounds", f"{type(message).__name__} in async mode")
-            return
-        problem = check_addressing(message, self._want) or check_marker(
-            message, self._io.store.current_version(self._want.job)
-        )
+        problem = first_rejection(self._marker_checks, delivery, message)
         if problem is not None:
-            self._io.reject(delivery, *problem)
+            self._io.refuse(delivery, problem.reason)
         elif isinstance(message, RoundStart):
             self._on_round_start(delivery, message)
         else:
@@ -214,7 +233,8 @@ class ShardRunner:
     def _on_round_start(self, delivery: Delivery, message: RoundStart) -> None:
         cohort, problem = parse_cohort(message)
         if problem is not None or cohort is None:
-            self._io.reject(delivery, *(problem or ("bad_cohort", "unusable participants")))
+            problem = problem or Rejection("bad_cohort", "unusable participants")
+            self._io.refuse(delivery, problem.reason)
             return
         self.settle()
         if message.version > self.replica.version and not self._reload(message.version):
@@ -357,7 +377,7 @@ class ShardRunner:
     def _step_failed(self, what: str, items: list[Item], exc: Exception) -> None:
         self._say("server %s failed: %r", what, exc, level=logging.ERROR)
         for item in items:
-            self._io.reject(item.delivery, "server_step", repr(exc))
+            self._io.refuse(item.delivery, Rejection("server_step", repr(exc)).reason)
 
     def _cohort_weight(self, batch: SmashedBatch) -> float:
         """MiniBatch-SFL's p_n: the client's samples from RoundStart; its rows otherwise."""
@@ -408,7 +428,8 @@ class ShardRunner:
         with the ones prefetched behind them, so seqs still rise and none looks a duplicate."""
         io = self._io
         for item in poisoned:
-            self._io.reject(item.delivery, "non_finite", f"server step on seq {item.batch.seq}")
+            detail = f"server step on seq {item.batch.seq}"
+            self._io.refuse(item.delivery, Rejection("non_finite", detail).reason)
         returned = len(self._pending) + self.buffered()
         self._pending, self._fold = [], []
         if self._ushaped is not None:
@@ -462,7 +483,8 @@ class ShardRunner:
             if same(item):
                 older, self._fold[index] = item, renewed(item)
         if older is None and taken_from:
-            self._io.reject(delivery, *reused(batch.seq, batch.message_id, taken_from[0]))
+            reuse = reused(batch.seq, batch.message_id, taken_from[0])
+            self._io.refuse(delivery, reuse.reason)
             return True
         if older is None:
             return False

@@ -15,6 +15,7 @@ from broker.transport import Delivery
 from services.algorithms.base import StrategyBase
 from services.algorithms.recipe import LossFn
 from services.metrics.recorder import Metrics
+from services.security.identity import SenderCheck
 from workers.device_io import DevicePlane
 from workers.gate import StepRule
 from workers.members import MemberCache
@@ -47,13 +48,13 @@ class ShardIO:
     replier: Replier
     plane: DevicePlane
     members: MemberCache
+    senders: SenderCheck  # who may send a client's messages, and the markers
     stats: WorkerStats
     metrics: Metrics
     clock: Callable[[], float]
     log: logging.Logger
     ack: Callable[[Delivery], None]  # raises `StaleDeliveryError` after a reconnect
-    reject: Callable[[Delivery, str, str], None]  # dead-letter with (code, detail)
-    refuse: Callable[[Delivery, str], None]  # dead-letter with a whole reason
+    refuse: Callable[[Delivery, str], None]  # dead-letter with a reason (`Rejection.reason`)
     renew: Callable[[int], bool]  # the shard's lease: whether it is still ours
     redeliver: Callable[[int], None]  # re-subscribe to the shard's queue
 

@@ -186,7 +186,7 @@ class UShapedStep:
         if list(message.grad.shape) != shape:
             detail = f"tail gradient of shape {list(message.grad.shape)} for an output of {shape}"
             if delivery is not None:
-                self._io.reject(delivery, "bad_shape", detail)
+                self._io.refuse(delivery, f"bad_shape: {detail}")
             return
         older = step.tails.get(at)
         if older is not None:  # a copy: the newer delivery is the one to ack with the step

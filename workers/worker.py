@@ -20,12 +20,13 @@ from functools import partial
 
 from broker.errors import BrokerError, StaleDeliveryError
 from broker.messages import RoundEnd, RoundStart, SmashedBatch, TailGradient
-from broker.rejection import Rejected, dead_letter_many_safely
+from broker.rejection import Rejected, Rejection, dead_letter_many_safely
 from broker.store import WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
+from services.common.checks.addressing import wrong_type
 from services.common.jobmodel import job_hyper, job_model
 from services.common.leases import LeaseKeeper
 from services.common.logs import log_context
@@ -189,12 +190,12 @@ class WorkerSession:
             replier=self.replier,
             plane=self.plane,
             members=self.members,
+            senders=self.senders,
             stats=self.stats,
             metrics=self.metrics,
             clock=self.clock,
             log=self.log,
             ack=self.broker.ack,
-            reject=self.reject,
             refuse=self.refuse,
             renew=self.keeper.renew,
             redeliver=self.redeliver,
@@ -366,25 +367,19 @@ class WorkerSession:
             return
         if message is None:  # its body was refused
             assert arrival.error is not None
-            self.reject(delivery, "decode", arrival.error.reason)
+            self.refuse(delivery, Rejection("decode", arrival.error.reason).reason)
             return
-        # The one look at the message's type: it picks the check of its sender and the handler.
+        # The one look at the message's type: it picks the handler, which runs the runner's
+        # chain of checks for that type first.
         handle: Callable[[], None]
         if isinstance(message, SmashedBatch):
-            forged = self.senders.client_problem(delivery, message.client)
             handle = partial(runner.on_batch, delivery, message)
         elif isinstance(message, TailGradient):
-            forged = self.senders.client_problem(delivery, message.client)
             handle = partial(runner.on_tail, delivery, message)
         elif isinstance(message, RoundStart | RoundEnd):
-            forged = self.senders.service_problem(delivery, type(message).__name__)
             handle = partial(runner.on_marker, delivery, message)
         else:
-            detail = f"{type(message).__name__} does not belong on a shard queue"
-            self.reject(delivery, "wrong_type", detail)
-            return
-        if forged is not None:
-            self.reject(delivery, "impostor", forged)
+            self.refuse(delivery, wrong_type(message, "a shard queue").reason)
             return
         try:
             with log_context(shard=runner.shard, client=message.client or None):
@@ -397,9 +392,6 @@ class WorkerSession:
     ) -> None:
         prefix = "worker %s job %s: "
         self.log.log(level, prefix + message, self.worker_id, self.job, *args, exc_info=exc_info)
-
-    def reject(self, delivery: Delivery, code: str, detail: str) -> None:
-        self.refuse(delivery, f"{code}: {detail}")
 
     def refuse(self, delivery: Delivery, reason: str) -> None:
         """Dead-letter `delivery` with `reason` (`"<code>: <detail>"`) in the next batch of

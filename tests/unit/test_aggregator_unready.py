@@ -14,12 +14,13 @@ import pytest
 
 from broker.messages import RoundStart
 from broker.topology import dead_queue_name
-from broker.transport import REASON_HEADER
+from broker.transport import REASON_HEADER, Delivery
 from services.aggregator.aggregator import Aggregator
+from services.common.checks.addressing import SameJob, SameShard
 from services.report.records import ListSink
 from tests.unit.test_aggregator import SAMPLES, Job, client_value, wait_until
 from tests.unit.test_aggregator_peers import FakeClient, add_member, make_settings
-from workers.shard_checks import ShardExpectations, check_addressing, parse_cohort
+from workers.shard_checks import parse_cohort
 
 UNREADY = "has no training samples"
 
@@ -28,10 +29,14 @@ def worker_refusals(job: str, starts: list[RoundStart]) -> list[tuple[str, str]]
     """What a real worker would have dead-lettered of these RoundStarts (its own check)."""
     problems = []
     for start in starts:
-        want = ShardExpectations(job, start.shard, cut_shape=(1,), num_classes=10)
-        problem = check_addressing(start, want) or parse_cohort(start)[1]
+        delivery = Delivery(body=b"", queue="q", routing_key="q", tag=1)
+        problem = (
+            SameJob(job)(delivery, start)
+            or SameShard(start.shard)(delivery, start)
+            or parse_cohort(start)[1]
+        )
         if problem is not None:
-            problems.append(problem)
+            problems.append((problem.code, problem.detail))
     return problems
 
 

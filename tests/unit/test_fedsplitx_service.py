@@ -12,6 +12,7 @@ from broker.codec import decode, encode
 from broker.errors import EncodeError
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import Join, SmashedBatch, new_message_id
+from broker.transport import Delivery
 from services.aggregator.rounds import replica_of
 from services.common.jobmodel import job_hyper, job_model
 from services.coordinator.joining import LevelDesk
@@ -19,7 +20,7 @@ from services.coordinator.welcomes import REWELCOME_S
 from tests.unit.test_coordinator import Desk, settings_for
 from tests.unit.test_worker_support import make_settings, seed_version
 from workers.replica import Replica, open_replica
-from workers.shard_checks import ShardExpectations, check_batch
+from workers.shard_checks import BatchContent, ShardExpectations
 
 LEVEL2_SHAPE = (20, 4, 4)  # cnn5 after block2
 
@@ -57,14 +58,16 @@ def test_worker_checks_the_shape_of_the_batchs_own_cut() -> None:
         cut="block1",
         other_cuts={"block2": LEVEL2_SHAPE, "block3": (50,)},
     )
-    assert check_batch(batch("block1", (10, 12, 12)), want) is None
-    assert check_batch(batch("", (10, 12, 12)), want) is None  # the job's cut
-    assert check_batch(batch("block2", LEVEL2_SHAPE), want) is None
-    assert check_batch(batch("block3", (50,)), want) is None
-    problem = check_batch(batch("block2", (10, 12, 12)), want)
-    assert problem is not None and problem[0] == "bad_shape"
-    problem = check_batch(batch("classifier", (10,)), want)
-    assert problem is not None and problem[0] == "bad_cut"
+    check = BatchContent(want)
+    delivery = Delivery(body=b"", queue="q", routing_key="q", tag=1)
+    assert check(delivery, batch("block1", (10, 12, 12))) is None
+    assert check(delivery, batch("", (10, 12, 12))) is None  # the job's cut
+    assert check(delivery, batch("block2", LEVEL2_SHAPE)) is None
+    assert check(delivery, batch("block3", (50,))) is None
+    problem = check(delivery, batch("block2", (10, 12, 12)))
+    assert problem is not None and problem.code == "bad_shape"
+    problem = check(delivery, batch("classifier", (10,)))
+    assert problem is not None and problem.code == "bad_cut"
 
 
 def test_replica_counts_rows_per_cut_through_its_checkpoint(job: str) -> None:

@@ -10,11 +10,16 @@ import torch
 
 from broker.memory_store import InMemoryWeightStore
 from broker.messages import RoundStart, SmashedBatch
+from broker.rejection import Rejection
+from broker.transport import Delivery
+from services.common.checks.addressing import SameJob, SameShard
+from services.common.checks.membership import InCohort
+from services.common.checks.sender import ClientIdShape, NamesClient
 from services.common.jobmodel import job_hyper, job_model
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 from workers.barrier import StepBarrier
 from workers.replica import RECENT_SEQS, Replica, open_replica, pick_device
-from workers.shard_checks import ShardExpectations, check_batch, check_membership, parse_cohort
+from workers.shard_checks import BatchContent, ShardExpectations, parse_cohort
 
 COHORT = {"a": 10, "b": 20, "c": 30}
 
@@ -78,6 +83,24 @@ def batch(**overrides: object) -> SmashedBatch:
 
 
 WANT = ShardExpectations(job="j", shard=0, cut_shape=(10, 12, 12), num_classes=10)
+DELIVERY = Delivery(body=b"", queue="q", routing_key="q", tag=1)
+
+
+def check_batch(message: SmashedBatch, want: ShardExpectations) -> Rejection | None:
+    """The worker's checks of a batch alone, in the chain's order (`ShardRunner._chains`)."""
+    checks = (
+        SameJob(want.job),
+        SameShard(want.shard),
+        NamesClient("bad_client"),
+        ClientIdShape("bad_client"),
+        BatchContent(want),
+    )
+    return next((p for c in checks if (p := c(DELIVERY, message)) is not None), None)
+
+
+class Cohort:
+    def __init__(self, cohort_round: int, cohort: dict[str, int]) -> None:
+        self.cohort_round, self.cohort = cohort_round, cohort
 
 
 @pytest.mark.parametrize(
@@ -95,13 +118,14 @@ WANT = ShardExpectations(job="j", shard=0, cut_shape=(10, 12, 12), num_classes=1
 )
 def test_batch_checks(overrides: dict[str, object], code: str | None) -> None:
     problem = check_batch(batch(**overrides), WANT)
-    assert (problem[0] if problem else None) == code
+    assert (problem.code if problem else None) == code
 
 
 def test_membership_applies_to_the_round_of_the_known_cohort_only() -> None:
-    assert check_membership(batch(client="z"), 0, COHORT) is not None
-    assert check_membership(batch(client="z", round=1), 0, COHORT) is None
-    assert check_membership(batch(client="a"), 0, COHORT) is None
+    in_cohort = InCohort(Cohort(0, COHORT))
+    assert in_cohort(DELIVERY, batch(client="z")) is not None
+    assert in_cohort(DELIVERY, batch(client="z", round=1)) is None
+    assert in_cohort(DELIVERY, batch(client="a")) is None
 
 
 def test_cohort_parsing_rejects_unusable_sample_counts() -> None:
@@ -109,7 +133,7 @@ def test_cohort_parsing_rejects_unusable_sample_counts() -> None:
     assert parse_cohort(start) == ({"a": 10, "b": 20}, None)
     for bad in ({"a": 0}, {"a": "ten"}, {"a": True}, {"": 3}):
         cohort, problem = parse_cohort(RoundStart("j", "", "m", 1, 0, 0, bad))
-        assert cohort is None and problem is not None and problem[0] == "bad_cohort"
+        assert cohort is None and problem is not None and problem.code == "bad_cohort"
 
 
 def test_device_choice() -> None:

@@ -52,8 +52,9 @@ def test_a_record_without_a_base_has_no_window() -> None:
 def test_a_copy_carries_the_applied_message_id() -> None:
     assert copy_problem(7, "m1", "m1") is None
     assert copy_problem(7, "m2", None) is None  # not kept (older checkpoint): a copy
-    code, detail = copy_problem(7, "m2", "m1") or ("", "")
-    assert code == "seq_reused" and "m1" in detail and "m2" in detail
+    reused = copy_problem(7, "m2", "m1")
+    assert reused is not None and reused.code == "seq_reused"
+    assert "m1" in reused.detail and "m2" in reused.detail
 
 
 def test_a_forged_seq_far_ahead_does_not_move_the_window() -> None:
@@ -79,7 +80,7 @@ def test_a_seq_outside_the_window_asks_for_a_new_session() -> None:
     assert seqs.problem("a", 5000, 4, 1000) is None
     assert asked == [False, True]
     refused = seqs.problem("a", 1001, 4, 1000)  # the old session's
-    assert refused is not None and refused[0] == "bad_seq"
+    assert refused is not None and refused.code == "bad_seq"
 
 
 def test_the_window_starts_above_what_the_replica_applied_in_the_session() -> None:
