@@ -2,10 +2,11 @@
 
 A message dataclass of `broker.messages` is read once into a `Schema`: each field's wire kind
 (scalar, tensor, map of either) and its checks, from its annotation and markers. Encoding and
-decoding (`broker.codec`) check a scalar of exactly its type with one call (the fast path);
-anything else, and every tensor, takes the long way: a `Writer` (encode) or `Reader` (decode)
-walks the value, converts what it may and raises the precise reason. Tensors are laid out as
-they are met: the writer places each in the data section, the reader collects their slots.
+decoding (`broker.codec`) check a whole message's fields in one call, `Walker.fields`: a scalar
+of exactly its type is tested inline (the fast path); anything else takes the long way, where a
+`Writer` (encode) or `Reader` (decode) walks the value, converts what it may and raises the
+precise reason. Tensors are laid out as they are met: the writer places each in the data section
+and writes its header map, the reader checks the map and collects the slots.
 """
 
 from __future__ import annotations
