@@ -8,8 +8,10 @@ lists these names as the choices of `splitmq experiment`, and `splitmq --help` o
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
-from services.experiments.experiment import Experiment
+if TYPE_CHECKING:  # it imports the results and the report, and torch with them
+    from services.experiments.experiment import Experiment
 
 NAMES = ("minibatch_sfl", "feddeper", "subfedavg", "splitgp", "fedsplitx")
 
