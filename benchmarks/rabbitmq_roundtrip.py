@@ -13,7 +13,7 @@ receives the reply. The client times the whole round trip. Two paths, in one run
 - **raw**: pika BlockingConnection with pika's defaults, the same queue arguments, exchanges,
   delivery_mode=2, publisher confirms, mandatory, prefetch and manual acks; bodies are
   `tensor.numpy().tobytes()` both ways and the receiver wraps them with `numpy.frombuffer` +
-  `torch.from_numpy`. Unlike RabbitMQBroker (`rabbitmq_channels.tune_frames`), it reads the
+  `torch.from_numpy`. Unlike RabbitMQBroker (`pika_frames.tune_frames`), it reads the
   socket 4 KiB at a time, as pika does by default.
 
 `--diagnose` adds the two mixtures, to tell the codec's share from the broker wrapper's:
@@ -58,7 +58,7 @@ from benchmarks.common import (
 from broker.codec import decode, encode
 from broker.messages import GradientReply, SmashedBatch, new_message_id
 from broker.rabbitmq import RabbitMQBroker
-from broker.rabbitmq_channels import queue_arguments
+from broker.rabbitmq_declare import queue_arguments
 from broker.topology import reply_queue, shard_queue
 from broker.transport import PublishOptions, QueueSpec
 
@@ -497,7 +497,7 @@ i.e. first touches of freshly mapped memory.
 
 Where the time goes: at large sizes, pika's receive path. By default pika reads the socket 4 KiB
 at a time and appends each read to a `bytes` frame buffer (32 reads and ~2 MiB of copying per
-128 KiB frame); RabbitMQBroker parses 1 MiB reads in place (`rabbitmq_channels.tune_frames`),
+128 KiB frame); RabbitMQBroker parses 1 MiB reads in place (`pika_frames.tune_frames`),
 which is why ours and bytes/broker beat raw pika there. At small sizes, the codec's fixed cost
 per message (schema checks, msgpack header, tensor views, finite check) dominates: compare ours
 with bytes/broker, and see the codec section for that cost alone. The finite check runs on

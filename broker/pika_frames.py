@@ -132,8 +132,11 @@ class _FrameReader:
         impl._frame_buffer = b""
 
     def feed(self, data: bytes) -> None:
+        """Process every whole frame of `data` (after completing the one a read cut last); keep
+        the cut one's start. One call per read: the parse is inline."""
         start = 0
         partial = self._partial
+        buffers: tuple[tuple[bytes, int], ...] = ((data, 0),)
         if partial:
             if len(partial) < _FRAME_HEAD.size:
                 start = _FRAME_HEAD.size - len(partial)
@@ -145,30 +148,27 @@ class _FrameReader:
                 partial += data[start:]
                 return
             partial += data[start : start + missing]
-            start += missing
             whole = bytes(partial)
             partial.clear()
-            self._parse(whole, 0)
-        self._parse(data, start)
-
-    def _parse(self, data: bytes, offset: int) -> None:
+            buffers = ((whole, 0), (data, start + missing))
         impl = self._impl
-        view = memoryview(data)
-        while len(data) - offset >= _FRAME_HEAD.size:
-            kind, channel, size = _FRAME_HEAD.unpack_from(data, offset)
-            end = offset + size + 8
-            if end > len(data):
-                break
-            if data[end - 1] != pika.spec.FRAME_END:
-                raise pika.exceptions.InvalidFrameError("Invalid FRAME_END marker")
-            if kind == pika.spec.FRAME_BODY:
-                value: Any = pika.frame.Body(channel, view[offset + 7 : end - 1])
-            else:
-                value = pika.frame.decode_frame(data[offset:end])[1]
-            impl.bytes_received += end - offset  # pika's heartbeat checker watches it
-            offset = end
-            impl._process_frame(value)
-        self._partial += view[offset:]
+        for buffer, offset in buffers:
+            view = memoryview(buffer)
+            while len(buffer) - offset >= _FRAME_HEAD.size:
+                kind, channel, size = _FRAME_HEAD.unpack_from(buffer, offset)
+                end = offset + size + 8
+                if end > len(buffer):
+                    break
+                if buffer[end - 1] != pika.spec.FRAME_END:
+                    raise pika.exceptions.InvalidFrameError("Invalid FRAME_END marker")
+                if kind == pika.spec.FRAME_BODY:
+                    value: Any = pika.frame.Body(channel, view[offset + 7 : end - 1])
+                else:
+                    value = pika.frame.decode_frame(buffer[offset:end])[1]
+                impl.bytes_received += end - offset  # pika's heartbeat checker watches it
+                offset = end
+                impl._process_frame(value)
+            partial += view[offset:]  # nothing of `whole`: it is one whole frame
 
 
 def _send_message(impl: Any, channel: int, method: Any, content: tuple[Any, bytes]) -> None:

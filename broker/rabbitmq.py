@@ -6,6 +6,10 @@ reopened on the next operation (see `broker.rabbitmq_channels`): topology and su
 back, a publish cut off before its confirm is sent again (at-least-once), and deliveries from
 the lost connection become stale: acking one raises `StaleDeliveryError`, since RabbitMQ has
 already requeued it.
+
+`publish`, `get`, `ack` and `refused` run for every message: while the channels are open they
+use them directly (the keeper's only on a first use, a loss or an error), so a message's path
+crosses this file, `broker.rabbitmq_confirms` for a confirm_later publish, and the frames.
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ from broker.errors import (
 from broker.rabbitmq_channels import ChannelKeeper
 from broker.rabbitmq_connection import PIKA_ERRORS, RabbitMQOptions, connection_parameters
 from broker.rabbitmq_consumers import Consumers
-from broker.rabbitmq_declare import Declarations, queue_arguments
-from broker.topology import CONTROL_EXCHANGE, DEAD_EXCHANGE, dead_queue, dead_queue_name
+from broker.rabbitmq_declare import Declarations
+from broker.topology import (
+    BEST_EFFORT_EXCHANGES,
+    CONTROL_EXCHANGE,
+    DEAD_EXCHANGE,
+    dead_queue,
+    dead_queue_name,
+)
 from broker.transport import (
     PLAIN,
     Broker,
@@ -46,13 +56,14 @@ from broker.transport import (
     check_publish,
     count_settled,
     dead_letter_headers,
+    incoming_headers,
     no_dead_letter_routing,
     not_outstanding,
     outgoing_headers,
     unroutable,
 )
 
-__all__ = ["RabbitMQBroker", "RabbitMQOptions", "queue_arguments"]
+__all__ = ["RabbitMQBroker", "RabbitMQOptions"]
 
 _TRANSIENT, _PERSISTENT = 1, 2
 _log = logging.getLogger("splitmq.broker")
@@ -93,9 +104,7 @@ class RabbitMQBroker:
         self._returned: set[int] = set()  # tags given back by unsubscribe
         urls = [url] if isinstance(url, str) else list(url)
         self._declared = Declarations(self._options)
-        self._consumers = Consumers(
-            on_delivery=self._buffer.append, on_void=self._void, clock=clock
-        )
+        self._consumers = Consumers(on_message=self._on_message, on_void=self._void, clock=clock)
         self._keeper = ChannelKeeper(
             [connection_parameters(u, self._options, self._name) for u in urls],
             self._options,
@@ -145,15 +154,55 @@ class RabbitMQBroker:
             message_id=options.message_id,
             user_id=user_id,
         )
+        # The fast path: send on the channel as it stands while it is open (it is, but after a
+        # loss or a channel error); else, or when that send fails (`failed`), the keeper opens
+        # the channel or reconnects, and sends.
+        keeper = self._keeper
+        sent = False
+        failed: BaseException | None = None
         if options.confirm_later:
-            self._keeper.send_later(exchange, routing_key, body, properties, options)
+            channel = keeper.later.channel
+            if channel is not None and channel.is_open:
+                try:
+                    keeper.later.send(exchange, routing_key, body, properties, options)
+                    sent = True
+                except PIKA_ERRORS as exc:
+                    failed = exc
+            if not sent:
+                keeper.send_later(exchange, routing_key, body, properties, options, failed)
         else:
-            self._keeper.publish(exchange, routing_key, body, properties, target)
+            channel = keeper.publisher_channel
+            if channel is not None and channel.is_open:
+                mandatory = exchange not in BEST_EFFORT_EXCHANGES
+                try:  # refusals mapped as in `ChannelKeeper.publish`
+                    channel.basic_publish(
+                        exchange, routing_key, body, properties, mandatory=mandatory
+                    )
+                    sent = True
+                except pika.exceptions.NackError as exc:
+                    raise self._declared.full(exchange, routing_key) from exc
+                except pika.exceptions.UnroutableError as exc:
+                    raise unroutable(exchange, routing_key) from exc
+                except PIKA_ERRORS as exc:
+                    failed = exc
+            if not sent:
+                keeper.publish(exchange, routing_key, body, properties, target, failed)
         if self.meter is not None:
             self.meter.sent(routing_key, len(body), time.perf_counter() - started)
 
     def refused(self) -> list[Refused]:
-        return self._keeper.take_refused()
+        """The confirm_later publishes refused since the last call, in publish order; takes in
+        what RabbitMQ has sent meanwhile first (without waiting)."""
+        keeper = self._keeper
+        later, connection = keeper.later, keeper.connection
+        if (later.sent or later.acked) and connection is not None and connection.is_open:
+            try:
+                connection.process_data_events(time_limit=0)
+            except PIKA_ERRORS:
+                keeper.drop_connection()  # the unconfirmed ones become refusals
+        if not later.refusals:
+            return []
+        return [refusal for _, refusal in later.take()]
 
     def subscribe(self, queue: str, *, prefetch: int) -> None:
         if prefetch < 1:
@@ -170,10 +219,30 @@ class RabbitMQBroker:
     def get(self, timeout: float) -> Delivery | None:
         started = time.perf_counter()
         if not self._buffer:
+            keeper, consumers = self._keeper, self._consumers
             deadline = self._clock() + timeout
             while True:
                 remaining = max(0.0, deadline - self._clock())
-                self._keeper.call(functools.partial(self._keeper.pump, remaining), "receive")
+                # The fast path: what `ChannelKeeper.pump` checks first holds (both channels
+                # open, no subscription waiting to take a queue over), so pump the connection
+                # here; else the keeper opens, looks, or reconnects (after `failed`), and pumps.
+                channel, publisher = consumers.channel, keeper.publisher_channel
+                pumped = False
+                failed: BaseException | None = None
+                if (
+                    channel is not None
+                    and channel.is_open
+                    and publisher is not None
+                    and publisher.is_open
+                    and not consumers.waiting
+                ):
+                    try:
+                        keeper.connection.process_data_events(time_limit=remaining)
+                        pumped = True
+                    except PIKA_ERRORS as exc:
+                        failed = exc
+                if not pumped:
+                    keeper.call(functools.partial(keeper.pump, remaining), "receive", failed)
                 if self._buffer or remaining <= 0.0:
                     break
         delivery = self._buffer.popleft() if self._buffer else None
@@ -185,7 +254,15 @@ class RabbitMQBroker:
         return delivery
 
     def ack(self, delivery: Delivery) -> None:
-        channel = self._outstanding(delivery)
+        consumers = self._consumers
+        channel = consumers.channel
+        # `_outstanding`, inline for a delivery that can be settled (it raises for the others).
+        if (
+            channel is None
+            or delivery.generation != consumers.generation
+            or delivery.tag not in self._unacked
+        ):
+            channel = self._outstanding(delivery)
         try:
             channel.basic_ack(delivery.tag)
         except PIKA_ERRORS as exc:
@@ -378,6 +455,32 @@ class RabbitMQBroker:
                 channel.basic_nack(tag, requeue=True)
                 del self._unacked[tag]
                 self._returned.add(tag)
+
+    def _on_message(
+        self,
+        generation: int,
+        queue: str,
+        _channel: Any,
+        method: Any,
+        properties: Any,
+        body: bytes,
+    ) -> None:
+        """pika's delivery callback (`Consumers.consume` binds `generation` and `queue`)."""
+        if generation != self._consumers.generation:
+            return  # from a channel already given up; RabbitMQ has requeued it
+        self._buffer.append(
+            Delivery(
+                body=body,
+                queue=queue,
+                routing_key=method.routing_key,
+                tag=method.delivery_tag,
+                redelivered=bool(method.redelivered),
+                headers=incoming_headers(properties.headers),
+                message_id=properties.message_id,
+                user_id=properties.user_id,
+                generation=generation,
+            )
+        )
 
     def _void(self) -> None:
         """The consumer channel went: RabbitMQ requeued everything delivered on it."""

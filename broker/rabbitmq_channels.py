@@ -37,13 +37,11 @@ from broker.rabbitmq_connection import (
     server_url,
 )
 from broker.rabbitmq_consumers import Consumers
-from broker.rabbitmq_declare import Declarations, queue_arguments
+from broker.rabbitmq_declare import Declarations
 from broker.topology import BEST_EFFORT_EXCHANGES, DEAD_EXCHANGE
-from broker.transport import PLAIN, Delivery, PublishOptions, QueueSpec, Refused, unroutable
+from broker.transport import PLAIN, Delivery, PublishOptions, QueueSpec, unroutable
 
-# queue_arguments: benchmarks/rabbitmq_roundtrip.py imports it from here (broker.rabbitmq
-# exports it too, where it belongs).
-__all__ = ["ChannelKeeper", "queue_arguments"]
+__all__ = ["ChannelKeeper"]
 
 T = TypeVar("T")
 _log = logging.getLogger("splitmq.broker")
@@ -73,7 +71,7 @@ class ChannelKeeper:
         if not nodes:
             raise ValueError("a RabbitMQ broker needs at least one node's URL")
         self._nodes = list(nodes)
-        self._node = rng.randrange(len(self._nodes))
+        self._next_node(rng.randrange(len(self._nodes)))
         self._options = options
         self._declared = declared
         self._consumers = consumers
@@ -81,63 +79,75 @@ class ChannelKeeper:
         self._sleep = sleep
         self._rng = rng
         self._frames = FramePatch()
-        self._connection: Any = None  # pika.BlockingConnection
-        self._publisher_channel: Any = None  # pika BlockingChannel with confirms
-        self._later = Unconfirmed(declared.full)  # confirm_later publishes
+        # `RabbitMQBroker`'s per-message methods use these as they are while open (the fast
+        # path), and come here (`call`) to open or reopen them.
+        self.connection: Any = None  # pika.BlockingConnection
+        self.publisher_channel: Any = None  # pika BlockingChannel with confirms
+        self.later = Unconfirmed(declared.full)  # confirm_later publishes
         self._dead = Unconfirmed(declared.full)  # batched dead letters' copies
         self.connects = 0
         self.closed = False
         self._lost_at: float | None = None  # when the current outage began (None: connected)
 
-    @property
-    def _params(self) -> pika.URLParameters:
-        """The node connected to, or to be tried next."""
-        return self._nodes[self._node]
-
-    @property
-    def user(self) -> str:
-        name: str = self._params.credentials.username
-        return name
+    def _next_node(self, node: int) -> None:
+        """Make `node` the one connected to, or tried next: `_params`, and its `user`, which
+        every publish checks its user_id against (kept, not looked up per publish)."""
+        self._node: int = node % len(self._nodes)
+        self._params: pika.URLParameters = self._nodes[self._node]
+        self.user: str = str(self._params.credentials.username)
 
     def server_properties(self) -> Mapping[str, object]:
         self.call(self.publisher, "connect")
         # pika keeps the server's Connection.Start properties on the underlying connection only.
-        properties = getattr(self._connection._impl, "server_properties", None)
+        properties = getattr(self.connection._impl, "server_properties", None)
         return properties if isinstance(properties, dict) else {}
 
     # -- running operations -------------------------------------------------------------------
 
-    def call(self, op: Callable[[], T], what: str) -> T:
-        """Run `op`, reconnecting on connection loss; map every pika error to ours."""
+    def call(self, op: Callable[[], T], what: str, failed: BaseException | None = None) -> T:
+        """Run `op`, reconnecting on connection loss; map every pika error to ours. `failed`:
+        the pika error a first attempt made outside (a fast path), handled as if `op` had
+        raised it."""
         outage: Outage | None = None
         while True:
-            try:
-                return op()
-            except PIKA_ERRORS as exc:
-                if not self._connection_lost(exc):
-                    raise self.channel_failure(exc, what) from exc
-                self._drop_connection()
-                if isinstance(exc, AUTH_FAILURES):
-                    raise auth_refused(exc, what, self._params) from exc
-                if outage is None:
-                    where = ", ".join(server_url(node) for node in self._nodes)
-                    outage = Outage(
-                        self._options,
-                        clock=self._clock,
-                        sleep=self._sleep,
-                        rng=self._rng,
-                        where=where if len(self._nodes) == 1 else f"any of {where}",
-                    )
-                    self._note_lost(exc, what)
-                self._node = (self._node + 1) % len(self._nodes)
-                outage.wait_or_give_up(exc, what)
+            exc = failed
+            if exc is None:
+                try:
+                    return op()
+                except PIKA_ERRORS as raised:
+                    exc = raised
+            failed = None
+            if not self._connection_lost(exc):
+                raise self.channel_failure(exc, what) from exc
+            self.drop_connection()
+            if isinstance(exc, AUTH_FAILURES):
+                raise auth_refused(exc, what, self._params) from exc
+            if outage is None:
+                where = ", ".join(server_url(node) for node in self._nodes)
+                outage = Outage(
+                    self._options,
+                    clock=self._clock,
+                    sleep=self._sleep,
+                    rng=self._rng,
+                    where=where if len(self._nodes) == 1 else f"any of {where}",
+                )
+                self._note_lost(exc, what)
+            self._next_node(self._node + 1)
+            outage.wait_or_give_up(exc, what)
 
     def publish(
-        self, exchange: str, routing_key: str, body: bytes, properties: Any, target: str
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: Any,
+        target: str,
+        failed: BaseException | None = None,
     ) -> None:
         """Publish on the publisher channel and wait for the confirm; a refusal becomes our
         error. A connection lost before the confirm is reopened and the message sent again
-        (at-least-once)."""
+        (at-least-once). `failed`: as for `call` (`RabbitMQBroker.publish` tries the open
+        channel first, with the same mapping of a refusal)."""
         mandatory = exchange not in BEST_EFFORT_EXCHANGES
 
         def send() -> None:
@@ -149,7 +159,7 @@ class ChannelKeeper:
             except pika.exceptions.UnroutableError as exc:
                 raise unroutable(exchange, routing_key) from exc
 
-        self.call(send, f"publish to {target}")
+        self.call(send, f"publish to {target}", failed)
 
     def send_later(
         self,
@@ -158,23 +168,15 @@ class ChannelKeeper:
         body: bytes,
         properties: Any,
         options: PublishOptions,
+        failed: BaseException | None = None,
     ) -> None:
-        """Publish without waiting for the confirm: `take_refused` reports a refusal later."""
+        """Publish without waiting for the confirm: `RabbitMQBroker.refused` reports a refusal
+        later (from `later`). `failed`: as for `call`."""
 
         def send() -> None:
-            self._open(self._later).send(exchange, routing_key, body, properties, options)
+            self._open(self.later).send(exchange, routing_key, body, properties, options)
 
-        self.call(send, f"publish to exchange {exchange!r}, key {routing_key!r}")
-
-    def take_refused(self) -> list[Refused]:
-        """The `send_later` publishes refused since the last call, in publish order; takes in
-        what RabbitMQ has sent meanwhile first (without waiting)."""
-        if self._later.waiting() and self._connection is not None and self._connection.is_open:
-            try:
-                self._connection.process_data_events(time_limit=0)
-            except PIKA_ERRORS:
-                self._drop_connection()  # the unconfirmed ones become refusals
-        return [refusal for _, refusal in self._later.take()]
+        self.call(send, f"publish to exchange {exchange!r}, key {routing_key!r}", failed)
 
     def copy_all(
         self, copies: Sequence[tuple[str, bytes, Any]], generation: int
@@ -200,16 +202,16 @@ class ChannelKeeper:
             def done() -> bool:
                 return not dead.sent or not channel.is_open
 
-            wait = getattr(self._connection, "_flush_output", None)
+            wait = getattr(self.connection, "_flush_output", None)
             if callable(wait):  # pika's own wait, as in its confirmed publish
                 wait(done)
             while not done():  # a pika without it: poll, no slower than a confirm comes
-                self._connection.process_data_events(time_limit=0.001)
+                self.connection.process_data_events(time_limit=0.001)
         except PIKA_ERRORS as exc:
             if not self._connection_lost(exc):  # the channel was closed: nothing was lost
                 failure = self.channel_failure(exc, "dead-letter copy")
                 return dict.fromkeys(range(len(copies)), failure)
-            self._drop_connection()
+            self.drop_connection()
             self._note_lost(exc, "dead-letter copy")
             return dict.fromkeys(range(len(copies)), stale)
         if not channel.is_open:  # closed by RabbitMQ (say, no write permission)
@@ -218,12 +220,12 @@ class ChannelKeeper:
 
     def _open(self, unconfirmed: Unconfirmed) -> Unconfirmed:
         self.publisher()  # the connection, and the exchanges declared on it
-        unconfirmed.open(self._connection)
+        unconfirmed.open(self.connection)
         return unconfirmed
 
     def channel_failure(self, exc: BaseException, what: str) -> BrokerError:
-        if self._publisher_channel is not None and not self._publisher_channel.is_open:
-            self._publisher_channel = None
+        if self.publisher_channel is not None and not self.publisher_channel.is_open:
+            self.publisher_channel = None
         consumer = self._consumers.channel
         if consumer is not None and not consumer.is_open:
             self._consumers.void()
@@ -232,7 +234,7 @@ class ChannelKeeper:
     def settle_failure(self, exc: BaseException, delivery: Delivery, what: str) -> BrokerError:
         """Map a failed ack/nack/dead-letter: stale if its channel went, else a channel error."""
         if self._connection_lost(exc):
-            self._drop_connection()
+            self.drop_connection()
             self._note_lost(exc, what)
         elif self._consumers.channel is None or not self._consumers.channel.is_open:
             self._consumers.void()
@@ -247,24 +249,24 @@ class ChannelKeeper:
 
     def publisher(self) -> Any:
         connection = self._ensure_connection()
-        channel = self._publisher_channel
+        channel = self.publisher_channel
         if channel is None or not channel.is_open:
             channel = connection.channel()
             channel.confirm_delivery()
-            self._publisher_channel = channel
+            self.publisher_channel = channel
             self._declared.restore(channel)
         return channel
 
     def consumer(self) -> Any:
         # Topology first: a re-subscription after a reconnect needs its queue to exist again.
         self.publisher()
-        return self._consumers.open(self._connection, self._taken_over)
+        return self._consumers.open(self.connection, self._taken_over)
 
     def pump(self, time_limit: float) -> None:
         """Process I/O (deliveries, heartbeats) for at most `time_limit` seconds."""
         channel = self.consumer()
         time_limit = self._consumers.look(channel, self._taken_over, time_limit)
-        self._connection.process_data_events(time_limit=time_limit)
+        self.connection.process_data_events(time_limit=time_limit)
 
     def subscribe(self, queue: str, prefetch: int) -> None:
         """Consume `queue`; a single-active-consumer queue that someone else consumes is
@@ -307,15 +309,15 @@ class ChannelKeeper:
 
     def close(self) -> None:
         self.closed = True
-        self._drop_connection()
+        self.drop_connection()
 
     def _ensure_connection(self) -> Any:
         if self.closed:
             raise BrokerError("this broker handle is closed")
-        if self._connection is None or not self._connection.is_open:
-            self._drop_connection()
-            self._connection = pika.BlockingConnection(self._params)
-            self._frames.apply(self._connection)
+        if self.connection is None or not self.connection.is_open:
+            self.drop_connection()
+            self.connection = pika.BlockingConnection(self._params)
+            self._frames.apply(self.connection)
             self.connects += 1
             if self._lost_at is not None:
                 _log.info(
@@ -325,7 +327,7 @@ class ChannelKeeper:
                     self._clock() - self._lost_at,
                 )
                 self._lost_at = None
-        return self._connection
+        return self.connection
 
     def _note_lost(self, exc: BaseException, what: str) -> None:
         """One warning per outage, however many attempts it takes (no traceback: the cause is
@@ -353,12 +355,12 @@ class ChannelKeeper:
     def _connection_lost(self, exc: BaseException) -> bool:
         if isinstance(exc, pika.exceptions.AMQPConnectionError):
             return True
-        return self._connection is None or not self._connection.is_open
+        return self.connection is None or not self.connection.is_open
 
-    def _drop_connection(self) -> None:
-        connection, self._connection = self._connection, None
-        self._publisher_channel = self._later.channel = self._dead.channel = None
-        self._later.lose("the connection was lost before the confirm")
+    def drop_connection(self) -> None:
+        connection, self.connection = self.connection, None
+        self.publisher_channel = self.later.channel = self._dead.channel = None
+        self.later.lose("the connection was lost before the confirm")
         self._dead.lose("the connection was lost before the confirm")
         self._consumers.void()
         if connection is not None and connection.is_open:

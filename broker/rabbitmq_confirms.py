@@ -41,14 +41,12 @@ class Unconfirmed:
         self._full = full
         self.channel: Any = None
         self.sent: dict[int, _Sent] = {}  # by delivery tag, unconfirmed
-        self._acked: deque[_Sent] = deque(maxlen=64)  # lately confirmed: a late basic.return
+        # Lately confirmed: a late basic.return may still come in for them, as may a confirm
+        # while `sent` is not empty (`RabbitMQBroker.refused` reads both).
+        self.acked: deque[_Sent] = deque(maxlen=64)
         self._next_tag = 1
-        self._refused: list[tuple[int, Refused]] = []  # (order, refusal), not yet taken
+        self.refusals: list[tuple[int, Refused]] = []  # (order, refusal), not yet taken
         self._sends = 0  # publishes so far, for their order
-
-    def waiting(self) -> bool:
-        """Whether a confirm, or a late basic.return, may still come in."""
-        return bool(self.sent or self._acked)
 
     def open(self, connection: Any) -> Any:
         channel = self.channel
@@ -88,16 +86,16 @@ class Unconfirmed:
 
     def take(self) -> list[tuple[int, Refused]]:
         """The refusals since the last call, with their orders, in publish order."""
-        taken = sorted(self._refused, key=lambda pair: pair[0])
+        taken = sorted(self.refusals, key=lambda pair: pair[0])
         first_open = min((sent.order for sent in self.sent.values()), default=self._sends)
-        self._refused = [pair for pair in taken if pair[0] > first_open]
+        self.refusals = [pair for pair in taken if pair[0] > first_open]
         return [pair for pair in taken if pair[0] < first_open]
 
     def lose(self, why: str) -> None:
         """Every unconfirmed publish is refused, with `why` (the channel or connection went)."""
         for sent in self.sent.values():
             error = BrokerUnavailableError(f"publish to {sent.routing_key!r}: {why}")
-            self._refused.append(sent.refused(sent.error or error))
+            self.refusals.append(sent.refused(sent.error or error))
         self.sent.clear()
 
     def _on_confirm(self, frame: Any) -> None:
@@ -110,17 +108,17 @@ class Unconfirmed:
             if isinstance(method, pika.spec.Basic.Nack):
                 sent.error = self._full(sent.exchange, sent.routing_key)
             if sent.error is not None:
-                self._refused.append(sent.refused(sent.error))
+                self.refusals.append(sent.refused(sent.error))
             else:
-                self._acked.append(sent)
+                self.acked.append(sent)
 
     def _on_return(self, _channel: Any, method: Any, _props: Any, body: bytes) -> None:
         # A basic.return is sent before the confirm of the message it hands back, but now and
         # then it is read after it: then the message is among the lately confirmed.
-        for sent in [*self.sent.values(), *self._acked]:
+        for sent in [*self.sent.values(), *self.acked]:
             if sent.error is None and sent.routing_key == method.routing_key and sent.body == body:
                 sent.error = unroutable(sent.exchange, sent.routing_key)
-                if sent in self._acked:
-                    self._acked.remove(sent)
-                    self._refused.append(sent.refused(sent.error))
+                if sent in self.acked:
+                    self.acked.remove(sent)
+                    self.refusals.append(sent.refused(sent.error))
                 return

@@ -72,7 +72,7 @@ class RabbitMQOptions:
     # RabbitMQ records x-death, but our x-splitmq-reason/-queue/-user headers are lost (the
     # reason is logged at WARNING instead).
     dead_letter_by_nack: bool = False
-    # How the job's durable queues are kept (`broker.rabbitmq_channels.queue_arguments`):
+    # How the job's durable queues are kept (`broker.rabbitmq_declare.queue_arguments`):
     # "quorum" replicates each over the cluster's nodes (Raft), so a node's death loses none of
     # their messages; "classic" keeps each on one node (a single-node broker's default).
     queue_type: Literal["classic", "quorum"] = "classic"

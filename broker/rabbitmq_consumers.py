@@ -3,7 +3,8 @@ single-active-consumer queues waiting to be taken over.
 
 Whenever the consumer channel goes, everything delivered on it is void (RabbitMQ requeues it):
 the generation is bumped and `on_void` tells the owner to drop its buffered and unacked state.
-A new channel gets back every subscription (`open`).
+A new channel gets back every subscription (`open`). Nothing here runs per message: pika hands
+each delivery to the owner's `on_message`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from typing import Any
 
 import pika.exceptions
 
-from broker.transport import Delivery, incoming_headers
-
 _log = logging.getLogger("splitmq.broker")
 # How often a subscription waiting to take over a single-active-consumer queue looks again.
 _LOOK_EVERY_S = 0.2
 # Whether someone consumes a single-active-consumer queue now (`ChannelKeeper._taken_over`).
 TakenOver = Callable[[str], bool]
+# pika's delivery callback, given first the generation and queue it was subscribed with: the
+# owner's (`RabbitMQBroker._on_message`), where each delivery becomes ours, and is dropped
+# when its generation is void.
+OnMessage = Callable[[int, str, Any, Any, Any, bytes], None]
 
 
 class Consumers:
@@ -31,24 +34,25 @@ class Consumers:
     def __init__(
         self,
         *,
-        on_delivery: Callable[[Delivery], None],
+        on_message: OnMessage,
         on_void: Callable[[], None],
         clock: Callable[[], float],
     ) -> None:
-        self._on_delivery = on_delivery
+        self._on_message = on_message
         self._on_void = on_void
         self._clock = clock
         self.channel: Any = None
         self.generation = 0  # carried by deliveries; bumped when older ones become void
         self._prefetch: dict[str, int] = {}  # subscriptions to restore
         # Single-active-consumer subscriptions waiting for the queue's previous consumer to
-        # go (`wait`), and when `look` last looked.
-        self._waiting: dict[str, int] = {}
+        # go (`wait`), and when `look` last looked; `RabbitMQBroker.get` pumps without `look`
+        # while none waits.
+        self.waiting: dict[str, int] = {}
         self._looked_at = 0.0
         self._tags: dict[str, str] = {}  # queue -> consumer tag on the current channel
 
     def subscribed(self, queue: str) -> bool:
-        return queue in self._prefetch or queue in self._waiting
+        return queue in self._prefetch or queue in self.waiting
 
     def live_channel(self, generation: int) -> Any:
         """The consumer channel, if deliveries of `generation` can still be settled on it."""
@@ -69,7 +73,7 @@ class Consumers:
                 try:
                     if taken_over(queue):  # our old consumer may linger a moment
                         del self._prefetch[queue]
-                        self._waiting[queue] = prefetch
+                        self.waiting[queue] = prefetch
                     else:
                         self.consume(channel, queue, prefetch)
                 except pika.exceptions.ChannelClosedByBroker:
@@ -86,19 +90,19 @@ class Consumers:
 
     def wait(self, queue: str, prefetch: int) -> None:
         """Consume `queue` once `look` finds its present consumer gone."""
-        self._waiting[queue] = prefetch
+        self.waiting[queue] = prefetch
         _log.info("waiting for the consumer of %s to go before taking it over", queue)
 
     def look(self, channel: Any, taken_over: TakenOver, time_limit: float) -> float:
         """Consume the waiting queues no one consumes any more (every `_LOOK_EVERY_S`); the
         time to wait for I/O, cut to wake up for the next look while any still waits."""
-        if self._waiting and self._clock() - self._looked_at >= _LOOK_EVERY_S:
+        if self.waiting and self._clock() - self._looked_at >= _LOOK_EVERY_S:
             self._looked_at = self._clock()
-            for queue, prefetch in list(self._waiting.items()):
+            for queue, prefetch in list(self.waiting.items()):
                 if not taken_over(queue):
-                    del self._waiting[queue]
+                    del self.waiting[queue]
                     self.consume(channel, queue, prefetch)
-        if self._waiting:
+        if self.waiting:
             # Wake up for the next look, not only for I/O: nothing is delivered from a queue
             # not consumed yet, so a wait past the look would last its whole time limit.
             next_look = self._looked_at + _LOOK_EVERY_S - self._clock()
@@ -108,7 +112,7 @@ class Consumers:
     def stop(self, queue: str) -> bool:
         """Stop restoring `queue`; False if it was only waiting (never consumed)."""
         self._prefetch.pop(queue, None)
-        return self._waiting.pop(queue, None) is None
+        return self.waiting.pop(queue, None) is None
 
     def cancel(self, channel: Any, queue: str) -> bool:
         """Cancel the consumer of `queue` on `channel`; False if the channel has none (it was
@@ -126,7 +130,7 @@ class Consumers:
         single-active-consumer queue finds the returned messages first. Everything delivered
         on the channel is void; the other subscriptions come back on the next channel."""
         self._prefetch.pop(queue, None)
-        self._waiting.pop(queue, None)
+        self.waiting.pop(queue, None)
         channel = self.channel
         self.void()
         if channel is not None and channel.is_open:
@@ -138,31 +142,6 @@ class Consumers:
         self._tags.clear()
         self.generation += 1
         self._on_void()
-
-    def _on_message(
-        self,
-        generation: int,
-        queue: str,
-        _channel: Any,
-        method: Any,
-        properties: Any,
-        body: bytes,
-    ) -> None:
-        if generation != self.generation:
-            return  # from a channel already given up; RabbitMQ has requeued it
-        self._on_delivery(
-            Delivery(
-                body=body,
-                queue=queue,
-                routing_key=method.routing_key,
-                tag=method.delivery_tag,
-                redelivered=bool(method.redelivered),
-                headers=incoming_headers(properties.headers),
-                message_id=properties.message_id,
-                user_id=properties.user_id,
-                generation=generation,
-            )
-        )
 
     def _on_cancelled(self, method_frame: Any) -> None:
         # RabbitMQ cancelled a consumer (its queue was deleted): do not restore it later.

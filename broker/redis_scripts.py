@@ -120,7 +120,7 @@ return out
 
 # The scripts over a list of members (RENEW_MEMBERS, MEMBER_TTLS): KEYS are pairs of a kind's
 # members zset and info hash; ARGV, after the script's own arguments, pairs of slot and member,
-# the slot n naming the member's pair KEYS[2n - 1], KEYS[2n] (`redis_store.kind_slots`).
+# the slot n naming the member's pair KEYS[2n - 1], KEYS[2n] (`redis_members.kind_slots`).
 
 # ARGV[1] ttl in ms, then slots and members. Renews the live ones (XX: never adds one), prunes
 # the expired ones among them; per member 1 if it was live, else 0. O(log N) per member: no

@@ -124,7 +124,7 @@ def test_batched_dead_letters_are_confirmed_with_and_without_pikas_wait(
                 assert all(d is not None for d in deliveries)
                 keeper: Any = broker._keeper
                 if round_ == 1:
-                    keeper._connection = _WithoutWait(keeper._connection)
+                    keeper.connection = _WithoutWait(keeper.connection)
                 letters = [(d, "bad") for d in deliveries if d is not None]
                 assert broker.dead_letter_many(letters) == []
                 assert not keeper._dead.sent  # every copy confirmed before the originals' acks

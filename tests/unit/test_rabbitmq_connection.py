@@ -8,8 +8,9 @@ import socket
 import pytest
 
 from broker.errors import BrokerUnavailableError
-from broker.rabbitmq import RabbitMQBroker, queue_arguments
+from broker.rabbitmq import RabbitMQBroker
 from broker.rabbitmq_connection import Outage, RabbitMQOptions, connection_parameters
+from broker.rabbitmq_declare import queue_arguments
 from broker.topology import (
     DEAD_EXCHANGE,
     dead_queue,
