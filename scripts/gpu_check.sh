@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, which CI does not have. Run from the repository root on a
-# machine where torch sees a GPU, with SplitMQ importable (installed, or on PYTHONPATH) and
-# SPLITMQ_TEST_DATA_DIR pointing at the datasets:
+# machine where torch sees a GPU, with SplitMQ installed (`pip install -e .`: the runtime finds
+# the worker through its `splitmq.roles` entry points, which a checkout that is only on
+# PYTHONPATH does not have) and SPLITMQ_TEST_DATA_DIR pointing at the datasets:
 #
 #     bash scripts/gpu_check.sh [--busy-only] [OUTPUT_DIR]
 #
