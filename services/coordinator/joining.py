@@ -179,13 +179,14 @@ class JoinDesk:
             return self._dismiss(message, last, ended.text if ended else JOB_FINISHED)
         if verdict is Verdict.WITHHOLD:
             return "withheld"
+        welcome = self._welcome(message, info, version)
         try:
-            self._welcome(message, info, version)
+            with self.limit.sending(message.client, message.message_id, info.session):
+                self._outbox.reply(message.client, welcome)
         except UnroutableError:
             if existing is None:
                 self._roster.remove(message.client)
             return "unreachable"
-        self.limit.welcomed(message.client, message.message_id, info.session)
         if existing is not None:
             restarted = " as a new process" if info.session != existing.session else ""
             self._log.info("job %s: client %s re-joined%s", self._job, message.client, restarted)
@@ -257,11 +258,11 @@ class JoinDesk:
         reason = f"job full: all {count} client slots are taken ({live} live)"
         return self._outbox.error(message.client, version, "job_full", reason, message.message_id)
 
-    def _welcome(self, message: Join, info: MemberInfo, version: int) -> None:
+    def _welcome(self, message: Join, info: MemberInfo, version: int) -> Welcome:
         if self._weights is None or self._weights.version != version:
             self._weights = WeightsCache(self._store, self._job, version)
         client_weights, aux_weights = self._weights.for_client(message.client)
-        welcome = Welcome(
+        return Welcome(
             job=self._job,
             client=message.client,
             message_id=new_message_id(),
@@ -275,7 +276,6 @@ class JoinDesk:
             config={**client_config(self._settings, info.partition), **self._level_of(info.cut)},
             seq_base=info.seq_base,
         )
-        self._outbox.reply(message.client, welcome)
 
     def _level_of(self, cut: str) -> dict[str, ConfigValue]:
         """`{"level": m}` for a job with several depth levels (FedSplitX), else nothing."""

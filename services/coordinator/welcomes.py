@@ -21,7 +21,8 @@ name. The memory is this process's: a restarted coordinator may welcome a sessio
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -71,10 +72,23 @@ class WelcomeLimit:
         return Verdict.WITHHOLD
 
     def welcomed(self, client: str, join_id: str, session: str) -> None:
-        """A Welcome answering `join_id` went out."""
+        """A Welcome answering `join_id` went out now."""
+        self._record(client, join_id, session, self._clock())
+
+    @contextmanager
+    def sending(self, client: str, join_id: str, session: str) -> Iterator[None]:
+        """Around the send of a Welcome answering `join_id`: recorded if the send returns, as
+        of when it began. The client may hold its Welcome before the send returns (the
+        broker's confirm comes after the delivery); timed from the return, a Join it sends
+        `interval_s` after its Welcome came could find the interval not over."""
+        at = self._clock()
+        yield
+        self._record(client, join_id, session, at)
+
+    def _record(self, client: str, join_id: str, session: str, at: float) -> None:
         last = self._clients.setdefault(client, _Welcomed(session, 0.0))
         last.session = session  # the ids handled stay: a replay of an old session's is one too
-        last.at = self._clock()
+        last.at = at
         last.ids.append(join_id)
 
     def forget(self, client: str) -> None:
