@@ -45,6 +45,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 import pika
@@ -59,10 +60,10 @@ from broker.rabbitmq import RabbitMQBroker
 from broker.redis_store import RedisWeightStore
 from broker.topology import SMASHED_EXCHANGE, reply_queue, reply_queue_name, shard_routing_key
 from broker.transport import PublishOptions, QueueSpec
-from services.algorithms.base import CohortBatch, StepResults, StrategyBase
+from services.algorithms.base import CohortBatch, ServerSide, StepResults, StrategyBase
 from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.registry import build_strategy
-from services.algorithms.sfl import SFL
+from services.algorithms.sfl import SFL, SFLServer
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
 from services.config.root import Settings
@@ -111,11 +112,12 @@ def null_model(*, shape: Sequence[int], num_classes: int) -> list[tuple[str, nn.
     return [("body", _Stub(shape)), ("server", _Logits(num_classes))]
 
 
-@dataclass(frozen=True, kw_only=True)
-class NullSFL(SFL):
-    """SFL whose server step is an identity of the right shapes: zero gradients, no update."""
+@dataclass(frozen=True)
+class NullStep(SFLServer):
+    """SFL's server side with a step that is an identity of the right shapes: zero gradients,
+    no update."""
 
-    def server_step(
+    def step(
         self,
         server: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -124,6 +126,15 @@ class NullSFL(SFL):
         loss: LossFn = cross_entropy,
     ) -> StepResults:
         return [(torch.zeros_like(b.activations), 0.0, 0) for b in batches]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NullSFL(SFL):
+    """SFL whose server step is `NullStep`'s."""
+
+    @cached_property
+    def server(self) -> ServerSide | None:
+        return NullStep(u_shaped=True)
 
 
 def recast(strategy: StrategyBase, cls: Callable[..., S], **extra: Any) -> S:

@@ -12,8 +12,8 @@ comes. So what the worker leaves idle is its own: decode, copies, checks, encode
 
 GPU busy is read two ways over the timed steps: `nvidia-smi`'s utilization (the share of each
 sample period in which a kernel ran, sampled every 100 ms), and the share of wall time spent
-inside server steps, timed with CUDA events around `server_step` (an upper bound: a step's own
-gaps between kernels count as busy). `scripts/gpu_check.sh` runs it.
+inside server steps, timed with CUDA events around the server side's `step` (an upper bound:
+a step's own gaps between kernels count as busy). `scripts/gpu_check.sh` runs it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from broker.topology import SMASHED_EXCHANGE, reply_queue, reply_queue_name, sha
 from services.algorithms.base import CohortBatch, StepResults
 from services.algorithms.recipe import LossFn, cross_entropy
 from services.algorithms.registry import build_strategy
-from services.algorithms.sfl import SFL
+from services.algorithms.sfl import SFL, SFLServer
 from services.common.backends import Backends, Embedded
 from services.common.jobmodel import job_model
 from services.config.root import Settings
@@ -58,14 +59,14 @@ WAIT = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class TimedSFL(SFL):
-    """SFL whose server steps are timed: with CUDA events on the stream they run on (read
-    after a synchronize), or on the CPU's clock for a smoke run without a GPU."""
+class TimedStep(SFLServer):
+    """SFL's server side with its steps timed: with CUDA events on the stream they run on
+    (read after a synchronize), or on the CPU's clock for a smoke run without a GPU."""
 
     cuda: bool = True
     spans: list[Callable[[], float]] = field(default_factory=list)  # each step's seconds
 
-    def server_step(
+    def step(
         self,
         server: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -76,17 +77,28 @@ class TimedSFL(SFL):
         if not self.cuda:
             began = time.perf_counter()
             try:
-                return super().server_step(server, optimizer, batches, loss=loss)
+                return super().step(server, optimizer, batches, loss=loss)
             finally:
                 seconds = time.perf_counter() - began
                 self.spans.append(lambda: seconds)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         try:
-            return super().server_step(server, optimizer, batches, loss=loss)
+            return super().step(server, optimizer, batches, loss=loss)
         finally:
             end.record()
             self.spans.append(lambda: start.elapsed_time(end) / 1e3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimedSFL(SFL):
+    """SFL whose server steps are `TimedStep`'s."""
+
+    cuda: bool = True
+
+    @cached_property
+    def server(self) -> TimedStep:
+        return TimedStep(u_shaped=True, cuda=self.cuda)
 
 
 class TimedWorker(Worker):
@@ -95,7 +107,8 @@ class TimedWorker(Worker):
     def __init__(self, settings: Settings, backends: Backends, **kwargs: Any) -> None:
         super().__init__(settings, backends, **kwargs)
         cuda = settings.workers.device == "cuda"
-        self.strategy = self.timed = recast(self.strategy, TimedSFL, cuda=cuda)
+        self.strategy = timed = recast(self.strategy, TimedSFL, cuda=cuda)
+        self.timed = timed.server
 
 
 def settings_for(job: str, prefetch: str, device: str) -> Settings:

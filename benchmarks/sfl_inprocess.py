@@ -5,7 +5,7 @@
 
 One process, no broker: four clients' bodies (copies of the same initial model) and one server
 side, stepping exactly as SFL-V2 does over the wire — client forward, the worker's server step
-(`SFL.server_step`: forward, backward, optimizer step, dL/dz), client backward and step —
+(`SFLServer.step`: forward, backward, optimizer step, dL/dz), client backward and step —
 cycling over the four clients' batches in turn. Data, partition (IID over 4 clients), batch
 size, optimizer and learning rate are the deployment's. Each repetition times `steps` steps
 after `warm` untimed ones, at each thread count in turn; prints one JSON line per repetition.
@@ -27,7 +27,7 @@ import torch
 from benchmarks.sfl_deploy import BATCH, CLIENTS
 from models.parts import ServerModel
 from services.algorithms.base import CohortBatch, Hyper
-from services.algorithms.sfl import SFL
+from services.algorithms.sfl import SFLServer
 from services.client.data import JobData, client_batches
 from services.common.jobmodel import job_model
 from services.config.loading import load_settings
@@ -63,7 +63,7 @@ class Loop:
         self.clients, self.batch = clients, batch
         net = job_model(settings)
         hyper = Hyper(lr=settings.algorithm.lr, momentum=settings.algorithm.momentum)
-        self.strategy = SFL()
+        self.server_side = SFLServer()
         self.server = ServerModel(copy.deepcopy(net), cut)
         self.server.train()
         self.server_opt = hyper.server_optimizer(self.server.parameters())
@@ -86,7 +86,7 @@ class Loop:
         body, optimizer = self.bodies[k]
         z = body(x)
         batch = CohortBatch(f"client-{k}", z.detach(), y, float(y.shape[0]))
-        [(grad, _loss, _correct)] = self.strategy.server_step(self.server, self.server_opt, [batch])
+        [(grad, _loss, _correct)] = self.server_side.step(self.server, self.server_opt, [batch])
         optimizer.zero_grad(set_to_none=True)
         z.backward(grad.to(dtype=z.dtype))
         optimizer.step()

@@ -106,7 +106,7 @@ def infer(
         raise click.BadParameter("give one or more thresholds", param_hint="--sweep")
     _, settings = load(config)
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
-    if not strategy.split_inference:
+    if strategy.server is None or not strategy.server.split_inference:
         raise click.ClickException(
             f"algorithm {settings.algorithm.name!r} has no split inference (SplitGP has)"
         )

@@ -61,7 +61,7 @@ class RoundRunner:
         )
         local = Tally()
         hook = None
-        if not member.strategy.splits:
+        if member.strategy.server is None:
             # The whole model runs here: measure its training loss on the batches it sees.
             batches, hook = self._tallied(model, batches, local, plan.hyper.loss)
         # The algorithm's per-client tensors (`ClientContext.memory`) are cleared when the job
@@ -77,7 +77,7 @@ class RoundRunner:
         )
         # A whole-model round waits on nothing: it computes within the host's gate.
         gate: AbstractContextManager[None] = (
-            nullcontext() if member.strategy.splits else self.seat.compute.held()
+            nullcontext() if member.strategy.server is not None else self.seat.compute.held()
         )
         try:
             with gate:
@@ -102,7 +102,7 @@ class RoundRunner:
         # An algorithm that measured its own model already (FedDeper's v_k, Sub-FedAvg's
         # pruned model) reports it in `result.metrics`, which wins below.
         measured = "personal_accuracy" in result.metrics
-        if not member.strategy.splits and self.evaluate and not measured:
+        if member.strategy.server is None and self.evaluate and not measured:
             metrics["personal_accuracy"] = self._local_accuracy(index, model)
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),

@@ -91,7 +91,7 @@ def build_client(
 def worker_count(settings: Settings) -> int:
     """Workers to start: none when the algorithm has no server-side layers (FedAvg)."""
     strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
-    return settings.workers.count if strategy.splits else 0
+    return settings.workers.count if strategy.server is not None else 0
 
 
 def embedded_roles(

@@ -30,7 +30,8 @@ def test_the_null_step_answers_zeros_of_each_batchs_shape_and_dtype() -> None:
     server = torch.nn.Linear(1, 1)
     before = server.weight.detach().clone()
     optimizer = torch.optim.SGD(server.parameters(), lr=1.0)
-    [(grad, loss, correct)] = strategy.server_step(server, optimizer, batches)
+    assert strategy.server is not None
+    [(grad, loss, correct)] = strategy.server.step(server, optimizer, batches)
     assert grad.shape == z.shape and grad.dtype == z.dtype and not grad.any()
     assert (loss, correct) == (0.0, 0)
     assert torch.equal(server.weight, before)
