@@ -71,10 +71,6 @@ class WelcomeLimit:
         last.ids.append(join_id)
         return Verdict.WITHHOLD
 
-    def welcomed(self, client: str, join_id: str, session: str) -> None:
-        """A Welcome answering `join_id` went out now."""
-        self._record(client, join_id, session, self._clock())
-
     @contextmanager
     def sending(self, client: str, join_id: str, session: str) -> Iterator[None]:
         """Around the send of a Welcome answering `join_id`: recorded if the send returns, as

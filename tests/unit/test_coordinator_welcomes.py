@@ -18,7 +18,8 @@ def test_a_handled_join_id_is_a_replay_however_late() -> None:
     clock = ManualClock()
     limit = WelcomeLimit(clock)
     assert limit.judge("a", "j1", "s1", member=False) is Verdict.WELCOME
-    limit.welcomed("a", "j1", "s1")
+    with limit.sending("a", "j1", "s1"):
+        pass
     clock.advance(10 * REWELCOME_S)
     assert limit.judge("a", "j1", "s1", member=True) is Verdict.REPLAYED
     assert limit.judge("b", "j1", "s1", member=False) is Verdict.WELCOME  # ids are per client
@@ -27,7 +28,8 @@ def test_a_handled_join_id_is_a_replay_however_late() -> None:
 def test_one_welcome_per_client_per_interval() -> None:
     clock = ManualClock()
     limit = WelcomeLimit(clock)
-    limit.welcomed("a", "j1", "s1")
+    with limit.sending("a", "j1", "s1"):
+        pass
     clock.advance(REWELCOME_S / 2)
     assert limit.judge("a", "j2", "s1", member=True) is Verdict.WITHHOLD
     assert limit.judge("a", "j2", "s1", member=True) is Verdict.REPLAYED  # withheld: handled
@@ -37,7 +39,8 @@ def test_one_welcome_per_client_per_interval() -> None:
     clock.advance(REWELCOME_S / 2)
     assert limit.judge("a", "j5", "s1", member=True) is Verdict.WELCOME
     assert limit.judge("a", "j6", "s2", member=True) is Verdict.WELCOME
-    limit.welcomed("a", "j6", "s2")
+    with limit.sending("a", "j6", "s2"):
+        pass
     assert limit.judge("a", "j1", "s1", member=True) is Verdict.REPLAYED  # an old session's
     limit.forget("a")  # left or expired
     assert limit.judge("a", "j7", "s3", member=False) is Verdict.WELCOME
