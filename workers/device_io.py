@@ -141,6 +141,7 @@ class Inbox:
         """`decoder`: `broker.codec.decode` unless given (tests wrap it)."""
         self._broker = broker
         self._plane = plane
+        self._staging = plane.device.type == "cuda"  # else `DevicePlane.stage` is the identity
         self._decoder = decoder or decode
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splitmq-decode")
@@ -164,6 +165,8 @@ class Inbox:
             decoded = decoded.result()
         if isinstance(decoded, DecodeError):
             return Arrival(pending.delivery, None, decoded)
+        if decoded.copied is None:  # nothing on its way to a device (`DevicePlane.ready`)
+            return Arrival(pending.delivery, decoded.message)
         return Arrival(pending.delivery, self._plane.ready(decoded))
 
     def forget(self, queue: str) -> None:
@@ -186,6 +189,7 @@ class Inbox:
 
     def _decode(self, body: bytes) -> Decoded:
         try:
-            return self._plane.stage(self._decoder(body))
+            message = self._decoder(body)
         except DecodeError as exc:
             return exc
+        return self._plane.stage(message) if self._staging else Staged(message)

@@ -147,15 +147,20 @@ class SessionSeqs:
 
     def __init__(self, lookup: BaseLookup) -> None:
         self._lookup = lookup
-        self._sessions: dict[str, _Session] = {}
+        # By client; public for `ClientGate`, which moves a window up inline.
+        self.sessions: dict[str, _Session] = {}
 
     def problem(self, client: str, seq: int, credit: int, applied: int | None) -> Rejection | None:
         """A `bad_seq` rejection when `seq` is outside `client`'s session window, else None.
         `applied`: the highest seq of the client the replica has applied (any session)."""
-        session = self._sessions.get(client)
+        session = self.sessions.get(client)
         if session is None:
             session = self._open(client, self._lookup(client, False), applied)
-        why = window_problem(seq, session.base, session.top, credit)
+        base, top = session.base, session.top
+        # `window_problem`'s own test, inline: every batch passes here.
+        if not base or (seq >= base and (top is None or seq <= top + credit)):
+            return None
+        why = window_problem(seq, base, top, credit)
         if why is None:
             return None
         base = self._lookup(client, True)
@@ -168,19 +173,19 @@ class SessionSeqs:
 
     def took(self, client: str, seq: int) -> None:
         """`seq` passed every check and is applied or buffered: the window moves up."""
-        session = self._sessions.get(client)
+        session = self.sessions.get(client)
         if session is not None and (session.top is None or seq > session.top):
             session.top = seq
 
     def forget(self) -> None:
         """Back to the replica's record (after a rollback to its checkpoint)."""
-        self._sessions.clear()
+        self.sessions.clear()
 
     def _open(self, client: str, base: int, applied: int | None) -> _Session:
         top = applied if applied is not None and applied >= base else None
         if top is None and base:
             top = base - 1
-        session = self._sessions[client] = _Session(base, top)
+        session = self.sessions[client] = _Session(base, top)
         return session
 
 
@@ -193,41 +198,57 @@ class ClientGate:
     by_version: bool = False
     _credit: Credit = field(default_factory=Credit)
     _seqs: SessionSeqs = field(init=False)
+    # The round's allowance of each cohort member: its samples are fixed until the next round.
+    _allowances: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._seqs = SessionSeqs(self._seq_base)
 
     def allowance(self, client: str) -> int:
         """Batches `client` may have accepted per round: from its samples in the round's cohort
-        (the aggregator's word), else in its member record; 0 samples (never in a cohort, or
-        gone) still leave `SLACK`."""
+        (the aggregator's word, kept for the round), else in its member record (read each
+        time: it may change); 0 samples (never in a cohort, or gone) still leave `SLACK`."""
         samples = self.replica.cohort.get(client)
-        if samples is None:
-            info = self.members.info(client)
-            samples = info.samples if info is not None else 0
-        return self.rule.allowance(samples)
+        if samples is not None:
+            allowance = self._allowances[client] = self.rule.allowance(samples)
+            return allowance
+        info = self.members.info(client)
+        return self.rule.allowance(info.samples if info is not None else 0)
 
     def seq_problem(self, batch: SmashedBatch) -> Rejection | None:
-        credit = self.allowance(batch.client)
-        applied = self.replica.seqs.get(batch.client)
-        return self._seqs.problem(batch.client, batch.seq, credit, applied)
-
-    def over_budget(self, batch: SmashedBatch) -> Rejection | None:
-        """Why to refuse `batch` unjudged when its client has no credit left, else None
-        (one batch of credit spent)."""
-        allowance = self.allowance(batch.client)
-        key = batch.version if self.by_version else 0
-        if self._credit.spend(batch.client, key, allowance):
+        client, seq = batch.client, batch.seq
+        credit = self._allowances.get(client) or self.allowance(client)
+        session = self._seqs.sessions.get(client)
+        # Inside a known window (`SessionSeqs.problem`'s first answer): every batch but a
+        # session's first.
+        if session is not None and (
+            not session.base
+            or (seq >= session.base and (session.top is None or seq <= session.top + credit))
+        ):
             return None
-        per = f"computed with version {batch.version}" if self.by_version else "this round"
-        detail = f"client {batch.client!r} has had {allowance} batches {per}, its allowance"
-        return Rejection("over_budget", f"{detail}; refused unjudged")
+        return self._seqs.problem(client, seq, credit, self.replica.seqs.get(client))
 
-    def took(self, batch: SmashedBatch) -> None:
-        self._seqs.took(batch.client, batch.seq)
+    def take(self, batch: SmashedBatch) -> Rejection | None:
+        """Spend a batch of its client's credit and move its seq window up (`batch` passed
+        every other check and is applied or buffered); when no credit is left, why `batch` is
+        refused unjudged."""
+        client = batch.client
+        allowance = self._allowances.get(client) or self.allowance(client)
+        key = batch.version if self.by_version else 0
+        if not self._credit.spend(client, key, allowance):
+            per = f"computed with version {batch.version}" if self.by_version else "this round"
+            detail = f"client {client!r} has had {allowance} batches {per}, its allowance"
+            return Rejection("over_budget", f"{detail}; refused unjudged")
+        # `SessionSeqs.took`, inline.
+        session, seq = self._seqs.sessions.get(client), batch.seq
+        if session is not None and (session.top is None or seq > session.top):
+            session.top = seq
+        return None
 
     def new_round(self) -> None:
+        """A RoundStart: a new cohort, every client's count starts again."""
         self._credit.new_round()
+        self._allowances.clear()
 
     def forget_versions_before(self, version: int) -> None:
         self._credit.forget_before(version)
@@ -235,6 +256,7 @@ class ClientGate:
     def reset(self) -> None:
         """The replica went back to its checkpoint: what it took since comes again."""
         self._credit.new_round()
+        self._allowances.clear()
         self._seqs.forget()
 
     def _seq_base(self, client: str, again: bool) -> int:

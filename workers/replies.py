@@ -28,7 +28,7 @@ from broker.messages import (
 )
 from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import REPLIES_EXCHANGE, reply_routing_key
-from broker.transport import Broker, Delivery, PublishOptions
+from broker.transport import Broker, Delivery, PublishOptions, Refused
 
 # A reply refused by back-pressure is tried again after these, doubling.
 _FIRST_DELAY_S = 0.05
@@ -79,9 +79,15 @@ class Replier:
 
     def send(self, reply: GradientReply) -> bool:
         """True once sent (a refusal comes back later, to `_settle`); False if undeliverable."""
-        if reply.status == "ok":
-            self._remember(reply)
-        self._settle()
+        if reply.status == "ok":  # `_remember`, inline: every step's replies come here
+            key = (reply.job, reply.client)
+            last = self._last
+            last[key] = reply
+            last.move_to_end(key)
+            while len(last) > self._keep:
+                last.popitem(last=False)
+        if refused := self._broker.refused():
+            self._settle(refused)
         # Not waiting for the confirm: the wait is a round trip to RabbitMQ on the job's
         # critical path for every step (docs/benchmarks.md); a refusal comes back later.
         return self.publish(reply, reply_routing_key(reply.job, reply.client), later=True)
@@ -97,11 +103,11 @@ class Replier:
         options = PublishOptions(message.message_id, persistent=False, confirm_later=later)
         return self._deliver(lambda: _what(message), routing_key, body, options)
 
-    def _settle(self) -> None:
+    def _settle(self, refusals: list[Refused]) -> None:
         """Refusals of earlier replies: a full queue is tried again, confirmed this time; a gone
         client or connection is only logged (the client republishes a batch whose reply it
         missed, and `resend` answers it)."""
-        for refused in self._broker.refused():
+        for refused in refusals:
             key = refused.routing_key
             if isinstance(refused.error, BackPressureError):
                 options = replace(refused.options, confirm_later=False)
@@ -144,13 +150,6 @@ class Replier:
             except MessageTooLargeError as exc:
                 self._logger.error("%s too large: %s", what(), exc)
                 return False
-
-    def _remember(self, reply: GradientReply) -> None:
-        key = (reply.job, reply.client)
-        self._last[key] = reply
-        self._last.move_to_end(key)
-        while len(self._last) > self._keep:
-            self._last.popitem(last=False)
 
 
 def _what(message: Answer) -> str:

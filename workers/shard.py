@@ -29,7 +29,6 @@ from services.algorithms.staleness import TOO_STALE
 from services.common.checks.addressing import SameJob, SameShard
 from services.common.checks.chain import Check, first_rejection
 from services.common.checks.markers import MarkerVersion
-from services.common.checks.membership import InCohort
 from services.common.checks.sender import ClientIdShape, ClientSender, NamesClient, ServiceSender
 from services.common.leases import lease_name
 from workers.barrier import StepBarrier
@@ -39,6 +38,7 @@ from workers.replica import Replica
 from workers.replies import answer
 from workers.shard_checks import (
     BatchContent,
+    CohortMember,
     KnownClient,
     ShardExpectations,
     no_rounds,
@@ -66,6 +66,7 @@ class ShardRunner:
     ) -> None:
         """`continuous`: an async shard's clock; None in sync rounds (markers drive them)."""
         self.replica = replica
+        self.shard = replica.shard
         self._want = want
         self._async = continuous
         self._io = io
@@ -104,8 +105,7 @@ class ShardRunner:
             *addressed,
             *client_id,
             BatchContent(want),
-            InCohort(self.replica),
-            known,
+            CohortMember(self.replica, io.members),
         )
         tail: tuple[Check[TailGradient], ...] = (
             (sender, *addressed, *client_id, known) if want.u_shaped else (sender, not_u_shaped)
@@ -119,19 +119,21 @@ class ShardRunner:
         )
         return batch, tail, marker
 
-    @property
-    def shard(self) -> int:
-        return self.replica.shard
-
     def buffered(self) -> int:
         """Valid batches received but not applied yet (they go back to the queue on stop)."""
         barred = len(self._barrier) if self._barrier is not None else 0
         opened = self._ushaped.held() if self._ushaped is not None else 0
         return len(self._fold) + barred + opened
 
-    def foldable(self) -> bool:
-        """Batches wait in the fold and could be applied now (no U-shaped step is open)."""
-        return bool(self._fold) and not (self._ushaped is not None and self._ushaped.is_open)
+    def wake_at(self) -> float | None:
+        """When the worker's loop must come back for this runner: -inf when folded batches
+        could be applied now (no U-shaped step is open), else a barrier's or an open step's
+        deadline; None when nothing waits."""
+        if self._fold and not (self._ushaped is not None and self._ushaped.is_open):
+            return -math.inf
+        if self._barrier is None and self._ushaped is None:
+            return None
+        return self.deadline()
 
     def deadline(self) -> float | None:
         times = [self._barrier.deadline() if self._barrier is not None else None]
@@ -140,55 +142,64 @@ class ShardRunner:
 
     # --- deliveries ---------------------------------------------------------------------------
     def on_batch(self, delivery: Delivery, batch: SmashedBatch) -> None:
-        replica, io = self.replica, self._io
+        """The batch chain's checks; then its seq (a copy of a batch applied or buffered, or a
+        seq outside its session's window: `workers.gate`), the async clock and its client's
+        credit; then it is buffered or applied. Inline, not in helpers: every batch runs it."""
+        replica, io, gate = self.replica, self._io, self._gate
         for check in self._batch_checks:
             if (problem := check(delivery, batch)) is not None:
                 io.refuse(delivery, problem.reason)
                 return
-        if self._taken_before(delivery, batch):
+        if replica.applied_already(batch.client, batch.seq):
+            self._copy_of_applied(delivery, batch)
+            return
+        if (outside := gate.seq_problem(batch)) is not None:
+            io.refuse(delivery, outside.reason)
+            return
+        # Only a runner that buffers can hold a copy of `batch`.
+        buffers = self._fold or self._barrier is not None or self._ushaped is not None
+        if buffers and self._replaces_buffered(delivery, batch):
             return
         clock = self._async
         if clock is not None and self._refused_by_clock(delivery, batch, clock):
             return
-        if (over := self._gate.over_budget(batch)) is not None:
+        if (over := gate.take(batch)) is not None:
             io.refuse(delivery, over.reason)
             return
-        self._gate.took(batch)
         if io.metrics.enabled:
             newest = replica.version if clock is None else clock.known_version
             io.metrics.staleness(newest - batch.version)
-        if clock is None and batch.version > replica.version:
-            self.settle()
-            if not self._reload(batch.version):
-                detail = f"version {batch.version} not found"
-                io.refuse(delivery, Rejection("unknown_version", detail).reason)
-                return
+        if clock is None and batch.version > replica.version and not self._move_to(delivery, batch):
+            return
         item = Item(delivery, batch)
         if self._barrier is not None:
             self._barrier.add(batch.client, item, io.clock())
             self._step_barrier(force=False)
         else:
-            self._fold.append(item)
-            if len(self._fold) >= self._limits.batch_messages:
+            fold = self._fold
+            fold.append(item)
+            if len(fold) >= self._limits.batch_messages:
                 self.flush()
 
-    def _taken_before(self, delivery: Delivery, batch: SmashedBatch) -> bool:
-        """Whether `batch`'s seq settled it: a copy of an applied or a buffered batch (answered
-        or replaced), a message reusing such a seq, or a seq outside the client's session
-        window (both dead-lettered: `workers.gate`)."""
-        replica, io = self.replica, self._io
-        if replica.applied_already(batch.client, batch.seq):
-            recorded = replica.applied_id(batch.client, batch.seq)
-            if (forged := copy_problem(batch.seq, batch.message_id, recorded)) is not None:
-                io.refuse(delivery, forged.reason)
-                return True
-            self._hold(delivery)  # acked with the next checkpoint, never applied again
-            self._answer_duplicate(batch)
+    def _move_to(self, delivery: Delivery, batch: SmashedBatch) -> bool:
+        """Sync rounds: serve what is buffered, then load the newer version `batch` was
+        computed with; False (`batch` dead-lettered) when there is no such version."""
+        self.settle()
+        if self._reload(batch.version):
             return True
-        if (outside := self._gate.seq_problem(batch)) is not None:
-            io.refuse(delivery, outside.reason)
-            return True
-        return self._replaces_buffered(delivery, batch)
+        detail = f"version {batch.version} not found"
+        self._io.refuse(delivery, Rejection("unknown_version", detail).reason)
+        return False
+
+    def _copy_of_applied(self, delivery: Delivery, batch: SmashedBatch) -> None:
+        """A copy of a batch applied already is answered, never applied again; a message
+        reusing its seq under another message id is dead-lettered."""
+        recorded = self.replica.applied_id(batch.client, batch.seq)
+        if (forged := copy_problem(batch.seq, batch.message_id, recorded)) is not None:
+            self._io.refuse(delivery, forged.reason)
+            return
+        self._hold(delivery)  # acked with the next checkpoint, never applied again
+        self._answer_duplicate(batch)
 
     def _refused_by_clock(self, delivery: Delivery, batch: SmashedBatch, clock: Continuous) -> bool:
         """Async mode: whether `batch`'s version is unknown (dead-lettered) or too stale to
@@ -276,11 +287,15 @@ class ShardRunner:
             self.flush()
             self._step_barrier(force=True)
 
-    def poll(self) -> None:
-        """Time-driven work: a barrier or an open step past its timeout, a due checkpoint."""
+    def poll(self, *, idle: bool = False) -> None:
+        """Time-driven work: a barrier or an open step past its timeout, a due checkpoint;
+        `idle` (the queue had nothing more): the folded batches are applied first."""
+        if idle:
+            self.flush()
         if self._ushaped is not None and self._ushaped.due():
             self._finish(force=True)
-        self._step_barrier(force=False)
+        if self._barrier is not None:
+            self._step_barrier(force=False)
         limits = self._limits
         if self._pending and (
             self._steps_since >= limits.checkpoint_every_steps
@@ -315,17 +330,16 @@ class ShardRunner:
             return
         io, replica = self._io, self.replica
         started = time.perf_counter()
-        # `check_batch` let a batch without labels through in a U-shaped job only.
-        batches = [
-            CohortBatch(
-                i.batch.client,
-                i.batch.activations,
-                cast(torch.Tensor, i.batch.labels),
-                self._cohort_weight(i.batch),
-                cut=i.batch.cut,
-            )
-            for i in items
-        ]
+        cohort_round, cohort = replica.cohort_round, replica.cohort
+        # `BatchContent` let a batch without labels through in a U-shaped job only; the weight
+        # is `_cohort_weight`'s, inline.
+        batches = []
+        for item in items:
+            b = item.batch
+            in_cohort = b.round == cohort_round and b.client in cohort
+            weight = float(cohort[b.client] if in_cohort else b.activations.shape[0])
+            labels = cast(torch.Tensor, b.labels)
+            batches.append(CohortBatch(b.client, b.activations, labels, weight, cut=b.cut))
         try:
             results = io.strategy.server_step(
                 replica.server, replica.optimizer, batches, loss=io.loss
@@ -356,7 +370,11 @@ class ShardRunner:
             rows = int(b.activations.shape[0])
             rows_total += rows
             replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut, b.message_id)
-            self._hold(item.delivery)
+            # `_hold`, inline.
+            if not self._pending:
+                self._pending_since = io.clock()
+            self._pending.append(item.delivery)
+            self._dirty = True
             reply = answer(
                 b,
                 replica.version,

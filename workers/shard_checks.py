@@ -92,7 +92,11 @@ def shape_problem(z: torch.Tensor, shape: Shape) -> str | None:
 
 
 class Known(Protocol):
-    """What a replica knows of its clients: the round's cohort, and who it applied."""
+    """What a replica knows of its clients: the round whose cohort is known, that cohort, and
+    who it applied."""
+
+    @property
+    def cohort_round(self) -> int: ...
 
     @property
     def cohort(self) -> Mapping[str, int]: ...
@@ -106,6 +110,14 @@ class FromClient(Protocol):
     def client(self) -> str: ...
 
 
+class OfRound(Protocol):
+    @property
+    def client(self) -> str: ...
+
+    @property
+    def round(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class KnownClient:
     """A stranger's message is refused. Cohort members and clients already applied here are
@@ -117,6 +129,27 @@ class KnownClient:
     def __call__(self, delivery: Delivery, message: FromClient, /) -> Rejection | None:
         client, replica = message.client, self.replica
         if client in replica.cohort or client in replica.seqs or self.is_member(client):
+            return None
+        return Rejection("unknown_client", f"client {client!r} is not a member of the job")
+
+
+@dataclass(frozen=True, slots=True)
+class CohortMember:
+    """A batch's client is a member of the round's cohort, else of the job: the shared
+    `InCohort` then `KnownClient` in one call, as every batch is asked both (a member of the
+    cohort passes both at once)."""
+
+    replica: Known
+    is_member: Callable[[str], bool]
+
+    def __call__(self, delivery: Delivery, message: OfRound, /) -> Rejection | None:
+        client, replica = message.client, self.replica
+        if client in replica.cohort:
+            return None
+        if message.round == replica.cohort_round:
+            detail = f"client {client!r} is not in the cohort of round {replica.cohort_round + 1}"
+            return Rejection("not_in_cohort", detail)
+        if client in replica.seqs or self.is_member(client):
             return None
         return Rejection("unknown_client", f"client {client!r} is not a member of the job")
 

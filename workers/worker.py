@@ -29,7 +29,7 @@ from services.common.backends import Backends
 from services.common.checks.addressing import wrong_type
 from services.common.jobmodel import job_hyper, job_model
 from services.common.leases import LeaseKeeper
-from services.common.logs import log_context
+from services.common.logs import in_log_context
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
@@ -220,13 +220,17 @@ class WorkerSession:
             waiting_since = self.clock()
             arrival = self.inbox.get(self._timeout(now))
             self.busy.waited(self.clock() - waiting_since)
-            if arrival is None:
-                self._each(ShardRunner.flush)
-            else:
+            if arrival is not None:
                 self.dispatch(arrival)
-            if self.surplus.due():
+            if self.surplus.letters and self.surplus.due():
                 self.settle_surplus()
-            self._each(ShardRunner.poll)
+            # Each runner's time-driven work; with nothing more queued, its folded batches too.
+            idle = arrival is None
+            for runner in list(self.runners.values()):
+                try:
+                    runner.poll(idle=idle)
+                except LeaseLostError:
+                    self.drop(runner.shard)
             if burst and arrival is None and self._drained():
                 return
 
@@ -369,21 +373,19 @@ class WorkerSession:
             assert arrival.error is not None
             self.refuse(delivery, Rejection("decode", arrival.error.reason).reason)
             return
-        # The one look at the message's type: it picks the handler, which runs the runner's
-        # chain of checks for that type first.
-        handle: Callable[[], None]
-        if isinstance(message, SmashedBatch):
-            handle = partial(runner.on_batch, delivery, message)
-        elif isinstance(message, TailGradient):
-            handle = partial(runner.on_tail, delivery, message)
-        elif isinstance(message, RoundStart | RoundEnd):
-            handle = partial(runner.on_marker, delivery, message)
-        else:
+        if not isinstance(message, SmashedBatch | TailGradient | RoundStart | RoundEnd):
             self.refuse(delivery, wrong_type(message, "a shard queue").reason)
             return
+        # The message's type picks the handler, which runs the runner's chain of checks for
+        # that type first.
+        context = {"shard": runner.shard, "client": message.client or None}
         try:
-            with log_context(shard=runner.shard, client=message.client or None):
-                handle()
+            if isinstance(message, SmashedBatch):
+                in_log_context(context, runner.on_batch, delivery, message)
+            elif isinstance(message, TailGradient):
+                in_log_context(context, runner.on_tail, delivery, message)
+            else:
+                in_log_context(context, runner.on_marker, delivery, message)
         except LeaseLostError:
             self.drop(runner.shard)
 
@@ -419,20 +421,15 @@ class WorkerSession:
                     level=logging.WARNING,
                 )
 
-    def _each(self, action: Callable[[ShardRunner], None]) -> None:
-        for runner in list(self.runners.values()):
-            try:
-                action(runner)
-            except LeaseLostError:
-                self.drop(runner.shard)
-
     def _timeout(self, now: float) -> float:
-        if not self.strategy.server_barrier and any(r.foldable() for r in self.runners.values()):
-            return 0.0  # fold only what is already waiting: look, don't wait
+        # A runner with folded batches wakes at -inf: fold only what is already waiting (look,
+        # don't wait).
         until = [self.next_tick, now + self.poll_s]
-        if self.surplus:
+        if self.surplus.letters:
             until.append(now + self.surplus.time_left())
-        until += [d for r in self.runners.values() if (d := r.deadline()) is not None]
+        for runner in self.runners.values():
+            if (at := runner.wake_at()) is not None:
+                until.append(at)
         return max(0.0, min(until) - now)
 
     def _drained(self) -> bool:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import TextIO
+from typing import ParamSpec, TextIO
 
 from services.common.user_errors import user_message
 
@@ -30,6 +30,7 @@ HUMAN_DATEFMT = "%H:%M:%S"
 QUIET_LOGGERS = ("pika", "redis", "urllib3", "matplotlib", "PIL")
 
 ContextValue = str | int | float
+P = ParamSpec("P")
 
 # Each thread starts with an empty context, so an embedded run's roles never see each other's.
 _THREAD_CONTEXT: ContextVar[Mapping[str, ContextValue | None]] = ContextVar(
@@ -43,6 +44,22 @@ def log_context(**fields: ContextValue | None) -> Iterator[None]:
     token = _THREAD_CONTEXT.set({**_THREAD_CONTEXT.get(), **fields})
     try:
         yield
+    finally:
+        _THREAD_CONTEXT.reset(token)
+
+
+def in_log_context(
+    fields: Mapping[str, ContextValue | None],
+    act: Callable[P, None],
+    /,
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> None:
+    """`act(*args, **kwargs)` inside `log_context(**fields)`, at the cost of one call: what a
+    consumer does with each message."""
+    token = _THREAD_CONTEXT.set({**_THREAD_CONTEXT.get(), **fields})
+    try:
+        act(*args, **kwargs)
     finally:
         _THREAD_CONTEXT.reset(token)
 

@@ -254,14 +254,14 @@ def test_smashed_data_too_old_for_the_bound_is_refused(job: str) -> None:
 
     assert mode.refusal(batch(1)) is None
     unknown = mode.refusal(batch(6))  # never published: a forged version, dead-lettered
-    assert unknown is not None and unknown[0] == "unknown_version"
+    assert unknown is not None and unknown.code == "unknown_version"
     while s.publish() < 6:
         pass
     assert mode.refusal(batch(6)) is None  # a client on version 6: the worker learns of it
     assert mode.refusal(batch(4)) is None  # 2 behind: at the bound
     refused = mode.refusal(batch(3))
-    assert refused is not None and refused[0] == TOO_STALE
-    reason = refused[1]
+    assert refused is not None and refused.code == TOO_STALE
+    reason = refused.detail
     assert reason.startswith(f"{TOO_STALE}: ")
     assert "version 3" in reason and "3 versions behind 6" in reason
 

@@ -57,3 +57,18 @@ def test_a_service_message_must_come_from_a_service_user_in_the_secured_mode() -
     assert refused is not None and refused.code == "impostor"
     assert refused.detail.startswith("RoundStart from AMQP user 'j.a'")
     assert ServiceSender(SenderCheck(job="j"), "impostor")(delivery("x"), marker) is None
+
+
+def test_a_senders_verdict_is_kept_per_user_and_client() -> None:
+    asked: list[tuple[str | None, str]] = []
+
+    class Counting(SenderCheck):
+        def client_problem(self, delivery: Delivery, client: str) -> str | None:
+            asked.append((delivery.user_id, client))
+            return super().client_problem(delivery, client)
+
+    check = ClientSender(Counting(job="j"), "impostor")
+    for _ in range(3):
+        assert check(delivery(client_user("j", "a")), beat("a")) is None
+        assert check(delivery(client_user("j", "b")), beat("a")) is not None
+    assert asked == [("j.a", "a"), ("j.b", "a")]

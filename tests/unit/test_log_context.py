@@ -12,7 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from services.cli.main import cli
-from services.common.logs import configured_logging, log_context
+from services.common.logs import configured_logging, in_log_context, log_context
 from services.config.loading import load_settings
 
 
@@ -81,3 +81,18 @@ def test_log_format_option_and_setting(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["coordinator", str(config), "--log-format", "json"])
     assert result.exit_code != 0
     assert "needs a shared broker and store" in result.output
+
+
+def test_in_log_context_runs_the_act_inside_the_context() -> None:
+    stream = io.StringIO()
+    log = logging.getLogger("splitmq.test")
+
+    def act(text: str, *, level: int) -> None:
+        log.log(level, text)
+
+    with configured_logging("INFO", json_lines=True, stream=stream, context={"job": "j"}):
+        in_log_context({"shard": 3, "client": "c-2"}, act, "inside", level=logging.INFO)
+        log.info("after")
+    inside, after = lines_of(stream)
+    assert (inside["msg"], inside["shard"], inside["client"]) == ("inside", 3, "c-2")
+    assert after["shard"] is None and after["client"] is None

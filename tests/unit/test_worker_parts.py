@@ -19,7 +19,13 @@ from services.common.jobmodel import job_hyper, job_model
 from tests.unit.test_worker_support import CUT, make_settings, seed_version
 from workers.barrier import StepBarrier
 from workers.replica import RECENT_SEQS, Replica, open_replica, pick_device
-from workers.shard_checks import BatchContent, ShardExpectations, parse_cohort
+from workers.shard_checks import (
+    BatchContent,
+    CohortMember,
+    KnownClient,
+    ShardExpectations,
+    parse_cohort,
+)
 
 COHORT = {"a": 10, "b": 20, "c": 30}
 
@@ -126,6 +132,34 @@ def test_membership_applies_to_the_round_of_the_known_cohort_only() -> None:
     assert in_cohort(DELIVERY, batch(client="z")) is not None
     assert in_cohort(DELIVERY, batch(client="z", round=1)) is None
     assert in_cohort(DELIVERY, batch(client="a")) is None
+
+
+class Known(Cohort):
+    def __init__(self, cohort_round: int, cohort: dict[str, int], seqs: dict[str, int]) -> None:
+        super().__init__(cohort_round, cohort)
+        self.seqs = seqs
+
+
+def test_a_cohort_member_is_in_cohort_then_known_in_one_check() -> None:
+    members = {"m"}
+    known = Known(0, COHORT, {"s": 3})
+    one = CohortMember(known, members.__contains__)
+    both = (InCohort(known), KnownClient(known, members.__contains__))
+    for message in (
+        batch(client="a"),
+        batch(client="z"),
+        batch(client="z", round=1),
+        batch(client="s", round=1),
+        batch(client="m", round=1),
+    ):
+        apart = next((p for c in both if (p := c(DELIVERY, message)) is not None), None)
+        assert one(DELIVERY, message) == apart
+    assert one(DELIVERY, batch(client="z")) == Rejection(
+        "not_in_cohort", "client 'z' is not in the cohort of round 1"
+    )
+    assert one(DELIVERY, batch(client="z", round=1)) == Rejection(
+        "unknown_client", "client 'z' is not a member of the job"
+    )
 
 
 def test_cohort_parsing_rejects_unusable_sample_counts() -> None:

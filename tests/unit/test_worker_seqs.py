@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import torch
 
 from broker.memory_store import InMemoryWeightStore
+from broker.messages import SmashedBatch
 from broker.transport import Delivery
 from services.common.backends import Backends
 from services.common.membership import MemberInfo, member_id
@@ -16,6 +18,7 @@ from tests.unit.test_async_worker import setup as async_setup
 from tests.unit.test_worker_support import random_batch
 from workers.gate import (
     SLACK,
+    ClientGate,
     Credit,
     SessionSeqs,
     StepRule,
@@ -174,3 +177,28 @@ def test_in_async_mode_a_client_has_its_allowance_per_version(job: str) -> None:
     )
     assert stats.batches_applied == allowance
     assert stats.dead_lettered == Counter({"over_budget": 3})
+
+
+def accepted(gate: ClientGate, client: str, n: int = 100) -> int:
+    """How many of `n` batches of `client` the gate takes this round."""
+    z, y = torch.zeros(1, 1), torch.zeros(1, dtype=torch.int64)
+    batches = [SmashedBatch("j", client, f"m{s}", 1, s, 0, 0, 0, z, y) for s in range(n)]
+    return sum(gate.take(b) is None for b in batches)
+
+
+def test_a_cohort_members_allowance_is_kept_for_its_round_and_a_strangers_is_not() -> None:
+    store, clock = InMemoryWeightStore(), Clock()
+    info = MemberInfo("b", 0, "block1", 16, 0)
+    store.heartbeat("j", member_id("b"), 60.0, info.to_info())
+    replica = SimpleNamespace(cohort={"a": 16}, seqs={})
+    gate = ClientGate(StepRule(8, 1, 0), MemberCache(store, "j", clock), replica)  # type: ignore[arg-type]
+    assert accepted(gate, "a") == 2 * 2 + SLACK
+    replica.cohort = {"a": 80}  # only a RoundStart changes the cohort, and says so
+    gate.new_round()
+    assert accepted(gate, "a") == 2 * 10 + SLACK
+    assert accepted(gate, "b") == 2 * 2 + SLACK  # from its member record
+    gate.new_round()
+    store.heartbeat("j", member_id("b"), 60.0, {**info.to_info(), "samples": "40"})
+    clock.now += 5
+    assert gate.members("b")  # the membership check reads the records again
+    assert accepted(gate, "b") == 2 * 5 + SLACK

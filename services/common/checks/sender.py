@@ -4,12 +4,15 @@ from may speak for the client (or the service) the message names."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from broker.rejection import Rejection
 from broker.transport import Delivery
 from services.security.identity import CLIENT_ID, SenderCheck, client_id_problem
+
+# Verdicts a `ClientSender` keeps: (AMQP user, client) pairs, far more than a job's clients.
+_MAX_VERDICTS = 4096
 
 
 class FromClient(Protocol):
@@ -44,13 +47,24 @@ class ClientIdShape:
 
 @dataclass(frozen=True, slots=True)
 class ClientSender:
-    """The delivery's AMQP user must be the client's own, or its host's."""
+    """The delivery's AMQP user must be the client's own, or its host's. The verdict depends on
+    the (user, client) pair alone, asked of every message of a client: it is kept."""
 
     senders: SenderCheck
     code: str
+    _verdicts: dict[tuple[str | None, str], str | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __call__(self, delivery: Delivery, message: FromClient, /) -> Rejection | None:
-        problem = self.senders.client_problem(delivery, message.client)
+        key, verdicts = (delivery.user_id, message.client), self._verdicts
+        if key in verdicts:
+            problem = verdicts[key]
+        else:
+            problem = self.senders.client_problem(delivery, message.client)
+            if len(verdicts) >= _MAX_VERDICTS:  # a flood of made-up ids
+                verdicts.clear()
+            verdicts[key] = problem
         return None if problem is None else Rejection(self.code, problem)
 
 
