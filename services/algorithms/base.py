@@ -97,12 +97,10 @@ class Hyper:
         position = steps if plan and plan.every == "step" else max(0, version - 1)
         return paced(make, params, plan, position, "schedule.server")
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The training loss of a batch, on either side (`[loss]`; cross-entropy by default)."""
-        return self._loss_fn(logits, labels)
-
     @cached_property
-    def _loss_fn(self) -> LossFn:
+    def loss(self) -> LossFn:
+        """`loss(logits, labels)`: the training loss of a batch, on either side (`[loss]`;
+        cross-entropy by default), resolved once: a batch calls torch's function directly."""
         return loss_function(self.losses)
 
     def _sgd(self, lr: float) -> OptimizerFactory:

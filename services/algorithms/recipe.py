@@ -16,6 +16,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -167,11 +168,11 @@ def paced(
 def loss_function(loss: LossSection) -> LossFn:
     """`loss(logits, labels)`: cross-entropy with the section's arguments, or the user's
     function (`ValueError` when it cannot be imported)."""
+    # A partial, not a lambda: the function is called per batch, and nothing of ours runs
+    # between the step and torch's (or the user's) loss.
     arguments = loss.arguments()
-    if loss.name == CROSS_ENTROPY:
-        return lambda logits, y: F.cross_entropy(logits, y, **arguments)
-    fn = _user_function(loss.name)
-    return lambda logits, y: fn(logits, y, **arguments)
+    fn = F.cross_entropy if loss.name == CROSS_ENTROPY else _user_function(loss.name)
+    return partial(fn, **arguments)
 
 
 def _user_function(name: str) -> Callable[..., torch.Tensor]:

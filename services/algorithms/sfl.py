@@ -106,30 +106,9 @@ def weighted_step(
     return ServerStepResult(grads, [float(ln.detach()) for ln in losses], correct)
 
 
-def rows_step(
-    server: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Sequence[CohortBatch],
-    loss_scale: float = 1.0,
-    loss: LossFn = cross_entropy,
-) -> StepResults:
-    """One step over the batches' concatenation, each weighted by its rows: for several folded
-    messages, the step a single batch of all those rows would take."""
-    return weighted_step(
-        server,
-        optimizer,
-        [b.activations for b in batches],
-        [b.labels for b in batches],
-        [float(b.labels.shape[0]) for b in batches],
-        concat=True,
-        loss_scale=loss_scale,
-        loss=loss,
-    ).rows()
-
-
 @dataclass(frozen=True)
 class SFLServer(ServerSide):
-    """SFL's workers: one rows-weighted step over a few folded messages (`rows_step`), and the
+    """SFL's workers: one rows-weighted step over a few folded messages (`step`), and the
     U-shaped forward over one concatenated batch. `loss_scale` scales the step and the
     gradients (SplitGP's `1 - gamma`)."""
 
@@ -143,12 +122,26 @@ class SFLServer(ServerSide):
         *,
         loss: LossFn = cross_entropy,
     ) -> StepResults:
-        return rows_step(server, optimizer, batches, loss_scale=self.loss_scale, loss=loss)
+        """One step over the batches' concatenation, each weighted by its rows: for several
+        folded messages, the step a single batch of all those rows would take."""
+        # `weighted_step`'s rows zipped here, not by `ServerStepResult.rows`: every SFL
+        # batch's path (docs/architecture.md, "A batch's round trip") stays short.
+        r = weighted_step(
+            server,
+            optimizer,
+            [b.activations for b in batches],
+            [b.labels for b in batches],
+            [float(b.labels.shape[0]) for b in batches],
+            concat=True,
+            loss_scale=self.loss_scale,
+            loss=loss,
+        )
+        return list(zip(r.grads, r.losses, r.correct, strict=True))
 
     def forward(
         self, server: nn.Module, zs: Sequence[torch.Tensor], weights: Sequence[float]
     ) -> OpenStep:
-        """Rows-weighted over one concatenated forward, as `rows_step`."""
+        """Rows-weighted over one concatenated forward, as `step`."""
         if not self.u_shaped:
             return super().forward(server, zs, weights)
         return forward_open(server, zs, [float(z.shape[0]) for z in zs], concat=True)
@@ -174,12 +167,21 @@ class SFL(StrategyBase):
         body = r.model.client_blocks(r.cut)
         body.train()
         optimizer = r.hyper.client_optimizer(body.parameters())
+        # Decided once a round: with every defence off, nothing stands between z and the wire
+        # (what `self.smashed` would hand back), and the defences' code stays off the path.
+        defended = self.defences.active
         samples = 0
         for step, (x, y) in enumerate(r.batches):
-            smashed = self.smashed(r, x, body(x), step)
-            grad = r.channel.exchange(smashed.wire(), y, step, r.steps)
-            optimizer.zero_grad(set_to_none=True)
-            smashed.backward(grad)
+            z = body(x)
+            if defended:
+                smashed = self.smashed(r, x, z, step)
+                grad = r.channel.exchange(smashed.wire(), y, step, r.steps)
+                optimizer.zero_grad(set_to_none=True)
+                smashed.backward(grad)
+            else:
+                grad = r.channel.exchange(z.detach(), y, step, r.steps)
+                optimizer.zero_grad(set_to_none=True)
+                z.backward(grad.to(device=z.device, dtype=z.dtype))
             optimizer.step()
             samples += int(y.shape[0])
         return RoundResult(client_state(r.model, r.cut), metrics={"train_samples": float(samples)})

@@ -2,10 +2,10 @@
 
 Only the client's own thread calls a `ClientLink` (a pika connection is not thread-safe);
 heartbeats have a thread and handle of their own (`services.client.beat`). Every wait watches
-the stop event. Every delivery is judged once, in `ClientLink.poll`, by the checks of
-`services.client.replies` (docs/reliability.md, "Bad input", the client rows); replies are
-matched by seq. A round's batches go through a `BrokerChannel` (services/client/channel.py)
-over this handle.
+the stop event. Every delivery is judged once, in `ClientLink.poll` (docs/reliability.md, "Bad
+input", the client rows: `ClientLink.problem`, with those of a Welcome, an assignment or a
+U-shaped output in `services.client.replies`); replies are matched by seq. A round's batches
+go through a `BrokerChannel` (services/client/channel.py) over this handle.
 """
 
 from __future__ import annotations
@@ -17,23 +17,31 @@ from collections import deque
 from collections.abc import Callable
 
 from broker.codec import decode, encode
-from broker.errors import BackPressureError, BrokerError, DecodeError, UnroutableError
+from broker.errors import (
+    BackPressureError,
+    BrokerError,
+    DecodeError,
+    StaleDeliveryError,
+    UnroutableError,
+)
 from broker.messages import (
     GradientReply,
     Leave,
     Message,
     ServerOutput,
     SmashedBatch,
+    WeightsAssignment,
+    Welcome,
     new_message_id,
 )
-from broker.rejection import Rejected, ack_safely, dead_letter_safely
+from broker.rejection import Rejected, dead_letter_safely
 from broker.topology import CONTROL_EXCHANGE
 from broker.transport import Backoff, Broker, Delivery, PublishOptions, QueueSpec
 from models.split import SplitNet
 from services.client.beat import Heartbeats, StartBeats
 from services.client.errors import ClientError, ClientStopped, RoundAborted
 from services.client.plan import RoundPlan
-from services.client.replies import gradient_problem, output_problem, reply_problem
+from services.client.replies import REPLY_TYPES, fit_problem, output_problem
 from services.client.stats import ClientStats
 from services.client.tagged import Tagged
 
@@ -140,7 +148,8 @@ class ClientLink:
         attempt = 0
         unroutable_since: float | None = None
         while True:
-            self._check_stop()
+            if self._stop.is_set():
+                raise ClientStopped("stop requested")
             started = self.clock()
             try:
                 self._broker.publish(exchange, routing_key, body, PublishOptions(message_id))
@@ -218,7 +227,8 @@ class ClientLink:
         end = started + timeout
         try:
             while True:
-                self._check_stop()
+                if self._stop.is_set():
+                    raise ClientStopped("stop requested")
                 delivery = self._broker.get(min(max(0.0, end - self.clock()), MAX_POLL_S))
                 if delivery is not None:
                     message = self._accept(delivery, awaiting)
@@ -246,36 +256,53 @@ class ClientLink:
         except DecodeError as exc:
             self._refuse(delivery, f"undecodable: {exc.reason}")
             return None
-        reason = reply_problem(
-            message,
-            job=self.job,
-            client=self.client,
-            seq_base=self.seq_base,
-            next_seq=self.next_seq,
-            plan=self._plan,
-            model=self._model,
-        )
-        if reason is None and awaiting is not None:
-            if isinstance(message, GradientReply):
-                reason = gradient_problem(message, awaiting)
-            elif isinstance(message, ServerOutput):
-                reason = output_problem(message, awaiting, self._model)
-            if reason is not None:  # the answer the caller waits for: it cannot go on
-                self._refuse(delivery, reason)
-                raise RoundAborted(reason)
+        reason, fatal = self.problem(message, awaiting)
         if reason is not None:
             self._refuse(delivery, reason)
+            if fatal:  # the answer the caller waits for: it cannot go on
+                raise RoundAborted(reason)
             return None
-        if not ack_safely(self._broker, delivery):
+        try:
+            self._broker.ack(delivery)
+        except StaleDeliveryError:
             return None  # its connection is gone: it comes back, and is taken then
         return message
+
+    def problem(self, message: Message, awaiting: SmashedBatch | None) -> tuple[str | None, bool]:
+        """Why `message` cannot be taken on this client's reply queue (None: it can), and
+        whether it is the answer to `awaiting` (the batch the caller waits for) that does not
+        fit it. A Welcome or an assignment must fit the client's own plan and model."""
+        kind = type(message).__name__
+        if not isinstance(message, REPLY_TYPES):
+            return f"{kind} does not belong on a client's reply queue", False
+        if message.job != self.job:
+            return f"{kind} for job {message.job!r} on a queue of job {self.job!r}", False
+        if message.client != self.client:
+            return f"{kind} for client {message.client!r} on the queue of {self.client!r}", False
+        if isinstance(message, Welcome | WeightsAssignment):
+            return fit_problem(message, self._plan, self._model), False
+        if not isinstance(message, GradientReply | ServerOutput):
+            return None, False
+        # An earlier seq may be a late copy of an answer already taken, or a previous run's
+        # (every one before the Welcome): a duplicate, not an invalid message.
+        if self.seq_base is not None and message.seq >= self.next_seq:
+            never = f"{kind} for seq {message.seq}, never sent by this client"
+            return f"{never} (its next seq is {self.next_seq})", False
+        if awaiting is None or message.seq != awaiting.seq:
+            return None, False
+        if isinstance(message, ServerOutput):
+            return output_problem(message, awaiting, self._model), True
+        shape, grad = awaiting.activations.shape, message.grad
+        if message.status != "ok" or (grad is not None and grad.shape == shape):
+            return None, False
+        got = None if grad is None else list(grad.shape)
+        return (
+            f"GradientReply seq {message.seq}: gradient shape {got}, expected {list(shape)}",
+            True,
+        )
 
     def _refuse(self, delivery: Delivery, reason: str) -> None:
         if dead_letter_safely(self._broker, delivery, reason) is Rejected.REDELIVERED:
             return  # its connection is gone: it comes back and is judged again
         self.stats.dead_lettered += 1
         self.log.warning("dead-lettering a reply: %s", reason)
-
-    def _check_stop(self) -> None:
-        if self._stop.is_set():
-            raise ClientStopped("stop requested")

@@ -61,9 +61,14 @@ class RoundRunner:
         )
         local = Tally()
         hook = None
-        if member.strategy.server is None:
+        server = member.strategy.server
+        if server is None:
             # The whole model runs here: measure its training loss on the batches it sees.
             batches, hook = self._tallied(model, batches, local, plan.hyper.loss)
+        if server is None or not server.waits_for_gradient:
+            # Steps that never wait on the broker: keep its connection serviced between them
+            # (a split step that waits polls the broker itself).
+            batches = self._ticking(batches)
         # The algorithm's per-client tensors (`ClientContext.memory`) are cleared when the job
         # switches algorithm.
         algorithm, memory = self.seat.memory.take()
@@ -77,7 +82,7 @@ class RoundRunner:
         )
         # A whole-model round waits on nothing: it computes within the host's gate.
         gate: AbstractContextManager[None] = (
-            nullcontext() if member.strategy.server is not None else self.seat.compute.held()
+            nullcontext() if server is not None else self.seat.compute.held()
         )
         try:
             with gate:
@@ -85,7 +90,7 @@ class RoundRunner:
                     LocalRound(
                         model,
                         member.cut,
-                        self._ticking(batches),
+                        batches,
                         steps,
                         channel,
                         plan.hyper.at_round(assignment.round, steps),
@@ -102,7 +107,7 @@ class RoundRunner:
         # An algorithm that measured its own model already (FedDeper's v_k, Sub-FedAvg's
         # pruned model) reports it in `result.metrics`, which wins below.
         measured = "personal_accuracy" in result.metrics
-        if member.strategy.server is None and self.evaluate and not measured:
+        if server is None and self.evaluate and not measured:
             metrics["personal_accuracy"] = self._local_accuracy(index, model)
         metrics.update(
             bytes_up=float(stats.bytes_up - up_before),
@@ -126,12 +131,12 @@ class RoundRunner:
             metrics=metrics,
         )
 
-    def _ticking(self, batches: Iterator[Batch]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _ticking(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         """Keeps the broker connection serviced between local steps, for algorithms that never
         wait on the broker (membership heartbeats have a thread of their own)."""
-        for x, y in batches:
+        for batch in batches:
             self.link.keep_alive()
-            yield x, y
+            yield batch
 
     def _tallied(
         self, model: SplitNet, batches: Iterator[Batch], tally: Tally, loss_fn: LossFn

@@ -9,7 +9,8 @@ the batches it would have seen, whichever process runs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -87,12 +88,19 @@ class ClientBatches:
         if self.shuffle:
             perm = epoch_order(len(order), seed=self.seed, client=self.client, epoch=epoch)
             order = order[torch.from_numpy(perm).to(order.device)]
-        for number, start in enumerate(range(0, len(self) * self.batch_size, self.batch_size)):
-            chunk = order[start : start + self.batch_size]
-            x = self.x.index_select(0, chunk)
-            if self.augment is not None:
-                draws = batch_generator(
-                    seed=self.seed, client=self.client, epoch=epoch, batch=number
-                )
-                x = self.augment(x, draws)
+        # `split` of nothing is one empty chunk, not none.
+        chunks = order[: len(self) * self.batch_size].split(self.batch_size) if len(self) else ()
+        if self.augment is not None:
+            return self._augmented(epoch, chunks)
+        # Torch's calls alone per batch (no generator of ours to resume): this is every
+        # training batch's path (docs/architecture.md, "A batch's round trip").
+        xs = map(partial(torch.index_select, self.x, 0), chunks)
+        return map(Batch, xs, map(partial(torch.index_select, self.y, 0), chunks))
+
+    def _augmented(self, epoch: int, chunks: Sequence[torch.Tensor]) -> Iterator[Batch]:
+        """The batches of `chunks`, each transformed with draws seeded by its number."""
+        assert self.augment is not None
+        for number, chunk in enumerate(chunks):
+            draws = batch_generator(seed=self.seed, client=self.client, epoch=epoch, batch=number)
+            x = self.augment(self.x.index_select(0, chunk), draws)
             yield Batch(x, self.y.index_select(0, chunk))

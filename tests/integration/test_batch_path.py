@@ -40,11 +40,7 @@ DISABLED = {
     ),
     "U-shaped split": ("services/algorithms/ushape.py",),
 }
-STILL_ON_PATH = {
-    # services/algorithms/base.py's StrategyBase.smashed goes through Defences.apply and the
-    # Smashed wrapper whatever the settings (owner: services/algorithms).
-    "defences": "issue 35: defences.py runs with every defence off (StrategyBase.smashed)",
-}
+STILL_ON_PATH: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,14 @@
-"""The checks a client runs on each delivery of its reply queue (services/client/replies.py),
-alone: what belongs on the queue, which seqs this session sent, and whether the awaited answer
-fits its batch. tests/unit/test_bad_input.py covers them through `ClientLink.poll`."""
+"""The checks a client runs on each delivery of its reply queue (`ClientLink.problem`, and
+services/client/replies.py for the rarer messages), alone: what belongs on the queue, which
+seqs this session sent, and whether the awaited answer fits its batch.
+tests/unit/test_bad_input.py covers them through `ClientLink.poll`."""
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import cast
 
 import pytest
 import torch
@@ -16,14 +22,12 @@ from broker.messages import (
     SmashedBatch,
     Welcome,
 )
+from broker.transport import Broker
 from models.split import SplitNet
+from services.client.link import ClientLink
 from services.client.plan import RoundPlan
-from services.client.replies import (
-    fit_problem,
-    gradient_problem,
-    output_problem,
-    reply_problem,
-)
+from services.client.replies import fit_problem, output_problem
+from services.client.stats import ClientStats
 from tests.unit.test_client_peers import make_settings, seeded_model
 
 JOB, CLIENT = "j", "c1"
@@ -45,6 +49,26 @@ def batch(seq: int, rows: int = 4) -> SmashedBatch:
     )
 
 
+def link(model: SplitNet, plan: RoundPlan, seq_base: int | None, next_seq: int) -> ClientLink:
+    """A link whose session numbers its batches from `seq_base` up to `next_seq`; its checks
+    never touch the broker."""
+    out = ClientLink(
+        cast(Broker, None),
+        job=JOB,
+        client=CLIENT,
+        stats=ClientStats(),
+        stop=threading.Event(),
+        clock=time.monotonic,
+        logger=logging.getLogger(__name__),
+        heartbeat_s=60.0,
+        seq_start=seq_base,
+        model=model,
+        plan=plan,
+    )
+    out.next_seq = next_seq
+    return out
+
+
 def reply(seq: int, grad: torch.Tensor | None, status: str = "ok") -> GradientReply:
     return GradientReply(JOB, CLIENT, "r", 1, seq, status, 0.5, 1, 4, grad)
 
@@ -53,15 +77,9 @@ def test_only_a_replys_types_for_this_job_and_client_belong(
     model: SplitNet, plan: RoundPlan
 ) -> None:
     def problem(message: Message) -> str | None:
-        return reply_problem(
-            message,
-            job=JOB,
-            client=CLIENT,
-            seq_base=100,
-            next_seq=105,
-            plan=plan,
-            model=model,
-        )
+        reason, fatal = link(model, plan, 100, 105).problem(message, None)
+        assert not fatal
+        return reason
 
     assert problem(Error(JOB, CLIENT, "e", 1, "round_closed", "")) is None
     assert "does not belong" in str(problem(Leave(JOB, CLIENT, "l", 1)))
@@ -74,16 +92,7 @@ def test_only_a_replys_types_for_this_job_and_client_belong(
 
 
 def test_before_its_welcome_a_client_takes_any_seq(model: SplitNet, plan: RoundPlan) -> None:
-    found = reply_problem(
-        reply(10**9, None),
-        job=JOB,
-        client=CLIENT,
-        seq_base=None,
-        next_seq=0,
-        plan=plan,
-        model=model,
-    )
-    assert found is None
+    assert link(model, plan, None, 0).problem(reply(10**9, None), None) == (None, False)
 
 
 def test_a_welcome_must_fit_the_clients_model(model: SplitNet, plan: RoundPlan) -> None:
@@ -100,8 +109,14 @@ def test_a_welcome_must_fit_the_clients_model(model: SplitNet, plan: RoundPlan) 
     assert str(fit_problem(welcome({}, cut="no_such_block"), plan, model)).startswith("Welcome:")
 
 
-def test_the_awaited_gradient_has_its_batchs_shape() -> None:
+def test_the_awaited_gradient_has_its_batchs_shape(model: SplitNet, plan: RoundPlan) -> None:
     sent = batch(7)
+
+    def gradient_problem(answer: GradientReply, awaiting: SmashedBatch) -> str | None:
+        reason, fatal = link(model, plan, 0, 10).problem(answer, awaiting)
+        assert fatal or reason is None
+        return reason
+
     assert gradient_problem(reply(7, torch.zeros(4, 3)), sent) is None
     assert gradient_problem(reply(8, None), sent) is None  # not the answer to this batch
     assert gradient_problem(reply(7, None, status="stale"), sent) is None  # not an ok answer
