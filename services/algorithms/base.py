@@ -443,7 +443,8 @@ class StrategyBase:
     def smashed(self, r: LocalRound, x: torch.Tensor, z: torch.Tensor, step: int) -> Smashed:
         """Step `step`'s smashed data z of inputs x as the client sends it: the defences
         applied (noise seeded by the job, the client, the round and the step), in z's graph.
-        Every split algorithm's client step goes through here."""
+        Every split algorithm's client step goes through here when a defence is on (SFL's
+        sends z itself when none is: `defences.active`, read once a round)."""
         d, c = self.defences, r.context
         stream = d.generator(z.device, c.client, c.round, step) if d.noise_scale else None
         return d.apply(x, z, stream)

@@ -14,7 +14,8 @@ V-statistic) sample distance correlation of Szekely, Rizzo and Bakirov (2007).
 
 The settings travel to clients among the algorithm's parameters under `privacy.` keys
 (`KEY_PREFIX`); `AlgorithmSpec.build` splits them off into the strategy's `defences`, so one
-helper (`StrategyBase.smashed`) applies them in every split algorithm's client step.
+helper (`StrategyBase.smashed`) applies them in every split algorithm's client step (SFL's
+step skips it, and this module, when every defence is off).
 """
 
 from __future__ import annotations
