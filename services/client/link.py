@@ -231,9 +231,25 @@ class ClientLink:
                     raise ClientStopped("stop requested")
                 delivery = self._broker.get(min(max(0.0, end - self.clock()), MAX_POLL_S))
                 if delivery is not None:
-                    message = self._accept(delivery, awaiting)
-                    if message is not None:
-                        return message
+                    # Judged here, in line: every batch's reply passes this way.
+                    self.stats.bytes_down += len(delivery.body)
+                    reason: str | None
+                    try:
+                        message = decode(delivery.body)
+                    except DecodeError as exc:
+                        reason, fatal = f"undecodable: {exc.reason}", False
+                    else:
+                        reason, fatal = self.problem(message, awaiting)
+                    if reason is not None:
+                        self._refuse(delivery, reason)
+                        if fatal:  # the answer the caller waits for: it cannot go on
+                            raise RoundAborted(reason)
+                    else:
+                        try:
+                            self._broker.ack(delivery)
+                            return message
+                        except StaleDeliveryError:
+                            pass  # its connection is gone: it comes back, and is taken then
                 if self.clock() >= end:
                     return None
         finally:
@@ -248,25 +264,6 @@ class ClientLink:
             return True
         self.stats.duplicates_dropped += 1
         return False
-
-    def _accept(self, delivery: Delivery, awaiting: SmashedBatch | None) -> Message | None:
-        self.stats.bytes_down += len(delivery.body)
-        try:
-            message = decode(delivery.body)
-        except DecodeError as exc:
-            self._refuse(delivery, f"undecodable: {exc.reason}")
-            return None
-        reason, fatal = self.problem(message, awaiting)
-        if reason is not None:
-            self._refuse(delivery, reason)
-            if fatal:  # the answer the caller waits for: it cannot go on
-                raise RoundAborted(reason)
-            return None
-        try:
-            self._broker.ack(delivery)
-        except StaleDeliveryError:
-            return None  # its connection is gone: it comes back, and is taken then
-        return message
 
     def problem(self, message: Message, awaiting: SmashedBatch | None) -> tuple[str | None, bool]:
         """Why `message` cannot be taken on this client's reply queue (None: it can), and
