@@ -63,6 +63,8 @@ class Replier:
         self._sleep = sleep or (lambda s: bool(stop.wait(s)))
         self._keep = max(1, keep)
         self._last: OrderedDict[tuple[str, str], GradientReply] = OrderedDict()
+        # Each client's routing key, made once (per-batch work is the path issue 35 pins).
+        self._keys: dict[tuple[str, str], str] = {}
 
     @property
     def stopping(self) -> bool:
@@ -79,8 +81,13 @@ class Replier:
 
     def send(self, reply: GradientReply) -> bool:
         """True once sent (a refusal comes back later, to `_settle`); False if undeliverable."""
+        key = (reply.job, reply.client)
+        routing_key = self._keys.get(key)
+        if routing_key is None:
+            if len(self._keys) >= 4 * self._keep:
+                self._keys.clear()
+            routing_key = self._keys[key] = reply_routing_key(reply.job, reply.client)
         if reply.status == "ok":  # `_remember`, inline: every step's replies come here
-            key = (reply.job, reply.client)
             last = self._last
             last[key] = reply
             last.move_to_end(key)
@@ -90,7 +97,7 @@ class Replier:
             self._settle(refused)
         # Not waiting for the confirm: the wait is a round trip to RabbitMQ on the job's
         # critical path for every step (docs/benchmarks.md); a refusal comes back later.
-        return self.publish(reply, reply_routing_key(reply.job, reply.client), later=True)
+        return self.publish(reply, routing_key, later=True)
 
     def publish(self, message: Answer, routing_key: str, *, later: bool = False) -> bool:
         """`message` on the replies exchange under `routing_key` (also split inference's);

@@ -70,6 +70,7 @@ class ShardRunner:
         self._want = want
         self._async = continuous
         self._io = io
+        self._server_side = io.server_side
         self._limits = limits = io.limits
         self._pending: list[Delivery] = []  # handled, waiting for a checkpoint to ack them
         self._pending_since = 0.0
@@ -77,10 +78,10 @@ class ShardRunner:
         self._dirty = False
         self._fold: list[Item] = []
         self._barrier: StepBarrier[Item] | None = (
-            StepBarrier(limits.step_timeout_s) if io.strategy.server_barrier else None
+            StepBarrier(limits.step_timeout_s) if self._server_side.barrier else None
         )
         # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
-        self._send_grad = io.strategy.waits_for_gradient
+        self._send_grad = self._server_side.waits_for_gradient
         # A U-shaped job's step between its halves; None in any other job.
         self._ushaped = UShapedStep(io, self._hold) if want.u_shaped else None
         self._gate = ClientGate(limits.rule, io.members, replica, by_version=continuous is not None)
@@ -341,7 +342,7 @@ class ShardRunner:
             labels = cast(torch.Tensor, b.labels)
             batches.append(CohortBatch(b.client, b.activations, labels, weight, cut=b.cut))
         try:
-            results = io.strategy.server_step(
+            results = self._server_side.step(
                 replica.server, replica.optimizer, batches, loss=io.loss
             )
         except Exception as exc:  # never let one step take the worker down

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from broker.messages import SmashedBatch
 from broker.store import WeightStore
 from broker.transport import Delivery
-from services.algorithms.base import StrategyBase
+from services.algorithms.base import ServerSide
 from services.algorithms.recipe import LossFn
 from services.metrics.recorder import Metrics
 from services.security.identity import SenderCheck
@@ -41,7 +41,7 @@ class ShardIO:
     operations it may call, its reply step and the counters it keeps."""
 
     worker_id: str
-    strategy: StrategyBase
+    server_side: ServerSide
     loss: LossFn
     limits: ShardLimits
     store: WeightStore

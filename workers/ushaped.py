@@ -121,7 +121,7 @@ class UShapedStep:
         io, server = self._io, replica.server
         buffers = {n: b.detach().clone() for n, b in server.named_buffers()}
         try:
-            step = io.strategy.server_forward(server, [i.batch.activations for i in items], weights)
+            step = io.server_side.forward(server, [i.batch.activations for i in items], weights)
         except Exception as exc:
             load_partial(server, buffers)
             raise ForwardFailedError(exc) from exc

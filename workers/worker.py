@@ -67,7 +67,7 @@ class Worker:
 
     def run(self, stop: threading.Event, *, burst: bool = False) -> WorkerStats:
         stats = WorkerStats()
-        if not self.strategy.splits:
+        if self.strategy.server is None:
             # FedAvg trains whole models on the clients: no server side, no shard to serve.
             # Idle rather than fail, so one compose file serves every algorithm.
             self.logger.warning(
@@ -82,7 +82,7 @@ class Worker:
             store = handles.enter_context(contextlib.closing(self._backends.open_store()))
             name = f"splitmq-worker-{self.worker_id}"
             broker = handles.enter_context(contextlib.closing(self._backends.open_broker(name)))
-            if self.strategy.split_inference:
+            if self.strategy.server.split_inference:
                 # SplitGP: on a connection and thread of its own, ahead of training.
                 server = InferenceServer(
                     self.settings,
@@ -128,6 +128,10 @@ class WorkerSession:
         settings = self.settings = worker.settings
         self.worker_id = worker.worker_id
         self.strategy = worker.strategy
+        server_side = self.strategy.server
+        if server_side is None:  # Worker.run idles for these: no session is opened
+            raise ValueError(f"{self.strategy.name} has no server side: no shard to serve")
+        self.server_side = server_side
         self.job = settings.job.name
         self.log = worker.logger
         self.clock = time.monotonic
@@ -183,7 +187,7 @@ class WorkerSession:
         )
         return ShardIO(
             worker_id=self.worker_id,
-            strategy=self.strategy,
+            server_side=self.server_side,
             loss=self.hyper.loss,
             limits=limits,
             store=self.store,
@@ -293,7 +297,7 @@ class WorkerSession:
     def load(self, shard: int) -> None:
         # Batches may come from several cuts (FedSplitX's levels): the replica starts at the
         # shallowest, so it holds every layer any of them needs.
-        cuts = self.strategy.batch_cuts(self.template, self.settings.model.cut)
+        cuts = self.server_side.batch_cuts(self.template, self.settings.model.cut)
         make = partial(
             Replica, shard, self.template, cuts[0], self.hyper.server_optimizer, self.device
         )

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.algorithms import base
 from services.algorithms.base import ServerSide, StrategyBase, Traits, algorithm
 from services.algorithms.registry import specs_in
 from services.algorithms.sfl import SFL
@@ -26,11 +25,7 @@ def public_members(cls: type) -> set[str]:
 
 
 def test_strategy_base_has_at_most_twelve_public_members() -> None:
-    members = public_members(StrategyBase)
-    # TEMP(issue 35): the old members kept for call sites other helpers are moving; the list
-    # (and this subtraction) goes when they do.
-    assert set(base.TEMP_ALIASES) <= members
-    narrow = members - set(base.TEMP_ALIASES)
+    narrow = public_members(StrategyBase)
     assert "defences" in narrow and len(narrow) <= MOST, sorted(narrow)
     # The docstring names them all.
     for name in narrow:
