@@ -382,7 +382,7 @@ class InMemoryBroker:
         user_id = options.user_id or self.stamp
         target = f"exchange {exchange!r}, key {routing_key!r}"
         check_publish(body, self._max_message_bytes, user_id, self._user, target)
-        headers = outgoing_headers(options.headers) or {}
+        headers = (outgoing_headers(options.headers) or {}) if options.headers else {}
         try:
             message = _Message(exchange, routing_key, body, headers, options.message_id, user_id)
             with self.hub.lock:

@@ -150,7 +150,7 @@ class RabbitMQBroker:
         check_publish(body, self._options.max_message_bytes, user_id, self._keeper.user, target)
         properties = pika.BasicProperties(
             delivery_mode=_PERSISTENT if options.persistent else _TRANSIENT,
-            headers=outgoing_headers(options.headers),
+            headers=outgoing_headers(options.headers) if options.headers else None,
             message_id=options.message_id,
             user_id=user_id,
         )
@@ -475,7 +475,7 @@ class RabbitMQBroker:
                 routing_key=method.routing_key,
                 tag=method.delivery_tag,
                 redelivered=bool(method.redelivered),
-                headers=incoming_headers(properties.headers),
+                headers=incoming_headers(properties.headers) if properties.headers else {},
                 message_id=properties.message_id,
                 user_id=properties.user_id,
                 generation=generation,

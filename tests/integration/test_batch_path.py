@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 
 # Each side's calls per batch may differ from the doc's by this share before the doc is stale.
 CALLS_TOLERANCE = 0.10
-# Issue 35's target over RabbitMQ: files of both sides together, calls of both sides summed
-# (the issue's baseline, 222 calls a batch, was the client's 86 plus the worker's 136).
+# Issue 35's target over RabbitMQ: files of both sides together, the model's own blocks
+# (models/) apart, as the issue's 19-file baseline counted them; calls of both sides summed,
+# the model's included (the issue's baseline, 222 calls a batch, was the client's 86 plus the
+# worker's 136).
 MAX_FILES = 14
 MAX_CALLS = 120
 ABOVE_TARGET = pytest.mark.xfail(
@@ -114,12 +116,11 @@ def test_nothing_disabled_runs_on_the_rabbitmq_path(rabbitmq_path: PathTrace, fe
 @pytest.mark.redis
 @ABOVE_TARGET
 def test_the_rabbitmq_path_crosses_at_most_14_files(rabbitmq_path: PathTrace) -> None:
-    assert len(rabbitmq_path.files) <= MAX_FILES, sorted(rabbitmq_path.files)
+    assert len(rabbitmq_path.path_files) <= MAX_FILES, sorted(rabbitmq_path.path_files)
 
 
 @pytest.mark.rabbitmq
 @pytest.mark.redis
-@ABOVE_TARGET
 def test_the_rabbitmq_path_makes_at_most_120_calls_per_batch(rabbitmq_path: PathTrace) -> None:
     path = rabbitmq_path
     assert path.total <= MAX_CALLS, (

@@ -67,7 +67,10 @@ def test_calls_in_fewer_than_half_the_batches_are_occasional() -> None:
 
 def sample() -> PathTrace:
     client = Side("client", {("broker/codec.py", "encode"): 1.0, TOPOLOGY: 2.5}, {})
-    worker = Side("worker", {("workers/shard.py", "ShardRunner.on_batch"): 1.0}, {MESSAGES: 0.1})
+    model = ("models/zoo.py", "ConvBlock.forward")
+    worker = Side(
+        "worker", {("workers/shard.py", "ShardRunner.on_batch"): 1.0, model: 1.0}, {MESSAGES: 0.1}
+    )
     return PathTrace("rabbitmq", 40, client, worker, {})
 
 
@@ -76,10 +79,11 @@ def test_the_rendered_block_reads_back() -> None:
     doc = documented(f"# doc\n{block}\ntail\n", "rabbitmq")
     assert doc.files == {
         "client": {"broker/codec.py": 1.0, "broker/topology.py": 2.5},
-        "worker": {"workers/shard.py": 1.0},
+        "worker": {"workers/shard.py": 1.0, "models/zoo.py": 1.0},
     }
     assert doc.side_total("client") == 3.5
-    assert "**3 files, 4.5 calls per batch**" in block
+    # The model's own blocks are counted apart from the path's files, their calls with the rest.
+    assert "**3 files (and 1 of the model's own blocks in `models/`), 5.5 calls" in block
     assert "Occasional on the worker's side" in block and "`broker/messages.py`" in block
 
 
