@@ -333,7 +333,7 @@ class ShardRunner:
         started = time.perf_counter()
         cohort_round, cohort = replica.cohort_round, replica.cohort
         # `BatchContent` let a batch without labels through in a U-shaped job only; the weight
-        # is `_cohort_weight`'s, inline.
+        # is the cohort's samples, else the batch's rows, inline.
         batches = []
         for item in items:
             b = item.batch
