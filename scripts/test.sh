@@ -60,7 +60,7 @@ echo "== pytest"
 # Two phases: everything but the `exclusive` tests on SPLITMQ_TEST_WORKERS pytest-xdist workers
 # (default 2 where there are 2 cores or more; a file's tests stay on one worker, see
 # tests/conftest.py), then the `exclusive` ones (failovers timed against Sentinel's and
-# RabbitMQ's clocks) in one process with the machine to themselves. SPLITMQ_TEST_WORKERS=0 runs
+# RabbitMQ's clocks, the flood's round-time ratio) in one process with the machine to themselves. SPLITMQ_TEST_WORKERS=0 runs
 # everything in one process, one phase. Arguments go to both phases; "no tests collected" (exit
 # 5) is a failure unless the other phase ran tests.
 cores=$(nproc 2>/dev/null || echo 1)

@@ -78,9 +78,15 @@ def one_torch_thread() -> Iterator[None]:
 
 
 # Tests that kill servers and time a failover against Sentinel's and RabbitMQ's own clocks
-# (down-after 1 s, a node's boot): `scripts/test.sh` runs them alone, after the parallel phase,
-# because their deadlines assume the machine's cores, as a deployment's failover would have.
-EXCLUSIVE = ("tests/cluster/", "tests/integration/test_redis_sentinel.py")
+# (down-after 1 s, a node's boot), and the flood test, which compares round times with and
+# without a flooder and so measures the flood's CPU cost, not that of whatever test another
+# xdist worker runs beside it: `scripts/test.sh` runs them alone, after the parallel phase,
+# because their deadlines assume the machine's cores, as a deployment would have them.
+EXCLUSIVE = (
+    "tests/cluster/",
+    "tests/integration/test_redis_sentinel.py",
+    "tests/integration/test_flood_rabbitmq.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
