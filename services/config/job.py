@@ -33,6 +33,13 @@ class JobSection(_Section):
     name: str = Field(default="splitmq", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     seed: int = 0
     rounds: int = Field(default=5, ge=1)
+    # The same config and seed give the same model, bit for bit (docs/reproducibility.md):
+    # workers serve a round's batches in one canonical order (step by step, clients in cohort
+    # order) whatever order they arrive in, shards follow the clients' partitions, and
+    # `splitmq run` waits for all its clients before round 1. false: batches are served as
+    # they arrive (a little faster on a loaded machine; every run is still recorded and
+    # replayable with `splitmq replay`).
+    deterministic: bool = True
 
 
 # Builder parameters that the job sets itself, not through [model.options].

@@ -32,12 +32,16 @@ RoleBuilder = Callable[[Settings, Backends, MetricsSink, Dataset], Sequence[Role
 
 def embedded_settings(settings: Settings) -> tuple[Settings, list[str]]:
     """`settings` with broker and store forced to the in-memory kinds, and what was changed."""
-    update = {
+    update: dict[str, object] = {
         name: section.model_copy(update={"kind": "memory"})
         for name, section in (("broker", settings.broker), ("store", settings.store))
         if section.kind != "memory"
     }
     changed = [f"{name}.kind {getattr(settings, name).kind!r} -> 'memory'" for name in update]
+    clients = settings.clients
+    if settings.job.deterministic and clients.min_to_start < clients.count:
+        # Who trains round 1 must not depend on which client threads started first.
+        update["clients"] = clients.model_copy(update={"min_to_start": clients.count})
     return (settings.model_copy(update=update) if update else settings), changed
 
 

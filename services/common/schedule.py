@@ -1,0 +1,200 @@
+"""A run's schedule: what the roles decided, in the order they decided it (issue 36).
+
+The record `splitmq replay` re-executes: per shard the batches its replica applied (and the
+checkpoints and restores between them), per published version the fold that made it, and the
+membership events that chose who trained. Each deciding role writes its own stream through the
+store (`ScheduleStore`), so the record survives the role and is complete for a distributed
+run; the run directory gets all streams in one file at the end (`services.report.schedule_file`).
+
+Entries are small frozen dataclasses, one JSON object per line on the wire and in the file
+(`encode` / `decode`); no pickle, nothing executable. A batch is named by its client, round and
+step (its index in the client's round), never by its seq: seqs are clocks of a Welcome, and a
+replay's are others.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol, TypeAlias
+
+FORMAT = 1
+
+# Stream names: one per writer, so two writers never interleave their lines.
+AGGREGATOR_STREAM = "aggregator"
+COORDINATOR_STREAM = "coordinator"
+
+
+def shard_stream(shard: int) -> str:
+    return f"shard-{shard}"
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A batch the shard's replica applied, `position` the replica's applied count after it
+    (several batches of one server step share `step_no`)."""
+
+    shard: int
+    client: str
+    round: int
+    step: int
+    version: int  # the replica's version when it applied the batch
+    position: int
+    step_no: int
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A checkpoint of the shard covering its first `position` applied batches; `digest` of
+    the replica's server-side weights (`state_digest`): a replay that reaches another state
+    here has diverged from the record."""
+
+    shard: int
+    position: int
+    version: int
+    digest: str
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A worker took the shard over from its checkpoint at `position` (a lease hand-over or a
+    restart): the batches recorded after `position` by the previous holder were lost with it."""
+
+    shard: int
+    position: int
+    version: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class FoldedUpdate:
+    client: str
+    base_version: int  # the version the client trained from
+    staleness: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class Folded:
+    """Version `version` published from these updates (in fold order) and shard replicas
+    (shard, applied count); `digest` of its weights (`state_digest`)."""
+
+    version: int
+    round: int
+    updates: tuple[FoldedUpdate, ...]
+    replicas: tuple[tuple[int, int], ...]
+    digest: str
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    """A membership event: `kind` join / leave / drop (a member gone silent) / dropped_round
+    (a client that gave up its round); `round` the round open at the time (-1: none)."""
+
+    kind: str
+    client: str
+    round: int
+    partition: int = -1
+    shard: int = -1
+
+
+@dataclass(frozen=True)
+class Header:
+    """The file's first line: what ran, and how."""
+
+    job: str
+    seed: int
+    deterministic: bool
+    mode: str  # "sync" | "async"
+    torch_threads: int
+    format: int = FORMAT
+    streams: tuple[str, ...] = field(default_factory=tuple)
+
+
+Entry: TypeAlias = Applied | Checkpointed | Restored | Folded | MemberEvent | Header
+_KINDS: dict[str, type[Entry]] = {
+    "applied": Applied,
+    "checkpointed": Checkpointed,
+    "restored": Restored,
+    "folded": Folded,
+    "member": MemberEvent,
+    "header": Header,
+}
+_NAMES = {cls: name for name, cls in _KINDS.items()}
+
+
+class ScheduleError(ValueError):
+    """A line that is not a schedule entry; the message says which and why."""
+
+
+def encode(entry: Entry) -> str:
+    body = asdict(entry)
+    return json.dumps({"kind": _NAMES[type(entry)], **body}, separators=(",", ":"))
+
+
+def decode(line: str) -> Entry:
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"not JSON: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("kind"), str):
+        raise ScheduleError("not an object with a 'kind'")
+    cls = _KINDS.get(raw.pop("kind"))
+    if cls is None:
+        raise ScheduleError(f"unknown kind in {line[:80]!r}")
+    names = {f.name for f in fields(cls)}
+    if not set(raw) <= names:
+        raise ScheduleError(f"{cls.__name__}: unknown fields {sorted(set(raw) - names)}")
+    try:
+        if cls is Folded:
+            raw["updates"] = tuple(FoldedUpdate(**u) for u in raw["updates"])
+            raw["replicas"] = tuple((int(s), int(n)) for s, n in raw["replicas"])
+        if cls is Header:
+            raw["streams"] = tuple(raw.get("streams", ()))
+        return cls(**raw)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ScheduleError(f"{cls.__name__}: {exc}") from None
+
+
+class ScheduleStore(Protocol):
+    """Where the roles append their streams (the store: `broker.store.ScheduleStore`)."""
+
+    def append_schedule(self, job: str, stream: str, lines: Sequence[str]) -> None: ...
+
+    def read_schedule(self, job: str) -> dict[str, list[str]]: ...
+
+
+class ScheduleLog:
+    """One role's stream: entries buffered by `add`, written by `flush` (one store call)."""
+
+    def __init__(self, store: ScheduleStore, job: str, stream: str) -> None:
+        self._store, self._job, self.stream = store, job, stream
+        self._lines: list[str] = []
+
+    def add(self, entry: Entry) -> None:
+        self._lines.append(encode(entry))
+
+    def flush(self) -> None:
+        if self._lines:
+            lines, self._lines = self._lines, []
+            self._store.append_schedule(self._job, self.stream, lines)
+
+
+def state_digest(tensors: Mapping[str, Any]) -> str:
+    """A short digest of named tensors' exact bytes (names sorted): equal states, equal
+    digests, on any machine; a bit of difference, another digest."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t: torch.Tensor = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
