@@ -61,6 +61,9 @@ class RunInfo:
     torch_threads: int = 0
     torch_interop_threads: int = 0
     thread_budget: str = ""
+    # How the roles ordered their work (`schedule_mode`; "" in runs from before issue 36).
+    schedule: str = ""
+    seed: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -92,10 +95,19 @@ class RunInfo:
             torch_threads=intra,
             torch_interop_threads=inter,
             thread_budget=rule,
+            schedule=schedule_mode(settings),
+            seed=settings.job.seed,
         )
 
     def ended(self, status: str, at: datetime) -> RunInfo:
         return replace(self, status=status, ended_at=at.astimezone().isoformat(timespec="seconds"))
+
+
+def schedule_mode(settings: Settings) -> str:
+    """`deterministic` or `free-running` (`job.deterministic`), and the rounds' mode: what a
+    reader needs to know before comparing two runs' numbers (docs/reproducibility.md)."""
+    mode = "deterministic" if settings.job.deterministic else "free-running"
+    return f"{mode}, {settings.rounds.mode}"
 
 
 def package_version() -> str:

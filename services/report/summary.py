@@ -81,6 +81,8 @@ def banner(info: RunInfo) -> str:
         f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
         f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"
     )
+    if info.schedule:
+        line = f"{line}\nschedule: {info.schedule} (seed {info.seed})"
     if not info.torch_threads:  # a run from before the thread budget
         return line
     return (
