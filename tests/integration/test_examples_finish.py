@@ -74,25 +74,56 @@ def test_the_quick_overrides_keep_the_recipe() -> None:
     }
 
 
+def run_quick(path: Path, report_dir: Path, data_dir: str, job: str) -> tuple[Path, int]:
+    """`splitmq run` on `path` in its quick mode; the run directory and the rounds asked for."""
+    env: dict[str, str | None] = dict(as_env(quick_overrides(path)))
+    # The full datasets from the data directory, the shipped sample from the package.
+    env |= QUIET | {"SPLITMQ_JOB__NAME": job, "SPLITMQ_DATA_DIR": data_dir, "SPLITMQ_CONFIG": None}
+    args = ["run", str(path), "--report-dir", str(report_dir)]
+    result = CliRunner().invoke(cli, args, env=env)
+    assert result.exit_code == 0, result.output
+    (run_dir,) = report_dir.iterdir()
+    return run_dir, int(env["SPLITMQ_JOB__ROUNDS"] or 0)
+
+
+# What a run's metrics say about its training, not about the machine's speed: equal in two
+# deterministic runs of one config and seed (elapsed time, throughput and bytes are not).
+TRAINING_COLUMNS = (
+    "version",
+    "round",
+    "participants",
+    "global_accuracy",
+    "global_loss",
+    "personal_accuracy",
+    "train_loss",
+    "train_accuracy",
+    "samples",
+)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_example_finishes_in_quick_mode(
     path: Path, tmp_path: Path, data_dir: str, job: str
 ) -> None:
-    env: dict[str, str | None] = dict(as_env(quick_overrides(path)))
-    # The full datasets from the data directory, the shipped sample from the package.
-    env |= QUIET | {"SPLITMQ_JOB__NAME": job, "SPLITMQ_DATA_DIR": data_dir, "SPLITMQ_CONFIG": None}
-    args = ["run", str(path), "--report-dir", str(tmp_path)]
-    result = CliRunner().invoke(cli, args, env=env)
-    assert result.exit_code == 0, result.output
-
-    (run_dir,) = tmp_path.iterdir()
+    """Every example finishes; each top-level one (one per algorithm and mode) run twice with
+    its seed gives the same model file byte for byte and the same training metrics (issue 36:
+    `job.deterministic`, the default)."""
+    run_dir, rounds = run_quick(path, tmp_path / "first", data_dir, job)
     doc = json.loads((run_dir / "metrics.json").read_text())
     assert doc["run"]["status"] == "finished", doc["run"]
     records = doc["records"]
-    rounds = int(env["SPLITMQ_JOB__ROUNDS"] or 0)
     assert len(records) == rounds, [r["version"] for r in records]
     for record in records:
         losses = (record["train_loss"], record["global_loss"])
         assert all(math.isfinite(loss) for loss in losses), record
     last = records[-1]
     assert math.isfinite(last["global_accuracy"]), last
+    if path.parent != EXAMPLES:
+        return  # the experiments' bases repeat the examples' algorithms
+    assert doc["run"]["schedule"].startswith("deterministic"), doc["run"]
+    again, _ = run_quick(path, tmp_path / "second", data_dir, job)
+    model = (run_dir / "model.safetensors").read_bytes()
+    assert model == (again / "model.safetensors").read_bytes(), f"{path.name}: models differ"
+    second = json.loads((again / "metrics.json").read_text())["records"]
+    trained = [[r[k] for k in TRAINING_COLUMNS] for r in records]
+    assert trained == [[r[k] for k in TRAINING_COLUMNS] for r in second], path.name
