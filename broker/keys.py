@@ -115,6 +115,27 @@ def lease_key(job: str, name: str) -> str:
     return job_prefix(job) + f"lease:{validate_name('lease name', name)}"
 
 
+# A schedule stream's name (`services.common.schedule`: "aggregator", "shard-3", ...).
+_STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def validate_stream(stream: str) -> str:
+    if not isinstance(stream, str) or not _STREAM_NAME.fullmatch(stream):
+        raise ValueError(
+            f"invalid schedule stream {stream!r}: use 1-64 characters of [A-Za-z0-9_.-], "
+            "starting with a letter or digit"
+        )
+    return stream
+
+
+def schedule_key(job: str, stream: str) -> str:  # list of the stream's encoded entries
+    return job_prefix(job) + f"schedule:{validate_stream(stream)}"
+
+
+def schedule_streams_key(job: str) -> str:  # set of the job's stream names
+    return job_prefix(job) + "schedule-streams"
+
+
 def probe_key(token: str) -> str:
     """Scratch key for `splitmq doctor`; '_' cannot start a job name, so it never collides."""
     return f"{ROOT}:_probe:{token}"

@@ -74,6 +74,8 @@ class _JobState:
     )
     leases: dict[str, _Lease] = field(default_factory=dict)
     status: JobStatus | None = None
+    # The schedule record: stream -> encoded entries, in append order.
+    schedule: dict[str, list[str]] = field(default_factory=dict)
 
     def kind(self, member_id: str) -> dict[str, Member]:
         return self.members[keys.member_kind(member_id)]
@@ -309,6 +311,18 @@ class InMemoryWeightStore(PublishingStore):
     def clear_job_status(self, job: str) -> None:
         with self._job(job) as state:
             state.status = None
+
+    # --- the schedule record ------------------------------------------------------------------
+    def append_schedule(self, job: str, stream: str, lines: Sequence[str]) -> None:
+        keys.validate_stream(stream)
+        if not lines:
+            return
+        with self._job(job, create=True) as state:
+            state.schedule.setdefault(stream, []).extend(lines)
+
+    def read_schedule(self, job: str) -> dict[str, list[str]]:
+        with self._job(job) as state:  # copies: the caller's lists are its own
+            return {name: list(lines) for name, lines in sorted(state.schedule.items())}
 
     # --- operations ---------------------------------------------------------------------------
     def restore_version(

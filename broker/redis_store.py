@@ -1,9 +1,9 @@
 """`RedisWeightStore`: the `WeightStore` over Redis (redis-py), key schema in `broker.keys`.
 
-The store is its three protocols' parts on one `RedisConnection` (`broker.redis_connection`,
+The store is its four protocols' parts on one `RedisConnection` (`broker.redis_connection`,
 which says how errors, outages and Sentinel failovers are handled): `RedisVersions`,
-`RedisCheckpoints`, `RedisMembers`. Every multi-key step that must be atomic is one Lua script
-(`broker.redis_scripts`) or one MULTI/EXEC.
+`RedisCheckpoints`, `RedisMembers`, `RedisSchedule`. Every multi-key step that must be atomic
+is one Lua script (`broker.redis_scripts`) or one MULTI/EXEC.
 """
 
 from __future__ import annotations
@@ -17,9 +17,16 @@ from broker import keys
 from broker.redis_checkpoints import RedisCheckpoints
 from broker.redis_connection import NO_RETRY, RedisConnection, RedisStoreOptions, RetryPolicy
 from broker.redis_members import RedisMembers
+from broker.redis_schedule import RedisSchedule
 from broker.redis_server import RedisServerInfo, server_info
 from broker.redis_versions import RedisVersions
-from broker.store import CheckpointStore, MemberStore, VersionStore, WeightStore
+from broker.store import (
+    CheckpointStore,
+    MemberStore,
+    ScheduleStore,
+    VersionStore,
+    WeightStore,
+)
 
 # The store's options come with it: callers build them from here.
 __all__ = ["NO_RETRY", "RedisStoreOptions", "RedisWeightStore", "RetryPolicy"]
@@ -28,7 +35,7 @@ _SCAN_COUNT = 500
 _DELETE_BATCH = 500
 
 
-class RedisWeightStore(RedisVersions, RedisCheckpoints, RedisMembers):
+class RedisWeightStore(RedisVersions, RedisCheckpoints, RedisMembers, RedisSchedule):
     """Thread-safe (redis-py's connection pool); one instance per process is enough."""
 
     def __init__(
@@ -74,5 +81,6 @@ if TYPE_CHECKING:  # mypy proves each part serves its protocol, and the store al
         versions: RedisVersions,
         checkpoints: RedisCheckpoints,
         members: RedisMembers,
-    ) -> tuple[WeightStore, VersionStore, CheckpointStore, MemberStore]:
-        return store, versions, checkpoints, members
+        schedule: RedisSchedule,
+    ) -> tuple[WeightStore, VersionStore, CheckpointStore, MemberStore, ScheduleStore]:
+        return store, versions, checkpoints, members, schedule

@@ -223,7 +223,22 @@ class MemberStore(_Closable, Protocol):
         ...
 
 
-class WeightStore(VersionStore, CheckpointStore, MemberStore, Protocol):
+class ScheduleStore(Protocol):
+    """A run's schedule record (`services.common.schedule`): per stream (one per deciding role:
+    "aggregator", "coordinator", "shard-<s>"), the encoded entries in the order appended. The
+    store keeps the lines as given and never parses them; they go with the job's other keys
+    (`WeightStore.delete_job`)."""
+
+    def append_schedule(self, job: str, stream: str, lines: Sequence[str]) -> None:
+        """Append `lines` to `stream`, in order, in one step (one round trip for Redis)."""
+        ...
+
+    def read_schedule(self, job: str) -> dict[str, list[str]]:
+        """Every stream of the job with its lines in append order; {} for an unknown job."""
+        ...
+
+
+class WeightStore(VersionStore, CheckpointStore, MemberStore, ScheduleStore, Protocol):
     """All of a job's store: what the wiring opens (the Redis store, or the in-memory one of an
     embedded run). Code that needs one concern takes the protocol of that concern."""
 

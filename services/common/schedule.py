@@ -15,9 +15,12 @@ replay's are others.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
+
+# Where the roles append their streams: the store's protocol, one definition.
+from broker.store import ScheduleStore
 
 FORMAT = 1
 
@@ -157,14 +160,6 @@ def decode(line: str) -> Entry:
         return cls(**raw)
     except (TypeError, KeyError, ValueError) as exc:
         raise ScheduleError(f"{cls.__name__}: {exc}") from None
-
-
-class ScheduleStore(Protocol):
-    """Where the roles append their streams (the store: `broker.store.ScheduleStore`)."""
-
-    def append_schedule(self, job: str, stream: str, lines: Sequence[str]) -> None: ...
-
-    def read_schedule(self, job: str) -> dict[str, list[str]]: ...
 
 
 class ScheduleLog:

@@ -1,7 +1,8 @@
 """The store contract, run against the in-memory store, the Redis store on one server, and the
 Redis store behind Sentinel (a primary, one replica, three sentinels started for the session,
 with `min_replicas = 1` so every commit and checkpoint also WAITs): one section for each of
-the protocols of `broker.store` (`VersionStore`, `CheckpointStore`, `MemberStore`), then what
+the protocols of `broker.store` (`VersionStore`, `CheckpointStore`, `MemberStore`,
+`ScheduleStore`), then what
 the union `WeightStore` adds (`delete_job`).
 
 Expiry is exercised with a fake clock for the in-memory store and with short real TTLs (about a
@@ -686,6 +687,75 @@ def test_job_status_refuses_unknown_states() -> None:
     assert JobStatus("failed").text == "failed: no reason given"
 
 
+# --- ScheduleStore: the run's schedule record ---------------------------------------------------
+
+
+def test_schedule_keeps_append_order_per_stream(store: Any, job: str) -> None:
+    store.append_schedule(job, "aggregator", ['{"a":1}', '{"a":2}'])
+    store.append_schedule(job, "shard-0", ['{"s":1}'])
+    store.append_schedule(job, "aggregator", ['{"a":3}'])
+    store.append_schedule(job, "shard-0", [])  # nothing: no stream appears for it
+    store.append_schedule(job, "coordinator", [])
+    store.append_schedule(job, "shard-0", ['{"s":2}', '{"s":3}'])
+    assert store.read_schedule(job) == {
+        "aggregator": ['{"a":1}', '{"a":2}', '{"a":3}'],
+        "shard-0": ['{"s":1}', '{"s":2}', '{"s":3}'],
+    }
+
+
+def test_schedule_lines_come_back_as_given(store: Any, job: str) -> None:
+    lines = ['{"client":"c-é","x":"a b\\n"}', " ", "x" * 5000]
+    store.append_schedule(job, "shard-12", lines)
+    assert store.read_schedule(job) == {"shard-12": lines}
+
+
+def test_schedule_of_an_unknown_job_is_empty(store: Any, job: str) -> None:
+    assert store.read_schedule(job) == {}
+    store.append_schedule(job, "aggregator", ["{}"])
+    assert store.read_schedule(job + "x") == {}, "a job sharing the prefix as a string"
+
+
+def test_schedule_refuses_bad_stream_names(store: Any, job: str) -> None:
+    for bad in ("", "a:b", "a*", "-x", "x" * 65):
+        with pytest.raises(ValueError, match="stream"):
+            store.append_schedule(job, bad, ["{}"])
+    assert store.read_schedule(job) == {}
+
+
+def test_schedule_appends_from_threads_are_each_whole(harness: Harness, job: str) -> None:
+    """Two writers on one stream: each append's lines stay together and in order."""
+    first = harness.new_store()
+    # Redis: two clients of the server; memory: one store (it is one process's).
+    stores = [first, first if harness.kind == "memory" else harness.new_store()]
+
+    def write(i: int) -> None:
+        for n in range(20):
+            stores[i].append_schedule(job, "aggregator", [f"{i}:{n}:a", f"{i}:{n}:b"])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = stores[0].read_schedule(job)["aggregator"]
+    assert len(lines) == 80
+    for first, second in zip(lines[::2], lines[1::2], strict=True):
+        assert first.endswith(":a") and second == first[:-1] + "b"
+    for i in range(2):
+        assert [x for x in lines[::2] if x.startswith(f"{i}:")] == [f"{i}:{n}:a" for n in range(20)]
+
+
+def test_schedule_is_deleted_with_the_job(store: Any, job: str) -> None:
+    for name in (job, job + "x"):
+        store.append_schedule(name, "aggregator", ["{}"])
+        store.append_schedule(name, "shard-0", ["{}"])
+    store.delete_job(job)
+    assert store.read_schedule(job) == {}
+    assert store.read_schedule(job + "x") == {"aggregator": ["{}"], "shard-0": ["{}"]}
+    store.append_schedule(job, "shard-0", ["{}"])
+    assert store.read_schedule(job) == {"shard-0": ["{}"]}, "a new run starts afresh"
+
+
 # --- WeightStore: operations ----------------------------------------------------------------------
 
 
@@ -698,6 +768,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
             store.heartbeat(name, member, 60.0)
         assert store.acquire_lease(name, "shard-0", "w", 60.0)
         store.set_job_status(name, JobStatus("failed", "diverged"))
+        store.append_schedule(name, "aggregator", ["{}"])
 
     store.delete_job(job)
     assert store.current_version(job) == NO_VERSION
@@ -707,6 +778,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     assert store.live_members(job) == {}
     assert lease_owner(store, job, "shard-0") is None
     assert store.job_status(job) is None
+    assert store.read_schedule(job) == {}
     assert store.publish_version(job, NO_VERSION, _weights(2)) == 1, "the job starts afresh"
 
     assert store.current_version(neighbour) == 1
@@ -715,6 +787,7 @@ def test_delete_job_removes_everything_of_that_job_only(store: Any, job: str) ->
     assert set(store.live_members(neighbour)) == {"m", "client:c", "worker:w", "health:coordinator"}
     assert lease_owner(store, neighbour, "shard-0") == "w"
     assert store.job_status(neighbour) == JobStatus("failed", "diverged")
+    assert store.read_schedule(neighbour) == {"aggregator": ["{}"]}
 
 
 # --- Redis only: what a single process cannot show -----------------------------------------
