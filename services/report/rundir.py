@@ -106,8 +106,11 @@ class RunInfo:
 def schedule_mode(settings: Settings) -> str:
     """`deterministic` or `free-running` (`job.deterministic`), and the rounds' mode: what a
     reader needs to know before comparing two runs' numbers (docs/reproducibility.md)."""
-    mode = "deterministic" if settings.job.deterministic else "free-running"
-    return f"{mode}, {settings.rounds.mode}"
+    if settings.rounds.mode == "async":
+        # The async buffer's folds and the replicas' checkpoints follow the wall clock: no
+        # canonical order for them yet, whatever `job.deterministic` says.
+        return "free-running, async (deterministic async runs are not built yet)"
+    return f"{'deterministic' if settings.job.deterministic else 'free-running'}, sync"
 
 
 def package_version() -> str:

@@ -120,6 +120,8 @@ def test_example_finishes_in_quick_mode(
     assert math.isfinite(last["global_accuracy"]), last
     if path.parent != EXAMPLES:
         return  # the experiments' bases repeat the examples' algorithms
+    if doc["run"]["schedule"].startswith("free-running, async"):
+        pytest.xfail("deterministic async runs are not built yet (issue 36)")
     assert doc["run"]["schedule"].startswith("deterministic"), doc["run"]
     again, _ = run_quick(path, tmp_path / "second", data_dir, job)
     model = (run_dir / "model.safetensors").read_bytes()
