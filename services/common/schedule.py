@@ -74,10 +74,14 @@ class Restored:
 
 @dataclass(frozen=True)
 class FoldedUpdate:
+    """One update of a fold: `weight` the staleness rule's weight of its change (async; 1.0 in
+    a sync round), `samples` the rows it trained (the fold's sample weight)."""
+
     client: str
     base_version: int  # the version the client trained from
     staleness: int
     weight: float
+    samples: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ _KINDS: dict[str, type[Entry]] = {
     "header": Header,
 }
 _NAMES = {cls: name for name, cls in _KINDS.items()}
+# The key of an encoded entry's type ("applied", "folded", ...).
+ENTRY_KEY = "entry"
 
 
 class ScheduleError(ValueError):
@@ -134,8 +140,8 @@ class ScheduleError(ValueError):
 
 
 def encode(entry: Entry) -> str:
-    body = asdict(entry)
-    return json.dumps({"kind": _NAMES[type(entry)], **body}, separators=(",", ":"))
+    # The type goes under ENTRY_KEY, not "kind": `MemberEvent` has a field of that name.
+    return json.dumps({ENTRY_KEY: _NAMES[type(entry)], **asdict(entry)}, separators=(",", ":"))
 
 
 def decode(line: str) -> Entry:
@@ -143,11 +149,11 @@ def decode(line: str) -> Entry:
         raw = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ScheduleError(f"not JSON: {exc}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("kind"), str):
-        raise ScheduleError("not an object with a 'kind'")
-    cls = _KINDS.get(raw.pop("kind"))
+    if not isinstance(raw, dict) or not isinstance(raw.get(ENTRY_KEY), str):
+        raise ScheduleError(f"not an object with an {ENTRY_KEY!r}")
+    cls = _KINDS.get(raw.pop(ENTRY_KEY))
     if cls is None:
-        raise ScheduleError(f"unknown kind in {line[:80]!r}")
+        raise ScheduleError(f"unknown entry type in {line[:80]!r}")
     names = {f.name for f in fields(cls)}
     if not set(raw) <= names:
         raise ScheduleError(f"{cls.__name__}: unknown fields {sorted(set(raw) - names)}")
