@@ -77,6 +77,7 @@ class Replica:
         self._optimizer_factory = optimizer_factory
         self._names: frozenset[str] = frozenset(self.server.state_dict())
         self.origin_version = 0  # what a replica without checkpoint started from
+        self.from_checkpoint = False  # restored from a checkpoint: the schedule records it
         self._clear()
         self.optimizer = self._fresh_optimizer()
 
@@ -114,6 +115,7 @@ class Replica:
         gets a fresh optimizer."""
         self._load(checkpoint.weights)
         self._clear()
+        self.from_checkpoint = True
         self.applied = int(checkpoint.applied)
         for key, check in _META.items():  # a field the checkpoint lacks keeps its default
             if key in checkpoint.meta:

@@ -50,6 +50,8 @@ class Sequencer(Generic[T]):
         # attribute, not a method: the worker's loop reads it after every delivery.
         self.due_at: float | None = None
         self._count = 0
+        # Batches held (`len`): an attribute the worker's path reads without a call.
+        self.held = 0
         self.skipped: set[str] = set()
 
     def new_round(self) -> None:
@@ -60,6 +62,7 @@ class Sequencer(Generic[T]):
     def add(self, client: str, step: int, steps: int, item: T, *, ordered: bool) -> None:
         """`ordered`: a batch of the current round from a cohort client (the caller knows the
         round); any other goes after the ordered ones."""
+        self.held += 1
         if not ordered:
             self._after.append(item)
             return
@@ -67,7 +70,7 @@ class Sequencer(Generic[T]):
         bisect.insort(self._held.setdefault(client, []), _Held(step, self._count, steps, item))
 
     def __len__(self) -> int:
-        return len(self._after) + sum(len(q) for q in self._held.values())
+        return self.held
 
     def take(self, cohort: Mapping[str, int], progress: Progress, now: float) -> list[T]:
         """What may be served now, in order: each turn's batch while its client has sent it,
@@ -108,6 +111,7 @@ class Sequencer(Generic[T]):
         ]
         out = [self._pop(c, self._held[c]) for *_, c in sorted(rest)]
         out += self._after
+        self.held -= len(self._after)
         self._after = []
         self.due_at = None
         return out
@@ -130,6 +134,7 @@ class Sequencer(Generic[T]):
         stood: a rolled-back replica's progress says it again."""
         self._held.clear()
         self._after.clear()
+        self.held = 0
         self._released.clear()
         self.due_at = None
 
@@ -165,6 +170,7 @@ class Sequencer(Generic[T]):
         return turn
 
     def _pop(self, client: str, queue: list[_Held[T]]) -> T:
+        self.held -= 1
         held = queue.pop(0)
         if not queue:
             del self._held[client]
@@ -182,5 +188,6 @@ class Sequencer(Generic[T]):
                 out.append(self._pop(client, queue))
                 queue = self._held.get(client)
         out += self._after
+        self.held -= len(self._after)
         self._after = []
         return out

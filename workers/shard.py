@@ -4,9 +4,24 @@ the checkpoint's seqs make a redelivered batch apply once. A non-finite step has
 replica: nothing is recorded or answered; it rolls back.
 
 The runner's parts: the checks of a message alone (`workers.shard_checks`), a client's credit
-and seq window (`workers.gate`), the step barrier (`workers.barrier`), a U-shaped job's open
-step (`workers.ushaped`) and the replies (`workers.replies`); what it reaches beyond its
-replica comes in a `ShardIO` (`workers.shard_io`).
+and seq window (`workers.gate`), the step barrier (`workers.barrier`), a deterministic job's
+canonical order (`workers.sequencer`), a U-shaped job's open step (`workers.ushaped`) and the
+replies (`workers.replies`); what it reaches beyond its replica comes in a `ShardIO`
+(`workers.shard_io`).
+
+Determinism (`job.deterministic`, issue 36): in sync rounds a non-barrier algorithm's batches
+go through the sequencer, which releases them in one canonical order (round-robin over the
+cohort by step) into the fold; barrier algorithms (MiniBatch-SFL) are canonical already, one
+step per step index in cohort order. Both still give up on a silent client after
+`workers.step_barrier_timeout_s`: the only way past a dead client, and the one point where a
+run's order depends on time (the record says what happened). With `workers.batch_messages` > 1
+the order is canonical but which released batches share a step still depends on when the
+queue ran dry. Async shards (`Continuous`) serve batches as they arrive, for now.
+
+The schedule: every batch applied is recorded (`Applied`) in the shard's stream, written once
+a server step before its replies go out, so no reply is ever of an unrecorded application; every
+checkpoint (`Checkpointed`, with the digest of the weights it holds) and every start from one
+(`Restored`: a take-over, a restart, a rollback) too.
 """
 
 from __future__ import annotations
@@ -31,11 +46,20 @@ from services.common.checks.chain import Check, first_rejection
 from services.common.checks.markers import MarkerVersion
 from services.common.checks.sender import ClientIdShape, ClientSender, NamesClient, ServiceSender
 from services.common.leases import lease_name
+from services.common.schedule import (
+    Applied,
+    Checkpointed,
+    Restored,
+    ScheduleLog,
+    shard_stream,
+    state_digest,
+)
 from workers.barrier import StepBarrier
 from workers.clock import Continuous
 from workers.gate import ClientGate, copy_problem, reused
 from workers.replica import Replica
 from workers.replies import answer
+from workers.sequencer import Sequencer
 from workers.shard_checks import (
     BatchContent,
     CohortMember,
@@ -80,12 +104,20 @@ class ShardRunner:
         self._barrier: StepBarrier[Item] | None = (
             StepBarrier(limits.step_timeout_s) if self._server_side.barrier else None
         )
+        canonical = limits.deterministic and self._barrier is None and continuous is None
+        self._sequencer: Sequencer[Item] | None = (
+            Sequencer(limits.step_timeout_s) if canonical else None
+        )
+        self._buffers = self._barrier is not None or want.u_shaped
+        self._schedule = ScheduleLog(io.store, want.job, shard_stream(self.shard))
         # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
         self._send_grad = self._server_side.waits_for_gradient
         # A U-shaped job's step between its halves; None in any other job.
         self._ushaped = UShapedStep(io, self._hold) if want.u_shaped else None
         self._gate = ClientGate(limits.rule, io.members, replica, by_version=continuous is not None)
         self._batch_checks, self._tail_checks, self._marker_checks = self._chains()
+        if replica.from_checkpoint:  # a take-over or a restart: the record goes on from here
+            self._restored()
 
     def _chains(
         self,
@@ -123,22 +155,25 @@ class ShardRunner:
     def buffered(self) -> int:
         """Valid batches received but not applied yet (they go back to the queue on stop)."""
         barred = len(self._barrier) if self._barrier is not None else 0
+        held = len(self._sequencer) if self._sequencer is not None else 0
         opened = self._ushaped.held() if self._ushaped is not None else 0
-        return len(self._fold) + barred + opened
+        return len(self._fold) + barred + held + opened
 
     def wake_at(self) -> float | None:
         """When the worker's loop must come back for this runner: -inf when folded batches
-        could be applied now (no U-shaped step is open), else a barrier's or an open step's
-        deadline; None when nothing waits."""
+        could be applied now (no U-shaped step is open), else a barrier's, the sequencer's or an
+        open step's deadline; None when nothing waits."""
         if self._fold and not (self._ushaped is not None and self._ushaped.is_open):
             return -math.inf
         if self._barrier is None and self._ushaped is None:
-            return None
+            # The sequencer's deadline is an attribute: no call on the path.
+            return self._sequencer.due_at if self._sequencer is not None else None
         return self.deadline()
 
     def deadline(self) -> float | None:
         times = [self._barrier.deadline() if self._barrier is not None else None]
         times.append(self._ushaped.deadline() if self._ushaped is not None else None)
+        times.append(self._sequencer.due_at if self._sequencer is not None else None)
         return min((t for t in times if t is not None), default=None)
 
     # --- deliveries ---------------------------------------------------------------------------
@@ -157,8 +192,10 @@ class ShardRunner:
         if (outside := gate.seq_problem(batch)) is not None:
             io.refuse(delivery, outside.reason)
             return
-        # Only a runner that buffers can hold a copy of `batch`.
-        buffers = self._fold or self._barrier is not None or self._ushaped is not None
+        # Only a runner that buffers can hold a copy of `batch` (the sequencer: only while it
+        # holds one, read without a call).
+        sequencer = self._sequencer
+        buffers = self._fold or self._buffers or (sequencer is not None and sequencer.held)
         if buffers and self._replaces_buffered(delivery, batch):
             return
         clock = self._async
@@ -173,14 +210,30 @@ class ShardRunner:
         if clock is None and batch.version > replica.version and not self._move_to(delivery, batch):
             return
         item = Item(delivery, batch)
+        if self._barrier is not None or sequencer is not None:
+            self._buffer(item)
+            return
+        fold = self._fold
+        fold.append(item)
+        if len(fold) >= self._limits.batch_messages:
+            self.flush()
+
+    def _buffer(self, item: Item) -> None:
+        """A batch for the step barrier, or for the sequencer: its turn in the canonical order
+        may not have come, and earlier ones may go now."""
+        batch, replica, now = item.batch, self.replica, self._io.clock()
         if self._barrier is not None:
-            self._barrier.add(batch.client, item, io.clock())
+            self._barrier.add(batch.client, item, now)
             self._step_barrier(force=False)
-        else:
-            fold = self._fold
-            fold.append(item)
-            if len(fold) >= self._limits.batch_messages:
-                self.flush()
+            return
+        sequencer = self._sequencer
+        assert sequencer is not None  # the caller's condition
+        ordered = batch.round == replica.cohort_round and batch.client in replica.cohort
+        sequencer.add(batch.client, batch.step, batch.steps, item, ordered=ordered)
+        fold = self._fold
+        fold += sequencer.take(replica.cohort, replica.progress, now)
+        if len(fold) >= self._limits.batch_messages:
+            self.flush()
 
     def _move_to(self, delivery: Delivery, batch: SmashedBatch) -> bool:
         """Sync rounds: serve what is buffered, then load the newer version `batch` was
@@ -255,6 +308,8 @@ class ShardRunner:
         if message.round >= self.replica.cohort_round:
             if message.round > self.replica.cohort_round and self._barrier is not None:
                 self._barrier.new_round()
+            if message.round > self.replica.cohort_round and self._sequencer is not None:
+                self._sequencer.new_round()
             self.replica.begin_round(message.round, cohort)
             self._gate.new_round()
         self._hold(delivery)
@@ -287,6 +342,7 @@ class ShardRunner:
             self._finish(force=True)
             self.flush()
             self._step_barrier(force=True)
+            self._sequence(force=True)
 
     def poll(self, *, idle: bool = False) -> None:
         """Time-driven work: a barrier or an open step past its timeout, a due checkpoint;
@@ -297,6 +353,10 @@ class ShardRunner:
             self._finish(force=True)
         if self._barrier is not None:
             self._step_barrier(force=False)
+        sequencer = self._sequencer
+        if sequencer is not None and sequencer.due_at is not None:
+            if self._io.clock() >= sequencer.due_at:
+                self._sequence(force=False)
         limits = self._limits
         if self._pending and (
             self._steps_since >= limits.checkpoint_every_steps
@@ -324,6 +384,22 @@ class ShardRunner:
                 args = (replica.cohort_round + 1, sorted(barrier.dropped))
                 self._say("round %d: barrier stopped waiting for %s", *args)
             self._apply(items)
+
+    def _sequence(self, *, force: bool) -> None:
+        """What the sequencer lets go now (`force`: all it holds, in canonical order) joins the
+        fold; a client whose turn kept the others waiting too long is skipped."""
+        sequencer, replica = self._sequencer, self.replica
+        if sequencer is None:
+            return
+        skipped = len(sequencer.skipped)
+        if force:
+            released = sequencer.settle(replica.cohort, replica.progress)
+        else:
+            released = sequencer.take(replica.cohort, replica.progress, self._io.clock())
+        if len(sequencer.skipped) > skipped:
+            args = (replica.cohort_round + 1, sorted(sequencer.skipped))
+            self._say("round %d: the canonical order goes on without %s", *args)
+        self._fold += released
 
     def _apply(self, items: list[Item]) -> None:
         if self._ushaped is not None:
@@ -361,21 +437,31 @@ class ShardRunner:
 
     def _answer_step(self, items: list[Item], results: StepResults, started: float) -> None:
         """Record a step taken on `items` and send each its GradientReply."""
-        io, replica = self._io, self.replica
+        io, replica, schedule = self._io, self.replica, self._schedule
         replica.steps += 1
         io.stats.steps += 1
         self._steps_since += 1
         rows_total = 0
-        for item, (grad, loss, correct) in zip(items, results, strict=True):
+        version, step_no, worker = replica.version, replica.steps, io.worker_id
+        for item in items:
             b = item.batch
             rows = int(b.activations.shape[0])
             rows_total += rows
             replica.record(b.client, b.seq, b.step, b.steps, rows, b.cut, b.message_id)
+            position = replica.applied
+            entry = Applied(
+                self.shard, b.client, b.round, b.step, version, position, step_no, worker
+            )
+            schedule.add(entry)
             # `_hold`, inline.
             if not self._pending:
                 self._pending_since = io.clock()
             self._pending.append(item.delivery)
             self._dirty = True
+        # Recorded before any reply goes out: a reply is never of an unrecorded application.
+        schedule.flush()
+        for item, (grad, loss, correct) in zip(items, results, strict=True):
+            b = item.batch
             reply = answer(
                 b,
                 replica.version,
@@ -455,8 +541,11 @@ class ShardRunner:
             self._ushaped.clear()
         if self._barrier is not None:
             self._barrier.clear()
+        if self._sequencer is not None:
+            self._sequencer.clear()  # the replica's restored progress says where the round is
         io.redeliver(self.shard)
         fresh = self.replica.reset(io.store, self._want.job)
+        self._restored()  # the batches recorded since its checkpoint are undone
         self._gate.reset()
         if self._async is not None:
             self._async.restart()  # measured from the state it went back to
@@ -498,6 +587,8 @@ class ShardRunner:
             return True
 
         older = self._barrier.replace(same, renewed) if self._barrier is not None else None
+        if older is None and self._sequencer is not None:
+            older = self._sequencer.replace(same, renewed)
         for index, item in enumerate(self._fold):
             if same(item):
                 older, self._fold[index] = item, renewed(item)
@@ -524,6 +615,14 @@ class ShardRunner:
         reason = f"duplicate: seq {batch.seq} was already applied; its gradient is no longer kept"
         if replier.send(answer(batch, self.replica.version, "gone", reason)):
             stats.gone_replies += 1
+
+    def _restored(self) -> None:
+        """Record that the replica (re)starts from its checkpoint (or, after a rollback with
+        none, from its version: position 0)."""
+        replica = self.replica
+        entry = Restored(self.shard, replica.applied, replica.version, self._io.worker_id)
+        self._schedule.add(entry)
+        self._schedule.flush()
 
     def _reload(self, version: int) -> bool:
         try:
@@ -563,6 +662,7 @@ class ShardRunner:
             raise LeaseLostError(f"shard {self.shard}: {exc}") from exc
         if self._async is not None:
             self._async.saved(saved)
+        self._checkpointed(buffers)
         # The save may have waited out a store outage during which the lease expired and
         # another worker loaded the older checkpoint: acking now would lose these batches.
         if not io.renew(self.shard):
@@ -576,3 +676,17 @@ class ShardRunner:
         self._pending.clear()
         self._steps_since = 0
         self._dirty = False
+
+    def _checkpointed(self, buffers: dict[str, torch.Tensor] | None) -> None:
+        """Record a checkpoint just saved: the batches it covers and its weights' digest (a
+        replay that reaches another state there has diverged). Recorded once saved, before
+        its deliveries are acked: a checkpoint of which the record knows nothing can only be
+        one whose worker died before acking, and its successor's `Restored` names it."""
+        replica = self.replica
+        state = replica.server.state_dict()
+        digest = state_digest({**state, **buffers} if buffers else state)
+        worker = self._io.worker_id
+        self._schedule.add(
+            Checkpointed(self.shard, replica.applied, replica.version, digest, worker)
+        )
+        self._schedule.flush()

@@ -33,6 +33,9 @@ class ShardLimits:
     checkpoint_every_s: float
     pending_limit: int  # unacked deliveries that force a checkpoint: prefetch is finite
     rule: StepRule  # a client's batches per round (`workers.gate`)
+    # `job.deterministic`: a sync round's batches served in one canonical order whatever order
+    # they arrive in (`workers.sequencer`).
+    deterministic: bool
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class ShardIO:
     server_side: ServerSide
     loss: LossFn
     limits: ShardLimits
-    store: WeightStore
+    store: WeightStore  # a `ScheduleStore` too: the shard's schedule stream is written there
     replier: Replier
     plane: DevicePlane
     members: MemberCache

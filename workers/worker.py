@@ -184,6 +184,7 @@ class WorkerSession:
             checkpoint_every_s=w.checkpoint_every_s,
             pending_limit=self.pending_limit,
             rule=StepRule(a.batch_size, a.local_epochs, a.max_steps_per_round),
+            deterministic=self.settings.job.deterministic,
         )
         return ShardIO(
             worker_id=self.worker_id,
