@@ -19,6 +19,7 @@ from services.algorithms.base import ShardReplica
 from services.algorithms.staleness import TOO_STALE, StalenessRule
 from services.common.handout import WeightsCache
 from services.common.membership import MemberInfo
+from services.common.schedule import FoldedUpdate
 from services.common.server_fold import FoldedCheckpoint, ServerLedger
 from services.common.supervise import JobFailedError
 from services.report.summary import STALENESS_PREFIX
@@ -161,6 +162,7 @@ class BufferClock(Core):
             return Offer(Verdict.REJECT, reason, kind="not_member")
         self._remember([drop.message_id])
         self.fruitless[drop.reason] += 1
+        self.dropped_round(drop.client, drop.round)
         return Offer(Verdict.ACCEPT, kind=drop.reason)
 
     def refused(self, client: str) -> None:
@@ -215,7 +217,16 @@ class BufferClock(Core):
             FOLDED_IDS: ",".join(b.message_id for b in buffered),
             **self._server.meta(taken),
         }
-        published = self.commit(version, blobs, updates, replicas, meta)
+        folded = [
+            FoldedUpdate(
+                u.client, u.base_version, tau, self._rule.weight(tau), float(u.trained_samples)
+            )
+            for u, tau in zip(updates, taus, strict=True)
+        ]
+        applied = [(shard, checkpoint.applied) for shard, checkpoint in sorted(taken.items())]
+        published = self.commit(
+            version, blobs, updates, replicas, meta, folded=folded, applied=applied
+        )
         if published is None:
             return
         self._server.commit(taken)

@@ -38,6 +38,14 @@ from services.algorithms.base import (
 from services.common.handout import WeightsCache, assignment, dismissal
 from services.common.membership import client_members
 from services.common.outbox import Outbox
+from services.common.schedule import (
+    AGGREGATOR_STREAM,
+    Folded,
+    FoldedUpdate,
+    MemberEvent,
+    ScheduleLog,
+    weights_digest,
+)
 from services.common.supervise import JobFailedError
 from services.config.root import Settings
 from services.report.records import OWN_MODEL_ACCURACY, MetricsSink, VersionRecord
@@ -81,9 +89,12 @@ class Core(ABC):
     # Each client's latest own-model accuracy (`own_model_accuracy`): one float per client
     # that has reported, bounded by the members.
     _own: dict[str, float] = field(default_factory=dict)
+    # The aggregator's stream of the run's schedule record: a `Folded` per version published.
+    schedule: ScheduleLog = field(init=False)
 
     def __post_init__(self) -> None:
         self._started = self.clock()
+        self.schedule = ScheduleLog(self.store, self.job, AGGREGATOR_STREAM)
 
     @property
     def job(self) -> str:
@@ -148,9 +159,16 @@ class Core(ABC):
         updates: Sequence[ClientUpdate],
         replicas: Sequence[ShardReplica],
         meta: Mapping[str, str],
+        *,
+        folded: Sequence[FoldedUpdate],
+        applied: Sequence[tuple[int, int]],
     ) -> int | None:
         """Publish `blobs` as the version after `base` and ack the updates held; None when
-        another aggregator published that version first (the updates are acked and lost)."""
+        another aggregator published that version first (the updates are acked and lost).
+
+        A published version is recorded (`Folded`: `folded`, the updates in fold order;
+        `applied`, (shard, applied count) of each replica) and the record written before this
+        returns, so before the next round opens or the next fold starts."""
         samples = {BlobRef(CLIENT_PART): sum(u.samples for u in updates)}
         if replicas:
             samples[BlobRef(SERVER_PART)] = sum(r.samples for r in replicas)
@@ -178,7 +196,14 @@ class Core(ABC):
             return None
         self.inbox.release()
         self.stats.versions += 1
+        digest = weights_digest(blobs)  # the blobs are what was published, bit for bit
+        self.schedule.add(Folded(version, base - 1, tuple(folded), tuple(applied), digest))
+        self.schedule.flush()
         return version
+
+    def dropped_round(self, client: str, round_index: int) -> None:
+        """Record a member's accepted `RoundDropped` (written with the next version)."""
+        self.schedule.add(MemberEvent("dropped_round", client, round_index))
 
     def record(
         self,

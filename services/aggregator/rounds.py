@@ -27,6 +27,7 @@ from services.common.handout import WeightsCache
 from services.common.leases import worker_beat
 from services.common.logs import log_context
 from services.common.membership import MemberInfo
+from services.common.schedule import FoldedUpdate
 from services.common.server_fold import meta_cuts, meta_int
 from services.common.supervise import JobFailedError
 
@@ -84,6 +85,9 @@ class RoundClock(Core):
                 if state is None:
                     break
                 decision = self._collect(state)
+                if decision is not None:  # the attempt's accepted RoundDropped, for the record
+                    for client in sorted(state.declined):
+                        self.dropped_round(client, state.round)
                 if decision is Decision.CLOSE:
                     self._close(state)
                 if decision is not Decision.REOPEN:
@@ -216,20 +220,35 @@ class RoundClock(Core):
 
     def _close(self, state: OpenRound) -> None:
         round_s = self.clock() - state.opened_at
-        replicas = self._replicas(state)
-        if replicas is None:
+        handed_in = self._replicas(state)
+        if handed_in is None:
             return
+        replicas = [replica for replica, _ in handed_in]
         updates = [state.updates[c] for c in sorted(state.updates)]
         current = read_version(self.store, self.job, state.version)
         blobs = self.strategy.aggregate(current, updates, replicas)
-        version = self.commit(state.version, blobs, updates, replicas, {})
+        folded = [
+            FoldedUpdate(
+                u.client,
+                u.base_version,
+                state.version - u.base_version,
+                1.0,
+                float(u.trained_samples),
+            )
+            for u in updates
+        ]
+        applied = [(replica.shard, n) for replica, n in handed_in]
+        version = self.commit(
+            state.version, blobs, updates, replicas, {}, folded=folded, applied=applied
+        )
         if version is not None:
             classes = {c: info.classes for c, info in state.cohort.items()}
             self.record(version, blobs, updates, classes, round_s=round_s, replicas=len(replicas))
 
-    def _replicas(self, state: OpenRound) -> list[ShardReplica] | None:
+    def _replicas(self, state: OpenRound) -> list[tuple[ShardReplica, int]] | None:
         """RoundEnd behind the round's batches, then the replicas the shards' workers hand in
-        for the round, in shard order, however long they take; None if stopped first."""
+        for the round, in shard order, however long they take, each with its checkpoint's
+        applied count; None if stopped first."""
         if self.strategy.server is None:
             return []
         pending = list(cohort_shards(state.cohort))
@@ -240,14 +259,14 @@ class RoundClock(Core):
         since = self.clock()  # counted from before RoundEnd goes out, which may wait its turn
         if not self._to_shards(ends):
             return None
-        found: dict[int, ShardReplica] = {}
+        found: dict[int, tuple[ShardReplica, int]] = {}
         every_s = self.settings.rounds.replica_timeout_s
         report_at = since + every_s
         while pending:
             for shard in list(pending):
                 checkpoint = self.store.load_checkpoint(self.job, shard)
                 if checkpoint is not None and meta_int(checkpoint.meta, "round", -1) >= state.round:
-                    found[shard] = replica_of(checkpoint)
+                    found[shard] = (replica_of(checkpoint), checkpoint.applied)
                     pending.remove(shard)
             if not pending:
                 break

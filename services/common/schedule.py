@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeAlias
 
 # Where the roles append their streams: the store's protocol, one definition.
-from broker.store import ScheduleStore
+from broker.store import BlobRef, ScheduleStore
 
 FORMAT = 1
 
@@ -199,3 +199,11 @@ def state_digest(tensors: Mapping[str, Any]) -> str:
         h.update(str(tuple(t.shape)).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def weights_digest(blobs: Mapping[BlobRef, Mapping[str, Any]]) -> str:
+    """`state_digest` of a version's blobs, each tensor named `<part>:<owner>/<name>`: what a
+    `Folded` entry records of the weights it published."""
+    return state_digest(
+        {f"{ref.name}/{name}": t for ref, state in blobs.items() for name, t in state.items()}
+    )
