@@ -1,0 +1,179 @@
+"""A deterministic job's shard: one canonical order whatever the arrival order, and the schedule
+it records (issue 36). On the in-memory broker and store, with a scripted client."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from broker.memory_broker import InMemoryBroker
+from broker.topology import reply_queue_name
+from services.common.backends import Backends, Embedded
+from services.common.schedule import (
+    Applied,
+    Checkpointed,
+    Entry,
+    Restored,
+    decode,
+    shard_stream,
+    state_digest,
+)
+from tests.unit.test_worker_support import (
+    ScriptedClient,
+    make_settings,
+    one_torch_thread,
+    random_batch,
+    seed_version,
+)
+from workers.stats import WorkerStats
+from workers.worker import Worker
+
+__all__ = ["one_torch_thread"]  # the autouse fixture, imported so that it applies here
+
+COHORT = {"c": 30, "a": 10, "b": 20}  # the RoundStart's order, not alphabetical
+STEPS = 2
+CANONICAL = [(client, step) for step in range(STEPS) for client in COHORT]
+# Two arrival orders a shard queue may see (each client's steps in order: it waits for replies).
+ARRIVALS = (
+    [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("b", 1), ("c", 1)],
+    [("b", 0), ("c", 0), ("b", 1), ("a", 0), ("c", 1), ("a", 1)],
+)
+
+
+def run_job(
+    job: str,
+    arrivals: Sequence[tuple[str, int]],
+    *,
+    deterministic: bool = True,
+    **sections: Any,
+) -> tuple[Embedded, ScriptedClient, WorkerStats]:
+    """One round of SFL-V2 on `arrivals` (the same data for the same (client, step) in every
+    job), served by a burst worker."""
+    settings = make_settings(job, clients={"count": len(COHORT)}, **sections)
+    flag = settings.job.model_copy(update={"deterministic": deterministic})
+    settings = settings.model_copy(update={"job": flag})
+    embedded = Embedded()
+    model = seed_version(embedded.store, settings)
+    client = ScriptedClient(InMemoryBroker(embedded.hub), job)
+    client.declare(list(COHORT))
+    gen = torch.Generator().manual_seed(7)
+    data = {key: random_batch(model, gen) for key in CANONICAL}
+    client.round_start(0, COHORT)
+    for name, step in arrivals:
+        client.batch(name, step, *data[name, step], step=step, steps=STEPS)
+    client.round_end(0)
+    stats = run_burst(settings, embedded, "w1")
+    return embedded, client, stats
+
+
+def run_burst(settings: Any, embedded: Embedded, worker: str) -> WorkerStats:
+    backends = Backends(settings.broker, settings.store, embedded)
+    return Worker(settings, backends, worker_id=worker).run(threading.Event(), burst=True)
+
+
+def entries(embedded: Embedded, job: str) -> list[Entry]:
+    return [decode(line) for line in embedded.store.read_schedule(job).get(shard_stream(0), [])]
+
+
+def applied(embedded: Embedded, job: str) -> list[Applied]:
+    return [e for e in entries(embedded, job) if isinstance(e, Applied)]
+
+
+def server_weights(embedded: Embedded, job: str) -> dict[str, torch.Tensor]:
+    checkpoint = embedded.store.load_checkpoint(job, 0)
+    assert checkpoint is not None
+    return dict(checkpoint.weights)
+
+
+def test_any_arrival_order_gives_the_same_weights_and_record(job: str) -> None:
+    runs = [run_job(f"{job}-{i}", order) for i, order in enumerate(ARRIVALS)]
+    (first, *_), (second, *_) = runs
+    one, two = server_weights(first, f"{job}-0"), server_weights(second, f"{job}-1")
+    assert one.keys() == two.keys()
+    for name in one:  # bit for bit, not close
+        assert torch.equal(one[name], two[name]), name
+    records = [applied(first, f"{job}-0"), applied(second, f"{job}-1")]
+    assert records[0] == records[1]
+    assert [(e.client, e.step) for e in records[0]] == CANONICAL
+    assert [e.position for e in records[0]] == list(range(1, len(CANONICAL) + 1))
+    assert [e.step_no for e in records[0]] == list(range(1, len(CANONICAL) + 1))
+    assert {(e.shard, e.round, e.version, e.worker) for e in records[0]} == {(0, 0, 1, "w1")}
+
+
+def test_free_running_serves_in_arrival_order(job: str) -> None:
+    """What the sequencer changes: without it the record is the arrival order."""
+    embedded, _, _ = run_job(job, ARRIVALS[1], deterministic=False)
+    assert [(e.client, e.step) for e in applied(embedded, job)] == ARRIVALS[1]
+
+
+def test_a_silent_client_is_skipped_after_the_timeout(job: str) -> None:
+    # "c" is first in the cohort and never sends: the others go on once the timeout is out.
+    arrivals = [key for key in ARRIVALS[0] if key[0] != "c"]
+    embedded, client, stats = run_job(job, arrivals, workers={"step_barrier_timeout_s": 0.3})
+    assert [(e.client, e.step) for e in applied(embedded, job)] == [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+    ]
+    assert stats.batches_applied == 4
+    assert [r.seq for r in client.replies("a")] == [0, 1]
+
+
+def test_every_application_is_recorded_before_its_reply(
+    job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = make_settings(job, clients={"count": len(COHORT)})
+    embedded = Embedded()
+    model = seed_version(embedded.store, settings)
+    client = ScriptedClient(InMemoryBroker(embedded.hub), job)
+    client.declare(list(COHORT))
+    gen = torch.Generator().manual_seed(7)
+    store, hub_broker = embedded.store, client.broker
+    appended = store.append_schedule
+    replies_then: list[tuple[str, dict[str, int]]] = []
+
+    def spy(job_: str, stream: str, lines: Sequence[str]) -> None:
+        waiting = {c: hub_broker.queue_depth(reply_queue_name(job, c)) for c in COHORT}
+        replies_then.extend((line, waiting) for line in lines)
+        appended(job_, stream, lines)
+
+    monkeypatch.setattr(store, "append_schedule", spy)
+    client.round_start(0, COHORT)
+    for name, step in ARRIVALS[0]:
+        client.batch(name, step, *random_batch(model, gen), step=step, steps=STEPS)
+    client.round_end(0)
+    run_burst(settings, embedded, "w1")
+
+    checked = 0
+    for line, waiting in replies_then:
+        entry = decode(line)
+        if isinstance(entry, Applied):
+            # Replies to this client's earlier steps only: not yet the one to this batch.
+            assert waiting[entry.client] == entry.step, entry
+            checked += 1
+    assert checked == len(CANONICAL)
+
+
+def test_checkpoints_are_recorded_with_their_digest(job: str) -> None:
+    embedded, _, stats = run_job(job, ARRIVALS[0])
+    checkpointed = [e for e in entries(embedded, job) if isinstance(e, Checkpointed)]
+    assert len(checkpointed) == stats.checkpoints >= 2  # every 3 steps, and at RoundEnd
+    last = checkpointed[-1]
+    weights = server_weights(embedded, job)
+    assert last.position == len(CANONICAL) and last.worker == "w1" and last.version == 1
+    assert last.digest == state_digest(weights)
+    # Every digest is of the weights saved then: they moved between the two.
+    assert len({e.digest for e in checkpointed}) == len(checkpointed)
+
+
+def test_a_take_over_is_recorded_as_restored(job: str) -> None:
+    embedded, _, _ = run_job(job, ARRIVALS[0])
+    settings = make_settings(job, clients={"count": len(COHORT)})
+    run_burst(settings, embedded, "w2")  # a successor: nothing left to apply, the shard to hold
+    restored = [e for e in entries(embedded, job) if isinstance(e, Restored)]
+    assert restored == [Restored(shard=0, position=len(CANONICAL), version=1, worker="w2")]
