@@ -25,11 +25,13 @@ from services.common.backends import Backends
 from services.common.checks.addressing import wrong_type
 from services.common.checks.chain import Check, first_rejection
 from services.common.logs import log_context
+from services.common.membership import MemberInfo
 from services.common.outbox import Outbox
+from services.common.schedule import COORDINATOR_STREAM, MemberEvent, ScheduleLog
 from services.config.root import Settings
 from services.coordinator.checks import ControlChecks
 from services.coordinator.hosts import HostBindings
-from services.coordinator.joining import JoinDesk
+from services.coordinator.joining import JoinDesk, open_round
 from services.coordinator.roster import Roster
 from services.coordinator.welcomes import REWELCOME_S, WelcomeLimit
 from services.security.identity import sender_check, service_user
@@ -48,6 +50,7 @@ class _Run:
     outbox: Outbox
     desk: JoinDesk
     hosts: HostBindings
+    schedule: ScheduleLog
     # Joins of a new session that came too soon after the client's last Welcome: the latest
     # per client, with when it may be welcomed (`welcomes.py`).
     deferred: dict[str, tuple[float, Join]] = field(default_factory=dict)
@@ -115,6 +118,8 @@ class Coordinator:
         outbox = Outbox(broker, self.job, self._log)
         clients = self._settings.clients
         limit = WelcomeLimit(self._clock, self._rewelcome_s)
+        # The coordinator's stream of the run's schedule record: joins, leaves, drops.
+        schedule = ScheduleLog(store, self.job, COORDINATOR_STREAM)
         roster = Roster(
             store,
             self.job,
@@ -122,9 +127,11 @@ class Coordinator:
             ttl_s=clients.heartbeat_ttl_s,
             expired=lambda gone: self._announce_expired(store, outbox, limit, gone),
             clock=self._clock,
+            expired_members=lambda gone: self._record_drops(store, schedule, gone),
         )
-        desk = JoinDesk(self._settings, store, roster, outbox, self._log, limit)
-        run = _Run(broker, store, roster, outbox, desk, HostBindings(broker, self.job))
+        desk = JoinDesk(self._settings, store, roster, outbox, self._log, limit, schedule)
+        hosts = HostBindings(broker, self.job)
+        run = _Run(broker, store, roster, outbox, desk, hosts, schedule)
         roster.sync()
         next_sweep = self._clock() + clients.heartbeat_s
         while not stop.is_set():
@@ -254,13 +261,17 @@ class Coordinator:
         return all(told)
 
     def _leave(self, run: _Run, message: Leave) -> str | None:
-        if run.roster.lookup(message.client) is None:
+        info = run.roster.lookup(message.client)
+        if info is None:
             self._log.info("job %s: leave from unknown client %s", self.job, message.client)
             return f"Leave of client {message.client!r}, who is not a member"
         run.roster.remove(message.client)
         run.desk.limit.forget(message.client)
         self.stats.left += 1
         version = run.store.current_version(self.job)
+        event = MemberEvent("leave", info.client, open_round(version), info.partition, info.shard)
+        run.schedule.add(event)
+        run.schedule.flush()
         self._log.info("job %s: client %s left (%s)", self.job, message.client, message.reason)
         data = {"reason": message.reason or "leave"}
         run.outbox.event("member_left", version, data, message.client)
@@ -276,6 +287,15 @@ class Coordinator:
             self.stats.expired += 1
             self._log.info("job %s: client %s expired", self.job, client)
             outbox.event("member_left", version, {"reason": "expired"}, client)
+
+    def _record_drops(
+        self, store: WeightStore, schedule: ScheduleLog, gone: Sequence[MemberInfo]
+    ) -> None:
+        """Record members that went silent (their records expired), written at once."""
+        at = open_round(store.current_version(self.job))
+        for info in gone:
+            schedule.add(MemberEvent("drop", info.client, at, info.partition, info.shard))
+        schedule.flush()
 
     def _settle(self, broker: Broker, delivery: Delivery, reason: str | None) -> None:
         """Ack a handled message; dead-letter one with a `reason`."""

@@ -26,6 +26,7 @@ from services.common.handout import WeightsCache, client_config, dismissal
 from services.common.jobmodel import job_model
 from services.common.membership import MemberInfo, parse_classes, session_of
 from services.common.outbox import Outbox
+from services.common.schedule import COORDINATOR_STREAM, MemberEvent, ScheduleLog
 from services.config.root import Settings
 from services.coordinator.roster import Roster
 from services.coordinator.welcomes import Verdict, WelcomeLimit
@@ -56,16 +57,31 @@ def seq_base_after(previous: int, now_us: int) -> int:
     return max(now_us, previous + 1)
 
 
-def choose_shard(shards: int, clients: int, partition: int, loads: Mapping[int, int]) -> int:
+def choose_shard(
+    shards: int,
+    clients: int,
+    partition: int,
+    loads: Mapping[int, int],
+    *,
+    deterministic: bool = False,
+) -> int:
     """The shard of a new member.
 
     With one shard per client (SFL-V1) shard k belongs to partition k, so a client's server
-    model follows its data across re-joins. Otherwise the least-loaded shard (by live members,
-    ties to the lowest index) keeps every worker's queue equally busy.
+    model follows its data across re-joins. So it does in a deterministic job
+    (`job.deterministic`): `partition % shards`, whatever order the clients joined in (an
+    embedded run's client threads start in any order). Otherwise the least-loaded shard (by
+    live members, ties to the lowest index) keeps every worker's queue equally busy.
     """
-    if shards == clients:
+    if shards == clients or deterministic:
         return partition % shards
     return min(range(shards), key=lambda s: (loads.get(s, 0), s))
+
+
+def open_round(version: int) -> int:
+    """The round a membership event happens in: the one that trains the version after the
+    current `version` (-1 before version 1)."""
+    return version - 1 if version > 0 else -1
 
 
 def requested_index(join: Join) -> int | None:
@@ -127,7 +143,10 @@ class JoinDesk:
         outbox: Outbox,
         logger: logging.Logger,
         limit: WelcomeLimit,
+        schedule: ScheduleLog | None = None,
     ) -> None:
+        """`schedule`: where a new member's join is recorded (default: the coordinator's
+        stream of the job's store)."""
         self._settings = settings
         self._store = store
         self._roster = roster
@@ -137,6 +156,7 @@ class JoinDesk:
         self._weights: WeightsCache | None = None
         self._levels = LevelDesk(settings)
         self.limit = limit
+        self._schedule = schedule or ScheduleLog(store, self._job, COORDINATOR_STREAM)
 
     def join(self, message: Join) -> JoinOutcome:
         ended = self._store.job_status(self._job)
@@ -199,6 +219,11 @@ class JoinDesk:
             info.partition,
             info.samples,
         )
+        # Recorded (and written) now: who trains which partition on which shard, from when.
+        self._schedule.add(
+            MemberEvent("join", info.client, open_round(version), info.partition, info.shard)
+        )
+        self._schedule.flush()
         data = {"shard": info.shard, "partition": info.partition, "samples": info.samples}
         self._outbox.event("member_joined", version, data, message.client)
         return "new"
@@ -208,7 +233,11 @@ class JoinDesk:
         if partition is None:
             return None
         count = self._settings.clients.count
-        shard = choose_shard(self._settings.shards, count, partition, self._roster.index.loads)
+        deterministic = self._settings.job.deterministic
+        loads = self._roster.index.loads
+        shard = choose_shard(
+            self._settings.shards, count, partition, loads, deterministic=deterministic
+        )
         return MemberInfo(
             client=message.client,
             shard=shard,

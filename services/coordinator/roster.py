@@ -43,12 +43,16 @@ class Roster:
         ttl_s: float,
         expired: Callable[[Sequence[str]], None],
         clock: Callable[[], float],
+        expired_members: Callable[[Sequence[MemberInfo]], None] | None = None,
     ) -> None:
+        """`expired` is told the clients found gone, `expired_members` (if given) their last
+        records, in the same order (the schedule record wants their partition and shard)."""
         self._store = store
         self._job = job
         self._count = count
         self._ttl_s = ttl_s
         self._expired = expired  # told of members found gone, to announce them
+        self._expired_members = expired_members
         self._clock = clock
         self.index = MemberIndex(count)
         self.deadlines = Deadlines(_DEADLINE_STEP_S)
@@ -59,7 +63,8 @@ class Roster:
         """Rebuild the index from one read of all members; announce those gone since."""
         live = client_members(self._store, self._job)
         now = self._synced_at = self._clock()
-        gone = self.index.clients() - set(live)
+        gone = sorted(self.index.clients() - set(live))
+        records = [r for r in map(self.index.discard, gone) if r is not None]
         self.index = MemberIndex(self._count, live.values())
         for client in gone:
             self.deadlines.drop(client)
@@ -68,7 +73,7 @@ class Roster:
                 # Its expiry is the store's (another clock): due at the latest it can be.
                 self.deadlines.set(client, now + self._ttl_s)
         if gone:
-            self._expired(sorted(gone))
+            self._announce(gone, records)
 
     def sync_if_older(self, age_s: float) -> bool:
         """`sync` unless the last one is younger than `age_s`; whether it ran."""
@@ -129,10 +134,16 @@ class Roster:
 
     def _forget(self, clients: Iterable[str]) -> None:
         """Drop from the index members the store no longer has: they expired."""
-        gone = []
+        gone, records = [], []
         for client in clients:
             self.deadlines.drop(client)
-            if self.index.discard(client) is not None:
+            if (record := self.index.discard(client)) is not None:
                 gone.append(client)
+                records.append(record)
         if gone:
-            self._expired(gone)
+            self._announce(gone, records)
+
+    def _announce(self, gone: list[str], records: list[MemberInfo]) -> None:
+        self._expired(gone)
+        if self._expired_members is not None:
+            self._expired_members(records)
