@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 if TYPE_CHECKING:
     # Only named in annotations: opening a store to read members or leases (`splitmq check`,
@@ -223,11 +223,13 @@ class MemberStore(_Closable, Protocol):
         ...
 
 
+@runtime_checkable
 class ScheduleStore(Protocol):
     """A run's schedule record (`services.common.schedule`): per stream (one per deciding role:
     "aggregator", "coordinator", "shard-<s>"), the encoded entries in the order appended. The
     store keeps the lines as given and never parses them; they go with the job's other keys
-    (`WeightStore.delete_job`)."""
+    (`WeightStore.delete_job`). Runtime-checkable: the run directory's writer takes any
+    `VersionStore` and keeps the record when the store has one."""
 
     def append_schedule(self, job: str, stream: str, lines: Sequence[str]) -> None:
         """Append `lines` to `stream`, in order, in one step (one round trip for Redis)."""

@@ -14,15 +14,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from broker.errors import SplitMQError
-from broker.store import VersionStore
+from broker.store import ScheduleStore, VersionStore
 from services.common.backends import Backends, Embedded
 from services.common.jobdata import load_job_dataset
 from services.common.jobmodel import job_model
+from services.common.schedule import Header
 from services.common.supervise import Outcome, RoleSpec, Supervisor
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.report.final_model import save_final_model
 from services.report.records import MetricsSink
+from services.report.schedule_file import keep_schedule
 from services.report.sinks import RecordsOnly, TeeSink
 from services.report.version_file import SavedVersion, VersionKeeper
 from services.runtime.roles import embedded_roles
@@ -103,7 +105,7 @@ def run_embedded(
         sink.finish(f"failed: could not build the roles: {exc!r}")
         raise
     outcome = Supervisor(roles, stop, logger=log).run()
-    if run_dir is not None:
+    if run_dir is not None:  # the model and the schedule record (`keep_model`)
         keep_model(settings, embedded.store, run_dir, log)
     sink.finish(outcome.status)
     return outcome
@@ -112,8 +114,12 @@ def run_embedded(
 def keep_model(
     settings: Settings, store: VersionStore, run_dir: Path, log: logging.Logger
 ) -> list[Path]:
-    """The job's last version as safetensors in `run_dir` (`splitmq run` and `splitmq up`);
-    a failure is logged, not raised: the metrics already on disk are the run's record."""
+    """The job's last version as safetensors in `run_dir` (`splitmq run` and `splitmq up`),
+    and, when the store holds the run's schedule record (`ScheduleStore`: both of ours do),
+    that record as `schedule.jsonl.gz` (`keep_schedule`); a failure of either is logged, not
+    raised: the metrics already on disk are the run's record."""
+    if isinstance(store, ScheduleStore):
+        keep_schedule(run_dir, store, settings.job.name, schedule_header(settings), log)
     try:
         # Seeded as the aggregator's version 1, so entries no version carries get its values.
         template = job_model(settings, seed=settings.job.seed)
@@ -121,3 +127,18 @@ def keep_model(
     except (SplitMQError, OSError, ValueError) as exc:
         log.warning("could not keep the trained model in %s: %s", run_dir, exc)
         return []
+
+
+def schedule_header(settings: Settings) -> Header:
+    """The schedule record's header: the job, its seed and mode, and torch's intra-op threads
+    in this process (an embedded run's roles run with them; `splitmq up` children are given
+    the same budget's share, which this process does not know)."""
+    import torch
+
+    return Header(
+        job=settings.job.name,
+        seed=settings.job.seed,
+        deterministic=settings.job.deterministic,
+        mode="async" if settings.asynchronous_mode else "sync",
+        torch_threads=torch.get_num_threads(),
+    )
