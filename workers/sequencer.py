@@ -69,6 +69,26 @@ class Sequencer(Generic[T]):
         self._count += 1
         bisect.insort(self._held.setdefault(client, []), _Held(step, self._count, steps, item))
 
+    def offer(
+        self,
+        client: str,
+        step: int,
+        steps: int,
+        item: T,
+        ordered: bool,
+        cohort: Mapping[str, int],
+        progress: Progress,
+        now: float,
+    ) -> list[T]:
+        """`add` then `take`, in one call: every batch of the worker's path makes it."""
+        self.held += 1
+        if ordered:
+            self._count += 1
+            bisect.insort(self._held.setdefault(client, []), _Held(step, self._count, steps, item))
+        else:
+            self._after.append(item)
+        return self.take(cohort, progress, now)
+
     def __len__(self) -> int:
         return self.held
 
@@ -84,8 +104,15 @@ class Sequencer(Generic[T]):
             if turn is None:
                 break
             queue = self._held.get(turn)
-            if queue:
-                out.append(self._pop(turn, queue))
+            if queue:  # `_pop`, inline: once a batch
+                held = queue.pop(0)
+                if not queue:
+                    del self._held[turn]
+                self.held -= 1
+                last = self._released.get(turn)
+                if last is None or held.step >= last[0]:
+                    self._released[turn] = (held.step, held.steps)
+                out.append(held.item)
                 self.due_at = None
                 continue
             if self.due_at is None:

@@ -210,28 +210,27 @@ class ShardRunner:
         if clock is None and batch.version > replica.version and not self._move_to(delivery, batch):
             return
         item = Item(delivery, batch)
-        if self._barrier is not None or sequencer is not None:
-            self._buffer(item)
-            return
-        fold = self._fold
-        fold.append(item)
-        if len(fold) >= self._limits.batch_messages:
-            self.flush()
-
-    def _buffer(self, item: Item) -> None:
-        """A batch for the step barrier, or for the sequencer: its turn in the canonical order
-        may not have come, and earlier ones may go now."""
-        batch, replica, now = item.batch, self.replica, self._io.clock()
         if self._barrier is not None:
-            self._barrier.add(batch.client, item, now)
+            self._barrier.add(batch.client, item, io.clock())
             self._step_barrier(force=False)
             return
-        sequencer = self._sequencer
-        assert sequencer is not None  # the caller's condition
-        ordered = batch.round == replica.cohort_round and batch.client in replica.cohort
-        sequencer.add(batch.client, batch.step, batch.steps, item, ordered=ordered)
         fold = self._fold
-        fold += sequencer.take(replica.cohort, replica.progress, now)
+        # The sequencer's: its turn in the canonical order may not have come, and earlier
+        # ones may go now (a batch is "ordered" when it is of the cohort's round).
+        fold += (
+            [item]
+            if sequencer is None
+            else sequencer.offer(
+                batch.client,
+                batch.step,
+                batch.steps,
+                item,
+                batch.round == replica.cohort_round and batch.client in replica.cohort,
+                replica.cohort,
+                replica.progress,
+                io.clock(),
+            )
+        )
         if len(fold) >= self._limits.batch_messages:
             self.flush()
 

@@ -18,8 +18,7 @@ def run(arrivals: list[tuple[str, int]], *, steps: dict[str, int] | None = None)
     out: list[str] = []
     for client, step in arrivals:
         n = (steps or {}).get(client, STEPS)
-        seq.add(client, step, n, f"{client}{step}", ordered=True)
-        out += seq.take(COHORT, {}, 0.0)
+        out += seq.offer(client, step, n, f"{client}{step}", True, COHORT, {}, 0.0)  # add, take
     out += seq.settle(COHORT, {})
     return out
 
