@@ -9,6 +9,8 @@ keep the seeded initial values of the template the caller passes (version 1's mo
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import torch
@@ -60,7 +62,24 @@ def write_state(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, 
     # safetensors refuses tensors that share storage; own contiguous copies never do.
     tensors = {name: t.detach().cpu().contiguous().clone() for name, t in state.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(path, save(tensors, metadata={"format": "pt", **metadata}))
+    data = save(tensors, metadata={"format": "pt", **metadata})
+    return write_atomic(path, sorted_metadata(data))
+
+
+def sorted_metadata(data: bytes) -> bytes:
+    """`data` (safetensors bytes) with its metadata's keys in sorted order: safetensors writes
+    them from a Rust HashMap, in an order that changes from process to process, and two runs
+    of one seed must give the same file byte for byte (issue 36). Same keys, same length."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    meta = header.get("__metadata__")
+    if not meta:
+        return data
+    header["__metadata__"] = dict(sorted(meta.items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > size:  # never: the same content, reordered; keep what safetensors wrote
+        return data
+    return data[:8] + text.ljust(size, b" ") + data[8 + size :]
 
 
 def save_final_model(

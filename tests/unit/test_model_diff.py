@@ -58,3 +58,20 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path: Path) -> None:
     bad.write_bytes(b"not a model")
     with pytest.raises(ValueError, match=r"bad\.safetensors: not a readable safetensors file"):
         compare_models(bad, bad)
+
+
+def test_model_files_have_their_metadata_in_one_order(tmp_path: Path) -> None:
+    # safetensors writes metadata from a Rust HashMap: its order changes between processes.
+    from safetensors import safe_open
+
+    from services.report.final_model import write_state
+
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    meta = {f"key{i}": str(i) for i in range(12)}
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    write_state(paths[0], state, meta)
+    write_state(paths[1], state, dict(reversed(list(meta.items()))))
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    with safe_open(str(paths[0]), "pt") as f:
+        assert f.metadata() == {"format": "pt", **meta}
+        assert torch.equal(f.get_tensor("w"), state["w"])
