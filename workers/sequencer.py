@@ -10,7 +10,8 @@ client's last step served (the replica's `progress`, or what was released since)
 cursor: a successor that restores the replica's checkpoint resumes the same rotation.
 
 It must not hang: when the client whose turn it is has sent nothing for `timeout_s` while
-others wait, it is skipped for the rest of the round (as `workers.barrier` drops a client),
+others wait, or the sequencer holds as many batches as the worker may hold unacked (`limit`),
+it is skipped for the rest of the round (as `workers.barrier` drops a client),
 and `settle` (RoundEnd, a version change) gives everything held, in canonical order. Batches it
 does not order (clients outside the cohort, another round's, skipped or finished clients')
 follow the next release, or go at once when nobody is expected.
@@ -41,8 +42,12 @@ class _Held(Generic[T]):
 
 
 class Sequencer(Generic[T]):
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, limit: int = 1 << 30) -> None:
+        """`limit`: batches it may hold at most. A worker's prefetch is finite: once it holds
+        that many, the turn's batch may be unable to reach it, so it stops waiting for it at
+        once, as after the timeout (the only case, with the timeout, where time decides)."""
         self._timeout_s = timeout_s
+        self._limit = limit
         self._held: dict[str, list[_Held[T]]] = {}  # cohort clients' batches of the round
         self._after: list[T] = []  # batches it does not order, in arrival order
         self._released: dict[str, tuple[int, int]] = {}  # (step, steps) last released, per client
@@ -117,7 +122,7 @@ class Sequencer(Generic[T]):
                 continue
             if self.due_at is None:
                 self.due_at = now + self._timeout_s
-            if now < self.due_at:
+            if now < self.due_at and self.held < self._limit:
                 break
             self.skipped.add(turn)  # the others have waited long enough
             self.due_at = now + self._timeout_s  # the next turn's client gets a timeout too

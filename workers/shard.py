@@ -106,7 +106,7 @@ class ShardRunner:
         )
         canonical = limits.deterministic and self._barrier is None and continuous is None
         self._sequencer: Sequencer[Item] | None = (
-            Sequencer(limits.step_timeout_s) if canonical else None
+            Sequencer(limits.step_timeout_s, limits.pending_limit) if canonical else None
         )
         self._buffers = self._barrier is not None or want.u_shaped
         self._schedule = ScheduleLog(io.store, want.job, shard_stream(self.shard))

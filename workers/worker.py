@@ -24,6 +24,7 @@ from broker.rejection import Rejected, Rejection, dead_letter_many_safely
 from broker.store import WeightStore
 from broker.topology import shard_queue_name
 from broker.transport import Broker, Delivery
+from services.algorithms.base import ServerSide
 from services.algorithms.registry import build_strategy
 from services.common.backends import Backends
 from services.common.checks.addressing import wrong_type
@@ -43,6 +44,10 @@ from workers.shard import LeaseLostError, ShardRunner
 from workers.shard_checks import ShardExpectations
 from workers.shard_io import ShardIO, ShardLimits
 from workers.stats import WorkerStats
+
+# The most deliveries a shard's consumer asks ahead for a canonical order (a round of local-loss
+# clients): a bound on the memory they take.
+_MAX_PREFETCH = 1024
 
 
 class Worker:
@@ -144,7 +149,11 @@ class WorkerSession:
         # (MiniBatch-SFL buffers one batch per client) and a fold window, each twice over.
         w = settings.workers
         self.prefetch = max(
-            2 * w.checkpoint_every_steps, 2 * settings.clients.count, 2 * w.batch_messages, 16
+            2 * w.checkpoint_every_steps,
+            2 * settings.clients.count,
+            2 * w.batch_messages,
+            16,
+            self._round_ahead(settings, server_side),
         )
         self.target = 1  # ceil(S / W) as of the last rebalance
         self.runners: dict[str, ShardRunner] = {}  # by queue name
@@ -173,6 +182,20 @@ class WorkerSession:
         self.senders = sender_check(settings)
         self.busy = BusyMeter(self.clock)
         self.shard_io = self._shard_io()
+
+    @staticmethod
+    def _round_ahead(settings: Settings, server_side: ServerSide) -> int:
+        """A deterministic sync job whose clients do not wait for the gradient (local loss) may
+        send a whole round before the turn of the others comes: the worker holds them all in
+        canonical order (`workers.sequencer`), so its prefetch covers a round of every client,
+        where the round's steps are bounded (else the sequencer's limit stops waiting)."""
+        a = settings.algorithm
+        if not settings.job.deterministic or settings.asynchronous_mode:
+            return 0
+        if server_side.waits_for_gradient or server_side.barrier:
+            return 0
+        steps = a.max_steps_per_round
+        return min(_MAX_PREFETCH, settings.clients.count * steps + settings.clients.count)
 
     def _shard_io(self) -> ShardIO:
         """What this session's runners may reach: nothing else of it."""

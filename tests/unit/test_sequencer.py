@@ -122,3 +122,13 @@ def test_replace_and_clear() -> None:
     assert seq.take(COHORT, {}, 0.0) == []
     seq.clear()
     assert len(seq) == 0 and seq.due_at is None
+
+
+def test_holding_its_limit_it_stops_waiting_at_once() -> None:
+    # The worker's prefetch is full of waiting batches: the turn's may never reach it.
+    seq: Sequencer[str] = Sequencer(TIMEOUT, limit=2)
+    seq.add("a", 0, STEPS, "a0", ordered=True)
+    assert seq.take(COHORT, {}, 0.0) == []
+    seq.add("a", 1, STEPS, "a1", ordered=True)
+    assert seq.take(COHORT, {}, 0.0) == ["a0"]  # c skipped; below its limit, b is waited for
+    assert seq.skipped == {"c"}
