@@ -15,6 +15,7 @@ from services.cli.export_cmd import export
 from services.cli.infer_cmd import infer
 from services.cli.privacy_cmd import privacy
 from services.cli.provision_cmd import provision_clients
+from services.cli.replay_cmd import replay
 from services.cli.role_cmds import aggregator, autoscale, client, clients, coordinator, worker
 from services.cli.run_cmd import run, up
 from services.cli.traces_cmd import traces
@@ -55,7 +56,16 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
 
 for command in (run, up, coordinator, aggregator, worker, client, clients, check, doctor, clean):
     cli.add_command(command)
-for command in (autoscale, dashboard, experiment, export, infer, privacy, provision_clients):
+for command in (
+    autoscale,
+    dashboard,
+    experiment,
+    export,
+    infer,
+    privacy,
+    provision_clients,
+    replay,
+):
     cli.add_command(command)
 cli.add_command(traces)
 
