@@ -18,10 +18,13 @@ run's order depends on time (the record says what happened). With `workers.batch
 the order is canonical but which released batches share a step still depends on when the
 queue ran dry. Async shards (`Continuous`) serve batches as they arrive, for now.
 
-The schedule: every batch applied is recorded (`Applied`) in the shard's stream, written once
-a server step before its replies go out, so no reply is ever of an unrecorded application; every
+The schedule: every batch applied is recorded (`Applied`) in the shard's stream; every
 checkpoint (`Checkpointed`, with the digest of the weights it holds) and every start from one
-(`Restored`: a take-over, a restart, a rollback) too.
+(`Restored`: a take-over, a restart, a rollback) too. A free-running job's entries are written
+once a server step, before its replies go out, so no reply is ever of an unrecorded
+application; a deterministic job's with each checkpoint (one store call per checkpoint, not per
+step): a successor re-applies the lost batches in the same canonical order, so the replies
+sent before a crash are the ones it computes again.
 """
 
 from __future__ import annotations
@@ -451,14 +454,19 @@ class ShardRunner:
             entry = Applied(
                 self.shard, b.client, b.round, b.step, version, position, step_no, worker
             )
-            schedule.add(entry)
+            schedule.pending.append(entry)  # `add`, inline: every batch runs it
             # `_hold`, inline.
             if not self._pending:
                 self._pending_since = io.clock()
             self._pending.append(item.delivery)
             self._dirty = True
-        # Recorded before any reply goes out: a reply is never of an unrecorded application.
-        schedule.flush()
+        if not self._limits.deterministic:
+            # Written before any reply goes out: a reply is never of an unrecorded
+            # application, whatever order the batches came in. A deterministic job's entries
+            # wait for the next checkpoint: should this worker die first, its successor
+            # applies the same batches again from that checkpoint in the same canonical
+            # order, so the gradients already sent are the ones it computes again.
+            schedule.flush()
         for item, (grad, loss, correct) in zip(items, results, strict=True):
             b = item.batch
             reply = answer(

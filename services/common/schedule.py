@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeAlias
 
 # Where the roles append their streams: the store's protocol, one definition.
@@ -141,7 +141,10 @@ class ScheduleError(ValueError):
 
 def encode(entry: Entry) -> str:
     # The type goes under ENTRY_KEY, not "kind": `MemberEvent` has a field of that name.
-    return json.dumps({ENTRY_KEY: _NAMES[type(entry)], **asdict(entry)}, separators=(",", ":"))
+    # `vars`, with nested entries (a fold's updates) by the hook: `asdict`'s deep copy costs
+    # more than the rest of a shard's record together.
+    body = {ENTRY_KEY: _NAMES[type(entry)], **vars(entry)}
+    return json.dumps(body, separators=(",", ":"), default=vars)
 
 
 def decode(line: str) -> Entry:
@@ -169,19 +172,21 @@ def decode(line: str) -> Entry:
 
 
 class ScheduleLog:
-    """One role's stream: entries buffered by `add`, written by `flush` (one store call)."""
+    """One role's stream: entries buffered by `add` (encoded when written: a shard adds one
+    per batch and writes them every step or every checkpoint), written by `flush` (one store
+    call)."""
 
     def __init__(self, store: ScheduleStore, job: str, stream: str) -> None:
         self._store, self._job, self.stream = store, job, stream
-        self._lines: list[str] = []
+        self.pending: list[Entry] = []
 
     def add(self, entry: Entry) -> None:
-        self._lines.append(encode(entry))
+        self.pending.append(entry)
 
     def flush(self) -> None:
-        if self._lines:
-            lines, self._lines = self._lines, []
-            self._store.append_schedule(self._job, self.stream, lines)
+        if self.pending:
+            entries, self.pending = self.pending, []
+            self._store.append_schedule(self._job, self.stream, [encode(e) for e in entries])
 
 
 def state_digest(tensors: Mapping[str, Any]) -> str:

@@ -124,10 +124,16 @@ def test_a_silent_client_is_skipped_after_the_timeout(job: str) -> None:
     assert [r.seq for r in client.replies("a")] == [0, 1]
 
 
-def test_every_application_is_recorded_before_its_reply(
-    job: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_every_application_is_recorded_before_its_reply_or_with_its_checkpoint(
+    job: str, monkeypatch: pytest.MonkeyPatch, deterministic: bool
 ) -> None:
-    settings = make_settings(job, clients={"count": len(COHORT)})
+    """Free-running: each step's entries before its replies. Deterministic: with the next
+    checkpoint (a successor re-applies lost batches in the same order, giving the same
+    replies), so the store is written once a checkpoint, not once a step."""
+    settings = make_settings(
+        job, job={"deterministic": deterministic}, clients={"count": len(COHORT)}
+    )
     embedded = Embedded()
     model = seed_version(embedded.store, settings)
     client = ScriptedClient(InMemoryBroker(embedded.hub), job)
@@ -136,10 +142,12 @@ def test_every_application_is_recorded_before_its_reply(
     store, hub_broker = embedded.store, client.broker
     appended = store.append_schedule
     replies_then: list[tuple[str, dict[str, int]]] = []
+    calls: list[list[str]] = []
 
     def spy(job_: str, stream: str, lines: Sequence[str]) -> None:
         waiting = {c: hub_broker.queue_depth(reply_queue_name(job, c)) for c in COHORT}
         replies_then.extend((line, waiting) for line in lines)
+        calls.append([type(decode(line)).__name__ for line in lines])
         appended(job_, stream, lines)
 
     monkeypatch.setattr(store, "append_schedule", spy)
@@ -153,10 +161,18 @@ def test_every_application_is_recorded_before_its_reply(
     for line, waiting in replies_then:
         entry = decode(line)
         if isinstance(entry, Applied):
-            # Replies to this client's earlier steps only: not yet the one to this batch.
-            assert waiting[entry.client] == entry.step, entry
+            if deterministic:
+                # Written with a checkpoint, after the step's reply.
+                assert waiting[entry.client] > entry.step, entry
+            else:
+                # Replies to this client's earlier steps only: not yet the one to this batch.
+                assert waiting[entry.client] == entry.step, entry
             checked += 1
     assert checked == len(CANONICAL)
+    if deterministic:  # every store call ends with the checkpoint that covers its batches
+        assert all(names[-1] == "Checkpointed" for names in calls if "Applied" in names), calls
+    else:
+        assert sum("Applied" in names for names in calls) == len(CANONICAL)
 
 
 def test_checkpoints_are_recorded_with_their_digest(job: str) -> None:

@@ -52,7 +52,7 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def make_settings(job: str, **sections: Mapping[str, Any]) -> Settings:
+def make_settings(job: str, /, **sections: Mapping[str, Any]) -> Settings:
     """Job settings for tests; `sections` override whole sections' fields."""
     raw: dict[str, Any] = {
         "job": {"name": job, "seed": 0},
