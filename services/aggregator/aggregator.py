@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from broker.errors import VersionConflictError
 from broker.store import JOB_FAILED, NO_VERSION, JobStatus, WeightStore
@@ -84,10 +84,13 @@ class Aggregator:
         clock: Callable[[], float] = time.monotonic,
         pace: Callable[[], float] = time.monotonic,
         poll_s: float = 0.1,
+        cohorts: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         """`clock` times the rounds (deadlines, round_s); `pace` what bounds costs per second
         (reads of the members, `MemberBook`; the senders' budgets): a round clock held still
-        (a test's) must not freeze the view of the members."""
+        (a test's) must not freeze the view of the members. `cohorts`: a replay's recorded
+        cohort per round index, drawn by the seed otherwise (sync rounds only)."""
+        self._cohorts = dict(cohorts or {})
         self._settings = settings
         self._backends = backends
         self._sink = sink
@@ -182,8 +185,7 @@ class Aggregator:
             senders=sender_check(self._settings),
             budgets=SenderBudgets(clock=self._pace),
         )
-        clock = BufferClock if self._settings.asynchronous_mode else RoundClock
-        return clock(
+        args = (
             self._settings,
             store,
             outbox,
@@ -197,3 +199,6 @@ class Aggregator:
             self._poll_s,
             self.stats,
         )
+        if self._settings.asynchronous_mode:
+            return BufferClock(*args)
+        return RoundClock(*args, cohorts=self._cohorts)

@@ -162,6 +162,7 @@ class Core(ABC):
         *,
         folded: Sequence[FoldedUpdate],
         applied: Sequence[tuple[int, int]],
+        cohort: Sequence[str] = (),
     ) -> int | None:
         """Publish `blobs` as the version after `base` and ack the updates held; None when
         another aggregator published that version first (the updates are acked and lost).
@@ -197,7 +198,8 @@ class Core(ABC):
         self.inbox.release()
         self.stats.versions += 1
         digest = weights_digest(blobs)  # the blobs are what was published, bit for bit
-        self.schedule.add(Folded(version, base - 1, tuple(folded), tuple(applied), digest))
+        entry = Folded(version, base - 1, tuple(folded), tuple(applied), digest, tuple(cohort))
+        self.schedule.add(entry)
         self.schedule.flush()
         return version
 

@@ -7,7 +7,7 @@ lose every batch the shard applied in the round.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.messages import ConfigValue, Message, RoundEnd, RoundStart, new_message_id
@@ -67,6 +67,9 @@ class RoundClock(Core):
     _unready: set[str] = field(default_factory=set, init=False)
     # Whether this clock opened a round yet: its first waits for `clients.min_to_start`.
     _opened: bool = field(default=False, init=False)
+    # A replay's cohorts by round index (`splitmq replay`: the run's, from its record) in
+    # place of the seeded draw; empty in a run of its own.
+    cohorts: Mapping[int, Sequence[str]] = field(default_factory=dict)
 
     def start(self, version: int) -> None:
         pass  # the store's current version says which round comes next
@@ -152,7 +155,12 @@ class RoundClock(Core):
             return None
         settings = self.settings
         size = settings.clients.cohort_size(len(live))
-        chosen = sample_cohort(live, size, seed=settings.job.seed, round_index=r, attempt=attempt)
+        if r in self.cohorts:
+            chosen = [c for c in self.cohorts[r] if c in live]
+        else:
+            chosen = sample_cohort(
+                live, size, seed=settings.job.seed, round_index=r, attempt=attempt
+            )
         cohort = {c: live[c] for c in chosen}
         weights = WeightsCache(self.store, self.job, version)
         global_client, global_aux = weights.global_weights()
@@ -239,7 +247,14 @@ class RoundClock(Core):
         ]
         applied = [(replica.shard, n) for replica, n in handed_in]
         version = self.commit(
-            state.version, blobs, updates, replicas, {}, folded=folded, applied=applied
+            state.version,
+            blobs,
+            updates,
+            replicas,
+            {},
+            folded=folded,
+            applied=applied,
+            cohort=sorted(state.cohort),
         )
         if version is not None:
             classes = {c: info.classes for c, info in state.cohort.items()}

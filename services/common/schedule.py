@@ -94,6 +94,8 @@ class Folded:
     updates: tuple[FoldedUpdate, ...]
     replicas: tuple[tuple[int, int], ...]
     digest: str
+    # Sync rounds: the round's cohort (who was asked to train, sorted); () in async folds.
+    cohort: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ def decode(line: str) -> Entry:
         if cls is Folded:
             raw["updates"] = tuple(FoldedUpdate(**u) for u in raw["updates"])
             raw["replicas"] = tuple((int(s), int(n)) for s, n in raw["replicas"])
+            raw["cohort"] = tuple(str(c) for c in raw.get("cohort", ()))
         if cls is Header:
             raw["streams"] = tuple(raw.get("streams", ()))
         return cls(**raw)

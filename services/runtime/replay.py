@@ -14,19 +14,24 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.backends import Backends
 from services.common.schedule import Header
+from services.common.supervise import RoleSpec
 from services.config.loading import load_settings
 from services.config.root import Settings
+from services.data.loaders import Dataset
 from services.report.final_model import MODEL_FILE
 from services.report.model_diff import TensorDiff, compare_models
 from services.report.records import MetricsSink
 from services.report.rundir import CONFIG_FILE
-from services.report.schedule_compare import first_divergence, last_version
+from services.report.schedule_compare import first_divergence, folds, last_version
 from services.report.schedule_file import SCHEDULE_FILE, Schedule, read_schedule_file
 from services.runtime.embedded import embedded_settings, run_embedded
+from services.runtime.roles import embedded_roles
 from services.runtime.threads import budgeted
 
 REPLAY_DIR = "replay"
@@ -112,8 +117,15 @@ def replay_run(
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    cohorts = {f.round: f.cohort for f in folds(recorded).values() if f.cohort}
+
+    def roles(s: Settings, b: Backends, m: MetricsSink, d: Dataset) -> Sequence[RoleSpec]:
+        return embedded_roles(s, b, m, d, cohorts=cohorts)
+
     with budgeted(settings):  # the record's torch threads: another count, other sums
-        outcome = run_embedded(settings, sink=sink, stop=stop, run_dir=out, logger=log)
+        outcome = run_embedded(
+            settings, sink=sink, stop=stop, run_dir=out, logger=log, build_roles=roles
+        )
     replayed = read_schedule_file(out / SCHEDULE_FILE)
     divergence = first_divergence(recorded, replayed, up_to=versions)
     diffs = None

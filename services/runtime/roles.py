@@ -9,7 +9,7 @@ services/, is loaded through its entry point (services/runtime/plugins.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from services.algorithms.registry import build_strategy
 from services.client.data import JobData
@@ -40,10 +40,16 @@ def build_coordinator(settings: Settings, backends: Backends) -> Role:
 
 
 def build_aggregator(
-    settings: Settings, backends: Backends, *, sink: MetricsSink, dataset: Dataset | None = None
+    settings: Settings,
+    backends: Backends,
+    *,
+    sink: MetricsSink,
+    dataset: Dataset | None = None,
+    cohorts: Mapping[int, Sequence[str]] | None = None,
 ) -> Role:
     """The aggregator with an evaluator on the job's test split (loaded unless given); none,
-    and no data loaded, with `evaluation.enabled = false`."""
+    and no data loaded, with `evaluation.enabled = false`. `cohorts`: a replay's (services/
+    runtime/replay.py)."""
     from services.aggregator.aggregator import Aggregator
     from services.aggregator.evaluation import build_evaluator
 
@@ -54,7 +60,7 @@ def build_aggregator(
     backends = backends.for_role("aggregator")
     if backends.metrics.enabled:
         sink = TeeSink([sink, RecordMetrics(backends.metrics)])
-    return Aggregator(settings, backends, sink=sink, evaluator=evaluator)
+    return Aggregator(settings, backends, sink=sink, evaluator=evaluator, cohorts=cohorts)
 
 
 def build_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
@@ -101,12 +107,14 @@ def embedded_roles(
     dataset: Dataset,
     *,
     compute_slots: int | None = 0,
+    cohorts: Mapping[int, Sequence[str]] | None = None,
 ) -> Sequence[RoleSpec]:
     """Every role of the job, in start order: the aggregator seeds version 1 first.
 
     `compute_slots`: clients in whole-model work at once (`ComputeGate`); 0: one per core,
-    None: no limit (what benchmarks/embedded_cohort.py compares against)."""
-    aggregator = build_aggregator(settings, backends, sink=sink, dataset=dataset)
+    None: no limit (what benchmarks/embedded_cohort.py compares against). `cohorts`: a
+    replay's recorded cohort per round (`build_aggregator`)."""
+    aggregator = build_aggregator(settings, backends, sink=sink, dataset=dataset, cohorts=cohorts)
     roles = [
         RoleSpec("aggregator", "aggregator", aggregator),
         RoleSpec("coordinator", "coordinator", build_coordinator(settings, backends)),

@@ -52,6 +52,7 @@ def test_a_sync_job_records_one_fold_per_version(job: str) -> None:
         assert checkpoint_shards == [0] and all(n >= 0 for _, n in f.replicas)
         assert f.digest == published_digest(j, job, f.version)
     assert found[0].digest != found[1].digest
+    assert [f.cohort for f in found] == [("a", "b", "c")] * 2
     # The record is on the store when the version is: nothing is left buffered.
     assert BlobRef(SERVER_PART) in j.store.manifest(job, 3).entries
 
@@ -108,3 +109,18 @@ def test_an_accepted_round_dropped_is_recorded(job: str) -> None:
     assert dropped == [MemberEvent("dropped_round", "b", 0)]
     # Written with the fold after it, before it in the stream.
     assert entries.index(dropped[0]) < entries.index(folds(aj, job)[0])
+
+
+def test_a_replayed_cohort_takes_the_place_of_the_draw(job: str) -> None:
+    # `splitmq replay` hands the aggregator the run's cohorts: round 2's without "b" (as if it
+    # had left), though all three are members and the draw would take them all.
+    j = Job(make_settings(job))
+    aggregator = Aggregator(
+        j.settings, j.backends, sink=ListSink(), cohorts={1: ("a", "c", "gone")}
+    )
+    j.run(aggregator)
+
+    first, second = folds(j, job)
+    assert first.cohort == ("a", "b", "c")
+    assert second.cohort == ("a", "c")  # a recorded member that is not live is left out
+    assert [u.client for u in second.updates] == ["a", "c"]
