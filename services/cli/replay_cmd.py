@@ -23,8 +23,17 @@ from services.cli.common import LogOptions, log_options, stop_on_signals
     type=click.Path(file_okay=False, path_type=Path),
     help="Where the replay writes its model and record (default RUN_DIR/replay, replaced).",
 )
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    envvar="SPLITMQ_DATA_DIR",
+    help="Where the full datasets are on this machine, in place of the run's data.dir "
+    "(default: $SPLITMQ_DATA_DIR, else the run's own).",
+)
 @log_options
-def replay(run_dir: Path, check: bool, out: Path | None, log: LogOptions) -> None:
+def replay(
+    run_dir: Path, check: bool, out: Path | None, data_dir: Path | None, log: LogOptions
+) -> None:
     """Replay a run from its config, seed and schedule record, in this process.
 
     RUN_DIR is a run directory of `splitmq run` or `splitmq up` (it keeps schedule.jsonl.gz).
@@ -39,7 +48,7 @@ def replay(run_dir: Path, check: bool, out: Path | None, log: LogOptions) -> Non
     from services.runtime.replay import ReplayError, load_run, replay_run
 
     try:
-        settings, _ = load_run(run_dir)
+        settings, _ = load_run(run_dir, data_dir)
     except ReplayError as exc:
         raise click.ClickException(str(exc)) from None
     # The run's config.toml names its log level; the replay's roles are quiet unless asked.
@@ -54,6 +63,7 @@ def replay(run_dir: Path, check: bool, out: Path | None, log: LogOptions) -> Non
                 stop=stop,
                 check=check,
                 out_dir=out,
+                data_dir=data_dir,
                 log=logging.getLogger("splitmq.replay"),
             )
         except ReplayError as exc:

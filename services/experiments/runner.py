@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import platform
 import re
@@ -42,10 +43,11 @@ from services.experiments.spec import FinalEval, Run
 from services.experiments.watchdog import run_stop
 from services.report.filesink import FileSink, read_records
 from services.report.records import MetricsSink
-from services.report.rundir import METRICS_JSON, write_atomic
+from services.report.rundir import CONFIG_FILE, METRICS_JSON, write_atomic
+from services.report.schedule_file import SCHEDULE_FILE, keep_schedule
 from services.report.sinks import EchoSink, RecordsOnly, TeeSink
 from services.report.tracking import run_trackers
-from services.runtime.embedded import embedded_settings, run_embedded
+from services.runtime.embedded import embedded_settings, run_embedded, schedule_header
 from services.runtime.roles import embedded_roles
 
 Echo = Callable[[str], None]
@@ -166,6 +168,8 @@ def run_service(
         build_roles=functools.partial(embedded_roles, compute_slots=client_slots),
     )
     job = settings.job.name
+    # The run's record, to replay it (`splitmq replay RUN_DIR`, docs/reproducibility.md).
+    keep_schedule(run_dir, hub.store, job, schedule_header(settings), logging.getLogger(__name__))
     version = hub.store.current_version(job)
     if final_eval is None or version == NO_VERSION:
         return
@@ -220,8 +224,9 @@ def execute(
     return wall_s
 
 
-# What a run's results are read back from (`load_result`, `reusable`); weights stay behind.
-ARCHIVED = (METRICS_JSON, EXPERIMENT_JSON, FINAL_JSON)
+# What a run's results are read back from (`load_result`, `reusable`), and what replays it
+# (its config and schedule record); weights stay behind: the record's digests check a replay.
+ARCHIVED = (METRICS_JSON, EXPERIMENT_JSON, FINAL_JSON, CONFIG_FILE, SCHEDULE_FILE)
 
 
 def keep(run_dir: Path, kept: Path) -> None:

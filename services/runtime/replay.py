@@ -24,12 +24,14 @@ from services.common.supervise import RoleSpec
 from services.config.loading import load_settings
 from services.config.root import Settings
 from services.data.loaders import Dataset
+from services.report.filesink import FileSink
 from services.report.final_model import MODEL_FILE
 from services.report.model_diff import TensorDiff, compare_models
 from services.report.records import MetricsSink
 from services.report.rundir import CONFIG_FILE
 from services.report.schedule_compare import first_divergence, folds, last_version
 from services.report.schedule_file import SCHEDULE_FILE, Schedule, read_schedule_file
+from services.report.sinks import TeeSink
 from services.runtime.embedded import embedded_settings, run_embedded
 from services.runtime.roles import embedded_roles
 from services.runtime.threads import budgeted
@@ -56,8 +58,10 @@ class Replayed:
         return self.diffs is not None and all(d.identical for d in self.diffs)
 
 
-def load_run(run_dir: Path) -> tuple[Settings, Schedule]:
-    """The run's settings and record; `ReplayError` naming what is missing or unreadable."""
+def load_run(run_dir: Path, data_dir: Path | None = None) -> tuple[Settings, Schedule]:
+    """The run's settings and record; `ReplayError` naming what is missing or unreadable.
+    `data_dir`: where the datasets are on this machine, in place of the run's `data.dir` (a
+    location, not something the model depends on)."""
     config, record = run_dir / CONFIG_FILE, run_dir / SCHEDULE_FILE
     for path, what in ((config, "its config"), (record, "its schedule record")):
         if not path.is_file():
@@ -68,6 +72,9 @@ def load_run(run_dir: Path) -> tuple[Settings, Schedule]:
     try:
         settings = load_settings(config)
         schedule = read_schedule_file(record)
+        if data_dir is not None:
+            data = settings.data.model_copy(update={"dir": str(data_dir)})
+            settings = settings.model_copy(update={"data": data})
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
     if schedule.header.mode != "sync":
@@ -97,11 +104,12 @@ def replay_run(
     stop: threading.Event,
     check: bool = False,
     out_dir: Path | None = None,
+    data_dir: Path | None = None,
     log: logging.Logger | None = None,
 ) -> Replayed:
     """Replay `run_dir` into `out_dir` (default `run_dir/replay`, replaced) and compare."""
     log = log or logging.getLogger("splitmq.replay")
-    settings, recorded = load_run(run_dir)
+    settings, recorded = load_run(run_dir, data_dir)
     versions = last_version(recorded)
     wanted = settings.job.rounds + 1
     incomplete = ""
@@ -117,6 +125,9 @@ def replay_run(
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    # The replay's own metrics.json, config.toml and plots beside its model and record.
+    files = FileSink.create(settings, command=f"splitmq replay {run_dir}", run_dir=out)
+    sink = TeeSink([files, sink])
     cohorts = {f.round: f.cohort for f in folds(recorded).values() if f.cohort}
 
     def roles(s: Settings, b: Backends, m: MetricsSink, d: Dataset) -> Sequence[RoleSpec]:
