@@ -16,7 +16,7 @@ from services.config.root import Settings
 from services.runtime.doctor import Check, verdict
 
 # Commands whose settings come from a job's config file; the others take none.
-NO_CONFIG = {"experiment", "export", "traces"}  # export reads RUN_DIR/config.toml
+NO_CONFIG = {"experiment", "export", "replay", "traces"}  # export, replay: RUN_DIR/config.toml
 CLEAN_ENV: dict[str, str | None] = {"SPLITMQ_CONFIG": None, "SPLITMQ_BROKER": None}
 
 
