@@ -81,14 +81,14 @@ def banner(info: RunInfo) -> str:
         f"splitmq: job {info.job} | {info.model} ({cut}) | {info.algorithm} | "
         f"{info.clients} clients | {info.dataset} | S={info.shards} | {info.rounds} rounds"
     )
-    if info.schedule:
-        line = f"{line}\nschedule: {info.schedule} (seed {info.seed})"
-    if not info.torch_threads:  # a run from before the thread budget
-        return line
-    return (
-        f"{line}\ntorch threads: {info.torch_threads} intra-op / {info.torch_interop_threads} "
-        f"inter-op per compute thread ({info.thread_budget})"
-    )
+    if info.torch_threads:  # 0: a run from before the thread budget
+        line += (
+            f"\ntorch threads: {info.torch_threads} intra-op / {info.torch_interop_threads} "
+            f"inter-op per compute thread ({info.thread_budget})"
+        )
+    if info.schedule:  # "": a run from before issue 36
+        line += f"\nschedule: {info.schedule} (seed {info.seed})"
+    return line
 
 
 def progress_line(record: VersionRecord, rounds: int = 0) -> str:
