@@ -3,7 +3,9 @@
 Each child is `python -m services.cli.main <role> CONFIG ...` in its own session (so a Ctrl-C
 reaches only `up`, which then stops the children in order), with its output prefixed by its
 name. The job is over when the aggregator exits; the others then get SIGTERM, and SIGKILL
-after a grace period.
+after a grace period. A worker that dies while the job runs is started again (`restarts`
+times at most): workers are a pool whose shards are leased, so its successor, or itself
+restarted, takes its shards over from their checkpoints. Any other role that dies ends the job.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from services.runtime.threads import sharing_env
 
 Echo = Callable[[str], None]
 _POLL_S = 0.2
+# How often `up` starts a dead worker again before it gives the job up.
+WORKER_RESTARTS = 3
+# The roles `up` restarts when they die: the leased, scalable ones.
+RESTARTED_ROLES = frozenset({"worker"})
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class LocalProcesses:
         python: str = sys.executable,
         client_grace_s: float = 15.0,
         stop_grace_s: float = 10.0,
+        restarts: int = WORKER_RESTARTS,
     ) -> None:
         self._config = config
         self._specs = list(specs)
@@ -158,6 +165,8 @@ class LocalProcesses:
         self._python = python
         self._client_grace_s = client_grace_s
         self._stop_grace_s = stop_grace_s
+        self._restarts = restarts
+        self._restarted: dict[str, int] = {}  # child name -> restarts so far
         self._children: list[Child] = []
         self._echo_lock = threading.Lock()
         self._width = max((len(s.name) for s in specs), default=0)
@@ -203,10 +212,12 @@ class LocalProcesses:
             while True:
                 if stop.wait(_POLL_S):
                     return "stopped"
-                for child in self._children:
+                for i, child in enumerate(self._children):
                     code = child.process.poll()
                     if code is not None and code != 0:
-                        return f"failed: {child.spec.name} exited with code {code}"
+                        if not self._may_restart(child):
+                            return f"failed: {child.spec.name} exited with code {code}"
+                        self._children[i] = self._restart(child, code)
                 aggregator = next(c for c in self._children if c.spec.name == "aggregator")
                 if aggregator.process.poll() == 0:
                     finished_at = finished_at if finished_at is not None else time.monotonic()
@@ -218,6 +229,33 @@ class LocalProcesses:
                     return "timeout"
         except KeyboardInterrupt:
             return "stopped"
+
+    def _may_restart(self, child: Child) -> bool:
+        """A dead worker is restarted while the job runs (the aggregator has not exited: after
+        it, the job is over) and it has restarts left."""
+        if child.spec.role not in RESTARTED_ROLES:
+            return False
+        aggregator = next((c for c in self._children if c.spec.name == "aggregator"), None)
+        if aggregator is not None and aggregator.process.poll() is not None:
+            return False
+        return self._restarted.get(child.spec.name, 0) < self._restarts
+
+    def _restart(self, child: Child, code: int) -> Child:
+        """`child` started again under its name and arguments (a worker keeps its id: its
+        leases, expired or not, are its own again)."""
+        n = self._restarted.get(child.spec.name, 0) + 1
+        self._restarted[child.spec.name] = n
+        self._say(
+            "up",
+            f"{child.spec.name} exited with code {code}; restarting it ({n} of {self._restarts})",
+        )
+        child.pump.join(5.0)  # its last lines first
+        return self._spawn(child.spec)
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How often each child was restarted (those never restarted are absent)."""
+        return dict(self._restarted)
 
     def stop(self) -> None:
         """SIGTERM every child still running, SIGKILL those still there after the grace."""

@@ -27,7 +27,14 @@ FAKE = """
 import os, signal, sys, time
 role = sys.argv[3]
 behaviour = os.environ.get("FAKE_" + role.upper(), "serve")
+if behaviour.startswith("once-"):  # that the first time it starts, then serve
+    marker = os.environ["FAKE_MARKERS"] + "/" + role
+    behaviour = "serve" if os.path.exists(marker) else behaviour[5:]
+    open(marker, "a").close()
 print(f"{role} up", flush=True)
+if behaviour == "sigkill":
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)
 if behaviour == "deaf":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
@@ -61,6 +68,7 @@ def start(
     ]
     env = dict(os.environ)
     env.update({f"FAKE_{role.upper()}": b for role, b in behaviours.items()})
+    env["FAKE_MARKERS"] = str(tmp_path)
     procs = LocalProcesses(
         tmp_path / "job.toml", specs, env, echo=lines.append, python=fake_python, **kw
     )
@@ -82,12 +90,38 @@ def test_job_ends_when_aggregator_exits_and_the_rest_get_sigterm(
 
 
 def test_a_failing_child_stops_everything(fake_python: str, tmp_path: Path) -> None:
-    procs, lines = start(fake_python, tmp_path, {"worker": "exit3"})
+    procs, lines = start(fake_python, tmp_path, {"client": "exit3"})
     result = procs.wait(threading.Event(), timeout_s=30)
-    assert result.status == "failed: worker-0 exited with code 3"
+    assert result.status == "failed: client-0 exited with code 3"
+    assert not any("restarting" in line for line in lines)  # only workers are restarted
     assert result.exit_code == 1
     assert result.exit_codes["aggregator"] == 0  # it got SIGTERM and stopped cleanly
     assert "aggregator | aggregator bye" in lines
+
+
+def test_a_killed_worker_is_restarted_and_the_job_goes_on(fake_python: str, tmp_path: Path) -> None:
+    procs, lines = start(fake_python, tmp_path, {"worker": "once-sigkill"})
+    stop = threading.Event()
+    threading.Timer(3.0, stop.set).start()  # time to die and come back, then Ctrl-C
+    result = procs.wait(stop)
+    assert result.status == "stopped", lines
+    assert "up         | worker-0 exited with code -9; restarting it (1 of 3)" in lines
+    assert procs.restarts == {"worker-0": 1}
+    assert sum(line == "worker-0   | worker up" for line in lines) == 2
+    assert result.exit_codes["worker-0"] == 0  # the restarted one, stopped by SIGTERM
+
+
+def test_a_worker_that_keeps_dying_fails_the_job_after_three_restarts(
+    fake_python: str, tmp_path: Path
+) -> None:
+    procs, lines = start(fake_python, tmp_path, {"worker": "exit3"})
+    result = procs.wait(threading.Event(), timeout_s=30)
+    assert result.status == "failed: worker-0 exited with code 3"
+    restarts = [line for line in lines if "restarting it" in line]
+    assert restarts == [
+        f"up         | worker-0 exited with code 3; restarting it ({n} of 3)" for n in (1, 2, 3)
+    ]
+    assert result.exit_codes["aggregator"] == 0
 
 
 def test_a_child_ignoring_sigterm_is_killed(fake_python: str, tmp_path: Path) -> None:
