@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,7 +59,7 @@ def fake_python(tmp_path: Path) -> str:
 
 
 def start(
-    fake_python: str, tmp_path: Path, behaviours: dict[str, str], **kw: float
+    fake_python: str, tmp_path: Path, behaviours: dict[str, str], **kw: Any
 ) -> tuple[LocalProcesses, list[str]]:
     lines: list[str] = []
     specs = [
