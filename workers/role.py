@@ -7,10 +7,11 @@ services/runtime/plugins.py, checked where it is loaded (and by tests/unit/test_
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from services.common.backends import Backends
 from services.common.jobmodel import job_model
+from services.common.schedule import Entry
 from services.config.root import Settings
 from workers.inference import InferenceServer
 from workers.worker import Worker
@@ -19,8 +20,16 @@ from workers.worker import Worker
 class WorkerRole:
     """Entry point `worker`."""
 
-    def build_worker(self, settings: Settings, backends: Backends, *, worker_id: str) -> Worker:
-        return Worker(settings, backends, worker_id=worker_id)
+    def build_worker(
+        self,
+        settings: Settings,
+        backends: Backends,
+        *,
+        worker_id: str,
+        script: Mapping[int, Sequence[Entry]] | None = None,
+    ) -> Worker:
+        """`script`: a replay's shard streams by shard (`Worker`)."""
+        return Worker(settings, backends, worker_id=worker_id, script=script)
 
 
 class InferenceRole:

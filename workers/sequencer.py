@@ -17,15 +17,18 @@ does not order (clients outside the cohort, another round's, skipped or finished
 follow the next release, or go at once when nobody is expected.
 
 Pure bookkeeping: the caller supplies the cohort, each client's progress and the time.
+
+A replay serves its run's recorded order instead (`RecordedOrder`, same interface).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from services.common.schedule import BatchKey
 from workers.barrier import Progress, finished
 
 T = TypeVar("T")
@@ -223,3 +226,166 @@ class Sequencer(Generic[T]):
         self.held -= len(self._after)
         self._after = []
         return out
+
+
+class RecordedOrder(Generic[T]):
+    """A replay's order (`splitmq replay`, issue 36): a shard serves its batches in the order
+    the run recorded, whatever order they arrive in, so a free-running run (batches served as
+    they came) is re-executed exactly. Same interface as `Sequencer`: the runner holds either.
+
+    The turn is the next (client, round, step) of the shard's effective history
+    (`services.common.schedule.shard_history`: a take-over's lost batches cut), from the
+    replica's applied count (`position`: a rollback's restored replica resumes the record
+    where its checkpoint stood). No timeout: the record says who was skipped, and a client
+    whose batch is not recorded simply never gets a turn. What happens to the others:
+
+    - a batch of a round within the record that the record lacks was never applied by the run
+      (its client left, or the run ended first): it is held, never served, and goes back
+      unacked when the job stops;
+    - a batch of a round past the record's last one (a record that ends early): canonical
+      order (`Sequencer`, timeout included) from there, said once;
+    - a recorded turn that never comes must not stop the replay: at a settle (round marker,
+      version change) a turn of a round before the newest one seen is given up, and so is the
+      turn when the batches held fill what the worker may hold unacked (`limit`: the turn's
+      batch could not reach it); each said, and the replay's record shows the departure.
+    """
+
+    def __init__(
+        self,
+        batches: Sequence[BatchKey],
+        key: Callable[[T], BatchKey],
+        position: Callable[[], int],
+        timeout_s: float,
+        limit: int = 1 << 30,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        """`key`: an item's (client, round, step); `position`: the replica's applied count."""
+        self._record = tuple(batches)
+        self._at = {k: i for i, k in enumerate(self._record)}  # a key's (last) place
+        self._last_round = max((k[1] for k in self._record), default=-1)
+        self._key, self._position, self._limit = key, position, limit
+        self._say = say or (lambda _: None)
+        self._cursor: int | None = None  # None: read it from `position` when next needed
+        self._held: dict[BatchKey, list[T]] = {}
+        self._count = 0  # items in `_held`
+        self._round = -1  # the newest round of a batch offered
+        self._beyond: Sequencer[T] = Sequencer(timeout_s, limit)  # rounds past the record
+        self._said_beyond = False
+        self.given_up: list[BatchKey] = []  # recorded turns that never came
+        self.unrecorded: list[BatchKey] = []  # held, never to be served
+        self.due_at: float | None = None
+        self.held = 0
+
+    @property
+    def skipped(self) -> set[str]:
+        return self._beyond.skipped
+
+    def __len__(self) -> int:
+        return self.held
+
+    def new_round(self) -> None:
+        self._beyond.new_round()
+
+    def add(self, client: str, step: int, steps: int, item: T, *, ordered: bool) -> None:
+        k = self._key(item)
+        self._round = max(self._round, k[1])
+        if k[1] > self._last_round:
+            if not self._said_beyond:
+                self._said_beyond = True
+                self._say(
+                    f"round {k[1] + 1} is past the record (it ends with round "
+                    f"{self._last_round + 1}): canonical order from here"
+                )
+            self._beyond.add(client, step, steps, item, ordered=ordered)
+        else:
+            if self._at.get(k, -1) < self._cursor_now():
+                self.unrecorded.append(k)
+                self._say(
+                    f"{k[0]} round {k[1] + 1} step {k[2]} is not in the rest of the record "
+                    "(the run never applied it there): held, not applied"
+                )
+            self._held.setdefault(k, []).append(item)
+            self._count += 1
+        self._sync()
+
+    def offer(
+        self,
+        client: str,
+        step: int,
+        steps: int,
+        item: T,
+        ordered: bool,
+        cohort: Mapping[str, int],
+        progress: Progress,
+        now: float,
+    ) -> list[T]:
+        self.add(client, step, steps, item, ordered=ordered)
+        return self.take(cohort, progress, now)
+
+    def take(self, cohort: Mapping[str, int], progress: Progress, now: float) -> list[T]:
+        out = self._serve(settling=False)
+        if self._beyond.held:
+            out += self._beyond.take(cohort, progress, now)
+        self._sync()
+        return out
+
+    def settle(self, cohort: Mapping[str, int], progress: Progress) -> list[T]:
+        """The record's turns that are held; the batches it has later turns for (or none) stay
+        held (the runner's settle stops when only those are left)."""
+        out = self._serve(settling=True)
+        out += self._beyond.settle(cohort, progress)
+        self._sync()
+        return out
+
+    def replace(self, match: Callable[[T], bool], new: Callable[[T], T]) -> T | None:
+        for queue in self._held.values():
+            for index, item in enumerate(queue):
+                if match(item):
+                    queue[index] = new(item)
+                    return item
+        return self._beyond.replace(match, new)
+
+    def clear(self) -> None:
+        """Forget what is held; the turn is read again from the (restored) replica's count."""
+        self._held.clear()
+        self._count = 0
+        self._cursor = None
+        self._beyond.clear()
+        self._sync()
+
+    def _cursor_now(self) -> int:
+        if self._cursor is None:
+            self._cursor = self._position()
+        return self._cursor
+
+    def _serve(self, *, settling: bool) -> list[T]:
+        """Each turn's batch while it is held; a turn given up as the class says."""
+        out: list[T] = []
+        record, held, cursor = self._record, self._held, self._cursor_now()
+        while cursor < len(record):
+            turn = record[cursor]
+            queue = held.get(turn)
+            if queue:
+                out.append(queue.pop(0))
+                if not queue:
+                    del held[turn]
+                self._count -= 1
+                cursor += 1
+                continue
+            stale = settling and turn[1] < self._round
+            if not stale and self._count < self._limit:
+                break
+            self.given_up.append(turn)
+            why = "its round is over" if stale else f"{self._count} batches are held"
+            self._say(
+                f"the record's batch {turn[0]} round {turn[1] + 1} step {turn[2]} never came "
+                f"({why}): the replay goes on without it"
+            )
+            cursor += 1
+        self._cursor = cursor
+        return out
+
+    def _sync(self) -> None:
+        """The attributes the runner reads without a call."""
+        self.held = self._count + self._beyond.held
+        self.due_at = self._beyond.due_at

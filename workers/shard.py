@@ -16,7 +16,10 @@ step per step index in cohort order. Both still give up on a silent client after
 `workers.step_barrier_timeout_s`: the only way past a dead client, and the one point where a
 run's order depends on time (the record says what happened). With `workers.batch_messages` > 1
 the order is canonical but which released batches share a step still depends on when the
-queue ran dry. Async shards (`Continuous`) serve batches as they arrive, for now.
+queue ran dry. Async shards (`Continuous`) serve batches as they arrive, for now. A replay's
+shard (`splitmq replay`: `ShardIO.scripts`) serves them in the order its run recorded
+(`workers.sequencer.RecordedOrder`), free-running runs' included; what the record serves later
+or never stays held through a settle.
 
 The schedule: every batch applied is recorded (`Applied`) in the shard's stream; every
 checkpoint (`Checkpointed`, with the digest of the weights it holds) and every start from one
@@ -32,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import cast
 
@@ -51,6 +55,7 @@ from services.common.checks.sender import ClientIdShape, ClientSender, NamesClie
 from services.common.leases import lease_name
 from services.common.schedule import (
     Applied,
+    BatchKey,
     Checkpointed,
     Restored,
     ScheduleLog,
@@ -62,7 +67,7 @@ from workers.clock import Continuous
 from workers.gate import ClientGate, copy_problem, reused
 from workers.replica import Replica
 from workers.replies import answer
-from workers.sequencer import Sequencer
+from workers.sequencer import RecordedOrder, Sequencer
 from workers.shard_checks import (
     BatchContent,
     CohortMember,
@@ -72,7 +77,7 @@ from workers.shard_checks import (
     not_u_shaped,
     parse_cohort,
 )
-from workers.shard_io import Item, ShardIO
+from workers.shard_io import Item, ShardIO, ShardLimits
 from workers.ushaped import ForwardFailedError, UShapedStep
 
 
@@ -107,10 +112,7 @@ class ShardRunner:
         self._barrier: StepBarrier[Item] | None = (
             StepBarrier(limits.step_timeout_s) if self._server_side.barrier else None
         )
-        canonical = limits.deterministic and self._barrier is None and continuous is None
-        self._sequencer: Sequencer[Item] | None = (
-            Sequencer(limits.step_timeout_s, limits.pending_limit) if canonical else None
-        )
+        self._sequencer = self._order(replica, limits, io.scripts.get(self.shard), continuous)
         self._buffers = self._barrier is not None or want.u_shaped
         self._schedule = ScheduleLog(io.store, want.job, shard_stream(self.shard))
         # Local-loss algorithms' clients never wait for the gradient: spare the bytes.
@@ -121,6 +123,29 @@ class ShardRunner:
         self._batch_checks, self._tail_checks, self._marker_checks = self._chains()
         if replica.from_checkpoint:  # a take-over or a restart: the record goes on from here
             self._restored()
+
+    def _order(
+        self,
+        replica: Replica,
+        limits: ShardLimits,
+        script: Sequence[BatchKey] | None,
+        continuous: Continuous | None,
+    ) -> Sequencer[Item] | RecordedOrder[Item] | None:
+        """What orders a sync round's batches of a non-barrier algorithm: a replay's record
+        (`script`), else with `job.deterministic` the canonical order; None: arrival order."""
+        if self._barrier is not None or continuous is not None:
+            return None
+        timeout, limit = limits.step_timeout_s, limits.pending_limit
+        if script is not None:
+            return RecordedOrder(
+                script,
+                lambda item: (item.batch.client, item.batch.round, item.batch.step),
+                lambda: replica.applied,
+                timeout,
+                limit,
+                say=partial(self._say, "%s"),
+            )
+        return Sequencer(timeout, limit) if limits.deterministic else None
 
     def _chains(
         self,
@@ -345,6 +370,8 @@ class ShardRunner:
             self.flush()
             self._step_barrier(force=True)
             self._sequence(force=True)
+            if self._sequencer is not None and self.buffered() == self._sequencer.held:
+                return  # a replay's: only batches the record serves later (or never) are left
 
     def poll(self, *, idle: bool = False) -> None:
         """Time-driven work: a barrier or an open step past its timeout, a due checkpoint;

@@ -6,14 +6,15 @@ instead of the worker's session, so its reach is this list and nothing else.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from broker.messages import SmashedBatch
 from broker.store import WeightStore
 from broker.transport import Delivery
 from services.algorithms.base import ServerSide
 from services.algorithms.recipe import LossFn
+from services.common.schedule import BatchKey
 from services.metrics.recorder import Metrics
 from services.security.identity import SenderCheck
 from workers.device_io import DevicePlane
@@ -60,6 +61,9 @@ class ShardIO:
     refuse: Callable[[Delivery, str], None]  # dead-letter with a reason (`Rejection.reason`)
     renew: Callable[[int], bool]  # the shard's lease: whether it is still ours
     redeliver: Callable[[int], None]  # re-subscribe to the shard's queue
+    # A replay's recorded batch order per shard (`workers.sequencer.RecordedOrder`); empty
+    # in a run.
+    scripts: Mapping[int, Sequence[BatchKey]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,6 +31,7 @@ from services.common.checks.addressing import wrong_type
 from services.common.jobmodel import job_hyper, job_model
 from services.common.leases import LeaseKeeper
 from services.common.logs import in_log_context
+from services.common.schedule import BatchKey, Entry, shard_history
 from services.config.root import Settings
 from services.security.identity import sender_check
 from workers.clock import Continuous
@@ -61,8 +62,14 @@ class Worker:
         *,
         worker_id: str | None = None,
         poll_s: float = 0.2,
+        script: Mapping[int, Sequence[Entry]] | None = None,
     ) -> None:
+        """`script`: a replay's record, each shard's stream by shard: its shards serve their
+        batches in the recorded order (`workers.sequencer.RecordedOrder`)."""
         self.settings = settings
+        self.scripts: dict[int, tuple[BatchKey, ...]] = {
+            shard: shard_history(entries).batches for shard, entries in (script or {}).items()
+        }
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.strategy = build_strategy(settings.algorithm.name, settings.algorithm.params())
         self.poll_s = poll_s
@@ -153,7 +160,7 @@ class WorkerSession:
             2 * settings.clients.count,
             2 * w.batch_messages,
             16,
-            self._round_ahead(settings, server_side),
+            self._round_ahead(settings, server_side, scripted=bool(worker.scripts)),
         )
         self.target = 1  # ceil(S / W) as of the last rebalance
         self.runners: dict[str, ShardRunner] = {}  # by queue name
@@ -184,13 +191,14 @@ class WorkerSession:
         self.shard_io = self._shard_io()
 
     @staticmethod
-    def _round_ahead(settings: Settings, server_side: ServerSide) -> int:
+    def _round_ahead(settings: Settings, server_side: ServerSide, *, scripted: bool) -> int:
         """A deterministic sync job whose clients do not wait for the gradient (local loss) may
         send a whole round before the turn of the others comes: the worker holds them all in
         canonical order (`workers.sequencer`), so its prefetch covers a round of every client,
-        where the round's steps are bounded (else the sequencer's limit stops waiting)."""
+        where the round's steps are bounded (else the sequencer's limit stops waiting). So does a
+        replay's (`scripted`: the recorded order holds batches as the canonical one does)."""
         a = settings.algorithm
-        if not settings.job.deterministic or settings.asynchronous_mode:
+        if not (settings.job.deterministic or scripted) or settings.asynchronous_mode:
             return 0
         if server_side.waits_for_gradient or server_side.barrier:
             return 0
@@ -227,6 +235,7 @@ class WorkerSession:
             refuse=self.refuse,
             renew=self.keeper.renew,
             redeliver=self.redeliver,
+            scripts=self.worker.scripts,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ replay's are others.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeAlias
 
@@ -135,6 +135,36 @@ _KINDS: dict[str, type[Entry]] = {
 _NAMES = {cls: name for name, cls in _KINDS.items()}
 # The key of an encoded entry's type ("applied", "folded", ...).
 ENTRY_KEY = "entry"
+
+
+BatchKey: TypeAlias = tuple[str, int, int]  # client, round, step
+
+
+@dataclass(frozen=True)
+class ShardHistory:
+    """What a shard's replica state is made of: its Applied entries with the ones a take-over
+    lost cut away (`Restored` at position n keeps the first n)."""
+
+    batches: tuple[BatchKey, ...]  # in order
+    digests: Mapping[int, str]  # position -> digest of the last checkpoint written there
+    restores: int
+
+
+def shard_history(entries: Iterable[Entry]) -> ShardHistory:
+    """A shard stream's effective history: what `splitmq replay` compares and what a replay's
+    worker serves in order (`workers.sequencer.RecordedOrder`)."""
+    batches: list[BatchKey] = []
+    digests: dict[int, str] = {}
+    restores = 0
+    for e in entries:
+        if isinstance(e, Applied):
+            batches.append((e.client, e.round, e.step))
+        elif isinstance(e, Restored):
+            del batches[e.position :]
+            restores += 1
+        elif isinstance(e, Checkpointed) and e.position <= len(batches):
+            digests[e.position] = e.digest
+    return ShardHistory(tuple(batches), digests, restores)
 
 
 class ScheduleError(ValueError):

@@ -9,36 +9,28 @@ and the workers' names are not compared: they say who did the work, not what it 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from services.common.schedule import AGGREGATOR_STREAM, Applied, Checkpointed, Entry, Folded
-from services.common.schedule import Restored as RestoredEntry
+# The effective history lives beside the entries: a replay's worker serves it (issue 36).
+from services.common.schedule import (
+    AGGREGATOR_STREAM,
+    BatchKey,
+    Folded,
+    ShardHistory,
+    shard_history,
+)
 from services.report.schedule_file import Schedule
 
-BatchKey = tuple[str, int, int]  # client, round, step
-
-
-@dataclass(frozen=True)
-class ShardHistory:
-    batches: tuple[BatchKey, ...]  # what the replica's state is made of, in order
-    digests: Mapping[int, str]  # position -> digest of the last checkpoint written there
-    restores: int
-
-
-def shard_history(entries: Iterable[Entry]) -> ShardHistory:
-    batches: list[BatchKey] = []
-    digests: dict[int, str] = {}
-    restores = 0
-    for e in entries:
-        if isinstance(e, Applied):
-            batches.append((e.client, e.round, e.step))
-        elif isinstance(e, RestoredEntry):
-            del batches[e.position :]
-            restores += 1
-        elif isinstance(e, Checkpointed) and e.position <= len(batches):
-            digests[e.position] = e.digest
-    return ShardHistory(tuple(batches), digests, restores)
+# `ShardHistory` and `shard_history` re-exported: their home was here.
+__all__ = [
+    "BatchKey",
+    "ShardHistory",
+    "first_divergence",
+    "folds",
+    "last_version",
+    "shard_history",
+    "shard_names",
+]
 
 
 def folds(schedule: Schedule) -> dict[int, Folded]:

@@ -11,7 +11,7 @@ predates an entry point (pyproject.toml changed, not reinstalled) gets the comma
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -19,6 +19,7 @@ from broker.errors import SplitMQError
 
 if TYPE_CHECKING:
     from services.common.backends import Backends
+    from services.common.schedule import Entry
     from services.common.supervise import Role
     from services.config.root import Settings
 
@@ -33,7 +34,16 @@ class RolePluginError(SplitMQError):
 class WorkerFactory(Protocol):
     """Entry point `worker`: builds a worker (the server-side layers) for the runtime."""
 
-    def build_worker(self, settings: Settings, backends: Backends, *, worker_id: str) -> Role: ...
+    def build_worker(
+        self,
+        settings: Settings,
+        backends: Backends,
+        *,
+        worker_id: str,
+        script: Mapping[int, Sequence[Entry]] | None = None,
+    ) -> Role:
+        """`script`: a replay's record, each shard's stream by shard (issue 36)."""
+        ...
 
 
 @runtime_checkable

@@ -29,7 +29,12 @@ from services.report.final_model import MODEL_FILE
 from services.report.model_diff import TensorDiff, compare_models
 from services.report.records import MetricsSink
 from services.report.rundir import CONFIG_FILE
-from services.report.schedule_compare import first_divergence, folds, last_version
+from services.report.schedule_compare import (
+    first_divergence,
+    folds,
+    last_version,
+    shard_names,
+)
 from services.report.schedule_file import SCHEDULE_FILE, Schedule, read_schedule_file
 from services.report.sinks import TeeSink
 from services.runtime.embedded import embedded_settings, run_embedded
@@ -129,9 +134,13 @@ def replay_run(
     files = FileSink.create(settings, command=f"splitmq replay {run_dir}", run_dir=out)
     sink = TeeSink([files, sink])
     cohorts = {f.round: f.cohort for f in folds(recorded).values() if f.cohort}
+    # Every shard serves its batches in the recorded order, whatever the run's mode: a
+    # free-running run's arrival order, or a deterministic one's that a timeout bent.
+    streams = recorded.streams
+    scripts = {int(name.removeprefix("shard-")): streams[name] for name in shard_names(recorded)}
 
     def roles(s: Settings, b: Backends, m: MetricsSink, d: Dataset) -> Sequence[RoleSpec]:
-        return embedded_roles(s, b, m, d, cohorts=cohorts)
+        return embedded_roles(s, b, m, d, cohorts=cohorts, scripts=scripts)
 
     with budgeted(settings):  # the record's torch threads: another count, other sums
         outcome = run_embedded(

@@ -16,6 +16,7 @@ from services.client.data import JobData
 from services.client.lending import ComputeGate
 from services.common.backends import Backends
 from services.common.jobdata import load_job_dataset
+from services.common.schedule import Entry
 from services.common.supervise import Role, RoleSpec
 from services.config.root import Settings
 from services.data.loaders import Dataset
@@ -63,12 +64,19 @@ def build_aggregator(
     return Aggregator(settings, backends, sink=sink, evaluator=evaluator, cohorts=cohorts)
 
 
-def build_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
-    """The worker comes from its entry point: workers/ imports services/, not the reverse."""
+def build_worker(
+    settings: Settings,
+    backends: Backends,
+    *,
+    worker_id: str,
+    script: Mapping[int, Sequence[Entry]] | None = None,
+) -> Role:
+    """The worker comes from its entry point: workers/ imports services/, not the reverse.
+    `script`: a replay's record, each shard's stream by shard (served in that order)."""
     factory = worker_factory()
     preload_optimizer_code()
     return factory.build_worker(
-        settings, backends.for_role("worker", worker_id), worker_id=worker_id
+        settings, backends.for_role("worker", worker_id), worker_id=worker_id, script=script
     )
 
 
@@ -108,19 +116,25 @@ def embedded_roles(
     *,
     compute_slots: int | None = 0,
     cohorts: Mapping[int, Sequence[str]] | None = None,
+    scripts: Mapping[int, Sequence[Entry]] | None = None,
 ) -> Sequence[RoleSpec]:
     """Every role of the job, in start order: the aggregator seeds version 1 first.
 
     `compute_slots`: clients in whole-model work at once (`ComputeGate`); 0: one per core,
     None: no limit (what benchmarks/embedded_cohort.py compares against). `cohorts`: a
-    replay's recorded cohort per round (`build_aggregator`)."""
+    replay's recorded cohort per round (`build_aggregator`); `scripts`: its record's shard
+    streams by shard, which the workers serve in the recorded order (`build_worker`)."""
     aggregator = build_aggregator(settings, backends, sink=sink, dataset=dataset, cohorts=cohorts)
     roles = [
         RoleSpec("aggregator", "aggregator", aggregator),
         RoleSpec("coordinator", "coordinator", build_coordinator(settings, backends)),
     ]
     roles += [
-        RoleSpec(f"worker-{i}", "worker", build_worker(settings, backends, worker_id=f"worker-{i}"))
+        RoleSpec(
+            f"worker-{i}",
+            "worker",
+            build_worker(settings, backends, worker_id=f"worker-{i}", script=scripts),
+        )
         for i in range(worker_count(settings))
     ]
     # One JobData: the clients share the loaded tensors and a single partitioning pass.
