@@ -14,7 +14,7 @@ import ctypes
 import logging
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, closing
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -339,17 +339,41 @@ def aggregator(
     require_servers(settings, "aggregator")
     if resume and run_dir is None:
         raise click.UsageError("--resume goes on with the run in --run-dir; name it")
-    # The run header and metrics.json say the threads torch runs with: set them first.
+    # The run header and metrics.json say the threads torch runs with: set them first. The
+    # schedule record's header takes them too (`keep_job_model` runs inside the budget): in
+    # `splitmq up` the aggregator's share is the workers', which a replay must compute with.
     with budgeted(settings):
         files, sink = run_report(settings, report_dir, run_dir, resume=resume)
         try:
             stopped = _serve(settings, "aggregator", partial(_aggregator, sink=sink), log)
         except click.exceptions.Exit:
+            keep_job_model(settings, files.run_dir, "aggregator", "splitmq.aggregator")
             files.finish("failed: aggregator died (see its log)")
             raise
+        keep_job_model(settings, files.run_dir, "aggregator", "splitmq.aggregator")
     files.finish("stopped" if stopped else "finished")
     if summary:
         click.echo(files.summary, nl=False)
+        from services.report.final_model import MODEL_FILE
+
+        if (files.run_dir / MODEL_FILE).is_file():
+            click.echo(f"  trained model            {files.run_dir / MODEL_FILE}")
+
+
+def keep_job_model(settings: Settings, run_dir: Path, who: str, logger: str) -> None:
+    """The job's last version (model.safetensors) and its schedule record (schedule.jsonl.gz)
+    from the store into `run_dir`, as an embedded run keeps them (`keep_model`). The
+    aggregator does it when the job ends, in a distributed run as in `splitmq up`; a store
+    that cannot be reached is said in one line: the metrics are the run's record."""
+    from broker.errors import SplitMQError
+    from services.runtime.embedded import keep_model
+
+    backends = Backends(settings.broker, settings.store)
+    try:
+        with closing(backends.open_store(give_up_after=10.0)) as store:
+            keep_model(settings, store, run_dir, logging.getLogger(logger))
+    except SplitMQError as exc:
+        click.echo(f"{who}: could not keep the trained model: {exc}", err=True)
 
 
 def make_pool(settings: Settings, config: Path, log_dir: Path | None) -> WorkerPool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -219,13 +220,14 @@ def up(
         *(("--log-level", log.level) if log.level else ()),
     )
     procs = LocalProcesses(path, specs, env, echo=click.echo, extra_args=args)
+    started = time.time()
     with stop_on_signals() as stop:
         procs.start()
         result = procs.wait(stop, timeout)
     click.echo("")
     summary, reported = _report(run_dir)
     click.echo(summary, nl=False)
-    _keep_model(settings, run_dir)
+    _keep_model(settings, run_dir, since=started)
     if result.status == "finished" and reported != "finished":
         # The aggregator exited cleanly but did not finish the job (someone stopped it).
         result = replace(result, status=f"failed: the report says {reported!r}")
@@ -268,20 +270,17 @@ def _resume_up(settings: Settings, run_dir: Path, client_ids: list[str]) -> int:
     return version
 
 
-def _keep_model(settings: Settings, run_dir: Path) -> None:
-    """The job's last version from the store into the run directory (the aggregator process,
-    which wrote the metrics, has exited by now)."""
-    from contextlib import closing
+def _keep_model(settings: Settings, run_dir: Path, *, since: float) -> None:
+    """The model and schedule record in the run directory: the aggregator child keeps them
+    when the job ends (`keep_job_model`); when it did not (it was killed, or never started),
+    the job's last version from the store, now that every child has stopped."""
+    from services.cli.role_cmds import keep_job_model
+    from services.report.final_model import MODEL_FILE
+    from services.report.schedule_file import SCHEDULE_FILE
 
-    from broker.errors import SplitMQError
-    from services.runtime.embedded import keep_model
-
-    backends = Backends(settings.broker, settings.store)
-    try:
-        with closing(backends.open_store(give_up_after=10.0)) as store:
-            keep_model(settings, store, run_dir, logging.getLogger("splitmq.runtime"))
-    except SplitMQError as exc:
-        click.echo(f"splitmq up: could not keep the trained model: {exc}", err=True)
+    kept = [run_dir / MODEL_FILE, run_dir / SCHEDULE_FILE]
+    if not all(p.is_file() and p.stat().st_mtime >= since for p in kept):
+        keep_job_model(settings, run_dir, "splitmq up", "splitmq.runtime")
     _echo_model(run_dir)
 
 
