@@ -58,6 +58,21 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return found
 
 
+@pytest.fixture(scope="module")
+def free_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A free-running run (`job.deterministic = false`): its shard served the 3 clients'
+    batches in arrival order."""
+    root = tmp_path_factory.mktemp("replay-free")
+    config = root / "job.toml"
+    job = JOB.format(job="replay-free")
+    config.write_text(job.replace("rounds = 2\n", "rounds = 2\ndeterministic = false\n"))
+    args = ["run", str(config), "--report-dir", str(root / "runs")]
+    result = CliRunner().invoke(cli, args, env={"SPLITMQ_CONFIG": None})
+    assert result.exit_code == 0, result.output
+    (found,) = (root / "runs").iterdir()
+    return found
+
+
 def replay(run: Path, *args: str) -> tuple[int, str]:
     result = CliRunner().invoke(cli, ["replay", str(run), *args])
     return result.exit_code, result.output
@@ -78,6 +93,13 @@ def test_a_run_replays_to_its_own_model_bit_for_bit(run_dir: Path) -> None:
     assert (run_dir / "replay" / "model.safetensors").read_bytes() == (
         run_dir / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_free_running_run_replays_in_its_recorded_order_bit_for_bit(free_run_dir: Path) -> None:
+    code, out = replay(free_run_dir, "--check")
+    assert code == 0, out
+    assert "record: reproduced" in out
+    assert "model: bit-identical" in out
 
 
 def test_a_moved_batch_is_detected_not_replayed_silently(run_dir: Path, tmp_path: Path) -> None:
