@@ -275,8 +275,8 @@ def _keep_model(settings: Settings, run_dir: Path, *, since: float) -> None:
     when the job ends (`keep_job_model`); when it did not (it was killed, or never started),
     the job's last version from the store, now that every child has stopped."""
     from services.cli.role_cmds import keep_job_model
+    from services.common.schedule_file import SCHEDULE_FILE
     from services.report.final_model import MODEL_FILE
-    from services.report.schedule_file import SCHEDULE_FILE
 
     kept = [run_dir / MODEL_FILE, run_dir / SCHEDULE_FILE]
     if not all(p.is_file() and p.stat().st_mtime >= since for p in kept):

@@ -4,7 +4,7 @@ The record `splitmq replay` re-executes: per shard the batches its replica appli
 checkpoints and restores between them), per published version the fold that made it, and the
 membership events that chose who trained. Each deciding role writes its own stream through the
 store (`ScheduleStore`), so the record survives the role and is complete for a distributed
-run; the run directory gets all streams in one file at the end (`services.report.schedule_file`).
+run; the run directory gets all streams in one file at the end (`services.common.schedule_file`).
 
 Entries are small frozen dataclasses, one JSON object per line on the wire and in the file
 (`encode` / `decode`); no pickle, nothing executable. A batch is named by its client, round and

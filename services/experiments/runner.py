@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from broker.store import NO_VERSION
 from services.aggregator.core import read_version
 from services.common.backends import Backends, Embedded
+from services.common.schedule_file import SCHEDULE_FILE, keep_schedule
 from services.config.loading import ConfigError, deep_merge
 from services.config.root import Settings
 from services.config.settings import ConnectionSettings
@@ -44,7 +45,6 @@ from services.experiments.watchdog import run_stop
 from services.report.filesink import FileSink, read_records
 from services.report.records import MetricsSink
 from services.report.rundir import CONFIG_FILE, METRICS_JSON, write_atomic
-from services.report.schedule_file import SCHEDULE_FILE, keep_schedule
 from services.report.sinks import EchoSink, RecordsOnly, TeeSink
 from services.report.tracking import run_trackers
 from services.runtime.embedded import embedded_settings, run_embedded, schedule_header

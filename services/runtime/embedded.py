@@ -19,12 +19,12 @@ from services.common.backends import Backends, Embedded
 from services.common.jobdata import load_job_dataset
 from services.common.jobmodel import job_model
 from services.common.schedule import Header
+from services.common.schedule_file import keep_schedule
 from services.common.supervise import Outcome, RoleSpec, Supervisor
 from services.config.root import Settings
 from services.data.loaders import Dataset
 from services.report.final_model import save_final_model
 from services.report.records import MetricsSink
-from services.report.schedule_file import keep_schedule
 from services.report.sinks import RecordsOnly, TeeSink
 from services.report.version_file import SavedVersion, VersionKeeper
 from services.runtime.roles import embedded_roles

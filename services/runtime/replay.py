@@ -3,7 +3,7 @@
 The run's own config.toml and schedule.jsonl.gz say what to run and in which order; the job is
 run embedded (the in-memory broker and store), with the torch threads the record names, into
 `RUN_DIR/replay/`, where it keeps its own model and record. The replay's record is then held
-against the run's (`services.report.schedule_compare`): the batch order of every shard, the
+against the run's (`services.common.schedule_compare`): the batch order of every shard, the
 weights at every checkpoint both wrote, and every version's weights; the first difference is
 said, with where it is. A record that ends early (a role killed before it wrote) is replayed up
 to its last recorded version, and the replay says so.
@@ -20,6 +20,13 @@ from pathlib import Path
 
 from services.common.backends import Backends
 from services.common.schedule import Header
+from services.common.schedule_compare import (
+    first_divergence,
+    folds,
+    last_version,
+    shard_names,
+)
+from services.common.schedule_file import SCHEDULE_FILE, Schedule, read_schedule_file
 from services.common.supervise import RoleSpec
 from services.config.loading import load_settings
 from services.config.root import Settings
@@ -29,13 +36,6 @@ from services.report.final_model import MODEL_FILE
 from services.report.model_diff import TensorDiff, compare_models
 from services.report.records import MetricsSink
 from services.report.rundir import CONFIG_FILE
-from services.report.schedule_compare import (
-    first_divergence,
-    folds,
-    last_version,
-    shard_names,
-)
-from services.report.schedule_file import SCHEDULE_FILE, Schedule, read_schedule_file
 from services.report.sinks import TeeSink
 from services.runtime.embedded import embedded_settings, run_embedded
 from services.runtime.roles import embedded_roles

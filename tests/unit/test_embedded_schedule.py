@@ -18,9 +18,9 @@ from services.common.schedule import (
     MemberEvent,
     weights_digest,
 )
+from services.common.schedule_file import SCHEDULE_FILE, read_schedule_file
 from services.config.root import Settings
 from services.report.records import ListSink
-from services.report.schedule_file import SCHEDULE_FILE, read_schedule_file
 from services.runtime.embedded import run_embedded
 
 

@@ -14,8 +14,8 @@ from services.common.schedule import (
     Restored,
     shard_stream,
 )
-from services.report.schedule_compare import first_divergence, last_version, shard_history
-from services.report.schedule_file import Schedule
+from services.common.schedule_compare import first_divergence, last_version, shard_history
+from services.common.schedule_file import Schedule
 
 HEADER = Header(job="j", seed=0, deterministic=True, mode="sync", torch_threads=1)
 

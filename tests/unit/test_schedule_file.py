@@ -1,4 +1,4 @@
-"""The run directory's schedule record (`services.report.schedule_file`): written from the
+"""The run directory's schedule record (`services.common.schedule_file`): written from the
 store's streams, read back whole, refused when cut short or tampered with."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from services.common.schedule import (
     ScheduleLog,
     shard_stream,
 )
-from services.report.schedule_file import (
+from services.common.schedule_file import (
     SCHEDULE_FILE,
     ScheduleFileError,
     keep_schedule,

@@ -19,7 +19,7 @@ from services.common.schedule import (
     ShardHistory,
     shard_history,
 )
-from services.report.schedule_file import Schedule
+from services.common.schedule_file import Schedule
 
 # `ShardHistory` and `shard_history` re-exported: their home was here.
 __all__ = [
