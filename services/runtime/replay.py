@@ -2,7 +2,9 @@
 
 The run's own config.toml and schedule.jsonl.gz say what to run and in which order; the job is
 run embedded (the in-memory broker and store), with the torch threads the record names, into
-`RUN_DIR/replay/`, where it keeps its own model and record. The replay's record is then held
+`RUN_DIR/replay/`, where it keeps its own model, record and metrics. Its aggregator takes the
+run's cohort for each round and its workers serve each shard's batches in the run's recorded
+order (`workers.sequencer.RecordedOrder`). The replay's record is then held
 against the run's (`services.common.schedule_compare`): the batch order of every shard, the
 weights at every checkpoint both wrote, and every version's weights; the first difference is
 said, with where it is. A record that ends early (a role killed before it wrote) is replayed up
