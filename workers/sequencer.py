@@ -57,10 +57,15 @@ class Sequencer(Generic[T]):
         # When the client whose turn it is will be skipped; None while nobody waits for it. An
         # attribute, not a method: the worker's loop reads it after every delivery.
         self.due_at: float | None = None
+        # The client whose turn it is while the others wait for it (None: nobody waits): the
+        # runner skips it at once when it is no member any more (it left; no timeout needed).
+        self.waiting_for: str | None = None
         self._count = 0
         # Batches held (`len`): an attribute the worker's path reads without a call.
         self.held = 0
         self.skipped: set[str] = set()
+        # Batches to answer without applying them: never any here (`RecordedOrder`'s are).
+        self.refused: list[T] = []
 
     def new_round(self) -> None:
         self.skipped.clear()
@@ -126,16 +131,24 @@ class Sequencer(Generic[T]):
             if self.due_at is None:
                 self.due_at = now + self._timeout_s
             if now < self.due_at and self.held < self._limit:
+                self.waiting_for = turn
                 break
             self.skipped.add(turn)  # the others have waited long enough
             self.due_at = now + self._timeout_s  # the next turn's client gets a timeout too
         else:
             self.due_at = None  # nobody waits
+        if self.due_at is None:
+            self.waiting_for = None
         if self._after and not out and turn == "":
             turn = self._turn(cohort, progress)
         if (self._after or self._held) and (out or turn is None):
             out += self._unordered(cohort, progress)
         return out
+
+    def skip(self, client: str) -> None:
+        """Stop waiting for `client` for the rest of the round (it left the job): its turns go
+        to the next client at the next `take`."""
+        self.skipped.add(client)
 
     def settle(self, cohort: Mapping[str, int], progress: Progress) -> list[T]:
         """Everything held, in canonical order (skipped clients' in turn too: the round is
@@ -240,8 +253,8 @@ class RecordedOrder(Generic[T]):
     whose batch is not recorded simply never gets a turn. What happens to the others:
 
     - a batch of a round within the record that the record lacks was never applied by the run
-      (its client left, or the run ended first): it is held, never served, and goes back
-      unacked when the job stops;
+      (its client left, or the run ended first): it is never served, and the runner answers
+      it "rejected" at once (`refused`), so its client ends the round as the run's did;
     - a batch of a round past the record's last one (a record that ends early): canonical
       order (`Sequencer`, timeout included) from there, said once;
     - a recorded turn that never comes must not stop the replay: at a settle (round marker,
@@ -272,13 +285,21 @@ class RecordedOrder(Generic[T]):
         self._beyond: Sequencer[T] = Sequencer(timeout_s, limit)  # rounds past the record
         self._said_beyond = False
         self.given_up: list[BatchKey] = []  # recorded turns that never came
-        self.unrecorded: list[BatchKey] = []  # held, never to be served
+        self.unrecorded: list[BatchKey] = []  # refused: never to be served
+        # Unrecorded batches for the runner to answer "rejected" now (and never apply), so
+        # their client ends its round at once, as the run's did (it had left): a held batch
+        # would keep it waiting for a gradient through all its resends.
+        self.refused: list[T] = []
         self.due_at: float | None = None
+        self.waiting_for: str | None = None  # the canonical order's, past the record
         self.held = 0
 
     @property
     def skipped(self) -> set[str]:
         return self._beyond.skipped
+
+    def skip(self, client: str) -> None:
+        self._beyond.skip(client)
 
     def __len__(self) -> int:
         return self.held
@@ -302,10 +323,12 @@ class RecordedOrder(Generic[T]):
                 self.unrecorded.append(k)
                 self._say(
                     f"{k[0]} round {k[1] + 1} step {k[2]} is not in the rest of the record "
-                    "(the run never applied it there): held, not applied"
+                    "(the run never applied it there): answered, not applied"
                 )
-            self._held.setdefault(k, []).append(item)
-            self._count += 1
+                self.refused.append(item)
+            else:
+                self._held.setdefault(k, []).append(item)
+                self._count += 1
         self._sync()
 
     def offer(
@@ -389,3 +412,4 @@ class RecordedOrder(Generic[T]):
         """The attributes the runner reads without a call."""
         self.held = self._count + self._beyond.held
         self.due_at = self._beyond.due_at
+        self.waiting_for = self._beyond.waiting_for

@@ -262,6 +262,15 @@ class ShardRunner:
         if len(fold) >= self._limits.batch_messages:
             self.flush()
 
+    def _answer_unrecorded(self, refused: list[Item]) -> None:
+        """A replay's batches that the run never applied: answered "rejected", never applied
+        (acked with the next checkpoint); their client ends its round, as the run's had."""
+        while refused:
+            item = refused.pop()
+            self._hold(item.delivery)
+            detail = "not in the replayed run's record: the run never applied this batch"
+            self._io.replier.send(answer(item.batch, self.replica.version, "rejected", detail))
+
     def _move_to(self, delivery: Delivery, batch: SmashedBatch) -> bool:
         """Sync rounds: serve what is buffered, then load the newer version `batch` was
         computed with; False (`batch` dead-lettered) when there is no such version."""
@@ -383,8 +392,16 @@ class ShardRunner:
         if self._barrier is not None:
             self._step_barrier(force=False)
         sequencer = self._sequencer
+        if sequencer is not None and sequencer.refused:  # a replay's, never a run's
+            self._answer_unrecorded(sequencer.refused)
         if sequencer is not None and sequencer.due_at is not None:
-            if self._io.clock() >= sequencer.due_at:
+            waiting = sequencer.waiting_for
+            if waiting is not None and not self._io.members(waiting):
+                # It left the job (a Leave, or its membership expired): no batch of its will
+                # come, and the others need not wait out the timeout for it.
+                sequencer.skip(waiting)
+                self._sequence(force=False)
+            elif self._io.clock() >= sequencer.due_at:
                 self._sequence(force=False)
         limits = self._limits
         if self._pending and (

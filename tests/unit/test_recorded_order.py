@@ -58,14 +58,16 @@ def test_releases_as_soon_as_the_turn_has_come_and_never_times_out() -> None:
     assert len(seq) == 0
 
 
-def test_a_batch_the_run_never_applied_is_held_through_the_settle() -> None:
+def test_a_batch_the_run_never_applied_is_refused_never_served() -> None:
     said: list[str] = []
     seq = order(RECORD[:4], said)  # b's step 1 and c's step 1 were never applied
     out: list[BatchKey] = []
     for k in RECORD:
         out += seq.offer(k[0], k[2], 2, k, True, COHORT, {}, 0.0)
     assert out + seq.settle(COHORT, {}) == RECORD[:4]
-    assert seq.held == 2 and seq.unrecorded == [("b", 0, 1), ("c", 0, 1)]
+    # Handed to the runner to answer at once: their clients end the round, as the run's did.
+    assert seq.refused == [("b", 0, 1), ("c", 0, 1)] and seq.held == 0
+    assert seq.unrecorded == [("b", 0, 1), ("c", 0, 1)]
     assert any("not in the rest of the record" in line for line in said)
 
 

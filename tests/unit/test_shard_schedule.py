@@ -4,6 +4,7 @@ it records (issue 36). On the in-memory broker and store, with a scripted client
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from broker.memory_broker import InMemoryBroker
+from broker.store import WeightStore
 from broker.topology import reply_queue_name
 from services.common.backends import Backends, Embedded
+from services.common.membership import member_id
 from services.common.schedule import (
     Applied,
     Checkpointed,
@@ -22,6 +25,7 @@ from services.common.schedule import (
     shard_stream,
     state_digest,
 )
+from tests.unit.test_aggregator_peers import add_member
 from tests.unit.test_worker_support import (
     ScriptedClient,
     make_settings,
@@ -44,12 +48,20 @@ ARRIVALS = (
 )
 
 
+def join_all(store: WeightStore, job: str) -> None:
+    """The cohort's members, as the coordinator records them: a shard stops waiting for a
+    client that is no member any more (it left)."""
+    for i, name in enumerate(COHORT):
+        add_member(store, job, name, samples=10, partition=i)
+
+
 def run_job(
     job: str,
     arrivals: Sequence[tuple[str, int]],
     *,
     deterministic: bool = True,
     script: Sequence[Entry] | None = None,
+    left: Sequence[str] = (),
     **sections: Any,
 ) -> tuple[Embedded, ScriptedClient, WorkerStats]:
     """One round of SFL-V2 on `arrivals` (the same data for the same (client, step) in every
@@ -61,6 +73,9 @@ def run_job(
     model = seed_version(embedded.store, settings)
     client = ScriptedClient(InMemoryBroker(embedded.hub), job)
     client.declare(list(COHORT))
+    join_all(embedded.store, job)
+    for name in left:  # members no more, as after their Leave
+        embedded.store.remove_member(job, member_id(name))
     gen = torch.Generator().manual_seed(7)
     data = {key: random_batch(model, gen) for key in CANONICAL}
     client.round_start(0, COHORT)
@@ -147,6 +162,23 @@ def test_a_silent_client_is_skipped_after_the_timeout(job: str) -> None:
     assert [r.seq for r in client.replies("a")] == [0, 1]
 
 
+def test_a_client_that_left_is_skipped_without_waiting_out_the_timeout(job: str) -> None:
+    # "c" is first in the cohort and left the job: no timeout (30 s here) is waited out.
+    arrivals = [key for key in ARRIVALS[0] if key[0] != "c"]
+    started = time.monotonic()
+    embedded, _, stats = run_job(
+        job, arrivals, left=("c",), workers={"step_barrier_timeout_s": 30.0}
+    )
+    assert time.monotonic() - started < 15.0
+    assert [(e.client, e.step) for e in applied(embedded, job)] == [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+    ]
+    assert stats.batches_applied == 4
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_every_application_is_recorded_before_its_reply_or_with_its_checkpoint(
     job: str, monkeypatch: pytest.MonkeyPatch, deterministic: bool
@@ -161,6 +193,7 @@ def test_every_application_is_recorded_before_its_reply_or_with_its_checkpoint(
     model = seed_version(embedded.store, settings)
     client = ScriptedClient(InMemoryBroker(embedded.hub), job)
     client.declare(list(COHORT))
+    join_all(embedded.store, job)
     gen = torch.Generator().manual_seed(7)
     store, hub_broker = embedded.store, client.broker
     appended = store.append_schedule
