@@ -347,7 +347,8 @@ def aggregator(
         try:
             stopped = _serve(settings, "aggregator", partial(_aggregator, sink=sink), log)
         except click.exceptions.Exit:
-            keep_job_model(settings, files.run_dir, "aggregator", "splitmq.aggregator")
+            # Its own error line said why; a store it could not reach gets no second one.
+            keep_job_model(settings, files.run_dir, "aggregator", "splitmq.aggregator", quiet=True)
             files.finish("failed: aggregator died (see its log)")
             raise
         keep_job_model(settings, files.run_dir, "aggregator", "splitmq.aggregator")
@@ -360,11 +361,14 @@ def aggregator(
             click.echo(f"  trained model            {files.run_dir / MODEL_FILE}")
 
 
-def keep_job_model(settings: Settings, run_dir: Path, who: str, logger: str) -> None:
+def keep_job_model(
+    settings: Settings, run_dir: Path, who: str, logger: str, *, quiet: bool = False
+) -> None:
     """The job's last version (model.safetensors) and its schedule record (schedule.jsonl.gz)
     from the store into `run_dir`, as an embedded run keeps them (`keep_model`). The
     aggregator does it when the job ends, in a distributed run as in `splitmq up`; a store
-    that cannot be reached is said in one line: the metrics are the run's record."""
+    that cannot be reached is said in one line (`quiet`: logged only): the metrics are the
+    run's record."""
     from broker.errors import SplitMQError
     from services.runtime.embedded import keep_model
 
@@ -373,7 +377,10 @@ def keep_job_model(settings: Settings, run_dir: Path, who: str, logger: str) -> 
         with closing(backends.open_store(give_up_after=10.0)) as store:
             keep_model(settings, store, run_dir, logging.getLogger(logger))
     except SplitMQError as exc:
-        click.echo(f"{who}: could not keep the trained model: {exc}", err=True)
+        if quiet:
+            logging.getLogger(logger).debug("could not keep the trained model: %s", exc)
+        else:
+            click.echo(f"{who}: could not keep the trained model: {exc}", err=True)
 
 
 def make_pool(settings: Settings, config: Path, log_dir: Path | None) -> WorkerPool:

@@ -94,7 +94,9 @@ class Exploding:
 def test_a_dying_role_stops_the_run_with_its_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_worker(settings: Settings, backends: Backends, *, worker_id: str) -> Role:
+    def broken_worker(
+        settings: Settings, backends: Backends, *, worker_id: str, script: object = None
+    ) -> Role:
         return Exploding()
 
     monkeypatch.setattr(roles, "build_worker", broken_worker)

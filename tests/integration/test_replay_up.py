@@ -174,7 +174,7 @@ def run_up(
 ) -> tuple[Path, str, int]:
     """Run the job under `up`, SIGKILL shard 0's holder in round 2 (and, with
     `leave_and_rejoin`, stop LEAVER after its round 1 and start it again as a process of its
-    own once the worker is killed); the run directory, `up`'s output and the Restored
+    own, welcomed before the kill); the run directory, `up`'s output and the Restored
     entries shard 0 had before the kill."""
     job = settings.job.name
     runs, log = tmp_path / "runs", tmp_path / "up.log"
@@ -187,6 +187,16 @@ def run_up(
             done = f"client {LEAVER}: round 1 done"
             wait_for(f"{LEAVER} finished round 1", lambda: done in log.read_text(), up, log)
             os.kill(child_with_id(up.pid, LEAVER), signal.SIGTERM)
+            # Started again at once (as `up` starts its clients: its environment, the same id
+            # and partition), and welcomed before the kill: a job whose rounds go on without
+            # it could end before a later start joins.
+            env = child_env(role_env(job), workers=2, clients=CLIENTS, runtime=settings.runtime)
+            client = ["client", str(config), "--id", LEAVER, "--partition", str(CLIENTS - 1)]
+            again = tmp_path / "rejoined.log"
+            wait_for(f"{LEAVER} stopped", lambda: f"{LEAVER} left" in log.read_text(), up, log)
+            rejoined = splitmq(client, env, again)
+            welcomed = f"client {LEAVER}: welcomed"
+            wait_for(f"{LEAVER} rejoined", lambda: welcomed in again.read_text(), up, log)
         wait_for("round 2 checkpointed on shard 0", lambda: second_round_checkpointed(settings),
                  up, log)  # fmt: skip
         restored_before = sum(isinstance(e, Restored) for e in shard_entries(settings, 0))
@@ -195,11 +205,6 @@ def run_up(
         assert isinstance(owner, bytes), "nobody holds shard 0's lease"
         holder = owner.decode()
         os.kill(child_with_id(up.pid, holder), signal.SIGKILL)
-        if leave_and_rejoin:
-            # As `up` starts its clients: its environment, the same id and partition.
-            env = child_env(role_env(job), workers=2, clients=CLIENTS, runtime=settings.runtime)
-            client = ["client", str(config), "--id", LEAVER, "--partition", str(CLIENTS - 1)]
-            rejoined = splitmq(client, env, tmp_path / "rejoined.log")
         up.wait(timeout=600)
     finally:
         for process in (up, rejoined):
@@ -245,6 +250,10 @@ def test_an_up_run_with_a_killed_worker_replays_bit_for_bit(
 def test_an_up_run_with_a_client_leaving_and_rejoining_replays_bit_for_bit(
     job_config: Settings, tmp_path: Path, redis_url: str, job: str
 ) -> None:
+    # More rounds: a client started again takes seconds to import torch, and rounds of a
+    # small job take two; it must join while the job still runs.
+    config = tmp_path / "service.toml"
+    config.write_text(config.read_text().replace(f"rounds = {ROUNDS}\n", "rounds = 8\n", 1))
     run_dir, _, restored_before = run_up(job_config, tmp_path, redis_url, leave_and_rejoin=True)
     record = read_schedule_file(run_dir / SCHEDULE_FILE)
     restored = [e for e in record.streams[shard_stream(0)] if isinstance(e, Restored)]
