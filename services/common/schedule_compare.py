@@ -12,25 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # The effective history lives beside the entries: a replay's worker serves it (issue 36).
-from services.common.schedule import (
-    AGGREGATOR_STREAM,
-    BatchKey,
-    Folded,
-    ShardHistory,
-    shard_history,
-)
+from services.common.schedule import AGGREGATOR_STREAM, BatchKey, Folded, shard_history
 from services.common.schedule_file import Schedule
-
-# `ShardHistory` and `shard_history` re-exported: their home was here.
-__all__ = [
-    "BatchKey",
-    "ShardHistory",
-    "first_divergence",
-    "folds",
-    "last_version",
-    "shard_history",
-    "shard_names",
-]
 
 
 def folds(schedule: Schedule) -> dict[int, Folded]:

@@ -12,9 +12,10 @@ from services.common.schedule import (
     Folded,
     Header,
     Restored,
+    shard_history,
     shard_stream,
 )
-from services.common.schedule_compare import first_divergence, last_version, shard_history
+from services.common.schedule_compare import first_divergence, last_version
 from services.common.schedule_file import Schedule
 
 HEADER = Header(job="j", seed=0, deterministic=True, mode="sync", torch_threads=1)
